@@ -1,0 +1,34 @@
+# Tessera: `make dev` runs the platform, `make test` runs the tests. `make help` lists the rest.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+
+.PHONY: help dev test lint services migrate clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+dev: $(BIN)/.installed ## install into .venv and run `tessera dev` (embedded defaults unless TESSERA_* say otherwise)
+	$(BIN)/tessera dev
+
+test: $(BIN)/.installed services ## install, make sure PostgreSQL, Redis (and Chromium) are there, run every test
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(BIN)/.installed ## ruff
+	$(BIN)/ruff check .
+
+services: ## start PostgreSQL and Redis on loopback when they are not running; install them and Chromium if missing
+	bash scripts/services.sh
+	bash scripts/chromium.sh
+
+migrate: $(BIN)/.installed ## apply the migrations to the configured database
+	$(BIN)/tessera migrate
+
+clean: ## remove the virtual environment
+	rm -rf $(VENV)

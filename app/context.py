@@ -1,0 +1,20 @@
+"""Typed keys of the aiohttp application's shared state."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from app.ratelimit import RateLimiter
+    from tessera.settings import Settings
+
+SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
+DB_EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("db_executor", ThreadPoolExecutor)
+RATE_LIMITER: web.AppKey[RateLimiter] = web.AppKey("rate_limiter")
+OPENAPI: web.AppKey[dict] = web.AppKey("openapi", dict)
+
+#: The request's trace id (``<prefix>-TRACE-ID``), set first thing by the error middleware.
+TRACE_ID: web.RequestKey[str] = web.RequestKey("trace_id", str)

@@ -1,0 +1,212 @@
+"""The aiohttp application: middlewares, shared clients and the route modules.
+
+Middlewares, outermost first: ``observe_middleware`` (log context, one access line and the request
+metrics per request, by route template), ``error_middleware`` (trace id, problems), the rate limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import re
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+
+from app import metrics
+from app.api import CALLER
+from app.context import DB_EXECUTOR, RATE_LIMITER, SETTINGS, TRACE_ID
+from app.problems import problem_response
+from app.ratelimit import RateLimiter, rules_for
+from app.routes.agentic import agentic_problem
+from core.errors import Problem
+from tessera.settings import Settings, get_settings
+
+log = logging.getLogger("tessera.api")
+access_log = logging.getLogger("tessera.api.access")
+
+_TRACE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_TRACED_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
+
+
+def route_modules() -> list:
+    """The modules whose ``api`` registries make up the API, in routing order."""
+    from app.routes import (
+        account_updater,
+        agentic,
+        applications,
+        logs,
+        network_tokens,
+        ops,
+        status,
+        tenant_admin,
+        tenants,
+        token_intents,
+        tokens,
+        webhooks,
+    )
+
+    return [
+        status,
+        ops,
+        tenants,
+        tenant_admin,
+        applications,
+        tokens,
+        token_intents,
+        network_tokens,
+        agentic,
+        account_updater,
+        webhooks,
+        logs,
+    ]
+
+
+@web.middleware
+async def observe_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Bind the request's trace and tenant ids to its log lines; log and count it by route template."""
+    from tessera import logs
+
+    started = time.monotonic()
+    logs.clear()
+    token = logs.bind_lazy(lambda: _request_context(request))
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client went away before the answer
+        raise
+    finally:
+        elapsed = time.monotonic() - started
+        route = _route_template(request)
+        metrics.observe_request(request.method, route, status, elapsed)
+        quiet = route in _PROBES and status < 400  # health checks and scrapes every few seconds
+        access_log.log(
+            logging.DEBUG if quiet else logging.INFO,
+            "%s %s %s",
+            request.method,
+            route or "(no route)",
+            status,
+            extra={"method": request.method, "route": route, "status": status, "duration_ms": round(elapsed * 1000, 1)},
+        )
+        logs.unbind_lazy(token)
+
+
+#: Routes polled by orchestrators and Prometheus: their successful answers are logged at DEBUG.
+_PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def _request_context(request: web.Request) -> dict:
+    caller = request.get(CALLER)
+    return {"trace_id": request.get(TRACE_ID), "tenant_id": getattr(caller, "tenant_id", None)}
+
+
+def _route_template(request: web.Request) -> str | None:
+    """The matched resource's canonical path (``/tokens/{id}``), never the raw path; None when no
+    route matched."""
+    route = getattr(request.match_info, "route", None)
+    resource = getattr(route, "resource", None)
+    return resource.canonical if resource is not None else None
+
+
+class ContextThreadPoolExecutor(ThreadPoolExecutor):
+    """A thread pool whose work runs in the submitting context (the request's log context)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        """Schedule ``fn(*args, **kwargs)`` in a copy of the caller's context variables."""
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Give every answer a trace id and turn every error into an RFC 7807 problem."""
+    settings: Settings = request.app[SETTINGS]
+    trace_header = settings.header("TRACE-ID")
+    try:
+        request[TRACE_ID] = _trace_id(request, trace_header)
+        response = await handler(request)
+    except Problem as problem:
+        response = problem_response(agentic_problem(problem, request), request.path)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = problem_response(agentic_problem(_http_problem(exc), request), request.path)
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path, "method": request.method})
+        problem = agentic_problem(Problem(500, "An unexpected error occurred."), request)
+        response = problem_response(problem, request.path)
+    response.headers[trace_header] = request.get(TRACE_ID) or str(uuid.uuid4())
+    return response
+
+
+def _trace_id(request: web.Request, header: str) -> str:
+    supplied = request.headers.get(header) if request.method in _TRACED_METHODS else None
+    if supplied is None:
+        return str(uuid.uuid4())
+    if not _TRACE_ID.match(supplied):
+        request[TRACE_ID] = str(uuid.uuid4())
+        raise Problem(400, f"{header} must be a uuid (at most 64 letters, digits, '-', '_', '.', ':').")
+    return supplied
+
+
+def _http_problem(exc: web.HTTPException) -> Problem:
+    headers = {}
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+    detail = {
+        404: "No resource exists at this path.",
+        405: "This method is not allowed on this path.",
+        413: "The request body is too large.",
+    }.get(exc.status, exc.text if exc.text and not exc.text.startswith(str(exc.status)) else None)
+    return Problem(exc.status, detail, headers=headers)
+
+
+@web.middleware
+async def rate_limit_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Answer 429 when the client IP exceeds a rate limit rule (see ``app/ratelimit.py``)."""
+    limiter = request.app.get(RATE_LIMITER)
+    if limiter is not None:
+        wait = await limiter.hit(
+            request.remote or "unknown", rules_for(request.app[SETTINGS], request.method, request.path)
+        )
+        if wait:
+            raise Problem(429, "Too many requests; slow down.", headers={"Retry-After": str(wait)})
+    return await handler(request)
+
+
+async def _resources(app: web.Application):
+    settings = app[SETTINGS]
+    app[DB_EXECUTOR] = ContextThreadPoolExecutor(settings.api_db_threads, thread_name_prefix="db")
+    if settings.rate_limit_enabled:
+        redis_client = None
+        if settings.redis_url:
+            import redis.asyncio as aioredis
+
+            redis_client = aioredis.from_url(settings.redis_url)
+        app[RATE_LIMITER] = RateLimiter(settings, redis_client)
+    yield
+    if RATE_LIMITER in app:
+        await app[RATE_LIMITER].close()
+    app[DB_EXECUTOR].shutdown(wait=True)
+
+
+def init_app(settings: Settings | None = None) -> web.Application:
+    """Build the API application for ``settings`` (default: the process settings)."""
+    settings = settings or get_settings()
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[observe_middleware, error_middleware, rate_limit_middleware],
+    )
+    app[SETTINGS] = settings
+    app.cleanup_ctx.append(_resources)
+    for module in route_modules():
+        module.api.install(app)
+    return app

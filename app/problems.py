@@ -1,0 +1,21 @@
+"""Rendering :class:`core.errors.Problem` as an aiohttp response (``application/problem+json``)."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from core.errors import Problem
+
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+
+
+def problem_response(problem: Problem, instance: str | None = None) -> web.Response:
+    """The problem as a response with its status and headers."""
+    return web.Response(
+        status=problem.status,
+        text=json.dumps(problem.body(instance)),
+        content_type=PROBLEM_CONTENT_TYPE,
+        headers=problem.headers,
+    )

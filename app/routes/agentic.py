@@ -1,0 +1,737 @@
+"""Agentic payment methods and (deprecated) agents: ``/agentic/...`` (spec 001 sections 2-8).
+
+Problems under ``/agentic/`` take the agentic form (spec 001 section 7): ``type`` is a stable code of
+the error catalogue (``core/agentic/errors.py``), ``title`` the first message of a validation
+failure, ``errors`` every failing field. Handlers here validate bodies and queries themselves and
+raise agentic problems; :func:`agentic_problem` is the hook the shared error middleware calls to
+give the framing problems raised before a handler runs (401, 403, 404, 400 invalid body, 413, 415)
+the same form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import functools
+import ipaddress
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, EmailStr, Field, TypeAdapter, ValidationError, field_validator
+
+from app.api import RAW_JSON, Api, Call, pydantic_errors
+from app.context import DB_EXECUTOR
+from app.pagination import cursor_page, decode_cursor
+from app.schemas import RequestModel, ResponseModel
+from core.agentic import agents as agent_service
+from core.agentic import idempotency, leases
+from core.agentic import payment_methods as service
+from core.agentic.consumers import canonical_language_code, normalize_country_code
+from core.agentic.errors import agentic_error, to_agentic, validation_error
+from core.errors import Problem
+
+api = Api()
+log = logging.getLogger("tessera.api.agentic")
+
+TAG = "Agentic payment methods"
+AGENTS_TAG = "Agents (deprecated)"
+PREFIX = "/agentic/"
+AGENTS_PREFIX = "/agentic/agents"
+#: RFC 9745: the agents resource is deprecated (no shutdown date, so no Sunset header). The
+#: reference gives no deprecation date; the platform states January 1, 2026.
+AGENTS_DEPRECATED_AT = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+DEPRECATION = {"Deprecation": f"@{int(AGENTS_DEPRECATED_AT.timestamp())}"}
+#: A running idempotency record outlives the bounded wait by this much before a replay treats its
+#: holder as dead.
+CLAIM_MARGIN_SECONDS = 60.0
+
+
+# ---- the agentic problem form --------------------------------------------------------------------
+
+
+def agentic_problem(problem: Problem, request: web.Request) -> Problem:
+    """The problem to answer for ``request``: unchanged outside ``/agentic/``; under it, the agentic
+    form (:func:`core.agentic.errors.to_agentic`), plus the ``Deprecation`` header under
+    ``/agentic/agents``. Idempotent: an agentic problem passes through."""
+    if not request.path.startswith(PREFIX):
+        return problem
+    translated = to_agentic(problem)
+    if request.path.startswith(AGENTS_PREFIX):
+        translated.headers = {**translated.headers, **DEPRECATION}
+    return translated
+
+
+def _agentic(handler: Callable[[Call], Awaitable[Any]]) -> Callable[[Call], Awaitable[Any]]:
+    """Raise every problem of ``handler`` in the agentic form."""
+
+    @functools.wraps(handler)
+    async def wrapped(call: Call) -> Any:
+        try:
+            return await handler(call)
+        except Problem as problem:
+            raise agentic_problem(problem, call.request) from None
+
+    return wrapped
+
+
+def _validate(model: type[BaseModel], payload: Any) -> Any:
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise validation_error(pydantic_errors(exc)) from None
+
+
+def _query(model: type[BaseModel], request: web.Request) -> Any:
+    raw = {name: request.query.getall(name)[-1] for name in model.model_fields if name in request.query}
+    return _validate(model, raw)
+
+
+def _inline(schema: dict) -> dict:
+    """A JSON schema with its ``$defs`` references resolved in place (for openapi_extra)."""
+    definitions = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(dict(definitions[ref.rsplit("/", 1)[-1]]))
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)
+
+
+def _body_doc(model: type[BaseModel], description: str = "") -> dict:
+    schema = _inline(TypeAdapter(model).json_schema(mode="validation"))
+    return {"requestBody": {"required": True, "description": description,
+                            "content": {"application/json": {"schema": schema}}}}
+
+
+def _query_doc(model: type[BaseModel]) -> list[dict]:
+    schema = _inline(TypeAdapter(model).json_schema(mode="validation"))
+    return [{"name": name, "in": "query", "required": False, "schema": prop}
+            for name, prop in schema.get("properties", {}).items()]
+
+
+async def _blocking(call: Call, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
+    """Run ``fn`` (which manages its own transaction) on the database thread pool."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(call.request.app[DB_EXECUTOR], functools.partial(fn, *args, **kwargs))
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+
+class SourceIn(RequestModel):
+    """The card source (a discriminated union on ``type``; one member)."""
+
+    type: Literal["svc_card_token"] = Field(description="Exactly `svc_card_token`.")
+    token_id: uuid.UUID = Field(description="The id (a uuid) of a card token of the tenant.")
+
+
+class ConsumerIn(RequestModel):
+    """The consumer of a payment method."""
+
+    email: EmailStr
+    id: uuid.UUID | None = Field(None, description="Generated (a uuid) when omitted.")
+    country_code: str | None = Field(None, description="ISO 3166-1 alpha-2; lowercase is upper-cased.")
+    language_code: str | None = Field(None, min_length=2, max_length=35,
+                                      description="A BCP 47 tag, canonicalised (`en-gb` -> `en-GB`).")
+
+    @field_validator("country_code")
+    @classmethod
+    def _country(cls, value: str | None) -> str | None:
+        return None if value is None else normalize_country_code(value)
+
+    @field_validator("language_code")
+    @classmethod
+    def _language(cls, value: str | None) -> str | None:
+        return None if value is None else canonical_language_code(value)
+
+
+class CreateIn(RequestModel):
+    """The body of ``POST /agentic/payment-methods``."""
+
+    source: SourceIn
+    consumer: ConsumerIn
+    agent_id: str | None = Field(None, min_length=1, max_length=255,
+                                 description="An agent of the tenant (informational); unknown: 404 AGENT_NOT_FOUND.")
+
+
+class RetryIn(RequestModel):
+    """The body of ``POST .../rails/retry``: an existing rail, named by its pair."""
+
+    rail: Literal["agentic-token", "spt"]
+    provider: Literal["vic", "agentpay", "psp"] = Field(
+        description="Valid pairs: agentic-token with vic or agentpay; spt with psp."
+    )
+
+
+class _Query(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ListQuery(_Query):
+    """The query of ``GET /agentic/payment-methods``."""
+
+    size: int = Field(20, ge=1, le=100, description="Items per page, 1 to 100.")
+    start: str | None = Field(None, description="The opaque cursor from pagination.next.")
+    consumer_id: uuid.UUID | None = Field(None, description="Only this consumer's payment methods.")
+    status: Literal["active", "deleted", "all"] = "active"
+
+
+class ErrorsQuery(_Query):
+    """The query of ``GET .../errors``."""
+
+    size: int = Field(20, ge=1, le=100, description="Items per page, 1 to 100.")
+    start: str | None = Field(None, description="The opaque cursor from pagination.next.")
+
+
+class DisplayOut(ResponseModel):
+    """Card display data (all nullable)."""
+
+    art_url: str | None = None
+    background_color: str | None = None
+    foreground_color: str | None = None
+    description: str | None = None
+    issuer_name: str | None = None
+
+
+class CardOut(ResponseModel):
+    """The card object: display data only, never the number or the security code."""
+
+    type: Literal["card"] = "card"
+    brand: str | None = None
+    bin: str | None = None
+    last4: str | None = None
+    expiration_month: int | None = None
+    expiration_year: int | None = None
+    funding: str | None = None
+    segment: str | None = None
+    issuer: dict[str, Any] | None = None
+    issuer_country: dict[str, Any] | None = None
+    display: DisplayOut | None = None
+
+
+class RailErrorOut(ResponseModel):
+    """A rail's error."""
+
+    code: str = Field(description="A code of the error catalogue.")
+
+
+class RailOut(ResponseModel):
+    """A payment method rail."""
+
+    rail: Literal["agentic-token", "spt"]
+    provider: Literal["vic", "agentpay", "psp"]
+    status: Literal["enabled", "pending", "error"]
+    error: RailErrorOut | None = Field(None, description="Only when status is error.")
+    provider_ids: dict[str, str] = Field(description="Informational; the key set is not a stable contract.")
+
+
+class ConsumerOut(ResponseModel):
+    """The consumer, with its (possibly generated) id."""
+
+    id: str
+    email: str
+    country_code: str | None = None
+    language_code: str | None = None
+
+
+class PaymentMethodOut(ResponseModel):
+    """A payment method."""
+
+    id: str = Field(description="`pm_` + 32 hex characters.")
+    source: dict[str, Any]
+    status: Literal["active", "deleted"]
+    consumer: ConsumerOut
+    card: CardOut | None
+    rails: list[RailOut]
+    agent_id: str | None = Field(None, description="Present when supplied.")
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+class PaymentMethodPage(ResponseModel):
+    """A cursor page of payment methods."""
+
+    pagination: dict[str, Any]
+    data: list[PaymentMethodOut]
+
+
+class ProviderErrorOut(ResponseModel):
+    """A provider error object."""
+
+    id: str = Field(description="`prv_` + 32 hex characters.")
+    code: str
+    title: str
+    detail: str
+    provider: str
+    operation: str = Field(description="`enrollment` (provisioning a rail) or `deletion` (the delete cascade).")
+    rail: str
+    provider_code: str | None
+    provider_correlation_id: str | None
+    payment_method_id: str | None
+    allowance_id: str | None
+    payment_credential_id: str | None
+    occurred_at: dt.datetime
+
+
+class ProviderErrorPage(ResponseModel):
+    """A cursor page of provider errors, newest first."""
+
+    pagination: dict[str, Any]
+    data: list[ProviderErrorOut]
+
+
+class InstanceDetailsIn(RequestModel):
+    """An agent's instance details (all optional)."""
+
+    ip_address: str | None = Field(None, description="An IPv4 address.")
+    brand: str | None = Field(None, max_length=255)
+    type: Literal[agent_service.INSTANCE_TYPES] | None = None  # type: ignore[valid-type]
+
+    @field_validator("ip_address")
+    @classmethod
+    def _ipv4(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return str(ipaddress.IPv4Address(value))
+        except ValueError:
+            raise ValueError("must be an IPv4 address, like 192.0.2.10") from None
+
+
+def _enrollment_ids(value: list[str] | None) -> list[str] | None:
+    if value is not None and any(not 1 <= len(item) <= 255 for item in value):
+        raise ValueError("each enrollment id must be 1 to 255 characters")
+    return value
+
+
+class AgentIn(RequestModel):
+    """The body of ``POST /agentic/agents``."""
+
+    name: str = Field(min_length=1, max_length=agent_service.MAX_NAME)
+    enrollment_ids: list[str] = Field(default_factory=list, max_length=agent_service.MAX_ENROLLMENT_IDS)
+    instance_details: InstanceDetailsIn | None = None
+
+    _ids = field_validator("enrollment_ids")(_enrollment_ids)
+
+
+class AgentPatch(RequestModel):
+    """The body of ``PATCH /agentic/agents/{agent_id}`` (every field optional)."""
+
+    name: str | None = Field(None, min_length=1, max_length=agent_service.MAX_NAME)
+    enrollment_ids: list[str] | None = Field(None, max_length=agent_service.MAX_ENROLLMENT_IDS)
+    instance_details: InstanceDetailsIn | None = None
+
+    _ids = field_validator("enrollment_ids")(_enrollment_ids)
+
+
+class InstanceDetailsOut(ResponseModel):
+    """An agent's instance details."""
+
+    ip_address: str | None = None
+    brand: str | None = None
+    type: str | None = None
+
+
+class AgentOut(ResponseModel):
+    """An agent (deprecated resource)."""
+
+    id: str = Field(description="`agt_` + 32 hex characters.")
+    name: str
+    enrollment_ids: list[str]
+    status: Literal["active"]
+    instance_details: InstanceDetailsOut | None
+    created_at: dt.datetime
+
+
+# ---- payment methods -----------------------------------------------------------------------------
+
+_ERROR_FORM = (
+    "Problems carry the agentic form: `type` is a stable code of the error catalogue (branch on it, not on "
+    "the status), `title` the first failing field as `<path>: <message>` for VALIDATION_ERROR, `errors` every "
+    "failing field path, `detail` remediation guidance. "
+)
+
+_CREATE_TEXT = _ERROR_FORM + (
+    "Rails follow from the card: visa provisions `agentic-token`/`vic`, mastercard `agentic-token`/`agentpay`, "
+    "and visa, mastercard and amex (the networks the processor supports) `spt`/`psp`; another network answers "
+    "400 UNSUPPORTED_PROVIDER. The payment method, one rail per pair and one enrollment job per rail are "
+    "recorded in one transaction; the rails are enrolled in parallel by workers (one job each) while the "
+    "request waits up to `TESSERA_AGENTIC_WAIT_SECONDS` (10 s). The answer is 201 even when every rail "
+    "failed: each rail is `enabled`, `error` (with `error.code` from the catalogue; an unclassifiable provider "
+    "failure, a provider that does not answer within `TESSERA_AGENTIC_PROVIDER_TIMEOUT_SECONDS` and transient "
+    "failures past 4 attempts record PROVIDER_ENROLLMENT_FAILED) or `pending` (still enrolling, or pending at "
+    "the provider). A pending rail completes later without any call and its outcome is delivered as the event "
+    "`agentic.payment-method.rail.retried`; the platform polls the provider for pending enrollments (0.5 s "
+    "backing off to 30 s, for about 20 minutes, then PROVIDER_ENROLLMENT_FAILED) rather than taking its "
+    "callback. A production tenant whose deployment has no live URL for a provider gets that rail in error "
+    "PROVIDER_NOT_CONFIGURED.\n\n"
+    "`source.token_id` must name a live card token of the tenant with an unexpired expiration date (else 400 "
+    "INVALID_TOKEN). The caller needs no token read permission: `agentic:payment-method:create` lets the "
+    "platform read the card for the providers only (public applications, which hold create permissions "
+    "alone, can create). The card number and security code are sent to the providers and never stored on the "
+    "payment method nor returned. `card` starts with what the token tells (brand, last4, expiration) and takes "
+    "the provider's display data (bin, funding, issuer, display ...); a later successful retry backfills "
+    "display values still null. `consumer.id` is generated when absent; `country_code` must be an assigned "
+    "ISO 3166-1 alpha-2 code (upper-cased); `language_code` is canonicalised (BCP 47, `langcodes`).\n\n"
+    "Idempotency: header `<prefix>-IDEMPOTENCY-KEY` (prefix: `TESSERA_HEADER_PREFIX`; 1 to 255 printable "
+    "ASCII characters), scoped to the tenant; the key alone "
+    "defines sameness and records never expire. Same key and body after success: 201 with the original payment "
+    "method in its current state. Different body (canonical JSON compared): 409 IDEMPOTENCY_CONFLICT. While the "
+    "first request runs (it holds the key until it answers): 409 IDEMPOTENCY_IN_PROGRESS. A conclusive failure "
+    "after the key was taken (INVALID_TOKEN, AGENT_NOT_FOUND, UNSUPPORTED_PROVIDER) is replayed with the same "
+    "code and status; body validation failures (VALIDATION_ERROR) and framing errors are answered before the "
+    "key is taken and are not recorded. When the outcome cannot be told (the commit's answer was lost) the "
+    "answer, and every replay, is 409 CREATE_OUTCOME_UNKNOWN; a request whose process died leaves its key "
+    "settled on the next replay: the payment method if it was committed, else CREATE_OUTCOME_UNKNOWN. An "
+    "internal error known to have written nothing answers 500 INTERNAL_ERROR and frees the key (repeat once "
+    "with it). Two requests racing on one key create one payment method (a unique constraint)."
+)
+
+_EVENT_TEXT = (
+    "Event `agentic.payment-method.rail.retried` (our design; the reference does not show it): emitted when a "
+    "rail that was shown `pending` (by this answer or because the provider reported it pending) settles, "
+    "whether it came from a create or a retry; data `{payment_method: {id, status}, rail: {rail, provider, "
+    "status, provider_ids, error?: {code}}}` in the standard delivery envelope."
+)
+
+
+@api.route(
+    "POST",
+    "/agentic/payment-methods",
+    permission="agentic:payment-method:create",
+    body=RAW_JSON,
+    status=201,
+    response=PaymentMethodOut,
+    tag=TAG,
+    summary="Create a payment method",
+    errors=(400, 404, 409, 413, 415, 500),
+    description=_CREATE_TEXT + "\n\n" + _EVENT_TEXT,
+    openapi_extra=_body_doc(CreateIn),
+)
+@_agentic
+async def create(call: Call):
+    """``POST /agentic/payment-methods`` (spec 001 section 4): 201 with the payment method."""
+    body = _validate(CreateIn, call.body)
+    settings = call.settings
+    header = settings.header("IDEMPOTENCY-KEY")
+    key = call.request.headers.get(header)
+    request = service.CreateRequest(
+        token_id=str(body.source.token_id),
+        consumer=body.consumer.model_dump(mode="json", exclude_none=True),
+        source={"type": body.source.type, "token_id": str(body.source.token_id)},
+        agent_id=body.agent_id,
+    )
+    owner = leases.new_owner()
+    claim = None
+    if key is not None:
+        errors = idempotency.key_errors(key, header)
+        if errors:
+            raise validation_error(errors)
+        outcome = await call.db(
+            idempotency.claim, tenant_id=call.caller.tenant_id, scope=idempotency.CREATE_PAYMENT_METHOD, key=key,
+            body_hash=idempotency.request_hash(call.body), owner=owner,
+            seconds=settings.agentic_wait_seconds + CLAIM_MARGIN_SECONDS,
+        )
+        if isinstance(outcome, idempotency.Replay):
+            return 201, await call.db(service.replay, call.caller, outcome.resource_id)
+        claim = outcome
+    started = await _record_create(call, request, owner, claim)
+    await service.wait_for_jobs(call.db, list(started.job_ids), timeout=settings.agentic_wait_seconds)
+    return 201, await call.db(service.finish_create, call.caller, started.payment_method_id, claim=claim)
+
+
+async def _record_create(call: Call, request: service.CreateRequest, owner: str,
+                         claim: idempotency.Claim | None) -> service.Started:
+    """The recording transaction of a create, with the idempotency record settled on failure."""
+    try:
+        return await _blocking(call, service.create_unit, call.caller, request, settings=call.settings,
+                               owner=owner, claim=claim)
+    except Problem as problem:
+        answer = to_agentic(problem)
+        if claim is not None:
+            await call.db(idempotency.fail, claim, answer)
+        raise answer from None
+    except service.OutcomeUnknown:
+        log.exception("the commit of a payment method create failed; its outcome is unknown")
+        if claim is not None:
+            await _settle_quietly(call, idempotency.unknown, claim)
+        raise agentic_error("CREATE_OUTCOME_UNKNOWN") from None
+    except Exception:
+        log.exception("a payment method create failed before its commit")
+        if claim is not None:
+            await _settle_quietly(call, idempotency.release, claim)
+        raise agentic_error("INTERNAL_ERROR") from None
+
+
+async def _settle_quietly(call: Call, fn, claim: idempotency.Claim) -> None:
+    try:
+        await call.db(fn, claim)
+    except Exception:  # the record stays running and is settled when it expires
+        log.warning("could not settle idempotency key record", exc_info=True)
+
+
+@api.route(
+    "GET",
+    "/agentic/payment-methods",
+    permission="agentic:payment-method:get",
+    response=PaymentMethodPage,
+    tag=TAG,
+    summary="List payment methods",
+    errors=(400,),
+    description=_ERROR_FORM + (
+        "Cursor pagination, newest first (created_at, then id). `size` 1 to 100 (default 20, else 400 "
+        "VALIDATION_ERROR); `start` is the opaque cursor of `pagination.next`; `consumer_id` filters by consumer; "
+        "`status` is `active` (default), `deleted` or `all`. A page may be shorter than `size` while more remain: "
+        "the end is the absence of `pagination.next`."
+    ),
+    openapi_extra={"parameters": _query_doc(ListQuery)},
+)
+@_agentic
+async def list_(call: Call):
+    """``GET /agentic/payment-methods``: a cursor page, newest first."""
+    q = _query(ListQuery, call.request)
+    data, next_position = await call.db(
+        service.list_payment_methods, call.caller, size=q.size, after=decode_cursor(q.start, ("t", "id")),
+        consumer_id=str(q.consumer_id) if q.consumer_id else None, status=q.status,
+    )
+    return cursor_page(data, size=q.size, next_position=next_position)
+
+
+@api.route(
+    "GET",
+    "/agentic/payment-methods/{payment_method_id}",
+    permission="agentic:payment-method:get",
+    response=PaymentMethodOut,
+    tag=TAG,
+    summary="Get a payment method",
+    errors=(404,),
+    description=_ERROR_FORM + "404 PAYMENT_METHOD_NOT_FOUND when absent in the tenant. Deleted payment methods "
+    "are returned with status `deleted`.",
+)
+@_agentic
+async def get(call: Call):
+    """``GET /agentic/payment-methods/{payment_method_id}``."""
+    return await call.db(service.read_payment_method, call.caller, call.params["payment_method_id"])
+
+
+@api.route(
+    "POST",
+    "/agentic/payment-methods/{payment_method_id}/rails/retry",
+    permission="agentic:payment-method:create",
+    body=RAW_JSON,
+    response=PaymentMethodOut,
+    tag=TAG,
+    summary="Retry a rail",
+    errors=(400, 404, 409, 413, 415, 422),
+    description=_ERROR_FORM + (
+        "Retries the enrollment of a rail in `error` or `pending` with its provider (the provider is told it is "
+        "a retry), in a worker, waiting up to `TESSERA_AGENTIC_WAIT_SECONDS`. 200 with the complete payment "
+        "method: the rail `enabled`, `pending` (the outcome arrives as the event; a retry still running when the "
+        "wait ends is shown pending too) or, for a rejection, the problem: 422 with the provider's catalogue "
+        "code (CARD_REJECTED, PROVIDER_ENROLLMENT_FAILED, RAIL_ENROLLMENT_INVALID, PROVIDER_NOT_CONFIGURED; "
+        "`debug.provider_correlation` when the provider sent one) or 409 RAIL_ALREADY_ENROLLED; a rejected retry "
+        "leaves the rail in `error` (with the latest code). A successful retry backfills null display values of "
+        "`card`. Errors before any provider call: 400 VALIDATION_ERROR (body; an invalid rail/provider pair "
+        "names the `provider` field; a rail already `enabled`), 404 PAYMENT_METHOD_NOT_FOUND, 400 "
+        "PAYMENT_METHOD_DELETED, 400 RAIL_NOT_FOUND (a valid pair absent from the payment method), 400 "
+        "INVALID_TOKEN (the card token is gone), 409 PAYMENT_METHOD_OPERATION_IN_PROGRESS (an enrollment or "
+        "retry in flight), 409 PAYMENT_METHOD_DELETE_IN_PROGRESS, 409 PAYMENT_METHOD_DELETE_INCOMPLETE (a delete "
+        "stopped during its cascade: repeat DELETE).\n\n" + _EVENT_TEXT
+    ),
+    openapi_extra=_body_doc(RetryIn),
+)
+@_agentic
+async def retry(call: Call):
+    """``POST .../rails/retry``: 200 with the payment method, or the rejection's problem."""
+    body = _validate(RetryIn, call.body)
+    if (body.rail, body.provider) not in service.VALID_PAIRS:
+        valid = ", ".join(provider for rail, provider in service.VALID_PAIRS if rail == body.rail)
+        raise validation_error({"provider": [f"{body.provider} does not serve the {body.rail} rail; valid: {valid}."]})
+    pm_id = call.params["payment_method_id"]
+    started = await call.db(service.start_retry, call.caller, pm_id, rail=body.rail, provider=body.provider,
+                            settings=call.settings, owner=leases.new_owner())
+    if started.failure is not None:
+        raise agentic_error(started.failure)
+    await service.wait_for_jobs(call.db, list(started.job_ids), timeout=call.settings.agentic_wait_seconds)
+    result = await call.db(service.finish_retry, call.caller, pm_id, rail=body.rail, provider=body.provider,
+                           job_id=started.job_ids[0])
+    if isinstance(result, Problem):
+        raise result
+    return result
+
+
+@api.route(
+    "GET",
+    "/agentic/payment-methods/{payment_method_id}/errors",
+    permission="agentic:payment-method:get",
+    response=ProviderErrorPage,
+    tag=TAG,
+    summary="List a payment method's provider errors",
+    errors=(400, 404),
+    description=_ERROR_FORM + (
+        "The provider error objects (`prv_` ids) recorded whenever a provider enrollment of the payment method "
+        "failed (`operation` `enrollment`) or a delete cascade could not remove one (`operation` `deletion`), "
+        "newest first (occurred_at, then id), cursor paginated (`size` 1 to 100, default 20; `start`). Kept 90 "
+        "days (`TESSERA_PROVIDER_ERROR_RETENTION_DAYS`), then removed by a beat sweep. `title` and `detail` are "
+        "the catalogue's; provider bodies and messages, source data and credential values are never included "
+        "(`provider_code` is the provider's own code, or `HTTP_<status>` when it sent none). 404 "
+        "PAYMENT_METHOD_NOT_FOUND."
+    ),
+    openapi_extra={"parameters": _query_doc(ErrorsQuery)},
+)
+@_agentic
+async def errors(call: Call):
+    """``GET .../errors``: a cursor page of provider errors, newest first."""
+    q = _query(ErrorsQuery, call.request)
+    data, next_position = await call.db(service.list_provider_errors, call.caller, call.params["payment_method_id"],
+                                        size=q.size, after=decode_cursor(q.start, ("t", "id")))
+    return cursor_page(data, size=q.size, next_position=next_position)
+
+
+@api.route(
+    "DELETE",
+    "/agentic/payment-methods/{payment_method_id}",
+    permission="agentic:payment-method:delete",
+    status=204,
+    tag=TAG,
+    summary="Delete a payment method",
+    errors=(404, 409, 500),
+    description=_ERROR_FORM + (
+        "204, no body. The cascade removes each rail's enrollment at its provider in a worker (there are no "
+        "allowances to cancel yet), while the request waits up to `TESSERA_AGENTIC_WAIT_SECONDS`; then the "
+        "payment method is `deleted` (its updated_at moves once). A payment method with nothing enrolled is "
+        "deleted at once. Repeating DELETE on a deleted payment method answers 204 without any provider call and "
+        "leaves updated_at unchanged. 409 PAYMENT_METHOD_OPERATION_IN_PROGRESS while an enrollment or retry is "
+        "in flight, 409 PAYMENT_METHOD_DELETE_IN_PROGRESS while a cascade runs (also when the wait ends first: "
+        "repeat the DELETE), 500 PROVIDER_ALLOWANCE_CANCEL_FAILED when a provider removal failed: the cascade "
+        "stopped half-way, retries answer 409 PAYMENT_METHOD_DELETE_INCOMPLETE, and the next DELETE resumes it "
+        "with the removals still to do. 404 PAYMENT_METHOD_NOT_FOUND."
+    ),
+)
+@_agentic
+async def delete(call: Call):
+    """``DELETE /agentic/payment-methods/{payment_method_id}``: 204."""
+    pm_id = call.params["payment_method_id"]
+    started = await call.db(service.start_delete, call.caller, pm_id, settings=call.settings,
+                            owner=leases.new_owner())
+    if started.job_ids:
+        await service.wait_for_jobs(call.db, list(started.job_ids), timeout=call.settings.agentic_wait_seconds)
+        await call.db(service.finish_delete, call.caller, pm_id, started.job_ids)
+
+
+# ---- agents (deprecated) -------------------------------------------------------------------------
+
+_AGENTS_TEXT = (
+    "Deprecated, still available, no removal date: every answer carries `Deprecation: {deprecation}` "
+    "(RFC 9745; the reference gives no date, the platform states January 1, 2026) and no `Sunset`. New "
+    "integrations use payment methods. Problems use the agentic form; 404 AGENT_NOT_FOUND."
+).format(deprecation=DEPRECATION["Deprecation"])
+
+
+def _agent_id(call: Call) -> str:
+    return call.params["agent_id"]
+
+
+@api.route(
+    "POST",
+    "/agentic/agents",
+    permission="agent:create",
+    body=RAW_JSON,
+    status=201,
+    response=AgentOut,
+    tag=AGENTS_TAG,
+    summary="Create an agent",
+    errors=(400, 413, 415),
+    deprecated=True,
+    extra_headers=DEPRECATION,
+    description=_AGENTS_TEXT + " `name` 1 to 255 characters; `enrollment_ids` at most 50; `instance_details` "
+    "{ip_address (IPv4), brand, type (mobile-phone, tablet, laptop, personal-assistant, connected-auto, "
+    "home-appliance, wearable, stationary-computer, e-reader, handheld-gaming-device, other)}, all optional.",
+    openapi_extra=_body_doc(AgentIn),
+)
+@_agentic
+async def create_agent(call: Call):
+    """``POST /agentic/agents``: 201 with the agent."""
+    body = _validate(AgentIn, call.body)
+    details = body.instance_details.model_dump(exclude_none=True) if body.instance_details else None
+    return await call.db(agent_service.create_agent, call.caller, name=body.name, enrollment_ids=body.enrollment_ids,
+                         instance_details=details)
+
+
+@api.route(
+    "GET",
+    "/agentic/agents/{agent_id}",
+    permission="agent:get",
+    response=AgentOut,
+    tag=AGENTS_TAG,
+    summary="Get an agent",
+    errors=(404,),
+    deprecated=True,
+    extra_headers=DEPRECATION,
+    description=_AGENTS_TEXT,
+)
+@_agentic
+async def get_agent(call: Call):
+    """``GET /agentic/agents/{agent_id}``."""
+    return await call.db(agent_service.read_agent, call.caller, _agent_id(call))
+
+
+@api.route(
+    "PATCH",
+    "/agentic/agents/{agent_id}",
+    permission="agent:update",
+    body=RAW_JSON,
+    response=AgentOut,
+    tag=AGENTS_TAG,
+    summary="Update an agent",
+    errors=(400, 404, 413, 415),
+    deprecated=True,
+    extra_headers=DEPRECATION,
+    description=_AGENTS_TEXT + " Each field present replaces the stored one (`name` and `enrollment_ids` "
+    "cannot be null; `instance_details: null` clears the details); fields absent are kept.",
+    openapi_extra=_body_doc(AgentPatch),
+)
+@_agentic
+async def update_agent(call: Call):
+    """``PATCH /agentic/agents/{agent_id}``."""
+    body = _validate(AgentPatch, call.body)
+    changes = {}
+    nulls = {}
+    for name in body.model_fields_set:
+        value = getattr(body, name)
+        if value is None and name in ("name", "enrollment_ids"):
+            nulls[name] = ["may not be null"]
+        elif name == "instance_details":
+            changes[name] = value.model_dump(exclude_none=True) if value is not None else None
+        else:
+            changes[name] = value
+    if nulls:
+        raise validation_error(nulls)
+    return await call.db(agent_service.update_agent, call.caller, _agent_id(call), changes)
+
+
+@api.route(
+    "DELETE",
+    "/agentic/agents/{agent_id}",
+    permission="agent:delete",
+    status=204,
+    tag=AGENTS_TAG,
+    summary="Delete an agent",
+    errors=(404,),
+    deprecated=True,
+    extra_headers=DEPRECATION,
+    description=_AGENTS_TEXT,
+)
+@_agentic
+async def delete_agent(call: Call):
+    """``DELETE /agentic/agents/{agent_id}``: 204."""
+    await call.db(agent_service.delete_agent, call.caller, _agent_id(call))

@@ -1,0 +1,76 @@
+"""Celery beat's schedule: the outbox relay and the sweeps of leases and expirations.
+
+Every entry carries ``expires`` shorter than its period, so a backlog of missed runs is dropped
+rather than piled up; every sweep works in batches and is safe to run twice or on two beat processes.
+"""
+
+from __future__ import annotations
+
+from tessera.settings import Settings
+
+
+def beat_schedule(settings: Settings) -> dict:
+    """The schedule dict for ``app.conf.beat_schedule``."""
+    relay_every = max(1.0, settings.outbox_relay_after_seconds / 3)
+    return {
+        "outbox-relay": {
+            "task": "sweeps.relay_outbox",
+            "schedule": relay_every,
+            "options": {"expires": relay_every},
+        },
+        "expired-tokens": {
+            "task": "sweeps.delete_expired_tokens",
+            "schedule": 60.0,
+            "options": {"expires": 55},
+        },
+        "card-verification-codes": {
+            "task": "sweeps.purge_card_verification_codes",
+            "schedule": 60.0,
+            "options": {"expires": 55},
+        },
+        "account-updater-uploads": {
+            "task": "account_updater.detect_uploads",
+            "schedule": 5.0,
+            "options": {"expires": 5},
+        },
+        "account-updater-expired-jobs": {
+            "task": "account_updater.remove_expired_jobs",
+            "schedule": 60.0,
+            "options": {"expires": 55},
+        },
+        "token-intents": {
+            "task": "network_tokens.expire_token_intents",
+            "schedule": 60.0,
+            "options": {"expires": 55, "queue": "sweeps"},
+        },
+        "invitation-expiry": {
+            "task": "tenant_admin.expire_invitations",
+            "schedule": 60.0,
+            "options": {"expires": 55, "queue": "sweeps"},
+        },
+        "client-key-destruction": {
+            "task": "tenant_admin.destroy_client_keys",
+            "schedule": 60.0,
+            "options": {"expires": 55, "queue": "sweeps"},
+        },
+        "document-purge": {
+            "task": "tenant_admin.sweep_documents",
+            "schedule": 300.0,
+            "options": {"expires": 290, "queue": "sweeps"},
+        },
+        "agentic-operation-leases": {
+            "task": "agentic.release_stale_operation_leases",
+            "schedule": 30.0,
+            "options": {"expires": 25, "queue": "sweeps"},
+        },
+        "agentic-provider-errors": {
+            "task": "agentic.purge_provider_errors",
+            "schedule": 3600.0,
+            "options": {"expires": 3300, "queue": "sweeps"},
+        },
+        "stale-leases": {
+            "task": "sweeps.release_stale_leases",
+            "schedule": 30.0,
+            "options": {"expires": 25},
+        },
+    }

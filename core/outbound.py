@@ -1,0 +1,700 @@
+"""Safe outbound HTTP for webhook delivery.
+
+The one entry point that talks to the network is :func:`deliver`. It POSTs a
+body to a customer-supplied URL with these protections:
+
+* **SSRF**: the host name is resolved here, once, with
+  :func:`socket.getaddrinfo`. If *any* resolved address is not public (see
+  :func:`is_public_address`) the delivery is refused before any connection is
+  made, unless ``allow_private`` is true. The connection then goes to exactly
+  one of the vetted IP addresses (it is "pinned": urllib3 never resolves the
+  name again), while the request still carries the original ``Host`` header
+  and, for https, the original host name is used for SNI and certificate
+  verification (urllib3 ``server_hostname`` / ``assert_hostname``).
+* **No redirects**: a 3xx answer is reported like any other non-2xx answer.
+* **Bounded time**: ``timeout_s`` bounds DNS resolution, the TCP connect and
+  every socket read; a watchdog additionally bounds the whole call to
+  ``TOTAL_TIMEOUT_FACTOR * timeout_s`` (so a server that drips bytes cannot
+  hold a worker forever).
+* **Bounded memory**: at most ``max_response_bytes`` of the answer are read;
+  the connection is then closed.
+* **Safe errors**: :attr:`DeliveryResult.error` never contains the request
+  body, the request headers, or the URL's path/query.
+
+:func:`validate_destination_url` is the form-only check used when a webhook
+endpoint is created (no DNS).
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import SplitResult, urlsplit
+
+import urllib3.connection
+from urllib3 import HTTPHeaderDict
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    HTTPError,
+    NewConnectionError,
+    ProtocolError,
+    ReadTimeoutError,
+    SSLError,
+)
+from urllib3.util.ssl_match_hostname import CertificateError as _Urllib3CertificateError
+
+__all__ = [
+    "MAX_URL_LENGTH",
+    "TOTAL_TIMEOUT_FACTOR",
+    "USER_AGENT",
+    "DeliveryResult",
+    "Outcome",
+    "deliver",
+    "is_public_address",
+    "validate_destination_url",
+]
+
+USER_AGENT = "Tessera-Webhooks/1"
+#: Upper bound on the whole :func:`deliver` call, as a multiple of ``timeout_s``.
+TOTAL_TIMEOUT_FACTOR = 3
+MAX_URL_LENGTH = 2048
+_ALLOWED_SCHEMES = {"http": 80, "https": 443}
+_READ_CHUNK = 16 * 1024
+# Headers the caller may not set: they are computed here (Host must match the
+# URL, framing headers must match the body, the User-Agent is fixed).
+_RESERVED_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "proxy-connection",
+        "user-agent",
+    }
+)
+
+Outcome = Literal["success", "http_error", "timeout", "connection_error", "refused"]
+
+
+@dataclass(frozen=True)
+class DeliveryResult:
+    """What happened to one delivery attempt.
+
+    Attributes:
+        status_code: HTTP status of the answer, or ``None`` if no answer was
+            received (refused, timeout, connection error).
+        duration_ms: wall time of the whole attempt in milliseconds
+            (including DNS resolution), ``>= 0``.
+        outcome: ``"success"`` (2xx), ``"http_error"`` (any other status,
+            including 3xx since redirects are never followed), ``"timeout"``,
+            ``"connection_error"`` (DNS failure, refused/reset connection,
+            TLS failure, malformed answer) or ``"refused"`` (the URL or its
+            resolved addresses were rejected before connecting).
+        error: short human-readable reason, ``None`` on success. Safe to
+            log: never contains the request body, request headers or the
+            URL's path/query.
+        transient: ``True`` if retrying later may help (timeouts, connection
+            errors, 5xx, 408, 429); ``False`` for success, refused and other
+            4xx/3xx answers.
+        retry_after_s: seconds from a ``Retry-After`` header in
+            delta-seconds form on a 429 or 503 answer, else ``None``.
+        response_body: the first bytes of the answer body, at most
+            ``max_response_bytes`` (may be shorter if the read was cut by the
+            total time budget). Not part of ``repr``.
+    """
+
+    status_code: int | None
+    duration_ms: int
+    outcome: Outcome
+    error: str | None
+    transient: bool
+    retry_after_s: int | None = None
+    response_body: bytes = field(default=b"", repr=False)
+
+
+# --------------------------------------------------------------------------
+# Address classification
+# --------------------------------------------------------------------------
+
+_BLOCKED_V4 = tuple(
+    ipaddress.IPv4Network(n)
+    for n in (
+        "0.0.0.0/8",  # "this network"
+        "10.0.0.0/8",  # private
+        "100.64.0.0/10",  # carrier-grade NAT (RFC 6598)
+        "127.0.0.0/8",  # loopback
+        "169.254.0.0/16",  # link-local (cloud metadata lives here)
+        "172.16.0.0/12",  # private
+        "192.0.0.0/24",  # IETF protocol assignments
+        "192.0.2.0/24",  # TEST-NET-1
+        "192.88.99.0/24",  # 6to4 relay anycast (deprecated)
+        "192.168.0.0/16",  # private
+        "198.18.0.0/15",  # benchmarking
+        "198.51.100.0/24",  # TEST-NET-2
+        "203.0.113.0/24",  # TEST-NET-3
+        "224.0.0.0/4",  # multicast
+        "240.0.0.0/4",  # reserved, includes 255.255.255.255
+    )
+)
+_BLOCKED_V6 = tuple(
+    ipaddress.IPv6Network(n)
+    for n in (
+        "::/8",  # unspecified, loopback, IPv4-compatible (deprecated), ...
+        "64:ff9b:1::/48",  # local-use NAT64 (RFC 8215)
+        "100::/64",  # discard-only
+        "2001::/23",  # IETF protocol assignments, incl. Teredo 2001::/32
+        "2001:db8::/32",  # documentation
+        "3fff::/20",  # documentation (RFC 9637)
+        "fc00::/7",  # unique local
+        "fe80::/10",  # link-local
+        "fec0::/10",  # site-local (deprecated)
+        "ff00::/8",  # multicast
+    )
+)
+_NAT64_WKP = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix
+_SIXTOFOUR = ipaddress.IPv6Network("2002::/16")
+
+
+def is_public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Tell whether ``ip`` is a publicly routable unicast address.
+
+    Pure function (no I/O). Returns ``False`` for private (RFC 1918, unique
+    local ``fc00::/7``), loopback, link-local, multicast, reserved,
+    unspecified, carrier-grade NAT (``100.64.0.0/10``), documentation and
+    benchmarking ranges. IPv6 addresses that embed an IPv4 address are judged
+    by the embedded address: IPv4-mapped (``::ffff:a.b.c.d``), NAT64
+    well-known prefix (``64:ff9b::/96``) and 6to4 (``2002::/16``). Teredo and
+    the deprecated IPv4-compatible form are never public. A scope id on an
+    IPv6 address is ignored.
+
+    Args:
+        ip: an :class:`ipaddress.IPv4Address` or :class:`ipaddress.IPv6Address`.
+
+    Returns:
+        ``True`` only if connecting to ``ip`` cannot reach this host or its
+        private networks.
+
+    Raises:
+        TypeError: if ``ip`` is not an ``ipaddress`` address object.
+    """
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.scope_id is not None:
+            ip = ipaddress.IPv6Address(str(ip).split("%", 1)[0])
+        mapped = ip.ipv4_mapped
+        if mapped is not None:
+            return is_public_address(mapped)
+        if ip in _NAT64_WKP:
+            return is_public_address(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+        if ip in _SIXTOFOUR:
+            embedded = ip.sixtofour
+            return embedded is not None and is_public_address(embedded)
+        if ip.teredo is not None or ip.is_site_local:
+            return False
+        blocked: tuple[ipaddress.IPv4Network, ...] | tuple[ipaddress.IPv6Network, ...]
+        blocked = _BLOCKED_V6
+    elif isinstance(ip, ipaddress.IPv4Address):
+        blocked = _BLOCKED_V4
+    else:
+        raise TypeError(f"expected an IPv4Address or IPv6Address, got {type(ip).__name__}")
+    if (
+        ip.is_private
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+    ):
+        return False
+    if any(ip in net for net in blocked):
+        return False
+    return ip.is_global
+
+
+# --------------------------------------------------------------------------
+# URL checks
+# --------------------------------------------------------------------------
+
+
+def _split_url(url: str) -> tuple[SplitResult | None, str | None]:
+    """Parse and form-check ``url``; return ``(parts, None)`` or ``(None, error)``."""
+    if not isinstance(url, str) or not url:
+        return None, "URL is empty"
+    if len(url) > MAX_URL_LENGTH:
+        return None, f"URL is longer than {MAX_URL_LENGTH} characters"
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
+        return None, "URL contains whitespace or control characters"
+    if "\\" in url:
+        return None, "URL contains a backslash"
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None, "URL is malformed"
+    scheme = parts.scheme.lower()
+    if scheme not in _ALLOWED_SCHEMES:
+        return None, "URL scheme must be http or https"
+    if "@" in parts.netloc:
+        return None, "URL must not contain credentials (user@host)"
+    if not parts.hostname:
+        return None, "URL has no host"
+    try:
+        port = parts.port
+    except ValueError:
+        return None, "URL port is invalid"
+    if port == 0:
+        return None, "URL port is invalid"
+    try:
+        _idna_host(parts.hostname)
+    except UnicodeError:
+        return None, "URL host is not a valid host name"
+    return parts, None
+
+
+def _idna_host(hostname: str) -> str:
+    """Return the ASCII (IDNA) form of ``hostname``; raise UnicodeError if invalid."""
+    try:
+        ipaddress.ip_address(hostname)
+        return hostname
+    except ValueError:
+        pass
+    if hostname.isascii():
+        if any(not (c.isalnum() or c in "-._") for c in hostname):
+            raise UnicodeError("invalid character in host name")
+        return hostname.lower()
+    return hostname.encode("idna").decode("ascii").lower()
+
+
+def validate_destination_url(url: str) -> str | None:
+    """Form-only check of a webhook destination URL, for when it is created.
+
+    Checks: scheme is ``http`` or ``https``; a host is present; no userinfo
+    (``user:pass@``); valid port; no whitespace/control characters; total
+    length ``<= 2048`` characters. Does **not** resolve DNS (the host may not
+    exist yet) and so does not decide whether the address is public; that is
+    enforced on every delivery by :func:`deliver`.
+
+    Args:
+        url: the candidate URL.
+
+    Returns:
+        ``None`` if acceptable, else a short error message suitable for an API
+        validation error.
+
+    Raises:
+        Nothing.
+    """
+    _parts, error = _split_url(url)
+    return error
+
+
+# --------------------------------------------------------------------------
+# Delivery
+# --------------------------------------------------------------------------
+
+
+class _Refused(Exception):
+    """Internal: the destination is not allowed."""
+
+
+class _DnsTimeout(Exception):
+    """Internal: name resolution took longer than the budget."""
+
+
+def _resolve(host: str, port: int, timeout_s: float) -> list[str]:
+    """Resolve ``host`` to a de-duplicated list of IP strings (order kept).
+
+    Runs getaddrinfo in a daemon thread so the wait is bounded by ``timeout_s``.
+    Raises _DnsTimeout or socket.gaierror/OSError.
+    """
+    try:
+        ipaddress.ip_address(host)
+        return [host]
+    except ValueError:
+        pass
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in caller thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="tessera-dns", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise _DnsTimeout()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    seen: list[str] = []
+    for family, _type, _proto, _canon, sockaddr in box["result"]:  # type: ignore[union-attr]
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        addr = str(sockaddr[0])
+        if addr not in seen:
+            seen.append(addr)
+    return seen
+
+
+def _vet(addresses: list[str], allow_private: bool) -> None:
+    """Raise _Refused unless every address is public (or private is allowed)."""
+    if not addresses:
+        raise _Refused("host resolved to no addresses")
+    if allow_private:
+        return
+    for addr in addresses:
+        try:
+            ip = ipaddress.ip_address(addr.split("%", 1)[0])
+        except ValueError:
+            raise _Refused("host resolved to an unparseable address") from None
+        if not is_public_address(ip):
+            raise _Refused(f"destination address {ip} is not public")
+
+
+def _host_header(host: str, port: int, explicit_port: bool, scheme: str) -> str:
+    """Build the Host header value: ``host[:port]`` with IPv6 in brackets."""
+    shown = f"[{host}]" if ":" in host else host
+    if explicit_port and port != _ALLOWED_SCHEMES[scheme]:
+        return f"{shown}:{port}"
+    return shown
+
+
+def _build_headers(extra: Mapping[str, str], host_header: str) -> dict[str, str]:
+    """Merge caller headers over defaults; reserved headers are set here only."""
+    out: dict[str, str] = {"content-type": "application/json"}
+    for name, value in extra.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise _Refused("request header names and values must be strings")
+        if not name or any(c in name for c in " \t\r\n:") or not name.isascii():
+            raise _Refused("invalid request header name")
+        if any(c in value for c in "\r\n\x00"):
+            raise _Refused("invalid request header value")
+        lower = name.lower()
+        if lower in _RESERVED_HEADERS:
+            continue
+        out[lower] = value
+    out["user-agent"] = USER_AGENT
+    out["host"] = host_header
+    return out
+
+
+def _parse_retry_after(value: str | None) -> int | None:
+    """Parse a delta-seconds Retry-After value; HTTP-date form yields None."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not value.isascii() or not value.isdigit() or len(value) > 10:
+        return None
+    return int(value)
+
+
+def _classify_status(status: int) -> tuple[Outcome, bool, str | None]:
+    if 200 <= status < 300:
+        return "success", False, None
+    transient = status >= 500 or status in (408, 429)
+    return "http_error", transient, f"HTTP {status}"
+
+
+def _tls_error_message(exc: BaseException) -> str:
+    """Short, safe description of a TLS failure."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, ssl.SSLCertVerificationError):
+            detail = cur.verify_message or "certificate verify failed"
+            return f"TLS certificate verification failed: {detail}"
+        if isinstance(cur, (ssl.CertificateError, _Urllib3CertificateError)):
+            return "TLS certificate does not match the host name"
+        if isinstance(cur, SSLError) and cur.args and isinstance(cur.args[0], BaseException):
+            cur = cur.args[0]
+            continue
+        cur = cur.__cause__ or cur.__context__
+    return "TLS handshake failed"
+
+
+class _Watchdog:
+    """Shuts the connection's socket down when the total budget runs out."""
+
+    def __init__(self, conn: urllib3.connection.HTTPConnection, delay_s: float) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._done = False
+        self.fired = False
+        self._timer = threading.Timer(max(delay_s, 0.0), self._fire)
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.fired = True
+            sock = getattr(self._conn, "sock", None)
+            if sock is None:
+                return
+            try:
+                # Unbound base-class call: for an SSLSocket this shuts down the
+                # TCP socket without touching the SSL object the worker uses.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except (OSError, TypeError):
+                pass
+
+    def stop(self) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+
+
+def _attempt(
+    *,
+    scheme: str,
+    ip: str,
+    port: int,
+    hostname: str,
+    target: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeout_s: float,
+    deadline: float,
+    max_response_bytes: int,
+    ca_certs: str | None,
+) -> tuple[int, HTTPHeaderDict, bytes]:
+    """One connection to one pinned IP. Returns (status, headers, body prefix).
+
+    Raises urllib3/OSError exceptions, or TimeoutError if the watchdog fired.
+    """
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("total time budget exhausted")
+    conn_timeout = min(timeout_s, remaining)
+    conn: urllib3.connection.HTTPConnection
+    if scheme == "https":
+        conn = urllib3.connection.HTTPSConnection(
+            ip,
+            port,
+            timeout=conn_timeout,
+            cert_reqs="CERT_REQUIRED",
+            ca_certs=ca_certs,
+            server_hostname=hostname,  # SNI
+            assert_hostname=hostname,  # certificate must match the URL host
+        )
+    else:
+        conn = urllib3.connection.HTTPConnection(ip, port, timeout=conn_timeout)
+    watchdog = _Watchdog(conn, remaining)
+    watchdog.start()
+    try:
+        try:
+            conn.connect()
+            conn.timeout = timeout_s  # per-read timeout from here on
+            conn.request(
+                "POST",
+                target,
+                body=body,
+                headers=headers,
+                preload_content=False,
+                decode_content=False,
+            )
+            resp = conn.getresponse()
+        except Exception:
+            if watchdog.fired:
+                raise TimeoutError("total time budget exhausted") from None
+            raise
+        if watchdog.fired:
+            # The socket was shut down mid-headers; http.client may have
+            # parsed the truncated head as complete. Not a real answer.
+            raise TimeoutError("total time budget exhausted")
+        status = resp.status
+        chunks: list[bytes] = []
+        got = 0
+        while got < max_response_bytes and not watchdog.fired:
+            try:
+                chunk = resp.read(min(_READ_CHUNK, max_response_bytes - got), decode_content=False)
+            except (HTTPError, OSError, http.client.HTTPException, ValueError):
+                # The status line and headers arrived; a slow, broken or cut-off
+                # body does not change the outcome of the delivery.
+                chunk = b""
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        return status, resp.headers, b"".join(chunks)[:max_response_bytes]
+    finally:
+        watchdog.stop()
+        conn.close()
+
+
+def deliver(
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    *,
+    timeout_s: float,
+    allow_private: bool,
+    max_response_bytes: int = 64 * 1024,
+    ca_certs: str | None = None,
+) -> DeliveryResult:
+    """POST ``body`` to ``url`` once, safely, and report what happened.
+
+    The request carries ``content-type: application/json`` (the caller may
+    override it), the caller's ``headers``, ``user-agent: Tessera-Webhooks/1``
+    and a ``Host`` header equal to the URL's host (plus ``:port`` if the URL
+    names a non-default port). Caller values for ``Host``, ``User-Agent``,
+    ``Content-Length``, ``Transfer-Encoding`` and other hop-by-hop headers are
+    ignored. Redirects are never followed and nothing is retried here.
+
+    The host is resolved once; if any resolved address fails
+    :func:`is_public_address` and ``allow_private`` is false the result is
+    ``refused`` and no connection is made. Otherwise the vetted addresses are
+    tried in order (next one only if connecting failed), connecting to the
+    IP itself while using the URL's host name for ``Host``, SNI and
+    certificate verification.
+
+    Args:
+        url: ``http://`` or ``https://`` URL without userinfo, ``<= 2048``
+            characters.
+        body: the request body (JSON bytes), sent with ``Content-Length``.
+        headers: extra request headers (e.g. the ``webhook-*`` signature
+            headers). Names/values must be str without CR/LF.
+        timeout_s: seconds, ``> 0``; bounds DNS resolution, the TCP connect
+            (plus TLS handshake) and each socket read separately. The whole
+            call is additionally bounded by about
+            ``TOTAL_TIMEOUT_FACTOR * timeout_s`` seconds.
+        allow_private: if true, private/loopback/... destinations are allowed
+            (self-hosted installs delivering inside their own network).
+        max_response_bytes: read at most this many bytes of the answer body
+            (``>= 0``); the connection is closed afterwards.
+        ca_certs: path to a PEM CA bundle for https verification; ``None``
+            uses the system trust store. Mainly for tests.
+
+    Returns:
+        A :class:`DeliveryResult`. Network problems are reported in the
+        result, never raised.
+
+    Raises:
+        ValueError: if ``timeout_s <= 0`` or ``max_response_bytes < 0``
+            (programming errors).
+        TypeError: if ``body`` is not bytes.
+    """
+    if not timeout_s > 0:
+        raise ValueError("timeout_s must be > 0")
+    if max_response_bytes < 0:
+        raise ValueError("max_response_bytes must be >= 0")
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        raise TypeError("body must be bytes")
+    body = bytes(body)
+
+    started = time.monotonic()
+    deadline = started + TOTAL_TIMEOUT_FACTOR * timeout_s
+
+    def result(
+        outcome: Outcome,
+        error: str | None,
+        transient: bool,
+        status: int | None = None,
+        retry_after: int | None = None,
+        response_body: bytes = b"",
+    ) -> DeliveryResult:
+        return DeliveryResult(
+            status_code=status,
+            duration_ms=max(0, round((time.monotonic() - started) * 1000)),
+            outcome=outcome,
+            error=error,
+            transient=transient,
+            retry_after_s=retry_after,
+            response_body=response_body,
+        )
+
+    parts, error = _split_url(url)
+    if parts is None:
+        return result("refused", error, False)
+    scheme = parts.scheme.lower()
+    assert parts.hostname is not None
+    hostname = _idna_host(parts.hostname)
+    explicit_port = parts.port is not None
+    port = parts.port if parts.port is not None else _ALLOWED_SCHEMES[scheme]
+    target = parts.path or "/"
+    if parts.query:
+        target = f"{target}?{parts.query}"
+    try:
+        request_headers = _build_headers(headers, _host_header(hostname, port, explicit_port, scheme))
+    except _Refused as exc:
+        return result("refused", str(exc), False)
+
+    try:
+        addresses = _resolve(hostname, port, timeout_s)
+    except _DnsTimeout:
+        return result("timeout", "DNS resolution timed out", True)
+    except (OSError, UnicodeError):
+        return result("connection_error", "DNS resolution failed", True)
+    try:
+        _vet(addresses, allow_private)
+    except _Refused as exc:
+        return result("refused", str(exc), False)
+
+    last: DeliveryResult | None = None
+    for ip in addresses:
+        try:
+            status, resp_headers, resp_body = _attempt(
+                scheme=scheme,
+                ip=ip,
+                port=port,
+                hostname=hostname,
+                target=target,
+                body=body,
+                headers=request_headers,
+                timeout_s=timeout_s,
+                deadline=deadline,
+                max_response_bytes=max_response_bytes,
+                ca_certs=ca_certs,
+            )
+        except NewConnectionError as exc:
+            # NewConnectionError subclasses ConnectTimeoutError in urllib3 2:
+            # check it first. Nothing was sent, so the next address may be tried.
+            reason = exc.__cause__ or exc.__context__
+            if isinstance(reason, ConnectionRefusedError) or "refused" in str(exc).lower():
+                last = result("connection_error", "connection refused", True)
+            else:
+                last = result("connection_error", "could not connect", True)
+            continue
+        except ConnectTimeoutError:
+            last = result("timeout", f"connect timed out after {timeout_s:g}s", True)
+            continue
+        except (ReadTimeoutError, TimeoutError):
+            return result("timeout", "timed out waiting for the response", True)
+        except (SSLError, ssl.SSLError, ssl.CertificateError, _Urllib3CertificateError) as exc:
+            return result("connection_error", _tls_error_message(exc), True)
+        except (ProtocolError, ConnectionError) as exc:
+            text = str(exc).lower()
+            if "reset" in text:
+                msg = "connection reset by peer"
+            elif "aborted" in text or "remote end closed" in text or "disconnected" in text:
+                msg = "connection closed before a response was received"
+            else:
+                msg = "connection failed"
+            return result("connection_error", msg, True)
+        except (HTTPError, OSError):
+            return result("connection_error", "connection failed", True)
+        except (http.client.HTTPException, ValueError):  # bad status line, header too long, ...
+            return result("connection_error", "malformed response", True)
+
+        outcome, transient, err = _classify_status(status)
+        retry_after = None
+        if status in (429, 503):
+            retry_after = _parse_retry_after(resp_headers.get("retry-after"))
+        return result(outcome, err, transient, status, retry_after, resp_body)
+
+    assert last is not None
+    return last

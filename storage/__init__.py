@@ -1,0 +1,1 @@
+"""Persistence: SQLModel tables, the session factory, Alembic migrations and encryption at rest."""

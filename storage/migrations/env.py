@@ -1,0 +1,29 @@
+"""Alembic environment: runs the migrations against the configured database."""
+
+from alembic import context
+from sqlmodel import SQLModel
+
+import storage.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from storage.db import make_engine
+
+config = context.config
+target_metadata = SQLModel.metadata
+
+
+def run_migrations() -> None:
+    """Run in 'online' mode on the URL that storage.migrate put in the config."""
+    url = config.get_main_option("sqlalchemy.url")
+    engine = make_engine(url)
+    with engine.connect() as connection:
+        context.configure(
+            connection=connection,
+            target_metadata=target_metadata,
+            render_as_batch=connection.dialect.name == "sqlite",
+            compare_type=True,
+        )
+        with context.begin_transaction():
+            context.run_migrations()
+    engine.dispose()
+
+
+run_migrations()

@@ -1,0 +1,125 @@
+"""Tables: Tenant administration: invitations, client encryption keys, documents, usage (core document section 2).
+
+* ``tenant_invitations``: an invitation of an email address to a tenant with a role; its status is
+  ``PENDING`` or ``EXPIRED`` (an accepted invitation becomes a tenant member and is removed).
+* ``tenant_invitation_links``: every acceptance link ever mailed for an invitation. The link token is
+  never stored: only its SHA-256 digest (``token_digest``). A link is ``active`` until it is
+  ``superseded`` (a resend), ``revoked`` (the invitation was deleted) or ``used`` (accepted).
+* ``client_encryption_keys``: X25519 key pairs for JWE ``ECDH-ES``; only the private key is kept,
+  sealed under the tenant's data key (``private_key_ct``), and destroyed after expiry or deletion.
+* ``documents``: an uploaded file, encrypted in chunks under the tenant's data key and stored in S3
+  under ``object_key``; ``status`` is ``uploading``, ``ready`` or ``deleted``.
+* ``token_activity``: one row per (tenant, calendar month, token) that was created, read or used in
+  that month: the exact count of monthly active tokens of the usage report.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+from sqlalchemy import JSON, BigInteger, Column, Date, ForeignKey, Index, LargeBinary, String
+from sqlmodel import Field, SQLModel
+
+from storage.types import ts_column as _ts
+from storage.types import utcnow as _created_at
+
+
+class TenantInvitation(SQLModel, table=True):
+    """An invitation to join a tenant (core document section 2, Invitation; section 3 states)."""
+
+    __tablename__ = "tenant_invitations"
+    __table_args__ = (
+        Index("ix_tenant_invitations_list", "tenant_id", "created_at", "id"),
+        Index("ix_tenant_invitations_due", "status", "expires_at"),
+    )
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False))
+    email: str = Field(max_length=320)
+    role: str = Field(max_length=16)  # ADMIN | READ_ONLY
+    status: str = Field(default="PENDING", max_length=16)  # PENDING | EXPIRED
+    expires_at: dt.datetime = Field(sa_column=_ts())
+    created_by: uuid.UUID | None = None
+    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+    modified_by: uuid.UUID | None = None
+    modified_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+
+
+class InvitationLink(SQLModel, table=True):
+    """One acceptance link mailed for an invitation; the token is kept only as its SHA-256 digest.
+
+    ``invitation_id`` has no foreign key on purpose: the row outlives a deleted or accepted
+    invitation so that its link answers "withdrawn" or "already used" rather than "unknown".
+    """
+
+    __tablename__ = "tenant_invitation_links"
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    tenant_id: uuid.UUID = Field(
+        sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
+    )
+    invitation_id: uuid.UUID = Field(index=True)
+    token_digest: str = Field(sa_column=Column(String(64), nullable=False, unique=True))
+    status: str = Field(default="active", max_length=16)  # active | superseded | revoked | used
+    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+    mailed_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    used_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+
+
+class ClientEncryptionKey(SQLModel, table=True):
+    """A client encryption key (core document section 2): the sealed X25519 private key and its life.
+
+    ``private_key_ct`` is None once the key material was destroyed (after expiry or deletion).
+    """
+
+    __tablename__ = "client_encryption_keys"
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    tenant_id: uuid.UUID = Field(
+        sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
+    )
+    private_key_ct: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
+    expires_at: dt.datetime = Field(sa_column=_ts(index=True))
+    created_by: uuid.UUID | None = None
+    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+    deleted_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+    destroyed_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+
+
+class Document(SQLModel, table=True):
+    """An encrypted document (core document section 2): metadata here, content in S3.
+
+    The content is cut into plaintext chunks of ``chunk_size`` bytes, each sealed with AES-256-GCM
+    under the tenant's data key; ``chunk_count`` and ``size`` (plaintext bytes) let a reader detect a
+    truncated object. ``upload_id`` is the S3 multipart upload while ``status`` is ``uploading``.
+    """
+
+    __tablename__ = "documents"
+    __table_args__ = (Index("ix_documents_sweep", "status", "created_at"),)
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    tenant_id: uuid.UUID = Field(
+        sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
+    )
+    meta: dict = Field(default_factory=dict, sa_column=Column("metadata", JSON, nullable=False))
+    content_type: str = Field(max_length=255)
+    size: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
+    chunk_size: int
+    chunk_count: int = 0
+    object_key: str = Field(max_length=1024)
+    upload_id: str | None = Field(default=None, max_length=1024)
+    status: str = Field(default="uploading", max_length=16)  # uploading | ready | deleted
+    created_by: uuid.UUID | None = None
+    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+    deleted_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+
+
+class TokenActivity(SQLModel, table=True):
+    """A token that was active (created, read or used) in a calendar month (UTC), counted once."""
+
+    __tablename__ = "token_activity"
+
+    tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True))
+    month: dt.date = Field(sa_column=Column(Date, primary_key=True))  # the first day of the month
+    token_id: str = Field(sa_column=Column(String(400), primary_key=True))

@@ -1,0 +1,62 @@
+"""S3 access through boto3 (documents, account-updater files).
+
+One client per process for ``TESSERA_S3_ENDPOINT_URL`` / ``TESSERA_S3_REGION``; the bucket
+(``TESSERA_S3_BUCKET``) is created on first use when missing. Objects are written with server-side
+encryption (``AES256``). Credentials come from the usual AWS variables or instance roles.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from tessera.settings import get_settings
+
+_bucket_ready: set[str] = set()
+_lock = threading.Lock()
+
+
+@functools.cache
+def get_client():
+    """The process's S3 client (path-style addressing, so loopback endpoints work)."""
+    settings = get_settings()
+    return boto3.client(
+        "s3",
+        endpoint_url=settings.s3_endpoint_url,
+        region_name=settings.s3_region,
+        config=Config(s3={"addressing_style": "path"}, signature_version="s3v4", retries={"max_attempts": 3}),
+    )
+
+
+def bucket() -> str:
+    """The configured bucket, created when missing (once per process)."""
+    name = get_settings().s3_bucket
+    if name not in _bucket_ready:
+        with _lock:
+            if name not in _bucket_ready:
+                client = get_client()
+                try:
+                    client.head_bucket(Bucket=name)
+                except ClientError:
+                    client.create_bucket(Bucket=name)
+                _bucket_ready.add(name)
+    return name
+
+
+def presigned_url(method: str, key: str, *, expires_in: int, content_type: str | None = None) -> str:
+    """A pre-signed URL for ``get_object`` or ``put_object`` on ``key``, valid ``expires_in`` seconds."""
+    operation = {"GET": "get_object", "PUT": "put_object"}[method]
+    params = {"Bucket": bucket(), "Key": key}
+    if content_type and method == "PUT":
+        params["ContentType"] = content_type
+    return get_client().generate_presigned_url(operation, Params=params, ExpiresIn=expires_in)
+
+
+def reset_client() -> None:
+    """Forget the client and the known buckets (tests that change the settings)."""
+    get_client.cache_clear()
+    _bucket_ready.clear()

@@ -1,0 +1,44 @@
+"""Column types shared by the models."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import Column, DateTime
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> dt.datetime:
+    """The current time as an aware UTC datetime (microsecond precision)."""
+    return dt.datetime.now(dt.UTC)
+
+
+class UTCDateTime(TypeDecorator):
+    """A timezone-aware UTC timestamp on every backend.
+
+    PostgreSQL stores ``timestamptz``; SQLite stores text without a zone, so values are normalised to
+    UTC on the way in and given ``tzinfo=UTC`` on the way out. Naive datetimes are refused.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(dt.UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: dt.datetime | None, dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.UTC)
+        return value.astimezone(dt.UTC)
+
+
+def ts_column(*, nullable: bool = False, index: bool = False) -> Column:
+    """A UTC timestamp column for a SQLModel field's ``sa_column``."""
+    return Column(UTCDateTime(), nullable=nullable, index=index)

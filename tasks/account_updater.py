@@ -1,0 +1,142 @@
+"""Account updater tasks (``account_updater.*``, on the ``files`` queue); the rules are in
+:mod:`core.account_updater`.
+
+Job tasks (``workers.jobs.JobTask``: leased, retried with backoff on transient failures, a dead letter
+after ``max_attempts``; every step recorded as a platform job so the outbox relay re-sends a lost one):
+
+* ``account_updater.prepare`` (subject: the job id): read and check the request file, cut it into chunks.
+* ``account_updater.process_chunk`` (subject: ``<job id>:<chunk number>``): one chunk, in parallel.
+* ``account_updater.finish`` (subject: the job id): write the result file, complete the job.
+
+A permanent failure or a dead letter of any step fails the account updater job (with the event).
+
+Other tasks: ``account_updater.detect`` (``job_id``: look for one job's file, sent by polls and S3
+notifications), and the beat sweeps ``account_updater.detect_uploads`` (every 5 s) and
+``account_updater.remove_expired_jobs`` (every 60 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from sqlmodel import Session
+
+from core import account_updater as service
+from core.jobs import PermanentError, TransientError
+from storage.db import session_scope
+from storage.models import Job
+from storage.types import utcnow
+from tessera.settings import get_settings
+from workers.base import TesseraTask
+from workers.celery_app import celery_app
+from workers.jobs import JobTask
+
+log = logging.getLogger("tessera.tasks.account_updater")
+
+
+def _failure_message(error: Exception) -> str:
+    if isinstance(error, PermanentError):
+        return str(error)
+    if isinstance(error, TransientError):
+        return f"Processing stopped after repeated failures: {error}."
+    return "Processing failed."
+
+
+class _AccountUpdaterJobTask(JobTask):
+    """The shared part: the lease follows ``TESSERA_JOB_LEASE_SECONDS``; failures fail the job."""
+
+    abstract = True
+
+    @property
+    def lease_seconds(self) -> float:  # type: ignore[override]
+        """``TESSERA_JOB_LEASE_SECONDS``: a chunk takes about a second, far below it."""
+        return get_settings().job_lease_seconds
+
+    @staticmethod
+    def job_id(job: Job) -> uuid.UUID:
+        """The account updater job a platform job works on (the first part of its subject)."""
+        return uuid.UUID((job.subject_id or "").split(":", 1)[0])
+
+    def on_failure(self, session: Session, job: Job, error: Exception) -> None:
+        service.fail_job(session, self.job_id(job), [_failure_message(error)])
+
+
+class Prepare(_AccountUpdaterJobTask):
+    """Read and check the request file; record its chunks (``core.account_updater.scan_job_file``)."""
+
+    name = service.PREPARE_TASK
+
+    def perform(self, job: Job) -> service.Scan:
+        return service.scan_job_file(self.job_id(job), session_scope)
+
+    def apply(self, session: Session, job: Job, outcome: service.Scan) -> dict:
+        return service.apply_scan(session, self.job_id(job), outcome)
+
+
+class ProcessChunk(_AccountUpdaterJobTask):
+    """Process one chunk (``core.account_updater.process_chunk`` / ``apply_chunk``)."""
+
+    name = service.CHUNK_TASK
+
+    @staticmethod
+    def chunk_number(job: Job) -> int:
+        """The chunk a platform job processes (the last part of its subject)."""
+        return int((job.subject_id or "").rsplit(":", 1)[1])
+
+    def perform(self, job: Job) -> service.ChunkOutcome:
+        return service.process_chunk(self.job_id(job), self.chunk_number(job), session_scope)
+
+    def apply(self, session: Session, job: Job, outcome: service.ChunkOutcome) -> dict:
+        return service.apply_chunk(session, self.job_id(job), self.chunk_number(job), outcome)
+
+
+class Finish(_AccountUpdaterJobTask):
+    """Write the result file and complete the job (``core.account_updater.write_result``)."""
+
+    name = service.FINISH_TASK
+
+    def perform(self, job: Job) -> str | None:
+        return service.write_result(self.job_id(job), session_scope)
+
+    def apply(self, session: Session, job: Job, outcome: str | None) -> dict:
+        if outcome is None:
+            return {"skipped": True}
+        return {"completed": service.complete_job(session, self.job_id(job), outcome), "key": outcome}
+
+
+prepare = celery_app.register_task(Prepare())
+process_chunk = celery_app.register_task(ProcessChunk())
+finish = celery_app.register_task(Finish())
+
+
+@celery_app.task(name=service.DETECT_TASK, base=TesseraTask)
+def detect(job_id: str) -> str:
+    """Look for one pending job's file; start the job when it is there. A lost message is harmless:
+    the sweep looks too."""
+    try:
+        return service.detect_upload(uuid.UUID(job_id), session_scope)
+    except TransientError:
+        log.warning("S3 did not answer while looking for the file of job %s", job_id)
+        return "unavailable"
+
+
+@celery_app.task(name="account_updater.detect_uploads", base=TesseraTask)
+def detect_uploads() -> int:
+    """Beat sweep: start pending jobs whose file has been uploaded."""
+    return service.detect_uploads(session_scope)
+
+
+@celery_app.task(name="account_updater.remove_expired_jobs", base=TesseraTask)
+def remove_expired_jobs() -> int:
+    """Beat sweep: remove jobs still pending after their upload window, and their files."""
+    total = 0
+    for _ in range(20):
+        with session_scope() as session:
+            keys = service.remove_expired_jobs(session, now=utcnow(), batch=500)
+        for key in keys:
+            service.delete_object(key)
+        total += len(keys)
+        if len(keys) < 500:
+            break
+    return total

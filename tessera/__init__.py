@@ -1,0 +1,3 @@
+"""Tessera: a self-hosted tokenization platform."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,370 @@
+"""The ``tessera`` command.
+
+    tessera dev                      migrations, then api, worker, beat, sandbox (and S3) as children
+    tessera api [--host H] [--port P]
+    tessera worker [celery worker options]
+    tessera beat [celery beat options]
+    tessera migrate
+    tessera tenants create --name NAME --owner-email EMAIL [--type test|production] [--json]
+    tessera sandbox [--host H] [--port P]
+    tessera flower [--address A] [--port P] [flower options]
+    tessera jobs list [--state S]... [--kind K] [--tenant ID] [--limit N] [--json]
+    tessera jobs show|retry|cancel ID [--json]
+    tessera queues [--json] [--timeout S]
+
+Every command reads the same ``TESSERA_*`` settings (``tessera/settings.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tessera.settings import get_settings
+
+
+def share_metrics(settings) -> str:
+    """Point prometheus-client's multiprocess mode at ``TESSERA_METRICS_DIR`` (unless
+    ``PROMETHEUS_MULTIPROC_DIR`` is set already), before anything imports the metrics; returns it."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or str(settings.effective_metrics_dir)
+    os.makedirs(folder, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    return folder
+
+
+def _api(args: argparse.Namespace) -> int:
+    settings = get_settings()
+    share_metrics(settings)
+    from aiohttp import web
+
+    from app.main import init_app
+    from tessera.logs import configure_logging
+
+    configure_logging(settings)
+    host = args.host or settings.api_host
+    port = args.port or settings.api_port
+    print(f"tessera api listening on http://{host}:{port}", flush=True)
+    web.run_app(
+        init_app(settings),
+        host=host,
+        port=port,
+        print=None,
+        shutdown_timeout=settings.api_shutdown_timeout_seconds,
+        access_log=None,
+    )
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    share_metrics(get_settings())
+    from tessera.logs import configure_logging
+    from workers.celery_app import QUEUES, celery_app
+
+    configure_logging(get_settings())
+    argv = ["worker", "--loglevel", get_settings().log_level, "-Q", ",".join(QUEUES), *args.celery_args]
+    celery_app.worker_main(argv)
+    return 0
+
+
+def _beat(args: argparse.Namespace) -> int:
+    from tessera.logs import configure_logging
+    from workers.celery_app import celery_app
+
+    settings = get_settings()
+    configure_logging(settings)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    schedule = str(settings.data_dir / "celerybeat-schedule")
+    celery_app.start(["beat", "--loglevel", settings.log_level, "--schedule", schedule, *args.celery_args])
+    return 0
+
+
+def _migrate(_args: argparse.Namespace) -> int:
+    from storage import migrate
+
+    migrate.upgrade()
+    print("database migrated to head", flush=True)
+    return 0
+
+
+def _tenants_create(args: argparse.Namespace) -> int:
+    from core.tenants import create_tenant
+    from storage.db import session_scope
+
+    try:
+        with session_scope() as session:
+            created = create_tenant(session, name=args.name, owner_email=args.owner_email, type=args.type)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = {
+        "tenant_id": str(created.tenant_id),
+        "application_id": str(created.application_id),
+        "api_key": created.api_key,
+    }
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        print(
+            f"tenant:      {result['tenant_id']}\napplication: {result['application_id']}\n"
+            f"api key:     {result['api_key']}  (shown once)",
+            flush=True,
+        )
+    return 0
+
+
+def _sandbox(args: argparse.Namespace) -> int:
+    from urllib.parse import urlsplit
+
+    from sandbox.app import run
+
+    default = urlsplit(get_settings().sandbox_url)
+    run(args.host or default.hostname or "127.0.0.1", args.port or default.port or 8081)
+    return 0
+
+
+def _flower(args: argparse.Namespace) -> int:
+    settings = get_settings()
+    password = settings.flower_password.get_secret_value() if settings.flower_password else ""
+    if not password:
+        print("error: set TESSERA_FLOWER_PASSWORD (Flower answers its API only behind basic auth)", file=sys.stderr)
+        return 2
+    if ":" in settings.flower_user or "," in settings.flower_user + password:
+        print("error: TESSERA_FLOWER_USER may not hold ':' or ',', nor TESSERA_FLOWER_PASSWORD ','", file=sys.stderr)
+        return 2
+    if settings.effective_broker_url.startswith("sqla+"):
+        print(
+            "tessera flower: the embedded SQLite broker sends no task events; point TESSERA_BROKER_URL at Redis",
+            file=sys.stderr,
+            flush=True,
+        )
+    # Flower reads FLOWER_* options from the environment: the password stays out of the process list.
+    os.environ["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # Flower serves its own /metrics from memory
+    from workers.celery_app import celery_app
+
+    argv = ["flower", f"--address={args.address}", f"--port={args.port}", *args.celery_args]
+    celery_app.start(argv)
+    return 0
+
+
+def _print_json(value) -> None:
+    print(json.dumps(value, indent=2, default=str), flush=True)
+
+
+def _table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """Rows as a plain text table: ``columns`` is ``[(key, heading), ...]``."""
+    cells = [[heading for _, heading in columns]]
+    for row in rows:
+        cells.append(["-" if row.get(key) is None else str(row.get(key)) for key, _ in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in cells)
+
+
+def _short(text: str | None, width: int = 60) -> str | None:
+    if text is None:
+        return None
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _jobs_list(args: argparse.Namespace) -> int:
+    import uuid
+
+    from core import ops
+    from storage.db import session_scope
+
+    try:
+        tenant = uuid.UUID(args.tenant) if args.tenant else None
+    except ValueError:
+        print(f"error: '{args.tenant}' is not a tenant id", file=sys.stderr)
+        return 2
+    with session_scope() as session:
+        rows = ops.list_jobs(
+            session, get_settings(), states=args.state, kind=args.kind, tenant_id=tenant, limit=args.limit
+        )
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print("no jobs match", flush=True)
+        return 0
+    for row in rows:
+        row["tries"] = f"{row['attempts']}/{row['max_attempts']}"
+        row["error"] = _short(row["last_error"])
+    columns = [("id", "ID"), ("kind", "KIND"), ("state", "STATE"), ("tries", "ATTEMPTS"),
+               ("updated_at", "UPDATED"), ("error", "LAST ERROR")]
+    print(_table(rows, columns), flush=True)
+    return 0
+
+
+def _show(view: dict) -> str:
+    lines = []
+    for key, value in view.items():
+        if key == "attempt_log":
+            continue
+        lines.append(f"{key + ':':<18}{'-' if value is None else value}")
+    log = view.get("attempt_log")
+    if log is not None:
+        lines.append("attempts log:")
+        if log:
+            columns = [("number", "#"), ("attempted_at", "AT"), ("outcome", "OUTCOME"),
+                       ("status_code", "STATUS"), ("duration_ms", "MS"), ("error", "ERROR")]
+            lines += ["  " + line for line in _table(log, columns).splitlines()]
+        else:
+            lines.append("  (none yet)")
+    return "\n".join(lines)
+
+
+def _jobs_one(operation: str):
+    def run(args: argparse.Namespace) -> int:
+        from core import ops
+        from storage.db import session_scope
+
+        settings = get_settings()
+        try:
+            with session_scope() as session:
+                view = getattr(ops, {"show": "show_job"}.get(operation, operation))(session, settings, args.id)
+        except (ops.NotFound, ops.Refused) as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        if args.json:
+            _print_json(view)
+        else:
+            if operation == "retry":
+                print(f"{view['kind']} {view['id']} queued again; its task was sent", flush=True)
+            elif operation == "cancel":
+                print(f"{view['kind']} {view['id']} cancelled", flush=True)
+            print(_show(view), flush=True)
+        return 0
+
+    return run
+
+
+def _age(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _queues(args: argparse.Namespace) -> int:
+    from core import ops
+
+    report = ops.queue_report(get_settings(), timeout=args.timeout)
+    failed = 1 if {"broker", "database"} & set(report["errors"]) else 0
+    if args.json:
+        _print_json(report)
+        return failed
+    rows = [{**q, "oldest": _age(q["oldest_age_seconds"]) if q["due"] else "-"} for q in report["queues"]]
+    columns = [("queue", "QUEUE"), ("depth", "DEPTH"), ("due", "DUE"), ("oldest", "OLDEST"), ("consumers", "CONSUMERS")]
+    lines = [_table(rows, columns), ""]
+    backlog = report["outbox_backlog"]
+    lines.append(f"outbox backlog: {backlog['job']} jobs, {backlog['webhook_delivery']} webhook deliveries")
+    lines.append("workers:" if report["workers"] else "workers: none seen")
+    for worker in report["workers"]:
+        ping = {True: "answers ping", False: "no ping answer", None: "ping n/a"}[worker["ping"]]
+        heartbeat = _age(worker["heartbeat_age_seconds"])
+        lines.append(f"  {worker['name']}  {'alive' if worker['alive'] else 'MISSING'}  {ping}"
+                     f"  heartbeat {heartbeat + ' ago' if heartbeat else 'none'}")
+    for name, label in (("beat", "beat"), ("relay", "outbox relay")):
+        age = _age(report[name]["heartbeat_age_seconds"])
+        state = "alive" if report[name]["alive"] else "MISSING"
+        lines.append(f"{label}: {state}, last heartbeat {age + ' ago' if age else 'never'}")
+    for source, error in report["errors"].items():
+        lines.append(f"error reading {source}: {error}")
+    print("\n".join(lines), flush=True)
+    return failed
+
+
+def _dev(_args: argparse.Namespace) -> int:
+    from tessera.dev import run_dev
+
+    return run_dev()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``tessera`` command."""
+    parser = argparse.ArgumentParser(prog="tessera", description="Tessera tokenization platform")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    commands.add_parser("dev", help="run everything locally (embedded defaults unless configured)").set_defaults(
+        func=_dev
+    )
+    api = commands.add_parser("api", help="run the HTTP API")
+    api.add_argument("--host")
+    api.add_argument("--port", type=int)
+    api.set_defaults(func=_api)
+    worker = commands.add_parser("worker", help="run a Celery worker (extra options go to celery worker)")
+    worker.set_defaults(func=_worker)
+    beat = commands.add_parser("beat", help="run Celery beat (sweeps and the outbox relay)")
+    beat.set_defaults(func=_beat)
+    commands.add_parser("migrate", help="apply the database migrations").set_defaults(func=_migrate)
+    sandbox = commands.add_parser("sandbox", help="run the sandbox providers")
+    sandbox.add_argument("--host")
+    sandbox.add_argument("--port", type=int)
+    sandbox.set_defaults(func=_sandbox)
+
+    tenants = commands.add_parser("tenants", help="manage tenants").add_subparsers(
+        dest="tenants_command", required=True
+    )
+    create = tenants.add_parser("create", help="create a tenant with a management application")
+    create.add_argument("--name", required=True)
+    create.add_argument("--owner-email", required=True)
+    create.add_argument("--type", choices=("test", "production"), default="test")
+    create.add_argument("--json", action="store_true", help="print one JSON object")
+    create.set_defaults(func=_tenants_create)
+
+    flower = commands.add_parser(
+        "flower", help="run Flower on the platform's Celery app (basic auth: TESSERA_FLOWER_USER/PASSWORD)"
+    )
+    flower.add_argument("--address", default="127.0.0.1")
+    flower.add_argument("--port", type=int, default=5555)
+    flower.set_defaults(func=_flower)
+
+    jobs = commands.add_parser("jobs", help="inspect, retry and cancel jobs and webhook deliveries").add_subparsers(
+        dest="jobs_command", required=True
+    )
+    listing = jobs.add_parser("list", help="jobs, most recently changed first (webhooks.deliver: deliveries)")
+    states = ("queued", "running", "succeeded", "failed", "dead", "cancelled", "pending")
+    listing.add_argument("--state", action="append", choices=states, metavar="STATE",
+                         help="queued, running, succeeded, failed, dead, cancelled (deliveries: pending, "
+                         "succeeded, failed); repeat for several")
+    listing.add_argument("--kind", help="the task name, e.g. network_tokens.provision or webhooks.deliver")
+    listing.add_argument("--tenant", help="only this tenant's")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--json", action="store_true", help="print a JSON array")
+    listing.set_defaults(func=_jobs_list)
+    for operation, text in (
+        ("show", "one job with its attempts and last error (a delivery with its attempt log)"),
+        ("retry", "replay a dead, failed or cancelled job, or a failed webhook delivery"),
+        ("cancel", "cancel a queued job or a pending webhook delivery that no worker holds"),
+    ):
+        one = jobs.add_parser(operation, help=text)
+        one.add_argument("id", help="a job id or a webhook delivery id (msg_... accepted)")
+        one.add_argument("--json", action="store_true", help="print one JSON object")
+        one.set_defaults(func=_jobs_one(operation))
+
+    queues = commands.add_parser("queues", help="queue depth, oldest waiting work, consumers, workers and beat")
+    queues.add_argument("--json", action="store_true", help="print one JSON object")
+    queues.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for workers to answer")
+    queues.set_defaults(func=_queues)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tessera`` command."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.func not in (_worker, _beat, _flower):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.celery_args = extra
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The one settings class of the platform.
+
+Every setting is read from an environment variable ``TESSERA_<NAME>`` (pydantic-settings). README.md
+lists each with its default. Services left unset fall back, each on its own, to the embedded defaults
+kept in ``TESSERA_DATA_DIR``: a SQLite database, the kombu SQLAlchemy transport on SQLite, an
+in-process rate limiter, mail written to files.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_data_dir() -> Path:
+    return Path.home() / ".local" / "share" / "tessera"
+
+
+class Settings(BaseSettings):
+    """Process-wide configuration; instantiate through :func:`get_settings`."""
+
+    model_config = SettingsConfigDict(env_prefix="TESSERA_", extra="ignore", frozen=True)
+
+    # Where the embedded defaults live (SQLite files, master key file, mail sink).
+    data_dir: Path = Field(default_factory=_default_data_dir)
+
+    # Services. None means "use the embedded default" (see the module docstring).
+    database_url: str | None = None
+    broker_url: str | None = None
+    # Prefix of every Redis key the broker and the rate limiter write (deployments sharing one Redis).
+    redis_key_prefix: str = ""
+    redis_url: str | None = None
+    s3_endpoint_url: str | None = None
+    s3_bucket: str = "tessera"
+    s3_region: str = "us-east-1"
+    smtp_url: str | None = None
+    mail_from: str = "Tessera <no-reply@tessera.localhost>"
+    sandbox_url: str = "http://127.0.0.1:8081"
+
+    # The API process.
+    api_host: str = "127.0.0.1"
+    api_port: int = 8080
+    header_prefix: str = "TS"
+    public_base_url: str | None = None
+    max_body_bytes: int = 1_048_576
+    api_db_threads: int = 16
+    # How long an api process trusts an API key it has looked up (0: look up on every request). A
+    # change or deletion made through this process applies at once; other processes see it within this.
+    auth_cache_seconds: float = 2.0
+    db_pool_size: int = 10
+
+    # Secrets at rest: a base64 32-byte master key, else a key file made in data_dir on first start;
+    # an AWS KMS key id wraps the tenant data keys instead when set.
+    master_key: SecretStr | None = None
+    kms_key_id: str | None = None
+    kms_endpoint_url: str | None = None
+    aws_region: str = "us-east-1"
+
+    # Outbound calls.
+    allow_private_destinations: bool = False
+
+    # Rate limits (spec section 8): requests per window per client IP, then blocked.
+    rate_limit_enabled: bool = True
+    rate_limit_window_seconds: int = 10
+    rate_limit_block_seconds: int = 10
+    rate_limit_global: int = 1000
+    rate_limit_token_create: int = 200
+    rate_limit_token_list: int = 100
+    rate_limit_token_search: int = 50
+
+    # Tokens.
+    cvc_retention_seconds: int = 3600
+
+    # Providers: test tenants call the sandbox; production tenants the live URLs below (unset: 422).
+    provider_connect_timeout_seconds: float = 5.0
+    provider_read_timeout_seconds: float = 45.0
+    card_network_url: str | None = None
+    job_lease_seconds: float = 120.0
+    network_token_wait_seconds: float = 10.0
+
+    # Agentic payment methods (second document): live provider URLs, the bounded wait of create and
+    # retry, the provider call timeout, provider-error retention and the operation lease.
+    vic_url: str | None = None
+    agentpay_url: str | None = None
+    psp_url: str | None = None
+    agentic_wait_seconds: float = 10.0
+    agentic_provider_timeout_seconds: float = 8.0
+    provider_error_retention_days: int = 90
+    operation_lease_seconds: int = 300
+
+    # Account updater (second document): upload window, file cap, rows per chunk.
+    account_updater_upload_seconds: int = 3600
+    account_updater_max_bytes: int = 30 * 1024 * 1024
+    account_updater_chunk_rows: int = 5000
+
+    # Tenant administration (core document sections 2 and 8).
+    invitation_ttl_hours: int = 72
+    document_max_bytes: int = 25 * 1024 * 1024
+    rate_limit_documents_per_minute: int = 25
+    client_key_default_days: int = 182
+    included_monthly_active_tokens: int = 10_000
+
+    # Webhooks: the retry schedule is the delay in seconds before each retry after the first attempt.
+    webhook_timeout_seconds: float = 10.0
+    webhook_retry_schedule: str = "5,30,120,600,1800,7200,18000,36000,36000"
+    webhook_disable_after_seconds: int = 5 * 24 * 3600
+
+    # The async spine.
+    outbox_relay_after_seconds: int = 15
+    task_time_limit_seconds: int = 120
+    worker_concurrency: int | None = None
+
+    # Logging.
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "console"] = "json"
+
+    # Operations: Flower's basic auth (``tessera flower`` refuses to start without a password), the
+    # folder where api and worker processes share their Prometheus series (unset: ``metrics/`` in
+    # data_dir), and how long the api lets in-flight requests finish after SIGTERM.
+    flower_user: str = "tessera"
+    flower_password: SecretStr | None = None
+    metrics_dir: Path | None = None
+    api_shutdown_timeout_seconds: float = 30.0
+
+    @field_validator("header_prefix")
+    @classmethod
+    def _prefix_form(cls, value: str) -> str:
+        if not value or not value.replace("-", "").isalnum():
+            raise ValueError("header prefix must be letters, digits and dashes")
+        return value.upper()
+
+    # ---- derived values -------------------------------------------------------------------------
+
+    @property
+    def effective_database_url(self) -> str:
+        """The SQLAlchemy URL in use: the configured one or the SQLite file in ``data_dir``."""
+        return self.database_url or f"sqlite:///{self.data_dir / 'tessera.db'}"
+
+    @property
+    def effective_broker_url(self) -> str:
+        """The Celery broker URL: the configured one or kombu's SQLAlchemy transport on SQLite."""
+        return self.broker_url or f"sqla+sqlite:///{self.data_dir / 'broker.db'}"
+
+    @property
+    def uses_embedded_database(self) -> bool:
+        """True when the database is the embedded SQLite file."""
+        return self.effective_database_url.startswith("sqlite")
+
+    @property
+    def effective_metrics_dir(self) -> Path:
+        """The folder of the Prometheus multiprocess files: ``metrics_dir`` or ``metrics/`` in data_dir."""
+        return self.metrics_dir or self.data_dir / "metrics"
+
+    @property
+    def webhook_retry_delays(self) -> list[int]:
+        """Delays in seconds before retry 1, 2, ... of a webhook delivery."""
+        return [int(part) for part in self.webhook_retry_schedule.split(",") if part.strip()]
+
+    def header(self, suffix: str) -> str:
+        """The full name of one of the service's own headers, e.g. ``header("API-KEY")``."""
+        return f"{self.header_prefix}-{suffix}"
+
+
+@functools.cache
+def get_settings() -> Settings:
+    """The process's settings, read once from the environment."""
+    return Settings()
+
+
+def reload_settings() -> Settings:
+    """Drop the cached settings and read the environment again (tests, CLI overrides)."""
+    get_settings.cache_clear()
+    return get_settings()

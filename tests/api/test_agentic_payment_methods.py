@@ -1,0 +1,418 @@
+"""Payment methods over HTTP with a real worker and the sandbox: every SANDBOX.md payment-method row,
+rails in parallel, pending rails and their event, retries, the card object, validation, permissions."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import threading
+import time
+import uuid
+
+import pytest
+from sqlalchemy import update
+
+from core.events import EVENT_TYPES
+from core.providers import agentic as providers
+from storage.db import session_scope
+from storage.models_agentic import PaymentMethod
+from tests.api.test_agentic_support import (
+    AMEX,
+    BASE,
+    DISCOVER,
+    FAILS_ON_CREATE,
+    HANGS,
+    MASTERCARD,
+    PENDING,
+    RAIL_EVENT,
+    REJECTED,
+    VISA,
+    a_uuid,
+    assert_problem,
+    body,
+    card_token,
+    create,
+    created,
+    fresh_visa,
+    get,
+    jobs_of,
+    later,
+    outcome,
+    pm_row,
+    provider_enrollments,
+    rail_events,
+    rail_rows,
+    rails,
+    settled,
+    subscribe,
+)
+from tests.helpers import wait_until
+
+# ---- SANDBOX.md, agentic providers: rails after create ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("number", "expected"),
+    [
+        (VISA, {"vic": "enabled", "psp": "enabled"}),
+        (MASTERCARD, {"agentpay": "enabled", "psp": "enabled"}),
+        (AMEX, {"psp": "enabled"}),
+        (REJECTED, {"vic": "CARD_REJECTED", "psp": "enabled"}),
+        (FAILS_ON_CREATE, {"vic": "PROVIDER_ENROLLMENT_FAILED", "psp": "enabled"}),
+        (PENDING, {"vic": "pending", "psp": "enabled"}),
+    ],
+)
+def test_rails_after_create_follow_the_sandbox_table(tenant, number, expected):
+    answer = create(tenant.client, card_token(tenant.client, number))
+
+    assert answer.status == 201, answer
+    pm = answer.json
+    assert outcome(pm) == expected
+    assert [r["rail"] for r in pm["rails"]] == ["agentic-token" if p != "psp" else "spt" for p in expected]
+    for rail in pm["rails"]:
+        assert ("error" in rail) == (rail["status"] == "error")
+        if rail["status"] == "enabled":
+            assert rail["provider_ids"] and all(isinstance(v, str) and v for v in rail["provider_ids"].values())
+    assert get(tenant.client, pm["id"])["rails"] == pm["rails"]
+
+
+def test_a_visa_payment_method_in_full(tenant):
+    token_id = card_token(tenant.client, VISA)
+    answer = create(tenant.client, token_id, consumer={"email": "ada@example.com", "country_code": "gb",
+                                                       "language_code": "en-gb"})
+
+    assert answer.status == 201
+    pm = answer.json
+    assert pm["id"].startswith("pm_") and len(pm["id"]) == 35
+    assert pm["status"] == "active"
+    assert pm["source"] == {"type": "svc_card_token", "token_id": token_id}
+    consumer = pm["consumer"]
+    assert consumer["email"] == "ada@example.com"
+    assert consumer["country_code"] == "GB" and consumer["language_code"] == "en-GB"
+    assert str(uuid.UUID(consumer["id"])) == consumer["id"]  # generated
+    assert "agent_id" not in pm
+    card = pm["card"]
+    assert card["type"] == "card" and card["brand"] == "visa" and card["last4"] == "4242"
+    assert card["expiration_month"] == 12 and card["bin"] == "42424242" and card["funding"] == "credit"
+    assert card["issuer"]["name"] and card["issuer_country"]["alpha2"] == "US"
+    assert card["display"]["background_color"] == "#1A1F71" and card["display"]["art_url"]
+    text = answer.raw.decode()
+    assert VISA not in text and '"123"' not in text and "cvc" not in text  # no number, no security code
+    assert dt.datetime.fromisoformat(pm["updated_at"]) >= dt.datetime.fromisoformat(pm["created_at"])
+    assert rails(pm)[("agentic-token", "vic")]["provider_ids"].keys() == {"enrollment_reference", "token_reference"}
+    assert rails(pm)[("spt", "psp")]["provider_ids"].keys() == {"payment_method"}
+
+
+def test_the_card_number_and_code_are_never_stored_on_the_payment_method(tenant):
+    pm = created(tenant.client, VISA)
+    row = pm_row(pm["id"])
+    rail_data = [(r.provider_ids, r.enrollment_id) for r in rail_rows(pm["id"])]
+    stored = repr((row.source, row.consumer, row.card, rail_data))
+    assert VISA not in stored and "'123'" not in stored and "cvc" not in stored
+
+
+def test_each_rail_is_its_own_job_and_they_run_in_parallel(tenant):
+    """The hanging card: vic never answers. psp is enabled long before vic's call times out, and the
+    answer comes after one provider timeout (8 s), not later."""
+    token_id = card_token(tenant.client, HANGS)
+    answers = {}
+    started = time.monotonic()
+    thread = threading.Thread(target=lambda: answers.setdefault("create", create(tenant.client, token_id)))
+    thread.start()
+    listed = wait_until(lambda: (page := tenant.client.get(BASE).json["data"]) and page[0], timeout=5)
+    seen = wait_until(lambda: (pm := get(tenant.client, listed["id"])) and outcome(pm)["psp"] == "enabled" and pm,
+                      timeout=5)
+    assert outcome(seen)["vic"] == "pending"  # vic's call is still in flight on another worker
+    thread.join(30)
+    elapsed = time.monotonic() - started
+    pm = answers["create"].json
+    assert answers["create"].status == 201
+    assert outcome(pm) == {"vic": "PROVIDER_ENROLLMENT_FAILED", "psp": "enabled"}
+    assert 7 < elapsed < 12
+    kinds = sorted(job.kind for job in jobs_of(pm["id"]))
+    assert kinds == ["agentic.enroll_rail", "agentic.enroll_rail"]
+    errors = tenant.client.get(f"{BASE}/{pm['id']}/errors").json["data"]
+    assert [(e["code"], e["provider"], e["provider_code"]) for e in errors] == [
+        ("PROVIDER_ENROLLMENT_FAILED", "vic", None)
+    ]
+    assert "in time" in errors[0]["detail"]
+
+
+def test_an_unsupported_network_is_400_unsupported_provider(tenant):
+    answer = create(tenant.client, card_token(tenant.client, DISCOVER))
+    assert_problem(answer, 400, "UNSUPPORTED_PROVIDER")
+    assert tenant.client.get(BASE).json["data"] == []
+
+
+# ---- pending rails ---------------------------------------------------------------------------------
+
+
+def test_a_pending_rail_completes_by_itself_and_its_event_is_delivered(tenant, receiver, sandbox):
+    subscribe(tenant, receiver.url)
+    pm = created(tenant.client, PENDING)
+    assert outcome(pm)["vic"] == "pending"
+    assert "error" not in rails(pm)[("agentic-token", "vic")]
+
+    hits = receiver.wait_for(lambda r: r.json["event"]["type"] == RAIL_EVENT, timeout=20)
+    data = hits[0].json["event"]["data"]
+    assert data["payment_method"] == {"id": pm["id"], "status": "active"}
+    assert data["rail"]["rail"] == "agentic-token" and data["rail"]["provider"] == "vic"
+    assert data["rail"]["status"] == "enabled" and "error" not in data["rail"]
+    final = get(tenant.client, pm["id"])
+    assert outcome(final) == {"vic": "enabled", "psp": "enabled"}
+    assert later(final, pm)
+    assert len(rail_events(tenant.id, pm["id"])) == 1  # psp was never pending: no event for it
+    enrollment_id = rail_rows(pm["id"])[0].enrollment_id
+    assert [e["id"] for e in provider_enrollments(sandbox, "vic", PENDING) if e["id"] == enrollment_id]
+
+
+def test_the_event_type_is_offered_to_webhooks():
+    assert RAIL_EVENT in EVENT_TYPES
+
+
+# ---- retry -----------------------------------------------------------------------------------------
+
+
+def retry(client, pm_id: str, rail: str = "agentic-token", provider: str = "vic"):
+    return client.post(f"{BASE}/{pm_id}/rails/retry", {"rail": rail, "provider": provider})
+
+
+def test_a_rejected_card_stays_in_error_on_retry(tenant):
+    pm = created(tenant.client, REJECTED)
+    before = get(tenant.client, pm["id"])
+
+    problem = assert_problem(retry(tenant.client, pm["id"]), 422, "CARD_REJECTED")
+    assert problem["debug"]["provider_correlation"].startswith("corr_")
+    assert problem["detail"]
+    after = get(tenant.client, pm["id"])
+    assert outcome(after) == {"vic": "CARD_REJECTED", "psp": "enabled"}
+    assert after["updated_at"] == before["updated_at"]  # nothing a client sees changed
+    errors = tenant.client.get(f"{BASE}/{pm['id']}/errors").json["data"]
+    assert [e["code"] for e in errors] == ["CARD_REJECTED", "CARD_REJECTED"]
+    assert errors[0]["provider_correlation_id"] == problem["debug"]["provider_correlation"]
+
+
+def test_a_failed_rail_is_enabled_by_a_retry_which_backfills_the_display(tenant):
+    pm = created(tenant.client, FAILS_ON_CREATE)
+    assert outcome(pm)["vic"] == "PROVIDER_ENROLLMENT_FAILED"
+    with session_scope() as session:  # as if no provider had sent display data so far
+        row = session.get(PaymentMethod, pm["id"])
+        row.card = {**row.card, "display": dict.fromkeys(row.card["display"])}
+        session.add(row)
+
+    answer = retry(tenant.client, pm["id"])
+
+    assert answer.status == 200, answer
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert answer.json["card"]["display"]["background_color"] == "#1A1F71"
+    assert answer.json["card"]["display"]["art_url"]
+    assert later(answer.json, pm)
+    assert get(tenant.client, pm["id"]) == answer.json
+    assert [job.result.get("rail_status") for job in jobs_of(pm["id"]) if job.status == "succeeded"].count(
+        "enabled") == 2
+
+
+def test_a_pending_rail_can_be_retried(tenant, monkeypatch):
+    real_read = providers.HttpAgenticProvider.get_enrollment
+
+    def still_pending(self, enrollment_id):  # the provider keeps it pending until the retry is in
+        answer = real_read(self, enrollment_id)
+        return dataclasses.replace(answer, status="pending")
+
+    monkeypatch.setattr(providers.HttpAgenticProvider, "get_enrollment", still_pending)
+    pm = created(tenant.client, PENDING)
+    assert outcome(pm)["vic"] == "pending"
+    answer = retry(tenant.client, pm["id"])
+    assert answer.status == 200, answer
+    assert outcome(answer.json)["vic"] == "pending"
+    monkeypatch.undo()
+    assert outcome(settled(tenant.client, pm["id"]))["vic"] == "enabled"
+    assert [e["rail"]["status"] for e in rail_events(tenant.id, pm["id"])] == ["enabled"]
+
+
+def test_retry_validation_and_errors(tenant):
+    pm = created(tenant.client, REJECTED)
+    amex = created(tenant.client, AMEX)
+    client = tenant.client
+
+    problem = assert_problem(retry(client, pm["id"], "spt", "vic"), 400, "VALIDATION_ERROR")
+    assert list(problem["errors"]) == ["provider"]
+    assert problem["title"].startswith("provider: ")
+    problem = assert_problem(client.post(f"{BASE}/{pm['id']}/rails/retry", {"rail": "card", "provider": "x"}), 400,
+                             "VALIDATION_ERROR")
+    assert set(problem["errors"]) == {"rail", "provider"}
+    assert_problem(client.post(f"{BASE}/{pm['id']}/rails/retry", {"rail": "spt"}), 400, "VALIDATION_ERROR")
+    assert_problem(retry(client, amex["id"], "agentic-token", "vic"), 400, "RAIL_NOT_FOUND")
+    assert_problem(retry(client, pm["id"], "agentic-token", "agentpay"), 400, "RAIL_NOT_FOUND")
+    problem = assert_problem(retry(client, pm["id"], "spt", "psp"), 400, "VALIDATION_ERROR")  # enabled
+    assert list(problem["errors"]) == ["rail"]
+    assert_problem(retry(client, "pm_unknown"), 404, "PAYMENT_METHOD_NOT_FOUND")
+
+
+def test_a_retry_on_a_deleted_payment_method_is_400(tenant):
+    pm = created(tenant.client, REJECTED)
+    assert tenant.client.delete(f"{BASE}/{pm['id']}").status == 204
+    assert_problem(retry(tenant.client, pm["id"]), 400, "PAYMENT_METHOD_DELETED")
+
+
+def test_a_production_tenant_without_live_urls_records_provider_not_configured(api):
+    from tests.conftest import make_tenant
+
+    production = make_tenant(api, type="production")
+    pm = created(production.client, VISA)
+    assert outcome(pm) == {"vic": "PROVIDER_NOT_CONFIGURED", "psp": "PROVIDER_NOT_CONFIGURED"}
+    assert jobs_of(pm["id"]) == []  # no provider call was even attempted
+    assert_problem(retry(production.client, pm["id"]), 422, "PROVIDER_NOT_CONFIGURED")
+    errors = production.client.get(f"{BASE}/{pm['id']}/errors").json["data"]
+    assert [e["code"] for e in errors] == ["PROVIDER_NOT_CONFIGURED"] * 3
+
+
+# ---- create validation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "fields"),
+    [
+        ({"source": {"type": "card", "token_id": "x"}}, {"source.type", "source.token_id"}),
+        ({"source": None}, {"source"}),
+        ({"consumer": {}}, {"consumer.email"}),
+        ({"consumer": {"email": "not-an-email"}}, {"consumer.email"}),
+        ({"consumer": {"email": "a@example.com", "id": "nope"}}, {"consumer.id"}),
+        ({"consumer": {"email": "a@example.com", "country_code": "XX"}}, {"consumer.country_code"}),
+        ({"consumer": {"email": "a@example.com", "country_code": "GBR"}}, {"consumer.country_code"}),
+        ({"consumer": {"email": "a@example.com", "language_code": "e"}}, {"consumer.language_code"}),
+        ({"consumer": {"email": "a@example.com", "language_code": "en_US"}}, {"consumer.language_code"}),
+        ({"consumer": {"email": "a@example.com", "language_code": "x" * 36}}, {"consumer.language_code"}),
+        ({"agent_id": ""}, {"agent_id"}),
+        ({"provider": "vic"}, {"provider"}),
+    ],
+)
+def test_create_validation_lists_every_failing_field(tenant, change, fields):
+    payload = {**body(a_uuid()), **change}
+    problem = assert_problem(tenant.client.post(BASE, payload), 400, "VALIDATION_ERROR")
+    assert set(problem["errors"]) == fields
+    first = next(iter(problem["errors"]))
+    assert problem["title"] == f"{first}: {problem['errors'][first][0]}"
+
+
+def test_both_parts_missing_are_both_listed(tenant):
+    problem = assert_problem(tenant.client.post(BASE, {}), 400, "VALIDATION_ERROR")
+    assert set(problem["errors"]) == {"source", "consumer"}
+
+
+def test_consumer_codes_are_normalised(tenant):
+    consumer = {"email": "b@example.com", "id": a_uuid(), "country_code": "de", "language_code": "zh-hant-tw"}
+    pm = created(tenant.client, AMEX, consumer=consumer)
+    assert pm["consumer"] == {**consumer, "country_code": "DE", "language_code": "zh-Hant-TW"}
+
+
+def test_the_token_must_be_a_readable_card_of_the_tenant(tenant, other_tenant):
+    client = tenant.client
+    assert_problem(create(client, a_uuid()), 400, "INVALID_TOKEN")
+    plain = client.post("/tokens", {"type": "token", "data": "hello"}).json["id"]
+    assert_problem(create(client, plain), 400, "INVALID_TOKEN")
+    theirs = card_token(other_tenant.client, VISA)
+    assert_problem(create(client, theirs), 400, "INVALID_TOKEN")
+    no_expiry = client.post("/tokens", {"type": "card", "data": {"number": VISA}}).json["id"]
+    assert_problem(create(client, no_expiry), 400, "INVALID_TOKEN")
+    assert client.get(BASE).json["data"] == []
+
+
+def test_an_agent_id_must_name_an_agent_of_the_tenant(tenant, other_tenant):
+    token_id = card_token(tenant.client, AMEX)
+    assert_problem(create(tenant.client, token_id, agent_id="agt_unknown"), 404, "AGENT_NOT_FOUND")
+    theirs = other_tenant.client.post("/agentic/agents", {"name": "theirs"}).json["id"]
+    assert_problem(create(tenant.client, token_id, agent_id=theirs), 404, "AGENT_NOT_FOUND")
+    mine = tenant.client.post("/agentic/agents", {"name": "mine"}).json["id"]
+    answer = create(tenant.client, token_id, agent_id=mine)
+    assert answer.status == 201 and answer.json["agent_id"] == mine
+
+
+# ---- list, get, permissions -------------------------------------------------------------------------
+
+
+def test_list_pages_newest_first_with_filters(tenant):
+    client = tenant.client
+    consumer_id = a_uuid()
+    token_id = card_token(client, AMEX)
+    mine = [create(client, token_id, consumer={"email": "c@example.com", "id": consumer_id}).json["id"]
+            for _ in range(3)]
+    other = create(client, token_id).json["id"]
+    gone = create(client, token_id, consumer={"email": "c@example.com", "id": consumer_id}).json["id"]
+    assert client.delete(f"{BASE}/{gone}").status == 204
+
+    seen, start = [], None
+    while True:
+        page = client.get(f"{BASE}?size=2" + (f"&start={start}" if start else "")).json
+        assert len(page["data"]) <= 2 and page["pagination"]["page_size"] == 2
+        seen += [pm["id"] for pm in page["data"]]
+        start = page["pagination"].get("next")
+        if not start:
+            break
+    assert seen == [other, *reversed(mine)]
+    assert [pm["id"] for pm in client.get(f"{BASE}?consumer_id={consumer_id}").json["data"]] == list(reversed(mine))
+    assert [pm["id"] for pm in client.get(f"{BASE}?status=deleted").json["data"]] == [gone]
+    assert len(client.get(f"{BASE}?status=all&consumer_id={consumer_id}").json["data"]) == 4
+    assert client.get(f"{BASE}?consumer_id={a_uuid()}").json == {"pagination": {"page_size": 20}, "data": []}
+
+
+@pytest.mark.parametrize("query", ["size=0", "size=101", "size=x", "status=gone", "consumer_id=1", "start=bogus"])
+def test_list_query_validation(tenant, query):
+    problem = assert_problem(tenant.client.get(f"{BASE}?{query}"), 400, "VALIDATION_ERROR")
+    assert set(problem["errors"]) == {query.split("=")[0]}
+
+
+def test_reads_do_not_move_updated_at(tenant):
+    pm = created(tenant.client, AMEX)
+    for _ in range(2):
+        get(tenant.client, pm["id"])
+        tenant.client.get(BASE)
+        tenant.client.get(f"{BASE}/{pm['id']}/errors")
+    assert get(tenant.client, pm["id"])["updated_at"] == pm["updated_at"]
+
+
+def test_another_tenants_payment_method_is_not_found(tenant, other_tenant):
+    pm = created(tenant.client, AMEX)
+    for answer in (other_tenant.client.get(f"{BASE}/{pm['id']}"),
+                   other_tenant.client.get(f"{BASE}/{pm['id']}/errors"),
+                   other_tenant.client.delete(f"{BASE}/{pm['id']}"),
+                   retry(other_tenant.client, pm["id"], "spt", "psp")):
+        assert_problem(answer, 404, "PAYMENT_METHOD_NOT_FOUND")
+    assert other_tenant.client.get(BASE).json["data"] == []
+
+
+def test_permissions(tenant, limited):
+    token_id = card_token(tenant.client, AMEX)
+    public = limited(tenant, ["agentic:payment-method:create"], type="public")
+    pm = create(public, token_id)
+    assert pm.status == 201, pm  # no token read permission needed
+    pm_id = pm.json["id"]
+    assert retry(public, pm_id, "spt", "psp").status == 400  # allowed, but the rail is enabled
+    for answer, permission in ((public.get(BASE), "get"), (public.get(f"{BASE}/{pm_id}"), "get"),
+                               (public.get(f"{BASE}/{pm_id}/errors"), "get"),
+                               (public.delete(f"{BASE}/{pm_id}"), "delete")):
+        assert answer.status == 403, answer
+        assert f"agentic:payment-method:{permission}" in answer.json["detail"]
+    reader = limited(tenant, ["agentic:payment-method:get"])
+    assert reader.get(f"{BASE}/{pm_id}").status == 200
+    assert reader.post(BASE, body(token_id)).status == 403
+    assert retry(reader, pm_id, "spt", "psp").status == 403
+    assert reader.delete(f"{BASE}/{pm_id}").status == 403
+    deleter = limited(tenant, ["agentic:payment-method:delete"])
+    assert deleter.delete(f"{BASE}/{pm_id}").status == 204
+
+
+def test_a_fresh_card_enrolls_once_per_provider(tenant, sandbox):
+    number = fresh_visa()
+    pm = created(tenant.client, number)
+    assert outcome(pm) == {"vic": "enabled", "psp": "enabled"}
+    assert len(provider_enrollments(sandbox, "vic", number)) == 1
+    assert len(provider_enrollments(sandbox, "psp", number)) == 1
+    assert len(provider_enrollments(sandbox, "agentpay", number)) == 0
+
+
+def test_updated_at_only_moves_with_visible_state(tenant):
+    pm = created(tenant.client, AMEX)
+    with session_scope() as session:  # internal bookkeeping changes are invisible
+        session.execute(update(PaymentMethod).where(PaymentMethod.id == pm["id"]).values(idempotency_key=None))
+    assert get(tenant.client, pm["id"])["updated_at"] == pm["updated_at"]

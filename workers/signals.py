@@ -1,0 +1,194 @@
+"""Celery signals: log context, task metrics and heartbeats, for every worker and producer.
+
+* Producers (the api, the CLI, tasks, beat) put the current trace and tenant ids in each message's
+  headers (``before_task_publish``); a worker binds them, the task name and id and the job id to
+  every log line of the run (``task_prerun``) and forgets them after (``task_postrun``). A job task
+  whose message carries no trace (one re-sent by the relay) takes it from its job row.
+* Each run is counted by task name and outcome, timed, and webhook deliveries counted by outcome
+  (``app/metrics.py``).
+* Heartbeats (``core/ops.py``): a worker every ten seconds while it runs, beat each time it sends a
+  scheduled task, the outbox relay after each run.
+
+Imported by ``workers/celery_app.py``, so every process using the Celery app has them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from celery import signals
+
+from app import metrics
+from tessera import logs
+from tessera.settings import get_settings
+
+log = logging.getLogger("tessera.workers")
+
+TRACE_HEADER = "tessera_trace_id"
+TENANT_HEADER = "tessera_tenant_id"
+RELAY_TASK = "sweeps.relay_outbox"
+DELIVER_TASK = "webhooks.deliver"
+
+_started: dict[str, float] = {}
+_state = {"beat": False}
+_heartbeat_stop = threading.Event()
+
+
+# ---- producers -----------------------------------------------------------------------------------
+
+
+@signals.before_task_publish.connect
+def _propagate_context(headers=None, **_kwargs) -> None:
+    """Carry the caller's trace and tenant ids to the worker in the message headers."""
+    if headers is None:
+        return
+    context = logs.current_context()
+    for key, header in (("trace_id", TRACE_HEADER), ("tenant_id", TENANT_HEADER)):
+        if context.get(key) is not None and header not in headers:
+            headers[header] = str(context[key])
+
+
+@signals.beat_init.connect
+def _beat_started(**_kwargs) -> None:
+    _state["beat"] = True
+    _heartbeat("beat")
+
+
+@signals.after_task_publish.connect
+def _beat_heartbeat(**_kwargs) -> None:
+    """Beat is alive when it sends its scheduled tasks."""
+    if _state["beat"]:
+        _heartbeat("beat")
+
+
+def _heartbeat(name: str) -> None:
+    from core import ops
+
+    try:
+        ops.record_heartbeat(get_settings(), name)
+    except Exception:
+        log.warning("could not record the %s heartbeat", name, exc_info=True)
+
+
+# ---- task runs -----------------------------------------------------------------------------------
+
+
+@signals.task_prerun.connect
+def _task_prerun(task_id=None, task=None, kwargs=None, **_kwargs) -> None:
+    """Bind the run's context to its log lines; start its clock."""
+    logs.clear()
+    name = getattr(task, "name", None) or "unknown"
+    request = getattr(task, "request", None)
+    job_id = (kwargs or {}).get("job_id")
+    trace_id = _header(request, TRACE_HEADER)
+    tenant_id = _header(request, TENANT_HEADER)
+    if job_id and (trace_id is None or tenant_id is None):
+        trace_id, tenant_id = _job_context(job_id, trace_id, tenant_id)
+    logs.bind(task=name, task_id=task_id, job_id=job_id, trace_id=trace_id, tenant_id=tenant_id)
+    if task_id:
+        _started[task_id] = time.monotonic()
+    metrics.task_started(name)
+
+
+@signals.task_postrun.connect
+def _task_postrun(task_id=None, task=None, retval=None, state=None, **_kwargs) -> None:
+    """Count and time the run by its outcome; forget its context."""
+    name = getattr(task, "name", None) or "unknown"
+    started = _started.pop(task_id, None) if task_id else None
+    try:
+        metrics.task_finished(name, outcome_of(state, retval), None if started is None else time.monotonic() - started)
+        if name == DELIVER_TASK and isinstance(retval, dict):
+            metrics.webhook_outcomes(retval)
+        if name == RELAY_TASK and state == "SUCCESS":
+            _heartbeat("relay")
+    finally:
+        logs.clear()
+
+
+def outcome_of(state: str | None, retval) -> str:
+    """The outcome label of a run: a job task's returned status, else from the Celery state."""
+    if state == "SUCCESS":
+        return retval if isinstance(retval, str) and retval in metrics.JOB_OUTCOMES else "succeeded"
+    if state == "RETRY":
+        return "retrying"
+    if state == "FAILURE":
+        return "error"
+    return (state or "unknown").lower()
+
+
+def _header(request, name: str) -> str | None:
+    if request is None:
+        return None
+    value = request.get(name) if hasattr(request, "get") else getattr(request, name, None)
+    return str(value) if value else None
+
+
+def _job_context(job_id, trace_id, tenant_id) -> tuple[str | None, str | None]:
+    try:
+        from storage.db import session_scope
+        from storage.models import Job
+
+        with session_scope() as session:
+            job = session.get(Job, uuid.UUID(str(job_id)))
+            if job is not None:
+                trace_id = trace_id or job.trace_id
+                tenant_id = tenant_id or (str(job.tenant_id) if job.tenant_id else None)
+    except Exception:
+        log.debug("no job context for %s", job_id, exc_info=True)
+    return trace_id, tenant_id
+
+
+# ---- worker processes ----------------------------------------------------------------------------
+
+
+@signals.worker_ready.connect
+def _worker_ready(sender=None, **_kwargs) -> None:
+    """Start the worker's heartbeat (in the worker's main process)."""
+    from core import ops
+
+    name = f"worker:{getattr(sender, 'hostname', None) or 'celery'}"
+    _heartbeat_stop.clear()
+
+    def beat() -> None:
+        while True:
+            _heartbeat(name)
+            if _heartbeat_stop.wait(ops.HEARTBEAT_SECONDS):
+                return
+
+    threading.Thread(target=beat, name="tessera-heartbeat", daemon=True).start()
+
+
+@signals.worker_shutdown.connect
+def _worker_shutdown(sender=None, **_kwargs) -> None:
+    """Stop the heartbeat and remove it: a worker that stopped cleanly is not "missing"."""
+    from core import ops
+
+    _heartbeat_stop.set()
+    try:
+        ops.forget_heartbeat(get_settings(), f"worker:{getattr(sender, 'hostname', None) or 'celery'}")
+    except Exception:
+        log.warning("could not remove the worker heartbeat", exc_info=True)
+
+
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _own_loggers_to_root(logger=None, **_kwargs) -> None:
+    """Celery gives ``celery.task`` and the pool's ``multiprocessing`` logger handlers and a format of
+    their own: in a ``tessera`` process their lines go to the root handler, structured like the rest."""
+    if not logs.is_configured():
+        return
+    from celery.utils.log import get_multiprocessing_logger
+
+    for own in (logging.getLogger("celery.task"), get_multiprocessing_logger()):
+        if own is not None and own is not logging.getLogger():
+            own.handlers[:] = []
+            own.propagate = True
+
+
+@signals.worker_process_shutdown.connect
+def _worker_process_shutdown(**_kwargs) -> None:
+    """A pool process exits: its in-progress gauge no longer counts."""
+    metrics.mark_process_dead()
