@@ -16,7 +16,6 @@ from sqlmodel import Field, SQLModel
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _created_at
 
-
 # ---- tenants, users, applications ----------------------------------------------------------------
 
 
