@@ -140,7 +140,7 @@ def mask_pan(number: str) -> str:
     """Mask a card number for display, keeping its length.
 
     * 13 characters or more: the first six and last four stay, the rest become ``X``
-      (``4242424242424242`` -> ``424242XXXXXX4242``);
+      (``4111111111111111`` -> ``411111XXXXXX1111``);
     * 5 to 12 characters: only the last four stay (``123456789`` -> ``XXXXX6789``);
     * 4 characters or fewer: everything is masked, since "the last four" would be all of it.
 

@@ -206,7 +206,7 @@ def reveal_first_filter(value: object, n: object = 6, char: object = MASK_CHAR) 
 def reveal_filter(value: object, first: object = 0, last: object = 0, char: object = MASK_CHAR) -> str | None:
     """``reveal: first, last[, char]``: keep ``first`` leading and ``last`` trailing characters.
 
-    ``{{ "4242424242424242" | reveal: 6, 4 }}`` -> ``424242XXXXXX4242``. A value no longer than
+    ``{{ "4111111111111111" | reveal: 6, 4 }}`` -> ``411111XXXXXX1111``. A value no longer than
     ``first + last`` is returned unchanged. Same coercions as ``reveal_last``.
     """
     text = _text(value, "reveal")
