@@ -53,6 +53,7 @@ from core.cards import card_brand, validate_card
 from core.context import Caller
 from core.errors import Problem, not_found, validation_problem
 from core.expressions import reveal_last_filter
+from core.ids import parse_uuid
 from core.jobs import PermanentError
 from core.providers import not_configured
 from core.providers.card_network import (
@@ -176,18 +177,9 @@ def _event(session: Session, token_id: uuid.UUID, tenant_id: uuid.UUID, kind: st
 # ---- lookups -------------------------------------------------------------------------------------
 
 
-def _parse_id(value: object) -> uuid.UUID | None:
-    if isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
-
-
 def _get(session: Session, tenant_id: uuid.UUID, token_id: object, *, lock: bool = False) -> NetworkToken:
     """The tenant's network token, else a 404 problem (another tenant's answers the same)."""
-    parsed = _parse_id(token_id)
+    parsed = parse_uuid(token_id)
     token = None
     if parsed is not None:
         query = select(NetworkToken).where(NetworkToken.id == parsed, NetworkToken.tenant_id == tenant_id)
@@ -202,7 +194,7 @@ def _get(session: Session, tenant_id: uuid.UUID, token_id: object, *, lock: bool
 def _removed_by_failure(session: Session, tenant_id: uuid.UUID, token_id: object) -> Problem:
     """The 404 of a network token that is not there: it names the provisioning failure when the
     tenant's network token was removed because its provisioning failed."""
-    parsed = _parse_id(token_id)
+    parsed = parse_uuid(token_id)
     job = None
     if parsed is not None:
         job = session.exec(
@@ -446,7 +438,7 @@ def network_for_job(session: Session, job: Job) -> CardNetwork:
 def provisioning_input(session: Session, job: Job) -> tuple[CardNetwork, CardToProvision] | None:
     """What the provisioning job sends: the adapter and the card. None when there is nothing to do
     (the network token was removed, or is no longer inactive)."""
-    token = session.get(NetworkToken, _parse_id(job.subject_id))
+    token = session.get(NetworkToken, parse_uuid(job.subject_id))
     if token is None or token.tenant_id != job.tenant_id or token.status != "inactive" or token.source_ct is None:
         return None
     source = json.loads(get_keyring().decrypt(session, token.tenant_id, SOURCE_PURPOSE, str(token.id),
@@ -475,7 +467,7 @@ def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | No
     if outcome is None:
         return {**result, "skipped": True}
     _locked_job(session, job.id)
-    token = session.get(NetworkToken, _parse_id(job.subject_id), with_for_update=True)
+    token = session.get(NetworkToken, parse_uuid(job.subject_id), with_for_update=True)
     if token is None or token.tenant_id != job.tenant_id:
         _record_network_delete(session, job.tenant_id, outcome.reference, job.trace_id)
         return {**result, "removed": True}
@@ -502,7 +494,7 @@ def provisioning_failed(session: Session, job: Job, error: Exception) -> None:
     row by the system); emit ``network-token.failed`` when the create had answered 202."""
     session.flush()  # the job's failure first: it waits for a create handler holding the job's lock
     token = session.exec(
-        select(NetworkToken).where(NetworkToken.id == _parse_id(job.subject_id)).with_for_update()
+        select(NetworkToken).where(NetworkToken.id == parse_uuid(job.subject_id)).with_for_update()
     ).first()
     if token is None or token.tenant_id != job.tenant_id or token.status != "inactive":
         return
@@ -571,7 +563,7 @@ def change_outcome(session: Session, caller: Caller, started: Started) -> tuple[
 
 def change_input(session: Session, job: Job) -> tuple[CardNetwork, str] | None:
     """The adapter and the network's id of the token a suspend/resume job changes; None when removed."""
-    token = session.get(NetworkToken, _parse_id(job.subject_id))
+    token = session.get(NetworkToken, parse_uuid(job.subject_id))
     if token is None or token.tenant_id != job.tenant_id or token.network_reference is None:
         return None
     return network_for_job(session, job), token.network_reference
@@ -581,7 +573,7 @@ def apply_change(session: Session, job: Job, action: str, network_status: str | 
     """The network confirmed: set the new status, emit ``network-token.suspended`` / ``.resumed``."""
     _, target, _ = _CHANGES[action]
     _locked_job(session, job.id)
-    token = session.get(NetworkToken, _parse_id(job.subject_id), with_for_update=True)
+    token = session.get(NetworkToken, parse_uuid(job.subject_id), with_for_update=True)
     if network_status is None or token is None or token.tenant_id != job.tenant_id:
         return {"network_token_id": job.subject_id, "skipped": True}
     if token.pending_job_id == job.id:
@@ -597,7 +589,7 @@ def apply_change(session: Session, job: Job, action: str, network_status: str | 
 def change_failed(session: Session, job: Job, error: Exception) -> None:
     """The network refused or could not be reached: the token keeps its status; the change is over."""
     session.flush()  # the job row first (lock order)
-    token = session.get(NetworkToken, _parse_id(job.subject_id), with_for_update=True)
+    token = session.get(NetworkToken, parse_uuid(job.subject_id), with_for_update=True)
     if token is not None and token.pending_job_id == job.id:
         token.pending_job_id = None
         session.add(token)
@@ -684,7 +676,7 @@ def network_reference_input(session: Session, job: Job) -> tuple[CardNetwork, st
 
 def apply_card_art(session: Session, job: Job, art: dict | None) -> dict:
     """Store the card art fetched (``{background_color, logo, card_image}``) with its time."""
-    token = session.get(NetworkToken, _parse_id(job.subject_id))
+    token = session.get(NetworkToken, parse_uuid(job.subject_id))
     if art is not None and token is not None and token.tenant_id == job.tenant_id:
         token.card_art = art
         token.card_art_at = utcnow()

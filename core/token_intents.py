@@ -44,6 +44,7 @@ from core.cards import DEFAULT_FINGERPRINT_EXPRESSIONS, default_card_mask, valid
 from core.context import Caller
 from core.errors import Problem, not_found, validation_problem
 from core.expressions import apply_mask, make_context, render
+from core.ids import parse_uuid
 from core.tokens import create_tokens, parse_token_request, token_view
 from storage.crypto import get_keyring
 from storage.models_network_tokens import NetworkToken, TokenIntent
@@ -77,19 +78,10 @@ def _open(session: Session, intent: TokenIntent, now: dt.datetime) -> dict:
     return data
 
 
-def _parse_id(value: object) -> uuid.UUID | None:
-    if isinstance(value, uuid.UUID):
-        return value
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
-
-
 def _get_live(session: Session, tenant_id: uuid.UUID, intent_id: object, now: dt.datetime,
               *, lock: bool = False) -> TokenIntent:
     """The tenant's unexpired intent, else a 404 problem."""
-    parsed = _parse_id(intent_id)
+    parsed = parse_uuid(intent_id)
     query = select(TokenIntent).where(
         TokenIntent.id == parsed, TokenIntent.tenant_id == tenant_id, TokenIntent.expires_at > now
     )
