@@ -127,6 +127,7 @@ class Route:
     request_content_type: str = "application/json"
     response_content_type: str = "application/json"
     openapi_extra: dict = field(default_factory=dict)
+    body_optional: bool = False
 
 
 class Api:
@@ -155,11 +156,13 @@ class Api:
         request_content_type: str = "application/json",
         response_content_type: str = "application/json",
         openapi_extra: dict | None = None,
+        body_optional: bool = False,
     ) -> Callable:
         """Declare an endpoint; returns a decorator taking ``async def handler(call: Call)``.
 
         The handler returns a JSON-able value (answered with ``status``), ``None`` (answered 204
         when ``status`` is 204), a ``(status, value)`` pair, or an aiohttp response.
+        ``body_optional``: a request without a body is validated as ``{}`` (every field optional).
         """
 
         def decorate(handler: Callable[[Call], Awaitable[Any]]) -> Callable:
@@ -183,6 +186,7 @@ class Api:
                     request_content_type=request_content_type,
                     response_content_type=response_content_type,
                     openapi_extra=openapi_extra or {},
+                    body_optional=body_optional,
                 )
             )
             return handler
@@ -307,7 +311,10 @@ def _nul_paths(value: Any, path: str) -> list[str]:
 
 
 async def _parse_body(route: Route, request: web.Request) -> Any:
-    payload = await read_json(request, content_types=(route.request_content_type,))
+    if route.body_optional and not request.body_exists:
+        payload: Any = {}
+    else:
+        payload = await read_json(request, content_types=(route.request_content_type,))
     if route.body is RAW_JSON:
         return payload
     try:

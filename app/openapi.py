@@ -142,7 +142,7 @@ def _operation(route: Route, schemas: _Schemas, settings: Settings) -> dict:
     if route.body is not None:
         body_schema = {} if route.body is RAW_JSON else schemas.request_of(route.body)
         operation["requestBody"] = {
-            "required": True,
+            "required": not route.body_optional,
             "content": {route.request_content_type: {"schema": body_schema}},
         }
     if route.status == 204:

@@ -515,13 +515,15 @@ def _aware(value: dt.datetime | None) -> dt.datetime | None:
     "/keys",
     permission="keys:create",
     body=KeyIn,
+    body_optional=True,
     status=201,
     response=KeyCreatedOut,
     tag=KEY_TAG,
     summary="Create a client encryption key",
     errors=(400,),
     description="Returns the public key once, as `public_key_pem` (SubjectPublicKeyInfo) and `public_key_jwk`. "
-    "`expires_at` in the past or more than 1 year after creation: 400. " + _KEY_TEXT,
+    "The body is optional (no body: the default life). `expires_at` in the past or more than 1 year after "
+    "creation: 400. " + _KEY_TEXT,
 )
 async def create_key(call: Call):
     """``POST /keys``: 201 with the key and its public key."""

@@ -283,3 +283,13 @@ def test_tampered_and_malformed_values_are_refused(tenant):
     assert "bank" in body["detail"]
     body = _refused(tenant, _header({"x": {"type": "card", "encrypted": token, "extra": 1}}))
     assert "extra" in body["detail"] and "x" in body["errors"]
+
+
+def test_create_takes_no_body_at_all(tenant):
+    answer = tenant.client.request("POST", "/keys")  # no body, no content type: every field is optional
+    assert answer.status == 201, answer
+    created = dt.datetime.fromisoformat(answer.json["created_at"])
+    expires = dt.datetime.fromisoformat(answer.json["expires_at"])
+    assert 180 <= (expires - created).days <= 184
+    assert answer.json["public_key_pem"].startswith("-----BEGIN PUBLIC KEY-----")
+    assert_problem(tenant.client.post("/keys", raw=b"{bad", content_type="application/json"), 400)
