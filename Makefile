@@ -17,11 +17,13 @@ $(BIN)/.installed: pyproject.toml
 dev: $(BIN)/.installed ## install into .venv and run `tessera dev` (embedded defaults unless TESSERA_* say otherwise)
 	$(BIN)/tessera dev
 
-test: $(BIN)/.installed services ## install, make sure PostgreSQL, Redis (and Chromium) are there, run every test
+test: $(BIN)/.installed services ## install, make sure PostgreSQL, Redis (and Chromium) are there, check the layers, run every test
+	$(BIN)/lint-imports
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-lint: $(BIN)/.installed ## ruff
+lint: $(BIN)/.installed ## ruff and the import-linter contracts (layers only point down, no circles)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 services: ## start PostgreSQL and Redis on loopback when they are not running; install them and Chromium if missing
 	bash scripts/services.sh

@@ -6,7 +6,7 @@ rather than piled up; every sweep works in batches and is safe to run twice or o
 
 from __future__ import annotations
 
-from tessera.settings import Settings
+from config.settings import Settings
 
 
 def beat_schedule(settings: Settings) -> dict:

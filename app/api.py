@@ -26,9 +26,9 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from app.context import DB_EXECUTOR, SETTINGS, TRACE_ID
-from core.auth import authenticate, caller_cache
-from core.context import Caller
-from core.errors import Problem, not_found, validation_problem
+from domain.tenancy.auth import authenticate, caller_cache
+from domain.tenancy.caller import Caller
+from infra.errors import Problem, not_found, validation_problem
 from storage.db import session_scope
 
 

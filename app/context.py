@@ -9,12 +9,14 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from app.ratelimit import RateLimiter
-    from tessera.settings import Settings
+    from config.settings import Settings
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 DB_EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("db_executor", ThreadPoolExecutor)
 RATE_LIMITER: web.AppKey[RateLimiter] = web.AppKey("rate_limiter")
 OPENAPI: web.AppKey[dict] = web.AppKey("openapi", dict)
+#: Every declared route of the application (``app/api.py``), in routing order.
+ROUTES: web.AppKey[list] = web.AppKey("routes", list)
 
 #: The request's trace id (``<prefix>-TRACE-ID``), set first thing by the error middleware.
 TRACE_ID: web.RequestKey[str] = web.RequestKey("trace_id", str)

@@ -16,14 +16,28 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from app import metrics
 from app.api import CALLER
-from app.context import DB_EXECUTOR, RATE_LIMITER, SETTINGS, TRACE_ID
+from app.context import DB_EXECUTOR, RATE_LIMITER, ROUTES, SETTINGS, TRACE_ID
 from app.problems import problem_response
 from app.ratelimit import RateLimiter, rules_for
+from app.routes import (
+    account_updater,
+    agentic,
+    applications,
+    network_tokens,
+    ops,
+    status,
+    tenant_admin,
+    tenants,
+    token_intents,
+    tokens,
+    webhooks,
+)
+from app.routes import logs as log_routes
 from app.routes.agentic import agentic_problem
-from core.errors import Problem
-from tessera.settings import Settings, get_settings
+from config.settings import Settings, get_settings
+from infra import logs, metrics
+from infra.errors import Problem
 
 log = logging.getLogger("tessera.api")
 access_log = logging.getLogger("tessera.api.access")
@@ -34,21 +48,6 @@ _TRACED_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 
 def route_modules() -> list:
     """The modules whose ``api`` registries make up the API, in routing order."""
-    from app.routes import (
-        account_updater,
-        agentic,
-        applications,
-        logs,
-        network_tokens,
-        ops,
-        status,
-        tenant_admin,
-        tenants,
-        token_intents,
-        tokens,
-        webhooks,
-    )
-
     return [
         status,
         ops,
@@ -61,15 +60,13 @@ def route_modules() -> list:
         agentic,
         account_updater,
         webhooks,
-        logs,
+        log_routes,
     ]
 
 
 @web.middleware
 async def observe_middleware(request: web.Request, handler) -> web.StreamResponse:
     """Bind the request's trace and tenant ids to its log lines; log and count it by route template."""
-    from tessera import logs
-
     started = time.monotonic()
     logs.clear()
     token = logs.bind_lazy(lambda: _request_context(request))
@@ -207,6 +204,7 @@ def init_app(settings: Settings | None = None) -> web.Application:
     )
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_resources)
+    app[ROUTES] = [route for module in route_modules() for route in module.api.routes]
     for module in route_modules():
         module.api.install(app)
     return app

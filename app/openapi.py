@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from app.api import RAW_JSON, AllOf, AnyOf, Route
-from tessera import __version__
-from tessera.settings import Settings
+from config import __version__
+from config.settings import Settings
 
 _PATH_PARAM = re.compile(r"{(\w+)}")
 _REF = "#/components/schemas/{model}"
@@ -165,12 +165,8 @@ def _operation(route: Route, schemas: _Schemas, settings: Settings) -> dict:
     return operation
 
 
-def build_openapi(settings: Settings, routes: list[Route] | None = None) -> dict:
-    """The OpenAPI 3.1 document for every declared route."""
-    if routes is None:
-        from app.main import route_modules
-
-        routes = [route for module in route_modules() for route in module.api.routes]
+def build_openapi(settings: Settings, routes: list[Route]) -> dict:
+    """The OpenAPI 3.1 document for ``routes`` (every declared route of the application)."""
     schemas = _Schemas()
     paths: dict[str, dict] = {}
     for route in routes:

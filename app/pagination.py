@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from core.errors import validation_problem
+from infra.errors import validation_problem
 
 #: The highest page number accepted: (page - 1) * size must stay far inside a SQL bigint OFFSET.
 MAX_PAGE = 2**31 - 1

@@ -1,4 +1,4 @@
-"""Rendering :class:`core.errors.Problem` as an aiohttp response (``application/problem+json``)."""
+"""Rendering :class:`infra.errors.Problem` as an aiohttp response (``application/problem+json``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from aiohttp import web
 
-from core.errors import Problem
+from infra.errors import Problem
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
-from tessera.settings import Settings
+from config.settings import Settings
 
 log = logging.getLogger("tessera.ratelimit")
 

@@ -97,7 +97,7 @@ def insert_tokens(tenant_id: uuid.UUID, numbers: list[str | None], year: int) ->
     (``no-such-token-<i>`` for rows without a token)."""
     from sqlalchemy import insert
 
-    from core.cards import DEFAULT_FINGERPRINT_EXPRESSIONS, default_card_mask
+    from domain.tokens.cards import DEFAULT_FINGERPRINT_EXPRESSIONS, default_card_mask
     from storage.crypto import get_keyring
     from storage.db import session_scope
     from storage.models import Token
@@ -215,7 +215,7 @@ def api_call(base: str, key: str, method: str, path: str, body: dict | None = No
 
 def run_job(base: str, key: str, body: bytes, *, timeout: float, watched, poll: float = 0.25) -> dict:
     """Create a job, upload ``body``, notify, poll until it ends; returns timings and the final job."""
-    from tessera.settings import get_settings
+    from config.settings import get_settings
 
     status, job = api_call(base, key, "POST", "/account-updater/jobs")
     assert status == 201, job
@@ -295,7 +295,7 @@ def profile_one_chunk(job_id: str) -> None:
     import cProfile
     import pstats
 
-    from core import account_updater as au
+    from domain.account_updater import service as au
     from storage.db import session_scope
     from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
 

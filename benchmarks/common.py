@@ -67,8 +67,8 @@ def platform_env(database_url: str, redis_url: str, data_dir: Path, **extra: str
 def adopt_env(variables: dict[str, str]) -> None:
     """Put ``variables`` into this process's environment, before the platform reads its settings."""
     os.environ.update(variables)
-    if "tessera.settings" in sys.modules:  # imported already: make it read the environment again
-        from tessera.settings import reload_settings
+    if "config.settings" in sys.modules:  # imported already: make it read the environment again
+        from config.settings import reload_settings
 
         reload_settings()
 
@@ -202,8 +202,8 @@ def warn_if_shared(redis_url: str) -> None:
 
 
 def make_tenant(name: str):
-    """A new test tenant with its management application (``core.tenants.NewTenant``)."""
-    from core.tenants import create_tenant
+    """A new test tenant with its management application (``domain.tenancy.tenants.NewTenant``)."""
+    from domain.tenancy.tenants import create_tenant
     from storage.db import session_scope
 
     with session_scope() as session:
@@ -212,8 +212,8 @@ def make_tenant(name: str):
 
 def subscribe_webhook(tenant_id, url: str, events: Sequence[str] = ("token.created",)) -> None:
     """Give the tenant an enabled webhook to ``url`` for ``events`` (as ``POST /webhooks`` would)."""
-    from core.auth import system_caller
-    from core.webhooks import create_webhook
+    from domain.tenancy.auth import system_caller
+    from domain.webhooks.service import create_webhook
     from storage.db import session_scope
     from storage.models import Tenant
 

@@ -115,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def _platform_load(base_url: str, api_key: str, clients: int, duration: float, result: Measured) -> None:
     import aiohttp
 
-    from tessera.settings import get_settings
+    from config.settings import get_settings
 
     headers = {get_settings().header("API-KEY"): api_key, "Content-Type": "application/json"}
     body = {"data": CARD}

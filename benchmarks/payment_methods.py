@@ -106,7 +106,7 @@ class Client:
     def __init__(self, base_url: str, api_key: str, threads: int):
         import urllib3
 
-        from tessera.settings import get_settings
+        from config.settings import get_settings
 
         self.base_url = base_url
         self.headers = {get_settings().header("API-KEY"): api_key, "Content-Type": "application/json"}

@@ -1,7 +1,7 @@
 """Tokens per second and latency of ``POST /tokenize``, beside a bare aiohttp handler.
 
 Platform: ``tessera api`` in a subprocess (its own database and Redis, rate limits off, WARNING logs, a
-temporary data dir) and a tenant made with ``core.tenants.create_tenant``; every request tokenizes one
+temporary data dir) and a tenant made with ``domain.tenancy.tenants.create_tenant``; every request tokenizes one
 card. Reference: ``benchmarks/bare_aiohttp.py`` in a subprocess, answering a fixed JSON body. The load
 generator is this process: one aiohttp ``ClientSession`` with a connection limit of ``--clients`` (64)
 and as many coroutines in a closed loop for ``--duration`` (20) seconds. The targets alternate (bare,

@@ -2,7 +2,7 @@
 
 Platform: a tenant with one webhook subscribed to ``token.created`` that points at a local receiver
 (``benchmarks/receiver.py``), a real ``tessera worker --concurrency 2``; ``--events`` (10,000)
-``token.created`` events are emitted with ``core.events.emit``, ``--batch`` (500) per transaction (the
+``token.created`` events are emitted with ``domain.webhooks.events.emit``, ``--batch`` (500) per transaction (the
 delivery tasks go out when each transaction commits). Measured: from the first commit to the arrival
 of the last distinct ``webhook-id`` at the receiver. Checked: the receiver saw exactly ``--events``
 distinct message ids and every delivery row ended ``succeeded``.
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def emit_events(tenant_id: uuid.UUID, count: int, batch: int) -> tuple[float, float]:
     """Emit ``count`` ``token.created`` events, ``batch`` per transaction; returns the wall-clock times
     just before the first commit and just after the last one."""
-    from core.events import emit
+    from domain.webhooks.events import emit
     from storage.db import session_scope
 
     first_commit = None

@@ -1,8 +1,8 @@
 """Cards as the simulated providers see them: validation, PAR, network token numbers, profiles.
 
-Brand rules are the platform's own (:func:`core.cards.card_brand`), so the sandbox and Tessera
+Brand rules are the platform's own (:func:`domain.tokens.cards.card_brand`), so the sandbox and Tessera
 agree on which card is which. The Luhn check is a faster equivalent of
-:func:`core.cards.luhn_valid` (0.4 us instead of 1 us a number), since the account updater runs it
+:func:`domain.tokens.cards.luhn_valid` (0.4 us instead of 1 us a number), since the account updater runs it
 on every row of its batches. Everything a provider says about a card beyond its number (funding,
 issuer, colours) comes from the brand profile: the sandbox has one issuer, in the United States.
 """
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from core.cards import card_brand
+from domain.tokens.cards import card_brand
 from sandbox.replies import require_valid
 
 MIN_PAN_LENGTH = 12

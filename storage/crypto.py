@@ -35,8 +35,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlmodel import Session
 
+from config.settings import Settings, get_settings
 from storage.models import TenantDataKey
-from tessera.settings import Settings, get_settings
 
 _VERSION = b"\x01"
 _NONCE_BYTES = 12

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session as OrmSession
 from sqlmodel import Session
 
-from tessera.settings import get_settings
+from config.settings import get_settings
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:

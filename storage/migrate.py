@@ -7,7 +7,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
-from tessera.settings import get_settings
+from config.settings import get_settings
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 

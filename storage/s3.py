@@ -14,7 +14,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from tessera.settings import get_settings
+from config.settings import get_settings
 
 _bucket_ready: set[str] = set()
 _lock = threading.Lock()

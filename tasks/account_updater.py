@@ -1,7 +1,7 @@
 """Account updater tasks (``account_updater.*``, on the ``files`` queue); the rules are in
-:mod:`core.account_updater`.
+:mod:`domain.account_updater.service`.
 
-Job tasks (``workers.jobs.JobTask``: leased, retried with backoff on transient failures, a dead letter
+Job tasks (``infra.job_task.JobTask``: leased, retried with backoff on transient failures, a dead letter
 after ``max_attempts``; every step recorded as a platform job so the outbox relay re-sends a lost one):
 
 * ``account_updater.prepare`` (subject: the job id): read and check the request file, cut it into chunks.
@@ -22,15 +22,15 @@ import uuid
 
 from sqlmodel import Session
 
-from core import account_updater as service
-from core.jobs import PermanentError, TransientError
+from config.settings import get_settings
+from domain.account_updater import service
+from infra.celery import celery_app
+from infra.job_task import JobTask
+from infra.jobs import PermanentError, TransientError
+from infra.task import TesseraTask
 from storage.db import session_scope
 from storage.models import Job
 from storage.types import utcnow
-from tessera.settings import get_settings
-from workers.base import TesseraTask
-from workers.celery_app import celery_app
-from workers.jobs import JobTask
 
 log = logging.getLogger("tessera.tasks.account_updater")
 
@@ -63,7 +63,7 @@ class _AccountUpdaterJobTask(JobTask):
 
 
 class Prepare(_AccountUpdaterJobTask):
-    """Read and check the request file; record its chunks (``core.account_updater.scan_job_file``)."""
+    """Read and check the request file; record its chunks (``domain.account_updater.service.scan_job_file``)."""
 
     name = service.PREPARE_TASK
 
@@ -75,7 +75,7 @@ class Prepare(_AccountUpdaterJobTask):
 
 
 class ProcessChunk(_AccountUpdaterJobTask):
-    """Process one chunk (``core.account_updater.process_chunk`` / ``apply_chunk``)."""
+    """Process one chunk (``domain.account_updater.service.process_chunk`` / ``apply_chunk``)."""
 
     name = service.CHUNK_TASK
 
@@ -92,7 +92,7 @@ class ProcessChunk(_AccountUpdaterJobTask):
 
 
 class Finish(_AccountUpdaterJobTask):
-    """Write the result file and complete the job (``core.account_updater.write_result``)."""
+    """Write the result file and complete the job (``domain.account_updater.service.write_result``)."""
 
     name = service.FINISH_TASK
 

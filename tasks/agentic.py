@@ -1,6 +1,6 @@
 """Agentic tasks (``agentic.*``, routed to the ``providers`` queue): rail enrollment, polling of
 pending enrollments, the delete cascade, and two beat sweeps (stale operation leases, provider error
-retention). Thin shells: the work is in :mod:`core.agentic.enrollment` and friends.
+retention). Thin shells: the work is in :mod:`domain.agentic.enrollment` and friends.
 
 Beat entries (``beat_schedule.py``)::
 
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 
-from core.agentic import enrollment, leases
-from core.agentic.payment_methods import DELETE_TASK, ENROLL_TASK, POLL_TASK, purge_provider_errors
+from config.settings import get_settings
+from domain.agentic import enrollment, leases
+from domain.agentic.payment_methods import DELETE_TASK, ENROLL_TASK, POLL_TASK, purge_provider_errors
+from infra.celery import celery_app
+from infra.job_task import JobTask
+from infra.task import TesseraTask
 from storage.db import session_scope
 from tasks.sweeps import in_batches
-from tessera.settings import get_settings
-from workers.base import TesseraTask
-from workers.celery_app import celery_app
-from workers.jobs import JobTask
 
 log = logging.getLogger("tessera.tasks.agentic")
 
@@ -46,15 +46,15 @@ class EnrollRail(_ProviderJob):
     name = ENROLL_TASK
 
     def perform(self, job):
-        """The provider call (see :func:`core.agentic.enrollment.perform_enrollment`)."""
+        """The provider call (see :func:`domain.agentic.enrollment.perform_enrollment`)."""
         return enrollment.perform_enrollment(job, get_settings(), session_scope)
 
     def apply(self, session, job, outcome):
-        """Write the outcome (see :func:`core.agentic.enrollment.apply_enrollment`)."""
+        """Write the outcome (see :func:`domain.agentic.enrollment.apply_enrollment`)."""
         return enrollment.apply_enrollment(session, job, outcome)
 
     def on_failure(self, session, job, error):
-        """Record the failure (see :func:`core.agentic.enrollment.enrollment_failed`)."""
+        """Record the failure (see :func:`domain.agentic.enrollment.enrollment_failed`)."""
         enrollment.enrollment_failed(session, job, error)
 
 
@@ -64,15 +64,15 @@ class PollRail(_ProviderJob):
     name = POLL_TASK
 
     def perform(self, job):
-        """The provider read (see :func:`core.agentic.enrollment.perform_poll`)."""
+        """The provider read (see :func:`domain.agentic.enrollment.perform_poll`)."""
         return enrollment.perform_poll(job, get_settings(), session_scope)
 
     def apply(self, session, job, outcome):
-        """Write the outcome (see :func:`core.agentic.enrollment.apply_enrollment`)."""
+        """Write the outcome (see :func:`domain.agentic.enrollment.apply_enrollment`)."""
         return enrollment.apply_enrollment(session, job, outcome)
 
     def on_failure(self, session, job, error):
-        """Record the failure (see :func:`core.agentic.enrollment.enrollment_failed`)."""
+        """Record the failure (see :func:`domain.agentic.enrollment.enrollment_failed`)."""
         enrollment.enrollment_failed(session, job, error)
 
 
@@ -91,15 +91,15 @@ class DeletePaymentMethod(_ProviderJob):
         return 2 * (settings.provider_connect_timeout_seconds + settings.agentic_provider_timeout_seconds) + 10.0
 
     def perform(self, job):
-        """The provider removals (see :func:`core.agentic.enrollment.perform_delete`)."""
+        """The provider removals (see :func:`domain.agentic.enrollment.perform_delete`)."""
         return enrollment.perform_delete(job, get_settings(), session_scope)
 
     def apply(self, session, job, outcome):
-        """Mark the payment method deleted (see :func:`core.agentic.enrollment.apply_delete`)."""
+        """Mark the payment method deleted (see :func:`domain.agentic.enrollment.apply_delete`)."""
         return enrollment.apply_delete(session, job, outcome)
 
     def on_failure(self, session, job, error):
-        """Record the stopped cascade (see :func:`core.agentic.enrollment.delete_failed`)."""
+        """Record the stopped cascade (see :func:`domain.agentic.enrollment.delete_failed`)."""
         enrollment.delete_failed(session, job, error)
 
 

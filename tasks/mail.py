@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import uuid
 
-from core.mail import MailError, send_mail
+from config.settings import get_settings
+from infra.celery import celery_app
+from infra.mail import MailError, send_mail
+from infra.task import TesseraTask
 from storage.db import session_scope
 from storage.models import Webhook
-from tessera.settings import get_settings
-from workers.base import TesseraTask
-from workers.celery_app import celery_app
 
 
 @celery_app.task(name="mail.webhook_disabled", base=TesseraTask, bind=True, max_retries=8)

@@ -1,8 +1,8 @@
 """Tasks of network tokens (``network_tokens.*``, routed to the ``providers`` queue).
 
-Each is a :class:`workers.jobs.JobTask` running one recorded job: ``perform`` makes the card network
+Each is a :class:`infra.job_task.JobTask` running one recorded job: ``perform`` makes the card network
 call (outside any transaction, the job id as idempotency key) and ``apply`` / ``on_failure`` write
-the outcome through :mod:`core.network_tokens`. The lease lasts ``TESSERA_JOB_LEASE_SECONDS``
+the outcome through :mod:`domain.network_tokens.service`. The lease lasts ``TESSERA_JOB_LEASE_SECONDS``
 (longer than the provider's connect + read timeouts). ``network_tokens.expire_token_intents`` is the
 beat sweep of expired token intents.
 """
@@ -13,17 +13,17 @@ from typing import Any
 
 from sqlmodel import Session
 
-from core import jobs, token_intents
-from core import network_tokens as service
-from core.jobs import TransientError
+from config.settings import get_settings
+from domain.network_tokens import service, token_intents
+from infra import jobs
+from infra.celery import celery_app
+from infra.job_task import JobTask
+from infra.jobs import TransientError
+from infra.task import TesseraTask
 from storage.db import session_scope
 from storage.models import Job
 from storage.types import utcnow
 from tasks.sweeps import in_batches
-from tessera.settings import get_settings
-from workers.base import TesseraTask
-from workers.celery_app import celery_app
-from workers.jobs import JobTask
 
 SWEEP_BATCH = 500
 
@@ -49,7 +49,7 @@ class Provision(NetworkTokenJob):
     name = service.PROVISION_TASK
 
     def perform(self, job: Job) -> Any:
-        """The network's :class:`~core.providers.card_network.ProvisionedToken` (None: nothing to do)."""
+        """The network's :class:`~providers.card_network.ProvisionedToken` (None: nothing to do)."""
         with session_scope() as session:
             found = service.provisioning_input(session, job)
         if found is None:
@@ -63,11 +63,11 @@ class Provision(NetworkTokenJob):
             raise
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
-        """See :func:`core.network_tokens.apply_provisioned`."""
+        """See :func:`domain.network_tokens.service.apply_provisioned`."""
         return service.apply_provisioned(session, job, outcome)
 
     def on_failure(self, session: Session, job: Job, error: Exception) -> None:
-        """See :func:`core.network_tokens.provisioning_failed`."""
+        """See :func:`domain.network_tokens.service.provisioning_failed`."""
         service.provisioning_failed(session, job, error)
 
 
@@ -85,11 +85,11 @@ class _Change(NetworkTokenJob):
         return getattr(network, self.action)(reference, idempotency_key=str(job.id))
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
-        """See :func:`core.network_tokens.apply_change`."""
+        """See :func:`domain.network_tokens.service.apply_change`."""
         return service.apply_change(session, job, self.action, outcome)
 
     def on_failure(self, session: Session, job: Job, error: Exception) -> None:
-        """See :func:`core.network_tokens.change_failed`."""
+        """See :func:`domain.network_tokens.service.change_failed`."""
         service.change_failed(session, job, error)
 
 
@@ -139,7 +139,7 @@ class CardArt(NetworkTokenJob):
         return network.card_art(reference)
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
-        """See :func:`core.network_tokens.apply_card_art`."""
+        """See :func:`domain.network_tokens.service.apply_card_art`."""
         return service.apply_card_art(session, job, outcome)
 
 

@@ -11,12 +11,13 @@ from collections.abc import Callable
 
 from sqlmodel import Session
 
-from core import outbox
+from config.settings import get_settings
+from domain.tokens import service as tokens
+from infra import outbox
+from infra.celery import celery_app
+from infra.task import TesseraTask
 from storage.db import session_scope
 from storage.types import utcnow
-from tessera.settings import get_settings
-from workers.base import TesseraTask
-from workers.celery_app import celery_app
 
 MAX_BATCHES = 20
 
@@ -49,14 +50,10 @@ def release_stale_leases() -> int:
 @celery_app.task(name="sweeps.delete_expired_tokens", base=TesseraTask)
 def delete_expired_tokens() -> int:
     """Delete tokens past their ``expires_at``."""
-    from core.tokens import delete_expired_tokens as sweep
-
-    return in_batches(lambda s: sweep(s, now=utcnow(), batch=500), 500)
+    return in_batches(lambda s: tokens.delete_expired_tokens(s, now=utcnow(), batch=500), 500)
 
 
 @celery_app.task(name="sweeps.purge_card_verification_codes", base=TesseraTask)
 def purge_card_verification_codes() -> int:
     """Drop card verification codes kept longer than ``TESSERA_CVC_RETENTION_SECONDS``."""
-    from core.tokens import purge_card_verification_codes as sweep
-
-    return in_batches(lambda s: sweep(s, now=utcnow(), batch=500), 500)
+    return in_batches(lambda s: tokens.purge_card_verification_codes(s, now=utcnow(), batch=500), 500)

@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import uuid
 
-from core import client_keys, documents, invitations
+from config.settings import get_settings
+from domain.client_keys import service as client_keys
+from domain.documents import service as documents
+from domain.tenancy import invitations
+from infra.celery import celery_app
+from infra.task import TesseraTask
 from storage.db import session_scope
 from storage.types import utcnow
 from tasks.sweeps import in_batches
-from tessera.settings import get_settings
-from workers.base import TesseraTask
-from workers.celery_app import celery_app
 
 BATCH = 500
 
 
 @celery_app.task(name=invitations.MAIL_TASK, base=TesseraTask, bind=True)
 def invitation_mail(self, job_id: str) -> str:
-    """Send the invitation mail of the link the job names (see ``core.invitations.deliver_mail``)."""
+    """Send the invitation mail of the link the job names (see ``domain.tenancy.invitations.deliver_mail``)."""
     return invitations.deliver_mail(uuid.UUID(job_id), self.worker_id(), get_settings(), session_scope)
 
 

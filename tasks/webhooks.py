@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import uuid
 
-from core import webhooks
+from config.settings import get_settings
+from domain.webhooks import service as webhooks
+from infra.celery import celery_app
+from infra.task import TesseraTask
 from storage.db import session_scope
-from tessera.settings import get_settings
-from workers.base import TesseraTask
-from workers.celery_app import celery_app
 
 log = logging.getLogger("tessera.tasks.webhooks")
 

@@ -1,3 +1,5 @@
-"""Tessera: a self-hosted tokenization platform."""
+"""Tessera: a self-hosted tokenization platform (the ``tessera`` command)."""
 
-__version__ = "0.1.0"
+from config import __version__
+
+__all__ = ["__version__"]

@@ -12,7 +12,7 @@
     tessera jobs show|retry|cancel ID [--json]
     tessera queues [--json] [--timeout S]
 
-Every command reads the same ``TESSERA_*`` settings (``tessera/settings.py``).
+Every command reads the same ``TESSERA_*`` settings (``config/settings.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from tessera.settings import get_settings
+from config.settings import get_settings
 
 
 def share_metrics(settings) -> str:
@@ -40,7 +40,7 @@ def _api(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from app.main import init_app
-    from tessera.logs import configure_logging
+    from infra.logs import configure_logging
 
     configure_logging(settings)
     host = args.host or settings.api_host
@@ -59,7 +59,7 @@ def _api(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     share_metrics(get_settings())
-    from tessera.logs import configure_logging
+    from infra.logs import configure_logging
     from workers.celery_app import QUEUES, celery_app
 
     configure_logging(get_settings())
@@ -69,7 +69,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _beat(args: argparse.Namespace) -> int:
-    from tessera.logs import configure_logging
+    from infra.logs import configure_logging
     from workers.celery_app import celery_app
 
     settings = get_settings()
@@ -89,7 +89,7 @@ def _migrate(_args: argparse.Namespace) -> int:
 
 
 def _tenants_create(args: argparse.Namespace) -> int:
-    from core.tenants import create_tenant
+    from domain.tenancy.tenants import create_tenant
     from storage.db import session_scope
 
     try:
@@ -172,7 +172,7 @@ def _short(text: str | None, width: int = 60) -> str | None:
 def _jobs_list(args: argparse.Namespace) -> int:
     import uuid
 
-    from core import ops
+    from infra import ops
     from storage.db import session_scope
 
     try:
@@ -219,7 +219,7 @@ def _show(view: dict) -> str:
 
 def _jobs_one(operation: str):
     def run(args: argparse.Namespace) -> int:
-        from core import ops
+        from infra import ops
         from storage.db import session_scope
 
         settings = get_settings()
@@ -253,7 +253,7 @@ def _age(seconds: float | None) -> str | None:
 
 
 def _queues(args: argparse.Namespace) -> int:
-    from core import ops
+    from infra import ops
 
     report = ops.queue_report(get_settings(), timeout=args.timeout)
     failed = 1 if {"broker", "database"} & set(report["errors"]) else 0

@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tessera.settings import reload_settings
+from config.settings import reload_settings
 
 STOP_TIMEOUT_SECONDS = 15
 
@@ -100,8 +100,8 @@ def _stop(children: dict[str, subprocess.Popen]) -> None:
 
 def run_dev() -> int:
     """Run the platform until interrupted; returns the exit status."""
+    from infra.logs import configure_logging
     from storage import migrate
-    from tessera.logs import configure_logging
 
     settings = reload_settings()
     configure_logging(settings.model_copy(update={"log_format": os.environ.get("TESSERA_LOG_FORMAT", "console")}))

@@ -129,7 +129,8 @@ def redis_flushed():
 
 @pytest.fixture(scope="session")
 def celery_session_app(database, redis_flushed):
-    """The platform's own Celery app (configured from the test settings), not a test double."""
+    """The platform's own Celery app as a worker process loads it (``workers.celery_app``: the shared app of
+    ``infra.celery`` plus the worker signals), configured from the test settings; not a test double."""
     from workers.celery_app import celery_app
 
     return celery_app
@@ -140,7 +141,7 @@ def worker(celery_session_app):
     """A real Celery worker (thread pool, 4 threads) consuming every queue, in this process."""
     from celery.contrib.testing.worker import start_worker
 
-    from workers.celery_app import QUEUES
+    from infra.celery import QUEUES
 
     with start_worker(
         celery_session_app,
@@ -242,7 +243,7 @@ class TenantFixture:
 
 def make_tenant(api: RunningApi, *, type: str = "test", name: str = "acme") -> TenantFixture:
     """Create a tenant directly through the domain function the CLI uses."""
-    from core.tenants import create_tenant
+    from domain.tenancy.tenants import create_tenant
     from storage.db import session_scope
 
     with session_scope() as session:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tessera.settings import Settings
+from config.settings import Settings
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

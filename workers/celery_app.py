@@ -1,101 +1,28 @@
-"""The Celery application: broker, queues, routing, reliability settings and worker signals.
+"""The worker side of the Celery application: what only worker and beat processes need.
 
-Reliability rules (``ARCHITECTURE.md``): late acknowledgement with reject on worker loss, prefetch of
-one, a time limit on every task, a Redis visibility timeout longer than the longest task, task
-events for Flower, results in the database (no result backend), arguments that are ids only.
+``celery -A workers.celery_app worker|beat`` (``tessera worker`` / ``tessera beat``) loads this module:
+the shared application of :mod:`infra.celery`, plus beat's schedule (``beat_schedule.py``), a fresh
+database engine in every forked pool process, and the worker signals (:mod:`workers.signals`: log
+context, task metrics, heartbeats).
 """
 
 from __future__ import annotations
 
-from celery import Celery, signals
-from kombu import Exchange, Queue
+from celery import signals
 
-from tessera.settings import Settings, get_settings
+from beat_schedule import beat_schedule
+from config.settings import get_settings
+from infra.celery import QUEUES, celery_app
+from storage.db import reset_engine
+from workers import signals as _signals  # noqa: F401  (connects the worker signals)
 
-#: Queues of the platform.
-QUEUES = ("default", "webhooks", "providers", "files", "mail", "sweeps")
-#: The queue of each task family (the first part of a task's dotted name); others go to "default".
-QUEUE_OF_FAMILY = {
-    "webhooks": "webhooks",
-    "mail": "mail",
-    "sweeps": "sweeps",
-    "network_tokens": "providers",
-    "agentic": "providers",
-    "account_updater": "files",
-    "documents": "files",
-}
+__all__ = ["QUEUES", "app", "celery_app"]
 
-
-def configure(app: Celery, settings: Settings) -> None:
-    """Apply the platform's configuration for ``settings`` to ``app``."""
-    embedded = settings.effective_broker_url.startswith("sqla+")
-    visibility_timeout = max(3600, settings.task_time_limit_seconds * 4)
-    app.conf.update(
-        broker_url=settings.effective_broker_url,
-        broker_connection_retry_on_startup=True,
-        # kombu's SQLAlchemy transport hands its options to create_engine: it takes none of these.
-        broker_transport_options={}
-        if embedded
-        else {"visibility_timeout": visibility_timeout, "global_keyprefix": settings.redis_key_prefix},
-        result_backend=None,
-        task_ignore_result=True,
-        task_serializer="json",
-        accept_content=["json"],
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        task_acks_on_failure_or_timeout=True,
-        worker_prefetch_multiplier=1,
-        worker_cancel_long_running_tasks_on_connection_loss=True,
-        task_time_limit=settings.task_time_limit_seconds,
-        task_soft_time_limit=max(1, settings.task_time_limit_seconds - 10),
-        # The SQLAlchemy transport of the embedded default has no fan-out exchange for events.
-        worker_send_task_events=not embedded,
-        task_send_sent_event=not embedded,
-        task_default_queue="default",
-        task_queues=[Queue(name, Exchange(name), routing_key=name) for name in QUEUES],
-        task_routes=(_route,),
-        worker_hijack_root_logger=False,
-        timezone="UTC",
-        enable_utc=True,
-        imports=(
-            "tasks.webhooks",
-            "tasks.sweeps",
-            "tasks.mail",
-            "tasks.network_tokens",
-            "tasks.agentic",
-            "tasks.account_updater",
-            "tasks.tenant_admin",
-        ),
-    )
-    if settings.worker_concurrency:
-        app.conf.worker_concurrency = settings.worker_concurrency
-    from beat_schedule import beat_schedule
-
-    app.conf.beat_schedule = beat_schedule(settings)
-
-
-def _route(name: str, args, kwargs, options, task=None, **kw):
-    return {"queue": QUEUE_OF_FAMILY.get(name.split(".", 1)[0], "default")}
-
-
-def create_app(settings: Settings | None = None) -> Celery:
-    """A Celery app configured for ``settings`` (default: the process settings)."""
-    app = Celery("tessera")
-    configure(app, settings or get_settings())
-    return app
-
-
-celery_app = create_app()
+celery_app.conf.beat_schedule = beat_schedule(get_settings())
 app = celery_app  # `celery -A workers.celery_app` finds `app`
 
 
 @signals.worker_process_init.connect
 def _reset_after_fork(**_kwargs) -> None:
     """A forked pool process must not share the parent's database connections."""
-    from storage.db import reset_engine
-
     reset_engine()
-
-
-# Log context, task metrics and heartbeats for every process that uses the app (workers/signals.py).
-from workers import signals as _signals  # noqa: E402, F401

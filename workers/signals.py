@@ -5,8 +5,8 @@
   every log line of the run (``task_prerun``) and forgets them after (``task_postrun``). A job task
   whose message carries no trace (one re-sent by the relay) takes it from its job row.
 * Each run is counted by task name and outcome, timed, and webhook deliveries counted by outcome
-  (``app/metrics.py``).
-* Heartbeats (``core/ops.py``): a worker every ten seconds while it runs, beat each time it sends a
+  (``infra/metrics.py``).
+* Heartbeats (``infra/ops.py``): a worker every ten seconds while it runs, beat each time it sends a
   scheduled task, the outbox relay after each run.
 
 Imported by ``workers/celery_app.py``, so every process using the Celery app has them.
@@ -21,16 +21,15 @@ import uuid
 
 from celery import signals
 
-from app import metrics
-from tessera import logs
-from tessera.settings import get_settings
+from config.settings import get_settings
+from infra import logs, metrics, ops
+from infra.celery import DELIVER_TASK, TENANT_HEADER, TRACE_HEADER
+from storage.db import session_scope
+from storage.models import Job
 
 log = logging.getLogger("tessera.workers")
 
-TRACE_HEADER = "tessera_trace_id"
-TENANT_HEADER = "tessera_tenant_id"
 RELAY_TASK = "sweeps.relay_outbox"
-DELIVER_TASK = "webhooks.deliver"
 
 _started: dict[str, float] = {}
 _state = {"beat": False}
@@ -38,17 +37,6 @@ _heartbeat_stop = threading.Event()
 
 
 # ---- producers -----------------------------------------------------------------------------------
-
-
-@signals.before_task_publish.connect
-def _propagate_context(headers=None, **_kwargs) -> None:
-    """Carry the caller's trace and tenant ids to the worker in the message headers."""
-    if headers is None:
-        return
-    context = logs.current_context()
-    for key, header in (("trace_id", TRACE_HEADER), ("tenant_id", TENANT_HEADER)):
-        if context.get(key) is not None and header not in headers:
-            headers[header] = str(context[key])
 
 
 @signals.beat_init.connect
@@ -65,8 +53,6 @@ def _beat_heartbeat(**_kwargs) -> None:
 
 
 def _heartbeat(name: str) -> None:
-    from core import ops
-
     try:
         ops.record_heartbeat(get_settings(), name)
     except Exception:
@@ -128,9 +114,6 @@ def _header(request, name: str) -> str | None:
 
 def _job_context(job_id, trace_id, tenant_id) -> tuple[str | None, str | None]:
     try:
-        from storage.db import session_scope
-        from storage.models import Job
-
         with session_scope() as session:
             job = session.get(Job, uuid.UUID(str(job_id)))
             if job is not None:
@@ -147,8 +130,6 @@ def _job_context(job_id, trace_id, tenant_id) -> tuple[str | None, str | None]:
 @signals.worker_ready.connect
 def _worker_ready(sender=None, **_kwargs) -> None:
     """Start the worker's heartbeat (in the worker's main process)."""
-    from core import ops
-
     name = f"worker:{getattr(sender, 'hostname', None) or 'celery'}"
     _heartbeat_stop.clear()
 
@@ -164,8 +145,6 @@ def _worker_ready(sender=None, **_kwargs) -> None:
 @signals.worker_shutdown.connect
 def _worker_shutdown(sender=None, **_kwargs) -> None:
     """Stop the heartbeat and remove it: a worker that stopped cleanly is not "missing"."""
-    from core import ops
-
     _heartbeat_stop.set()
     try:
         ops.forget_heartbeat(get_settings(), f"worker:{getattr(sender, 'hostname', None) or 'celery'}")

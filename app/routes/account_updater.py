@@ -1,5 +1,5 @@
 """Account updater jobs: ``/account-updater/jobs`` (second document, section 4 "Account updater jobs";
-section 6 event 1). Handlers are thin: the rules live in :mod:`core.account_updater`."""
+section 6 event 1). Handlers are thin: the rules live in :mod:`domain.account_updater.service`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pydantic import Field
 from app.api import Api, Call, read_json
 from app.pagination import cursor_page, cursor_query, decode_cursor
 from app.schemas import ResponseModel
-from core import account_updater as service
+from domain.account_updater import service
 
 api = Api()
 TAG = "Account updater"

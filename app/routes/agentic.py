@@ -1,7 +1,7 @@
 """Agentic payment methods and (deprecated) agents: ``/agentic/...`` (spec 001 sections 2-8).
 
 Problems under ``/agentic/`` take the agentic form (spec 001 section 7): ``type`` is a stable code of
-the error catalogue (``core/agentic/errors.py``), ``title`` the first message of a validation
+the error catalogue (``domain/agentic/errors.py``), ``title`` the first message of a validation
 failure, ``errors`` every failing field. Handlers here validate bodies and queries themselves and
 raise agentic problems; :func:`agentic_problem` is the hook the shared error middleware calls to
 give the framing problems raised before a handler runs (401, 403, 404, 400 invalid body, 413, 415)
@@ -26,12 +26,12 @@ from app.api import RAW_JSON, Api, Call, pydantic_errors
 from app.context import DB_EXECUTOR
 from app.pagination import cursor_page, decode_cursor
 from app.schemas import RequestModel, ResponseModel
-from core.agentic import agents as agent_service
-from core.agentic import idempotency, leases
-from core.agentic import payment_methods as service
-from core.agentic.consumers import canonical_language_code, normalize_country_code
-from core.agentic.errors import agentic_error, to_agentic, validation_error
-from core.errors import Problem
+from domain.agentic import agents as agent_service
+from domain.agentic import idempotency, leases
+from domain.agentic import payment_methods as service
+from domain.agentic.consumers import canonical_language_code, normalize_country_code
+from domain.agentic.errors import agentic_error, to_agentic, validation_error
+from infra.errors import Problem
 
 api = Api()
 log = logging.getLogger("tessera.api.agentic")
@@ -54,7 +54,7 @@ CLAIM_MARGIN_SECONDS = 60.0
 
 def agentic_problem(problem: Problem, request: web.Request) -> Problem:
     """The problem to answer for ``request``: unchanged outside ``/agentic/``; under it, the agentic
-    form (:func:`core.agentic.errors.to_agentic`), plus the ``Deprecation`` header under
+    form (:func:`domain.agentic.errors.to_agentic`), plus the ``Deprecation`` header under
     ``/agentic/agents``. Idempotent: an agentic problem passes through."""
     if not request.path.startswith(PREFIX):
         return problem

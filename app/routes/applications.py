@@ -10,9 +10,9 @@ from pydantic import Field
 from app.api import Api, Call
 from app.pagination import offset_page, offset_query
 from app.schemas import Audited, Name, RequestModel, ResponseModel
-from core import applications as service
-from core.applications import APPLICATION_TYPES
-from core.errors import Problem
+from domain.tenancy import applications as service
+from domain.tenancy.applications import APPLICATION_TYPES
+from infra.errors import Problem
 
 api = Api()
 TAG = "Applications"

@@ -11,9 +11,9 @@ from sqlmodel import Session, select
 from app.api import Api, Call
 from app.pagination import cursor_page, cursor_query, decode_cursor
 from app.schemas import ResponseModel
-from core.audit import ENTITY_TYPES
-from core.context import Caller
-from core.errors import validation_problem
+from domain.tenancy.audit import ENTITY_TYPES
+from domain.tenancy.caller import Caller
+from infra.errors import validation_problem
 from storage.models import AuditLog
 
 api = Api()

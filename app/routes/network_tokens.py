@@ -1,7 +1,7 @@
 """Network tokens: ``/network-tokens`` (spec, core document sections 2 "Network token", "Network token
 details", "Network token account", "Cryptogram"; 3 states; 4 "Network tokens").
 
-Handlers are thin: the rules live in :mod:`core.network_tokens`. Every card network call runs in a
+Handlers are thin: the rules live in :mod:`domain.network_tokens.service`. Every card network call runs in a
 worker; a handler records the job, waits for its outcome without blocking the event loop (up to
 ``TESSERA_NETWORK_TOKEN_WAIT_SECONDS``, default 10 s) and answers with what is known.
 """
@@ -16,8 +16,8 @@ from pydantic import Field
 
 from app.api import AnyOf, Api, Call
 from app.schemas import RequestModel, ResponseModel
-from core import jobs
-from core import network_tokens as service
+from domain.network_tokens import service
+from infra import jobs
 
 api = Api()
 TAG = "Network tokens"

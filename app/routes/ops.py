@@ -4,7 +4,7 @@
 the broker and S3 answer within :data:`CHECK_TIMEOUT_SECONDS`, else 503 naming the ones that did
 not; it also shows the live workers and beat (from their heartbeats), which do not change its status:
 the api records work whether or not a worker runs now. ``/metrics`` is the Prometheus text format
-(``app/metrics.py``).
+(``infra/metrics.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from aiohttp import web
 
 from app.api import Api, Call, json_response
 from app.schemas import ResponseModel
+from infra import metrics as registry
+from infra import ops
 
 api = Api()
 CHECK_TIMEOUT_SECONDS = 3.0
@@ -68,8 +70,6 @@ async def _check(name: str, fn) -> tuple[str, dict]:
 
 
 def _liveness(settings) -> tuple[list[dict], dict]:
-    from core import ops
-
     now = time.time()
     beats = ops.heartbeats(settings)
     workers = [
@@ -94,8 +94,6 @@ def _liveness(settings) -> tuple[list[dict], dict]:
     "are shown for operators and do not change the status.",
 )
 async def readyz(call: Call):
-    from core import ops
-
     settings = call.settings
     checks = dict(
         await asyncio.gather(
@@ -134,8 +132,6 @@ async def readyz(call: Call):
     "webhook deliveries by outcome, provider call latency, workers and beat.",
 )
 async def metrics(call: Call) -> web.Response:
-    from app import metrics as registry
-
     loop = asyncio.get_running_loop()
     body, content_type = await loop.run_in_executor(None, registry.render, call.settings)
     response = web.Response(body=body)

@@ -8,7 +8,8 @@ from aiohttp import web
 from sqlalchemy import text
 
 from app.api import Api, Call, json_response, run_db
-from app.context import OPENAPI
+from app.context import OPENAPI, ROUTES
+from app.openapi import build_openapi
 from app.schemas import ResponseModel
 
 api = Api()
@@ -64,8 +65,6 @@ async def openapi(call: Call) -> web.Response:
     app = call.request.app
     document = app.get(OPENAPI) or _DOCUMENTS.get(app)
     if document is None:
-        from app.openapi import build_openapi
-
         # Built on first use; a started application's state must not change, so it is cached beside it.
-        document = _DOCUMENTS[app] = build_openapi(call.settings)
+        document = _DOCUMENTS[app] = build_openapi(call.settings, app[ROUTES])
     return json_response(document)

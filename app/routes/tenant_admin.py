@@ -3,8 +3,9 @@ the security contact (spec, core document sections 2-4, 7 and 8).
 
 Paths: ``/tenants/self/members``, ``/tenants/self/invitations``, ``/invitations/accept`` (the invitee,
 no API key), ``/keys``, ``/documents``, ``/tenants/self/reports/usage``,
-``/tenants/self/security-contact``. Handlers are thin: the domain work lives in ``core.members``,
-``core.invitations``, ``core.client_keys``, ``core.documents`` and ``core.usage``.
+``/tenants/self/security-contact``. Handlers are thin: the domain work lives in
+``domain.tenancy.members``, ``domain.tenancy.invitations``, ``domain.client_keys.service``,
+``domain.documents.service`` and ``domain.tenancy.usage``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from app.context import SETTINGS
 from app.pagination import offset_page, offset_query
 from app.ratelimit import RateLimiter, Rule
 from app.schemas import Audited, RequestModel, ResponseModel
-from core import client_keys, documents, invitations, members, usage
-from core.errors import Problem, validation_problem
+from domain.client_keys import service as client_keys
+from domain.documents import service as documents
+from domain.tenancy import invitations, members, usage
+from infra.errors import Problem, validation_problem
 
 TENANT_TAG, MEMBER_TAG, INVITATION_TAG = "Tenants", "Tenant members", "Tenant invitations"
 KEY_TAG, DOCUMENT_TAG = "Client encryption keys", "Documents"

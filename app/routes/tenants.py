@@ -8,7 +8,7 @@ from pydantic import Field
 
 from app.api import Api, Call
 from app.schemas import Audited, Name, RequestModel
-from core import tenants as service
+from domain.tenancy import tenants as service
 
 api = Api()
 TAG = "Tenants"

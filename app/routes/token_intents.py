@@ -1,6 +1,6 @@
 """Token intents: ``/token-intents`` (spec, core document: the network token's ``token_intent_id``;
 the tenant setting ``token_deduplication_behavior``). The endpoints are not shown by the spec: they
-are designed here in its style and documented below; the rules live in :mod:`core.token_intents`.
+are designed here in its style and documented below; the rules live in :mod:`domain.network_tokens.token_intents`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import Field
 from app.api import RAW_JSON, AllOf, Api, Call
 from app.routes.tokens import TokenOut
 from app.schemas import RequestModel, ResponseModel
-from core import token_intents as service
+from domain.network_tokens import token_intents as service
 
 api = Api()
 TAG = "Token intents"

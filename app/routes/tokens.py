@@ -3,7 +3,7 @@ decrypt endpoints, the shut-down v1 list and search, and the payment-forwarding 
 
 Spec, core document: "Token", "Tokenize", "Token children", "Payment-forwarding connection",
 sections 5, 7, 8 and 9; ``spec/README.md`` decisions 7 and 8. Handlers are thin: the rules live in
-:mod:`core.tokens`.
+:mod:`domain.tokens.service`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.api import RAW_JSON, Api, Call, query_extras
 from app.pagination import cursor_page, cursor_query, decode_cursor, offset_page, offset_query
 from app.schemas import RequestModel, ResponseModel
-from core import tokens as service
-from core.errors import Problem, validation_problem
+from domain.tokens import service
+from infra.errors import Problem, validation_problem
 
 api = Api()
 TAG = "Tokens"

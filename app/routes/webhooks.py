@@ -11,9 +11,9 @@ from pydantic import EmailStr, Field
 from app.api import Api, Call
 from app.pagination import cursor_page, cursor_query, decode_cursor
 from app.schemas import Audited, Name, RequestModel, ResponseModel
-from core import webhooks as service
-from core.events import EVENT_TYPES
-from core.tenants import webhook_signing_secret
+from domain.tenancy.tenants import webhook_signing_secret
+from domain.webhooks import service
+from domain.webhooks.events import EVENT_TYPES
 
 api = Api()
 TAG = "Webhooks"

@@ -25,7 +25,7 @@ def smtp_sink():
 @pytest.fixture
 def mailbox(api, smtp_sink, monkeypatch):
     """The platform's mail goes to ``smtp_sink`` and invitation links point at the test api (this test only)."""
-    from tessera.settings import reload_settings
+    from config.settings import reload_settings
 
     monkeypatch.setenv("TESSERA_SMTP_URL", f"smtp://127.0.0.1:{smtp_sink.port}")
     monkeypatch.setenv("TESSERA_PUBLIC_BASE_URL", api.base_url)
@@ -44,7 +44,7 @@ def small_limits_api(api) -> RunningApi:
     """A second api (same database, worker and S3) with a 2 MiB document cap and 3 document requests
     per minute per application."""
     from app.main import init_app
-    from tessera.settings import get_settings
+    from config.settings import get_settings
 
     settings = get_settings().model_copy(
         update={

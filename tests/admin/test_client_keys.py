@@ -14,8 +14,8 @@ from joserfc import jwe
 from joserfc.jwk import OKPKey
 from sqlmodel import select
 
-from core import client_keys
-from core.client_keys import EncryptedPayloadError
+from domain.client_keys import service as client_keys
+from domain.client_keys.service import EncryptedPayloadError
 from storage.db import session_scope
 from storage.models import AuditLog
 from storage.models_tenant_admin import ClientEncryptionKey

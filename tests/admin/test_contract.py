@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from core import members
+from domain.tenancy import members
 from tests.admin.support import multipart
 from tests.api.test_framework import assert_problem
 

@@ -13,7 +13,7 @@ import pytest
 import urllib3
 from sqlmodel import select
 
-from core import documents
+from domain.documents import service as documents
 from storage import s3
 from storage.db import session_scope
 from storage.models import AuditLog

@@ -10,7 +10,7 @@ import uuid
 import pytest
 from sqlmodel import select
 
-from core import invitations
+from domain.tenancy import invitations
 from storage.db import session_scope
 from storage.models import Job, TenantMember, User
 from storage.models_tenant_admin import InvitationLink, TenantInvitation

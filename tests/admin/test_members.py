@@ -9,7 +9,7 @@ import os
 import pytest
 from sqlmodel import select
 
-from core import usage
+from domain.tenancy import usage
 from storage.db import session_scope
 from storage.models import Tenant, TenantMember, User
 from storage.models_tenant_admin import TokenActivity

@@ -14,9 +14,10 @@ from joserfc import jwe
 from joserfc.jwk import OKPKey
 from sqlmodel import Session, SQLModel
 
-from core import client_keys, invitations, usage
-from core.auth import system_caller
-from core.tenants import create_tenant
+from domain.client_keys import service as client_keys
+from domain.tenancy import invitations, usage
+from domain.tenancy.auth import system_caller
+from domain.tenancy.tenants import create_tenant
 from storage import migrate
 from storage.db import make_engine
 from storage.models import Tenant

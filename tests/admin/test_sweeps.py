@@ -10,7 +10,7 @@ import uuid
 
 from sqlmodel import func, select
 
-from core import invitations
+from domain.tenancy import invitations
 from storage.db import session_scope
 from storage.models import AuditLog
 from storage.models_tenant_admin import ClientEncryptionKey, TenantInvitation

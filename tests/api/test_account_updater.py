@@ -48,7 +48,7 @@ def card(client, number: str, month: int | None = None, year: int | None = None,
 
 def legacy_card(tenant_id, number: str) -> str:
     """A card token stored before numbers were Luhn-checked (written straight to the database)."""
-    from core.cards import default_card_mask
+    from domain.tokens.cards import default_card_mask
     from storage.crypto import get_keyring
     from storage.models import Token
 
@@ -367,7 +367,7 @@ def test_a_production_tenant_without_a_card_network_fails_clearly(api, receiver)
 
 
 def test_an_s3_notification_starts_the_job_without_polling(api, tenant):
-    from tessera.settings import get_settings
+    from config.settings import get_settings
 
     token = card(tenant.client, "4000000000001018", 5, YEAR)
     job = create_job(tenant.client)

@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import update
 from sqlmodel import select
 
-from core.agentic.payment_methods import new_id
-from core.providers import agentic as providers
+from domain.agentic.payment_methods import new_id
+from providers import agentic as providers
 from storage.db import session_scope
 from storage.models_agentic import OperationLease, ProviderError
 from tasks.agentic import purge_provider_errors_task, release_stale_operation_leases

@@ -11,8 +11,8 @@ from aiohttp.test_utils import make_mocked_request
 
 import app.main
 from app.routes.agentic import DEPRECATION, agentic_problem
-from core.agentic.errors import CATALOGUE, agentic_error, to_agentic, validation_error
-from core.errors import Problem, validation_problem
+from domain.agentic.errors import CATALOGUE, agentic_error, to_agentic, validation_error
+from infra.errors import Problem, validation_problem
 from tests.api.test_agentic_support import AMEX, BASE, PROBLEM, assert_problem, body, card_token
 from tests.conftest import free_port, serve_in_thread
 from tests.helpers import ApiClient

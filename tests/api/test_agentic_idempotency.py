@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sqlalchemy import update
 from sqlmodel import select
 
-from core.agentic import payment_methods
+from domain.agentic import payment_methods
 from storage.db import session_scope
 from storage.models_agentic import IdempotencyRecord, PaymentMethod
 from tests.api.test_agentic_support import (
@@ -151,7 +151,7 @@ def test_an_unknown_outcome_is_terminal(tenant, monkeypatch):
 def test_a_key_left_running_by_a_dead_request_is_settled_on_replay(tenant):
     token_id = card_token(tenant.client, AMEX)
     payload = body(token_id, consumer=_consumer())
-    from core.agentic.idempotency import request_hash
+    from domain.agentic.idempotency import request_hash
 
     past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
     with session_scope() as session:  # died before its payment method was committed

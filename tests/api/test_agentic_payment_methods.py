@@ -12,8 +12,8 @@ import uuid
 import pytest
 from sqlalchemy import update
 
-from core.events import EVENT_TYPES
-from core.providers import agentic as providers
+from domain.webhooks.events import EVENT_TYPES
+from providers import agentic as providers
 from storage.db import session_scope
 from storage.models_agentic import PaymentMethod
 from tests.api.test_agentic_support import (

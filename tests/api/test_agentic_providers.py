@@ -11,13 +11,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from core.agentic import payment_methods
-from core.agentic.consumers import canonical_language_code, normalize_country_code
-from core.agentic.payment_methods import merge_card, rails_for_brand
-from core.jobs import TransientError
-from core.providers import agentic as providers
-from core.providers.agentic import EnrollmentCard, EnrollmentFailed, HttpAgenticProvider, display_card, provider_for
-from tessera.settings import Settings
+from config.settings import Settings
+from domain.agentic import payment_methods
+from domain.agentic.consumers import canonical_language_code, normalize_country_code
+from domain.agentic.payment_methods import merge_card, rails_for_brand
+from infra.jobs import TransientError
+from providers import agentic as providers
+from providers.agentic import EnrollmentCard, EnrollmentFailed, HttpAgenticProvider, display_card, provider_for
 from tests.api.test_agentic_support import (
     BASE,
     FAILS_ON_CREATE,

@@ -224,7 +224,7 @@ def test_error_answers_are_problems(api, tenant, limited):
 
 def _limited_server(database, **overrides):
     from app.main import init_app
-    from tessera.settings import Settings
+    from config.settings import Settings
 
     settings = Settings(rate_limit_enabled=True, rate_limit_window_seconds=3600, **overrides)
     port = free_port()

@@ -14,8 +14,8 @@ import uuid
 import pytest
 from sqlmodel import select
 
-from core import network_tokens
-from core.errors import Problem
+from domain.network_tokens import service as network_tokens
+from infra.errors import Problem
 from storage.db import session_scope
 from storage.models import AuditLog, Event, Job
 from storage.models_network_tokens import NetworkToken
@@ -296,7 +296,7 @@ def test_a_production_tenant_without_a_live_network_gets_422(api):
 
 def test_a_failure_after_the_202_answer_removes_the_record_and_emits_network_token_failed(tenant, sandbox,
                                                                                           receiver):
-    from core.auth import authenticate
+    from domain.tenancy.auth import authenticate
 
     _subscribe(tenant, receiver)
     # The create handler's own steps, its bounded wait cut to nothing: it records the network token and the

@@ -9,13 +9,13 @@ import uuid
 
 from sqlmodel import select
 
-from core import network_tokens
+from domain.network_tokens import service as network_tokens
+from infra.celery import celery_app
 from storage.crypto import get_keyring
 from storage.db import session_scope
 from storage.models import AuditLog
 from storage.models_network_tokens import TokenIntent
 from tests.helpers import wait_until
-from workers.celery_app import celery_app
 
 VISA = "4242424242424242"
 MASTERCARD = "5555555555554444"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from core import tokens
+from domain.tokens import service as tokens
 from storage.db import session_scope
 from tests.api.test_token_support import (
     EXPIRY_YEAR,

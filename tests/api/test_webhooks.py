@@ -8,11 +8,13 @@ import uuid
 import pytest
 from sqlmodel import select
 
-from core import events, outbox, webhooks
-from core.signing import SignatureError, verify
+from config.settings import Settings, get_settings
+from domain.webhooks import events
+from domain.webhooks import service as webhooks
+from infra import outbox
+from infra.signing import SignatureError, verify
 from storage.db import session_scope
 from storage.models import Webhook, WebhookDelivery
-from tessera.settings import Settings, get_settings
 from tests.helpers import wait_until
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from core.signing import verify
+from infra.signing import verify
 from tests.conftest import free_port
 from tests.helpers import ApiClient, WebhookReceiver, wait_until
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.signing import verify
+from infra.signing import verify
 
 
 def test_tokenize_card_delivers_signed_token_created(tenant, receiver):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera import logs
+from infra import logs
 from tests.conftest import REDIS_PREFIX, free_port
 from tests.ops.scan import find_secrets, redact
 
@@ -216,7 +216,7 @@ class Platform:
 
     def settings(self):
         """The settings the processes read (the test settings, with their key prefix)."""
-        from tessera.settings import get_settings
+        from config.settings import get_settings
 
         return get_settings().model_copy(update={"redis_key_prefix": self.env["TESSERA_REDIS_KEY_PREFIX"]})
 

@@ -7,12 +7,12 @@ the session's worker starts).
 
 from __future__ import annotations
 
-from core import jobs
-from core.jobs import TransientError
+from infra import jobs
+from infra.celery import celery_app
+from infra.job_task import JobTask
+from infra.jobs import TransientError
 from storage.db import session_scope
 from storage.models import Job
-from workers.celery_app import celery_app
-from workers.jobs import JobTask
 
 MODE = {"value": "transient"}
 KIND = "ops_probe.job"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from config.settings import Settings
 from tessera.cli import build_parser
-from tessera.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 

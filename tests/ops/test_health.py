@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from core import ops
-from tessera.settings import get_settings
+from config.settings import get_settings
+from infra import ops
 from tests.conftest import RunningApi, free_port, serve_in_thread
 
 

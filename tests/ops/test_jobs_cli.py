@@ -11,7 +11,7 @@ import uuid
 
 from sqlmodel import select
 
-from core.webhooks import message_id
+from domain.webhooks.service import message_id
 from storage.db import session_scope
 from storage.models import Job, WebhookDelivery
 from tessera.cli import _table

@@ -8,7 +8,7 @@ import json
 import logging
 import uuid
 
-from tessera import logs
+from infra import logs
 from tests.helpers import wait_until
 from tests.ops import probe
 from tests.ops.conftest import CAPTURE

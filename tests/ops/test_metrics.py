@@ -9,11 +9,10 @@ import uuid
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import metrics
-from core import ops
+from config.settings import get_settings
+from infra import metrics, ops
 from storage.db import session_scope
 from storage.models import Event, Job, Webhook, WebhookDelivery
-from tessera.settings import get_settings
 from tests.conftest import REDIS_PREFIX
 from tests.helpers import wait_until
 from tests.ops import probe
@@ -175,7 +174,7 @@ def test_provider_calls_are_timed_by_provider_and_outcome(api):
 
 
 def test_queue_depth_on_the_embedded_broker(tmp_path):
-    from workers.celery_app import create_app
+    from infra.celery import create_app
 
     settings = get_settings().model_copy(update={"broker_url": None, "data_dir": tmp_path})
     assert settings.effective_broker_url.startswith("sqla+sqlite")

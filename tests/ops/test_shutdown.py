@@ -20,11 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import update
 from sqlmodel import select
 
-from core import ops
-from core.webhooks import message_id
+from domain.webhooks.service import message_id
+from infra import logs, ops
 from storage.db import session_scope
 from storage.models import WebhookDelivery
-from tessera import logs
 from tests.helpers import ApiClient, WebhookReceiver, wait_until
 from tests.ops.scan import find_secrets
 
@@ -36,7 +35,7 @@ CARD = {"type": "card", "data": {"number": "4242424242424242", "expiration_month
 @pytest.fixture
 def owner(database):
     """A tenant made the way ``tessera tenants create`` makes it."""
-    from core.tenants import create_tenant
+    from domain.tenancy.tenants import create_tenant
 
     with session_scope() as session:
         return create_tenant(session, name="ops", owner_email=f"ops-{uuid.uuid4().hex[:8]}@example.com", type="test")

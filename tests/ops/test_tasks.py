@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 
-from workers.celery_app import QUEUE_OF_FAMILY, celery_app
+from infra.celery import QUEUE_OF_FAMILY, celery_app
 
 _ID_PARAMETER = re.compile(r"^[a-z_]+_ids?$")
 
@@ -39,6 +39,6 @@ def test_tasks_take_ids_only():
 
 
 def test_every_family_routes_to_a_declared_queue():
-    from workers.celery_app import QUEUES
+    from infra.celery import QUEUES
 
     assert set(QUEUE_OF_FAMILY.values()) <= set(QUEUES)

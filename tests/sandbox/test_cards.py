@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from core.cards import card_brand
-from core.cards import luhn_valid as platform_luhn_valid
+from domain.tokens.cards import card_brand
+from domain.tokens.cards import luhn_valid as platform_luhn_valid
 from sandbox.cards import luhn_valid, network_token_number, payment_account_reference
 
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from core.cards import card_brand, luhn_valid
+from domain.tokens.cards import card_brand, luhn_valid
 from sandbox.app import make_app
 from sandbox.cards import payment_account_reference
 from tests.conftest import free_port, serve_in_thread

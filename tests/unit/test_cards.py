@@ -1,4 +1,4 @@
-"""Unit tests for core.cards: Luhn, brands, masking, card and bank validation."""
+"""Unit tests for domain.tokens.cards: Luhn, brands, masking, card and bank validation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import datetime
 
 import pytest
 
-from core.cards import (
+from domain.tokens.cards import (
     DEFAULT_FINGERPRINT_EXPRESSIONS,
     aba_checksum_valid,
     bin_of,
@@ -19,7 +19,7 @@ from core.cards import (
     validate_bank,
     validate_card,
 )
-from core.expressions import apply_mask, make_context, render, validate_mask
+from domain.tokens.expressions import apply_mask, make_context, render, validate_mask
 
 TODAY = datetime.date(2025, 6, 15)
 VISA = "4242424242424242"

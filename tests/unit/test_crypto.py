@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session, SQLModel
 
+from config.settings import Settings
 from storage.crypto import (
     DecryptionError,
     Keyring,
@@ -25,7 +26,6 @@ from storage.crypto import (
 )
 from storage.db import make_engine
 from storage.models import Tenant, TenantDataKey
-from tessera.settings import Settings
 
 CARD = b'{"number":"4242424242424242","expiration_month":12,"expiration_year":2030}'
 

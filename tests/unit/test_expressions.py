@@ -1,11 +1,11 @@
-"""Unit tests for core.expressions: the Liquid expression engine, its filters, masks and limits."""
+"""Unit tests for domain.tokens.expressions: the Liquid expression engine, its filters, masks and limits."""
 
 from __future__ import annotations
 
 import pytest
 
-from core import expressions
-from core.expressions import (
+from domain.tokens import expressions
+from domain.tokens.expressions import (
     MAX_LOOP_ITERATIONS,
     MAX_OUTPUT_SIZE,
     MAX_TEMPLATE_LENGTH,

@@ -1,4 +1,4 @@
-"""Tests for core.mail against a real aiosmtpd server and the file fallback."""
+"""Tests for infra.mail against a real aiosmtpd server and the file fallback."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult, LoginPassword
 
-from core.mail import MailError, send_mail
+from infra.mail import MailError, send_mail
 
 SENDER = "Tessera <noreply@tessera.example>"
 

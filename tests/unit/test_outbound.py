@@ -1,4 +1,4 @@
-"""Tests for core.outbound against real local HTTP(S) servers (no mocks).
+"""Tests for infra.http against real local HTTP(S) servers (no mocks).
 
 This machine has no internet access: tests only ever connect to 127.0.0.1.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from core.outbound import (
+from infra.http import (
     USER_AGENT,
     DeliveryResult,
     deliver,

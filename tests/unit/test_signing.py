@@ -1,4 +1,4 @@
-"""Tests for core.signing (Standard Webhooks)."""
+"""Tests for infra.signing (Standard Webhooks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import hmac
 
 import pytest
 
-from core.signing import SignatureError, generate_secret, headers, sign, verify
+from infra.signing import SignatureError, generate_secret, headers, sign, verify
 
 KEY = bytes(range(32))
 SECRET = "whsec_" + base64.b64encode(KEY).decode()

@@ -21,12 +21,12 @@ import pytest
 import urllib3
 from sqlalchemy import func, select, update
 
-from core import account_updater as au
+from domain.account_updater import service as au
+from infra.dispatch import _PENDING
 from storage.db import session_scope
 from storage.models import AuditLog, Event, Job, Token
 from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
 from tests.helpers import wait_until
-from workers.dispatch import _PENDING
 
 YEAR = dt.datetime.now(dt.UTC).year + 2
 YY = f"{YEAR % 100:02d}"
@@ -98,8 +98,8 @@ def test_new_token_ids_are_stable_uuids_per_seed_and_row():
 
 
 def test_bulk_token_rows_are_the_rows_create_tokens_writes(tenant):
-    from core.auth import system_caller
-    from core.tokens import create_tokens, parse_token_request
+    from domain.tenancy.auth import system_caller
+    from domain.tokens.service import create_tokens, parse_token_request
     from storage.crypto import get_keyring
     from storage.models import Tenant
 
@@ -133,7 +133,7 @@ def _quiet(session) -> list:
 
 
 def _card(session, tenant_id, number: str) -> str:
-    from core.cards import default_card_mask
+    from domain.tokens.cards import default_card_mask
     from storage.crypto import get_keyring
 
     token_id = str(uuid.uuid4())
@@ -147,10 +147,10 @@ def _card(session, tenant_id, number: str) -> str:
 def prepared_job(tenant_id, numbers: list[str], *, chunk_rows: int) -> uuid.UUID:
     """A job in processing whose file (one row per number) is uploaded and cut into chunks, with no task
     message sent (the chunk jobs are recorded, queued)."""
-    from core.auth import system_caller
+    from config.settings import get_settings
+    from domain.tenancy.auth import system_caller
     from storage import s3
     from storage.models import Tenant
-    from tessera.settings import get_settings
 
     with session_scope() as session:
         tokens = [_card(session, tenant_id, n) for n in numbers]
@@ -316,9 +316,9 @@ def kill_group(process: subprocess.Popen) -> None:
 def test_a_worker_sigkilled_mid_chunk_leaves_rows_and_tokens_exactly_once(tenant, sandbox, tmp_path):
     from celery import Celery
 
-    from core import outbox
-    from tessera.settings import get_settings
-    from workers.celery_app import configure
+    from config.settings import get_settings
+    from infra import outbox
+    from infra.celery import configure
 
     prefix = f"{get_settings().redis_key_prefix}kill{uuid.uuid4().hex[:6]}:"
     settings = get_settings().model_copy(update={"redis_key_prefix": prefix})
@@ -395,8 +395,8 @@ def test_the_whole_pipeline_runs_on_sqlite(tmp_path, s3_server, sandbox):
 
     from sqlmodel import Session
 
-    from core.auth import system_caller
-    from core.tenants import create_tenant
+    from domain.tenancy.auth import system_caller
+    from domain.tenancy.tenants import create_tenant
     from storage import migrate, s3
     from storage.db import make_engine
     from storage.models import Tenant
@@ -427,7 +427,7 @@ def test_the_whole_pipeline_runs_on_sqlite(tmp_path, s3_server, sandbox):
         s3.get_client().put_object(Bucket=au.bucket(), Key=au.request_key(tenant_id, job_id), Body=body)
         assert au.detect_upload(job_id, lite) == "started"
         assert au.detect_upload(job_id, lite) == "skipped"
-        from tessera.settings import get_settings
+        from config.settings import get_settings
 
         scan = au.scan_job_file(job_id, lite, get_settings().model_copy(update={"account_updater_chunk_rows": 5}))
         assert (scan.rows, len(scan.chunks)) == (13, 3)

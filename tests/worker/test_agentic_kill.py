@@ -124,7 +124,7 @@ def isolated_prefix(redis_flushed):
 def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(
     database, sandbox, isolated_prefix
 ):
-    from core.tenants import create_tenant
+    from domain.tenancy.tenants import create_tenant
 
     proxy = HoldingProxy(sandbox)
     proxy_port = free_port()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 
-from core import jobs, outbox
-from core.jobs import PermanentError, TransientError
+from infra import jobs, outbox
+from infra.celery import celery_app
+from infra.job_task import JobTask
+from infra.jobs import PermanentError, TransientError
 from storage.db import session_scope
 from storage.models import Job
 from tests.helpers import wait_until
-from workers.celery_app import celery_app
-from workers.jobs import JobTask
 
 
 class ScriptedJob(JobTask):

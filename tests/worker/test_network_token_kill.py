@@ -187,16 +187,17 @@ def _answers(base_url: str) -> bool:
 
 def _unique_visa() -> str:
     """A Luhn-valid visa number no other test uses (the sandbox issues it a token at once)."""
-    from core.cards import luhn_valid
+    from domain.tokens.cards import luhn_valid
 
     body = "4" + "".join(str(secrets.randbelow(10)) for _ in range(14))
     return next(body + digit for digit in "0123456789" if luhn_valid(body + digit))
 
 
 def test_a_worker_dying_after_the_network_answered_gets_the_same_token_on_retry(api, tenant, sandbox):
-    from core import jobs as jobs_
-    from core import network_tokens, outbox
-    from core.auth import authenticate
+    from domain.network_tokens import service as network_tokens
+    from domain.tenancy.auth import authenticate
+    from infra import jobs as jobs_
+    from infra import outbox
     from storage.db import session_scope
     from storage.models import Job
     from storage.models_network_tokens import NetworkToken

@@ -1,0 +1,277 @@
+"""The worker side of agentic payment methods: rail enrollment, polling, the delete cascade.
+
+Each function is one step of a job task (``tasks/agentic.py``, template ``infra/job_task.py``):
+
+* **enrollment** (``agentic.enroll_rail``, one job per rail, so two rails enroll in parallel on two
+  workers): :func:`perform_enrollment` reads the card from the card token and calls the provider
+  with the job id as idempotency key, outside any transaction; :func:`apply_enrollment` writes the
+  outcome; :func:`enrollment_failed` records a rejection (the rail in ``error`` with a catalogue
+  code, and a provider error object). The last enrollment job of an operation releases its lease.
+* **polling** (``agentic.poll_rail``): a provider that answered ``pending`` is asked again, backing
+  off from 0.5 s to 30 s, until the enrollment is enabled (about 20 minutes at most; then the rail
+  records ``PROVIDER_ENROLLMENT_FAILED``). The platform polls rather than taking the provider's
+  callback: no inbound endpoint to secure, and a lost callback cannot leave a rail pending.
+* **delete cascade** (``agentic.delete_payment_method``): removes each rail's provider enrollment,
+  recording each removal as it happens, so a cascade stopped half-way resumes where it stopped.
+
+Every writing step locks the payment method row first, so the steps of one payment method (and the
+API's) are serialised. A job whose rail has moved on to another job (a retry overtook a poll) or
+whose payment method is being deleted drops its outcome. A rail that was shown ``pending`` emits
+``agentic.payment-method.rail.retried`` when it settles.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from sqlmodel import Session
+
+from config.settings import Settings
+from domain.agentic import leases
+from domain.agentic.errors import CATALOGUE
+from domain.agentic.payment_methods import (
+    POLL_MAX_ATTEMPTS,
+    POLL_TASK,
+    card_source,
+    lock,
+    mark_deleted,
+    merge_card,
+    rails_of,
+    record_provider_error,
+    release_if_done,
+    settle_rail,
+)
+from infra import jobs
+from infra.errors import Problem
+from infra.jobs import PermanentError, TransientError
+from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed, provider_for
+from storage.models import Job, Tenant
+from storage.models_agentic import PaymentMethod, PaymentMethodRail
+from storage.types import utcnow
+
+
+@dataclass(frozen=True)
+class Stale:
+    """The job's work was overtaken (another job took the rail, the payment method is being
+    deleted): its outcome is dropped."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Target:
+    pm_id: str
+    rail_id: uuid.UUID
+    provider: str
+    tenant_type: str
+    attempt: str
+    consumer: dict
+    token_id: str
+    tenant_id: uuid.UUID
+    enrollment_id: str | None
+
+
+def _target(session: Session, job: Job) -> _Target | Stale:
+    rail = session.get(PaymentMethodRail, uuid.UUID(job.subject_id), populate_existing=True)
+    if rail is None:
+        return Stale("the rail is gone")
+    if rail.job_id != job.id:
+        return Stale("another job took the rail")
+    pm = session.get(PaymentMethod, rail.payment_method_id, populate_existing=True)
+    if pm is None or pm.status != "active" or pm.delete_requested_at is not None:
+        return Stale("the payment method is deleted")
+    tenant = session.get(Tenant, pm.tenant_id)
+    return _Target(pm.id, rail.id, rail.provider, tenant.type, rail.attempt, dict(pm.consumer), pm.token_id,
+                   pm.tenant_id, rail.enrollment_id)
+
+
+def poll_delay(attempt: int) -> float:
+    """Seconds before poll number ``attempt + 1``: 0.5, 1, 2, 4 ... capped at 30."""
+    return min(30.0, 0.5 * 2 ** max(0, attempt - 1))
+
+
+def _provider(target: _Target, settings: Settings):
+    provider = provider_for(target.provider, target.tenant_type, settings)
+    if provider is None:
+        raise EnrollmentFailed("PROVIDER_NOT_CONFIGURED", f"{target.provider} is not configured")
+    return provider
+
+
+def perform_enrollment(job: Job, settings: Settings, session_scope) -> Enrollment | Stale:
+    """Enroll the job's rail with its provider (idempotency key: the job id).
+
+    Raises :class:`EnrollmentFailed` (a rejection, a read timeout, a card token no longer readable:
+    ``INVALID_TOKEN``) or :class:`TransientError` (retried with backoff).
+    """
+    with session_scope() as session:
+        target = _target(session, job)
+        if isinstance(target, Stale):
+            return target
+        try:
+            data = card_source(session, target.tenant_id, target.token_id)
+        except Problem as problem:
+            raise EnrollmentFailed("INVALID_TOKEN", problem.detail or "the card token is not readable") from None
+    card = EnrollmentCard(data["number"], data["expiration_month"], data["expiration_year"], data.get("cvc"))
+    provider = _provider(target, settings)
+    return provider.enroll(card, target.consumer, attempt=target.attempt, idempotency_key=str(job.id))
+
+
+def perform_poll(job: Job, settings: Settings, session_scope) -> Enrollment | Stale:
+    """Ask the provider for the state of a pending enrollment; TransientError while still pending."""
+    with session_scope() as session:
+        target = _target(session, job)
+    if isinstance(target, Stale):
+        return target
+    if not target.enrollment_id:
+        raise EnrollmentFailed(UNCLASSIFIED, "no enrollment to poll")
+    enrollment = _provider(target, settings).get_enrollment(target.enrollment_id)
+    if enrollment.status == "pending":
+        raise TransientError("the enrollment is still pending", retry_after=poll_delay(job.attempts))
+    return enrollment
+
+
+def _locked_rail(session: Session, job: Job) -> tuple[PaymentMethod | None, PaymentMethodRail | None]:
+    rail = session.get(PaymentMethodRail, uuid.UUID(job.subject_id))
+    if rail is None:
+        return None, None
+    pm = lock(session, rail.payment_method_id)
+    session.refresh(rail)
+    return pm, rail
+
+
+def _current(pm: PaymentMethod | None, rail: PaymentMethodRail | None, job: Job) -> bool:
+    return (
+        pm is not None and rail is not None and rail.job_id == job.id and pm.status == "active"
+        and pm.delete_requested_at is None
+    )
+
+
+def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) -> dict:
+    """Write an enrollment's outcome (one transaction with the job's completion); the job result.
+
+    ``enabled``: the rail is enabled (its event emitted if it had been shown pending). ``pending``:
+    the rail stays pending and a poll job is recorded. The card's display data is merged in
+    (backfilling what an earlier attempt lacked).
+    """
+    pm, rail = _locked_rail(session, job)
+    if isinstance(outcome, Stale) or not _current(pm, rail, job):
+        if pm is not None and rail is not None and rail.job_id == job.id:
+            release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
+        return {"stale": outcome.reason if isinstance(outcome, Stale) else "overtaken"}
+    rail.enrollment_id = outcome.id
+    rail.enrollment_removed_at = None
+    card, changed = merge_card(pm.card, outcome.card)
+    if changed:
+        pm.card = card
+        pm.updated_at = utcnow()
+    if outcome.status == "pending":
+        poll = jobs.record(session, kind=POLL_TASK, tenant_id=pm.tenant_id, subject_id=str(rail.id),
+                           trace_id=job.trace_id, max_attempts=POLL_MAX_ATTEMPTS)
+        rail.job_id = poll.id
+        settle_rail(session, pm, rail, status="pending", provider_ids=outcome.provider_ids)
+        rail.notify = True  # pending at the provider: its settling is delivered as the event
+        session.add(rail)
+    else:
+        settle_rail(session, pm, rail, status="enabled", provider_ids=outcome.provider_ids, trace_id=job.trace_id)
+    release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
+    return {"rail_status": outcome.status, "enrollment_id": outcome.id}
+
+
+def classify(error: Exception) -> tuple[str, str | None, str | None]:
+    """``(catalogue code, provider code, provider correlation id)`` of a failed enrollment.
+
+    A failure that is not a provider rejection (transient errors past their retries) is
+    unclassifiable: ``PROVIDER_ENROLLMENT_FAILED``.
+    """
+    if isinstance(error, EnrollmentFailed):
+        return error.code, error.provider_code, error.correlation_id
+    if isinstance(error, PermanentError) and error.code in CATALOGUE:
+        return error.code, None, None
+    return UNCLASSIFIED, None, None
+
+
+def enrollment_failed(session: Session, job: Job, error: Exception) -> None:
+    """Record a failed enrollment or poll: the rail in ``error`` with the catalogue code, a provider
+    error object; the event when the rail had been shown pending."""
+    pm, rail = _locked_rail(session, job)
+    if not _current(pm, rail, job):
+        if pm is not None and rail is not None and rail.job_id == job.id:
+            release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
+        return
+    code, provider_code, correlation = classify(error)
+    detail = None
+    if code == UNCLASSIFIED and isinstance(error, EnrollmentFailed) and error.provider_code is None:
+        detail = f"The provider did not answer in time ({error}); retry the rail."
+    record_provider_error(session, rail, code=code, provider_code=provider_code, correlation_id=correlation,
+                          detail=detail)
+    settle_rail(session, pm, rail, status="error", error_code=code, trace_id=job.trace_id)
+    release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
+
+
+# ---- delete cascade ------------------------------------------------------------------------------
+
+
+def _delete_subject(job: Job) -> tuple[str, str]:
+    pm_id, _, owner = (job.subject_id or "").partition("/")
+    return pm_id, owner
+
+
+def perform_delete(job: Job, settings: Settings, session_scope) -> str | Stale:
+    """Remove each rail's provider enrollment not removed yet, recording each removal at once.
+
+    A failing removal raises (TransientError: retried; PermanentError: the cascade stops, and the
+    next DELETE resumes it) with ``rail_id`` set on the exception.
+    """
+    pm_id, owner = _delete_subject(job)
+    with session_scope() as session:
+        pm = session.get(PaymentMethod, pm_id, populate_existing=True)
+        if pm is None or pm.status == "deleted" or pm.delete_requested_at is None:
+            return Stale("nothing to delete")
+        lease = leases.held(session, pm_id)
+        if lease is not None and lease.owner != owner:
+            return Stale("another delete holds the payment method")
+        tenant_type = session.get(Tenant, pm.tenant_id).type
+        todo = [(r.id, r.provider, r.enrollment_id) for r in rails_of(session, pm_id)
+                if r.enrollment_id and r.enrollment_removed_at is None]
+    for rail_id, provider_name, enrollment_id in todo:
+        provider = provider_for(provider_name, tenant_type, settings)
+        try:
+            if provider is None:
+                raise PermanentError("PROVIDER_NOT_CONFIGURED", f"{provider_name} is not configured")
+            provider.delete_enrollment(enrollment_id)
+        except (PermanentError, TransientError) as exc:
+            exc.rail_id = rail_id
+            raise
+        with session_scope() as session:
+            rail = session.get(PaymentMethodRail, rail_id)
+            if rail is not None and rail.enrollment_id == enrollment_id:
+                rail.enrollment_removed_at = utcnow()
+                session.add(rail)
+    return "removed"
+
+
+def apply_delete(session: Session, job: Job, outcome: str | Stale) -> dict:
+    """The cascade is complete: the payment method is deleted and the delete lease released."""
+    pm_id, owner = _delete_subject(job)
+    pm = lock(session, pm_id)
+    if pm is not None and not isinstance(outcome, Stale) and pm.status == "active":
+        mark_deleted(session, pm)
+    leases.release(session, pm_id, owner)
+    return {"outcome": outcome.reason if isinstance(outcome, Stale) else outcome}
+
+
+def delete_failed(session: Session, job: Job, error: Exception) -> None:
+    """The cascade stopped: the payment method stays active with its delete requested (the next
+    DELETE resumes it; retries answer ``PAYMENT_METHOD_DELETE_INCOMPLETE``); the lease is freed and
+    the failing removal recorded as a provider error."""
+    pm_id, owner = _delete_subject(job)
+    pm = lock(session, pm_id)
+    rail_id = getattr(error, "rail_id", None)
+    rail = session.get(PaymentMethodRail, rail_id) if rail_id else None
+    if pm is not None and rail is not None:
+        provider_code = error.provider_code if isinstance(error, EnrollmentFailed) else None
+        correlation = error.correlation_id if isinstance(error, EnrollmentFailed) else None
+        record_provider_error(session, rail, code="PROVIDER_ALLOWANCE_CANCEL_FAILED", provider_code=provider_code,
+                              correlation_id=correlation, operation="deletion")
+    leases.release(session, pm_id, owner)

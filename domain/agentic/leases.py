@@ -1,0 +1,109 @@
+"""Operation leases: in-flight work on a payment method (task 5 of the agentic issue).
+
+A lease is a row (:class:`storage.models_agentic.OperationLease`), one per resource, with an
+``operation`` (``enroll`` for a create's or a retry's enrollments, ``delete`` for a delete cascade),
+an ``owner`` (the operation id) and an ``expires_at``. It is neither a Python lock nor a Redis lock:
+it lives in the database, in the transaction that records the work, so it can never outlive its
+work by more than its expiry. Its presence is what answers the ``409 ..._IN_PROGRESS`` problems:
+
+* ``enroll`` held -> ``PAYMENT_METHOD_OPERATION_IN_PROGRESS``;
+* ``delete`` held -> ``PAYMENT_METHOD_DELETE_IN_PROGRESS``.
+
+The holder deletes its lease when the work ends (the last enrollment job of an operation, the
+delete job); :func:`release_expired` (a beat sweep) frees leases whose holder died. An expired lease
+is also taken over atomically by the next :func:`acquire`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+from sqlalchemy import delete, select, update
+from sqlmodel import Session
+
+from domain.agentic.errors import agentic_error
+from domain.agentic.sql import insert_if_absent
+from infra.errors import Problem
+from storage.models_agentic import OperationLease
+from storage.types import utcnow
+
+ENROLL, DELETE = "enroll", "delete"
+IN_PROGRESS_CODES = {ENROLL: "PAYMENT_METHOD_OPERATION_IN_PROGRESS", DELETE: "PAYMENT_METHOD_DELETE_IN_PROGRESS"}
+
+
+def new_owner() -> str:
+    """A fresh operation id (the owner name of a lease)."""
+    return f"op_{uuid.uuid4().hex}"
+
+
+def held(session: Session, resource_id: str, *, now: dt.datetime | None = None) -> OperationLease | None:
+    """The live (unexpired) lease on ``resource_id``, or None."""
+    now = now or utcnow()
+    lease = session.get(OperationLease, resource_id, populate_existing=True)
+    return lease if lease is not None and lease.expires_at > now else None
+
+
+def in_progress(lease: OperationLease) -> Problem:
+    """The 409 answered while ``lease`` is held."""
+    return agentic_error(IN_PROGRESS_CODES.get(lease.operation, "PAYMENT_METHOD_OPERATION_IN_PROGRESS"))
+
+
+def acquire(session: Session, *, tenant_id: uuid.UUID, resource_id: str, operation: str, owner: str,
+            seconds: float) -> None:
+    """Take the lease on ``resource_id`` for ``owner`` in the caller's transaction.
+
+    Inserts the row (the primary key makes one of two racing callers fail) or takes over an expired
+    one with a conditional update. Raises the ``409 ..._IN_PROGRESS`` problem of the live lease.
+    """
+    now = utcnow()
+    expires = now + dt.timedelta(seconds=seconds)
+    taken = session.execute(
+        update(OperationLease)
+        .where(OperationLease.resource_id == resource_id, OperationLease.expires_at <= now)
+        .values(operation=operation, owner=owner, acquired_at=now, expires_at=expires)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if taken == 1:
+        return
+    current = held(session, resource_id, now=now)
+    if current is not None:
+        raise in_progress(current)
+    inserted = insert_if_absent(session, OperationLease, {
+        "resource_id": resource_id, "tenant_id": tenant_id, "operation": operation, "owner": owner,
+        "acquired_at": now, "expires_at": expires,
+    })
+    if not inserted:
+        current = held(session, resource_id)
+        if current is None:  # expired between the two statements: extremely unlikely; ask to repeat
+            raise agentic_error("PAYMENT_METHOD_OPERATION_IN_PROGRESS")
+        raise in_progress(current)
+
+
+def release(session: Session, resource_id: str, owner: str) -> bool:
+    """Delete ``owner``'s lease on ``resource_id`` (another owner's is left alone); True when deleted."""
+    result = session.execute(
+        delete(OperationLease)
+        .where(OperationLease.resource_id == resource_id, OperationLease.owner == owner)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
+def release_expired(session: Session, *, now: dt.datetime | None = None, batch: int = 1000) -> int:
+    """Delete up to ``batch`` expired leases (their holder died); returns how many."""
+    now = now or utcnow()
+    ids = session.execute(
+        select(OperationLease.resource_id)
+        .where(OperationLease.expires_at <= now)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
+    ).scalars().all()
+    if not ids:
+        return 0
+    session.execute(
+        delete(OperationLease)
+        .where(OperationLease.resource_id.in_(ids), OperationLease.expires_at <= now)
+        .execution_options(synchronize_session=False)
+    )
+    return len(ids)

@@ -1,0 +1,20 @@
+"""A portable ``INSERT ... ON CONFLICT DO NOTHING`` (PostgreSQL and SQLite).
+
+Used instead of a SAVEPOINT around an insert that may collide: SQLAlchemy dispatches ``after_commit``
+when a SAVEPOINT is released, which would send the tasks a transaction recorded before its real
+commit (``infra/dispatch.py``). On PostgreSQL a colliding insert still waits for the transaction
+holding the other row to end, so the primary key decides between two racing callers.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlmodel import Session, SQLModel
+
+
+def insert_if_absent(session: Session, model: type[SQLModel], values: dict) -> bool:
+    """Insert one row of ``model`` unless its primary key (or a unique key) exists; True when inserted."""
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = insert(model.__table__).values(**values).on_conflict_do_nothing()
+    return session.execute(statement).rowcount == 1

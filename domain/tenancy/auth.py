@@ -1,0 +1,107 @@
+"""API keys: generation, hashing and lookup.
+
+Keys are 32 random bytes in base64url behind a ``key_`` prefix, shown once and stored only as their
+SHA-256 digest (a high-entropy key needs no slow hash); the digest found by the index lookup is
+compared again in constant time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+
+from sqlmodel import Session, select
+
+from domain.tenancy.caller import Caller
+from domain.tenancy.permissions import KNOWN_PERMISSIONS, effective_permissions
+from storage.models import Application, ApplicationKey, Tenant
+
+
+def new_api_key() -> tuple[str, str]:
+    """A fresh API key and its digest: ``(key, digest)``."""
+    key = "key_" + secrets.token_urlsafe(32)
+    return key, key_digest(key)
+
+
+def key_digest(key: str) -> str:
+    """The stored form of an API key: hex SHA-256."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def authenticate(session: Session, key: str, *, trace_id: str | None = None) -> Caller | None:
+    """The caller owning ``key``, or None when the key is unknown or its tenant is deleted."""
+    if not key or len(key) > 200:
+        return None
+    digest = key_digest(key)
+    row = session.exec(
+        select(ApplicationKey, Application, Tenant)
+        .join(Application, Application.id == ApplicationKey.application_id)
+        .join(Tenant, Tenant.id == ApplicationKey.tenant_id)
+        .where(ApplicationKey.key_digest == digest, Tenant.deleted_at.is_(None))
+    ).first()
+    if row is None:
+        return None
+    stored, application, tenant = row
+    if not hmac.compare_digest(stored.key_digest, digest):
+        return None
+    return Caller(
+        tenant_id=tenant.id,
+        tenant_type=tenant.type,
+        application_id=application.id,
+        application_type=application.type,
+        permissions=effective_permissions(application.permissions),
+        tenant_settings=dict(tenant.settings or {}),
+        trace_id=trace_id,
+    )
+
+
+def system_caller(tenant: Tenant, *, trace_id: str | None = None) -> Caller:
+    """A caller with every permission acting for the platform itself (tasks, the CLI)."""
+    return Caller(
+        tenant_id=tenant.id,
+        tenant_type=tenant.type,
+        application_id=None,
+        application_type=None,
+        permissions=KNOWN_PERMISSIONS,
+        tenant_settings=dict(tenant.settings or {}),
+        trace_id=trace_id,
+        actor_type="system",
+    )
+
+
+class CallerCache:
+    """API key digest -> Caller, each kept ``ttl`` seconds; :meth:`clear` after a change of keys,
+    applications or tenants made in this process."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[Caller, float]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str, *, trace_id: str | None) -> Caller | None:
+        """The cached caller of ``key`` (with this request's trace id), or None."""
+        entry = self._entries.get(key_digest(key))
+        if entry is None or entry[1] < time.monotonic():
+            return None
+        return dataclasses.replace(entry[0], trace_id=trace_id)
+
+    def put(self, key: str, caller: Caller, ttl: float) -> None:
+        """Remember ``caller`` for ``ttl`` seconds."""
+        if ttl <= 0:
+            return
+        with self._lock:
+            if len(self._entries) > 10_000:
+                self._entries.clear()
+            self._entries[key_digest(key)] = (caller, time.monotonic() + ttl)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        with self._lock:
+            self._entries.clear()
+
+
+#: The process's cache of authenticated callers (used by the api).
+caller_cache = CallerCache()

@@ -1,0 +1,154 @@
+"""Tenants (spec, core document: Tenant; ``/tenants/self``) and their creation from the CLI."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from sqlmodel import Session, select
+
+from domain.tenancy import audit
+from domain.tenancy.auth import caller_cache, new_api_key
+from domain.tenancy.caller import Caller
+from domain.tenancy.permissions import ALL_PERMISSIONS
+from infra.errors import not_found, validation_problem
+from infra.signing import generate_secret
+from storage.crypto import get_keyring
+from storage.db import on_commit
+from storage.models import Application, ApplicationKey, Tenant, TenantMember, User
+from storage.types import utcnow
+
+TENANT_TYPES = ("test", "production")
+
+#: Tenant settings (spec: Tenant settings) and the values each accepts; all are sent as strings.
+SETTING_VALUES: dict[str, tuple[str, ...]] = {
+    "fingerprint_tokens": ("true", "false"),
+    "disable_ephemeral_proxy": ("true", "false"),
+    "deduplicate_tokens": ("true", "false"),
+    "token_deduplication_behavior": ("update_existing", "read_existing"),
+}
+DEFAULT_SETTINGS = {
+    "fingerprint_tokens": "false",
+    "disable_ephemeral_proxy": "false",
+    "deduplicate_tokens": "false",
+    "token_deduplication_behavior": "update_existing",
+}
+WEBHOOK_SECRET_PURPOSE = "webhook-signing-key"  # noqa: S105 - an associated-data label, not a secret
+
+
+@dataclass(frozen=True)
+class NewTenant:
+    """What ``tessera tenants create`` prints: the tenant, its management application and key."""
+
+    tenant_id: uuid.UUID
+    application_id: uuid.UUID
+    api_key: str
+
+
+def create_tenant(session: Session, *, name: str, owner_email: str, type: str = "test") -> NewTenant:
+    """Create a tenant with its owner (an OWNER member), its data key, its webhook signing secret
+    and a management application holding every permission. Raises ValueError for bad input."""
+    if not name or len(name) > 200:
+        raise ValueError("name must be 1 to 200 characters")
+    if type not in TENANT_TYPES:
+        raise ValueError(f"type must be one of {', '.join(TENANT_TYPES)}")
+    owner = session.exec(select(User).where(User.email == owner_email.lower())).first()
+    if owner is None:
+        owner = User(email=owner_email.lower())
+        session.add(owner)
+    tenant = Tenant(name=name, type=type, owner_id=owner.id, settings=dict(DEFAULT_SETTINGS))
+    session.add(tenant)
+    session.flush()
+    keyring = get_keyring()
+    keyring.create_tenant_key(session, tenant.id)
+    tenant.webhook_secret_ct = keyring.encrypt(
+        session, tenant.id, WEBHOOK_SECRET_PURPOSE, str(tenant.id), generate_secret().encode()
+    )
+    session.add(TenantMember(tenant_id=tenant.id, user_id=owner.id, role="OWNER", created_by=owner.id))
+    application = Application(
+        tenant_id=tenant.id, name=f"{name} management", type="management", permissions=list(ALL_PERMISSIONS)
+    )
+    session.add(application)
+    key, digest = new_api_key()
+    session.add(ApplicationKey(tenant_id=tenant.id, application_id=application.id, key_digest=digest))
+    return NewTenant(tenant.id, application.id, key)
+
+
+def get_tenant(session: Session, tenant_id: uuid.UUID) -> Tenant:
+    """The live tenant; 404 when deleted or unknown."""
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None or tenant.deleted_at is not None:
+        raise not_found("tenant")
+    return tenant
+
+
+def tenant_view(tenant: Tenant) -> dict:
+    """The public tenant object."""
+    return {
+        "id": tenant.id,
+        "owner_id": tenant.owner_id,
+        "name": tenant.name,
+        "type": tenant.type,
+        "settings": dict(tenant.settings or {}),
+        "created_by": tenant.created_by,
+        "created_at": tenant.created_at,
+        "modified_by": tenant.modified_by,
+        "modified_at": tenant.modified_at,
+    }
+
+
+def read_tenant(session: Session, caller: Caller) -> dict:
+    """``GET /tenants/self``."""
+    tenant = get_tenant(session, caller.tenant_id)
+    audit.record(session, caller, entity_type="tenant", entity_id=tenant.id, operation="read")
+    return tenant_view(tenant)
+
+
+def settings_errors(settings: dict) -> dict[str, list[str]]:
+    """Per-field errors for a tenant settings map (values are the strings the spec names)."""
+    errors: dict[str, list[str]] = {}
+    for key, value in settings.items():
+        allowed = SETTING_VALUES.get(key)
+        if allowed is None:
+            errors[f"settings.{key}"] = ["This setting is not known."]
+        elif value not in allowed:
+            errors[f"settings.{key}"] = [f"Must be one of {', '.join(repr(v) for v in allowed)} (a string)."]
+    return errors
+
+
+def update_tenant(session: Session, caller: Caller, *, name: str, settings: dict | None) -> dict:
+    """``PUT /tenants/self``: replace the name and, when given, merge the settings."""
+    on_commit(session, caller_cache.clear)
+    errors = settings_errors(settings or {})
+    if errors:
+        raise validation_problem(errors)
+    tenant = get_tenant(session, caller.tenant_id)
+    tenant.name = name
+    if settings is not None:
+        tenant.settings = {**DEFAULT_SETTINGS, **(tenant.settings or {}), **settings}
+    tenant.modified_by = caller.application_id
+    tenant.modified_at = utcnow()
+    session.add(tenant)
+    audit.record(session, caller, entity_type="tenant", entity_id=tenant.id, operation="update")
+    return tenant_view(tenant)
+
+
+def delete_tenant(session: Session, caller: Caller) -> None:
+    """``DELETE /tenants/self``: the tenant and every key of it stop working at once."""
+    on_commit(session, caller_cache.clear)
+    tenant = get_tenant(session, caller.tenant_id)
+    tenant.deleted_at = utcnow()
+    tenant.modified_by = caller.application_id
+    tenant.modified_at = tenant.deleted_at
+    session.add(tenant)
+    audit.record(session, caller, entity_type="tenant", entity_id=tenant.id, operation="delete")
+
+
+def webhook_signing_secret(session: Session, tenant_id: uuid.UUID) -> str:
+    """The tenant's Standard Webhooks secret (``whsec_...``), decrypted."""
+    tenant = get_tenant(session, tenant_id)
+    return (
+        get_keyring()
+        .decrypt(session, tenant.id, WEBHOOK_SECRET_PURPOSE, str(tenant.id), tenant.webhook_secret_ct)
+        .decode()
+    )

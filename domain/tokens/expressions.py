@@ -1,0 +1,705 @@
+"""The expression engine: Liquid templates for token fingerprints, masks and search indexes.
+
+An expression is a Liquid template (python-liquid 2) rendered against the context
+``{"data": <token data>, "metadata": {...}, "type": "<token type>"}`` (see :func:`make_context`).
+Expressions come from API callers, so the single module-level environment is locked down:
+
+* an undefined variable is an error (``{{ data.nope }}`` raises), except that it may be tested for
+  truthiness (``{% if data.cvc %}``) and replaced with the ``default`` filter;
+* an unknown filter is an error, found when the expression is validated, not only when a branch
+  using it happens to run;
+* no template loader, no ``include``/``render`` tags and no template inheritance tags;
+* resource limits: template length (:data:`MAX_TEMPLATE_LENGTH`), output size
+  (:data:`MAX_OUTPUT_SIZE`), loop iterations (:data:`MAX_LOOP_ITERATIONS`), the size of any
+  intermediate string a filter produces, the length of ranges a filter may expand, and the total
+  work filters may do in one render (:data:`MAX_FILTER_WORK`).
+
+Every failure surfaces as :class:`ExpressionError` with a readable message that names the rule,
+never the token data.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import lru_cache, wraps
+from typing import Any, NamedTuple
+
+from liquid import Environment, RenderContext
+from liquid.builtin.expressions import FilteredExpression, Path
+from liquid.builtin.output import OutputNode
+from liquid.exceptions import (
+    FilterArgumentError,
+    FilterValueError,
+    LiquidError,
+    TemplateNotFoundError,
+    UndefinedError,
+)
+from liquid.undefined import FalsyStrictUndefined, Undefined
+
+from domain.tokens.cards import mask_pan
+
+__all__ = [
+    "MAX_FILTER_WORK",
+    "MAX_LOOP_ITERATIONS",
+    "MAX_OUTPUT_SIZE",
+    "MAX_TEMPLATE_LENGTH",
+    "ExpressionError",
+    "apply_mask",
+    "environment",
+    "make_context",
+    "render",
+    "validate_expression",
+    "validate_mask",
+]
+
+MAX_TEMPLATE_LENGTH = 4096
+"""Longest expression source accepted, in characters."""
+
+MAX_OUTPUT_SIZE = 1_048_576
+"""Largest rendered output, in characters; also the largest string any filter may produce."""
+
+MAX_LOOP_ITERATIONS = 10_000
+"""Most loop iterations (nested loops multiply) in one render; also the longest range a filter
+may expand (``(1..n) | join``)."""
+
+MAX_LOCAL_NAMESPACE = 4 * MAX_OUTPUT_SIZE
+"""Most bytes held by ``assign``/``capture`` variables in one render."""
+
+MAX_FILTER_WORK = 32 * MAX_OUTPUT_SIZE
+"""Work budget of one render: every filter call costs 1 plus the length of its input and of its
+result (characters of a string, items of an array or object), so a loop cannot run costly filters
+over large values thousands of times."""
+
+MAX_JSON_PATH_LENGTH = 1024
+"""Longest path accepted by the ``json`` filter."""
+
+MAX_MASK_DEPTH = 64
+"""Deepest nesting of objects and arrays accepted in a mask."""
+
+TEMPLATE_CACHE_SIZE = 1024
+"""Parsed templates kept in the LRU cache."""
+
+MASK_CHAR = "X"
+
+
+class ExpressionError(ValueError):
+    """An expression could not be parsed or rendered.
+
+    Raised for syntax errors, unknown filters, undefined variables, bad filter arguments and
+    resource limit breaches. ``str(err)`` is a one-line message suitable for an API error.
+    """
+
+
+class _Undefined(FalsyStrictUndefined):
+    """Strict undefined: output, filters and comparisons raise; ``if`` and ``default`` work."""
+
+    force_liquid_default = True
+
+
+class _ExpressionEnvironment(Environment):
+    """Environment with resource limits and no way to load other templates."""
+
+    output_stream_limit = MAX_OUTPUT_SIZE
+    loop_iteration_limit = MAX_LOOP_ITERATIONS
+    local_namespace_limit = MAX_LOCAL_NAMESPACE
+    context_depth_limit = 30
+    block_nesting_limit = 30
+
+    def get_template(self, name: str, **kwargs: object) -> Any:  # type: ignore[override]
+        """Refuse to load templates: expressions are self-contained."""
+        raise TemplateNotFoundError("loading templates is not allowed in expressions", token=None)
+
+    async def get_template_async(self, name: str, **kwargs: object) -> Any:  # type: ignore[override]
+        """Refuse to load templates: expressions are self-contained."""
+        raise TemplateNotFoundError("loading templates is not allowed in expressions", token=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Filter helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _text(value: object, filter_name: str) -> str | None:
+    """Coerce a filter's input to text: None stays None, numbers and bools become strings."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    raise FilterValueError(
+        f"{filter_name}: expected a string or a number, found {_type_name(value)}", token=None
+    )
+
+
+def _type_name(value: object) -> str:
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    return type(value).__name__
+
+
+def _count(value: object, filter_name: str, arg_name: str) -> int:
+    """A non-negative integer argument; digit strings and integral floats are accepted."""
+    if isinstance(value, bool):
+        raise FilterArgumentError(f"{filter_name}: {arg_name} must be an integer", token=None)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and value.strip().isdigit() and value.strip().isascii():
+        value = int(value.strip())
+    if not isinstance(value, int):
+        raise FilterArgumentError(f"{filter_name}: {arg_name} must be an integer", token=None)
+    if value < 0:
+        raise FilterArgumentError(f"{filter_name}: {arg_name} must not be negative", token=None)
+    return value
+
+
+def _mask_char(value: object, filter_name: str) -> str:
+    if not isinstance(value, str) or len(value) != 1:
+        raise FilterArgumentError(f"{filter_name}: the replacement must be a single character", token=None)
+    return value
+
+
+def _reveal(text: str, first: int, last: int, char: str) -> str:
+    size = len(text)
+    if first + last >= size:
+        return text
+    tail = text[size - last :] if last else ""
+    return text[:first] + char * (size - first - last) + tail
+
+
+# --------------------------------------------------------------------------------------------
+# Custom filters
+# --------------------------------------------------------------------------------------------
+
+
+def reveal_last_filter(value: object, n: object = 4, char: object = MASK_CHAR) -> str | None:
+    """``reveal_last: n[, char]``: replace all but the last ``n`` characters with ``X``.
+
+    ``{{ "123456789" | reveal_last: 4 }}`` -> ``XXXXX6789``; ``char`` changes the replacement
+    character. None stays None; numbers are converted to strings; a value no longer than ``n`` is
+    returned unchanged.
+    """
+    text = _text(value, "reveal_last")
+    if text is None:
+        return None
+    return _reveal(text, 0, _count(n, "reveal_last", "n"), _mask_char(char, "reveal_last"))
+
+
+def reveal_first_filter(value: object, n: object = 6, char: object = MASK_CHAR) -> str | None:
+    """``reveal_first: n[, char]``: replace all but the first ``n`` characters with ``X``.
+
+    ``{{ "123456789" | reveal_first: 2 }}`` -> ``12XXXXXXX``. Same coercions as ``reveal_last``.
+    """
+    text = _text(value, "reveal_first")
+    if text is None:
+        return None
+    return _reveal(text, _count(n, "reveal_first", "n"), 0, _mask_char(char, "reveal_first"))
+
+
+def reveal_filter(value: object, first: object = 0, last: object = 0, char: object = MASK_CHAR) -> str | None:
+    """``reveal: first, last[, char]``: keep ``first`` leading and ``last`` trailing characters.
+
+    ``{{ "4111111111111111" | reveal: 6, 4 }}`` -> ``411111XXXXXX1111``. A value no longer than
+    ``first + last`` is returned unchanged. Same coercions as ``reveal_last``.
+    """
+    text = _text(value, "reveal")
+    if text is None:
+        return None
+    return _reveal(
+        text,
+        _count(first, "reveal", "first"),
+        _count(last, "reveal", "last"),
+        _mask_char(char, "reveal"),
+    )
+
+
+def card_mask_filter(value: object) -> str | None:
+    """``card_mask``: mask a card number, first six and last four visible (``424242XXXXXX4242``).
+
+    Shorter values keep only the last four (see :func:`domain.tokens.cards.mask_pan`). None stays None.
+    """
+    text = _text(value, "card_mask")
+    if text is None:
+        return None
+    return mask_pan(text)
+
+
+def last4_filter(value: object) -> str | None:
+    """``last4``: the last four characters (all of a shorter value). None stays None."""
+    text = _text(value, "last4")
+    if text is None:
+        return None
+    return text[-4:]
+
+
+def digits_filter(value: object) -> str | None:
+    """``digits``: keep the ASCII digits only (``"4242-4242"`` -> ``42424242``). None stays None."""
+    text = _text(value, "digits")
+    if text is None:
+        return None
+    return "".join(c for c in text if "0" <= c <= "9")
+
+
+def stringify_filter(value: object) -> str:
+    """``stringify``: a stable string for any value.
+
+    Strings are returned unchanged; anything else (objects, arrays, numbers, booleans, nil) is
+    compact JSON with object keys sorted, so ``{"b": 1, "a": 2}`` always gives
+    ``{"a":2,"b":1}``, ``true`` gives ``true`` and nil gives ``null``. Non-ASCII characters are
+    kept as they are. NaN and infinities are rejected.
+    """
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(
+            value,
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
+            allow_nan=False,
+            default=_json_default,
+        )
+    except RecursionError as err:
+        raise FilterValueError("stringify: value is nested too deeply", token=None) from err
+    except (TypeError, ValueError) as err:
+        raise FilterValueError(f"stringify: value is not representable as JSON ({err})", token=None) from err
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, Undefined):
+        raise UndefinedError(value.msg, token=value.token)
+    if isinstance(value, (tuple, range)):
+        return list(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"unsupported type {type(value).__name__}")
+
+
+_JSON_PATH_SEGMENT = re.compile(
+    r"""\.(?P<name>[^.\[\]'"\s]+)"""
+    r"""|\[\s*'(?P<single>(?:[^'\\]|\\.)*)'\s*\]"""
+    r"""|\[\s*"(?P<double>(?:[^"\\]|\\.)*)"\s*\]"""
+    r"""|\[\s*(?P<index>-?\d+)\s*\]"""
+)
+
+
+@lru_cache(maxsize=256)
+def _parse_json_path(path: str) -> tuple[str | int, ...]:
+    """Split ``$.a['b'][0]`` into ``("a", "b", 0)``; raise FilterArgumentError when malformed."""
+    if not path.startswith("$"):
+        raise FilterArgumentError("json: a path must start with '$'", token=None)
+    segments: list[str | int] = []
+    position = 1
+    while position < len(path):
+        match = _JSON_PATH_SEGMENT.match(path, position)
+        if match is None:
+            raise FilterArgumentError(f"json: malformed path at character {position + 1}", token=None)
+        if match.group("name") is not None:
+            segments.append(match.group("name"))
+        elif match.group("single") is not None:
+            segments.append(re.sub(r"\\(.)", r"\1", match.group("single")))
+        elif match.group("double") is not None:
+            segments.append(re.sub(r"\\(.)", r"\1", match.group("double")))
+        else:
+            segments.append(int(match.group("index")))
+        position = match.end()
+    return tuple(segments)
+
+
+def json_filter(value: object, path: object = "$") -> object:
+    """``json: "$.a.b[0]"``: select a value with a small JSONPath subset.
+
+    Supported: ``$`` (the value itself), ``.name``, ``['name']`` / ``["name"]`` and ``[index]``
+    (negative indexes count from the end). A string that holds a JSON object or array is parsed
+    first, so the filter also reads JSON text. Returns the selected value (objects and arrays
+    included, e.g. for ``| stringify``), or nil when the path selects nothing. Raises an
+    ExpressionError (at render) when the path is not a string or is malformed.
+    """
+    if not isinstance(path, str):
+        raise FilterArgumentError("json: the path must be a string", token=None)
+    if len(path) > MAX_JSON_PATH_LENGTH:
+        raise FilterArgumentError(
+            f"json: the path is longer than {MAX_JSON_PATH_LENGTH} characters", token=None
+        )
+    segments = _parse_json_path(path.strip())
+    current = value
+    if isinstance(current, str) and current.lstrip()[:1] in ("{", "["):
+        try:
+            current = json.loads(current)
+        except ValueError:
+            pass
+    for segment in segments:
+        if isinstance(segment, str) and isinstance(current, Mapping):
+            if segment not in current:
+                return None
+            current = current[segment]
+        elif isinstance(segment, int) and isinstance(current, (list, tuple)):
+            if not -len(current) <= segment < len(current):
+                return None
+            current = current[segment]
+        else:
+            return None
+    return current
+
+
+_CUSTOM_FILTERS: dict[str, Callable[..., object]] = {
+    "reveal_last": reveal_last_filter,
+    "reveal_first": reveal_first_filter,
+    "reveal": reveal_filter,
+    "card_mask": card_mask_filter,
+    "last4": last4_filter,
+    "digits": digits_filter,
+    "stringify": stringify_filter,
+    "json": json_filter,
+}
+
+# --------------------------------------------------------------------------------------------
+# Guards around every filter: strict undefined, range expansion and result size.
+# --------------------------------------------------------------------------------------------
+
+_UNDEFINED_TOLERANT_FILTERS = frozenset({"default"})
+
+
+def _estimate_replace(left: object, args: tuple) -> int:
+    if not isinstance(left, str) or not args:
+        return 0
+    seq = str(args[0]) if args[0] is not None else ""
+    sub = str(args[1]) if len(args) > 1 and args[1] is not None else ""
+    occurrences = left.count(seq) if seq else len(left) + 1
+    return len(left) + occurrences * max(len(sub) - len(seq), 0)
+
+
+def _estimate_join(left: object, args: tuple) -> int:
+    if not isinstance(left, (list, tuple, range)):
+        return 0
+    separator = args[0] if args else " "
+    separator_len = len(separator) if isinstance(separator, str) else len(str(separator))
+    items = len(left) * separator_len
+    if isinstance(left, range):
+        return items + len(left) * max(len(str(left.start)), len(str(left.stop)))
+    return items + sum(len(item) for item in left if isinstance(item, str))
+
+
+_ESTIMATORS: dict[str, Callable[[object, tuple], int]] = {
+    "replace": _estimate_replace,
+    "join": _estimate_join,
+}
+
+
+def _check_operand(name: str, value: object, *, allow_undefined: bool) -> None:
+    if isinstance(value, Undefined) and not allow_undefined:
+        raise UndefinedError(value.msg, token=value.token)
+    if isinstance(value, range) and len(value) > MAX_LOOP_ITERATIONS:
+        raise FilterValueError(
+            f"{name}: range of {len(value)} items exceeds the limit of {MAX_LOOP_ITERATIONS}", token=None
+        )
+    if isinstance(value, str) and len(value) > MAX_OUTPUT_SIZE:
+        raise FilterValueError(
+            f"{name}: string exceeds the size limit of {MAX_OUTPUT_SIZE} characters", token=None
+        )
+
+
+_work_budget: ContextVar[list[int] | None] = ContextVar("expression_work_budget", default=None)
+
+
+@contextmanager
+def _budget() -> Iterator[None]:
+    """Give the render running in this block a fresh :data:`MAX_FILTER_WORK` budget."""
+    token = _work_budget.set([MAX_FILTER_WORK])
+    try:
+        yield
+    finally:
+        _work_budget.reset(token)
+
+
+def _size(value: object) -> int:
+    if isinstance(value, (str, list, tuple, range, dict)):
+        return len(value)
+    return 0
+
+
+def _charge(name: str, cost: int) -> None:
+    budget = _work_budget.get()
+    if budget is None:
+        return
+    budget[0] -= cost
+    if budget[0] < 0:
+        raise FilterValueError(f"{name}: expression exceeds its work budget of {MAX_FILTER_WORK}", token=None)
+
+
+def _guard(name: str, func: Callable[..., object]) -> Callable[..., object]:
+    """Wrap a filter so that it cannot turn a small template into a huge value or run for long."""
+    allow_undefined = name in _UNDEFINED_TOLERANT_FILTERS
+    estimator = _ESTIMATORS.get(name)
+
+    @wraps(func)
+    def guarded(left: object, *args: object, **kwargs: object) -> object:
+        _check_operand(name, left, allow_undefined=allow_undefined)
+        for arg in args:
+            _check_operand(name, arg, allow_undefined=False)
+        for key, arg in kwargs.items():
+            if key not in ("environment", "context"):
+                _check_operand(name, arg, allow_undefined=False)
+        if estimator is not None and estimator(left, args) > MAX_OUTPUT_SIZE:
+            raise FilterValueError(f"{name}: result would exceed {MAX_OUTPUT_SIZE} characters", token=None)
+        _charge(name, 1 + _size(left))
+        result = func(left, *args, **kwargs)
+        _charge(name, _size(result))
+        if isinstance(result, str) and len(result) > MAX_OUTPUT_SIZE:
+            raise FilterValueError(f"{name}: result exceeds {MAX_OUTPUT_SIZE} characters", token=None)
+        if isinstance(result, list) and len(result) > MAX_OUTPUT_SIZE:
+            raise FilterValueError(f"{name}: result exceeds {MAX_OUTPUT_SIZE} items", token=None)
+        return result
+
+    # Only synchronous rendering is used; never let an async variant bypass the guard.
+    guarded.__dict__.pop("filter_async", None)
+    return guarded
+
+
+def _build_environment() -> Environment:
+    env = _ExpressionEnvironment(undefined=_Undefined, strict_filters=True, autoescape=False)
+    for tag in ("include", "render", "extends", "block", "macro", "call", "with", "translate"):
+        env.tags.pop(tag, None)
+    for name, func in _CUSTOM_FILTERS.items():
+        env.add_filter(name, func)
+    for name, func in list(env.filters.items()):
+        env.filters[name] = _guard(name, func)
+    return env
+
+
+environment: Environment = _build_environment()
+"""The one environment every expression is parsed and rendered with."""
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing, caching and rendering
+# --------------------------------------------------------------------------------------------
+
+
+class _Compiled(NamedTuple):
+    template: Any  # liquid.BoundTemplate
+    path: Path | None  # set when the template is exactly ``{{ some.path }}``
+
+
+def _describe(err: BaseException) -> str:
+    """A one-line message for a Liquid error: its message plus line and column when known."""
+    if isinstance(err, LiquidError):
+        message = str(err.message) if err.message is not None else type(err).__name__
+        try:
+            where = err.context()
+        except ValueError:
+            where = None
+        if where is not None:
+            return f"{message} (line {where[0]}, column {where[1] + 1})"
+        return message
+    if isinstance(err, RecursionError):
+        return "expression is nested too deeply"
+    return f"expression failed ({type(err).__name__})"
+
+
+@lru_cache(maxsize=TEMPLATE_CACHE_SIZE)
+def _compile(source: str) -> _Compiled:
+    """Parse ``source`` and check its filters; raises ExpressionError. Results are LRU-cached."""
+    try:
+        template = environment.from_string(source)
+        analysis = template.analyze(include_partials=False)
+    except Exception as err:
+        raise ExpressionError(f"invalid expression: {_describe(err)}") from err
+    unknown = sorted(name for name in analysis.filters if name not in environment.filters)
+    if unknown:
+        names = ", ".join(f"'{name}'" for name in unknown)
+        raise ExpressionError(f"invalid expression: unknown filter {names}")
+    path: Path | None = None
+    if len(template.nodes) == 1 and isinstance(template.nodes[0], OutputNode):
+        expression = template.nodes[0].expression
+        if (
+            type(expression) is FilteredExpression
+            and not expression.filters
+            and type(expression.left) is Path
+        ):
+            path = expression.left
+    return _Compiled(template, path)
+
+
+def _get_compiled(source: object) -> _Compiled:
+    if not isinstance(source, str):
+        raise ExpressionError(f"an expression must be a string, not {_type_name(source)}")
+    if len(source) > MAX_TEMPLATE_LENGTH:
+        raise ExpressionError(
+            f"expression is {len(source)} characters long; the limit is {MAX_TEMPLATE_LENGTH}"
+        )
+    return _compile(source)
+
+
+def _check_context(context: object) -> Mapping[str, object]:
+    if not isinstance(context, Mapping):
+        raise ExpressionError("the expression context must be an object")
+    return context
+
+
+def validate_expression(template: str) -> None:
+    """Parse ``template`` without rendering it.
+
+    Raises ExpressionError when ``template`` is not a string, is longer than
+    :data:`MAX_TEMPLATE_LENGTH` characters, has a syntax error (the message gives line and
+    column), uses a disallowed tag (``include``, ``render``) or uses an unknown filter, even in a
+    branch that would not run. Undefined variables are only detected when rendering.
+    """
+    _get_compiled(template)
+
+
+def render(template: str, context: dict) -> str:
+    """Render ``template`` against ``context`` and return the output string.
+
+    ``context`` is a mapping such as ``{"data": ..., "metadata": {...}, "type": "card"}`` (see
+    :func:`make_context`). Parsed templates are kept in a bounded LRU cache.
+
+    Raises ExpressionError for everything :func:`validate_expression` rejects, an undefined
+    variable, a bad filter argument or input, and a breached limit (output longer than
+    :data:`MAX_OUTPUT_SIZE` characters, more than :data:`MAX_LOOP_ITERATIONS` loop iterations,
+    filters doing more than :data:`MAX_FILTER_WORK` work).
+    """
+    compiled = _get_compiled(template)
+    context = _check_context(context)
+    try:
+        with _budget():
+            return compiled.template.render(context)
+    except Exception as err:
+        raise ExpressionError(_describe(err)) from err
+
+
+def make_context(token_type: str, data: object, metadata: Mapping[str, str] | None = None) -> dict:
+    """Build the expression context ``{"data": data, "metadata": metadata or {}, "type": token_type}``."""
+    return {"data": data, "metadata": dict(metadata or {}), "type": token_type}
+
+
+# --------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve_path(compiled: _Compiled, context: Mapping[str, object]) -> object:
+    """Evaluate a bare ``{{ a.b.c }}`` leaf and return the typed value.
+
+    A key missing from an object that exists yields None (an optional field that was not given,
+    like a card's expiration); an unknown root variable or a path through a non-object raises.
+    """
+    path = compiled.path
+    assert path is not None
+    render_context = RenderContext(compiled.template, globals=compiled.template.make_globals(context))
+    try:
+        value = path.evaluate(render_context)
+        if isinstance(value, Undefined):
+            if len(path.path) > 1:
+                parent = Path(path.token, path.path[:-1]).evaluate(render_context)
+                if isinstance(parent, Mapping) and not isinstance(parent, Undefined):
+                    return None
+            raise UndefinedError(value.msg, token=path.token)
+    except Exception as err:
+        raise ExpressionError(_describe(err)) from err
+    if isinstance(value, (dict, list)):
+        return copy.deepcopy(value)
+    if isinstance(value, tuple):
+        return copy.deepcopy(list(value))
+    if value == "":
+        return None
+    return value
+
+
+def _mask_leaf(source: str, context: Mapping[str, object]) -> object:
+    compiled = _get_compiled(source)
+    if compiled.path is not None:
+        return _resolve_path(compiled, context)
+    try:
+        with _budget():
+            output = compiled.template.render(context)
+    except Exception as err:
+        raise ExpressionError(_describe(err)) from err
+    return output if output != "" else None
+
+
+def _child_path(path: str, key: object) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        return f"{path}.{key}"
+    return f"{path}[{json.dumps(str(key))}]"
+
+
+def _apply(node: object, context: Mapping[str, object], where: str, depth: int) -> object:
+    if depth > MAX_MASK_DEPTH:
+        raise ExpressionError(f"{where}: mask is nested deeper than {MAX_MASK_DEPTH} levels")
+    if isinstance(node, str):
+        try:
+            return _mask_leaf(node, context)
+        except ExpressionError as err:
+            raise ExpressionError(f"{where}: {err}") from err
+    if isinstance(node, Mapping):
+        return {
+            key: _apply(value, context, _child_path(where, key), depth + 1) for key, value in node.items()
+        }
+    if isinstance(node, (list, tuple)):
+        return [_apply(value, context, _child_path(where, i), depth + 1) for i, value in enumerate(node)]
+    if node is None or isinstance(node, (bool, int, float)):
+        return node
+    raise ExpressionError(f"{where}: unsupported mask value of type {type(node).__name__}")
+
+
+def apply_mask(mask: object, context: dict) -> object:
+    """Render a mask against ``context`` and return the masked value.
+
+    A mask is any JSON value mirroring the token data: each string leaf is an expression rendered
+    with ``context``; objects and arrays are walked recursively (the result has the same shape);
+    numbers, booleans and None are returned as they are. Types are kept: a leaf that is exactly
+    one output of a variable path with no filters (``"{{ data.expiration_month }}"``) returns the
+    value itself (an int stays an int, an object a copy of the object), and None when that key is
+    absent from an existing object (an optional field that was not given). A leaf rendering to the
+    empty string becomes None.
+
+    Raises ExpressionError (message prefixed with the leaf's location, e.g. ``mask.number: ...``)
+    when a leaf fails to parse or render, the mask nests deeper than :data:`MAX_MASK_DEPTH` or
+    holds a value that is not JSON.
+    """
+    return _apply(mask, _check_context(context), "mask", 0)
+
+
+def _collect(node: object, where: str, depth: int, problems: list[str]) -> None:
+    if depth > MAX_MASK_DEPTH:
+        problems.append(f"{where}: mask is nested deeper than {MAX_MASK_DEPTH} levels")
+        return
+    if isinstance(node, str):
+        try:
+            validate_expression(node)
+        except ExpressionError as err:
+            problems.append(f"{where}: {err}")
+    elif isinstance(node, Mapping):
+        for key, value in node.items():
+            if not isinstance(key, str):
+                problems.append(f"{_child_path(where, key)}: object keys must be strings")
+                continue
+            _collect(value, _child_path(where, key), depth + 1, problems)
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            _collect(value, _child_path(where, index), depth + 1, problems)
+    elif not (node is None or isinstance(node, (bool, int, float))):
+        problems.append(f"{where}: unsupported mask value of type {type(node).__name__}")
+
+
+def validate_mask(mask: object) -> list[str]:
+    """Check every string leaf of ``mask`` with :func:`validate_expression` without rendering.
+
+    Returns a list of problems, each ``"<location>: <message>"`` with locations such as
+    ``mask``, ``mask.number`` or ``mask.items[0]``; an empty list when the mask is fine. Also
+    reports non-string object keys, values that are not JSON and nesting deeper than
+    :data:`MAX_MASK_DEPTH`. Never raises.
+    """
+    problems: list[str] = []
+    _collect(mask, "mask", 0, problems)
+    return problems

@@ -1,0 +1,180 @@
+"""Structured logs (structlog): one JSON object per line, or a readable line for people (``tessera dev``).
+
+Every line carries ``trace_id``, ``tenant_id``, ``job_id`` and ``task`` (null when not known), taken
+from context variables: the api middleware binds the request's (``app/main.py``), the Celery signals
+bind the task's around each run (``workers/signals.py``). Code logs with the standard library
+(``logging.getLogger(name)``, ``extra={...}`` for fields) or with :func:`get_logger`; both end up in
+the same handler, so a line looks the same whichever was used.
+
+Never log a card number, a CVC, an API key, a signing secret or token data: log ids. The test suite
+scans every record for them (``tests/ops/test_logs.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import structlog
+
+from config.settings import Settings
+
+#: The context fields every line carries.
+CONTEXT_FIELDS = ("trace_id", "tenant_id", "job_id", "task")
+
+# A callable giving fields known only later in a unit of work (the tenant, once the api key is checked).
+_LAZY: contextvars.ContextVar[Callable[[], dict[str, Any]] | None] = contextvars.ContextVar(
+    "tessera_log_lazy", default=None
+)
+
+
+def bind_lazy(fields: Callable[[], dict[str, Any]]) -> contextvars.Token:
+    """Add ``fields()`` to every line logged in the current context (read when each line is made)."""
+    return _LAZY.set(fields)
+
+
+def unbind_lazy(token: contextvars.Token) -> None:
+    """Undo the :func:`bind_lazy` that returned ``token``."""
+    with contextlib.suppress(ValueError):
+        _LAZY.reset(token)
+
+
+def current_context() -> dict[str, Any]:
+    """The context fields bound now (bound values and lazy ones), without the unset ones."""
+    found = dict(structlog.contextvars.get_contextvars())
+    lazy = _LAZY.get()
+    if lazy is not None:
+        with contextlib.suppress(Exception):
+            found.update({k: v for k, v in lazy().items() if v is not None and k not in found})
+    return {k: v for k, v in found.items() if v is not None}
+
+
+@contextlib.contextmanager
+def bound(**fields: Any) -> Iterator[None]:
+    """Bind ``fields`` to every line logged inside the block (in this thread or task)."""
+    with structlog.contextvars.bound_contextvars(**{k: v for k, v in fields.items() if v is not None}):
+        yield
+
+
+def bind(**fields: Any) -> None:
+    """Bind ``fields`` to every later line of the current context (see :func:`clear`)."""
+    structlog.contextvars.bind_contextvars(**{k: v for k, v in fields.items() if v is not None})
+
+
+def clear() -> None:
+    """Forget every field bound in the current context."""
+    structlog.contextvars.clear_contextvars()
+    _LAZY.set(None)
+
+
+def get_logger(name: str) -> structlog.stdlib.BoundLogger:
+    """A structlog logger writing through the standard library (``log.info("event", key=value)``)."""
+    return structlog.get_logger(name)
+
+
+# ---- processors ----------------------------------------------------------------------------------
+
+
+def _add_lazy(_logger, _method, event: dict) -> dict:
+    lazy = _LAZY.get()
+    if lazy is not None:
+        try:
+            extra = lazy()
+        except Exception:  # noqa: BLE001 - a log line never fails for its context
+            extra = {}
+        for key, value in extra.items():
+            if value is not None and event.get(key) is None:
+                event[key] = value
+    return event
+
+
+def _context_defaults(_logger, _method, event: dict) -> dict:
+    for key in CONTEXT_FIELDS:
+        value = event.get(key)
+        event[key] = None if value is None else str(value)
+    return event
+
+
+def _drop_empty(_logger, _method, event: dict) -> dict:
+    return {k: v for k, v in event.items() if v is not None}
+
+
+_FIRST = ("time", "level", "logger", "message", *CONTEXT_FIELDS)
+
+
+def _ordered(_logger, _method, event: dict) -> dict:
+    ordered = {key: event.pop(key) for key in _FIRST if key in event}
+    ordered.update(event)
+    return ordered
+
+
+_SHARED = [
+    structlog.contextvars.merge_contextvars,
+    _add_lazy,
+    structlog.stdlib.add_log_level,
+    structlog.stdlib.add_logger_name,
+    structlog.processors.TimeStamper(fmt="iso", utc=True, key="time"),
+]
+
+
+def _configure_structlog() -> None:
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.processors.StackInfoRenderer(),
+            structlog.stdlib.render_to_log_kwargs,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+
+
+def formatter(log_format: str, *, colors: bool = False) -> logging.Formatter:
+    """The formatter of ``TESSERA_LOG_FORMAT``: ``json`` (one object a line) or ``console``."""
+    if log_format == "json":
+        chain = [
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            _context_defaults,
+            structlog.processors.format_exc_info,
+            structlog.processors.EventRenamer("message"),
+            _ordered,
+            structlog.processors.JSONRenderer(default=str),
+        ]
+    else:
+        chain = [
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            _context_defaults,
+            _drop_empty,
+            structlog.dev.ConsoleRenderer(colors=colors, sort_keys=False, timestamp_key="time"),
+        ]
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*_SHARED, structlog.stdlib.ExtraAdder()], processors=chain, pass_foreign_args=False
+    )
+
+
+_STATE = {"configured": False}
+
+
+def is_configured() -> bool:
+    """True once :func:`configure_logging` ran in this process (the ``tessera`` commands)."""
+    return _STATE["configured"]
+
+
+def configure_logging(settings: Settings) -> None:
+    """Send every log record of this process to stderr in the format of ``settings``."""
+    _STATE["configured"] = True
+    _configure_structlog()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(settings.log_format, colors=sys.stderr.isatty()))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level)
+    logging.captureWarnings(True)  # Python warnings become log lines too, in the same format
+
+
+_configure_structlog()
