@@ -530,9 +530,6 @@ def _mpp_fields(body: dict[str, Any], errors: dict[str, str]) -> tuple[dict[str,
 
 async def _mint(sandbox: Sandbox, state: Allowances, allowance: ProviderAllowance, ask: MintRequest) -> Reply:
     """Mint ``ask`` on ``allowance`` (which must be active, unexpired, in the currency, with room)."""
-    behaviour = _behaviour(allowance.provider, allowance.enrollment)
-    if behaviour is _Behaviour.MINT_HANGS:
-        await hang(sandbox)
     status = allowance.current_status
     if status != "active":
         code = "ALLOWANCE_NOT_ACTIVE" if status == "inactive" else f"ALLOWANCE_{status.upper()}"
@@ -541,6 +538,9 @@ async def _mint(sandbox: Sandbox, state: Allowances, allowance: ProviderAllowanc
         raise rejection("CURRENCY_MISMATCH", "the amount is not in the allowance's currency")
     if allowance.spent + ask.amount.value > allowance.amount.value:
         raise rejection("AMOUNT_EXCEEDED", "the amount exceeds what the allowance has left")
+    behaviour = _behaviour(allowance.provider, allowance.enrollment)
+    if behaviour is _Behaviour.MINT_HANGS:
+        await hang(sandbox)
     if behaviour is _Behaviour.MINT_FAILS:
         raise rejection("PROVIDER_CREDENTIALS_FAILED", "the provider issued no credential")
     minted = MintedCredential(f"cred_{secrets.token_hex(12)}", allowance, ask.format, ask.amount, _now())
