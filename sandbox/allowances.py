@@ -346,14 +346,13 @@ async def _set_up(app: web.Application, provider: str, ask: SetupRequest) -> Rep
     return Reply(201, allowance.view())
 
 
-def _allowance_in_path(request: web.Request, operation: str) -> tuple[str, ProviderAllowance]:
+def _allowance_in_path(request: web.Request, resource: str, action: str) -> tuple[str, ProviderAllowance]:
     """The provider and the allowance named in the path, after counting the request under
-    ``allowances.<operation>``; 404 ``not_found`` when the provider does not hold it."""
+    ``agentic.<provider>.<resource>.<action>``; 404 ``not_found`` when the provider does not hold it."""
     provider = provider_in_path(request)
     allowance = request.app[ALLOWANCES].find(provider, request.match_info["allowance_id"])
-    resource, _, action = operation.rpartition(".")
     sandbox_of(request).requests.count(
-        endpoint_name(provider, resource or "allowances", action), allowance.card if allowance else None
+        endpoint_name(provider, resource, action), allowance.card if allowance else None
     )
     if allowance is None:
         raise not_found("allowance")
@@ -363,7 +362,7 @@ def _allowance_in_path(request: web.Request, operation: str) -> tuple[str, Provi
 @routes.get("/agentic/{provider}/allowances/{allowance_id}")
 async def read_allowance(request: web.Request) -> web.Response:
     """200 with the allowance's current state; 404 if the provider does not hold it."""
-    _, allowance = _allowance_in_path(request, "read")
+    _, allowance = _allowance_in_path(request, "allowances", "read")
     return web.json_response(allowance.view())
 
 
@@ -379,7 +378,7 @@ class UpdateRequest:
 @routes.patch("/agentic/{provider}/allowances/{allowance_id}")
 async def update_allowance(request: web.Request) -> web.Response:
     """Change the amount, expiry or description; 200 with the allowance or 422 when refused."""
-    provider, allowance = _allowance_in_path(request, "update")
+    provider, allowance = _allowance_in_path(request, "allowances", "update")
     body = await read_json_object(request)
     errors = _description_errors(body)
     amount = _amount(body["amount"], "amount", errors) if "amount" in body else None
@@ -409,7 +408,7 @@ async def _update(allowance: ProviderAllowance, ask: UpdateRequest) -> Reply:
 @routes.post("/agentic/{provider}/allowances/{allowance_id}/cancel")
 async def cancel_allowance(request: web.Request) -> web.Response:
     """Cancel the allowance (no body); 200 with it, ``cancelled``; repeating it changes nothing."""
-    provider, allowance = _allowance_in_path(request, "cancel")
+    provider, allowance = _allowance_in_path(request, "allowances", "cancel")
     operation = partial(_cancel, allowance)
     return await respond_idempotently(request, ("allowance.cancel", provider, allowance.id), operation)
 
@@ -428,7 +427,7 @@ async def _cancel(allowance: ProviderAllowance) -> Reply:
 async def start_verification(request: web.Request) -> web.Response:
     """Start (or restart) the allowance's verification: an OTP is sent; 201 ``{allowance_id, status:
     "otp_sent", attempts_remaining}``, or a 400/422 refusal."""
-    provider, allowance = _allowance_in_path(request, "verifications.start")
+    provider, allowance = _allowance_in_path(request, "verifications", "start")
     operation = partial(_start_verification, allowance)
     return await respond_idempotently(request, ("verification.start", provider, allowance.id), operation)
 
@@ -457,7 +456,7 @@ async def _start_verification(allowance: ProviderAllowance) -> Reply:
 async def submit_otp(request: web.Request) -> web.Response:
     """Submit ``{otp}``: 200 ``{status: "verified"}`` (the allowance turns active), 400 ``INVALID_OTP``
     with ``attempts_remaining``, 422 ``PROVIDER_VERIFICATION_FAILED`` on the third wrong code in a row."""
-    provider, allowance = _allowance_in_path(request, "verifications.otp")
+    provider, allowance = _allowance_in_path(request, "verifications", "otp")
     body = await read_json_object(request)
     if not isinstance(body.get("otp"), str):
         require_valid({"otp": "must be a string"})
@@ -497,7 +496,7 @@ class MintRequest:
 @routes.post("/agentic/{provider}/allowances/{allowance_id}/credentials")
 async def mint_credential(request: web.Request) -> web.Response:
     """Mint a payment credential; 201 with it (its value this once) or a 422 refusal."""
-    provider, allowance = _allowance_in_path(request, "credentials.create")
+    provider, allowance = _allowance_in_path(request, "credentials", "create")
     body = await read_json_object(request)
     errors: dict[str, str] = {}
     if body.get("format") not in FORMATS[provider]:

@@ -15,6 +15,7 @@ from joserfc import jwe
 from joserfc.jwk import ECKey, OKPKey
 
 from domain.tokens.cards import luhn_valid
+from infra.jobs import TransientError
 from providers.agentic import (
     Amount,
     CredentialOutcomeUnknown,
@@ -366,6 +367,37 @@ def test_the_hanging_mint_is_an_unknown_outcome_not_a_failure(sandbox, providers
     assert admin(sandbox, "requests", endpoint="agentic.vic.credentials.create", pan=MINT_HANGS)["total"] == 1
 
 
+def test_a_patient_caller_gets_the_hanging_mints_late_504_as_transient(sandbox, sandbox_url):
+    patient = HttpAgenticProvider("psp", f"{sandbox_url}/agentic/psp", connect_timeout=1.0,
+                                  read_timeout=HANG_SECONDS + 3)
+    allowance = set_up(sandbox, patient, MINT_HANGS)
+
+    started = time.monotonic()
+    with pytest.raises(TransientError, match="504"):
+        patient.mint_credential(allowance.id, credential_format="identifier", amount=USD_100, mpp=None,
+                                idempotency_key="m")
+
+    assert time.monotonic() - started >= HANG_SECONDS
+    assert admin(sandbox, "credentials")["count"] == 0
+    assert held(sandbox)[0]["amount_spent"]["value"] == "0"
+
+
+def test_an_expired_allowance_mints_and_changes_no_more(sandbox, providers):
+    psp = providers["psp"]
+    enrolled = enrollment_id(sandbox, "psp", AMEX)
+    soon = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=1)
+    allowance = psp.create_allowance(enrolled, USD_100, soon, None, idempotency_key="k")
+    time.sleep(max(0.0, (soon - datetime.datetime.now(datetime.UTC)).total_seconds()) + 0.1)
+
+    mint = rejection(lambda: psp.mint_credential(allowance.id, credential_format="identifier", amount=USD_100,
+                                                 mpp=None, idempotency_key="m"))
+    update = rejection(lambda: psp.update_allowance(allowance.id, expires_at=in_days(1), idempotency_key="u"))
+
+    assert (mint.code, mint.provider_code) == ("PROVIDER_CREDENTIALS_FAILED", "ALLOWANCE_EXPIRED")
+    assert (update.code, update.provider_code) == ("PROVIDER_ALLOWANCE_UPDATE_FAILED", "ALLOWANCE_EXPIRED")
+    assert held(sandbox, status="expired")[0]["id"] == allowance.id
+
+
 def test_an_update_changes_amount_and_expiry_and_replays(sandbox, providers):
     vic = providers["vic"]
     allowance = verified(sandbox, vic, VISA)
@@ -483,3 +515,15 @@ def test_allowance_calls_are_counted_per_card_and_unknown_ids_answer_404(sandbox
         "agentic.vic.verifications.start": 1,
         "agentic.vic.verifications.otp": 1,
     }
+
+
+def test_reset_forgets_allowances_credentials_and_their_keys(sandbox, providers):
+    psp = providers["psp"]
+    allowance = set_up(sandbox, psp, VISA, key="before-reset")
+    psp.mint_credential(allowance.id, credential_format="identifier", amount=USD_100, mpp=None, idempotency_key="m")
+
+    assert sandbox.post("/_admin/reset").status == 204
+
+    assert admin(sandbox, "allowances")["count"] == admin(sandbox, "credentials")["count"] == 0
+    assert sandbox.get(f"/agentic/psp/allowances/{allowance.id}").status == 404
+    assert set_up(sandbox, psp, VISA, key="before-reset").id != allowance.id
