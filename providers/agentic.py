@@ -159,14 +159,19 @@ CREDENTIAL_FORMATS = {
 
 @dataclass(frozen=True)
 class Amount:
-    """An exact amount: ``value`` a Decimal (never a float), ``currency`` an ISO 4217 code."""
+    """An exact amount: ``value`` a finite Decimal (never a float: TypeError), ``currency`` an ISO 4217
+    code."""
 
     value: Decimal
     currency: str
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.value, Decimal) or not self.value.is_finite():
+            raise TypeError("an amount's value is a finite Decimal")
+
     def wire(self) -> dict[str, str]:
-        """``{"value": "25.00", "currency": "USD"}`` as the providers take it."""
-        return {"value": str(self.value), "currency": self.currency}
+        """``{"value": "25.00", "currency": "USD"}`` as the providers take it (plain notation)."""
+        return {"value": format(self.value, "f"), "currency": self.currency}
 
 
 @dataclass(frozen=True)
@@ -409,10 +414,13 @@ class HttpAgenticProvider:
             raise
 
 
-def _failure(operation: str, message: str, **details: Any) -> ProviderRejection:
-    """The ``operation``'s own failure (:data:`OPERATIONS`) as a :class:`ProviderRejection`."""
+def _failure(operation: str, message: str, code: str | None = None, **details: Any) -> ProviderRejection:
+    """A :class:`ProviderRejection` (:class:`EnrollmentFailed` for enrollments) of ``operation``: with
+    ``code`` when it is one the operation passes on (:data:`OPERATIONS`), else the operation's own."""
     kind = EnrollmentFailed if operation == "enrollment" else ProviderRejection
     rule = OPERATIONS[operation]
+    if code in rule.passed:
+        return kind(code, message, status=rule.passed[code], **details)
     return kind(rule.failure, message, status=rule.failure_status, **details)
 
 
@@ -518,14 +526,9 @@ def _rejection(answer: ProviderAnswer, operation: str = "enrollment") -> Provide
     provider_code = body.get("code") if isinstance(body.get("code"), str) else None
     correlation = body.get("provider_correlation_id")
     remaining = body.get("attempts_remaining")
-    rule = OPERATIONS[operation]
     details = {
         "provider_code": (provider_code or f"HTTP_{answer.status}")[:100],
         "correlation_id": correlation[:200] if isinstance(correlation, str) else None,
         "attempts_remaining": remaining if isinstance(remaining, int) and not isinstance(remaining, bool) else None,
     }
-    message = f"the provider answered {answer.status}"
-    if provider_code in rule.passed:
-        kind = EnrollmentFailed if operation == "enrollment" else ProviderRejection
-        return kind(provider_code, message, status=rule.passed[provider_code], **details)
-    return _failure(operation, message, **details)
+    return _failure(operation, f"the provider answered {answer.status}", provider_code, **details)

@@ -120,7 +120,7 @@ class Amount:
 
     def view(self) -> dict[str, str]:
         """``{"value": "25.00", "currency": "USD"}``: the value keeps the decimals it was given."""
-        return {"value": str(self.value), "currency": self.currency}
+        return {"value": format(self.value, "f"), "currency": self.currency}
 
 
 def _amount(raw: object, path: str, errors: dict[str, str]) -> Amount | None:

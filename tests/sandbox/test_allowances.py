@@ -527,3 +527,13 @@ def test_reset_forgets_allowances_credentials_and_their_keys(sandbox, providers)
     assert admin(sandbox, "allowances")["count"] == admin(sandbox, "credentials")["count"] == 0
     assert sandbox.get(f"/agentic/psp/allowances/{allowance.id}").status == 404
     assert set_up(sandbox, psp, VISA, key="before-reset").id != allowance.id
+
+
+def test_amounts_are_exact_decimals_sent_in_plain_notation():
+    with pytest.raises(TypeError):
+        Amount(25.0, "USD")
+    with pytest.raises(TypeError):
+        Amount(Decimal("NaN"), "USD")
+
+    assert Amount(Decimal("1E+2"), "USD").wire() == {"value": "100", "currency": "USD"}
+    assert Amount(Decimal("0.10"), "EUR").wire() == {"value": "0.10", "currency": "EUR"}
