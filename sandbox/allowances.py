@@ -103,12 +103,13 @@ def _behaviour(provider: str, enrollment: Enrollment) -> _Behaviour | None:
 
 
 def _now() -> datetime.datetime:
+    """The current time, UTC."""
     return datetime.datetime.now(datetime.UTC)
 
 
 def _timestamp(moment: datetime.datetime) -> str:
-    """``moment`` as ISO 8601 in UTC with a ``Z``, to the second."""
-    return moment.astimezone(datetime.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    """``moment`` as ISO 8601 in UTC with a ``Z`` (fractions of a second only when it has some)."""
+    return moment.astimezone(datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)
