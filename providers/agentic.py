@@ -14,22 +14,35 @@ the call) asks once more with the same key and the provider answers the stored o
 is never enrolled twice. Calls time out after ``agentic_provider_timeout_seconds`` (read) and
 ``provider_connect_timeout_seconds`` (connect).
 
+The allowance calls (spec 001 section 7; shapes in ``sandbox/README.md``) work the same way: set up an
+allowance on an enrollment, update it, cancel it, start its verification, submit the OTP, mint a
+payment credential. Each takes the caller's ``idempotency_key`` (required): the provider answers the
+same for the same key, so a job run twice has one effect.
+
 Failures are classified for the job template (``infra/job_task.py``):
 
-* :class:`EnrollmentFailed` (a :class:`infra.jobs.PermanentError`): the provider answered a
-  rejection (422 and other 4xx), or did not answer in time once the request was sent (a read
-  timeout: the outcome is unknown and the same key would only wait again; the rail records
-  ``PROVIDER_ENROLLMENT_FAILED`` and can be retried). ``code`` is always a code of the error
-  catalogue; the provider's own code and correlation id ride beside it.
+* :class:`ProviderRejection` (a :class:`infra.jobs.PermanentError`; :class:`EnrollmentFailed` for
+  enrollments): the provider answered a rejection (4xx), or did not answer in time once the request
+  was sent (a read timeout: the same key would only wait again). ``code`` is always a code of the
+  error catalogue: the provider's own code when it is one the operation may answer
+  (:data:`OPERATIONS`), else the operation's own failure code (``PROVIDER_ENROLLMENT_FAILED``,
+  ``PROVIDER_ALLOWANCE_FAILED`` ...); the provider's code and correlation id ride beside it.
+* :class:`CredentialOutcomeUnknown` (also permanent): a mint whose read timed out. The provider may
+  have issued a credential, so the platform must not treat it as a conclusive failure
+  (``CREDENTIAL_OUTCOME_UNKNOWN``, spec 001 section 7, Unknown outcome).
 * :class:`infra.jobs.TransientError`: connection failures, connect timeouts, 408, 429 and 5xx
-  answers: retried with backoff.
+  answers: ask again with the same key (for a mint: when the platform gives up on those, only a
+  failure to connect proves that nothing was issued).
 
 Nothing here logs or keeps the card number, the security code or a provider's message.
 """
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any, Protocol
 
 import urllib3
@@ -83,15 +96,128 @@ class Enrollment:
     card: dict[str, Any] | None
 
 
-class EnrollmentFailed(PermanentError):
-    """A conclusive enrollment failure: ``code`` from the error catalogue, ``provider_code`` (the
-    provider's own code, or None) and ``correlation_id`` (the provider's correlation id, or None)."""
+class ProviderRejection(PermanentError):
+    """A conclusive provider failure: ``code`` from the error catalogue, ``status`` its HTTP status
+    there, ``provider_code`` (the provider's own code, or None), ``correlation_id`` (the provider's
+    correlation id, or None) and ``attempts_remaining`` (wrong OTPs still allowed, for INVALID_OTP)."""
 
     def __init__(self, code: str, message: str, *, provider_code: str | None = None,
-                 correlation_id: str | None = None, status: int = 422):
+                 correlation_id: str | None = None, status: int = 422, attempts_remaining: int | None = None):
         super().__init__(code, message, status=status)
         self.provider_code = provider_code
         self.correlation_id = correlation_id
+        self.attempts_remaining = attempts_remaining
+
+
+class EnrollmentFailed(ProviderRejection):
+    """A conclusive enrollment failure (see :class:`ProviderRejection`)."""
+
+
+class CredentialOutcomeUnknown(PermanentError):
+    """A mint was sent and no answer came within the read timeout: a credential may have been issued
+    whose value is lost. ``code`` ``CREDENTIAL_OUTCOME_UNKNOWN``, ``status`` 409 (spec 001 section 7)."""
+
+    def __init__(self, message: str):
+        super().__init__("CREDENTIAL_OUTCOME_UNKNOWN", message, status=409)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """How the answers of one kind of provider call are classified: ``failure`` is the catalogue code
+    of an unclassifiable rejection or read timeout; ``passed`` maps the provider codes that are
+    catalogue codes this call may answer to their HTTP status (spec 001 section 7)."""
+
+    failure: str
+    failure_status: int
+    passed: dict[str, int]
+
+
+#: Operation name -> its classification.
+OPERATIONS = {
+    "enrollment": Operation(
+        UNCLASSIFIED, 422,
+        {code: 409 if code == "RAIL_ALREADY_ENROLLED" else 422 for code in CATALOGUE_ENROLLMENT_CODES},
+    ),
+    "allowance": Operation("PROVIDER_ALLOWANCE_FAILED", 422, {}),
+    "allowance_update": Operation("PROVIDER_ALLOWANCE_UPDATE_FAILED", 422, {}),
+    "allowance_cancel": Operation("PROVIDER_ALLOWANCE_CANCEL_FAILED", 500, {}),
+    "verification": Operation(
+        "PROVIDER_VERIFICATION_FAILED", 422,
+        {"INVALID_OTP": 400, "VERIFICATION_NOT_SUPPORTED": 422, "VERIFICATION_NOT_REQUIRED": 400,
+         "VERIFICATION_STATE_INVALID": 400},
+    ),
+    "credentials": Operation("PROVIDER_CREDENTIALS_FAILED", 422, {}),
+}
+
+#: Credential formats per provider (spec 001 section 4, Rails and providers).
+CREDENTIAL_FORMATS = {
+    "vic": ("card", "network-token", "mpp"),
+    "agentpay": ("card", "network-token", "mpp"),
+    "psp": ("identifier", "mpp"),
+}
+
+
+@dataclass(frozen=True)
+class Amount:
+    """An exact amount: ``value`` a finite Decimal (never a float: TypeError), ``currency`` an ISO 4217
+    code."""
+
+    value: Decimal
+    currency: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.value, Decimal) or not self.value.is_finite():
+            raise TypeError("an amount's value is a finite Decimal")
+
+    def wire(self) -> dict[str, str]:
+        """``{"value": "25.00", "currency": "USD"}`` as the providers take it (plain notation)."""
+        return {"value": format(self.value, "f"), "currency": self.currency}
+
+
+@dataclass(frozen=True)
+class ProviderAllowance:
+    """An allowance at a provider: ``status`` ``inactive`` (awaiting verification), ``active``,
+    ``cancelled`` or ``expired``; ``amount_spent`` what the provider counts as minted;
+    ``provider_ids`` string -> string (informational)."""
+
+    id: str
+    status: str
+    verification_required: bool
+    amount: Amount
+    amount_spent: Amount
+    expires_at: datetime.datetime
+    provider_ids: dict[str, str]
+
+
+@dataclass(frozen=True)
+class VerificationState:
+    """A verification step's outcome: ``status`` ``otp_sent`` or ``verified``; ``attempts_remaining``
+    wrong codes still allowed."""
+
+    status: str
+    attempts_remaining: int
+
+
+@dataclass(frozen=True)
+class MppRequest:
+    """What an ``mpp`` mint seals the credential for: the merchant's JWK set (public keys, as fetched
+    from its key-set address) and its challenge."""
+
+    key_set: dict[str, Any]
+    challenge: str
+
+
+@dataclass(frozen=True)
+class MintedCredential:
+    """A payment credential the provider issued: ``credential`` is its value, returned to the caller
+    once and never stored readable: ``{number, expiration_month, expiration_year, cvc}`` (card,
+    network-token), ``{id}`` (identifier) or ``{token}`` (mpp). ``repr`` never shows it."""
+
+    id: str
+    format: str
+    amount: Amount
+    expires_at: datetime.datetime
+    credential: dict[str, Any] = field(repr=False)
 
 
 class AgenticProvider(Protocol):
@@ -108,6 +234,28 @@ class AgenticProvider(Protocol):
 
     def delete_enrollment(self, enrollment_id: str) -> None:
         """Remove the enrollment (idempotent: an unknown enrollment is already removed)."""
+
+    def create_allowance(self, enrollment_id: str, amount: Amount, expires_at: datetime.datetime,
+                         description: str | None, *, idempotency_key: str) -> ProviderAllowance:
+        """Set up an allowance on the enrollment; ProviderRejection PROVIDER_ALLOWANCE_FAILED."""
+
+    def update_allowance(self, allowance_id: str, *, idempotency_key: str, amount: Amount | None = None,
+                         expires_at: datetime.datetime | None = None,
+                         description: str | None = None) -> ProviderAllowance:
+        """Change the allowance; ProviderRejection PROVIDER_ALLOWANCE_UPDATE_FAILED."""
+
+    def cancel_allowance(self, allowance_id: str, *, idempotency_key: str) -> None:
+        """Cancel the allowance; ProviderRejection PROVIDER_ALLOWANCE_CANCEL_FAILED (500)."""
+
+    def start_verification(self, allowance_id: str, *, idempotency_key: str) -> VerificationState:
+        """Send an OTP; ProviderRejection VERIFICATION_NOT_SUPPORTED, VERIFICATION_NOT_REQUIRED ..."""
+
+    def submit_otp(self, allowance_id: str, otp: str, *, idempotency_key: str) -> VerificationState:
+        """Check the OTP; ProviderRejection INVALID_OTP, PROVIDER_VERIFICATION_FAILED ..."""
+
+    def mint_credential(self, allowance_id: str, *, credential_format: str, amount: Amount,
+                        mpp: MppRequest | None, idempotency_key: str) -> MintedCredential:
+        """Mint a credential; ProviderRejection PROVIDER_CREDENTIALS_FAILED, CredentialOutcomeUnknown."""
 
 
 def provider_for(name: str, tenant_type: str, settings: Settings) -> AgenticProvider | None:
@@ -171,18 +319,174 @@ class HttpAgenticProvider:
             return
         raise _rejection(answer)
 
-    def _call(self, method: str, path: str, body: Any = None, *, idempotency_key: str | None = None
+    def create_allowance(self, enrollment_id: str, amount: Amount, expires_at: datetime.datetime,
+                         description: str | None, *, idempotency_key: str) -> ProviderAllowance:
+        """``POST /allowances`` on the enrollment: 201 -> :class:`ProviderAllowance` (``inactive`` while
+        it needs verification); a rejection or read timeout -> :class:`ProviderRejection`
+        ``PROVIDER_ALLOWANCE_FAILED`` (the rail's error, spec 001 section 7)."""
+        body = {"enrollment_id": enrollment_id, "amount": amount.wire(), "expires_at": _wire_time(expires_at)}
+        if description is not None:
+            body["description"] = description
+        answer = self._call("POST", "/allowances", body, idempotency_key=idempotency_key, operation="allowance")
+        return _expect(answer, 201, "allowance", _allowance)
+
+    def update_allowance(self, allowance_id: str, *, idempotency_key: str, amount: Amount | None = None,
+                         expires_at: datetime.datetime | None = None,
+                         description: str | None = None) -> ProviderAllowance:
+        """``PATCH /allowances/{id}`` with the fields given (``description`` ``""`` clears it): 200 ->
+        :class:`ProviderAllowance`; else :class:`ProviderRejection` ``PROVIDER_ALLOWANCE_UPDATE_FAILED``
+        (the provider refused, e.g. an amount below what it counts as spent; spec 001 section 7)."""
+        body: dict[str, Any] = {}
+        if amount is not None:
+            body["amount"] = amount.wire()
+        if expires_at is not None:
+            body["expires_at"] = _wire_time(expires_at)
+        if description is not None:
+            body["description"] = description
+        answer = self._call("PATCH", f"/allowances/{allowance_id}", body, idempotency_key=idempotency_key,
+                            operation="allowance_update")
+        return _expect(answer, 200, "allowance_update", _allowance)
+
+    def cancel_allowance(self, allowance_id: str, *, idempotency_key: str) -> None:
+        """``POST /allowances/{id}/cancel``: 200 and 404 (the provider holds no such allowance) both
+        mean cancelled; else :class:`ProviderRejection` ``PROVIDER_ALLOWANCE_CANCEL_FAILED`` (status
+        500: repeat the DELETE, spec 001 section 7). Each new attempt needs a new key: a key replays
+        its first answer."""
+        answer = self._call("POST", f"/allowances/{allowance_id}/cancel", {}, idempotency_key=idempotency_key,
+                            operation="allowance_cancel")
+        if answer.status not in (200, 404):
+            raise _rejection(answer, "allowance_cancel")
+
+    def start_verification(self, allowance_id: str, *, idempotency_key: str) -> VerificationState:
+        """``POST /allowances/{id}/verification``: the provider sends an OTP; 201 ->
+        :class:`VerificationState` ``otp_sent``. :class:`ProviderRejection` ``VERIFICATION_NOT_SUPPORTED``
+        (422), ``VERIFICATION_NOT_REQUIRED`` (400), ``VERIFICATION_STATE_INVALID`` (400, already
+        verified), else ``PROVIDER_VERIFICATION_FAILED``."""
+        answer = self._call("POST", f"/allowances/{allowance_id}/verification", {},
+                            idempotency_key=idempotency_key, operation="verification")
+        return _expect(answer, 201, "verification", _verification_state)
+
+    def submit_otp(self, allowance_id: str, otp: str, *, idempotency_key: str) -> VerificationState:
+        """``POST /allowances/{id}/verification/otp``: 200 -> :class:`VerificationState` ``verified``
+        (the allowance is active). :class:`ProviderRejection` ``INVALID_OTP`` (400, with
+        ``attempts_remaining``), ``PROVIDER_VERIFICATION_FAILED`` (the provider's attempt limit: start
+        again), ``VERIFICATION_STATE_INVALID`` (no code awaited)."""
+        answer = self._call("POST", f"/allowances/{allowance_id}/verification/otp", {"otp": otp},
+                            idempotency_key=idempotency_key, operation="verification")
+        return _expect(answer, 200, "verification", _verification_state)
+
+    def mint_credential(self, allowance_id: str, *, credential_format: str, amount: Amount,
+                        mpp: MppRequest | None, idempotency_key: str) -> MintedCredential:
+        """``POST /allowances/{id}/credentials``: 201 -> :class:`MintedCredential`.
+
+        ``credential_format`` one of :data:`CREDENTIAL_FORMATS` for this provider (else ValueError, no
+        call); ``mpp`` required for ``mpp``. A rejection -> :class:`ProviderRejection`
+        ``PROVIDER_CREDENTIALS_FAILED`` (conclusive: nothing issued); a read timeout ->
+        :class:`CredentialOutcomeUnknown` (spec 001 sections 7 and 8).
+        """
+        if credential_format not in CREDENTIAL_FORMATS[self.name]:
+            raise ValueError(f"{self.name} does not mint {credential_format} credentials")
+        if (credential_format == "mpp") != (mpp is not None):
+            raise ValueError("mpp is required for the mpp format, and only for it")
+        body: dict[str, Any] = {"format": credential_format, "amount": amount.wire()}
+        if mpp is not None:
+            body["mpp"] = {"key_set": mpp.key_set, "challenge": mpp.challenge}
+        answer = self._call("POST", f"/allowances/{allowance_id}/credentials", body,
+                            idempotency_key=idempotency_key, operation="credentials",
+                            on_timeout=CredentialOutcomeUnknown)
+        return _expect(answer, 201, "credentials", _minted)
+
+    def _call(self, method: str, path: str, body: Any = None, *, idempotency_key: str | None = None,
+              operation: str = "enrollment", on_timeout: Callable[[str], PermanentError] | None = None
               ) -> ProviderAnswer:
+        """One call through :class:`providers.HttpClient`; a read timeout becomes ``on_timeout(message)``
+        (default: the ``operation``'s :class:`ProviderRejection`)."""
         try:
             return self.http.call(method, path, body, idempotency_key=idempotency_key)
         except TransientError as exc:
             if isinstance(exc.__cause__, urllib3.exceptions.ReadTimeoutError):
                 # The request reached the provider, which did not answer: asking again with the same
                 # key would only wait on the same operation. Conclusive for this attempt.
-                raise EnrollmentFailed(
-                    UNCLASSIFIED, f"{self.name} did not answer within {self.read_timeout:g} s"
-                ) from None
+                message = f"{self.name} did not answer within {self.read_timeout:g} s"
+                if on_timeout is not None:
+                    raise on_timeout(message) from None
+                raise _failure(operation, message) from None
             raise
+
+
+def _failure(operation: str, message: str, code: str | None = None, **details: Any) -> ProviderRejection:
+    """A :class:`ProviderRejection` (:class:`EnrollmentFailed` for enrollments) of ``operation``: with
+    ``code`` when it is one the operation passes on (:data:`OPERATIONS`), else the operation's own."""
+    kind = EnrollmentFailed if operation == "enrollment" else ProviderRejection
+    rule = OPERATIONS[operation]
+    if code in rule.passed:
+        return kind(code, message, status=rule.passed[code], **details)
+    return kind(rule.failure, message, status=rule.failure_status, **details)
+
+
+def _expect(answer: ProviderAnswer, status: int, operation: str, read: Callable[[Any], Any]) -> Any:
+    """``read(body)`` when the answer has ``status`` (or 200), else the rejection it carries."""
+    if answer.status not in (status, 200):
+        raise _rejection(answer, operation)
+    try:
+        return read(answer.body)
+    except (KeyError, TypeError, ValueError, InvalidOperation):
+        raise _failure(operation, "the provider answered a body the platform cannot read") from None
+
+
+def _wire_time(moment: datetime.datetime) -> str:
+    """An aware datetime as ISO 8601 in UTC (ValueError for a naive one)."""
+    if moment.tzinfo is None:
+        raise ValueError("a time zone is required")
+    return moment.astimezone(datetime.UTC).isoformat()
+
+
+def _amount(body: Any) -> Amount:
+    value, currency = body["value"], body["currency"]
+    if not isinstance(value, str) or not isinstance(currency, str):
+        raise TypeError("amount fields must be strings")
+    return Amount(Decimal(value), currency)
+
+
+def _time(value: Any) -> datetime.datetime:
+    moment = datetime.datetime.fromisoformat(value)
+    if moment.tzinfo is None:
+        raise ValueError("a time zone is required")
+    return moment
+
+
+def _allowance(body: Any) -> ProviderAllowance:
+    ids = body.get("provider_ids") if isinstance(body.get("provider_ids"), dict) else {}
+    if body["status"] not in ("inactive", "active", "cancelled", "expired") or not isinstance(body["id"], str):
+        raise ValueError("not an allowance")
+    return ProviderAllowance(
+        id=body["id"],
+        status=body["status"],
+        verification_required=body.get("verification_required") is True,
+        amount=_amount(body["amount"]),
+        amount_spent=_amount(body["amount_spent"]),
+        expires_at=_time(body["expires_at"]),
+        provider_ids={str(k): v for k, v in ids.items() if isinstance(v, str)},
+    )
+
+
+def _verification_state(body: Any) -> VerificationState:
+    if body["status"] not in ("otp_sent", "verified"):
+        raise ValueError("not a verification step")
+    return VerificationState(status=body["status"], attempts_remaining=int(body.get("attempts_remaining") or 0))
+
+
+def _minted(body: Any) -> MintedCredential:
+    credential = body["credential"]
+    if not isinstance(credential, dict) or not isinstance(body["id"], str):
+        raise ValueError("not a credential")
+    return MintedCredential(
+        id=body["id"],
+        format=str(body["format"]),
+        amount=_amount(body["amount"]),
+        expires_at=_time(body["expires_at"]),
+        credential=credential,
+    )
 
 
 def _enrollment(body: Any) -> Enrollment:
@@ -216,15 +520,15 @@ def display_card(card: Any) -> dict[str, Any] | None:
     return kept
 
 
-def _rejection(answer: ProviderAnswer) -> EnrollmentFailed:
+def _rejection(answer: ProviderAnswer, operation: str = "enrollment") -> ProviderRejection:
+    """The :class:`ProviderRejection` of a 4xx answer to an ``operation`` call (see :data:`OPERATIONS`)."""
     body = answer.body if isinstance(answer.body, dict) else {}
     provider_code = body.get("code") if isinstance(body.get("code"), str) else None
     correlation = body.get("provider_correlation_id")
-    code = provider_code if provider_code in CATALOGUE_ENROLLMENT_CODES else UNCLASSIFIED
-    return EnrollmentFailed(
-        code,
-        f"the provider answered {answer.status}",
-        provider_code=(provider_code or f"HTTP_{answer.status}")[:100],
-        correlation_id=correlation[:200] if isinstance(correlation, str) else None,
-        status=409 if code == "RAIL_ALREADY_ENROLLED" else 422,
-    )
+    remaining = body.get("attempts_remaining")
+    details = {
+        "provider_code": (provider_code or f"HTTP_{answer.status}")[:100],
+        "correlation_id": correlation[:200] if isinstance(correlation, str) else None,
+        "attempts_remaining": remaining if isinstance(remaining, int) and not isinstance(remaining, bool) else None,
+    }
+    return _failure(operation, f"the provider answered {answer.status}", provider_code, **details)

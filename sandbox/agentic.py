@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -137,8 +137,22 @@ class Agentic:
 
     def find(self, provider: str, enrollment_id: str) -> Enrollment | None:
         """The enrollment ``enrollment_id`` if ``provider`` holds it."""
-        enrollment = self.enrollments.get(enrollment_id)
-        return enrollment if enrollment is not None and enrollment.provider == provider else None
+        return held_by(self.enrollments, provider, enrollment_id)
+
+
+class Held(Protocol):
+    """Something a provider holds: an enrollment, an allowance."""
+
+    provider: str
+
+
+HeldT = TypeVar("HeldT", bound=Held)
+
+
+def held_by(items: dict[str, HeldT], provider: str, item_id: str) -> HeldT | None:
+    """``items[item_id]`` if it exists and ``provider`` holds it, else None."""
+    item = items.get(item_id)
+    return item if item is not None and item.provider == provider else None
 
 
 AGENTIC = web.AppKey("agentic", Agentic)
@@ -153,7 +167,7 @@ def setup(app: web.Application) -> None:
     app.add_routes(routes)
 
 
-def _provider(request: web.Request) -> str:
+def provider_in_path(request: web.Request) -> str:
     """The provider named in the path; 404 ``not_found`` if it is not vic, agentpay or psp."""
     provider = request.match_info["provider"]
     if provider not in PROVIDER_BRANDS:
@@ -161,9 +175,9 @@ def _provider(request: web.Request) -> str:
     return provider
 
 
-def _endpoint(provider: str, operation: str) -> str:
-    """The request-counter name of an enrollment endpoint, e.g. ``agentic.vic.enrollments.create``."""
-    return f"agentic.{provider}.enrollments.{operation}"
+def endpoint_name(provider: str, resource: str, operation: str) -> str:
+    """The request-counter name of an agentic endpoint, e.g. ``agentic.vic.enrollments.create``."""
+    return f"agentic.{provider}.{resource}.{operation}"
 
 
 @routes.post("/agentic/{provider}/enrollments")
@@ -172,9 +186,9 @@ async def create_enrollment(request: web.Request) -> web.Response:
 
     See ``sandbox/README.md`` for the body and every outcome.
     """
-    provider = _provider(request)
+    provider = provider_in_path(request)
     body = await read_json_object(request)
-    sandbox_of(request).requests.count(_endpoint(provider, "create"), CardRef.of(body.get("pan")))
+    sandbox_of(request).requests.count(endpoint_name(provider, "enrollments", "create"), CardRef.of(body.get("pan")))
     ask = _enrollment_request(body)
     operation = partial(_enroll, request.app, provider, ask, request.url.origin())
     return await respond_idempotently(request, ("enroll", provider, ask.attempt), operation)
@@ -215,7 +229,7 @@ def _is_http_url(value: object) -> bool:
     return url.scheme in ("http", "https") and bool(url.host)
 
 
-def _rejection(code: str, message: str) -> SandboxError:
+def rejection(code: str, message: str) -> SandboxError:
     """A 422 provider rejection carrying a fresh ``provider_correlation_id``."""
     return SandboxError(422, code, message, provider_correlation_id=f"corr_{secrets.token_hex(8)}")
 
@@ -224,20 +238,25 @@ async def _enroll(app: web.Application, provider: str, ask: EnrollmentRequest, o
     """The provider's answer to ``ask``; stores the enrollment when it succeeds."""
     card, sandbox = ask.card, app[SANDBOX]
     if card.brand not in PROVIDER_BRANDS[provider]:
-        raise _rejection("UNSUPPORTED_CARD_NETWORK", f"{provider} does not enroll {card.brand} cards")
+        raise rejection("UNSUPPORTED_CARD_NETWORK", f"{provider} does not enroll {card.brand} cards")
     behaviour = _VIC_BEHAVIOURS.get(card.pan) if provider == "vic" else None
     if behaviour is _Behaviour.REJECT:
-        raise _rejection("CARD_REJECTED", "the issuer rejected the card")
+        raise rejection("CARD_REJECTED", "the issuer rejected the card")
     if behaviour is _Behaviour.FAIL_ON_CREATE and ask.attempt == "create":
-        raise _rejection("PROVIDER_ENROLLMENT_FAILED", "the enrollment failed at the provider; retry")
+        raise rejection("PROVIDER_ENROLLMENT_FAILED", "the enrollment failed at the provider; retry")
     if behaviour is _Behaviour.HANG:
-        await asyncio.sleep(sandbox.settings.hang_seconds)
-        raise SandboxError(504, "PROVIDER_TIMEOUT", "the provider did not answer in time")
+        await hang(sandbox)
     pending = behaviour is _Behaviour.PENDING
     enrollment = app[AGENTIC].enroll(provider, card, "pending" if pending else "enabled", origin)
     if pending:
         sandbox.background.spawn(_complete_later(sandbox, app[AGENTIC], enrollment, ask.callback_url))
     return Reply(201, enrollment.view())
+
+
+async def hang(sandbox: Sandbox) -> None:
+    """Answer nothing for ``hang_seconds``, then raise a 504 ``PROVIDER_TIMEOUT`` (5xx: never stored)."""
+    await asyncio.sleep(sandbox.settings.hang_seconds)
+    raise SandboxError(504, "PROVIDER_TIMEOUT", "the provider did not answer in time")
 
 
 async def _complete_later(sandbox: Sandbox, agentic: Agentic, enrollment: Enrollment, callback_url: str | None) -> None:
@@ -262,9 +281,11 @@ async def _notify(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
 @routes.get("/agentic/{provider}/enrollments/{enrollment_id}")
 async def read_enrollment(request: web.Request) -> web.Response:
     """200 with the enrollment's current state; 404 if the provider does not hold it."""
-    provider = _provider(request)
+    provider = provider_in_path(request)
     enrollment = request.app[AGENTIC].find(provider, request.match_info["enrollment_id"])
-    sandbox_of(request).requests.count(_endpoint(provider, "read"), enrollment.card.ref if enrollment else None)
+    sandbox_of(request).requests.count(
+        endpoint_name(provider, "enrollments", "read"), enrollment.card.ref if enrollment else None
+    )
     if enrollment is None:
         raise not_found("enrollment")
     return web.json_response(enrollment.view())
@@ -273,10 +294,12 @@ async def read_enrollment(request: web.Request) -> web.Response:
 @routes.delete("/agentic/{provider}/enrollments/{enrollment_id}")
 async def delete_enrollment(request: web.Request) -> web.Response:
     """204 after removing the enrollment; also 204 when the provider does not hold it."""
-    provider = _provider(request)
+    provider = provider_in_path(request)
     agentic = request.app[AGENTIC]
     enrollment = agentic.find(provider, request.match_info["enrollment_id"])
-    sandbox_of(request).requests.count(_endpoint(provider, "delete"), enrollment.card.ref if enrollment else None)
+    sandbox_of(request).requests.count(
+        endpoint_name(provider, "enrollments", "delete"), enrollment.card.ref if enrollment else None
+    )
     if enrollment is not None:
         del agentic.enrollments[enrollment.id]
     return web.Response(status=204)

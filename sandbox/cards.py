@@ -83,12 +83,12 @@ def network_token_number(pan: str, brand: str) -> str:
     free = _NETWORK_TOKEN_LENGTH - len(prefix) - 1
     while True:
         body = prefix + f"{secrets.randbelow(10**free):0{free}d}"
-        number = body + _luhn_check_digit(body)
+        number = body + luhn_check_digit(body)
         if number != pan:
             return number
 
 
-def _luhn_check_digit(body: str) -> str:
+def luhn_check_digit(body: str) -> str:
     """The digit that makes ``body`` + digit pass the Luhn check."""
     return next(digit for digit in "0123456789" if luhn_valid(body + digit))
 
