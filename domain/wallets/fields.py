@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_der_public_key
 
@@ -80,7 +81,7 @@ def p256_public_key(der_or_point: bytes, path: str) -> ec.EllipticCurvePublicKey
             key = ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP256R1(), der_or_point)
         else:
             key = load_der_public_key(der_or_point)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, UnsupportedAlgorithm):
         raise MalformedToken(f"{path} is not a valid P-256 public key") from None
     if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
         raise MalformedToken(f"{path} is not a P-256 public key")

@@ -41,7 +41,7 @@ from importlib import resources
 
 from asn1crypto import cms, core
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -332,6 +332,9 @@ def _read_cms(signature: bytes) -> _Signer:
         content_type = attrs.get("content_type", [None])[0]
         message_digest = attrs.get("message_digest", [None])[0]
         signing_time = attrs.get("signing_time", [None])[0]
+        signed_at = signing_time.native if signing_time is not None else None
+        if signed_at is not None and (not isinstance(signed_at, dt.datetime) or signed_at.tzinfo is None):
+            raise MalformedToken("paymentData.signature signing time has no time zone")
         return _Signer(
             certificates=certificates,
             issuer_der=sid.chosen["issuer"].dump(),
@@ -343,7 +346,7 @@ def _read_cms(signature: bytes) -> _Signer:
             signed_attrs_der=signed_attrs.untag().dump(),
             content_type=content_type.native if content_type is not None else None,
             message_digest=message_digest.native if message_digest is not None else None,
-            signing_time=signing_time.native if signing_time is not None else None,
+            signing_time=signed_at,
         )
     except WalletTokenError:
         raise
@@ -379,13 +382,21 @@ def _check_validity(certificate: x509.Certificate, role: str, now: dt.datetime) 
 def _issued_by(child: x509.Certificate, issuer: x509.Certificate, what: str) -> None:
     try:
         child.verify_directly_issued_by(issuer)
-    except (ValueError, TypeError, InvalidSignature):
+    except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
         raise CertificateInvalid(what) from None
 
 
-def _verify_chain(signer: _Signer, root: x509.Certificate, now: dt.datetime) -> x509.Certificate:
-    """The leaf certificate, once leaf -> intermediate -> pinned root is verified; else
-    :class:`CertificateInvalid`."""
+def _verify_chain(signer: _Signer, root: x509.Certificate, now: dt.datetime) -> ec.EllipticCurvePublicKey:
+    """The leaf certificate's EC public key, once leaf -> intermediate -> pinned root is verified; else
+    :class:`CertificateInvalid` (also when a certificate of the token cannot be read: cryptography
+    parses names, extensions and keys lazily)."""
+    try:
+        return _chain_leaf_key(signer, root, now)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        raise CertificateInvalid("a certificate of the signature cannot be read") from None
+
+
+def _chain_leaf_key(signer: _Signer, root: x509.Certificate, now: dt.datetime) -> ec.EllipticCurvePublicKey:
     leaf = next(
         (
             cert for cert in signer.certificates
@@ -412,7 +423,10 @@ def _verify_chain(signer: _Signer, root: x509.Certificate, now: dt.datetime) -> 
     _issued_by(intermediate, root, "intermediate certificate is not signed by the pinned root")
     for certificate, role in ((leaf, "leaf"), (intermediate, "intermediate"), (root, "root")):
         _check_validity(certificate, role, now)
-    return leaf
+    public_key = leaf.public_key()
+    if not isinstance(public_key, ec.EllipticCurvePublicKey):
+        raise CertificateInvalid("leaf certificate key is not an EC key")
+    return public_key
 
 
 def verify_signature(
@@ -430,7 +444,7 @@ def verify_signature(
     :class:`SigningTimeOutOfWindow`.
     """
     signer = _read_cms(token.signature)
-    leaf = _verify_chain(signer, root, aware(now))
+    public_key = _verify_chain(signer, root, aware(now))
     if signer.digest_algorithm != "sha256" or signer.signature_algorithm not in ("sha256_ecdsa", "ecdsa"):
         raise SignatureInvalid(
             f"signature algorithm {signer.signature_algorithm}/{signer.digest_algorithm} is not ECDSA with SHA-256"
@@ -443,9 +457,6 @@ def verify_signature(
         raise MessageDigestMismatch(
             "message digest does not match ephemeralPublicKey, data, transactionId and applicationData"
         )
-    public_key = leaf.public_key()
-    if not isinstance(public_key, ec.EllipticCurvePublicKey):
-        raise CertificateInvalid("leaf certificate key is not an EC key")
     try:
         public_key.verify(signer.signature, signer.signed_attrs_der, ec.ECDSA(hashes.SHA256()))
     except InvalidSignature:
