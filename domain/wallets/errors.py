@@ -67,6 +67,13 @@ class SigningTimeOutOfWindow(WalletTokenError):
     code = "signing_time_out_of_window"
 
 
+class MerchantCertificateInvalid(WalletTokenError):
+    """The merchant's payment processing certificate or key cannot be used: not PEM, not P-256, no
+    merchant id extension, or the key does not belong to the certificate."""
+
+    code = "merchant_certificate_invalid"
+
+
 class MerchantKeyNotFound(WalletTokenError):
     """No configured merchant key matches the token's ``publicKeyHash``."""
 

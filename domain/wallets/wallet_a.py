@@ -51,6 +51,7 @@ from domain.wallets.errors import (
     CertificateInvalid,
     DecryptionFailed,
     MalformedToken,
+    MerchantCertificateInvalid,
     MerchantKeyNotFound,
     MessageDigestMismatch,
     PaymentDataInvalid,
@@ -91,13 +92,6 @@ GCM_IV = bytes(16)
 
 VERSION = "EC_v1"
 PAYMENT_DATA_TYPES = ("3DSecure", "EMV")
-
-
-class MerchantCertificateInvalid(WalletTokenError):
-    """The merchant's payment processing certificate or key cannot be used: not PEM, not P-256, no
-    merchant id extension, or the key does not belong to the certificate."""
-
-    code = "merchant_certificate_invalid"
 
 
 @lru_cache(maxsize=8)
@@ -146,14 +140,14 @@ class MerchantKey:
         """The key of a payment processing certificate (PEM) and its private key (PEM, PKCS#8 or SEC1).
 
         The merchant id hash is read from extension 1.2.840.113635.100.6.32 (a UTF8String of 64 hex
-        digits). Raises :class:`MerchantCertificateInvalid` when the
-        certificate or key cannot be read, the key is not P-256, the extension is absent or the key does
-        not belong to the certificate. The message never includes key material.
+        digits). Raises :class:`MerchantCertificateInvalid` when the certificate or key cannot be read,
+        the key is not P-256, the extension is absent or the key does not belong to the certificate.
+        The message never includes key material.
         """
         try:
             certificate = x509.load_pem_x509_certificate(certificate_pem)
             private_key = serialization.load_pem_private_key(private_key_pem, password=password)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, UnsupportedAlgorithm):
             raise MerchantCertificateInvalid("certificate or private key is not valid PEM") from None
         if not isinstance(private_key, ec.EllipticCurvePrivateKey) or not isinstance(private_key.curve, ec.SECP256R1):
             raise MerchantCertificateInvalid("private key must be an EC P-256 key")
@@ -169,12 +163,11 @@ class MerchantKey:
 
 def merchant_id_hash(certificate: x509.Certificate) -> bytes:
     """The 32-byte merchant id hash of extension 1.2.840.113635.100.6.32 of a payment processing
-    certificate (a DER UTF8String of 64 hex digits), else
-    :class:`MerchantCertificateInvalid`."""
+    certificate (a DER UTF8String of 64 hex digits), else :class:`MerchantCertificateInvalid`."""
     try:
         raw = certificate.extensions.get_extension_for_oid(MERCHANT_ID_OID).value.value
-    except x509.ExtensionNotFound:
-        raise MerchantCertificateInvalid("certificate has no merchant id extension") from None
+    except (x509.ExtensionNotFound, ValueError):
+        raise MerchantCertificateInvalid("certificate has no readable merchant id extension") from None
     try:
         decoded = bytes.fromhex(_extension_text(raw))
     except ValueError:

@@ -247,14 +247,14 @@ def test_ephemeral_key_on_another_curve_is_malformed(ca, merchant):
 
 def test_merchant_certificate_faults(merchant):
     other = Merchant()
-    with pytest.raises(wallet_a.MerchantCertificateInvalid, match="does not belong"):
+    with pytest.raises(errors.MerchantCertificateInvalid, match="does not belong"):
         wallet_a.MerchantKey.from_pem(pem(merchant.certificate), key_pem(other.key))
     plain = certificate("No merchant id", merchant.key)
-    with pytest.raises(wallet_a.MerchantCertificateInvalid, match="no merchant id extension"):
+    with pytest.raises(errors.MerchantCertificateInvalid, match="no readable merchant id extension"):
         wallet_a.MerchantKey.from_pem(pem(plain), key_pem(merchant.key))
     bad_id = certificate("Bad merchant id", merchant.key, extra=(
         x509.UnrecognizedExtension(wallet_a.MERCHANT_ID_OID, b"\x0c\x03abc"),))
-    with pytest.raises(wallet_a.MerchantCertificateInvalid, match="64 hexadecimal digits"):
+    with pytest.raises(errors.MerchantCertificateInvalid, match="64 hexadecimal digits"):
         wallet_a.MerchantKey.from_pem(pem(bad_id), key_pem(merchant.key))
-    with pytest.raises(wallet_a.MerchantCertificateInvalid, match="not valid PEM"):
+    with pytest.raises(errors.MerchantCertificateInvalid, match="not valid PEM"):
         wallet_a.MerchantKey.from_pem(b"-----BEGIN CERTIFICATE-----\n", key_pem(merchant.key))
