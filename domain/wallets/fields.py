@@ -42,6 +42,11 @@ def text(container: dict, key: str, path: str, error: type[WalletTokenError] = M
         return None
     if not isinstance(value, str) or not value:
         raise error(f"{path}.{key} must be a non-empty string")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")  # JSON can carry lone surrogates; signed strings are UTF-8 bytes
+        except UnicodeEncodeError:
+            raise error(f"{path}.{key} is not valid Unicode text") from None
     return value
 
 

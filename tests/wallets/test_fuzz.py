@@ -40,7 +40,8 @@ B_TOKEN = ISSUER.token(google_message(), B_MERCHANT.public_key(), RECIPIENT)
 ROOTS = [wallet_b.RootSigningKey.from_json(ISSUER.root_entry())]
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40)
+    | st.text(st.characters(exclude_categories=()), max_size=8),  # lone surrogates included
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=5),
     max_leaves=25,
 )

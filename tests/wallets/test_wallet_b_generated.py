@@ -156,6 +156,8 @@ def test_payment_data_faults_are_refused_without_echoing_card_data(issuer, merch
         (lambda t: t.pop("signature"), "token.signature must be a non-empty string"),
         (lambda t: t.update(signedMessage=None), "token.signedMessage must be a non-empty string"),
         (lambda t: t.pop("protocolVersion"), "protocolVersion must be a non-empty string"),
+        (lambda t: t.update(signedMessage=t["signedMessage"] + "\ud800"), "signedMessage is not valid Unicode"),
+        (lambda t: t["intermediateSigningKey"].update(signedKey="\udfff"), "signedKey is not valid Unicode"),
     ],
 )
 def test_malformed_tokens_are_400_naming_the_field(issuer, merchant, alter, text):
