@@ -373,10 +373,20 @@ def _check_validity(certificate: x509.Certificate, role: str, now: dt.datetime) 
 
 
 def _issued_by(child: x509.Certificate, issuer: x509.Certificate, what: str) -> None:
+    if not _directly_issued(child, issuer):
+        raise CertificateInvalid(what)
+
+
+@lru_cache(maxsize=256)
+def _directly_issued(child: x509.Certificate, issuer: x509.Certificate) -> bool:
+    """Whether ``child`` names ``issuer`` as issuer and carries its valid signature. Certificates hash
+    and compare by their DER encoding, so this pure result is remembered: every token of a period
+    carries the same intermediate, and its signature by the root (P-384) is the costliest check."""
     try:
         child.verify_directly_issued_by(issuer)
     except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
-        raise CertificateInvalid(what) from None
+        return False
+    return True
 
 
 def _verify_chain(signer: _Signer, root: x509.Certificate, now: dt.datetime) -> ec.EllipticCurvePublicKey:

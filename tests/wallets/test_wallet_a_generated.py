@@ -258,3 +258,11 @@ def test_merchant_certificate_faults(merchant):
         wallet_a.MerchantKey.from_pem(pem(bad_id), key_pem(merchant.key))
     with pytest.raises(errors.MerchantCertificateInvalid, match="not valid PEM"):
         wallet_a.MerchantKey.from_pem(b"-----BEGIN CERTIFICATE-----\n", key_pem(merchant.key))
+
+
+def test_a_chain_verified_before_still_has_its_validity_checked(ca, merchant):
+    token = ca.token(apple_payment(), merchant)
+    assert decrypt(token, [merchant], ca.root).data.number == "4895370012003478"
+    with pytest.raises(errors.CertificateInvalid, match="leaf certificate is outside its validity period"):
+        decrypt(token, [merchant], ca.root, at=ca.leaf.not_valid_after_utc + dt.timedelta(seconds=1),
+                signing_time_window=dt.timedelta(days=3650))
