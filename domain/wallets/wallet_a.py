@@ -577,3 +577,28 @@ def decrypt_token(
     )
     payment = decrypt_payment_data(token, merchant_keys)
     return parse_payment_data(payment, transaction_id=token.transaction_id.hex(), signed_at=signed_at)
+
+
+def decrypt_payment(
+    apple_payment_data: object,
+    *,
+    merchant_keys: Sequence[MerchantKey],
+    root: x509.Certificate | None = None,
+    clock: Clock = DEFAULT_CLOCK,
+    signing_time_window: dt.timedelta = DEFAULT_SIGNING_TIME_WINDOW,
+) -> WalletAPayment:
+    """:func:`decrypt_token` for the ``apple_payment_data`` member of the tokenize body (spec 001
+    section 4): only ``paymentData`` and ``transactionIdentifier`` are used, both required, and the
+    identifier must name the same transaction as ``paymentData.header.transactionId`` (hex, any case).
+
+    Raises :class:`MalformedToken` when either is missing or they disagree, and whatever
+    :func:`decrypt_token` raises.
+    """
+    body = obj(apple_payment_data, "apple_payment_data")
+    identifier = text(body, "transactionIdentifier", "apple_payment_data")
+    payment_data = obj(body.get("paymentData"), "apple_payment_data.paymentData")
+    header = obj(payment_data.get("header"), "apple_payment_data.paymentData.header")
+    if identifier.lower() != str(header.get("transactionId", "")).lower():
+        raise MalformedToken("apple_payment_data.transactionIdentifier does not match paymentData.header.transactionId")
+    return decrypt_token(payment_data, merchant_keys=merchant_keys, root=root, clock=clock,
+                         signing_time_window=signing_time_window)

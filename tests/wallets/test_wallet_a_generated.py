@@ -266,3 +266,20 @@ def test_a_chain_verified_before_still_has_its_validity_checked(ca, merchant):
     with pytest.raises(errors.CertificateInvalid, match="leaf certificate is outside its validity period"):
         decrypt(token, [merchant], ca.root, at=ca.leaf.not_valid_after_utc + dt.timedelta(seconds=1),
                 signing_time_window=dt.timedelta(days=3650))
+
+
+def test_apple_payment_data_body_needs_the_matching_transaction_identifier(ca, merchant):
+    token = ca.token(apple_payment(), merchant)
+    keys = [merchant_key(merchant)]
+    clock = fixed(SIGNED_AT)
+    body = {"paymentData": token, "transactionIdentifier": bytes(range(32)).hex().upper(),
+            "paymentMethod": {"network": "Visa"}}
+    assert wallet_a.decrypt_payment(body, merchant_keys=keys, root=ca.root, clock=clock).data.number == (
+        "4895370012003478")
+    for faulty, message in (
+        (body | {"transactionIdentifier": "00" * 32}, "does not match"),
+        ({"paymentData": token}, "transactionIdentifier must be a non-empty string"),
+        ({"transactionIdentifier": body["transactionIdentifier"]}, "paymentData must be an object"),
+    ):
+        with pytest.raises(errors.MalformedToken, match=message):
+            wallet_a.decrypt_payment(faulty, merchant_keys=keys, root=ca.root, clock=clock)
