@@ -36,9 +36,10 @@ def obj(value: object, path: str, error: type[WalletTokenError] = MalformedToken
 
 def text(container: dict, key: str, path: str, error: type[WalletTokenError] = MalformedToken,
          *, optional: bool = False) -> str | None:
-    """``container[key]`` as a non-empty string (``None`` when ``optional`` and absent), else ``error``."""
+    """``container[key]`` as a non-empty string (``None`` when ``optional`` and absent, null or empty),
+    else ``error``."""
     value = container.get(key)
-    if value is None and optional:
+    if optional and value in (None, ""):
         return None
     if not isinstance(value, str) or not value:
         raise error(f"{path}.{key} must be a non-empty string")

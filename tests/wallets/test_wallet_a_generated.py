@@ -63,12 +63,13 @@ def test_full_path_3dsecure_dpan(ca, merchant):
 
 
 def test_merchant_token_is_an_mpan_and_eci_may_be_absent(ca, merchant):
-    payment_data = apple_payment(merchantTokenIdentifier="DNITHE302308980427388297",
+    payment_data = apple_payment(merchantTokenIdentifier="DNITHE302308980427388297", cardholderName="",
                                  paymentData={"onlinePaymentCryptogram": "AgAAAAAABk4DWZ4C28yUQAAAAAA="})
     payment = decrypt(ca.token(payment_data, merchant), [merchant], ca.root)
     assert payment.type == "mpan"
     assert payment.merchant_token_identifier == "DNITHE302308980427388297"
     assert payment.authentication.eci_indicator is None
+    assert payment.cardholder_name is None
 
 
 def test_emv_payment_has_no_3ds_authentication(ca, merchant):

@@ -40,8 +40,8 @@ def test_valid_token_decrypts_to_its_published_plaintext(wallet_b_vectors, setup
     assert payment.data.expiration_month == details["expirationMonth"]
     assert payment.data.expiration_year == details["expirationYear"]
     assert payment.message_id == expected["messageId"]
-    assert payment.message_expires_at == dt.datetime(3000, 1, 1, 0, 0, tzinfo=dt.UTC) + dt.timedelta(
-        milliseconds=int(expected["messageExpiration"]) - 32503680000000)
+    assert payment.message_expires_at == dt.datetime.fromtimestamp(int(expected["messageExpiration"]) / 1000, dt.UTC)
+    assert payment.message_expires_at.year == 3000
     assert payment.payment_method == "CARD"
     assert payment.authentication is None
     assert payment.resource_fields() == {
@@ -144,5 +144,4 @@ def test_root_key_list_in_the_published_shape_is_read(wallet_b_vectors):
     keys = wallet_b.RootSigningKey.from_key_list({"keys": [wallet_b_vectors["valid_root_signing_key"]]})
     assert len(keys) == 1
     assert keys[0].protocol_version == "ECv2"
-    assert keys[0].expires_at == dt.datetime(3000, 1, 1, 0, 0, tzinfo=dt.UTC) + dt.timedelta(
-        milliseconds=32506264800000 - 32503680000000)
+    assert keys[0].expires_at == dt.datetime.fromtimestamp(32506264800, dt.UTC)
