@@ -23,8 +23,11 @@ A token is the ``paymentData`` object of the wallet's payment response::
    ``"\\x0did-aes256-GCM" || "Apple" || SHA-256(merchant id)``), AES-256-GCM with a 16-byte zero IV;
 6. the decrypted payment data is parsed into :class:`WalletAPayment`.
 
-Any failure raises a :class:`~domain.wallets.errors.WalletTokenError` subclass; nothing partial is
-returned. RSA_v1 tokens are refused with :class:`UnsupportedVersion`.
+:func:`decrypt_payment` does the same for the tokenize body's ``apple_payment_data`` (``paymentData``
+and a matching ``transactionIdentifier``). Any failure raises a
+:class:`~domain.wallets.errors.WalletTokenError` subclass; nothing partial is returned. RSA_v1 tokens
+are refused with :class:`UnsupportedVersion`. Certificate signatures are remembered per (certificate,
+issuer) pair, since they depend on nothing else; validity periods are checked on every token.
 """
 
 from __future__ import annotations
