@@ -143,12 +143,15 @@ class ReactorRuntime:
     """Builds and runs reactors under ``root`` (``dependencies/<key>`` installs, ``code/<version>``).
 
     ``advisories``: a JSON file of ``{name, version, severity, id}`` advisories to scan against
-    instead of ``npm audit``. ``pool``: the warm processes (one is made when omitted). Thread-safe.
+    instead of ``npm audit``; ``audit_registry``: the registry ``npm audit`` asks (default: npm's
+    configured one). ``pool``: the warm processes (one is made when omitted). Thread-safe.
     """
 
-    def __init__(self, root: Path, *, advisories: Path | None = None, pool: NodePool | None = None):
+    def __init__(self, root: Path, *, advisories: Path | None = None, audit_registry: str | None = None,
+                 pool: NodePool | None = None):
         self.root = Path(root)
         self.advisories = advisories
+        self.audit_registry = audit_registry
         self.pool = pool or NodePool()
         self._programs: dict[tuple[str, str], NodeProgram] = {}
         self._lock = threading.Lock()
@@ -168,7 +171,7 @@ class ReactorRuntime:
         if self.advisories is not None:
             found = packages.scan_with_advisories(installation, packages.load_advisories(self.advisories))
         else:
-            found = packages.npm_audit(installation)
+            found = packages.npm_audit(installation, registry=self.audit_registry)
         state = "vulnerabilities_detected" if packages.blocking(found) else "ok"
         return Build(state, installation.key, found)
 

@@ -314,19 +314,22 @@ def scan_with_advisories(installation: Installation, advisories: list[Advisory])
     return _ordered(found)
 
 
-def npm_audit(installation: Installation, *, node: NodeInstallation | None = None,
+def npm_audit(installation: Installation, *, node: NodeInstallation | None = None, registry: str | None = None,
               timeout: float = 120.0) -> list[Vulnerability]:
     """``npm audit --json`` of the installation, read against its lockfile.
 
     Only advisories on a package itself are reported (npm's derived "depends on a vulnerable
     version" entries are covered by the ``dependency_path`` of the advisory they derive from); the
     ``id`` is the advisory's GHSA identifier when its URL names one, else npm's advisory number.
+    ``registry``: the registry whose advisory service is asked (default: npm's configured one).
     Raises :class:`AuditUnavailable` when npm gives no report.
     """
     lock = installation.lockfile()
     if not installed_packages(lock):
         return []
-    completed = _npm(node or node_installation(), installation.directory, timeout, "audit", "--json", "--omit=dev")
+    options = [f"--registry={registry}"] if registry else []
+    completed = _npm(node or node_installation(), installation.directory, timeout, "audit", "--json", "--omit=dev",
+                     *options)
     if completed is None:
         raise AuditUnavailable(f"npm audit did not finish within {timeout:g} s")
     try:
