@@ -17,6 +17,7 @@ ships in ``node_modules/`` beside this file and is the one directory on the proc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -105,11 +106,13 @@ class Reactor:
     code: str
     runtime: Runtime
 
-    @property
+    @functools.cached_property
     def version(self) -> str:
-        """A digest of everything that shapes its processes (code, dependency set, timeout, memory)."""
+        """A digest of everything that shapes its processes (code, dependency set, timeout, memory,
+        warm processes)."""
         rt = self.runtime
-        parts = [self.code, packages.dependency_key(rt.dependencies, rt.resolutions), str(rt.timeout), rt.resources]
+        parts = [self.code, packages.dependency_key(rt.dependencies, rt.resolutions), str(rt.timeout), rt.resources,
+                 str(rt.warm_concurrency)]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 

@@ -32,6 +32,7 @@ class NodePool:
         self._idle: OrderedDict[str, list[NodeProcess]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
+        self._retired: set[str] = set()
         #: Processes started per program key (each one loaded the code once).
         self.started: Counter[str] = Counter()
 
@@ -55,13 +56,18 @@ class NodePool:
 
     def idle(self, key: str) -> int:
         """How many live processes of ``key`` are idle now."""
+        return len(self.pids(key))
+
+    def pids(self, key: str) -> list[int]:
+        """The process ids of the live idle processes of ``key``."""
         with self._lock:
-            return len([p for p in self._idle.get(key, []) if p.alive])
+            return [p.pid for p in self._idle.get(key, []) if p.alive]
 
     def retire(self, key: str) -> None:
-        """End the idle processes of ``key`` (a version replaced or deleted); busy ones end when
-        their call returns only if the pool no longer keeps them."""
+        """End the processes of ``key`` (a version replaced or deleted): the idle ones now, the
+        busy ones when their call returns. A later call of ``key`` starts it afresh."""
         with self._lock:
+            self._retired.add(key)
             processes = self._idle.pop(key, [])
         for process in processes:
             process.kill()
@@ -79,6 +85,7 @@ class NodePool:
         process = NodeProcess(program, self.node)
         with self._lock:
             self.started[program.key] += 1
+            self._retired.discard(program.key)
         process.wait_ready()
         return process
 
@@ -97,7 +104,7 @@ class NodePool:
         with self._lock:
             group = self._idle.setdefault(program.key, [])
             self._idle.move_to_end(program.key)
-            if self._closed or len(group) >= max(1, program.keep_warm):
+            if self._closed or program.key in self._retired or len(group) >= max(1, program.keep_warm):
                 evicted.append(process)
             else:
                 group.append(process)

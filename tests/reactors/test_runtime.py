@@ -273,3 +273,26 @@ def test_runtime_defaults_follow_the_spec():
     rt = Runtime(image="node22", dependencies={"@scope/pkg": "1.2.3-rc.1"})
     assert (rt.timeout, rt.resources, rt.warm_concurrency, rt.permissions, rt.resolutions) == (
         10, "standard", 0, [], {})
+
+
+def test_a_process_that_ends_while_idle_is_replaced(runtime):
+    r = reactor("""
+        module.exports = async (req) => {
+          if (req.args.exit) setTimeout(() => process.exit(1), 20);
+          return { raw: process.pid };
+        };
+    """)
+    first = runtime.invoke(r, args={"exit": True}).raw
+    psutil.Process(first).wait(10)
+    assert runtime.invoke(r, args={}).raw != first
+    assert runtime.loads(r) == 2
+
+
+def test_a_retired_version_ends_its_processes(runtime):
+    r = reactor(ECHO)
+    runtime.invoke(r, args={})
+    (pid,) = runtime.pool.pids(f"{r.id}:{r.version}")
+    runtime.retire(r)
+    assert not runtime.pool.pids(f"{r.id}:{r.version}")
+    assert not psutil.pid_exists(pid)
+    assert runtime.invoke(r, args={"again": 1}).raw["args"] == {"again": 1}
