@@ -15,8 +15,9 @@ import pytest
 from pydantic import ValidationError
 
 import config.settings
-from domain.reactors.runtime import REACTOR_ERRORS, REACTOR_MODULES, Runtime
+from domain.reactors.runtime import REACTOR_ERRORS, REACTOR_MODULES, RESOURCES, Runtime
 from infra.errors import Problem
+from infra.node_runtime import binary
 from infra.node_runtime.binary import node_installation
 
 from .conftest import reactor
@@ -296,3 +297,31 @@ def test_a_retired_version_ends_its_processes(runtime):
     assert not runtime.pool.pids(f"{r.id}:{r.version}")
     assert not psutil.pid_exists(pid)
     assert runtime.invoke(r, args={"again": 1}).raw["args"] == {"again": 1}
+
+
+def test_the_system_node_is_refused_unless_it_is_22(monkeypatch):
+    monkeypatch.setattr(binary, "_from_wheel", lambda: None)
+    binary.node_installation.cache_clear()
+    try:
+        system = binary._from_system()
+        if system is not None and system.version.startswith("22."):
+            assert binary.node_installation() == system
+        else:
+            with pytest.raises(binary.NodeNotFound, match=r"Node\.js 22 is required"):
+                binary.node_installation()
+    finally:
+        binary.node_installation.cache_clear()
+
+
+@pytest.mark.parametrize("resources", ["standard", "large", "xlarge"])
+def test_resources_set_the_heap_and_data_limits_of_the_process(runtime, resources):
+    r = reactor("""
+        const v8 = require('v8');
+        module.exports = async () => ({ raw: { pid: process.pid, heap: v8.getHeapStatistics().heap_size_limit } });
+    """, resources=resources)
+    raw = runtime.invoke(r, args={}).raw
+    memory = RESOURCES[resources]
+    limits = Path(f"/proc/{raw['pid']}/limits").read_text().splitlines()
+    (data,) = [line.split()[3:5] for line in limits if line.startswith("Max data size")]
+    assert data == [str(memory.data_mib * 1024 * 1024)] * 2
+    assert memory.heap_mib * 1024 * 1024 <= raw["heap"] < (memory.heap_mib + 128) * 1024 * 1024
