@@ -92,7 +92,8 @@ class NodeProcess:
             cwd=program.workdir,
             env=sandbox.environment(program),
             preexec_fn=sandbox.limits(program.memory),
-            start_new_session=True,
+            # Same session and process group as the worker: the processes end with it, and the
+            # scheduler counts their CPU in the worker's share (no group of their own per process).
             bufsize=0,
         )
         self._in = self.popen.stdin.fileno()
