@@ -6,11 +6,14 @@ ends. A call that finds no idle process starts one (a cold start): concurrent ca
 ones fan out to cold starts (core spec section 8, reactor hot concurrency). A process that times
 out, crashes or breaks the protocol is killed and never reused; the next call starts a fresh one,
 so the pool itself survives whatever the code does. ``max_idle`` bounds the idle processes of all
-versions together: past it, the least recently used version's idle processes end.
+versions together: past it, the least recently used version's idle processes end. A pool inherited
+through ``fork`` (a Celery prefork child) starts empty in the child: the parent's processes and their
+pipes stay the parent's.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter, OrderedDict
 
@@ -33,6 +36,7 @@ class NodePool:
         self._lock = threading.Lock()
         self._closed = False
         self._retired: set[str] = set()
+        self._owner = os.getpid()
         #: Processes started per program key (each one loaded the code once).
         self.started: Counter[str] = Counter()
 
@@ -90,6 +94,8 @@ class NodePool:
         return process
 
     def _checkout(self, program: NodeProgram) -> NodeProcess:
+        if self._owner != os.getpid():
+            self._forget_inherited()
         with self._lock:
             group = self._idle.get(program.key, [])
             while group:
@@ -98,6 +104,13 @@ class NodePool:
                     return process
                 process.kill()  # reap one that died while idle
         return self._start(program)
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: drop the parent's processes without touching them."""
+        self._lock = threading.Lock()  # the parent may have held it at the fork
+        with self._lock:
+            self._idle.clear()
+            self._owner = os.getpid()
 
     def _checkin(self, program: NodeProgram, process: NodeProcess) -> None:
         evicted: list[NodeProcess] = []

@@ -325,3 +325,23 @@ def test_resources_set_the_heap_and_data_limits_of_the_process(runtime, resource
     (data,) = [line.split()[3:5] for line in limits if line.startswith("Max data size")]
     assert data == [str(memory.data_mib * 1024 * 1024)] * 2
     assert memory.heap_mib * 1024 * 1024 <= raw["heap"] < (memory.heap_mib + 128) * 1024 * 1024
+
+
+def test_a_forked_child_starts_its_own_processes_and_leaves_the_parents_alone(runtime):
+    r = reactor("module.exports = async () => ({ raw: process.pid });")
+    parent_node = runtime.invoke(r, args={}).raw
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the forked child reports over the pipe and exits
+        try:
+            answer = runtime.invoke(r, args={}).raw
+            os.write(writer, json.dumps({"node": answer}).encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as pipe:
+        seen = json.loads(pipe.read())
+    os.waitpid(child, 0)
+    assert seen["node"] != parent_node
+    assert runtime.invoke(r, args={}).raw == parent_node
+    assert runtime.loads(r) == 1
