@@ -190,8 +190,7 @@ class ReactorRuntime:
         try:
             outcome = self.pool.invoke(program, {"args": args, "configuration": configuration or {}})
         except CodeLoadError as exc:
-            raise Problem(422, f"The reactor code is not a valid function ({exc.kind}: {exc.name}: {exc.message}).",
-                          title="Invalid Reactor Code") from None
+            raise _invalid_code(exc) from None
         except InvocationTimeout as exc:
             raise Problem(500, f"The reactor did not answer within its timeout of {exc.timeout:g} s.",
                           title="Reactor Timeout") from None
@@ -208,8 +207,7 @@ class ReactorRuntime:
             return ReactorResponse(raw=value.get("raw"), tokenize=value.get("tokenize"))
         if outcome.marked and outcome.name in REACTOR_ERRORS:
             status, title = REACTOR_ERRORS[outcome.name]
-            return_errors = _error_map(outcome.errors)
-            raise Problem(status, outcome.message or title, title=title, errors=return_errors)
+            raise Problem(status, outcome.message or title, title=title, errors=_error_map(outcome.errors))
         raise Problem(500, f"The reactor code threw an unhandled {outcome.name}.", title="Reactor Runtime Error")
 
     def warm(self, reactor: Reactor) -> int:
@@ -218,8 +216,7 @@ class ReactorRuntime:
         try:
             return self.pool.warm(self._program(reactor))
         except CodeLoadError as exc:
-            raise Problem(422, f"The reactor code is not a valid function ({exc.kind}: {exc.name}).",
-                          title="Invalid Reactor Code") from None
+            raise _invalid_code(exc) from None
 
     def retire(self, reactor: Reactor) -> None:
         """End the idle processes of this version (the reactor was updated or deleted)."""
@@ -269,6 +266,14 @@ class ReactorRuntime:
         )
         with self._lock:
             return self._programs.setdefault((reactor.id, version), program)
+
+
+def _invalid_code(exc: CodeLoadError) -> Problem:
+    """The 422 of code that does not load or exports no function (section 7). Only the first line
+    of Node.js's message is kept: the rest (a require stack) names the platform's folders."""
+    first_line = (exc.message.splitlines() or [""])[0]
+    return Problem(422, f"The reactor code is not a valid function ({exc.kind}: {exc.name}: {first_line}).",
+                   title="Invalid Reactor Code")
 
 
 def _error_map(errors: object) -> dict[str, list[str]] | None:

@@ -101,6 +101,13 @@ def test_code_that_is_not_a_valid_function_is_422(runtime, code):
     assert problem.title == "Invalid Reactor Code"
 
 
+def test_a_missing_module_is_422_without_the_platform_folders(runtime):
+    problem = problem_of(runtime, reactor("const x = require('not-installed'); module.exports = async () => x;"))
+    assert problem.status == 422
+    assert "Cannot find module 'not-installed'" in problem.detail
+    assert str(runtime.root) not in problem.detail
+
+
 def test_a_result_that_is_not_an_object_is_500(runtime):
     assert problem_of(runtime, reactor("module.exports = async () => 'text';")).status == 500
     assert problem_of(runtime, reactor("module.exports = async () => ({ raw: 10n });")).status == 500
