@@ -1,0 +1,306 @@
+"""The ``node22`` reactor runtime: builds a reactor's dependencies and runs its code.
+
+Core spec section 2 (Reactor, Runtime, Requested and Reactor response objects), section 7 (reactor
+invocation errors), section 8 (limits) and section 9 (``node-svc`` refused for new reactors).
+
+* :class:`Runtime` validates the spec's Runtime object.
+* :meth:`ReactorRuntime.build` installs the pinned dependencies (cached by dependency set) and scans
+  them: ``vulnerabilities_detected`` when a HIGH or CRITICAL advisory applies.
+* :meth:`ReactorRuntime.invoke` runs the code in a warm sandboxed Node.js 22 process
+  (``infra.node_runtime``) on the request object ``{args, configuration}`` and answers the
+  :class:`ReactorResponse` (``raw`` and the ``tokenize`` block for the platform to act on), or
+  raises the :class:`~infra.errors.Problem` of section 7.
+
+The code ``require('@tessera/reactor')`` for the error classes of :data:`REACTOR_ERRORS`; the module
+ships in ``node_modules/`` beside this file and is the one directory on the process's ``NODE_PATH``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from config.settings import get_settings
+from infra.errors import Problem
+from infra.node_runtime import packages
+from infra.node_runtime.pool import NodePool
+from infra.node_runtime.process import CodeLoadError, InvocationTimeout, NodeRuntimeError, Returned
+from infra.node_runtime.sandbox import MemoryLimit, NodeProgram
+
+#: Where ``@tessera/reactor`` lives (``NODE_PATH`` of every reactor process).
+REACTOR_MODULES = Path(__file__).resolve().parent / "node_modules"
+
+#: Memory per ``runtime.resources``: V8 heap and the whole process's writable memory, in MiB.
+RESOURCES: dict[str, MemoryLimit] = {
+    "standard": MemoryLimit(heap_mib=256, data_mib=768),
+    "large": MemoryLimit(heap_mib=512, data_mib=1280),
+    "xlarge": MemoryLimit(heap_mib=1024, data_mib=2304),
+}
+
+#: The classes of ``@tessera/reactor`` and the status and title each answers (section 7).
+REACTOR_ERRORS: dict[str, tuple[int, str]] = {
+    "BadRequestError": (400, "Bad Request"),
+    "InvalidReactorConfigurationError": (400, "Invalid Reactor Configuration"),
+    "AuthenticationError": (401, "Authentication Failed"),
+    "AuthorizationError": (401, "Not Authorized"),
+    "InvalidPaymentMethodError": (402, "Invalid Payment Method"),
+    "RateLimitError": (429, "Rate Limit Exceeded"),
+    "VendorError": (500, "Vendor Error"),
+    "ReactorRuntimeError": (500, "Reactor Runtime Error"),
+}
+
+#: The most warm processes one reactor may ask for (the spec sets no bound; each costs memory).
+MAX_WARM_CONCURRENCY = 10
+
+
+class Runtime(BaseModel):
+    """The spec's Runtime object for ``node22`` (section 2); ``node-svc`` and an omitted image are
+    refused (section 9, deprecated October 5, 2026).
+
+    ``timeout`` in seconds (1 to 30, default 10); ``resources`` one of :data:`RESOURCES`;
+    ``warm_concurrency`` the processes kept warm (0 to :data:`MAX_WARM_CONCURRENCY`; the pool keeps
+    at least one, the hot concurrency of section 8); ``dependencies`` and ``resolutions`` map npm
+    package names to exact versions. Raises pydantic's ``ValidationError`` with a message per field.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    image: str
+    dependencies: dict[str, str] = Field(default_factory=dict)
+    resolutions: dict[str, str] = Field(default_factory=dict)
+    timeout: int = Field(10, ge=1, le=30)
+    resources: Literal["standard", "large", "xlarge"] = "standard"
+    warm_concurrency: int = Field(0, ge=0, le=MAX_WARM_CONCURRENCY)
+    permissions: list[str] = Field(default_factory=list)
+
+    @field_validator("image")
+    @classmethod
+    def _node22_only(cls, value: str) -> str:
+        if value == "node-svc":
+            raise ValueError("node-svc is deprecated for new reactors since October 5, 2026: use node22")
+        if value != "node22":
+            raise ValueError("must be node22")
+        return value
+
+    @field_validator("dependencies", "resolutions")
+    @classmethod
+    def _pinned(cls, value: dict[str, str], info) -> dict[str, str]:
+        errors = packages.dependency_errors(info.field_name, value)
+        if errors:
+            raise ValueError("; ".join(f"{key} {msg}" for key, msgs in errors.items() for msg in msgs))
+        return value
+
+
+@dataclass(frozen=True)
+class Reactor:
+    """A deployed version of a reactor as the runtime needs it: its id, code and runtime."""
+
+    id: str
+    code: str
+    runtime: Runtime
+
+    @functools.cached_property
+    def version(self) -> str:
+        """A digest of everything that shapes its processes (code, dependency set, timeout, memory,
+        warm processes)."""
+        rt = self.runtime
+        parts = [self.code, packages.dependency_key(rt.dependencies, rt.resolutions), str(rt.timeout), rt.resources,
+                 str(rt.warm_concurrency)]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ReactorResponse:
+    """What the code returned: ``raw`` (any JSON, the spec's raw output) and ``tokenize`` (the
+    block of tokens to create, as the code wrote it; the caller creates them in the tenant and
+    answers them as ``tokens``). Both None when the code returned nothing."""
+
+    raw: object = None
+    tokenize: object = None
+
+
+@dataclass(frozen=True)
+class Build:
+    """A build's outcome: ``state`` ``ok`` or ``vulnerabilities_detected`` (a HIGH or CRITICAL
+    advisory applies; section 2: create ends ``failed``, update ``outdated``); ``vulnerabilities``
+    lists every finding, any severity; ``dependency_key`` names the installed set."""
+
+    state: Literal["ok", "vulnerabilities_detected"]
+    dependency_key: str
+    vulnerabilities: list[packages.Vulnerability] = field(default_factory=list)
+
+    def error_details(self) -> dict:
+        """The Requested object's ``error_details``: ``{"vulnerabilities": [{name, version,
+        severity, id, dependency_path}]}``."""
+        return {"vulnerabilities": [v.as_dict() for v in self.vulnerabilities]}
+
+
+class ReactorRuntime:
+    """Builds and runs reactors under ``root`` (``dependencies/<key>`` installs, ``code/<version>``).
+
+    ``advisories``: a JSON file of ``{name, version, severity, id}`` advisories to scan against
+    instead of ``npm audit``; ``audit_registry``: the registry ``npm audit`` asks (default: npm's
+    configured one). ``pool``: the warm processes (one is made when omitted). Thread-safe.
+    """
+
+    def __init__(self, root: Path, *, advisories: Path | None = None, audit_registry: str | None = None,
+                 pool: NodePool | None = None):
+        self.root = Path(root)
+        self.advisories = advisories
+        self.audit_registry = audit_registry
+        self.pool = pool or NodePool()
+        self._programs: dict[tuple[str, str], NodeProgram] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def dependencies_dir(self) -> Path:
+        return self.root / "dependencies"
+
+    def build(self, runtime: Runtime) -> Build:
+        """Install ``runtime``'s dependencies (cached by set) and scan them.
+
+        Raises ``packages.InstallFailed`` (npm could not install them) and
+        ``packages.AuditUnavailable`` (``npm audit`` gave no report: the build must not pass
+        unscanned, so it is retried or failed by the caller).
+        """
+        installation = self._install(runtime)
+        if self.advisories is not None:
+            found = packages.scan_with_advisories(installation, packages.load_advisories(self.advisories))
+        else:
+            found = packages.npm_audit(installation, registry=self.audit_registry)
+        state = "vulnerabilities_detected" if packages.blocking(found) else "ok"
+        return Build(state, installation.key, found)
+
+    def invoke(self, reactor: Reactor, *, args: object, configuration: dict[str, str] | None = None) -> ReactorResponse:
+        """Run ``reactor`` once on the request object ``{args, configuration}``.
+
+        Raises :class:`~infra.errors.Problem`: 422 when the code is not a valid function; the status
+        of a ``@tessera/reactor`` error it threw (:data:`REACTOR_ERRORS`); 500 for any other thrown
+        value, a timeout (``runtime.timeout``), a process that ended (memory exhausted) or a result
+        that is not an object (section 7).
+        """
+        program = self._program(reactor)
+        try:
+            outcome = self.pool.invoke(program, {"args": args, "configuration": configuration or {}})
+        except CodeLoadError as exc:
+            raise _invalid_code(exc) from None
+        except InvocationTimeout as exc:
+            raise Problem(500, f"The reactor did not answer within its timeout of {exc.timeout:g} s.",
+                          title="Reactor Timeout") from None
+        except NodeRuntimeError:
+            raise Problem(500, "The reactor's process ended before answering (for example out of memory).",
+                          title="Reactor Runtime Error") from None
+        if isinstance(outcome, Returned):
+            value = outcome.value
+            if value is None:
+                return ReactorResponse()
+            if not isinstance(value, dict):
+                raise Problem(500, "The reactor code must return an object with raw and/or tokenize.",
+                              title="Reactor Runtime Error")
+            return ReactorResponse(raw=value.get("raw"), tokenize=value.get("tokenize"))
+        if outcome.marked and outcome.name in REACTOR_ERRORS:
+            status, title = REACTOR_ERRORS[outcome.name]
+            raise Problem(status, outcome.message or title, title=title, errors=_error_map(outcome.errors))
+        raise Problem(500, f"The reactor code threw an unhandled {outcome.name}.", title="Reactor Runtime Error")
+
+    def warm(self, reactor: Reactor) -> int:
+        """Start the reactor's warm processes (``max(1, warm_concurrency)``); how many are idle.
+        Raises :class:`~infra.errors.Problem` 422 when the code is not a valid function."""
+        try:
+            return self.pool.warm(self._program(reactor))
+        except CodeLoadError as exc:
+            raise _invalid_code(exc) from None
+
+    def retire(self, reactor: Reactor) -> None:
+        """End the idle processes of this version (the reactor was updated or deleted)."""
+        with self._lock:
+            program = self._programs.pop((reactor.id, reactor.version), None)
+        if program is not None:
+            self.pool.retire(program.key)
+
+    def loads(self, reactor: Reactor) -> int:
+        """How many processes loaded this version's code so far."""
+        return self.pool.started[f"{reactor.id}:{reactor.version}"]
+
+    def close(self) -> None:
+        """End every idle process."""
+        self.pool.close()
+
+    def _install(self, runtime: Runtime) -> packages.Installation:
+        return packages.install(runtime.dependencies, runtime.resolutions, cache_dir=self.dependencies_dir)
+
+    def _program(self, reactor: Reactor) -> NodeProgram:
+        version = reactor.version
+        program = self._programs.get((reactor.id, version))
+        if program is not None:
+            return program
+        installation = self._install(reactor.runtime)
+        workdir = self.root / "code" / version
+        if not (workdir / "index.js").exists():
+            workdir.mkdir(parents=True, exist_ok=True)
+            staged = workdir / f".index.js.{os.getpid()}.{threading.get_ident()}"
+            staged.write_text(reactor.code)
+            staged.rename(workdir / "index.js")
+        link = workdir / "node_modules"
+        if not link.is_symlink():
+            try:
+                link.symlink_to(installation.node_modules, target_is_directory=True)
+            except FileExistsError:
+                pass
+        program = NodeProgram(
+            key=f"{reactor.id}:{version}",
+            entry=workdir / "index.js",
+            workdir=workdir,
+            timeout=float(reactor.runtime.timeout),
+            memory=RESOURCES[reactor.runtime.resources],
+            readable=(installation.directory,),
+            module_paths=(REACTOR_MODULES,),
+            keep_warm=max(1, reactor.runtime.warm_concurrency),
+        )
+        with self._lock:
+            return self._programs.setdefault((reactor.id, version), program)
+
+
+def _invalid_code(exc: CodeLoadError) -> Problem:
+    """The 422 of code that does not load or exports no function (section 7). Only the first line
+    of Node.js's message is kept: the rest (a require stack) names the platform's folders."""
+    first_line = (exc.message.splitlines() or [""])[0]
+    return Problem(422, f"The reactor code is not a valid function ({exc.kind}: {exc.name}: {first_line}).",
+                   title="Invalid Reactor Code")
+
+
+def _error_map(errors: object) -> dict[str, list[str]] | None:
+    """The ``errors`` a thrown error carried, as the problem's property path -> messages map
+    (a single message becomes a one-item list; anything else is dropped)."""
+    if not isinstance(errors, dict):
+        return None
+    result = {}
+    for key, value in errors.items():
+        if isinstance(value, str):
+            result[str(key)] = [value]
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            result[str(key)] = value
+    return result or None
+
+
+_default: ReactorRuntime | None = None
+_default_lock = threading.Lock()
+
+
+def reactor_runtime() -> ReactorRuntime:
+    """The process's runtime: under ``<TESSERA_DATA_DIR>/reactors``, scanning against the advisory
+    file named by ``TESSERA_REACTOR_ADVISORIES`` when that is set, else with ``npm audit``."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            advisories = os.environ.get("TESSERA_REACTOR_ADVISORIES")
+            _default = ReactorRuntime(get_settings().data_dir / "reactors",
+                                      advisories=Path(advisories) if advisories else None)
+        return _default

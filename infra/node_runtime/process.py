@@ -1,0 +1,221 @@
+"""One sandboxed Node.js process running one version of customer code, fed over a pipe.
+
+The protocol (``runner.js``): newline-delimited JSON on the child's stdin and stdout. The child
+writes ``{"ready": true}`` once the code is loaded (or ``{"load_error": ...}`` and exits); then each
+``{"id", "payload"}`` line written to it gets one ``{"id", "ok", "value" | "error"}`` line back. The
+parent reads and writes with deadlines (``poll`` on non-blocking pipes), so code that loops forever,
+stops reading or never answers is found out at its timeout and killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+from infra.node_runtime import sandbox
+from infra.node_runtime.binary import NodeInstallation
+
+#: The largest answer line read from a process (bytes); a longer one ends the process.
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+
+class NodeRuntimeError(Exception):
+    """An invocation did not produce an answer of the code."""
+
+
+class InvocationTimeout(NodeRuntimeError):
+    """The code did not load or answer within its timeout; its process was killed."""
+
+    def __init__(self, timeout: float):
+        super().__init__(f"no answer within {timeout:g} s")
+        self.timeout = timeout
+
+
+class ProcessEnded(NodeRuntimeError):
+    """The process ended (out of memory, ``process.exit``, a crash) or broke the protocol."""
+
+    def __init__(self, detail: str, returncode: int | None = None):
+        super().__init__(detail)
+        self.returncode = returncode
+
+
+class CodeLoadError(NodeRuntimeError):
+    """The code does not load (``kind`` ``syntax`` or ``load``) or exports no function
+    (``kind`` ``not_a_function``); ``name`` and ``message`` are those of the error Node.js raised."""
+
+    def __init__(self, kind: str, name: str, message: str):
+        super().__init__(f"{kind}: {name}: {message}")
+        self.kind, self.name, self.message = kind, name, message
+
+
+@dataclass(frozen=True)
+class Returned:
+    """The code's function returned ``value`` (JSON: dict, list, str, number, bool or None)."""
+
+    value: object
+
+
+@dataclass(frozen=True)
+class Thrown:
+    """The code's function threw. ``marked`` errors are instances of the classes the platform ships
+    (their ``message`` and ``errors`` are meant for the caller); of any other thrown value only the
+    ``name`` is known, its message being withheld (it may quote the data the code was given)."""
+
+    name: str
+    message: str | None
+    errors: object
+    marked: bool
+
+
+Outcome = Returned | Thrown
+
+
+class NodeProcess:
+    """A started process of ``program``; :meth:`wait_ready` before the first :meth:`call`.
+
+    Not thread-safe: the pool hands a process to one caller at a time.
+    """
+
+    def __init__(self, program: sandbox.NodeProgram, node: NodeInstallation):
+        self.program = program
+        self.popen = subprocess.Popen(  # noqa: S603 - a fixed argv, no shell
+            sandbox.command(program, node),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=program.workdir,
+            env=sandbox.environment(program),
+            preexec_fn=sandbox.limits(program.memory),
+            # Same session and process group as the worker: the processes end with it, and the
+            # scheduler counts their CPU in the worker's share (no group of their own per process).
+            bufsize=0,
+        )
+        self._in = self.popen.stdin.fileno()
+        self._out = self.popen.stdout.fileno()
+        os.set_blocking(self._in, False)
+        os.set_blocking(self._out, False)
+        self._reader = select.poll()
+        self._reader.register(self._out, select.POLLIN)
+        self._writer = select.poll()
+        self._writer.register(self._in, select.POLLOUT)
+        self._buffer = bytearray()
+        self._last_id = 0
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.popen.poll() is None
+
+    def wait_ready(self) -> None:
+        """Wait until the code is loaded, within the program's timeout.
+
+        Raises :class:`CodeLoadError`, :class:`InvocationTimeout` or :class:`ProcessEnded` (the
+        process is killed in each case).
+        """
+        frame = self._guarded(self._read_frame, time.monotonic() + self.program.timeout)
+        if frame.get("ready") is True:
+            return
+        self.kill()
+        error = frame.get("load_error")
+        if isinstance(error, dict):
+            raise CodeLoadError(str(error.get("kind")), str(error.get("name")), str(error.get("message")))
+        raise ProcessEnded("the process broke the protocol at start")
+
+    def call(self, payload: object) -> Outcome:
+        """Run the code once on ``payload`` (anything JSON) within the program's timeout.
+
+        Raises :class:`InvocationTimeout` or :class:`ProcessEnded` (the process is then killed).
+        """
+        self._last_id += 1
+        deadline = time.monotonic() + self.program.timeout
+        line = json.dumps({"id": self._last_id, "payload": payload}, separators=(",", ":")).encode() + b"\n"
+        self._guarded(self._write, line, deadline)
+        frame = self._guarded(self._read_frame, deadline)
+        if frame.get("id") != self._last_id or not isinstance(frame.get("ok"), bool):
+            self.kill()
+            raise ProcessEnded("the process broke the protocol")
+        if frame["ok"]:
+            return Returned(frame.get("value"))
+        error = frame.get("error") if isinstance(frame.get("error"), dict) else {}
+        return Thrown(
+            name=str(error.get("name") or "Error"),
+            message=error.get("message") if isinstance(error.get("message"), str) else None,
+            errors=error.get("errors"),
+            marked=error.get("marked") is True,
+        )
+
+    def kill(self) -> None:
+        """End the process at once (SIGKILL) and reap it."""
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+        for pipe in (self.popen.stdin, self.popen.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+    def _guarded(self, step, *args):
+        try:
+            return step(*args)
+        except NodeRuntimeError:
+            self.kill()
+            raise
+
+    def _write(self, data: bytes, deadline: float) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                written = os.write(self._in, view)
+            except BlockingIOError:
+                written = 0
+            except BrokenPipeError:
+                raise self._ended() from None
+            view = view[written:]
+            if view:
+                self._wait(self._writer, deadline)
+
+    def _read_frame(self, deadline: float) -> dict:
+        while True:
+            end = self._buffer.find(b"\n")
+            if end >= 0:
+                line = bytes(self._buffer[:end])
+                del self._buffer[: end + 1]
+                try:
+                    frame = json.loads(line)
+                except ValueError:
+                    raise ProcessEnded("the process wrote something that is not a protocol line") from None
+                if not isinstance(frame, dict):
+                    raise ProcessEnded("the process wrote something that is not a protocol line")
+                return frame
+            if len(self._buffer) > MAX_FRAME_BYTES:
+                raise ProcessEnded(f"the answer is larger than {MAX_FRAME_BYTES} bytes")
+            self._wait(self._reader, deadline)
+            try:
+                chunk = os.read(self._out, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise self._ended()
+            self._buffer += chunk
+
+    def _wait(self, poller: select.poll, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not poller.poll(remaining * 1000):
+            if time.monotonic() >= deadline:
+                raise InvocationTimeout(self.program.timeout)
+
+    def _ended(self) -> ProcessEnded:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(1)
+        code = self.popen.returncode
+        return ProcessEnded(f"the process ended (exit status {code})", code)
