@@ -29,7 +29,8 @@ Placement, by where the expression stands:
 * JSON body: inside a JSON string the text is escaped as JSON string content; outside a string (a
   whole value) the value is written as JSON, so ``{{ id | json: "$.exp_month" | to_number }}`` gives a
   number and ``{{ id }}`` of an object gives an object. Inside a string the expression itself is read
-  with JSON escapes undone (``\\"$.number\\"``).
+  with JSON escapes undone (``\\"$.number\\"``), or as it stands when it is not valid JSON string
+  text (bare ``"$.number"``: quotes inside an expression never end the JSON string).
 * form body (``application/x-www-form-urlencoded``): values are percent-decoded, rendered and encoded
   again; pairs without expressions are left byte for byte.
 * XML body: the text is XML-escaped. Other text bodies and headers: the text as it is (a header
@@ -180,8 +181,7 @@ def _json_sites(text: str, where: str) -> list[_Site]:
             try:
                 inner = json.loads(f'"{inner}"')
             except ValueError:
-                raise invalid_expression("An expression inside a JSON string is not valid JSON text.",
-                                         where=where) from None
+                pass  # written with bare quotes ("$.number"): read as it stands
         sites.append(_Site(match.start(), match.end(), parse_expression(inner, where=where), in_string))
         position = match.end()
     return sites
@@ -245,6 +245,19 @@ def _splice(text: str, sites: Sequence[_Site], values: Mapping[int, Any], write)
         position = site.end
     out.append(text[position:])
     return "".join(out)
+
+
+def _json_value(value: Any) -> Any:
+    """An evaluated value as plain JSON data (what Liquid may return besides: tuples, ranges, its
+    own null objects); raises ExpressionError for anything that is not JSON."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float) and value == value and value not in (float("inf"), float("-inf")):
+        return value
+    try:
+        return json.loads(stringify_filter(value))
+    except Exception:  # noqa: BLE001 - Liquid raises its own error types; the message is fixed
+        raise ExpressionError("The expression's value cannot be written as JSON.") from None
 
 
 def _as_text(value: Any) -> str:
@@ -379,7 +392,7 @@ def detokenize(
             item = loaded[expression.ref]
             value = item.data if expression.bare else item.record
         try:
-            values[id(site)] = evaluate(expression.source, {VALUE: value})
+            values[id(site)] = _json_value(evaluate(expression.source, {VALUE: value}))
         except ExpressionError as err:
             raise invalid_expression(_scrub(str(err), secrets), where=part.where) from None
     new_headers = list(header_list)
