@@ -60,11 +60,11 @@ def test_json_body_forms(vault):
     card = _card(vault, metadata={"ref": "order-1"})
     secret = _token(vault, {"type": "token", "data": "s3cr\"et"})
     body = (
-        '{"number": "{{ %(c)s | json: \\"$.number\\" }}", "month": {{ %(c)s | json: "$.expiration_month" }},'
-        ' "exp": "{{ %(c)s | card_exp: \'MM/YY\' }}", "card": {{ %(c)s }}, "ref": "{{ token: %(c)s | json: '
-        '\'$.metadata.ref\' }}", "text": "x{{ %(s)s }}y", "plain": {{ %(s)s }}, "cvc": "{{ %(c)s, json: '
+        '{"number": "{{ C | json: \\"$.number\\" }}", "month": {{ C | json: "$.expiration_month" }},'
+        ' "exp": "{{ C | card_exp: \'MM/YY\' }}", "card": {{ C }}, "ref": "{{ token: C | json: '
+        '\'$.metadata.ref\' }}", "text": "x{{ S }}y", "plain": {{ S }}, "cvc": "{{ C, json: '
         '\'$.cvc\', pad_left: 4, \'0\' }}"}'
-    ) % {"c": card, "s": secret}
+    ).replace("C", card).replace("S", secret)
     out = _run(vault, vault.caller("proxy:invoke", "token:pci:use:proxy", "token:general:use:proxy"),
                body.encode())
     assert json.loads(out.body) == {
@@ -223,7 +223,8 @@ def test_encrypted_single_and_multiple_forms(vault):
     multiple = _encrypted(vault, {"card": {"type": "card", "data": CARD},
                                   "bank": {"type": "bank", "data": {"routing_number": "110000000",
                                                                     "account_number": "000123456789"}}})
-    body = b'["{{ encrypted | json: \'$.card.data.number\' }}", "{{ encrypted | json: \'$.bank.data.account_number\' }}"]'
+    body = (b'["{{ encrypted | json: \'$.card.data.number\' }}", '
+            b'"{{ encrypted | json: \'$.bank.data.account_number\' }}"]')
     out = _run(vault, caller, body, encrypted=multiple)
     assert json.loads(out.body) == [PAN, "000123456789"]
 
