@@ -69,7 +69,8 @@ INVOKE = "proxy:invoke"
 ENCRYPTED = "encrypted"
 VALUE = "value"
 
-_EXPRESSION = re.compile(r"""\{\{((?:[^}"']|"[^"]*"|'[^']*'|\}(?!\}))*)\}\}""", re.DOTALL)
+# Linear scan: no '{' inside an expression (outside quotes), so a run of braces fails at once.
+_EXPRESSION = re.compile(r"""\{\{((?:[^{}"']|"[^"]{0,4096}"|'[^']{0,4096}'|\}(?!\}))*)\}\}""")
 _HEAD = re.compile(
     r"""\s*(?:(?P<kind>token_intent|network_token|token)\s*:\s*(?P<kid>[^\s|,]+)"""
     r"""|(?P<enc>encrypted)(?=[\s|,]|\Z)"""

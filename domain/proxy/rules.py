@@ -146,8 +146,8 @@ def destination_url(base: str, path: str, query: str, *, key_query: str, where: 
     ``path`` (the raw path after ``/proxy``, empty or starting with ``/``; no dot segments), then
     ``?`` and the raw ``query`` without the ``key_query`` parameter when anything is left.
 
-    ``destination_url("https://api.example.com/v1/", "/charges", "a=1&ts-proxy-key=k", key_query=
-    "ts-proxy-key")`` -> ``https://api.example.com/v1/charges?a=1``. Raises a 400 ``proxy_error``.
+    ``destination_url("https://api.example.com/v1/", "/charges", "a=1&<key_query>=k", key_query=...)``
+    -> ``https://api.example.com/v1/charges?a=1``. Raises a 400 ``proxy_error``.
     """
     url = check_destination_base(base, where=where) + path
     _check_path(path)
