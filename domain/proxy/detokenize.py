@@ -289,7 +289,7 @@ def body_kind(content_type: str | None) -> str:
 @dataclass(frozen=True)
 class Detokenized:
     """The request after detokenization: ``headers`` (pairs, in order), ``body`` (bytes or None),
-    ``tokens`` (the distinct refs used, for the usage count and the log; never their values)."""
+    ``refs`` (the distinct ids read, for the invocation's log row; never their values)."""
 
     headers: list[tuple[str, str]]
     body: bytes | None
@@ -375,7 +375,11 @@ def detokenize(
         raise invalid_request(
             f"A request may detokenize at most {MAX_TOKENS} tokens; this one names {len(refs)}.", where="body"
         )
-    loaded = _load(caller, loader, refs)
+    where = {}
+    for part, site in sites:
+        if site.expression.ref is not None:
+            where.setdefault(site.expression.ref, part.where)
+    loaded = _load(caller, loader, refs, where)
     encrypted = None
     if any(site.expression.ref is None for _, site in sites):
         encrypted = _open_encrypted(caller, loader, encrypted_header)
@@ -408,9 +412,9 @@ def detokenize(
     return Detokenized(new_headers, new_body, refs)
 
 
-def _load(caller: Caller, loader: ValueLoader, refs: Sequence[Ref]) -> dict[Ref, Loaded]:
+def _load(caller: Caller, loader: ValueLoader, refs: Sequence[Ref], where: Mapping[Ref, str]) -> dict[Ref, Loaded]:
     loaded: dict[Ref, Loaded] = {}
-    unknown: list[str] = []
+    unknown: list[Ref] = []
     for kind in KINDS:
         ids = [ref.id for ref in refs if ref.kind == kind]
         if not ids:
@@ -420,17 +424,18 @@ def _load(caller: Caller, loader: ValueLoader, refs: Sequence[Ref]) -> dict[Ref,
             if token_id in found:
                 loaded[Ref(kind, token_id)] = found[token_id]
             else:
-                unknown.append(f"{kind}: {token_id}" if kind != TOKEN else token_id)
+                unknown.append(Ref(kind, token_id))
     if unknown:
-        raise invalid_expression(f"Unknown id(s): {', '.join(unknown)}.", where="body")
+        names = ", ".join(ref.id if ref.kind == TOKEN else f"{ref.kind}: {ref.id}" for ref in unknown)
+        raise invalid_expression(f"Unknown id(s): {names}.", where=where[unknown[0]])
     for ref in refs:
         item = loaded[ref]
         if not item.usable:
-            raise ProxyError(422, item.reason or "The value cannot be used.", title="Value not usable",
-                             errors={"body": [item.reason or "not usable"]})
+            reason = item.reason or "The value cannot be used."
+            raise ProxyError(422, reason, title="Value not usable", errors={where[ref]: [reason]})
         permission = required_permission(item)
         if permission is not None and not caller.has(permission):
-            raise missing_right(permission, where="body")
+            raise missing_right(permission, where=where[ref])
     return loaded
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import unquote, urlsplit
 
+from config.settings import get_settings
 from domain.proxy.errors import invalid_request
 
 #: Hop-by-hop headers (RFC 9110 section 7.6.1, RFC 9112) and headers the outbound client sets itself.
@@ -71,6 +72,11 @@ def proxy_header_names(prefix: str) -> ProxyHeaderNames:
         key_query=name("proxy-key").lower(),
         own_prefix=name("").lower(),
     )
+
+
+def header_names() -> ProxyHeaderNames:
+    """The proxy's header names for the configured ``TESSERA_HEADER_PREFIX``."""
+    return proxy_header_names(get_settings().header_prefix)
 
 
 def _is_ip_literal(host: str) -> bool:

@@ -267,3 +267,33 @@ def test_cvc_past_retention_is_not_detokenized(vault):
         session.add(row)
     out = _run(vault, vault.caller(), f"{{{{ {card} | to_string }}}}".encode(), content_type="text/plain")
     assert "cvc" not in json.loads(out.body)
+
+
+def test_one_query_per_kind_and_errors_name_their_place(vault):
+    from sqlalchemy import event
+
+    from storage.db import get_engine
+
+    cards = [_card(vault) for _ in range(5)]
+    with session_scope() as session:
+        intent = token_intents.create_intent(session, vault.caller(), type="card", data=CARD)["id"]
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    body = " ".join(f"{{{{ {c} | json: '$.number' }}}}" for c in cards)
+    body += f" {{{{ token_intent: {intent} | json: '$.data.number' }}}}"
+    event.listen(get_engine(), "before_cursor_execute", record)
+    try:
+        out = _run(vault, vault.caller(), body.encode(), content_type="text/plain")
+    finally:
+        event.remove(get_engine(), "before_cursor_execute", record)
+    assert out.body.decode() == " ".join([PAN] * 6)
+    reads = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
+    assert len([s for s in reads if "FROM tokens" in s]) == 1
+    assert len([s for s in reads if "FROM token_intents" in s]) == 1
+
+    error = _refused(vault, vault.caller("proxy:invoke"), b"{}",
+                     headers=[("X-Card", f"{{{{ {cards[0]} | json: '$.number' }}}}")])
+    assert error.status == 403 and list(error.errors) == ["headers.X-Card"]
