@@ -24,6 +24,7 @@ from domain.proxy.rules import check_destination_base
 from domain.proxy.transforms import Transform, TransformList
 
 REACTOR_IDS_SHUTDOWN = "March 31, 2023"
+_SINGULAR = ("request_transform", "response_transform")
 MAX_CONFIGURATION_ENTRIES = 100
 
 
@@ -98,8 +99,8 @@ def validation_errors(exc: ValidationError) -> dict[str, list[str]]:
         for i, part in enumerate(loc):
             if isinstance(part, int):
                 path += f"[{part}]"
-            elif part in tags and i > 0 and isinstance(loc[i - 1], int | str) and "transform" in str(loc[0]):
-                continue
+            elif part in tags and i > 0 and (isinstance(loc[i - 1], int) or loc[i - 1] in _SINGULAR):
+                continue  # the union's tag, not a property
             else:
                 path = f"{path}.{part}" if path else str(part)
         message = "This property is not allowed." if error["type"] == "extra_forbidden" else error["msg"]

@@ -60,6 +60,10 @@ def test_deprecated_and_shut_down_fields():
     errors = validation_errors(caught.value)
     assert set(errors) == {"request_reactor_id", "response_reactor_id", "destination_url", "name", "unknown"}
     assert "March 31, 2023" in errors["request_reactor_id"][0]
+    with pytest.raises(ValidationError) as caught:
+        ProxyRequest.model_validate({**BASE, "request_transforms": [],
+                                     "request_transform": {"type": "mask", "matcher": "regex", "expression": "("}})
+    assert list(validation_errors(caught.value)) == ["request_transform.expression"]
 
 
 def test_application_must_be_the_tenants(vault, other_vault):
