@@ -77,6 +77,7 @@ _HEAD = re.compile(
     r"""|(?P<id>[^\s|,]+))(?P<rest>.*)\Z""",
     re.DOTALL,
 )
+_JSON_QUOTE = re.compile(r'\\.|"', re.DOTALL)  # an escape pair (skipped) or a quote
 _TOKEN_ID = re.compile(r"[A-Za-z0-9\-_.:]{1,400}")
 _FILTER_NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?=[:|,]|\Z)")
 
@@ -168,14 +169,10 @@ class _Site:
 def _json_sites(text: str, where: str) -> list[_Site]:
     """Expressions of a JSON text, each told whether it stands inside a JSON string."""
     sites = []
-    position, in_string, escaped = 0, False, False
+    position, in_string = 0, False
     for match in _EXPRESSION.finditer(text):
-        for ch in text[position : match.start()]:
-            if escaped:
-                escaped = False
-            elif ch == "\\" and in_string:
-                escaped = True
-            elif ch == '"':
+        for quote in _JSON_QUOTE.finditer(text, position, match.start()):
+            if quote.group() == '"':
                 in_string = not in_string
         inner = match.group(1)
         if in_string:

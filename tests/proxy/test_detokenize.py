@@ -297,3 +297,11 @@ def test_one_query_per_kind_and_errors_name_their_place(vault):
     error = _refused(vault, vault.caller("proxy:invoke"), b"{}",
                      headers=[("X-Card", f"{{{{ {cards[0]} | json: '$.number' }}}}")])
     assert error.status == 403 and list(error.errors) == ["headers.X-Card"]
+
+
+def test_json_string_state_follows_escapes():
+    from domain.proxy.detokenize import _json_sites
+
+    text = json.dumps({"a": 'x" {{ a }}', "c": "\\{{ c }}"})[:-1] + ', "b": {{ b }}}'
+    assert [(s.expression.ref.id, s.in_json_string) for s in _json_sites(text, "body")] == [
+        ("a", True), ("c", True), ("b", False)]
