@@ -319,5 +319,6 @@ from storage import (  # noqa: E402, F401
     models_account_updater,
     models_agentic,
     models_network_tokens,
+    models_proxy,
     models_tenant_admin,
 )

@@ -20,6 +20,7 @@ never the token data.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -29,6 +30,7 @@ from contextvars import ContextVar
 from functools import lru_cache, wraps
 from typing import Any, NamedTuple
 
+import jsonpath
 from liquid import Environment, RenderContext
 from liquid.builtin.expressions import FilteredExpression, Path
 from liquid.builtin.output import OutputNode
@@ -51,6 +53,7 @@ __all__ = [
     "ExpressionError",
     "apply_mask",
     "environment",
+    "evaluate",
     "make_context",
     "render",
     "validate_expression",
@@ -282,42 +285,28 @@ def _json_default(value: object) -> object:
     raise TypeError(f"unsupported type {type(value).__name__}")
 
 
-_JSON_PATH_SEGMENT = re.compile(
-    r"""\.(?P<name>[^.\[\]'"\s]+)"""
-    r"""|\[\s*'(?P<single>(?:[^'\\]|\\.)*)'\s*\]"""
-    r"""|\[\s*"(?P<double>(?:[^"\\]|\\.)*)"\s*\]"""
-    r"""|\[\s*(?P<index>-?\d+)\s*\]"""
-)
-
-
 @lru_cache(maxsize=256)
-def _parse_json_path(path: str) -> tuple[str | int, ...]:
-    """Split ``$.a['b'][0]`` into ``("a", "b", 0)``; raise FilterArgumentError when malformed."""
+def _compile_json_path(path: str) -> jsonpath.JSONPath:
+    """Compile ``path`` with python-jsonpath (RFC 9535); only singular queries (names and indexes,
+    ``$.a['b'][0]``) are accepted. Raises FilterArgumentError when malformed or not singular."""
     if not path.startswith("$"):
         raise FilterArgumentError("json: a path must start with '$'", token=None)
-    segments: list[str | int] = []
-    position = 1
-    while position < len(path):
-        match = _JSON_PATH_SEGMENT.match(path, position)
-        if match is None:
-            raise FilterArgumentError(f"json: malformed path at character {position + 1}", token=None)
-        if match.group("name") is not None:
-            segments.append(match.group("name"))
-        elif match.group("single") is not None:
-            segments.append(re.sub(r"\\(.)", r"\1", match.group("single")))
-        elif match.group("double") is not None:
-            segments.append(re.sub(r"\\(.)", r"\1", match.group("double")))
-        else:
-            segments.append(int(match.group("index")))
-        position = match.end()
-    return tuple(segments)
+    try:
+        compiled = jsonpath.compile(path)
+    except jsonpath.JSONPathError as err:
+        raise FilterArgumentError(f"json: malformed path ({str(err).splitlines()[0]})", token=None) from None
+    if not isinstance(compiled, jsonpath.JSONPath) or not compiled.singular_query():
+        raise FilterArgumentError(
+            "json: only singular paths (member names and indexes) are supported", token=None
+        )
+    return compiled
 
 
 def json_filter(value: object, path: object = "$") -> object:
-    """``json: "$.a.b[0]"``: select a value with a small JSONPath subset.
+    """``json: "$.a.b[0]"``: select a value with a JSONPath (python-jsonpath, RFC 9535).
 
-    Supported: ``$`` (the value itself), ``.name``, ``['name']`` / ``["name"]`` and ``[index]``
-    (negative indexes count from the end). A string that holds a JSON object or array is parsed
+    Singular queries only: ``$`` (the value itself), ``.name``, ``['name']`` / ``["name"]`` and
+    ``[index]`` (negative indexes count from the end). A string that holds a JSON object or array is parsed
     first, so the filter also reads JSON text. Returns the selected value (objects and arrays
     included, e.g. for ``| stringify``), or nil when the path selects nothing. Raises an
     ExpressionError (at render) when the path is not a string or is malformed.
@@ -328,25 +317,117 @@ def json_filter(value: object, path: object = "$") -> object:
         raise FilterArgumentError(
             f"json: the path is longer than {MAX_JSON_PATH_LENGTH} characters", token=None
         )
-    segments = _parse_json_path(path.strip())
+    compiled = _compile_json_path(path.strip())
     current = value
     if isinstance(current, str) and current.lstrip()[:1] in ("{", "["):
         try:
             current = json.loads(current)
         except ValueError:
             pass
-    for segment in segments:
-        if isinstance(segment, str) and isinstance(current, Mapping):
-            if segment not in current:
-                return None
-            current = current[segment]
-        elif isinstance(segment, int) and isinstance(current, (list, tuple)):
-            if not -len(current) <= segment < len(current):
-                return None
-            current = current[segment]
-        else:
-            return None
-    return current
+    if not isinstance(current, (Mapping, list, tuple)):
+        return current if compiled.empty() else None
+    try:
+        match = compiled.match(current)
+    except jsonpath.JSONPathError:
+        return None
+    return None if match is None else match.obj
+
+
+# Filters for payment integrations (the outbound proxy's expressions use them most).
+
+_MAX_PAN_DIGITS = 19
+_EXP_FORMAT = re.compile(r"YYYY|YY|MM|M")
+
+
+def card_bin_filter(value: object, n: object = 6) -> str | None:
+    """``card_bin[: n]``: the BIN, the first ``n`` digits (default 6; at most 19) of a card number.
+
+    ``{{ "4242 4242 4242 4242" | card_bin }}`` -> ``424242``; separators are dropped first. None
+    stays None; numbers are converted to strings.
+    """
+    text = _text(value, "card_bin")
+    if text is None:
+        return None
+    size = _count(n, "card_bin", "n")
+    if not 1 <= size <= _MAX_PAN_DIGITS:
+        raise FilterArgumentError(f"card_bin: n must be between 1 and {_MAX_PAN_DIGITS}", token=None)
+    return "".join(c for c in text if "0" <= c <= "9")[:size]
+
+
+def card_exp_filter(value: object, fmt: object = "MM/YY") -> str | None:
+    """``card_exp[: "MM/YY"]``: a card's expiration formatted from its ``expiration_month`` and
+    ``expiration_year`` (a card's data, or a token object whose ``data`` is a card).
+
+    Format codes: ``MM`` (two-digit month), ``M`` (month), ``YYYY`` (four-digit year), ``YY`` (two
+    digits); anything else is copied. ``{{ card | card_exp: "MMYY" }}`` -> ``1229``. None stays None;
+    raises an ExpressionError when the month or year is missing or not a number.
+    """
+    if value is None:
+        return None
+    if not isinstance(fmt, str):
+        raise FilterArgumentError("card_exp: the format must be a string", token=None)
+    card = value.get("data") if isinstance(value, Mapping) and "expiration_month" not in value else value
+    if not isinstance(card, Mapping):
+        raise FilterValueError(f"card_exp: expected a card object, found {_type_name(card)}", token=None)
+    try:
+        month, year = int(str(card["expiration_month"])), int(str(card["expiration_year"]))
+    except (KeyError, TypeError, ValueError):
+        raise FilterValueError("card_exp: the card has no numeric expiration_month and expiration_year",
+                               token=None) from None
+    if year < 100:
+        year += 2000
+    parts = {"YYYY": f"{year:04d}", "YY": f"{year % 100:02d}", "MM": f"{month:02d}", "M": str(month)}
+    return _EXP_FORMAT.sub(lambda m: parts[m.group(0)], fmt)
+
+
+def to_number_filter(value: object) -> int | float | None:
+    """``to_number``: a string holding a decimal number as a number (``"12"`` -> 12, ``"12.50"`` ->
+    12.5); numbers stay as they are, None stays None. Raises an ExpressionError for anything else
+    (booleans, objects, text that is not a finite number)."""
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return value
+    if not isinstance(value, str):
+        raise FilterValueError(f"to_number: expected a string or a number, found {_type_name(value)}", token=None)
+    text = value.strip()
+    if re.fullmatch(r"[+-]?[0-9]{1,30}", text):
+        return int(text)
+    if re.fullmatch(r"[+-]?([0-9]{1,30}(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]{1,3})?", text):
+        number = float(text)
+        if number == number and number not in (float("inf"), float("-inf")):
+            return number
+    raise FilterValueError("to_number: the value is not a number", token=None)
+
+
+def _pad(value: object, width: object, char: object, name: str, left: bool) -> str | None:
+    text = _text(value, name)
+    if text is None:
+        return None
+    size = _count(width, name, "width")
+    if size > MAX_OUTPUT_SIZE:
+        raise FilterArgumentError(f"{name}: width exceeds {MAX_OUTPUT_SIZE}", token=None)
+    fill = _mask_char(char, name)
+    return text.rjust(size, fill) if left else text.ljust(size, fill)
+
+
+def pad_left_filter(value: object, width: object = 0, char: object = " ") -> str | None:
+    """``pad_left: width[, char]``: prepend ``char`` (default a space) until ``width`` characters
+    (``{{ "42" | pad_left: 5, "0" }}`` -> ``00042``); longer values are unchanged. None stays None."""
+    return _pad(value, width, char, "pad_left", True)
+
+
+def pad_right_filter(value: object, width: object = 0, char: object = " ") -> str | None:
+    """``pad_right: width[, char]``: append ``char`` (default a space) until ``width`` characters
+    (``{{ "42" | pad_right: 5, "x" }}`` -> ``42xxx``). Same rules as ``pad_left``."""
+    return _pad(value, width, char, "pad_right", False)
+
+
+def to_base64_filter(value: object) -> str | None:
+    """``to_base64``: standard base64 (with padding) of the UTF-8 text of the value; objects and
+    arrays are encoded as their ``stringify`` JSON. None stays None."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else stringify_filter(value)
+    return base64.b64encode(text.encode()).decode("ascii")
 
 
 _CUSTOM_FILTERS: dict[str, Callable[..., object]] = {
@@ -358,6 +439,13 @@ _CUSTOM_FILTERS: dict[str, Callable[..., object]] = {
     "digits": digits_filter,
     "stringify": stringify_filter,
     "json": json_filter,
+    "card_bin": card_bin_filter,
+    "card_exp": card_exp_filter,
+    "to_string": stringify_filter,
+    "to_number": to_number_filter,
+    "pad_left": pad_left_filter,
+    "pad_right": pad_right_filter,
+    "to_base64": to_base64_filter,
 }
 
 # --------------------------------------------------------------------------------------------
@@ -573,6 +661,30 @@ def render(template: str, context: dict) -> str:
             return compiled.template.render(context)
     except Exception as err:
         raise ExpressionError(_describe(err)) from err
+
+
+def evaluate(template: str, context: Mapping[str, object]) -> object:
+    """Evaluate a one-output expression ``{{ <value> | <filters> }}`` and return its typed value.
+
+    Where :func:`render` gives text, this gives what the last filter returned (a string, a number,
+    an object, an array or None), so a caller can place it in JSON as a value. Same parsing, cache,
+    limits and errors as :func:`render`; also raises ExpressionError when ``template`` is anything
+    but exactly one output statement, or its value is undefined.
+    """
+    compiled = _get_compiled(template)
+    context = _check_context(context)
+    nodes = compiled.template.nodes
+    if len(nodes) != 1 or not isinstance(nodes[0], OutputNode):
+        raise ExpressionError("an expression to evaluate must be exactly one {{ ... }} output")
+    render_context = RenderContext(compiled.template, globals=compiled.template.make_globals(context))
+    try:
+        with _budget():
+            value = nodes[0].expression.evaluate(render_context)
+        if isinstance(value, Undefined):
+            raise UndefinedError(value.msg, token=None)
+    except Exception as err:
+        raise ExpressionError(_describe(err)) from err
+    return value
 
 
 def make_context(token_type: str, data: object, metadata: Mapping[str, str] | None = None) -> dict:

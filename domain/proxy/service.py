@@ -1,0 +1,213 @@
+"""Pre-configured proxies: create, read, list, update, merge-patch, delete, and find by key.
+
+Core document section 4, Proxy rule 3 (the management endpoints are ours; permissions
+``proxy:create``, ``proxy:read``, ``proxy:update``, ``proxy:delete``). Functions run inside the
+caller's unit of work (``fn(session, caller, ...)``) and never commit. Every change and single read
+writes a log row (entity type ``proxy``). The proxy key is returned once, by :func:`create_proxy`;
+only its SHA-256 digest is stored. ``configuration`` is sealed under the tenant's data key.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import secrets
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import func, or_
+from sqlmodel import Session, select
+
+from domain.proxy.models import ProxyRequest, validation_errors
+from domain.proxy.transforms import dump_transforms
+from domain.tenancy import audit
+from domain.tenancy.auth import key_digest
+from domain.tenancy.caller import Caller
+from domain.tokens.service import merge_patch
+from infra.errors import not_found, validation_problem
+from storage.crypto import get_keyring
+from storage.models import Application
+from storage.models_proxy import Proxy
+from storage.types import utcnow
+
+ENTITY_TYPE = "proxy"
+CONFIGURATION_PURPOSE = "proxy-configuration"
+KEY_PREFIX = "pxk_"
+
+
+def _seal(session: Session, tenant_id: uuid.UUID, proxy_id: uuid.UUID, configuration: dict[str, str]) -> bytes | None:
+    if not configuration:
+        return None
+    plain = json.dumps(configuration, separators=(",", ":"), ensure_ascii=False).encode()
+    return get_keyring().encrypt(session, tenant_id, CONFIGURATION_PURPOSE, str(proxy_id), plain)
+
+
+def configuration_of(session: Session, proxy: Proxy) -> dict[str, str]:
+    """The proxy's plain configuration map (empty when none)."""
+    if proxy.configuration_ct is None:
+        return {}
+    plain = get_keyring().decrypt(session, proxy.tenant_id, CONFIGURATION_PURPOSE, str(proxy.id),
+                                  proxy.configuration_ct)
+    return json.loads(plain)
+
+
+def proxy_view(session: Session, proxy: Proxy, *, key: str | None = None) -> dict:
+    """The proxy object: ``id, tenant_id, name, destination_url, request_transforms,
+    response_transforms, configuration, require_auth, application ({id} or null), created_by,
+    created_at, modified_by, modified_at``, plus ``key`` when just created."""
+    view: dict[str, Any] = {
+        "id": proxy.id,
+        "tenant_id": proxy.tenant_id,
+        "name": proxy.name,
+        "destination_url": proxy.destination_url,
+        "request_transforms": list(proxy.request_transforms or []),
+        "response_transforms": list(proxy.response_transforms or []),
+        "configuration": configuration_of(session, proxy),
+        "require_auth": proxy.require_auth,
+        "application": {"id": proxy.application_id} if proxy.application_id else None,
+        "created_by": proxy.created_by,
+        "created_at": proxy.created_at,
+        "modified_by": proxy.modified_by,
+        "modified_at": proxy.modified_at,
+    }
+    if key is not None:
+        view["key"] = key
+    return view
+
+
+def _check_application(session: Session, caller: Caller, request: ProxyRequest) -> uuid.UUID | None:
+    if request.application is None:
+        return None
+    application = session.get(Application, request.application.id)
+    if application is None or application.tenant_id != caller.tenant_id:
+        raise validation_problem({"application.id": ["No application of this tenant has this id."]})
+    return application.id
+
+
+def _apply(session: Session, caller: Caller, proxy: Proxy, request: ProxyRequest) -> None:
+    proxy.name = request.name
+    proxy.destination_url = request.destination_url
+    proxy.request_transforms = dump_transforms(request.request_transforms)
+    proxy.response_transforms = dump_transforms(request.response_transforms)
+    proxy.configuration_ct = _seal(session, caller.tenant_id, proxy.id, request.configuration)
+    proxy.require_auth = request.require_auth
+    proxy.application_id = _check_application(session, caller, request)
+
+
+def create_proxy(session: Session, caller: Caller, request: ProxyRequest) -> dict:
+    """``POST /proxies``: store a proxy and return its object with its ``key`` (shown only here).
+
+    403 without ``proxy:create``; 400 with ``errors["application.id"]`` for an unknown application.
+    """
+    caller.require("proxy:create")
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    proxy = Proxy(tenant_id=caller.tenant_id, name=request.name, destination_url=request.destination_url,
+                  key_digest=key_digest(key), created_by=caller.application_id)
+    _apply(session, caller, proxy, request)
+    session.add(proxy)
+    session.flush()
+    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="create")
+    return proxy_view(session, proxy, key=key)
+
+
+def _get(session: Session, caller: Caller, proxy_id: object, *, lock: bool = False) -> Proxy:
+    try:
+        parsed = proxy_id if isinstance(proxy_id, uuid.UUID) else uuid.UUID(str(proxy_id))
+    except ValueError:
+        raise not_found("proxy") from None
+    stmt = select(Proxy).where(Proxy.id == parsed, Proxy.tenant_id == caller.tenant_id)
+    proxy = session.exec(stmt.with_for_update() if lock else stmt).first()
+    if proxy is None:
+        raise not_found("proxy")
+    return proxy
+
+
+def read_proxy(session: Session, caller: Caller, proxy_id: object) -> dict:
+    """``GET /proxies/{id}``: 403 without ``proxy:read``; 404 when absent or another tenant's."""
+    caller.require("proxy:read")
+    proxy = _get(session, caller, proxy_id)
+    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="read")
+    return proxy_view(session, proxy)
+
+
+def list_proxies(session: Session, caller: Caller, *, size: int, after: dict | None = None,
+                 name: str | None = None) -> tuple[list[dict], dict | None]:
+    """``GET /proxies``: newest first, keyset on (created_at, id); ``name`` keeps proxies whose name
+    contains it (case-insensitive). Returns ``(views, next position or None)``; 400 for a cursor
+    this endpoint did not make; 403 without ``proxy:read``."""
+    caller.require("proxy:read")
+    stmt = select(Proxy).where(Proxy.tenant_id == caller.tenant_id)
+    if name:
+        escaped = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        stmt = stmt.where(func.lower(Proxy.name).like(f"%{escaped.lower()}%", escape="\\"))
+    if after:
+        try:
+            at, last = dt.datetime.fromisoformat(after["t"]), uuid.UUID(str(after["id"]))
+        except (KeyError, TypeError, ValueError):
+            raise validation_problem({"start": ["This is not a cursor returned by this endpoint."]}) from None
+        stmt = stmt.where(or_(Proxy.created_at < at, (Proxy.created_at == at) & (Proxy.id < last)))
+    rows = session.exec(stmt.order_by(Proxy.created_at.desc(), Proxy.id.desc()).limit(size + 1)).all()
+    more = len(rows) > size
+    rows = rows[:size]
+    following = {"t": rows[-1].created_at.isoformat(), "id": str(rows[-1].id)} if more else None
+    return [proxy_view(session, proxy) for proxy in rows], following
+
+
+def _update(session: Session, caller: Caller, proxy: Proxy, request: ProxyRequest) -> dict:
+    _apply(session, caller, proxy, request)
+    proxy.modified_by = caller.application_id
+    proxy.modified_at = utcnow()
+    session.add(proxy)
+    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="update")
+    return proxy_view(session, proxy)
+
+
+def update_proxy(session: Session, caller: Caller, proxy_id: object, request: ProxyRequest) -> dict:
+    """``PUT /proxies/{id}``: replace every field (the key stays). 403 without ``proxy:update``; 404."""
+    caller.require("proxy:update")
+    return _update(session, caller, _get(session, caller, proxy_id, lock=True), request)
+
+
+def patch_proxy(session: Session, caller: Caller, proxy_id: object, patch: Any) -> dict:
+    """``PATCH /proxies/{id}`` with an RFC 7396 merge patch over the proxy's fields (``name``,
+    ``destination_url``, transforms, ``configuration``, ``require_auth``, ``application``); the
+    result is validated like a PUT body (400 with per-field errors, nothing changed). 403, 404."""
+    caller.require("proxy:update")
+    if not isinstance(patch, dict):
+        raise validation_problem({"body": ["A merge patch must be a JSON object."]})
+    proxy = _get(session, caller, proxy_id, lock=True)
+    current = {
+        "name": proxy.name,
+        "destination_url": proxy.destination_url,
+        "request_transforms": proxy.request_transforms or [],
+        "response_transforms": proxy.response_transforms or [],
+        "configuration": configuration_of(session, proxy),
+        "require_auth": proxy.require_auth,
+        "application": {"id": str(proxy.application_id)} if proxy.application_id else None,
+    }
+    for side in ("request", "response"):
+        if patch.get(f"{side}_transform") is not None:
+            current[f"{side}_transforms"] = []  # the deprecated singular form replaces the list
+    merged = merge_patch({k: v for k, v in current.items() if v is not None}, patch)
+    try:
+        request = ProxyRequest.model_validate(merged)
+    except ValidationError as exc:
+        raise validation_problem(validation_errors(exc)) from None
+    return _update(session, caller, proxy, request)
+
+
+def delete_proxy(session: Session, caller: Caller, proxy_id: object) -> None:
+    """``DELETE /proxies/{id}``: 403 without ``proxy:delete``; 404 when absent."""
+    caller.require("proxy:delete")
+    proxy = _get(session, caller, proxy_id, lock=True)
+    session.delete(proxy)
+    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="delete")
+
+
+def find_by_key(session: Session, key: str) -> Proxy | None:
+    """The proxy whose key is ``key`` (``<prefix>-PROXY-KEY`` or the ``<prefix>-proxy-key`` query
+    parameter, Proxy rule 3), of any tenant; None when no proxy has it."""
+    if not key or len(key) > 256:
+        return None
+    return session.exec(select(Proxy).where(Proxy.key_digest == key_digest(key))).first()
