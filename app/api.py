@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from app.context import DB_EXECUTOR, SETTINGS, TRACE_ID
+from app.context import DB_EXECUTOR, GROUP_COMMIT, SETTINGS, TRACE_ID
 from domain.tenancy.auth import authenticate, caller_cache
 from domain.tenancy.caller import Caller
 from infra.errors import Problem, not_found, validation_problem
@@ -93,6 +93,11 @@ class Call:
     async def db(self, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
         """Run ``fn(session, *args, **kwargs)`` in one transaction on the database thread pool."""
         return await run_db(self.request.app, fn, *args, **kwargs)
+
+    async def db_grouped(self, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
+        """:meth:`db` for the hot path: the transaction may be shared with the units of work of other
+        requests arriving within ``TESSERA_GROUP_COMMIT_MS`` (``storage.db.GroupCommit``)."""
+        return await self.request.app[GROUP_COMMIT].run(fn, *args, **kwargs)
 
 
 async def run_db(app: web.Application, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
