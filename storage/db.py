@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from pathlib import Path
@@ -152,22 +153,58 @@ def insert_statement(dialect_name: str, table: Table, *, ignore_conflicts: bool 
 
 
 def insert_rows(session: OrmSession, rows: Rows) -> None:
-    """Insert ``rows`` in the session's transaction: one statement on PostgreSQL (each further table
-    an ``INSERT`` in a data-modifying ``WITH``; foreign keys are checked when the statement ends),
-    one multi-row ``INSERT`` per table elsewhere. Raises what the driver raises (IntegrityError...)."""
-    dialect = session.get_bind().dialect.name
-    statements = [
-        insert_statement(dialect, table, ignore_conflicts=ignore).values(batch)
-        for (table, ignore), batch in rows.tables.items()
-        if batch
-    ]
-    if not statements:
+    """Insert ``rows`` in the session's transaction: on PostgreSQL one statement (each further table
+    an ``INSERT`` in a data-modifying ``WITH``; foreign keys are checked when the statement ends)
+    whose text is made once per shape (tables, columns, row counts) and whose values pass through
+    their columns' bind processors, so what is stored is what SQLAlchemy would store; elsewhere one
+    multi-row ``INSERT`` per table. Raises SQLAlchemy's wrapped driver errors (IntegrityError...)."""
+    batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
+    if not batches:
         return
-    if len(statements) > 1 and dialect == "postgresql":
-        *first, last = statements
-        statements = [last.add_cte(*(stmt.cte(f"w{n}") for n, stmt in enumerate(first)))]
-    for statement in statements:
-        session.execute(statement)
+    connection = session.connection()
+    dialect = connection.dialect
+    if dialect.name != "postgresql":
+        for table, ignore, batch in batches:
+            connection.execute(insert_statement(dialect.name, table, ignore_conflicts=ignore), batch)
+        return
+    shape = tuple((table, ignore, tuple(batch[0]), len(batch)) for table, ignore, batch in batches)
+    sql = _PG_TEXTS.get(shape)
+    if sql is None:
+        sql = _PG_TEXTS[shape] = _pg_text(shape)
+    params: list = []
+    for table, _, batch in batches:
+        names = tuple(batch[0])
+        processors = _processors(table, names, dialect)
+        for row in batch:
+            for name, process in zip(names, processors, strict=True):
+                value = row[name]
+                if value is not None and process is not None:
+                    value = process(value)
+                params.append(str(value) if isinstance(value, uuid.UUID) else value)
+    connection.exec_driver_sql(sql, tuple(params))
+
+
+_PG_TEXTS: dict[tuple, str] = {}
+
+
+@functools.cache
+def _processors(table: Table, names: tuple[str, ...], dialect) -> tuple:
+    return tuple(table.c[name].type._cached_bind_processor(dialect) for name in names)
+
+
+def _pg_text(shape: tuple) -> str:
+    """The text of one PostgreSQL statement inserting rows of ``shape`` (positional ``%s`` values)."""
+    inserts = []
+    for table, ignore, names, count in shape:
+        row = "(" + ", ".join(["%s"] * len(names)) + ")"
+        columns = ", ".join(f'"{name}"' for name in names)
+        conflict = " ON CONFLICT DO NOTHING" if ignore else ""
+        values = ", ".join([row] * count)
+        inserts.append(f'INSERT INTO "{table.name}" ({columns}) VALUES {values}{conflict}')  # noqa: S608 - names from the tables
+    *first, last = inserts
+    if not first:
+        return last
+    return "WITH " + ", ".join(f"w{n} AS ({text})" for n, text in enumerate(first)) + " " + last
 
 
 _STAGED = "tessera_staged_rows"
