@@ -560,6 +560,30 @@ def _get_live(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.dat
     return token
 
 
+#: The columns of a token that reads show, selected as plain rows (attribute names of :class:`Token`).
+_READ_COLUMNS = (
+    Token.tenant_id, Token.id, Token.type, Token.data_ct, Token.mask, Token.containers, Token.meta,
+    Token.search_indexes, Token.fingerprint, Token.fingerprint_expression, Token.deduplicate_token,
+    Token.parent_id, Token.created_by, Token.created_at, Token.modified_by, Token.modified_at, Token.expires_at,
+    Token.cvc_expires_at,
+)
+
+
+def _read_select():
+    """``SELECT`` of the :data:`_READ_COLUMNS` of tokens: rows, not ORM objects, for reads."""
+    return select(*_READ_COLUMNS)
+
+
+def _get_live_row(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.datetime):
+    """A live token as a plain row (404 problem when missing or expired), for reads."""
+    row = session.exec(
+        _read_select().where(Token.tenant_id == tenant_id, Token.id == token_id, _live(now))
+    ).first()
+    if row is None:
+        raise not_found("token")
+    return row
+
+
 def _write_lookups(session: Session, token: Token, index_values: Iterable[str], *, replace: bool) -> None:
     """(Re)write the metadata rows and blind-index rows of ``token``."""
     if replace:
@@ -943,7 +967,7 @@ def read_token(session: Session, caller: Caller, token_id: str, *, of_type: str 
     token's classification. Writes a ``read`` log row.
     """
     now = now or utcnow()
-    token = _get_live(session, caller.tenant_id, token_id, now)
+    token = _get_live_row(session, caller.tenant_id, token_id, now)
     if of_type is not None and token.type != of_type:
         raise not_found("token")
     _require_read(caller, token)
@@ -1118,7 +1142,7 @@ def list_tokens(session: Session, caller: Caller, *, types: Iterable[str] = (),
     Returns ``(views, next position or None)``.
     """
     now = now or utcnow()
-    stmt = select(Token)
+    stmt = _read_select()
     types = list(types)
     if types:
         stmt = stmt.where(Token.type.in_(types))
@@ -1240,7 +1264,7 @@ def search_tokens(session: Session, caller: Caller, query: str, *, size: int = 2
     search index expressions; metadata terms match exactly and case-sensitively."""
     now = now or utcnow()
     parsed = parse_search_query(query)
-    stmt = select(Token)
+    stmt = _read_select()
     if parsed.id is not None:
         stmt = stmt.where(Token.id == parsed.id)
     if parsed.data is not None:
@@ -1262,7 +1286,7 @@ def children(session: Session, caller: Caller, parent_id: str, *, ids: Iterable[
     readable (403 as :func:`read_token`, 404 when missing); children are shown by the read rules,
     each with a ``read`` log row. Returns ``(views, total)`` for offset pagination."""
     now = now or utcnow()
-    parent = _get_live(session, caller.tenant_id, parent_id, now)
+    parent = _get_live_row(session, caller.tenant_id, parent_id, now)
     _require_read(caller, parent)
     conditions = [Token.tenant_id == caller.tenant_id, Token.parent_id == parent.id, _live(now)]
     ids, types = list(ids), list(types)
@@ -1272,7 +1296,7 @@ def children(session: Session, caller: Caller, parent_id: str, *, ids: Iterable[
         conditions.append(Token.type.in_(types))
     total = session.exec(select(func.count()).select_from(Token).where(*conditions)).one()
     rows = session.exec(
-        select(Token).where(*conditions).order_by(Token.created_at.desc(), Token.id.desc())
+        _read_select().where(*conditions).order_by(Token.created_at.desc(), Token.id.desc())
         .offset((page - 1) * size).limit(size)
     ).all()
     return _present(session, caller, rows, now), total
