@@ -170,6 +170,8 @@ def insert_rows(session: OrmSession, rows: Rows) -> None:
     shape = tuple((table, ignore, tuple(batch[0]), len(batch)) for table, ignore, batch in batches)
     sql = _PG_TEXTS.get(shape)
     if sql is None:
+        if len(_PG_TEXTS) >= 2_000:  # shapes vary with row counts: keep the cache bounded
+            _PG_TEXTS.clear()
         sql = _PG_TEXTS[shape] = _pg_text(shape)
     params: list = []
     for table, _, batch in batches:

@@ -24,7 +24,14 @@ Rules kept here:
 * **Expiry.** A token whose ``expires_at`` has passed reads as missing (404) everywhere at once;
   :func:`delete_expired_tokens` removes it later.
 * **Log rows and events.** One log row per token touched (entity type = token type); events
-  ``token.created``, ``token.updated`` and ``token.deleted`` carry ``{"token": {"id", "type"}}`` only.
+  ``token.created``, ``token.updated`` and ``token.deleted`` carry ``{"token": {"id", "type"}}`` only
+  and are recorded when an enabled webhook of the tenant subscribes to the type
+  (``domain.webhooks.events.stage_events``).
+* **The hot path** (tokenize, create, reads, list, search) builds no ORM objects: new tokens are
+  :class:`NewToken` rows, reads select plain rows, and the rows a unit of work writes (tokens,
+  metadata, blind indexes, log rows, events, deliveries, activity) go out in one statement
+  (``storage.db.stage_rows``), shared with concurrent requests under group commit. A token counts
+  as active in the month of its ``created_at`` (no activity row on create).
 
 Token data never appears in a log line, an error message, an event or a task argument.
 """

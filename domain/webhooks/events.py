@@ -78,7 +78,7 @@ def emit_many(session: Session, *, tenant_id: uuid.UUID, type: str, datas: list[
     """
     rows = Rows()
     count = _event_rows(session, rows, tenant_id=tenant_id, type=type, datas=datas, trace_id=trace_id)
-    for table, batch in rows.tables.items():
+    for (table, _ignore), batch in rows.tables.items():
         session.execute(insert(table), batch)
     return count
 
