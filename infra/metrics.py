@@ -54,8 +54,16 @@ _HOST = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())
 
 def process_identifier() -> str:
     """This process's name in the multiprocess files: host and pid (containers share a volume and
-    each may have a pid 1), with no ``_`` (the file names are split on it)."""
-    return f"{_HOST}-{os.getpid()}"
+    each may have a pid 1), with no ``_`` (the file names are split on it). Asked on every update
+    of a series (to notice a fork): made once per pid."""
+    global _IDENTIFIER
+    pid = os.getpid()
+    if _IDENTIFIER[0] != pid:
+        _IDENTIFIER = (pid, f"{_HOST}-{pid}")
+    return _IDENTIFIER[1]
+
+
+_IDENTIFIER: tuple[int, str] = (-1, "")
 
 
 def multiprocess_dir() -> str | None:
