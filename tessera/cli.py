@@ -18,6 +18,7 @@ Every command reads the same ``TESSERA_*`` settings (``config/settings.py``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -68,8 +69,10 @@ def _serve_api(settings, host: str, port: int, *, reuse_port: bool) -> int:
     configure_logging(settings)
     if not reuse_port:
         print(f"tessera api listening on http://{host}:{port}", flush=True)
+    app = init_app(settings)
+    app.on_startup.append(_freeze_heap)
     web.run_app(
-        init_app(settings),
+        app,
         host=host,
         port=port,
         print=None,
@@ -78,6 +81,14 @@ def _serve_api(settings, host: str, port: int, *, reuse_port: bool) -> int:
         reuse_port=reuse_port or None,
     )
     return 0
+
+
+async def _freeze_heap(_app) -> None:
+    """Once started, move every object made so far (modules, models, routes: most of the heap) out
+    of the garbage collector's sight: a full collection then walks what requests make, not the
+    whole platform, so it no longer stalls the event loop for tens of milliseconds."""
+    gc.collect()
+    gc.freeze()
 
 
 def _supervise(children: list[subprocess.Popen]) -> int:
