@@ -17,7 +17,8 @@ def _listening_pids(platform, answers: int = 40) -> set[int]:
     return {c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == "LISTEN"}
 
 
-def test_workers_share_the_port_and_stop_together(platform):
+def _start_two(platform):
+    """``tessera api --workers 2`` and its two api processes, once both run."""
     api = platform.start("api", "api", "--workers", "2")
     deadline = time.monotonic() + 60
     children: list[psutil.Process] = []
@@ -26,7 +27,13 @@ def test_workers_share_the_port_and_stop_together(platform):
         children = psutil.Process(api.popen.pid).children()
         time.sleep(0.2)
     assert len(children) == 2, api.output()
+    return api, children
+
+
+def test_workers_share_the_port_and_stop_together(platform):
+    api, children = _start_two(platform)
     listeners: set[int] = set()
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             listeners = _listening_pids(platform)
@@ -42,14 +49,7 @@ def test_workers_share_the_port_and_stop_together(platform):
 
 
 def test_when_one_worker_dies_the_others_stop_and_the_command_fails(platform):
-    api = platform.start("api", "api", "--workers", "2")
-    deadline = time.monotonic() + 60
-    children: list[psutil.Process] = []
-    while time.monotonic() < deadline and len(children) < 2:
-        assert api.alive(), api.output()
-        children = psutil.Process(api.popen.pid).children()
-        time.sleep(0.2)
-    assert len(children) == 2, api.output()
+    api, children = _start_two(platform)
     children[0].kill()
     assert api.popen.wait(timeout=60) == 1, api.output()
     assert not children[1].is_running() or children[1].status() == psutil.STATUS_ZOMBIE
