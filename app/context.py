@@ -7,12 +7,16 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from storage.db import GroupCommit
+
 if TYPE_CHECKING:
     from app.ratelimit import RateLimiter
     from config.settings import Settings
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 DB_EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("db_executor", ThreadPoolExecutor)
+#: Shared transactions of the token hot path (``storage.db.GroupCommit``; ``TESSERA_GROUP_COMMIT_MS``).
+GROUP_COMMIT: web.AppKey[GroupCommit] = web.AppKey("group_commit", GroupCommit)
 RATE_LIMITER: web.AppKey[RateLimiter] = web.AppKey("rate_limiter")
 OPENAPI: web.AppKey[dict] = web.AppKey("openapi", dict)
 #: Every declared route of the application (``app/api.py``), in routing order.

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from app.api import CALLER
-from app.context import DB_EXECUTOR, RATE_LIMITER, ROUTES, SETTINGS, TRACE_ID
+from app.context import DB_EXECUTOR, GROUP_COMMIT, RATE_LIMITER, ROUTES, SETTINGS, TRACE_ID
 from app.problems import problem_response
 from app.ratelimit import RateLimiter, rules_for
 from app.routes import (
@@ -38,6 +38,7 @@ from app.routes.agentic import agentic_problem
 from config.settings import Settings, get_settings
 from infra import logs, metrics
 from infra.errors import Problem
+from storage.db import GroupCommit
 
 log = logging.getLogger("tessera.api")
 access_log = logging.getLogger("tessera.api.access")
@@ -182,6 +183,7 @@ async def rate_limit_middleware(request: web.Request, handler) -> web.StreamResp
 async def _resources(app: web.Application):
     settings = app[SETTINGS]
     app[DB_EXECUTOR] = ContextThreadPoolExecutor(settings.api_db_threads, thread_name_prefix="db")
+    app[GROUP_COMMIT] = GroupCommit(app[DB_EXECUTOR], window=settings.group_commit_ms / 1000)
     if settings.rate_limit_enabled:
         redis_client = None
         if settings.redis_url:

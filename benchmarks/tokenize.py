@@ -31,6 +31,8 @@ if __name__ == "__main__" and not __package__:
 import argparse
 import asyncio
 import json
+import shutil
+import subprocess
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -70,11 +72,16 @@ class Round:
         """Answers that were not 2xx, and requests that failed without an answer."""
         return sum(n for status, n in self.statuses.items() if not (isinstance(status, int) and status < 300))
 
+    #: percentile -> seconds, when the load generator reports percentiles rather than latencies (wrk)
+    percentiles: dict[float, float] = field(default_factory=dict)
+
     @property
     def per_second(self) -> float:
         return common.ratio(self.ok, self.seconds)
 
     def latency_ms(self, q: float) -> float:
+        if q in self.percentiles:
+            return self.percentiles[q] * 1000
         return common.percentile(self.latencies, q) * 1000
 
 
@@ -88,6 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also measure tokenize with a webhook subscribed, with a worker of this concurrency")
     parser.add_argument("--drain-timeout", type=float, default=900,
                         help="seconds to wait for the webhook backlog after a round of the webhook target")
+    parser.add_argument("--client", choices=("auto", "wrk", "aiohttp"), default="auto",
+                        help="load generator: wrk (a C client, not the bottleneck), or this process's aiohttp "
+                             "client; auto: wrk when it is on PATH")
+    parser.add_argument("--client-threads", type=int, default=1, help="wrk threads")
     common.add_service_options(parser)
     return parser.parse_args(argv)
 
@@ -126,15 +137,63 @@ async def closed_loop(target: Target, clients: int, duration: float, result: Rou
     return result
 
 
+_WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = {body}
+{headers}
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("WRK %d %d %d %d %d %d\\n", summary.requests, e.status,
+    e.connect + e.read + e.write + e.timeout, summary.duration, latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def wrk_closed_loop(target: Target, args: argparse.Namespace, duration: float, result: Round) -> float:
+    """``wrk`` with ``--clients`` connections for ``duration`` seconds (each connection sends its next
+    request when the last is answered, like :func:`closed_loop`); fills ``result`` and returns the
+    CPU seconds wrk used."""
+    import tempfile
+
+    headers = "\n".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in target.headers.items())
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(_WRK_SCRIPT.format(body=json.dumps(BODY.decode()), headers=headers))
+    try:
+        argv = ["wrk", "-t", str(args.client_threads), "-c", str(args.clients), "-d", f"{max(1, round(duration))}s",
+                "--timeout", "60s", "-s", script.name, target.url]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output = child.stdout.read()
+        _pid, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    finally:
+        os.unlink(script.name)
+    line = next((x for x in output.splitlines() if x.startswith("WRK ")), None)
+    if child.returncode or line is None:
+        raise RuntimeError(f"wrk failed ({child.returncode}): {output[-2000:]}")
+    requests, non_2xx, socket_errors, micros, p50, p99 = (int(x) for x in line.split()[1:])
+    result.ok = requests - non_2xx
+    result.seconds = micros / 1e6
+    result.statuses.update({"non-2xx": non_2xx, "socket error": socket_errors} if non_2xx or socket_errors else {})
+    result.percentiles = {50: p50 / 1e6, 99: p99 / 1e6}
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(target: Target, args: argparse.Namespace, round_no: int, meter: common.CpuMeter | None) -> Round:
     """One closed-loop run (``round_no`` 0 is the warm-up: ``--warmup`` seconds, not metered)."""
     result = Round(target.name, round_no)
     if meter is not None:
         meter.start()
     duration = args.duration if round_no else args.warmup
-    asyncio.run(closed_loop(target, args.clients, duration, result))
+    if args.client == "wrk":
+        started = time.monotonic()
+        client_cpu = wrk_closed_loop(target, args, duration, result)
+        wall = time.monotonic() - started
+    else:
+        asyncio.run(closed_loop(target, args.clients, duration, result))
     if meter is not None:
         result.cores = meter.stop()
+        if args.client == "wrk":
+            result.cores["client"] = client_cpu / wall
     target.server.check()
     return result
 
@@ -240,6 +299,12 @@ def run_rounds(args, targets: list[Target], worker: common.Child | None, receive
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.client == "auto":
+        args.client = "wrk" if shutil.which("wrk") else "aiohttp"
+    elif args.client == "wrk" and not shutil.which("wrk"):
+        print("wrk is not on PATH (apt-get install wrk)", file=sys.stderr)
+        return 2
+    print(f"load generator: {args.client}", flush=True)
     common.install_uvloop()
     extra = {"TESSERA_ALLOW_PRIVATE_DESTINATIONS": "true"} if args.workers else {}
     with common.fresh_platform(args, "tessera-bench-tokenize-", **extra) as scratch:

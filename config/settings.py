@@ -48,9 +48,18 @@ class Settings(BaseSettings):
     public_base_url: str | None = None
     max_body_bytes: int = 1_048_576
     api_db_threads: int = 16
+    # Processes of `tessera api`, sharing its port through SO_REUSEPORT (unset: one per core;
+    # `tessera dev` runs one unless this is set).
+    api_workers: int | None = None
     # How long an api process trusts an API key it has looked up (0: look up on every request). A
     # change or deletion made through this process applies at once; other processes see it within this.
     auth_cache_seconds: float = 2.0
+    # How long an api process trusts the event types a tenant's webhooks subscribe to (0: read them
+    # on every event). Same rule as auth_cache_seconds for changes made here and elsewhere.
+    webhook_cache_seconds: float = 2.0
+    # Units of work of the token hot path arriving within this many milliseconds share one
+    # statement and one commit (0: each its own transaction).
+    group_commit_ms: float = 1.0
     db_pool_size: int = 10
 
     # Secrets at rest: a base64 32-byte master key, else a key file made in data_dir on first start;

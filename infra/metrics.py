@@ -54,8 +54,16 @@ _HOST = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())
 
 def process_identifier() -> str:
     """This process's name in the multiprocess files: host and pid (containers share a volume and
-    each may have a pid 1), with no ``_`` (the file names are split on it)."""
-    return f"{_HOST}-{os.getpid()}"
+    each may have a pid 1), with no ``_`` (the file names are split on it). Asked on every update
+    of a series (to notice a fork): made once per pid."""
+    global _IDENTIFIER
+    pid = os.getpid()
+    if _IDENTIFIER[0] != pid:
+        _IDENTIFIER = (pid, f"{_HOST}-{pid}")
+    return _IDENTIFIER[1]
+
+
+_IDENTIFIER: tuple[int, str] = (-1, "")
 
 
 def multiprocess_dir() -> str | None:
@@ -113,9 +121,17 @@ _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"
 def observe_request(method: str, route: str | None, status: int, seconds: float) -> None:
     """Count one answered request under its route template (``unmatched`` when no route matched;
     methods outside the usual ones as ``other``: a client must not be able to mint label values)."""
-    labels = (method if method in _METHODS else "other", route or _UNMATCHED, str(status))
-    HTTP_REQUESTS.labels(*labels).inc()
-    HTTP_LATENCY.labels(*labels).observe(seconds)
+    labels = (method if method in _METHODS else "other", route or _UNMATCHED, status)
+    series = _REQUEST_SERIES.get(labels)
+    if series is None:  # a few dozen label sets (routes x methods x statuses); looked up once each
+        text = (*labels[:2], str(status))
+        series = _REQUEST_SERIES[labels] = (HTTP_REQUESTS.labels(*text), HTTP_LATENCY.labels(*text))
+    series[0].inc()
+    series[1].observe(seconds)
+
+
+#: (method, route, status) -> the request counter's and the latency histogram's series.
+_REQUEST_SERIES: dict[tuple[str, str, int], tuple] = {}
 
 
 def observe_provider_call(provider: str, outcome: str, seconds: float) -> None:

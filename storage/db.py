@@ -11,17 +11,26 @@ can share the file.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import functools
+import logging
+import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
 from pathlib import Path
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import Table, create_engine, event, insert
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session as OrmSession
 from sqlmodel import Session
 
 from config.settings import get_settings
+
+log = logging.getLogger("tessera.db")
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:
@@ -45,7 +54,10 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    # No pre-ping: a SELECT 1 on every checkout is a round trip per unit of work. A connection the
+    # server closed fails its one statement instead; SQLAlchemy then invalidates every pooled
+    # connection older than it, so one request answers 500 after a database restart, not each.
+    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_recycle=3600)
 
 
 @functools.cache
@@ -99,3 +111,212 @@ def _drop_on_commit(session: OrmSession) -> None:
     if session.in_nested_transaction():
         return
     session.info.pop(_ON_COMMIT, None)
+
+
+# ---- rows written without ORM objects --------------------------------------------------------------
+
+
+class Rows:
+    """Rows to insert, by table, in the order the tables were first named (a parent's table before
+    its children's). Each row is a complete dict of column values (column defaults of the models are
+    Python-side and do not apply); the rows of one table share one set of keys. A table named with
+    ``ignore_conflicts`` skips the rows whose key exists (``ON CONFLICT DO NOTHING``)."""
+
+    __slots__ = ("tables",)
+
+    def __init__(self) -> None:
+        self.tables: dict[tuple[Table, bool], list[dict]] = {}
+
+    def add(self, table: Table, row: dict, *, ignore_conflicts: bool = False) -> None:
+        """Queue one row of ``table``."""
+        self.tables.setdefault((table, ignore_conflicts), []).append(row)
+
+    def merge(self, other: Rows) -> None:
+        """Queue every row of ``other`` after these."""
+        for key, rows in other.tables.items():
+            self.tables.setdefault(key, []).extend(rows)
+
+    def __bool__(self) -> bool:
+        return any(self.tables.values())
+
+
+def insert_statement(dialect_name: str, table: Table, *, ignore_conflicts: bool = False):
+    """``INSERT INTO table``, skipping rows whose key exists when ``ignore_conflicts`` (PostgreSQL and
+    SQLite ``ON CONFLICT DO NOTHING``)."""
+    if not ignore_conflicts:
+        return insert(table)
+    if dialect_name == "postgresql":
+        return pg_insert(table).on_conflict_do_nothing()
+    if dialect_name == "sqlite":
+        return sqlite_insert(table).on_conflict_do_nothing()
+    return insert(table).prefix_with("IGNORE")  # MySQL-like backends
+
+
+def insert_rows(session: OrmSession, rows: Rows) -> None:
+    """Insert ``rows`` in the session's transaction: on PostgreSQL one statement (each further table
+    an ``INSERT`` in a data-modifying ``WITH``; foreign keys are checked when the statement ends)
+    whose text is made once per shape (tables, columns, row counts) and whose values pass through
+    their columns' bind processors, so what is stored is what SQLAlchemy would store; elsewhere one
+    multi-row ``INSERT`` per table. Raises SQLAlchemy's wrapped driver errors (IntegrityError...)."""
+    batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
+    if not batches:
+        return
+    connection = session.connection()
+    dialect = connection.dialect
+    if dialect.name != "postgresql":
+        for table, ignore, batch in batches:
+            connection.execute(insert_statement(dialect.name, table, ignore_conflicts=ignore), batch)
+        return
+    shape = tuple((table, ignore, tuple(batch[0]), len(batch)) for table, ignore, batch in batches)
+    sql = _PG_TEXTS.get(shape)
+    if sql is None:
+        if len(_PG_TEXTS) >= 2_000:  # shapes vary with row counts: keep the cache bounded
+            _PG_TEXTS.clear()
+        sql = _PG_TEXTS[shape] = _pg_text(shape)
+    params: list = []
+    for table, _, batch in batches:
+        names = tuple(batch[0])
+        processors = _processors(table, names, dialect)
+        for row in batch:
+            for name, process in zip(names, processors, strict=True):
+                value = row[name]
+                if value is not None and process is not None:
+                    value = process(value)
+                params.append(str(value) if isinstance(value, uuid.UUID) else value)
+    connection.exec_driver_sql(sql, tuple(params))
+
+
+_PG_TEXTS: dict[tuple, str] = {}
+
+
+@functools.cache
+def _processors(table: Table, names: tuple[str, ...], dialect) -> tuple:
+    return tuple(table.c[name].type._cached_bind_processor(dialect) for name in names)
+
+
+def _pg_text(shape: tuple) -> str:
+    """The text of one PostgreSQL statement inserting rows of ``shape`` (positional ``%s`` values)."""
+    inserts = []
+    for table, ignore, names, count in shape:
+        row = "(" + ", ".join(["%s"] * len(names)) + ")"
+        columns = ", ".join(f'"{name}"' for name in names)
+        conflict = " ON CONFLICT DO NOTHING" if ignore else ""
+        values = ", ".join([row] * count)
+        inserts.append(f'INSERT INTO "{table.name}" ({columns}) VALUES {values}{conflict}')  # noqa: S608 - names from the tables
+    *first, last = inserts
+    if not first:
+        return last
+    return "WITH " + ", ".join(f"w{n} AS ({text})" for n, text in enumerate(first)) + " " + last
+
+
+_STAGED = "tessera_staged_rows"
+
+
+def stage_rows(session: OrmSession, rows: Rows) -> None:
+    """Insert ``rows`` now, or, when ``session`` runs a group of units of work
+    (:class:`GroupCommit`), with the rows of the whole group in one statement before its commit."""
+    staged = session.info.get(_STAGED)
+    if staged is None:
+        insert_rows(session, rows)
+    else:
+        staged.merge(rows)
+
+
+class GroupCommit:
+    """Units of work submitted within ``window`` seconds of each other share one transaction: they
+    run one after the other in one session (each in its own submitter's context), their staged rows
+    (:func:`stage_rows`) go out in one statement, and one commit ends them all. When any of them
+    raises, or the shared statement or commit fails, the group is rolled back and each unit of
+    work runs again alone, in a transaction of its own, so each answers exactly as it would have
+    alone (a 409 for the one whose id was taken, success for the others).
+
+    A unit of work is ``fn(session, *args, **kwargs)``: it must not commit, and whatever it does
+    outside the transaction must bear being done twice (a unit may run again alone). Rows staged by
+    a unit are not visible to the units after it in the group. ``window`` 0 runs every unit alone at
+    once. At most ``max_group`` units share a transaction, and at most ``max_running`` groups run at
+    a time: what arrives meanwhile waits for one of them to end and goes in the next group (fewer,
+    larger transactions under load; no more threads contending for the interpreter lock).
+    """
+
+    def __init__(self, executor: Executor, *, window: float = 0.001, max_group: int = 64, max_running: int = 2) -> None:
+        self._executor = executor
+        self._window = window
+        self._max_group = max_group
+        self._max_running = max_running
+        self._running = 0
+        self._pending: list[tuple[contextvars.Context, Callable, tuple, dict, asyncio.Future]] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def run(self, fn: Callable, /, *args, **kwargs):
+        """Run ``fn(session, *args, **kwargs)`` in a shared (or its own) transaction; returns its
+        result or raises its exception."""
+        loop = asyncio.get_running_loop()
+        if self._window <= 0:
+            return await loop.run_in_executor(self._executor, _alone, contextvars.copy_context(), fn, args, kwargs)
+        future = loop.create_future()
+        self._pending.append((contextvars.copy_context(), fn, args, kwargs, future))
+        if len(self._pending) >= self._max_group:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self._window, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._running >= self._max_running:
+            return  # sent when a running group ends, with whatever arrived meanwhile
+        group, self._pending = self._pending[: self._max_group], self._pending[self._max_group :]
+        if not group:
+            return
+        self._running += 1
+        done = asyncio.get_running_loop().run_in_executor(self._executor, _run_group, group)
+        done.add_done_callback(functools.partial(self._ended, group))
+
+    def _ended(self, group: list, done: asyncio.Future) -> None:
+        self._running -= 1
+        _settle(group, done)
+        if self._pending and self._timer is None:
+            self._flush()
+
+
+def _alone(context: contextvars.Context, fn: Callable, args: tuple, kwargs: dict):
+    def unit():
+        with session_scope() as session:
+            return fn(session, *args, **kwargs)
+
+    return context.run(unit)
+
+
+def _run_group(group: list) -> list[tuple[bool, object]]:
+    """``(ok, result or exception)`` per unit of work of ``group``."""
+    if len(group) > 1:
+        try:
+            with session_scope() as session:
+                staged = session.info[_STAGED] = Rows()
+                results = [context.run(fn, session, *args, **kwargs) for context, fn, args, kwargs, _ in group]
+                del session.info[_STAGED]
+                insert_rows(session, staged)
+            return [(True, result) for result in results]
+        except Exception:
+            log.debug("a shared transaction failed; its units of work run again alone", exc_info=True)
+    outcomes: list[tuple[bool, object]] = []
+    for context, fn, args, kwargs, _ in group:
+        try:
+            outcomes.append((True, _alone(context, fn, args, kwargs)))
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting request
+            outcomes.append((False, exc))
+    return outcomes
+
+
+def _settle(group: list, done: asyncio.Future) -> None:
+    exc = done.exception()
+    outcomes = [(False, exc)] * len(group) if exc is not None else done.result()
+    for (*_, future), (ok, value) in zip(group, outcomes, strict=True):
+        if future.done():  # the request was cancelled meanwhile
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)

@@ -1,7 +1,7 @@
 """The ``tessera`` command.
 
     tessera dev                      migrations, then api, worker, beat, sandbox (and S3) as children
-    tessera api [--host H] [--port P]
+    tessera api [--host H] [--port P] [--workers N]
     tessera worker [celery worker options]
     tessera beat [celery beat options]
     tessera migrate
@@ -18,9 +18,13 @@ Every command reads the same ``TESSERA_*`` settings (``config/settings.py``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 from config.settings import get_settings
 
@@ -37,24 +41,79 @@ def share_metrics(settings) -> str:
 def _api(args: argparse.Namespace) -> int:
     settings = get_settings()
     share_metrics(settings)
+    host = args.host or settings.api_host
+    port = args.port or settings.api_port
+    workers = args.workers or settings.api_workers or os.cpu_count() or 1
+    if args.reuse_port or workers == 1:
+        return _serve_api(settings, host, port, reuse_port=args.reuse_port)
+    print(f"tessera api listening on http://{host}:{port} ({workers} processes)", flush=True)
+    argv = [sys.executable, "-m", "tessera.cli", "api", "--host", host, "--port", str(port), "--reuse-port"]
+    return _supervise([subprocess.Popen(argv) for _ in range(workers)])  # noqa: S603 - our own command
+
+
+def _serve_api(settings, host: str, port: int, *, reuse_port: bool) -> int:
+    """One api process on ``host:port`` (``reuse_port``: beside its siblings on the same port)."""
+    import asyncio
+
     from aiohttp import web
 
     from app.main import init_app
     from infra.logs import configure_logging
 
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on the platforms it supports
+        uvloop = None
+    if uvloop is not None:
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     configure_logging(settings)
-    host = args.host or settings.api_host
-    port = args.port or settings.api_port
-    print(f"tessera api listening on http://{host}:{port}", flush=True)
+    if not reuse_port:
+        print(f"tessera api listening on http://{host}:{port}", flush=True)
+    app = init_app(settings)
+    app.on_startup.append(_freeze_heap)
     web.run_app(
-        init_app(settings),
+        app,
         host=host,
         port=port,
         print=None,
         shutdown_timeout=settings.api_shutdown_timeout_seconds,
         access_log=None,
+        reuse_port=reuse_port or None,
     )
     return 0
+
+
+async def _freeze_heap(_app) -> None:
+    """Once started, move every object made so far (modules, models, routes: most of the heap) out
+    of the garbage collector's sight: a full collection then walks what requests make, not the
+    whole platform, so it no longer stalls the event loop for tens of milliseconds."""
+    gc.collect()
+    gc.freeze()
+
+
+def _supervise(children: list[subprocess.Popen]) -> int:
+    """Wait on the api processes; SIGTERM and SIGINT are passed on to each (each then finishes the
+    requests in flight, ``TESSERA_API_SHUTDOWN_TIMEOUT_SECONDS``). When one process ends on its own
+    the others are stopped too and the exit status is 1 (the orchestrator restarts the service)."""
+    stopping = False
+
+    def stop(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while True:
+        ended = [child for child in children if child.poll() is not None]
+        if ended and not stopping:
+            stop(signal.SIGTERM, None)
+        if len(ended) == len(children):
+            break
+        time.sleep(0.2)
+    return 0 if stopping and all(c.returncode in (0, -signal.SIGTERM, -signal.SIGINT) for c in children) else 1
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -298,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     api = commands.add_parser("api", help="run the HTTP API")
     api.add_argument("--host")
     api.add_argument("--port", type=int)
+    api.add_argument("--workers", type=int, help="api processes sharing the port (default: TESSERA_API_WORKERS, "
+                     "else one per core)")
+    api.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
     api.set_defaults(func=_api)
     worker = commands.add_parser("worker", help="run a Celery worker (extra options go to celery worker)")
     worker.set_defaults(func=_worker)

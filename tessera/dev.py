@@ -52,7 +52,7 @@ def _commands(env: dict[str, str]) -> dict[str, list[str]]:
     me = [sys.executable, "-m", "tessera.cli"]
     sandbox_port = env["TESSERA_SANDBOX_URL"].rsplit(":", 1)[-1].rstrip("/")
     commands = {
-        "api": [*me, "api"],
+        "api": [*me, "api", *([] if env.get("TESSERA_API_WORKERS") else ["--workers", "1"])],
         "worker": [*me, "worker", "--concurrency", "2"],
         "beat": [*me, "beat"],
         "sandbox": [*me, "sandbox", "--port", sandbox_port],

@@ -175,7 +175,7 @@ METADATA_PARAMETER = {
            "given) is replaced, under `read_existing` it is unchanged. A card's `cvc` is kept one hour for provider "
            "calls, then dropped. " + READ_RULES)
 async def tokenize(call: Call):
-    return await call.db(service.tokenize, call.caller, call.body)
+    return await call.db_grouped(service.tokenize, call.caller, call.body)
 
 
 @api.route("POST", "/tokens", body=RAW_JSON, status=201, response=TokenOut, tag=TAG, summary="Create a token",
@@ -187,7 +187,7 @@ async def tokenize(call: Call):
            "Luhn and expiry checked. Deduplication and fingerprints as for POST /tokenize (201 with the existing "
            "token on a hit). " + READ_RULES)
 async def create(call: Call):
-    return await call.db(service.create_token, call.caller, call.body)
+    return await call.db_grouped(service.create_token, call.caller, call.body)
 
 
 @api.route("POST", "/connections/psp-forward/tokenize", permission="token:pci:create", body=RAW_JSON, status=201,
@@ -202,7 +202,7 @@ async def create(call: Call):
            "token found by deduplication, `data` and `metadata` are left out unless the key reads the token's "
            "container completely. " + READ_RULES)
 async def psp_forward(call: Call):
-    return await call.db(service.psp_forward_tokenize, call.caller, call.body)
+    return await call.db_grouped(service.psp_forward_tokenize, call.caller, call.body)
 
 
 # ---- list and search -----------------------------------------------------------------------------

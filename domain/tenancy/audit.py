@@ -5,10 +5,14 @@ A log row never holds sensitive data: only ids, the operation and a fixed messag
 
 from __future__ import annotations
 
+import uuid
+
 from sqlmodel import Session
 
 from domain.tenancy.caller import Caller
+from storage.db import Rows
 from storage.models import AuditLog
+from storage.types import utcnow
 
 #: Entity types shown by ``GET /logs/entity-types``: system value -> display name.
 ENTITY_TYPES: dict[str, str] = {
@@ -40,14 +44,26 @@ _PAST = {
 
 def record(session: Session, caller: Caller, *, entity_type: str, entity_id: object, operation: str) -> None:
     """Add a log row for ``operation`` on an entity, in the caller's transaction."""
-    session.add(
-        AuditLog(
-            tenant_id=caller.tenant_id,
-            actor_id=caller.application_id,
-            actor_type=caller.actor_type,
-            entity_type=entity_type,
-            entity_id=str(entity_id),
-            operation=operation,
-            message=f"{ENTITY_TYPES.get(entity_type, entity_type)} {_PAST.get(operation, operation)}",
-        )
-    )
+    session.add(AuditLog(**_row(caller, entity_type, entity_id, operation)))
+
+
+def stage(rows: Rows, caller: Caller, *, entity_type: str, entity_id: object, operation: str) -> None:
+    """Queue in ``rows`` the log row :func:`record` would add (for ``storage.db.stage_rows``)."""
+    rows.add(_TABLE, _row(caller, entity_type, entity_id, operation))
+
+
+_TABLE = AuditLog.__table__
+
+
+def _row(caller: Caller, entity_type: str, entity_id: object, operation: str) -> dict:
+    return {
+        "id": uuid.uuid4(),
+        "tenant_id": caller.tenant_id,
+        "actor_id": caller.application_id,
+        "actor_type": caller.actor_type,
+        "entity_type": entity_type,
+        "entity_id": str(entity_id),
+        "operation": operation,
+        "message": f"{ENTITY_TYPES.get(entity_type, entity_type)} {_PAST.get(operation, operation)}",
+        "created_at": utcnow(),
+    }

@@ -7,12 +7,14 @@ compared again in constant time.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import hmac
 import secrets
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 from sqlmodel import Session, select
 
@@ -80,6 +82,7 @@ class CallerCache:
     def __init__(self) -> None:
         self._entries: dict[str, tuple[Caller, float]] = {}
         self._lock = threading.Lock()
+        self._flights: dict[tuple, asyncio.Future] = {}
 
     def get(self, key: str, *, trace_id: str | None) -> Caller | None:
         """The cached caller of ``key`` (with this request's trace id), or None."""
@@ -87,6 +90,32 @@ class CallerCache:
         if entry is None or entry[1] < time.monotonic():
             return None
         return dataclasses.replace(entry[0], trace_id=trace_id)
+
+    async def get_or_load(
+        self, key: str, *, trace_id: str | None, ttl: float, load: Callable[[], Awaitable[Caller | None]]
+    ) -> Caller | None:
+        """The caller of ``key`` from the cache, else from ``load()`` (awaited once for all the
+        requests of this event loop that miss on the same key meanwhile: when an entry expires
+        under load, one lookup, not one per request), kept ``ttl`` seconds. None for an unknown key."""
+        cached = self.get(key, trace_id=trace_id)
+        if cached is not None:
+            return cached
+        flight_key = (asyncio.get_running_loop(), key_digest(key))
+        flight = self._flights.get(flight_key)
+        if flight is None:
+
+            async def load_and_keep() -> Caller | None:
+                try:
+                    found = await load()
+                finally:
+                    self._flights.pop(flight_key, None)
+                if found is not None:
+                    self.put(key, found, ttl)
+                return found
+
+            flight = self._flights[flight_key] = asyncio.ensure_future(load_and_keep())
+        caller = await asyncio.shield(flight)  # a waiter that goes away does not cancel the others'
+        return None if caller is None else dataclasses.replace(caller, trace_id=trace_id)
 
     def put(self, key: str, caller: Caller, ttl: float) -> None:
         """Remember ``caller`` for ``ttl`` seconds."""

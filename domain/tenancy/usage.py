@@ -1,9 +1,11 @@
 """The tenant usage report (core document section 2, Tenant: usage report; ``GET /tenants/self/reports/usage``).
 
-``monthly_active_tokens`` is exact: the token domain calls :func:`record_token_activity` whenever
-tokens are created, read or used, which writes one ``token_activity`` row per (tenant, calendar month
-in UTC, token) with insert-or-ignore; the report counts this month's rows. A token active many times in
-a month counts once; a token deleted later in the month still counts (it was active).
+``monthly_active_tokens`` is exact: a token counts in the month it was created (its ``created_at``),
+and the token domain calls :func:`record_token_activity` whenever tokens are read or used, which
+writes one ``token_activity`` row per (tenant, calendar month in UTC, token) with insert-or-ignore;
+the report counts the distinct tokens of both. A token active many times in a month counts once; a
+deleted token still counts in the month it was created (:func:`record_deleted_tokens` writes that
+month's activity row when it is deleted).
 """
 
 from __future__ import annotations
@@ -12,15 +14,17 @@ import datetime as dt
 import uuid
 from collections.abc import Iterable
 
-from sqlalchemy import func, insert, or_
+from sqlalchemy import func, or_, union
 from sqlmodel import Session, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
+from storage.db import Rows, insert_statement
 from storage.models import Token
 from storage.models_tenant_admin import TokenActivity
 from storage.types import utcnow
 
+_TABLE = TokenActivity.__table__
 #: Rows per INSERT statement (keeps the statement's bound parameters well under backend limits).
 _INSERT_BATCH = 500
 
@@ -31,44 +35,53 @@ def month_of(moment: dt.datetime) -> dt.date:
     return dt.date(moment.year, moment.month, 1)
 
 
-def _insert_ignore(session: Session):
-    """An INSERT that skips rows whose primary key exists (PostgreSQL and SQLite forms)."""
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-        return pg_insert(TokenActivity).on_conflict_do_nothing()
-    if dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        return sqlite_insert(TokenActivity).on_conflict_do_nothing()
-    return insert(TokenActivity).prefix_with("IGNORE")  # MySQL-like backends
-
-
 def record_token_activity(
     session: Session, tenant_id: uuid.UUID, token_ids: Iterable[str], *, now: dt.datetime | None = None
 ) -> None:
     """Count ``token_ids`` as active this month for the tenant, in the caller's transaction.
 
-    Call it wherever tokens are created, read (single reads, lists, searches, children) or used
-    (proxy and reactor detokenization, network tokens made from a token). Duplicates, in the list or
-    already recorded this month, are ignored; an empty list does nothing. ``now`` defaults to the
-    current time (UTC).
+    Call it wherever tokens are read (single reads, lists, searches, children) or used (proxy and
+    reactor detokenization, network tokens made from a token), and for deleted tokens (see
+    :func:`record_deleted_tokens`); a token's creation counts through its ``created_at``.
+    Duplicates, in the list or already recorded this month, are ignored; an empty list does
+    nothing. ``now`` defaults to the current time (UTC).
     """
+    rows = Rows()
+    stage_token_activity(rows, tenant_id, token_ids, now=now)
+    found = rows.tables.get((_TABLE, True), [])
+    statement = insert_statement(session.get_bind().dialect.name, _TABLE, ignore_conflicts=True)
+    for start in range(0, len(found), _INSERT_BATCH):
+        session.execute(statement.values(found[start : start + _INSERT_BATCH]))
+
+
+def stage_token_activity(
+    rows: Rows, tenant_id: uuid.UUID, token_ids: Iterable[str], *, now: dt.datetime | None = None
+) -> None:
+    """Queue in ``rows`` what :func:`record_token_activity` writes (for ``storage.db.stage_rows``)."""
     month = month_of(now or utcnow())
-    unique = list(dict.fromkeys(str(token_id) for token_id in token_ids))
-    for start in range(0, len(unique), _INSERT_BATCH):
-        rows = [{"tenant_id": tenant_id, "month": month, "token_id": t} for t in unique[start : start + _INSERT_BATCH]]
-        session.execute(_insert_ignore(session), rows)
+    for token_id in dict.fromkeys(str(t) for t in token_ids):
+        rows.add(_TABLE, {"tenant_id": tenant_id, "month": month, "token_id": token_id}, ignore_conflicts=True)
+
+
+def record_deleted_tokens(session: Session, tenant_id: uuid.UUID, deleted: Iterable[tuple[str, dt.datetime]]) -> None:
+    """Keep deleted tokens counted in the month they were created (``(id, created_at)`` pairs): the
+    count of a month reads the ``tokens`` created in it, which a deletion removes."""
+    by_month: dict[dt.date, list[str]] = {}
+    for token_id, created_at in deleted:
+        by_month.setdefault(month_of(created_at), []).append(token_id)
+    for month, ids in by_month.items():
+        record_token_activity(session, tenant_id, ids, now=dt.datetime(month.year, month.month, 1, tzinfo=dt.UTC))
 
 
 def monthly_active_tokens(session: Session, tenant_id: uuid.UUID, *, now: dt.datetime | None = None) -> int:
-    """How many distinct tokens of the tenant were active in the calendar month of ``now``."""
-    return session.exec(
-        select(func.count())
-        .select_from(TokenActivity)
-        .where(TokenActivity.tenant_id == tenant_id, TokenActivity.month == month_of(now or utcnow()))
-    ).one()
+    """How many distinct tokens of the tenant were active in the calendar month of ``now``: created
+    in it (``tokens.created_at``) or recorded active in it (``token_activity``)."""
+    month = month_of(now or utcnow())
+    start = dt.datetime(month.year, month.month, 1, tzinfo=dt.UTC)
+    end = dt.datetime(month.year + month.month // 12, month.month % 12 + 1, 1, tzinfo=dt.UTC)
+    active = select(TokenActivity.token_id).where(TokenActivity.tenant_id == tenant_id, TokenActivity.month == month)
+    created = select(Token.id).where(Token.tenant_id == tenant_id, Token.created_at >= start, Token.created_at < end)
+    return session.exec(select(func.count()).select_from(union(active, created).subquery())).one()
 
 
 def usage_report(session: Session, caller: Caller, *, included: int, now: dt.datetime | None = None) -> dict:

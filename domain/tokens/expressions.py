@@ -656,6 +656,10 @@ def render(template: str, context: dict) -> str:
     """
     compiled = _get_compiled(template)
     context = _check_context(context)
+    if compiled.path is not None:
+        plain = _plain_path_value(compiled.path.path, context)
+        if plain is not None:
+            return plain
     try:
         with _budget():
             return compiled.template.render(context)
@@ -685,6 +689,25 @@ def evaluate(template: str, context: Mapping[str, object]) -> object:
     except Exception as err:
         raise ExpressionError(_describe(err)) from err
     return value
+
+
+_PLAIN_INT = 10**18
+
+
+def _plain_path_value(segments: list, context: Mapping[str, object]) -> str | None:
+    """The output of a bare ``{{ a.b.c }}`` whose segments are object keys reaching a string or an
+    integer (the fingerprint and search index expressions of most tokens), as Liquid renders it,
+    without rendering; None for anything else (Liquid renders it, with its rules and errors)."""
+    value: object = context
+    for segment in segments:
+        if type(segment) is not str or type(value) is not dict or segment not in value:
+            return None
+        value = value[segment]
+    if type(value) is int and -_PLAIN_INT < value < _PLAIN_INT:  # huge integers: Liquid's rules
+        return str(value)
+    if type(value) is str and len(value) <= MAX_OUTPUT_SIZE:
+        return value
+    return None
 
 
 def make_context(token_type: str, data: object, metadata: Mapping[str, str] | None = None) -> dict:

@@ -24,7 +24,14 @@ Rules kept here:
 * **Expiry.** A token whose ``expires_at`` has passed reads as missing (404) everywhere at once;
   :func:`delete_expired_tokens` removes it later.
 * **Log rows and events.** One log row per token touched (entity type = token type); events
-  ``token.created``, ``token.updated`` and ``token.deleted`` carry ``{"token": {"id", "type"}}`` only.
+  ``token.created``, ``token.updated`` and ``token.deleted`` carry ``{"token": {"id", "type"}}`` only
+  and are recorded when an enabled webhook of the tenant subscribes to the type
+  (``domain.webhooks.events.stage_events``).
+* **The hot path** (tokenize, create, reads, list, search) builds no ORM objects: new tokens are
+  :class:`NewToken` rows, reads select plain rows, and the rows a unit of work writes (tokens,
+  metadata, blind indexes, log rows, events, deliveries, activity) go out in one statement
+  (``storage.db.stage_rows``), shared with concurrent requests under group commit. A token counts
+  as active in the month of its ``created_at`` (no activity row on create).
 
 Token data never appears in a log line, an error message, an event or a task argument.
 """
@@ -48,7 +55,7 @@ from config.settings import get_settings
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import CLASSIFICATIONS, IMPACT_LEVELS, TYPE_CLASSIFICATION, parse_container, read_level
-from domain.tenancy.usage import record_token_activity
+from domain.tenancy.usage import record_deleted_tokens, record_token_activity, stage_token_activity
 from domain.tokens.cards import (
     DEFAULT_FINGERPRINT_EXPRESSIONS,
     default_bank_mask,
@@ -67,6 +74,7 @@ from domain.tokens.expressions import (
 from domain.webhooks import events
 from infra.errors import Problem, forbidden, not_found, validation_problem
 from storage.crypto import get_keyring
+from storage.db import Rows, stage_rows
 from storage.models import Token, TokenMetadata, TokenSearchIndex
 from storage.types import utcnow
 
@@ -149,12 +157,52 @@ class TokenRequest:
     path: str = ""
 
 
+@dataclass(slots=True)
+class NewToken:
+    """A token this unit of work writes as a plain row (no ORM object): the attributes of
+    :class:`storage.models.Token` that views and access rules read, and the rendered search index
+    values whose blind-index rows go with it."""
+
+    tenant_id: uuid.UUID
+    id: str
+    type: str
+    data_ct: bytes
+    mask: Any
+    containers: list[str]
+    meta: dict[str, str]
+    search_indexes: list[str]
+    fingerprint: str | None
+    fingerprint_expression: str | None
+    deduplicate_token: bool | None
+    parent_id: str | None
+    created_by: uuid.UUID | None
+    created_at: dt.datetime
+    expires_at: dt.datetime | None
+    cvc_expires_at: dt.datetime | None
+    index_values: list[str] = field(default_factory=list)
+    modified_by: uuid.UUID | None = None
+    modified_at: dt.datetime | None = None
+
+    def row(self) -> dict:
+        """The ``tokens`` row."""
+        return {
+            "tenant_id": self.tenant_id, "id": self.id, "type": self.type, "data_ct": self.data_ct,
+            "mask": self.mask, "containers": self.containers, "metadata": self.meta,
+            "search_indexes": self.search_indexes, "fingerprint": self.fingerprint,
+            "fingerprint_expression": self.fingerprint_expression, "deduplicate_token": self.deduplicate_token,
+            "parent_id": self.parent_id, "created_by": self.created_by, "created_at": self.created_at,
+            "modified_by": self.modified_by, "modified_at": self.modified_at, "expires_at": self.expires_at,
+            "cvc_expires_at": self.cvc_expires_at,
+        }
+
+
 @dataclass
 class Created:
-    """What :func:`create_tokens` made of one request: the row, its plain data (None when the
-    caller may not see it and it was not decrypted) and whether an existing token was returned."""
+    """What :func:`create_tokens` made of one request: the token (a stored row, or a
+    :class:`NewToken` written with this unit of work), its plain data (None when the caller may
+    not see it and it was not decrypted) and whether an existing token was returned."""
 
-    token: Token
+    token: Token | NewToken
     data: Any
     deduplicated: bool = False
 
@@ -473,12 +521,14 @@ def _needs_data(token: Token, access: str) -> bool:
 def _present(session: Session, caller: Caller, tokens: Iterable[Token], now: dt.datetime) -> list[dict]:
     """Views of ``tokens`` by the read rules, decrypting only what is shown; one log row each."""
     views = []
+    rows = Rows()
     for token in tokens:
         access = read_access(caller, token)
         data = _open(session, token, now) if _needs_data(token, access) else None
         views.append(token_view(token, data, caller, access=access))
-        audit.record(session, caller, entity_type=token.type, entity_id=token.id, operation="read")
-    record_token_activity(session, caller.tenant_id, [view["id"] for view in views], now=now)
+        audit.stage(rows, caller, entity_type=token.type, entity_id=token.id, operation="read")
+    stage_token_activity(rows, caller.tenant_id, [view["id"] for view in views], now=now)
+    stage_rows(session, rows)
     return views
 
 
@@ -517,6 +567,30 @@ def _get_live(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.dat
     return token
 
 
+#: The columns of a token that reads show, selected as plain rows (attribute names of :class:`Token`).
+_READ_COLUMNS = (
+    Token.tenant_id, Token.id, Token.type, Token.data_ct, Token.mask, Token.containers, Token.meta,
+    Token.search_indexes, Token.fingerprint, Token.fingerprint_expression, Token.deduplicate_token,
+    Token.parent_id, Token.created_by, Token.created_at, Token.modified_by, Token.modified_at, Token.expires_at,
+    Token.cvc_expires_at,
+)
+
+
+def _read_select():
+    """``SELECT`` of the :data:`_READ_COLUMNS` of tokens: rows, not ORM objects, for reads."""
+    return select(*_READ_COLUMNS)
+
+
+def _get_live_row(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.datetime):
+    """A live token as a plain row (404 problem when missing or expired), for reads."""
+    row = session.exec(
+        _read_select().where(Token.tenant_id == tenant_id, Token.id == token_id, _live(now))
+    ).first()
+    if row is None:
+        raise not_found("token")
+    return row
+
+
 def _write_lookups(session: Session, token: Token, index_values: Iterable[str], *, replace: bool) -> None:
     """(Re)write the metadata rows and blind-index rows of ``token``."""
     if replace:
@@ -532,18 +606,38 @@ def _write_lookups(session: Session, token: Token, index_values: Iterable[str], 
     session.add_all(TokenSearchIndex(tenant_id=token.tenant_id, token_id=token.id, digest=d) for d in digests)
 
 
+def _stage_new_token(session: Session, rows: Rows, token: NewToken) -> None:
+    """Queue the ``tokens`` row of a new token with its metadata and blind-index rows."""
+    rows.add(_TOKENS, token.row())
+    for key, value in token.meta.items():
+        rows.add(_METADATA, {"tenant_id": token.tenant_id, "token_id": token.id, "key": key, "value": value})
+    keyring = get_keyring()
+    for digest in dict.fromkeys(keyring.blind_index(session, token.tenant_id, v) for v in token.index_values):
+        rows.add(_INDEXES, {"tenant_id": token.tenant_id, "token_id": token.id, "digest": digest})
+
+
+_TOKENS, _METADATA, _INDEXES = Token.__table__, TokenMetadata.__table__, TokenSearchIndex.__table__
+
+
 def _delete_rows(session: Session, tenant_id: uuid.UUID, token_ids: list[str]) -> None:
-    for table, column in ((TokenMetadata, TokenMetadata.token_id), (TokenSearchIndex, TokenSearchIndex.token_id),
-                          (Token, Token.id)):
+    """Delete tokens with their metadata and blind-index rows; each stays counted as active in the
+    month it was created (``domain.tenancy.usage.record_deleted_tokens``)."""
+    for table, column in ((TokenMetadata, TokenMetadata.token_id), (TokenSearchIndex, TokenSearchIndex.token_id)):
         session.execute(delete(table).where(table.tenant_id == tenant_id, column.in_(token_ids)))
+    gone = session.execute(
+        delete(Token).where(Token.tenant_id == tenant_id, Token.id.in_(token_ids)).returning(Token.id, Token.created_at)
+    ).all()
+    record_deleted_tokens(session, tenant_id, gone)
 
 
-def _touch(session: Session, caller: Caller, token: Token, operation: str, event: str | None) -> None:
-    """A log row for ``operation`` and, when ``event`` is named, the event ``token.<event>``."""
-    audit.record(session, caller, entity_type=token.type, entity_id=token.id, operation=operation)
+def _touch(session: Session, rows: Rows, caller: Caller, token: Token | NewToken, operation: str,
+           event: str | None) -> None:
+    """Queue in ``rows`` a log row for ``operation`` and, when ``event`` is named, the event
+    ``token.<event>`` (written only when a webhook of the tenant subscribes to it)."""
+    audit.stage(rows, caller, entity_type=token.type, entity_id=token.id, operation=operation)
     if event:
-        events.emit(session, tenant_id=token.tenant_id, type=f"token.{event}",
-                    data={"token": {"id": token.id, "type": token.type}}, trace_id=caller.trace_id)
+        events.stage_events(session, rows, tenant_id=token.tenant_id, type=f"token.{event}",
+                            datas=[{"token": {"id": token.id, "type": token.type}}], trace_id=caller.trace_id)
 
 
 # ---- create --------------------------------------------------------------------------------------
@@ -575,21 +669,30 @@ def create_tokens(session: Session, caller: Caller, requests: list[TokenRequest]
     existing = _dedup_candidates(session, caller, requests, fingerprints, now)
     read_only = caller.tenant_settings.get("token_deduplication_behavior") == "read_existing"
     results: list[Created] = []
+    rows, fresh = Rows(), Rows()
     try:
         with session.no_autoflush:  # one batched flush at the end, not one per token
             for request, fingerprint in zip(requests, fingerprints, strict=True):
                 match = existing.get((request.type, request.classification, fingerprint)) if fingerprint else None
                 if match is not None and _deduplicates(caller, request):
-                    results.append(_deduplicate(session, caller, match, request, read_only, now))
+                    results.append(_deduplicate(session, rows, caller, match, request, read_only, now))
                     continue
-                token = _new_token(session, caller, request, fingerprint, now)
+                token = _new_token(session, rows, caller, request, fingerprint, now)
                 if fingerprint:
                     existing.setdefault((request.type, request.classification, fingerprint), token)
                 results.append(Created(token, request.data))
-        session.flush()
+        for result in results:
+            if isinstance(result.token, NewToken) and not result.deduplicated:
+                _stage_new_token(session, fresh, result.token)
+        fresh.merge(rows)
+        if session.new or session.dirty or session.deleted:
+            session.flush()
+        stage_rows(session, fresh)
     except IntegrityError:
         raise Problem(409, "A token with one of the requested ids already exists.") from None
-    record_token_activity(session, caller.tenant_id, [r.token.id for r in results], now=now)
+    stored = [r.token.id for r in results if r.deduplicated and not isinstance(r.token, NewToken)]
+    if stored:  # a new token counts as active through its created_at
+        record_token_activity(session, caller.tenant_id, stored, now=now)
     return results
 
 
@@ -644,10 +747,10 @@ def _dedup_candidates(session: Session, caller: Caller, requests: list[TokenRequ
     return found
 
 
-def _new_token(session: Session, caller: Caller, request: TokenRequest, fingerprint: str | None,
-               now: dt.datetime) -> Token:
+def _new_token(session: Session, rows: Rows, caller: Caller, request: TokenRequest, fingerprint: str | None,
+               now: dt.datetime) -> NewToken:
     token_id = request.id or str(uuid.uuid4())
-    token = Token(
+    token = NewToken(
         tenant_id=caller.tenant_id,
         id=token_id,
         type=request.type,
@@ -664,19 +767,20 @@ def _new_token(session: Session, caller: Caller, request: TokenRequest, fingerpr
         created_at=now,
         expires_at=request.expires_at,
         cvc_expires_at=_cvc_expiry(request.type, request.data, now),
+        index_values=request.index_values,
     )
-    session.add(token)
-    _write_lookups(session, token, request.index_values, replace=False)
-    _touch(session, caller, token, "create", "created")
+    _touch(session, rows, caller, token, "create", "created")
     return token
 
 
-def _deduplicate(session: Session, caller: Caller, token: Token, request: TokenRequest, read_only: bool,
-                 now: dt.datetime) -> Created:
+def _deduplicate(session: Session, rows: Rows, caller: Caller, token: Token | NewToken, request: TokenRequest,
+                 read_only: bool, now: dt.datetime) -> Created:
+    """Answer ``request`` with ``token`` (a stored token, or one made earlier in this batch and not
+    written yet): read it, or replace its data (and metadata when given) and recompute its indexes."""
     if read_only:
         access = read_access(caller, token)
         data = _open(session, token, now) if _needs_data(token, access) else None
-        _touch(session, caller, token, "read", None)
+        _touch(session, rows, caller, token, "read", None)
         return Created(token, data, deduplicated=True)
     token.data_ct = _seal(session, token.tenant_id, token.id, request.data)
     token.cvc_expires_at = _cvc_expiry(token.type, request.data, now)
@@ -691,9 +795,12 @@ def _deduplicate(session: Session, caller: Caller, token: Token, request: TokenR
             continue  # an index the new data cannot fill is left out
     token.modified_by = caller.application_id
     token.modified_at = now
-    session.add(token)
-    _write_lookups(session, token, [v for v in values if v], replace=True)
-    _touch(session, caller, token, "update", "updated")
+    if isinstance(token, NewToken):
+        token.index_values = [v for v in values if v]
+    else:
+        session.add(token)
+        _write_lookups(session, token, [v for v in values if v], replace=True)
+    _touch(session, rows, caller, token, "update", "updated")
     return Created(token, request.data, deduplicated=True)
 
 
@@ -867,7 +974,7 @@ def read_token(session: Session, caller: Caller, token_id: str, *, of_type: str 
     token's classification. Writes a ``read`` log row.
     """
     now = now or utcnow()
-    token = _get_live(session, caller.tenant_id, token_id, now)
+    token = _get_live_row(session, caller.tenant_id, token_id, now)
     if of_type is not None and token.type != of_type:
         raise not_found("token")
     _require_read(caller, token)
@@ -960,7 +1067,9 @@ def update_token(session: Session, caller: Caller, token_id: str, patch: Any, *,
     token.modified_at = now
     session.add(token)
     _write_lookups(session, token, request.index_values, replace=True)
-    _touch(session, caller, token, "update", "updated")
+    rows = Rows()
+    _touch(session, rows, caller, token, "update", "updated")
+    stage_rows(session, rows)
     return token_view(token, request.data, caller)
 
 
@@ -989,8 +1098,10 @@ def delete_token(session: Session, caller: Caller, token_id: str, *, now: dt.dat
     for classification in dict.fromkeys(placement(t)[0] for t in doomed):
         caller.require(f"token:{classification}:delete")
     _delete_rows(session, caller.tenant_id, [t.id for t in doomed])
+    rows = Rows()
     for gone in doomed:
-        _touch(session, caller, gone, "delete", "deleted")
+        _touch(session, rows, caller, gone, "delete", "deleted")
+    stage_rows(session, rows)
 
 
 # ---- list, search, children ----------------------------------------------------------------------
@@ -1038,7 +1149,7 @@ def list_tokens(session: Session, caller: Caller, *, types: Iterable[str] = (),
     Returns ``(views, next position or None)``.
     """
     now = now or utcnow()
-    stmt = select(Token)
+    stmt = _read_select()
     types = list(types)
     if types:
         stmt = stmt.where(Token.type.in_(types))
@@ -1160,7 +1271,7 @@ def search_tokens(session: Session, caller: Caller, query: str, *, size: int = 2
     search index expressions; metadata terms match exactly and case-sensitively."""
     now = now or utcnow()
     parsed = parse_search_query(query)
-    stmt = select(Token)
+    stmt = _read_select()
     if parsed.id is not None:
         stmt = stmt.where(Token.id == parsed.id)
     if parsed.data is not None:
@@ -1182,7 +1293,7 @@ def children(session: Session, caller: Caller, parent_id: str, *, ids: Iterable[
     readable (403 as :func:`read_token`, 404 when missing); children are shown by the read rules,
     each with a ``read`` log row. Returns ``(views, total)`` for offset pagination."""
     now = now or utcnow()
-    parent = _get_live(session, caller.tenant_id, parent_id, now)
+    parent = _get_live_row(session, caller.tenant_id, parent_id, now)
     _require_read(caller, parent)
     conditions = [Token.tenant_id == caller.tenant_id, Token.parent_id == parent.id, _live(now)]
     ids, types = list(ids), list(types)
@@ -1192,7 +1303,7 @@ def children(session: Session, caller: Caller, parent_id: str, *, ids: Iterable[
         conditions.append(Token.type.in_(types))
     total = session.exec(select(func.count()).select_from(Token).where(*conditions)).one()
     rows = session.exec(
-        select(Token).where(*conditions).order_by(Token.created_at.desc(), Token.id.desc())
+        _read_select().where(*conditions).order_by(Token.created_at.desc(), Token.id.desc())
         .offset((page - 1) * size).limit(size)
     ).all()
     return _present(session, caller, rows, now), total
@@ -1221,8 +1332,10 @@ def delete_expired_tokens(session: Session, *, now: dt.datetime, batch: int = 50
     for tenant_id, tokens in by_tenant.items():
         _delete_rows(session, tenant_id, [t.id for t in tokens])
         system = _system_caller(tenant_id)
+        staged = Rows()
         for token in tokens:
-            _touch(session, system, token, "delete", "deleted")
+            _touch(session, staged, system, token, "delete", "deleted")
+        stage_rows(session, staged)
     return len(rows)
 
 

@@ -63,6 +63,16 @@ def stored(tenant_id, token_id: str) -> Token | None:
         return session.exec(select(Token).where(Token.tenant_id == tenant_id, Token.id == token_id)).first()
 
 
+TOKEN_EVENTS = ["token.created", "token.updated", "token.deleted"]
+
+
+def subscribe(tenant, url: str, events: list[str] = TOKEN_EVENTS) -> dict:
+    """A webhook of ``tenant`` subscribed to ``events`` (events are recorded only when one subscribes)."""
+    answer = tenant.client.post("/webhooks", {"name": "token events", "url": url, "events": events})
+    assert answer.status == 201, answer
+    return answer.json
+
+
 def events_of(tenant_id, token_id: str) -> list[tuple[str, dict]]:
     """(type, data) of the events about one token, oldest first."""
     with session_scope() as session:

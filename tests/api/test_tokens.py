@@ -21,6 +21,7 @@ from tests.api.test_token_support import (
     log_operations,
     set_settings,
     stored,
+    subscribe,
 )
 
 MERGE = "application/merge-patch+json"
@@ -34,7 +35,8 @@ def _patch(client, token_id: str, body: dict):
 # ---- create and read -----------------------------------------------------------------------------
 
 
-def test_create_card_and_read_it_back(tenant):
+def test_create_card_and_read_it_back(tenant, receiver):
+    subscribe(tenant, receiver.url)
     token = create(tenant.client, card(metadata={"customer": "c-1"}))
     assert token["tenant_id"] == str(tenant.id)
     assert token["data"] == {"number": VISA, "expiration_month": 12, "expiration_year": EXPIRY_YEAR}
@@ -175,7 +177,8 @@ def test_other_tenants_tokens_are_not_found(tenant, other_tenant):
 # ---- expiry --------------------------------------------------------------------------------------
 
 
-def test_expired_tokens_read_as_missing_and_are_swept(tenant):
+def test_expired_tokens_read_as_missing_and_are_swept(tenant, receiver):
+    subscribe(tenant, receiver.url)
     soon = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).isoformat()
     token = create(tenant.client, card(expires_at=soon))
     assert token["expires_at"]
@@ -208,7 +211,8 @@ def test_purge_card_verification_codes(tenant):
 # ---- merge patch ---------------------------------------------------------------------------------
 
 
-def test_merge_patch(tenant):
+def test_merge_patch(tenant, receiver):
+    subscribe(tenant, receiver.url)
     token = create(tenant.client, card(metadata={"a": "1", "b": "2"}, search_indexes=["{{ data.number | last4 }}"]))
     assert tenant.client.patch(f"/tokens/{token['id']}", {"metadata": {"a": "x"}}).status == 415
     answer = _patch(tenant.client, token["id"], {"data": {"expiration_month": 1, "name": "Ada"},
@@ -265,7 +269,8 @@ def test_merge_patch_removes_to_defaults(tenant):
 # ---- delete and children -------------------------------------------------------------------------
 
 
-def test_children_and_delete(tenant, limited):
+def test_children_and_delete(tenant, limited, receiver):
+    subscribe(tenant, receiver.url)
     parent = create(tenant.client, card())
     child_card = create(tenant.client, card(MASTERCARD, parent_id=parent["id"]))
     child_token = create(tenant.client, {"type": "token", "data": "t", "parent_id": parent["id"]})
@@ -382,3 +387,35 @@ def test_read_permissions_for_full_access(tenant, limited):
     token = create(tenant.client, {"type": "token", "data": "x"})
     reader = limited(tenant, READ_ALL)
     assert reader.get(f"/tokens/{token['id']}").json["data"] == "x"
+
+
+# ---- events only for subscribers; activity through created_at -------------------------------------
+
+
+def test_events_are_recorded_only_while_a_webhook_subscribes(tenant, receiver):
+    first = create(tenant.client, card())
+    assert events_of(tenant.id, first["id"]) == []  # nobody listens: no event row
+    assert log_operations(tenant.id, first["id"]) == ["create"]  # the log row stays
+    webhook = subscribe(tenant, receiver.url, ["token.created"])  # seen at once by this api process
+    second = create(tenant.client, card())
+    assert events_of(tenant.id, second["id"]) == [("token.created", {"token": {"id": second["id"], "type": "card"}})]
+    assert tenant.client.delete(f"/tokens/{second['id']}").status == 204
+    assert [t for t, _ in events_of(tenant.id, second["id"])] == ["token.created"]  # not subscribed to deleted
+    disabled = {"name": webhook["name"], "url": webhook["url"], "events": webhook["events"], "status": "disabled"}
+    assert tenant.client.put(f"/webhooks/{webhook['id']}", disabled).status == 200
+    third = create(tenant.client, card())
+    assert events_of(tenant.id, third["id"]) == []
+
+
+def test_monthly_active_tokens_count_created_and_deleted_tokens(tenant):
+    def active() -> int:
+        return tenant.client.get("/tenants/self/reports/usage").json["token_report"]["monthly_active_tokens"]
+
+    assert active() == 0
+    made = [create(tenant.client, card()) for _ in range(2)]
+    answer = tenant.client.post("/tokenize", {"a": "x", "b": card()})
+    assert answer.status == 201, answer
+    assert active() == 4
+    assert tenant.client.get(f"/tokens/{made[0]['id']}").status == 200  # created and read: still one
+    assert tenant.client.delete(f"/tokens/{made[1]['id']}").status == 204  # deleted: still counted
+    assert active() == 4

@@ -487,3 +487,18 @@ def test_validate_mask():
     assert problems[3].startswith("mask.d: ")
     assert validate_mask("{{ x") == [validate_mask("{{ x")[0]]
     assert validate_mask("{{ x")[0].startswith("mask: ")
+
+
+@pytest.mark.parametrize("value", ["4242424242424242", "<a> & \"b\"", "", 12, -7, 10**30, True, 1.5, None, [1, 2]])
+def test_a_bare_path_renders_as_liquid_renders_it(value):
+    from domain.tokens.expressions import environment
+
+    context = {"data": {"card": {"number": value}}, "metadata": {}, "type": "token"}
+    expected = environment.from_string("{{ data.card.number }}").render(context)
+    assert render("{{ data.card.number }}", context) == expected
+    assert render("{{data.card.number}}", context) == expected
+
+
+def test_a_bare_path_to_a_missing_key_still_raises():
+    with pytest.raises(ExpressionError):
+        render("{{ nothing.here }}", {"data": {}, "metadata": {}, "type": "token"})

@@ -1,0 +1,105 @@
+"""Group commit (``storage.db.GroupCommit``): units of work arriving together share one statement and
+one commit; when one of them fails, each runs again alone and answers for itself. Real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import IntegrityError
+
+from domain.tenancy import audit
+from domain.tenancy.caller import Caller
+from storage.db import GroupCommit, Rows, session_scope, stage_rows
+from storage.models import AuditLog
+
+
+def _caller(tenant) -> Caller:
+    return Caller(tenant_id=tenant.id, tenant_type="test", application_id=None, application_type=None,
+                  permissions=frozenset())
+
+
+def _log_unit(session, caller: Caller, entity_id: str, *, fail: bool = False, row_id: uuid.UUID | None = None):
+    """Stage one log row about ``entity_id``; answer the id of the transaction it ran in."""
+    rows = Rows()
+    audit.stage(rows, caller, entity_type="token", entity_id=entity_id, operation="read")
+    if row_id is not None:
+        next(iter(rows.tables.values()))[0]["id"] = row_id
+    stage_rows(session, rows)
+    if fail:
+        raise ValueError("this unit of work fails")
+    return session.execute(text("SELECT txid_current()")).scalar()
+
+
+def _logged(tenant, entity_ids: list[str]) -> list[str]:
+    with session_scope() as session:
+        return sorted(session.execute(
+            select(AuditLog.entity_id).where(AuditLog.tenant_id == tenant.id, AuditLog.entity_id.in_(entity_ids))
+        ).scalars())
+
+
+def _run_together(units: list[tuple]) -> list:
+    """Submit every unit at once to one GroupCommit (a 50 ms window, so they form one group)."""
+    executor = ThreadPoolExecutor(4)
+
+    async def main():
+        group = GroupCommit(executor, window=0.05)
+        return await asyncio.gather(*(group.run(*unit[0], **unit[1]) for unit in units), return_exceptions=True)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        executor.shutdown()
+
+
+def test_units_arriving_together_share_one_transaction(tenant):
+    caller = _caller(tenant)
+    ids = [f"group-{n}-{uuid.uuid4()}" for n in range(5)]
+    transactions = _run_together([((_log_unit, caller, entity_id), {}) for entity_id in ids])
+    assert len(set(transactions)) == 1  # one transaction, one commit
+    assert _logged(tenant, ids) == sorted(ids)
+
+
+def test_a_failing_unit_does_not_take_the_others_down(tenant):
+    caller = _caller(tenant)
+    ids = [f"group-{n}-{uuid.uuid4()}" for n in range(4)]
+    outcomes = _run_together([((_log_unit, caller, entity_id), {"fail": n == 2}) for n, entity_id in enumerate(ids)])
+    assert isinstance(outcomes[2], ValueError)
+    assert all(isinstance(o, int) for n, o in enumerate(outcomes) if n != 2)
+    assert len({o for n, o in enumerate(outcomes) if n != 2}) == 3  # each ran again alone
+    assert _logged(tenant, ids) == sorted(ids[:2] + ids[3:])  # the failed one wrote nothing
+
+
+def test_a_conflict_in_the_shared_statement_is_answered_by_the_unit_that_caused_it(tenant):
+    caller = _caller(tenant)
+    taken = uuid.uuid4()
+    ids = [f"group-{n}-{uuid.uuid4()}" for n in range(3)]
+    outcomes = _run_together([((_log_unit, caller, ids[0]), {"row_id": taken}),
+                              ((_log_unit, caller, ids[1]), {}),
+                              ((_log_unit, caller, ids[2]), {"row_id": taken})])
+    assert isinstance(outcomes[2], IntegrityError)
+    assert isinstance(outcomes[0], int) and isinstance(outcomes[1], int)
+    assert _logged(tenant, ids) == sorted(ids[:2])
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(AuditLog).where(AuditLog.id == taken)) == 1
+
+
+@pytest.mark.parametrize("window", [0.0, 0.001])
+def test_a_unit_alone_answers_its_result_or_its_error(tenant, window):
+    caller = _caller(tenant)
+    executor = ThreadPoolExecutor(2)
+
+    async def main():
+        group = GroupCommit(executor, window=window)
+        ok = await group.run(_log_unit, caller, f"alone-{uuid.uuid4()}")
+        with pytest.raises(ValueError):
+            await group.run(_log_unit, caller, f"alone-{uuid.uuid4()}", fail=True)
+        return ok
+
+    try:
+        assert isinstance(asyncio.run(main()), int)
+    finally:
+        executor.shutdown()
