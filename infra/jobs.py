@@ -34,7 +34,6 @@ from storage.models import Job
 from storage.types import utcnow
 
 TERMINAL = ("succeeded", "failed", "dead", "cancelled")
-MAX_COUNTDOWN_SECONDS = 60
 
 
 class TransientError(Exception):
@@ -136,8 +135,9 @@ def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> f
 def schedule_retry(session: Session, job: Job, *, error: str, delay: float | None = None) -> float | None:
     """Put the job back to ``queued`` for a later attempt, or to ``dead`` when its attempts are spent.
 
-    Returns the delay in seconds (the caller sends a countdown task when it is at most a minute;
-    longer delays wait as ``due_at`` for the relay), or None when the job became a dead letter.
+    Returns the delay in seconds, or None when the job became a dead letter. The job's message is
+    sent after the commit as a countdown when the delay is at most a minute
+    (:func:`infra.dispatch.enqueue_after_commit`); a longer delay waits as ``due_at`` for the relay.
     """
     if job.attempts >= job.max_attempts:
         _close(job, "dead", error=error)
@@ -152,6 +152,7 @@ def schedule_retry(session: Session, job: Job, *, error: str, delay: float | Non
     job.enqueued_at = None
     job.updated_at = utcnow()
     session.add(job)
+    enqueue_after_commit(session, job.kind, delay=delay, job_id=str(job.id))
     return delay
 
 

@@ -34,7 +34,7 @@ from sqlmodel import Session, select
 
 from config.settings import Settings
 from infra import jobs
-from infra.celery import DELIVER_TASK, QUEUE_OF_FAMILY, QUEUES, celery_app
+from infra.celery import DELIVER_TASK, QUEUES, celery_app, queue_of
 from infra.dispatch import enqueue_after_commit
 from storage.db import session_scope
 from storage.models import Job, Webhook, WebhookAttempt, WebhookDelivery
@@ -65,11 +65,6 @@ class Refused(ValueError):
 def queue_names() -> tuple[str, ...]:
     """The platform's queues."""
     return tuple(QUEUES)
-
-
-def queue_of(task_name: str) -> str:
-    """The queue a task is routed to (``workers/celery_app.py``)."""
-    return QUEUE_OF_FAMILY.get(task_name.split(".", 1)[0], "default")
 
 
 def _is_redis(url: str) -> bool:

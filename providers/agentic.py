@@ -14,7 +14,7 @@ the call) asks once more with the same key and the provider answers the stored o
 is never enrolled twice. Calls time out after ``agentic_provider_timeout_seconds`` (read) and
 ``provider_connect_timeout_seconds`` (connect).
 
-Failures are classified for the job template (``infra/job_task.py``):
+Failures are classified for the job template (``infra/task.py``):
 
 * :class:`EnrollmentFailed` (a :class:`infra.jobs.PermanentError`): the provider answered a
   rejection (422 and other 4xx), or did not answer in time once the request was sent (a read

@@ -1,7 +1,7 @@
 """Account updater tasks (``account_updater.*``, on the ``files`` queue); the rules are in
 :mod:`domain.account_updater.service`.
 
-Job tasks (``infra.job_task.JobTask``: leased, retried with backoff on transient failures, a dead letter
+Job tasks (``infra.task.JobTask``: leased, retried with backoff on transient failures, a dead letter
 after ``max_attempts``; every step recorded as a platform job so the outbox relay re-sends a lost one):
 
 * ``account_updater.prepare`` (subject: the job id): read and check the request file, cut it into chunks.
@@ -25,9 +25,8 @@ from sqlmodel import Session
 from config.settings import get_settings
 from domain.account_updater import service
 from infra.celery import celery_app
-from infra.job_task import JobTask
 from infra.jobs import PermanentError, TransientError
-from infra.task import TesseraTask
+from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
 from storage.models import Job
 from storage.types import utcnow
@@ -58,7 +57,7 @@ class _AccountUpdaterJobTask(JobTask):
         """The account updater job a platform job works on (the first part of its subject)."""
         return uuid.UUID((job.subject_id or "").split(":", 1)[0])
 
-    def on_failure(self, session: Session, job: Job, error: Exception) -> None:
+    def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
         service.fail_job(session, self.job_id(job), [_failure_message(error)])
 
 

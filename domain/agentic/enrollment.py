@@ -1,6 +1,6 @@
 """The worker side of agentic payment methods: rail enrollment, polling, the delete cascade.
 
-Each function is one step of a job task (``tasks/agentic.py``, template ``infra/job_task.py``):
+Each function is one step of a job task (``tasks/agentic.py``, template ``infra/task.py``):
 
 * **enrollment** (``agentic.enroll_rail``, one job per rail, so two rails enroll in parallel on two
   workers): :func:`perform_enrollment` reads the card from the card token and calls the provider

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from infra import jobs
 from infra.celery import celery_app
-from infra.job_task import JobTask
 from infra.jobs import TransientError
+from infra.task import JobTask
 from storage.db import session_scope
 from storage.models import Job
 

@@ -22,7 +22,7 @@ import urllib3
 from sqlalchemy import func, select, update
 
 from domain.account_updater import service as au
-from infra.dispatch import _PENDING
+from infra.dispatch import take_pending
 from storage.db import session_scope
 from storage.models import AuditLog, Event, Job, Token
 from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
@@ -129,7 +129,7 @@ def test_bulk_token_rows_are_the_rows_create_tokens_writes(tenant):
 def _quiet(session) -> list:
     """Take the task messages this transaction would send after commit (the test sends them itself or
     not at all, so no other worker races it)."""
-    return session.info.pop(_PENDING, [])
+    return take_pending(session)
 
 
 def _card(session, tenant_id, number: str) -> str:

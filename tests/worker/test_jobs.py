@@ -6,8 +6,8 @@ import datetime as dt
 
 from infra import jobs, outbox
 from infra.celery import celery_app
-from infra.job_task import JobTask
 from infra.jobs import PermanentError, TransientError
+from infra.task import JobTask
 from storage.db import session_scope
 from storage.models import Job
 from tests.helpers import wait_until
@@ -31,7 +31,7 @@ class ScriptedJob(JobTask):
     def apply(self, session, job, outcome):
         return outcome
 
-    def on_failure(self, session, job, error):
+    def on_job_failure(self, session, job, error):
         job.result = {**(job.result or {}), "on_failure": type(error).__name__}
         session.add(job)
 
