@@ -29,6 +29,8 @@ endpoint is created (no DNS).
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import ipaddress
 import os
 import socket
@@ -512,7 +514,22 @@ class _Pool:
         return session
 
 
+    def close(self) -> None:
+        """Close the pooled sessions (at interpreter exit: no "unclosed session" warnings)."""
+        loop = self._loop
+        if self._pid != os.getpid() or loop is None or loop.is_closed() or not self._sessions:
+            return
+
+        async def close_all() -> None:
+            for session in list(self._sessions.values()):
+                await session.close()
+
+        with contextlib.suppress(Exception):  # exiting anyway
+            asyncio.run_coroutine_threadsafe(close_all(), loop).result(timeout=2)
+
+
 _POOL = _Pool()
+atexit.register(_POOL.close)
 
 
 def _connect_error_message(exc: BaseException) -> str:

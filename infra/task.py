@@ -129,6 +129,8 @@ class JobTask(TesseraTask):
 
     abstract = True
     lease_seconds: float = 120.0
+    #: The first retry delay (seconds) of the exponential backoff, when the error names no delay.
+    backoff_base: float = 2.0
 
     def perform(self, job: Job) -> Any:
         """Do the slow part (provider calls) outside any transaction; return what ``apply`` needs."""
@@ -166,7 +168,8 @@ class JobTask(TesseraTask):
     def _retry(self, job: Job, exc: TransientError) -> str:
         with self.session_scope() as session:
             current = session.get(Job, job.id)
-            delay = jobs.schedule_retry(session, current, error=str(exc), delay=exc.retry_after)
+            delay = jobs.schedule_retry(session, current, error=str(exc), delay=exc.retry_after,
+                                        backoff_base=self.backoff_base)
             if delay is None:
                 log.warning("job %s (%s) is a dead letter after %s attempts", job.id, job.kind, current.attempts)
                 self.on_job_failure(session, current, exc)

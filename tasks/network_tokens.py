@@ -15,9 +15,7 @@ from sqlmodel import Session
 
 from config.settings import get_settings
 from domain.network_tokens import service, token_intents
-from infra import jobs
 from infra.celery import celery_app
-from infra.jobs import TransientError
 from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
 from storage.models import Job
@@ -46,6 +44,7 @@ class Provision(NetworkTokenJob):
     """
 
     name = service.PROVISION_TASK
+    backoff_base = service.PROVISION_BACKOFF_BASE
 
     def perform(self, job: Job) -> Any:
         """The network's :class:`~providers.card_network.ProvisionedToken` (None: nothing to do)."""
@@ -54,12 +53,7 @@ class Provision(NetworkTokenJob):
         if found is None:
             return None
         network, card = found
-        try:
-            return network.provision(card, idempotency_key=str(job.id))
-        except TransientError as exc:
-            if exc.retry_after is None:
-                exc.retry_after = jobs.backoff_seconds(job.attempts, base=service.PROVISION_BACKOFF_BASE)
-            raise
+        return network.provision(card, idempotency_key=str(job.id))
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
         """See :func:`domain.network_tokens.service.apply_provisioned`."""

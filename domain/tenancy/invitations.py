@@ -127,6 +127,7 @@ def _issue_link(session: Session, invitation: TenantInvitation, trace_id: str | 
         session,
         kind=MAIL_TASK,
         tenant_id=invitation.tenant_id,
+        subject_type="invitation_link",
         subject_id=str(link.id),
         trace_id=trace_id,
         max_attempts=MAIL_MAX_ATTEMPTS,

@@ -282,9 +282,25 @@ class BatchOutcome:
     failed: int = 0
 
 
-def _lease_statement(delivery_ids: list[uuid.UUID], owner: str, now: dt.datetime, lease_seconds: float):
-    """One UPDATE ... FROM that leases every due, pending, unleased delivery of ``delivery_ids`` and
-    returns each with its event, its webhook and its tenant's sealed signing secret."""
+#: What an attempt reads with its lease: the delivery, its webhook, its event, its tenant's sealed secret.
+_LEASED_COLUMNS = (
+    WebhookDelivery.id,
+    WebhookDelivery.attempts,
+    Webhook.id,
+    Webhook.url,
+    Webhook.status,
+    Event.id,
+    Event.type,
+    Event.created_at,
+    Event.tenant_id,
+    Event.trace_id,
+    Event.data,
+    Tenant.webhook_secret_ct,
+    Tenant.deleted_at,
+)
+
+
+def _lease(delivery_ids: list[uuid.UUID], owner: str, now: dt.datetime, lease_seconds: float):
     return (
         update(WebhookDelivery)
         .where(
@@ -292,28 +308,34 @@ def _lease_statement(delivery_ids: list[uuid.UUID], owner: str, now: dt.datetime
             WebhookDelivery.status == "pending",
             WebhookDelivery.due_at <= now + dt.timedelta(seconds=1),
             or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now),
+        )
+        .values(lease_owner=owner, lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
+        .execution_options(synchronize_session=False)
+    )
+
+
+def _lease_and_read(session: Session, delivery_ids: list[uuid.UUID], owner: str, lease_seconds: float) -> list:
+    """Lease every due, pending, unleased delivery of ``delivery_ids`` and read each with its webhook,
+    event and tenant: on PostgreSQL one ``UPDATE ... FROM ... RETURNING``; SQLite (the embedded
+    default) returns only the updated table's columns, so there the rows are read by a second query."""
+    statement = _lease(delivery_ids, owner, utcnow(), lease_seconds)
+    if session.get_bind().dialect.name == "postgresql":
+        statement = statement.where(
             Event.id == WebhookDelivery.event_id,
             Webhook.id == WebhookDelivery.webhook_id,
             Tenant.id == WebhookDelivery.tenant_id,
-        )
-        .values(lease_owner=owner, lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
-        .returning(
-            WebhookDelivery.id,
-            WebhookDelivery.attempts,
-            Webhook.id,
-            Webhook.url,
-            Webhook.status,
-            Event.id,
-            Event.type,
-            Event.created_at,
-            Event.tenant_id,
-            Event.trace_id,
-            Event.data,
-            Tenant.webhook_secret_ct,
-            Tenant.deleted_at,
-        )
-        .execution_options(synchronize_session=False)
-    )
+        ).returning(*_LEASED_COLUMNS)
+        return session.execute(statement).all()
+    leased = session.execute(statement.returning(WebhookDelivery.id)).scalars().all()
+    if not leased:
+        return []
+    return session.execute(
+        select(*_LEASED_COLUMNS)
+        .join(Event, Event.id == WebhookDelivery.event_id)
+        .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
+        .join(Tenant, Tenant.id == WebhookDelivery.tenant_id)
+        .where(WebhookDelivery.id.in_(leased))
+    ).all()
 
 
 def lease_batch(
@@ -327,9 +349,8 @@ def lease_batch(
     """
     if not delivery_ids:
         return [], []
-    now = utcnow()
-    rows = session.execute(_lease_statement(delivery_ids, owner, now, lease_seconds)).all()
-    delivered_at = now.isoformat()
+    rows = _lease_and_read(session, delivery_ids, owner, lease_seconds)
+    delivered_at = utcnow().isoformat()
     timestamp = int(time.time())
     prepared, closed = [], []
     for (delivery_id, attempts, webhook_id, url, webhook_status, event_id, event_type, event_created_at,
@@ -357,8 +378,7 @@ def lease_batch(
 
 def lease_delivery(session: Session, delivery_id: uuid.UUID, owner: str, *, lease_seconds: float) -> bool:
     """Take the lease on one due, pending delivery (see :func:`lease_batch`); False when taken."""
-    now = utcnow()
-    return bool(session.execute(_lease_statement([delivery_id], owner, now, lease_seconds)).all())
+    return session.execute(_lease([delivery_id], owner, utcnow(), lease_seconds)).rowcount == 1
 
 
 def _retry_delay(result: DeliveryResult, attempt_number: int, settings: Settings) -> float | None:
@@ -480,7 +500,8 @@ def _note_failure(session: Session, webhook: Webhook, now: dt.datetime, settings
         webhook.disabled_reason = f"deliveries failed for {int(failing_for)} s without a success"
         webhook.modified_at = now
         if webhook.notify_email:
-            jobs.record(session, kind=NOTIFY_TASK, tenant_id=webhook.tenant_id, subject_id=str(webhook.id),
+            jobs.record(session, kind=NOTIFY_TASK, tenant_id=webhook.tenant_id, subject_type="webhook",
+                        subject_id=str(webhook.id),
                         trace_id=None, max_attempts=8)
     session.add(webhook)
 

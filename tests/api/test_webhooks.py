@@ -356,7 +356,8 @@ def test_the_disabled_notice_is_a_recorded_job(tenant, receiver):
     def notice():
         with session_scope() as session:
             return session.exec(
-                select(Job).where(Job.kind == webhooks.NOTIFY_TASK, Job.subject_id == hook["id"],
+                select(Job).where(Job.kind == webhooks.NOTIFY_TASK, Job.subject_type == "webhook",
+                                  Job.subject_id == hook["id"],
                                   Job.status == "succeeded")
             ).first()
 

@@ -42,7 +42,8 @@ celery_app.register_task(ScriptedJob())
 
 def _record(subject: str, max_attempts: int = 5) -> Job:
     with session_scope() as session:
-        return jobs.record(session, kind=ScriptedJob.name, tenant_id=None, subject_id=subject, trace_id=None,
+        return jobs.record(session, kind=ScriptedJob.name, tenant_id=None, subject_type="script",
+                           subject_id=subject, trace_id=None,
                            max_attempts=max_attempts)
 
 
@@ -198,7 +199,8 @@ def test_beat_sends_the_relay_only_when_something_is_due(database):
 
 def test_replaying_a_dead_mail_job_sends_the_mail(worker, tenant):
     with session_scope() as session:
-        job = jobs.record(session, kind="mail.webhook_disabled", tenant_id=tenant.id, subject_id=str(uuid4()),
+        job = jobs.record(session, kind="mail.webhook_disabled", tenant_id=tenant.id, subject_type="webhook",
+                          subject_id=str(uuid4()),
                           trace_id=None, max_attempts=1)
     done = _settled(job.id, "succeeded")  # no such webhook: nothing to tell, succeeded without a mail
     assert done.result == {"sent": False}
@@ -210,3 +212,31 @@ def test_replaying_a_dead_mail_job_sends_the_mail(worker, tenant):
         jobs.requeue(session, session.get(Job, job.id))
     replayed = _settled(job.id, "succeeded")
     assert replayed.attempts == 1 and replayed.result == {"sent": False}
+
+
+def test_two_workers_racing_for_one_job_one_wins(database):
+    """Every kind of job (network tokens, rails, account updater steps, mails) is leased by
+    ``jobs.lease``: two workers asking at the same instant, one gets it."""
+    import threading
+
+    with session_scope() as session:
+        job = Job(kind=ScriptedJob.name, subject_type="script", subject_id="transient:0", status="queued")
+        session.add(job)
+    won: list[str] = []
+    start = threading.Barrier(2)
+
+    def lease(owner: str) -> None:
+        start.wait()
+        with session_scope() as session:
+            if jobs.lease(session, job.id, owner, lease_seconds=30) is not None:
+                won.append(owner)
+
+    threads = [threading.Thread(target=lease, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(won) == 1
+    assert _job(job.id).lease_owner == won[0] and _job(job.id).attempts == 1
+    with session_scope() as session:
+        session.get(Job, job.id).status = "cancelled"
