@@ -10,9 +10,13 @@ from config.settings import Settings
 
 
 def beat_schedule(settings: Settings) -> dict:
-    """The schedule dict for ``app.conf.beat_schedule``."""
+    """The schedule dict for ``app.conf.beat_schedule``: every entry runs on the ``sweeps`` queue.
+
+    The relay, the stale-lease release and the look for account updater uploads are gated by beat's
+    scheduler (``workers/beat.py``): sent only when a cheap query finds work for them.
+    """
     relay_every = max(1.0, settings.outbox_relay_after_seconds / 3)
-    return {
+    entries = {
         "outbox-relay": {
             "task": "sweeps.relay_outbox",
             "schedule": relay_every,
@@ -41,32 +45,32 @@ def beat_schedule(settings: Settings) -> dict:
         "token-intents": {
             "task": "network_tokens.expire_token_intents",
             "schedule": 60.0,
-            "options": {"expires": 55, "queue": "sweeps"},
+            "options": {"expires": 55},
         },
         "invitation-expiry": {
             "task": "tenant_admin.expire_invitations",
             "schedule": 60.0,
-            "options": {"expires": 55, "queue": "sweeps"},
+            "options": {"expires": 55},
         },
         "client-key-destruction": {
             "task": "tenant_admin.destroy_client_keys",
             "schedule": 60.0,
-            "options": {"expires": 55, "queue": "sweeps"},
+            "options": {"expires": 55},
         },
         "document-purge": {
             "task": "tenant_admin.sweep_documents",
             "schedule": 300.0,
-            "options": {"expires": 290, "queue": "sweeps"},
+            "options": {"expires": 290},
         },
         "agentic-operation-leases": {
             "task": "agentic.release_stale_operation_leases",
             "schedule": 30.0,
-            "options": {"expires": 25, "queue": "sweeps"},
+            "options": {"expires": 25},
         },
         "agentic-provider-errors": {
             "task": "agentic.purge_provider_errors",
             "schedule": 3600.0,
-            "options": {"expires": 3300, "queue": "sweeps"},
+            "options": {"expires": 3300},
         },
         "stale-leases": {
             "task": "sweeps.release_stale_leases",
@@ -74,3 +78,6 @@ def beat_schedule(settings: Settings) -> dict:
             "options": {"expires": 25},
         },
     }
+    for entry in entries.values():
+        entry["options"]["queue"] = "sweeps"
+    return entries

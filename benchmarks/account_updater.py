@@ -279,7 +279,8 @@ def timeline(job_id: str, started_at: dt.datetime) -> list[tuple[str, float]]:
         marks = [("job processing (file detected)", job.started_at), ("file read and cut into chunks", prepared),
                  ("first chunk committed", first), ("last chunk committed", last),
                  ("result file written, job completed", job.completed_at)]
-        results = session.scalars(select(Job.result).where(Job.subject_id.like(f"{job_id}:%"))).all()
+        results = session.scalars(select(Job.result).where(Job.subject_id == job_id,
+                                                             Job.subject_number.is_not(None))).all()
     stages = [(f"at s: {name}", (moment - started_at).total_seconds()) for name, moment in marks if moment]
     totals: dict[str, float] = collections.Counter()
     for result in results:

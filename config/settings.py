@@ -117,6 +117,8 @@ class Settings(BaseSettings):
     webhook_timeout_seconds: float = 10.0
     webhook_retry_schedule: str = "5,30,120,600,1800,7200,18000,36000,36000"
     webhook_disable_after_seconds: int = 5 * 24 * 3600
+    #: At most this many connections (deliveries in flight) to one receiving host per worker process.
+    webhook_host_concurrency: int = Field(default=32, ge=1)
 
     # The async spine.
     outbox_relay_after_seconds: int = 15

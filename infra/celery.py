@@ -19,18 +19,28 @@ TENANT_HEADER = "tessera_tenant_id"
 #: The task that delivers webhook events (a batch of delivery ids a message).
 DELIVER_TASK = "webhooks.deliver"
 
-#: Queues of the platform.
-QUEUES = ("default", "webhooks", "providers", "files", "mail", "sweeps")
-#: The queue of each task family (the first part of a task's dotted name); others go to "default".
-QUEUE_OF_FAMILY = {
+#: The one routing table: the queue of each module of ``tasks/``. A task's dotted name starts with
+#: its module's name (``tasks/mail.py`` holds the ``mail.*`` tasks), so a task's queue follows from its
+#: name; beat's periodic sweeps all run on ``sweeps`` (``beat_schedule.py``), whatever their module.
+QUEUE_OF_MODULE = {
     "webhooks": "webhooks",
     "mail": "mail",
     "sweeps": "sweeps",
+    "tenant_admin": "sweeps",
     "network_tokens": "providers",
     "agentic": "providers",
     "account_updater": "files",
     "documents": "files",
 }
+#: The queue of beat's periodic tasks.
+SWEEPS_QUEUE = "sweeps"
+#: Queues of the platform: the table's, and ``default`` for a name outside it.
+QUEUES = ("default", *sorted(set(QUEUE_OF_MODULE.values())))
+
+
+def queue_of(task_name: str) -> str:
+    """The queue task ``task_name`` is routed to (:data:`QUEUE_OF_MODULE`; ``default`` otherwise)."""
+    return QUEUE_OF_MODULE.get(task_name.split(".", 1)[0], "default")
 
 
 def configure(app: Celery, settings: Settings) -> None:
@@ -64,22 +74,14 @@ def configure(app: Celery, settings: Settings) -> None:
         worker_hijack_root_logger=False,
         timezone="UTC",
         enable_utc=True,
-        imports=(
-            "tasks.webhooks",
-            "tasks.sweeps",
-            "tasks.mail",
-            "tasks.network_tokens",
-            "tasks.agentic",
-            "tasks.account_updater",
-            "tasks.tenant_admin",
-        ),
+        imports=tuple(f"tasks.{module}" for module in QUEUE_OF_MODULE),
     )
     if settings.worker_concurrency:
         app.conf.worker_concurrency = settings.worker_concurrency
 
 
 def _route(name: str, args, kwargs, options, task=None, **kw):
-    return {"queue": QUEUE_OF_FAMILY.get(name.split(".", 1)[0], "default")}
+    return {"queue": queue_of(name)}
 
 
 def create_app(settings: Settings | None = None) -> Celery:

@@ -1,39 +1,100 @@
 """Sending Celery tasks only after the transaction that recorded their work commits.
 
-Domain code calls :func:`enqueue_after_commit` inside its unit of work; the messages go out when the
-session commits and are dropped if it rolls back. A lost message (the process died after the commit,
-or the broker was down) is re-sent by the outbox relay (``sweeps.relay_outbox``), so a send failure
-here is logged and otherwise ignored.
+Code that records work calls :func:`enqueue_after_commit` (or :func:`enqueue_batch_after_commit`)
+inside its unit of work; the messages go out when the session commits (through the one after-commit
+hook, :func:`storage.db.on_commit`) and are dropped if it rolls back. A lost message (the process died
+after the commit, or the broker was down) is re-sent by the outbox relay (``sweeps.relay_outbox``), so
+a send failure here is logged and otherwise ignored.
+
+A delay rides on the message as a countdown only when it is at most :data:`MAX_COUNTDOWN_SECONDS`;
+longer delays are left to the row's ``due_at`` and the relay (a broker holding countdown messages for
+hours is a broker that loses them on restart, and Redis' visibility timeout would redeliver them).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
-from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from infra.celery import celery_app
+from storage.db import on_commit, transaction_state
 
 log = logging.getLogger("tessera.dispatch")
 
 _PENDING = "tessera_enqueue"
-_BATCHES = "tessera_enqueue_batches"
-#: At most this many ids ride in one batched message (a task works through them one after another).
-BATCH_SIZE = 20
+#: At most this many ids ride in one batched message (the task works through them together).
+BATCH_SIZE = 100
+#: The longest delay carried by a Celery countdown (seconds); longer ones wait as ``due_at``.
+MAX_COUNTDOWN_SECONDS = 60
 _RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 
 
-def enqueue_after_commit(session: Session, task_name: str, **kwargs) -> None:
-    """Send task ``task_name`` with keyword arguments ``kwargs`` (ids only) once ``session`` commits."""
-    session.info.setdefault(_PENDING, []).append((task_name, kwargs))
+@dataclass
+class _Outgoing:
+    """The messages one transaction sends when it commits."""
+
+    single: list[tuple[str, float | None, dict]] = field(default_factory=list)
+    batches: dict[tuple[str, str, float | None], list[str]] = field(default_factory=dict)
+
+    def send(self) -> None:
+        for task_name, countdown, kwargs in self.single:
+            send_task(task_name, countdown=countdown, **kwargs)
+        for (task_name, key, countdown), ids in self.batches.items():
+            for start in range(0, len(ids), BATCH_SIZE):
+                send_task(task_name, countdown=countdown, **{key: ids[start : start + BATCH_SIZE]})
 
 
-def enqueue_batch_after_commit(session: Session, task_name: str, key: str, ids: list[str]) -> None:
+def _outgoing(session: Session) -> _Outgoing:
+    outgoing, made = transaction_state(session, _PENDING, _Outgoing)
+    if made:
+        on_commit(session, outgoing.send)
+    return outgoing
+
+
+def countdown_for(delay: float | None) -> float | bool | None:
+    """The countdown a message for work due in ``delay`` seconds carries: None (now) for no delay,
+    the delay itself up to :data:`MAX_COUNTDOWN_SECONDS`, else False (no message: the relay sends it
+    when it is due)."""
+    if delay is None or delay <= 0:
+        return None
+    return delay if delay <= MAX_COUNTDOWN_SECONDS else False
+
+
+def enqueue_after_commit(session: Session, task_name: str, *, delay: float | None = None, **kwargs) -> None:
+    """Send task ``task_name`` with keyword arguments ``kwargs`` (ids only) once ``session`` commits,
+    to run after ``delay`` seconds (see :func:`countdown_for`: beyond a minute nothing is sent)."""
+    countdown = countdown_for(delay)
+    if countdown is not False:
+        _outgoing(session).single.append((task_name, countdown, kwargs))
+
+
+def enqueue_batch_after_commit(
+    session: Session, task_name: str, key: str, ids: list[str], *, delay: float | None = None
+) -> None:
     """Add ``ids`` to the id list argument ``key`` of task ``task_name``, sent once ``session`` commits
     in messages of at most :data:`BATCH_SIZE` ids: one transaction that records many units of work
-    (a batch of events) sends a few messages, not one per unit."""
-    session.info.setdefault(_BATCHES, {}).setdefault((task_name, key), []).extend(ids)
+    (a batch of events) sends a few messages, not one per unit. ``delay`` as in
+    :func:`enqueue_after_commit`."""
+    countdown = countdown_for(delay)
+    if countdown is not False and ids:
+        _outgoing(session).batches.setdefault((task_name, key, countdown), []).extend(ids)
+
+
+def take_pending(session: Session) -> list[tuple[str, dict]]:
+    """Remove the messages ``session``'s transaction would send when it commits and return them as
+    ``(task name, kwargs)`` (batches cut as they would be sent, countdowns dropped): for a caller that
+    sends them elsewhere itself, or not at all (the relay recovers recorded work)."""
+    outgoing = session.info.get(_PENDING)
+    if outgoing is None:
+        return []
+    taken = [(task_name, kwargs) for task_name, _countdown, kwargs in outgoing.single]
+    for (task_name, key, _countdown), ids in outgoing.batches.items():
+        taken += [(task_name, {key: ids[i : i + BATCH_SIZE]}) for i in range(0, len(ids), BATCH_SIZE)]
+    outgoing.single.clear()
+    outgoing.batches.clear()
+    return taken
 
 
 def send_task(task_name: str, *, countdown: float | None = None, **kwargs) -> bool:
@@ -45,23 +106,3 @@ def send_task(task_name: str, *, countdown: float | None = None, **kwargs) -> bo
         log.warning("could not send task %s; the outbox relay will re-send it", task_name, exc_info=True)
         return False
     return True
-
-
-@event.listens_for(Session, "after_commit")
-def _send_after_commit(session: Session) -> None:
-    if session.in_nested_transaction():  # a SAVEPOINT ended; the real transaction goes on
-        return
-    pending = session.info.pop(_PENDING, None)
-    for task_name, kwargs in pending or ():
-        send_task(task_name, **kwargs)
-    for (task_name, key), ids in session.info.pop(_BATCHES, {}).items():
-        for start in range(0, len(ids), BATCH_SIZE):
-            send_task(task_name, **{key: ids[start : start + BATCH_SIZE]})
-
-
-@event.listens_for(Session, "after_rollback")
-def _drop_after_rollback(session: Session) -> None:
-    if session.in_nested_transaction():
-        return
-    session.info.pop(_PENDING, None)
-    session.info.pop(_BATCHES, None)

@@ -1,21 +1,22 @@
 """Safe outbound HTTP for webhook delivery.
 
-The one entry point that talks to the network is :func:`deliver`. It POSTs a
-body to a customer-supplied URL with these protections:
+The entry points that talk to the network are :func:`deliver_many` (a batch of POSTs sent
+concurrently) and :func:`deliver` (one POST). They share one keep-alive connection pool per process
+(aiohttp on one event loop per process, reused across tasks) with these protections:
 
-* **SSRF**: the host name is resolved here, once, with
+* **SSRF**: the pool's resolver resolves a host name here, once per DNS-cache period, with
   :func:`socket.getaddrinfo`. If *any* resolved address is not public (see
   :func:`is_public_address`) the delivery is refused before any connection is
-  made, unless ``allow_private`` is true. The connection then goes to exactly
-  one of the vetted IP addresses (it is "pinned": urllib3 never resolves the
-  name again), while the request still carries the original ``Host`` header
-  and, for https, the original host name is used for SNI and certificate
-  verification (urllib3 ``server_hostname`` / ``assert_hostname``).
+  made, unless ``allow_private`` is true. Connections go only to vetted IP addresses (aiohttp
+  never resolves the name another way; an IP-literal URL is vetted before the request), while the
+  request still carries the original ``Host`` header and, for https, the original host name is used
+  for SNI and certificate verification.
 * **No redirects**: a 3xx answer is reported like any other non-2xx answer.
 * **Bounded time**: ``timeout_s`` bounds DNS resolution, the TCP connect and
-  every socket read; a watchdog additionally bounds the whole call to
+  every socket read; the whole attempt is bounded by
   ``TOTAL_TIMEOUT_FACTOR * timeout_s`` (so a server that drips bytes cannot
   hold a worker forever).
+* **Bounded concurrency**: at most ``per_host`` connections to one host at a time.
 * **Bounded memory**: at most ``max_response_bytes`` of the answer are read;
   the connection is then closed.
 * **Safe errors**: :attr:`DeliveryResult.error` never contains the request
@@ -27,8 +28,11 @@ endpoint is created (no DNS).
 
 from __future__ import annotations
 
-import http.client
+import asyncio
+import atexit
+import contextlib
 import ipaddress
+import os
 import socket
 import ssl
 import threading
@@ -38,17 +42,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import SplitResult, urlsplit
 
-import urllib3.connection
-from urllib3 import HTTPHeaderDict
-from urllib3.exceptions import (
-    ConnectTimeoutError,
-    HTTPError,
-    NewConnectionError,
-    ProtocolError,
-    ReadTimeoutError,
-    SSLError,
-)
-from urllib3.util.ssl_match_hostname import CertificateError as _Urllib3CertificateError
+import aiohttp
+import yarl
+from aiohttp.abc import AbstractResolver, ResolveResult
 
 __all__ = [
     "MAX_URL_LENGTH",
@@ -56,7 +52,9 @@ __all__ = [
     "USER_AGENT",
     "DeliveryResult",
     "Outcome",
+    "Request",
     "deliver",
+    "deliver_many",
     "is_public_address",
     "validate_destination_url",
 ]
@@ -105,8 +103,8 @@ class DeliveryResult:
             log: never contains the request body, request headers or the
             URL's path/query.
         transient: ``True`` if retrying later may help (timeouts, connection
-            errors, 5xx, 408, 429); ``False`` for success, refused and other
-            4xx/3xx answers.
+            errors, 5xx, 408, 409, 425, 429); ``False`` for success, refused and
+            other 4xx/3xx answers.
         retry_after_s: seconds from a ``Retry-After`` header in
             delta-seconds form on a 429 or 503 answer, else ``None``.
         response_body: the first bytes of the answer body, at most
@@ -398,10 +396,15 @@ def _parse_retry_after(value: str | None) -> int | None:
     return int(value)
 
 
+#: Non-5xx answers worth retrying: Request Timeout, Conflict, Too Early, Too Many Requests. Any other
+#: non-2xx answer (3xx, 4xx) is permanent: the receiver will answer the same next time.
+_TRANSIENT_STATUSES = frozenset({408, 409, 425, 429})
+
+
 def _classify_status(status: int) -> tuple[Outcome, bool, str | None]:
     if 200 <= status < 300:
         return "success", False, None
-    transient = status >= 500 or status in (408, 429)
+    transient = status >= 500 or status in _TRANSIENT_STATUSES
     return "http_error", transient, f"HTTP {status}"
 
 
@@ -411,129 +414,263 @@ def _tls_error_message(exc: BaseException) -> str:
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        if isinstance(cur, ssl.SSLCertVerificationError):
-            detail = cur.verify_message or "certificate verify failed"
-            return f"TLS certificate verification failed: {detail}"
-        if isinstance(cur, (ssl.CertificateError, _Urllib3CertificateError)):
-            return "TLS certificate does not match the host name"
-        if isinstance(cur, SSLError) and cur.args and isinstance(cur.args[0], BaseException):
-            cur = cur.args[0]
+        nested = getattr(cur, "certificate_error", None) or getattr(cur, "os_error", None)
+        if isinstance(nested, BaseException) and nested is not cur:  # aiohttp wraps the ssl error
+            cur = nested
             continue
+        if isinstance(cur, ssl.SSLCertVerificationError):
+            detail = getattr(cur, "verify_message", None) or "certificate verify failed"
+            return f"TLS certificate verification failed: {detail}"
+        if isinstance(cur, ssl.CertificateError):
+            return "TLS certificate does not match the host name"
         cur = cur.__cause__ or cur.__context__
     return "TLS handshake failed"
 
 
-class _Watchdog:
-    """Shuts the connection's socket down when the total budget runs out."""
+@dataclass(frozen=True)
+class Request:
+    """One POST for :func:`deliver_many`: ``url``, JSON ``body`` bytes and extra ``headers``."""
 
-    def __init__(self, conn: urllib3.connection.HTTPConnection, delay_s: float) -> None:
-        self._conn = conn
-        self._lock = threading.Lock()
-        self._done = False
-        self.fired = False
-        self._timer = threading.Timer(max(delay_s, 0.0), self._fire)
-        self._timer.daemon = True
-
-    def start(self) -> None:
-        self._timer.start()
-
-    def _fire(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self.fired = True
-            sock = getattr(self._conn, "sock", None)
-            if sock is None:
-                return
-            try:
-                # Unbound base-class call: for an SSLSocket this shuts down the
-                # TCP socket without touching the SSL object the worker uses.
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
-            except (OSError, TypeError):
-                pass
-
-    def stop(self) -> None:
-        with self._lock:
-            self._done = True
-        self._timer.cancel()
+    url: str
+    body: bytes
+    headers: Mapping[str, str]
 
 
-def _attempt(
-    *,
-    scheme: str,
-    ip: str,
-    port: int,
-    hostname: str,
-    target: str,
-    body: bytes,
-    headers: dict[str, str],
-    timeout_s: float,
-    deadline: float,
-    max_response_bytes: int,
-    ca_certs: str | None,
-) -> tuple[int, HTTPHeaderDict, bytes]:
-    """One connection to one pinned IP. Returns (status, headers, body prefix).
+class _VettingResolver(AbstractResolver):
+    """aiohttp's resolver with the SSRF guard inside: a host name is resolved with :func:`_resolve`
+    (bounded by ``timeout_s``) and every address is vetted by :func:`_vet` before aiohttp may connect
+    to any of them, so only vetted addresses are ever connected to (the connection pool's DNS cache
+    holds vetted answers only)."""
 
-    Raises urllib3/OSError exceptions, or TimeoutError if the watchdog fired.
-    """
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError("total time budget exhausted")
-    conn_timeout = min(timeout_s, remaining)
-    conn: urllib3.connection.HTTPConnection
-    if scheme == "https":
-        conn = urllib3.connection.HTTPSConnection(
-            ip,
-            port,
-            timeout=conn_timeout,
-            cert_reqs="CERT_REQUIRED",
-            ca_certs=ca_certs,
-            server_hostname=hostname,  # SNI
-            assert_hostname=hostname,  # certificate must match the URL host
-        )
-    else:
-        conn = urllib3.connection.HTTPConnection(ip, port, timeout=conn_timeout)
-    watchdog = _Watchdog(conn, remaining)
-    watchdog.start()
-    try:
+    def __init__(self, *, allow_private: bool, timeout_s: float) -> None:
+        self._allow_private = allow_private
+        self._timeout_s = timeout_s
+
+    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[ResolveResult]:
         try:
-            conn.connect()
-            conn.timeout = timeout_s  # per-read timeout from here on
-            conn.request(
-                "POST",
-                target,
-                body=body,
-                headers=headers,
-                preload_content=False,
-                decode_content=False,
+            addresses = await asyncio.to_thread(_resolve, host, port, self._timeout_s)
+        except _DnsTimeout:
+            raise _DnsTimeout() from None
+        except UnicodeError as exc:
+            raise OSError("DNS resolution failed") from exc
+        _vet(addresses, self._allow_private)
+        return [
+            {
+                "hostname": host,
+                "host": address,
+                "port": port,
+                "family": socket.AF_INET6 if ":" in address else socket.AF_INET,
+                "proto": 0,
+                "flags": socket.AI_NUMERICHOST,
+            }
+            for address in addresses
+        ]
+
+    async def close(self) -> None:
+        return None
+
+
+class _Pool:
+    """The process's event loop (a daemon thread) and its keep-alive connection pools.
+
+    One loop per process, made on first use and again after a fork; one ``ClientSession`` per
+    ``(allow_private, ca_certs, timeout_s, per_host)`` (in practice one per worker process), reused by
+    every task the process runs.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sessions: dict[tuple, aiohttp.ClientSession] = {}
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._pid != os.getpid() or self._loop is None or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="tessera-http", daemon=True).start()
+                self._loop, self._pid, self._sessions = loop, os.getpid(), {}
+            return self._loop
+
+    def session(self, *, allow_private: bool, ca_certs: str | None, timeout_s: float, per_host: int):
+        """The pooled session for these options (call on the pool's loop)."""
+        key = (allow_private, ca_certs, timeout_s, per_host)
+        session = self._sessions.get(key)
+        if session is None or session.closed:
+            ssl_context = ssl.create_default_context(cafile=ca_certs)
+            connector = aiohttp.TCPConnector(
+                resolver=_VettingResolver(allow_private=allow_private, timeout_s=timeout_s),
+                limit=0,
+                limit_per_host=per_host,
+                ssl=ssl_context,
+                ttl_dns_cache=10,
             )
-            resp = conn.getresponse()
-        except Exception:
-            if watchdog.fired:
-                raise TimeoutError("total time budget exhausted") from None
-            raise
-        if watchdog.fired:
-            # The socket was shut down mid-headers; http.client may have
-            # parsed the truncated head as complete. Not a real answer.
-            raise TimeoutError("total time budget exhausted")
-        status = resp.status
-        chunks: list[bytes] = []
-        got = 0
-        while got < max_response_bytes and not watchdog.fired:
+            session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            )
+            self._sessions[key] = session
+        return session
+
+
+    def close(self) -> None:
+        """Close the pooled sessions (at interpreter exit: no "unclosed session" warnings)."""
+        loop = self._loop
+        if self._pid != os.getpid() or loop is None or loop.is_closed() or not self._sessions:
+            return
+
+        async def close_all() -> None:
+            for session in list(self._sessions.values()):
+                await session.close()
+
+        with contextlib.suppress(Exception):  # exiting anyway
+            asyncio.run_coroutine_threadsafe(close_all(), loop).result(timeout=2)
+
+
+_POOL = _Pool()
+atexit.register(_POOL.close)
+
+
+def _connect_error_message(exc: BaseException) -> str:
+    cause = getattr(exc, "os_error", None) or exc.__cause__ or exc
+    if isinstance(cause, ConnectionRefusedError) or "refused" in str(cause).lower():
+        return "connection refused"
+    return "could not connect"
+
+
+async def _post(session: aiohttp.ClientSession, request: Request, *, timeout_s: float, allow_private: bool,
+                max_response_bytes: int) -> DeliveryResult:
+    """One attempt of one request on the pooled ``session`` (never raises for network problems)."""
+    started = time.monotonic()
+
+    def result(outcome: Outcome, error: str | None, transient: bool, status: int | None = None,
+               retry_after: int | None = None, response_body: bytes = b"") -> DeliveryResult:
+        return DeliveryResult(
+            status_code=status,
+            duration_ms=max(0, round((time.monotonic() - started) * 1000)),
+            outcome=outcome,
+            error=error,
+            transient=transient,
+            retry_after_s=retry_after,
+            response_body=response_body,
+        )
+
+    parts, error = _split_url(request.url)
+    if parts is None:
+        return result("refused", error, False)
+    scheme = parts.scheme.lower()
+    assert parts.hostname is not None
+    hostname = _idna_host(parts.hostname)
+    explicit_port = parts.port is not None
+    port = parts.port if parts.port is not None else _ALLOWED_SCHEMES[scheme]
+    try:
+        request_headers = _build_headers(request.headers, _host_header(hostname, port, explicit_port, scheme))
+        if _is_ip_literal(hostname):  # aiohttp does not ask the resolver about an IP literal
+            _vet([hostname], allow_private)
+    except _Refused as exc:
+        return result("refused", str(exc), False)
+    netloc = f"[{hostname}]" if ":" in hostname else hostname
+    target = parts.path or "/"
+    if parts.query:
+        target = f"{target}?{parts.query}"
+    url = yarl.URL(f"{scheme}://{netloc}:{port}{target}", encoded=True)
+    timeout = aiohttp.ClientTimeout(
+        total=TOTAL_TIMEOUT_FACTOR * timeout_s, sock_connect=timeout_s, sock_read=timeout_s
+    )
+    try:
+        async with session.post(
+            url, data=bytes(request.body), headers=request_headers, allow_redirects=False, timeout=timeout
+        ) as answer:
+            status = answer.status
+            retry_after = _parse_retry_after(answer.headers.get("retry-after")) if status in (429, 503) else None
             try:
-                chunk = resp.read(min(_READ_CHUNK, max_response_bytes - got), decode_content=False)
-            except (HTTPError, OSError, http.client.HTTPException, ValueError):
-                # The status line and headers arrived; a slow, broken or cut-off
-                # body does not change the outcome of the delivery.
-                chunk = b""
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        return status, resp.headers, b"".join(chunks)[:max_response_bytes]
-    finally:
-        watchdog.stop()
-        conn.close()
+                body = await answer.content.read(max_response_bytes) if max_response_bytes else b""
+            except (aiohttp.ClientError, OSError, ValueError):
+                # The status line and headers arrived; a broken body does not change the outcome.
+                body = b""
+            if not answer.content.at_eof():
+                answer.close()  # not read to the end: the connection is not reused
+    except _Refused as exc:
+        return result("refused", str(exc), False)
+    except _DnsTimeout:
+        return result("timeout", "DNS resolution timed out", True)
+    except aiohttp.ClientConnectorDNSError:
+        return result("connection_error", "DNS resolution failed", True)
+    except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError, ssl.SSLError) as exc:
+        return result("connection_error", _tls_error_message(exc), True)
+    except aiohttp.ConnectionTimeoutError:
+        return result("timeout", f"connect timed out after {timeout_s:g}s", True)
+    except TimeoutError:
+        return result("timeout", "timed out waiting for the response", True)
+    except aiohttp.ClientConnectorError as exc:
+        return result("connection_error", _connect_error_message(exc), True)
+    except aiohttp.ServerDisconnectedError:
+        return result("connection_error", "connection closed before a response was received", True)
+    except (aiohttp.ClientResponseError, aiohttp.ClientPayloadError, ValueError):
+        return result("connection_error", "malformed response", True)
+    except (aiohttp.ClientError, OSError) as exc:
+        text = str(exc).lower()
+        return result("connection_error", "connection reset by peer" if "reset" in text else "connection failed", True)
+    outcome, transient, err = _classify_status(status)
+    return result(outcome, err, transient, status, retry_after, body[:max_response_bytes])
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def deliver_many(
+    requests: list[Request],
+    *,
+    timeout_s: float,
+    allow_private: bool,
+    per_host: int = 32,
+    max_response_bytes: int = 64 * 1024,
+    ca_certs: str | None = None,
+) -> list[DeliveryResult]:
+    """POST every request concurrently, safely, and report what happened to each (same order).
+
+    The requests share the process's keep-alive connection pool (one event loop per process, reused
+    across tasks), at most ``per_host`` connections to one host at a time. Each request follows the
+    rules of :func:`deliver`: the SSRF guard sits in the pool's resolver (only vetted addresses are
+    connected to; private, loopback and link-local ones refused unless ``allow_private``), redirects
+    are never followed, ``timeout_s`` bounds the connect and each read and the whole attempt is bounded
+    by ``TOTAL_TIMEOUT_FACTOR * timeout_s``. Network problems are reported in the results, never raised.
+
+    Raises:
+        ValueError: if ``timeout_s <= 0``, ``per_host < 1`` or ``max_response_bytes < 0``.
+        TypeError: if a body is not bytes.
+    """
+    if not timeout_s > 0:
+        raise ValueError("timeout_s must be > 0")
+    if per_host < 1:
+        raise ValueError("per_host must be >= 1")
+    if max_response_bytes < 0:
+        raise ValueError("max_response_bytes must be >= 0")
+    for request in requests:
+        if not isinstance(request.body, (bytes, bytearray, memoryview)):
+            raise TypeError("body must be bytes")
+    if not requests:
+        return []
+
+    async def run() -> list[DeliveryResult]:
+        session = _POOL.session(allow_private=allow_private, ca_certs=ca_certs, timeout_s=timeout_s, per_host=per_host)
+        return list(
+            await asyncio.gather(
+                *(
+                    _post(session, r, timeout_s=timeout_s, allow_private=allow_private,
+                          max_response_bytes=max_response_bytes)
+                    for r in requests
+                )
+            )
+        )
+
+    return asyncio.run_coroutine_threadsafe(run(), _POOL.loop()).result()
 
 
 def deliver(
@@ -546,7 +683,7 @@ def deliver(
     max_response_bytes: int = 64 * 1024,
     ca_certs: str | None = None,
 ) -> DeliveryResult:
-    """POST ``body`` to ``url`` once, safely, and report what happened.
+    """POST ``body`` to ``url`` once, safely, and report what happened (:func:`deliver_many` of one).
 
     The request carries ``content-type: application/json`` (the caller may
     override it), the caller's ``headers``, ``user-agent: Tessera-Webhooks/1``
@@ -570,8 +707,7 @@ def deliver(
             headers). Names/values must be str without CR/LF.
         timeout_s: seconds, ``> 0``; bounds DNS resolution, the TCP connect
             (plus TLS handshake) and each socket read separately. The whole
-            call is additionally bounded by about
-            ``TOTAL_TIMEOUT_FACTOR * timeout_s`` seconds.
+            call is additionally bounded by ``TOTAL_TIMEOUT_FACTOR * timeout_s``.
         allow_private: if true, private/loopback/... destinations are allowed
             (self-hosted installs delivering inside their own network).
         max_response_bytes: read at most this many bytes of the answer body
@@ -588,113 +724,13 @@ def deliver(
             (programming errors).
         TypeError: if ``body`` is not bytes.
     """
-    if not timeout_s > 0:
-        raise ValueError("timeout_s must be > 0")
-    if max_response_bytes < 0:
-        raise ValueError("max_response_bytes must be >= 0")
     if not isinstance(body, (bytes, bytearray, memoryview)):
         raise TypeError("body must be bytes")
-    body = bytes(body)
-
-    started = time.monotonic()
-    deadline = started + TOTAL_TIMEOUT_FACTOR * timeout_s
-
-    def result(
-        outcome: Outcome,
-        error: str | None,
-        transient: bool,
-        status: int | None = None,
-        retry_after: int | None = None,
-        response_body: bytes = b"",
-    ) -> DeliveryResult:
-        return DeliveryResult(
-            status_code=status,
-            duration_ms=max(0, round((time.monotonic() - started) * 1000)),
-            outcome=outcome,
-            error=error,
-            transient=transient,
-            retry_after_s=retry_after,
-            response_body=response_body,
-        )
-
-    parts, error = _split_url(url)
-    if parts is None:
-        return result("refused", error, False)
-    scheme = parts.scheme.lower()
-    assert parts.hostname is not None
-    hostname = _idna_host(parts.hostname)
-    explicit_port = parts.port is not None
-    port = parts.port if parts.port is not None else _ALLOWED_SCHEMES[scheme]
-    target = parts.path or "/"
-    if parts.query:
-        target = f"{target}?{parts.query}"
-    try:
-        request_headers = _build_headers(headers, _host_header(hostname, port, explicit_port, scheme))
-    except _Refused as exc:
-        return result("refused", str(exc), False)
-
-    try:
-        addresses = _resolve(hostname, port, timeout_s)
-    except _DnsTimeout:
-        return result("timeout", "DNS resolution timed out", True)
-    except (OSError, UnicodeError):
-        return result("connection_error", "DNS resolution failed", True)
-    try:
-        _vet(addresses, allow_private)
-    except _Refused as exc:
-        return result("refused", str(exc), False)
-
-    last: DeliveryResult | None = None
-    for ip in addresses:
-        try:
-            status, resp_headers, resp_body = _attempt(
-                scheme=scheme,
-                ip=ip,
-                port=port,
-                hostname=hostname,
-                target=target,
-                body=body,
-                headers=request_headers,
-                timeout_s=timeout_s,
-                deadline=deadline,
-                max_response_bytes=max_response_bytes,
-                ca_certs=ca_certs,
-            )
-        except NewConnectionError as exc:
-            # NewConnectionError subclasses ConnectTimeoutError in urllib3 2:
-            # check it first. Nothing was sent, so the next address may be tried.
-            reason = exc.__cause__ or exc.__context__
-            if isinstance(reason, ConnectionRefusedError) or "refused" in str(exc).lower():
-                last = result("connection_error", "connection refused", True)
-            else:
-                last = result("connection_error", "could not connect", True)
-            continue
-        except ConnectTimeoutError:
-            last = result("timeout", f"connect timed out after {timeout_s:g}s", True)
-            continue
-        except (ReadTimeoutError, TimeoutError):
-            return result("timeout", "timed out waiting for the response", True)
-        except (SSLError, ssl.SSLError, ssl.CertificateError, _Urllib3CertificateError) as exc:
-            return result("connection_error", _tls_error_message(exc), True)
-        except (ProtocolError, ConnectionError) as exc:
-            text = str(exc).lower()
-            if "reset" in text:
-                msg = "connection reset by peer"
-            elif "aborted" in text or "remote end closed" in text or "disconnected" in text:
-                msg = "connection closed before a response was received"
-            else:
-                msg = "connection failed"
-            return result("connection_error", msg, True)
-        except (HTTPError, OSError):
-            return result("connection_error", "connection failed", True)
-        except (http.client.HTTPException, ValueError):  # bad status line, header too long, ...
-            return result("connection_error", "malformed response", True)
-
-        outcome, transient, err = _classify_status(status)
-        retry_after = None
-        if status in (429, 503):
-            retry_after = _parse_retry_after(resp_headers.get("retry-after"))
-        return result(outcome, err, transient, status, retry_after, resp_body)
-
-    assert last is not None
-    return last
+    [result] = deliver_many(
+        [Request(url, bytes(body), headers)],
+        timeout_s=timeout_s,
+        allow_private=allow_private,
+        max_response_bytes=max_response_bytes,
+        ca_certs=ca_certs,
+    )
+    return result

@@ -34,7 +34,6 @@ from storage.models import Job
 from storage.types import utcnow
 
 TERMINAL = ("succeeded", "failed", "dead", "cancelled")
-MAX_COUNTDOWN_SECONDS = 60
 
 
 class TransientError(Exception):
@@ -66,13 +65,30 @@ def record(
     *,
     kind: str,
     tenant_id: uuid.UUID | None,
-    subject_id: str | None,
+    subject_type: str,
+    subject_id: str,
+    subject_number: int | None = None,
+    operation_id: str | None = None,
     trace_id: str | None,
     max_attempts: int = 5,
 ) -> Job:
-    """Record a job in the caller's transaction; its task ``kind`` is sent with ``job_id`` on commit."""
+    """Record a job in the caller's transaction; its task ``kind`` is sent with ``job_id`` on commit.
+
+    The subject is typed, never encoded in one string: ``subject_type`` names what the job works on
+    (``network_token``, ``rail``, ``payment_method``, ``account_updater_job``, ``invitation_link``,
+    ``webhook``, ``network_reference``), ``subject_id`` is that resource's own id (a UUID as text, a
+    ``pm_...`` id, the network's token reference), ``subject_number`` a part of it (an account updater
+    chunk) and ``operation_id`` the operation lease the job belongs to (a payment method's delete).
+    """
     job = Job(
-        kind=kind, tenant_id=tenant_id, subject_id=subject_id, trace_id=trace_id, max_attempts=max_attempts
+        kind=kind,
+        tenant_id=tenant_id,
+        subject_type=subject_type,
+        subject_id=str(subject_id),
+        subject_number=subject_number,
+        operation_id=operation_id,
+        trace_id=trace_id,
+        max_attempts=max_attempts,
     )
     session.add(job)
     enqueue_after_commit(session, kind, job_id=str(job.id))
@@ -133,17 +149,20 @@ def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> f
     return delay * random.uniform(0.8, 1.2)
 
 
-def schedule_retry(session: Session, job: Job, *, error: str, delay: float | None = None) -> float | None:
+def schedule_retry(
+    session: Session, job: Job, *, error: str, delay: float | None = None, backoff_base: float = 2.0
+) -> float | None:
     """Put the job back to ``queued`` for a later attempt, or to ``dead`` when its attempts are spent.
 
-    Returns the delay in seconds (the caller sends a countdown task when it is at most a minute;
-    longer delays wait as ``due_at`` for the relay), or None when the job became a dead letter.
+    Returns the delay in seconds, or None when the job became a dead letter. The job's message is
+    sent after the commit as a countdown when the delay is at most a minute
+    (:func:`infra.dispatch.enqueue_after_commit`); a longer delay waits as ``due_at`` for the relay.
     """
     if job.attempts >= job.max_attempts:
         _close(job, "dead", error=error)
         session.add(job)
         return None
-    delay = backoff_seconds(job.attempts) if delay is None else delay
+    delay = backoff_seconds(job.attempts, base=backoff_base) if delay is None else delay
     job.status = "queued"
     job.lease_owner = None
     job.lease_expires_at = None
@@ -152,6 +171,7 @@ def schedule_retry(session: Session, job: Job, *, error: str, delay: float | Non
     job.enqueued_at = None
     job.updated_at = utcnow()
     session.add(job)
+    enqueue_after_commit(session, job.kind, delay=delay, job_id=str(job.id))
     return delay
 
 

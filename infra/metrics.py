@@ -110,7 +110,7 @@ PROVIDER_CALLS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 
-#: Outcomes a job task returns (``infra/job_task.py``) that the task metrics tell apart.
+#: Outcomes a job task returns (``infra/task.py``) that the task metrics tell apart.
 JOB_OUTCOMES = frozenset({"succeeded", "retrying", "dead", "failed", "skipped"})
 _UNMATCHED = "unmatched"
 

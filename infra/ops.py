@@ -34,7 +34,7 @@ from sqlmodel import Session, select
 
 from config.settings import Settings
 from infra import jobs
-from infra.celery import DELIVER_TASK, QUEUE_OF_FAMILY, QUEUES, celery_app
+from infra.celery import DELIVER_TASK, QUEUES, celery_app, queue_of
 from infra.dispatch import enqueue_after_commit
 from storage.db import session_scope
 from storage.models import Job, Webhook, WebhookAttempt, WebhookDelivery
@@ -65,11 +65,6 @@ class Refused(ValueError):
 def queue_names() -> tuple[str, ...]:
     """The platform's queues."""
     return tuple(QUEUES)
-
-
-def queue_of(task_name: str) -> str:
-    """The queue a task is routed to (``workers/celery_app.py``)."""
-    return QUEUE_OF_FAMILY.get(task_name.split(".", 1)[0], "default")
 
 
 def _is_redis(url: str) -> bool:
@@ -377,7 +372,9 @@ def job_view(job: Job, *, detail: bool = False) -> dict[str, Any]:
         "state": job.status,
         "queue": queue_of(job.kind),
         "tenant_id": str(job.tenant_id) if job.tenant_id else None,
+        "subject_type": job.subject_type,
         "subject_id": job.subject_id,
+        "subject_number": job.subject_number,
         "attempts": job.attempts,
         "max_attempts": job.max_attempts,
         "due_at": _iso(job.due_at),
@@ -406,7 +403,9 @@ def delivery_view(
         "state": delivery.status,
         "queue": queue_of(DELIVER_TASK),
         "tenant_id": str(delivery.tenant_id),
+        "subject_type": "webhook",
         "subject_id": str(delivery.webhook_id),
+        "subject_number": None,
         "attempts": delivery.attempts,
         "max_attempts": len(settings.webhook_retry_delays) + 1,
         "due_at": _iso(delivery.due_at),

@@ -6,13 +6,16 @@ commit and send, the broker lost it, a worker died holding it), the row stays du
 beat, finds rows due for longer than ``TESSERA_OUTBOX_RELAY_AFTER_SECONDS`` with no live lease and
 sends their tasks again, marking ``enqueued_at`` so a backlog is not re-sent on every pass. Tasks are
 idempotent and lease their row, so a duplicate message does nothing twice.
+
+The relay idles without a backlog: beat asks :func:`relay_due` (one ``EXISTS`` query) before it sends
+the ``sweeps.relay_outbox`` task and sends nothing when nothing is due (``workers/beat.py``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import or_
+from sqlalchemy import exists, or_
 from sqlmodel import Session, select
 
 from infra.celery import DELIVER_TASK
@@ -21,17 +24,38 @@ from storage.models import Job, WebhookDelivery
 from storage.types import utcnow
 
 
-def _due(model, now: dt.datetime, grace: dt.timedelta, status: str):
+def _due_where(model, now: dt.datetime, grace: dt.timedelta, status: str) -> tuple:
     return (
-        select(model)
-        .where(
-            model.status == status,
-            model.due_at <= now - grace,
-            or_(model.lease_expires_at.is_(None), model.lease_expires_at < now),
-            or_(model.enqueued_at.is_(None), model.enqueued_at < now - grace * 4),
-        )
-        .order_by(model.due_at)
+        model.status == status,
+        model.due_at <= now - grace,
+        or_(model.lease_expires_at.is_(None), model.lease_expires_at < now),
+        or_(model.enqueued_at.is_(None), model.enqueued_at < now - grace * 4),
     )
+
+
+def _due(model, now: dt.datetime, grace: dt.timedelta, status: str):
+    return select(model).where(*_due_where(model, now, grace, status)).order_by(model.due_at)
+
+
+def relay_due(session: Session, *, grace_seconds: float, now: dt.datetime | None = None) -> bool:
+    """Whether :func:`relay` has anything to re-send: one cheap ``EXISTS`` query (on the due-time
+    indexes), run by beat before it sends the relay task, so the relay idles without a backlog."""
+    now = now or utcnow()
+    grace = dt.timedelta(seconds=grace_seconds)
+    return bool(
+        session.scalar(
+            select(
+                exists().where(*_due_where(WebhookDelivery, now, grace, "pending"))
+                | exists().where(*_due_where(Job, now, grace, "queued"))
+            )
+        )
+    )
+
+
+def stale_leases_exist(session: Session, *, now: dt.datetime | None = None) -> bool:
+    """Whether :func:`release_stale_leases` has anything to release (one ``EXISTS`` query)."""
+    now = now or utcnow()
+    return bool(session.scalar(select(exists().where(Job.status == "running", Job.lease_expires_at < now))))
 
 
 def relay(session: Session, *, now: dt.datetime | None = None, grace_seconds: float, batch: int = 1000) -> int:

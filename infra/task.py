@@ -1,23 +1,185 @@
-"""The task base class: the reliability rules every task shares (``ARCHITECTURE.md``)."""
+"""The task base classes: the one protocol every Celery task of the platform follows
+(``ARCHITECTURE.md``, the spine).
+
+:class:`TesseraTask` is what every task shares: acknowledged late, rejected on worker loss, a time
+limit covering its lease, a session scope, a lease owner name, and :meth:`TesseraTask.report`, which
+turns an attempt's committed outcome into the state operators see in Flower:
+
+* every unit of work succeeded (or was not due): SUCCESS with the result;
+* retries were scheduled (rows back to ``queued``/``pending`` with a ``due_at``, their messages sent
+  after the commit as a countdown up to a minute, by the relay beyond): RETRY, without sending anything
+  (:class:`celery.exceptions.Retry` raised by hand), so no second message exists for this attempt;
+* something failed for good (a permanent error, a dead letter): FAILURE, with :class:`AttemptFailed`
+  (an expected exception: logged without a traceback).
+
+The outcome is always committed first, and with ``acks_late`` plus ``task_acks_on_failure_or_timeout``
+the message is acknowledged in all three cases: a run is never repeated because it reported a failure.
+
+:class:`JobTask` runs one recorded :class:`storage.models.Job` (``infra/jobs.py``). A subclass fills
+in three hooks::
+
+    class Provision(JobTask):
+        name = "network_tokens.provision"
+
+        def perform(self, job):                       # outside any transaction: the provider call,
+            return adapter.provision(..., idempotency_key=str(job.id))   # may raise Transient/Permanent
+
+        def apply(self, session, job, outcome):       # one transaction with the job's completion:
+            ...                                       # write the outcome and emit its events
+            return {"network_token_id": ...}          # the job's result
+
+        def on_job_failure(self, session, job, error):    # permanent failure or dead letter
+            ...
+
+    celery_app.register_task(Provision())
+
+The template leases the job (a duplicate message or a second worker does nothing), runs ``perform``
+without holding a transaction, then in one transaction writes the outcome with ``apply`` and
+completes the job. Domain code never sends a task nor computes a countdown: it returns an outcome or
+raises :class:`~infra.jobs.TransientError` (optionally with ``retry_after`` seconds) or
+:class:`~infra.jobs.PermanentError`. A transient error is retried with backoff
+(:func:`infra.jobs.schedule_retry`); past ``max_attempts`` the job is a dead letter; a permanent
+error is recorded and ``on_job_failure`` runs.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import uuid
+from typing import Any
 
 from celery import Task
+from celery.exceptions import Retry
+from sqlmodel import Session
+
+from infra import jobs
+from infra.jobs import PermanentError, TransientError
+from storage.db import session_scope
+from storage.models import Job
+
+log = logging.getLogger("tessera.jobs")
+
+#: How long a run may go on after its lease expired before the worker kills it (seconds).
+LEASE_OVERRUN_SECONDS = 30.0
+
+
+class AttemptFailed(Exception):
+    """Raised after an attempt's failure is committed, so the worker reports FAILURE.
+
+    ``outcome`` is ``failed`` (permanent) or ``dead`` (a dead letter): the metrics label of the run.
+    """
+
+    def __init__(self, message: str, *, outcome: str = "failed"):
+        super().__init__(message)
+        self.outcome = outcome
 
 
 class TesseraTask(Task):
     """Acknowledged late, rejected on worker loss, time-limited; arguments are ids only.
 
-    ``worker_id`` names the lease owner (host, process and task request id).
+    ``lease_seconds`` (when a task leases rows) also bounds the run (:attr:`time_limit`).
     """
 
+    abstract = True
     acks_late = True
     reject_on_worker_lost = True
-    max_retries = 5
+    throws = (AttemptFailed,)
+    #: How long a worker holds what it leased (seconds); None for tasks that lease nothing.
+    lease_seconds: float | None = None
+
+    @staticmethod
+    def session_scope():
+        """A unit of work (:func:`storage.db.session_scope`)."""
+        return session_scope()
+
+    @property
+    def time_limit(self) -> float | None:  # type: ignore[override]
+        """The hard time limit of a run (seconds): the lease plus :data:`LEASE_OVERRUN_SECONDS` when
+        the task leases (a run outlives its lease by at most that: a second worker that took the
+        expired lease meanwhile repeats an idempotent step), else the app's ``task_time_limit``."""
+        lease = self.lease_seconds
+        return None if lease is None else lease + LEASE_OVERRUN_SECONDS
+
+    @property
+    def soft_time_limit(self) -> float | None:  # type: ignore[override]
+        """Ten seconds before the hard limit, so the run can end cleanly."""
+        hard = self.time_limit
+        return None if hard is None else hard - 10
 
     def worker_id(self) -> str:
         """A lease owner name unique to this attempt."""
         return f"{socket.gethostname()}:{os.getpid()}:{self.request.id}"
+
+    def report(self, result: Any, *, retrying: int = 0, failed: int = 0, dead: int = 0, error: str = "",
+               retry_in: float | None = None) -> Any:
+        """Return ``result``, or end the run as FAILURE (``failed``/``dead`` units) or RETRY
+        (``retrying`` units, due again in ``retry_in`` seconds); call after the outcome is committed."""
+        if failed or dead:
+            what = "dead letter" if dead else "failed"
+            raise AttemptFailed(error or f"{failed + dead} {what}", outcome="dead" if dead else "failed")
+        if retrying:
+            raise Retry(error or f"{retrying} to retry", when=retry_in)
+        return result
+
+
+class JobTask(TesseraTask):
+    """Base class of tasks that run a recorded :class:`storage.models.Job`."""
+
+    abstract = True
+    lease_seconds: float = 120.0
+    #: The first retry delay (seconds) of the exponential backoff, when the error names no delay.
+    backoff_base: float = 2.0
+
+    def perform(self, job: Job) -> Any:
+        """Do the slow part (provider calls) outside any transaction; return what ``apply`` needs."""
+        raise NotImplementedError
+
+    def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
+        """Write the outcome and its events in the completing transaction; return the job result."""
+        raise NotImplementedError
+
+    def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
+        """Record a permanent failure or a dead letter on the domain object (default: nothing)."""
+
+    def run(self, job_id: str) -> str:
+        """Lease, perform, apply: returns ``succeeded`` or ``skipped`` (not takeable: a duplicate
+        message, another worker's lease, not due yet); raises Retry or :class:`AttemptFailed` after
+        recording a retry or a failure."""
+        with self.session_scope() as session:
+            job = jobs.lease(session, uuid.UUID(job_id), self.worker_id(), lease_seconds=self.lease_seconds)
+            if job is not None:
+                session.expunge(job)
+        if job is None:
+            return "skipped"
+        try:
+            outcome = self.perform(job)
+        except TransientError as exc:
+            return self._retry(job, exc)
+        except PermanentError as exc:
+            return self._fail(job, exc)
+        with self.session_scope() as session:
+            current = session.get(Job, job.id)
+            result = self.apply(session, current, outcome)
+            jobs.complete(session, current, result=result)
+        return "succeeded"
+
+    def _retry(self, job: Job, exc: TransientError) -> str:
+        with self.session_scope() as session:
+            current = session.get(Job, job.id)
+            delay = jobs.schedule_retry(session, current, error=str(exc), delay=exc.retry_after,
+                                        backoff_base=self.backoff_base)
+            if delay is None:
+                log.warning("job %s (%s) is a dead letter after %s attempts", job.id, job.kind, current.attempts)
+                self.on_job_failure(session, current, exc)
+        if delay is None:
+            return self.report("dead", dead=1, error=f"dead letter after {job.attempts} attempts: {exc}")
+        return self.report("retrying", retrying=1, error=str(exc), retry_in=delay)
+
+    def _fail(self, job: Job, exc: PermanentError) -> str:
+        with self.session_scope() as session:
+            current = session.get(Job, job.id)
+            jobs.fail(session, current, error=f"{exc.code}: {exc}", result={"code": exc.code, "status": exc.status})
+            self.on_job_failure(session, current, exc)
+        return self.report("failed", failed=1, error=f"{exc.code}: {exc}")

@@ -19,7 +19,7 @@ allowance on an enrollment, update it, cancel it, start its verification, submit
 payment credential. Each takes the caller's ``idempotency_key`` (required): the provider answers the
 same for the same key, so a job run twice has one effect.
 
-Failures are classified for the job template (``infra/job_task.py``):
+Failures are classified for the job template (``infra/task.py``):
 
 * :class:`ProviderRejection` (a :class:`infra.jobs.PermanentError`; :class:`EnrollmentFailed` for
   enrollments): the provider answered a rejection (4xx), or did not answer in time once the request

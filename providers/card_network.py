@@ -7,7 +7,7 @@ caller's idempotency key on every mutating call). :func:`card_network_for` picks
 tenants and the live network configured by ``card_network_url`` for production tenants (422
 :func:`providers.not_configured` when there is none).
 
-Failures are classified for the job template (``infra/job_task.py``): connection errors, timeouts, 408,
+Failures are classified for the job template (``infra/task.py``): connection errors, timeouts, 408,
 429 and 5xx are :class:`infra.jobs.TransientError` (retried with backoff); other 4xx answers are
 :class:`infra.jobs.PermanentError` carrying the network's ``code`` (``card_not_eligible``,
 ``network_not_supported``, ``token_not_active``, ``token_deleted``, ``not_found``, ...) and the HTTP

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy import Table, create_engine, event, insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -31,6 +32,8 @@ from sqlmodel import Session
 from config.settings import get_settings
 
 log = logging.getLogger("tessera.db")
+
+T = TypeVar("T")
 
 
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:
@@ -89,20 +92,41 @@ def session_scope() -> Iterator[Session]:
 
 
 _ON_COMMIT = "tessera_on_commit"
+_STATE_KEYS = "tessera_transaction_state"
 
 
 def on_commit(session: OrmSession, callback: Callable[[], None]) -> None:
-    """Run ``callback()`` once ``session``'s transaction commits (dropped if it rolls back)."""
+    """Run ``callback()`` once ``session``'s transaction commits (dropped if it rolls back).
+
+    The platform's one after-commit hook: ``infra.dispatch`` sends recorded work's messages with it.
+    """
     callbacks = session.info.setdefault(_ON_COMMIT, [])
     if callback not in callbacks:
         callbacks.append(callback)
+
+
+def transaction_state(session: OrmSession, key: str, factory: Callable[[], T]) -> tuple[T, bool]:
+    """The object stored under ``key`` for ``session``'s current transaction, made by ``factory()``
+    on first use; returns ``(object, made_now)``. Dropped when the transaction commits or rolls back."""
+    state = session.info.get(key)
+    if state is not None:
+        return state, False
+    state = session.info[key] = factory()
+    session.info.setdefault(_STATE_KEYS, set()).add(key)
+    return state, True
+
+
+def _end_transaction(session: OrmSession) -> list[Callable[[], None]]:
+    for key in session.info.pop(_STATE_KEYS, ()):
+        session.info.pop(key, None)
+    return session.info.pop(_ON_COMMIT, [])
 
 
 @event.listens_for(OrmSession, "after_commit")
 def _run_on_commit(session: OrmSession) -> None:
     if session.in_nested_transaction():  # a SAVEPOINT ended; the real transaction goes on
         return
-    for callback in session.info.pop(_ON_COMMIT, ()):
+    for callback in _end_transaction(session):
         callback()
 
 
@@ -110,7 +134,7 @@ def _run_on_commit(session: OrmSession) -> None:
 def _drop_on_commit(session: OrmSession) -> None:
     if session.in_nested_transaction():
         return
-    session.info.pop(_ON_COMMIT, None)
+    _end_transaction(session)
 
 
 # ---- rows written without ORM objects --------------------------------------------------------------

@@ -271,14 +271,21 @@ class Job(SQLModel, table=True):
     """
 
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_due", "status", "due_at"), Index("ix_jobs_subject", "subject_id"))
+    __table_args__ = (
+        Index("ix_jobs_due", "status", "due_at"),
+        Index("ix_jobs_subject", "subject_type", "subject_id", "subject_number"),
+    )
 
     id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
     tenant_id: uuid.UUID | None = Field(
         default=None, sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=True)
     )
     kind: str = Field(max_length=100)  # the Celery task name that runs it
+    #: What the job works on (``infra.jobs.record``): its type, its id, a part number, its operation.
+    subject_type: str | None = Field(default=None, max_length=40)
     subject_id: str | None = Field(default=None, max_length=400)
+    subject_number: int | None = None
+    operation_id: str | None = Field(default=None, max_length=64)
     status: str = Field(default="queued", max_length=16)  # queued|running|succeeded|failed|dead|cancelled
     attempts: int = 0
     max_attempts: int = 5

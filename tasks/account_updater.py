@@ -1,11 +1,11 @@
 """Account updater tasks (``account_updater.*``, on the ``files`` queue); the rules are in
 :mod:`domain.account_updater.service`.
 
-Job tasks (``infra.job_task.JobTask``: leased, retried with backoff on transient failures, a dead letter
+Job tasks (``infra.task.JobTask``: leased, retried with backoff on transient failures, a dead letter
 after ``max_attempts``; every step recorded as a platform job so the outbox relay re-sends a lost one):
 
 * ``account_updater.prepare`` (subject: the job id): read and check the request file, cut it into chunks.
-* ``account_updater.process_chunk`` (subject: ``<job id>:<chunk number>``): one chunk, in parallel.
+* ``account_updater.process_chunk`` (subject: the job id and the chunk number): one chunk, in parallel.
 * ``account_updater.finish`` (subject: the job id): write the result file, complete the job.
 
 A permanent failure or a dead letter of any step fails the account updater job (with the event).
@@ -25,9 +25,8 @@ from sqlmodel import Session
 from config.settings import get_settings
 from domain.account_updater import service
 from infra.celery import celery_app
-from infra.job_task import JobTask
 from infra.jobs import PermanentError, TransientError
-from infra.task import TesseraTask
+from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
 from storage.models import Job
 from storage.types import utcnow
@@ -55,10 +54,10 @@ class _AccountUpdaterJobTask(JobTask):
 
     @staticmethod
     def job_id(job: Job) -> uuid.UUID:
-        """The account updater job a platform job works on (the first part of its subject)."""
-        return uuid.UUID((job.subject_id or "").split(":", 1)[0])
+        """The account updater job a platform job works on (its subject)."""
+        return uuid.UUID(job.subject_id)
 
-    def on_failure(self, session: Session, job: Job, error: Exception) -> None:
+    def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
         service.fail_job(session, self.job_id(job), [_failure_message(error)])
 
 
@@ -81,8 +80,8 @@ class ProcessChunk(_AccountUpdaterJobTask):
 
     @staticmethod
     def chunk_number(job: Job) -> int:
-        """The chunk a platform job processes (the last part of its subject)."""
-        return int((job.subject_id or "").rsplit(":", 1)[1])
+        """The chunk a platform job processes (its subject number)."""
+        return job.subject_number
 
     def perform(self, job: Job) -> service.ChunkOutcome:
         return service.process_chunk(self.job_id(job), self.chunk_number(job), session_scope)

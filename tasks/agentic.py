@@ -18,8 +18,7 @@ from config.settings import get_settings
 from domain.agentic import enrollment, leases
 from domain.agentic.payment_methods import DELETE_TASK, ENROLL_TASK, POLL_TASK, purge_provider_errors
 from infra.celery import celery_app
-from infra.job_task import JobTask
-from infra.task import TesseraTask
+from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
 from tasks.sweeps import in_batches
 
@@ -53,7 +52,7 @@ class EnrollRail(_ProviderJob):
         """Write the outcome (see :func:`domain.agentic.enrollment.apply_enrollment`)."""
         return enrollment.apply_enrollment(session, job, outcome)
 
-    def on_failure(self, session, job, error):
+    def on_job_failure(self, session, job, error):
         """Record the failure (see :func:`domain.agentic.enrollment.enrollment_failed`)."""
         enrollment.enrollment_failed(session, job, error)
 
@@ -71,7 +70,7 @@ class PollRail(_ProviderJob):
         """Write the outcome (see :func:`domain.agentic.enrollment.apply_enrollment`)."""
         return enrollment.apply_enrollment(session, job, outcome)
 
-    def on_failure(self, session, job, error):
+    def on_job_failure(self, session, job, error):
         """Record the failure (see :func:`domain.agentic.enrollment.enrollment_failed`)."""
         enrollment.enrollment_failed(session, job, error)
 
@@ -98,7 +97,7 @@ class DeletePaymentMethod(_ProviderJob):
         """Mark the payment method deleted (see :func:`domain.agentic.enrollment.apply_delete`)."""
         return enrollment.apply_delete(session, job, outcome)
 
-    def on_failure(self, session, job, error):
+    def on_job_failure(self, session, job, error):
         """Record the stopped cascade (see :func:`domain.agentic.enrollment.delete_failed`)."""
         enrollment.delete_failed(session, job, error)
 

@@ -1,7 +1,7 @@
 """Tasks of network tokens (``network_tokens.*``, routed to the ``providers`` queue).
 
-Each is a :class:`infra.job_task.JobTask` running one recorded job: ``perform`` makes the card network
-call (outside any transaction, the job id as idempotency key) and ``apply`` / ``on_failure`` write
+Each is a :class:`infra.task.JobTask` running one recorded job: ``perform`` makes the card network
+call (outside any transaction, the job id as idempotency key) and ``apply`` / ``on_job_failure`` write
 the outcome through :mod:`domain.network_tokens.service`. The lease lasts ``TESSERA_JOB_LEASE_SECONDS``
 (longer than the provider's connect + read timeouts). ``network_tokens.expire_token_intents`` is the
 beat sweep of expired token intents.
@@ -15,11 +15,8 @@ from sqlmodel import Session
 
 from config.settings import get_settings
 from domain.network_tokens import service, token_intents
-from infra import jobs
 from infra.celery import celery_app
-from infra.job_task import JobTask
-from infra.jobs import TransientError
-from infra.task import TesseraTask
+from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
 from storage.models import Job
 from storage.types import utcnow
@@ -47,6 +44,7 @@ class Provision(NetworkTokenJob):
     """
 
     name = service.PROVISION_TASK
+    backoff_base = service.PROVISION_BACKOFF_BASE
 
     def perform(self, job: Job) -> Any:
         """The network's :class:`~providers.card_network.ProvisionedToken` (None: nothing to do)."""
@@ -55,18 +53,13 @@ class Provision(NetworkTokenJob):
         if found is None:
             return None
         network, card = found
-        try:
-            return network.provision(card, idempotency_key=str(job.id))
-        except TransientError as exc:
-            if exc.retry_after is None:
-                exc.retry_after = jobs.backoff_seconds(job.attempts, base=service.PROVISION_BACKOFF_BASE)
-            raise
+        return network.provision(card, idempotency_key=str(job.id))
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
         """See :func:`domain.network_tokens.service.apply_provisioned`."""
         return service.apply_provisioned(session, job, outcome)
 
-    def on_failure(self, session: Session, job: Job, error: Exception) -> None:
+    def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
         """See :func:`domain.network_tokens.service.provisioning_failed`."""
         service.provisioning_failed(session, job, error)
 
@@ -88,7 +81,7 @@ class _Change(NetworkTokenJob):
         """See :func:`domain.network_tokens.service.apply_change`."""
         return service.apply_change(session, job, self.action, outcome)
 
-    def on_failure(self, session: Session, job: Job, error: Exception) -> None:
+    def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
         """See :func:`domain.network_tokens.service.change_failed`."""
         service.change_failed(session, job, error)
 

@@ -1,28 +1,29 @@
-"""Webhook delivery (``webhooks.*`` tasks run on the ``webhooks`` queue)."""
+"""Webhook delivery (``webhooks.*`` tasks run on the ``webhooks`` queue).
+
+``webhooks.deliver(delivery_ids)`` delivers a batch of about a hundred deliveries
+(:func:`domain.webhooks.service.deliver_batch`). A batch where a delivery failed ends in Flower as
+RETRY (retries are scheduled) or FAILURE (a delivery failed for good), after its outcomes are
+committed: the message is acknowledged either way and nothing runs twice.
+"""
 
 from __future__ import annotations
 
-import logging
 import uuid
 
 from config.settings import get_settings
 from domain.webhooks import service as webhooks
-from infra.celery import celery_app
+from infra import metrics
+from infra.celery import DELIVER_TASK, celery_app
 from infra.task import TesseraTask
-from storage.db import session_scope
-
-log = logging.getLogger("tessera.tasks.webhooks")
 
 
-@celery_app.task(name="webhooks.deliver", base=TesseraTask, bind=True)
+@celery_app.task(name=DELIVER_TASK, base=TesseraTask, bind=True)
 def deliver(self, delivery_ids: list[str]) -> dict[str, int]:
     """Attempt each delivery (leased, so a duplicate message or a second worker does nothing twice).
 
-    Returns the count of each outcome; failures are recorded and retried by due time, not raised.
+    Returns the count of each outcome when every delivery succeeded (or was not due).
     """
-    settings = get_settings()
-    outcomes: dict[str, int] = {}
-    for delivery_id in delivery_ids:
-        outcome = webhooks.attempt(uuid.UUID(delivery_id), self.worker_id(), settings, session_scope)
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    return outcomes
+    outcome = webhooks.deliver_batch([uuid.UUID(i) for i in delivery_ids], self.worker_id(), get_settings(),
+                                     self.session_scope)
+    metrics.webhook_outcomes(outcome.counts)
+    return self.report(outcome.counts, retrying=outcome.retrying, failed=outcome.failed)

@@ -76,3 +76,25 @@ def test_check_notices_drift(tmp_path):
     engine.dispose()
     with pytest.raises(CommandError):
         migrate.check(url)
+
+
+def test_composite_job_subjects_are_split_into_typed_columns(tmp_path):
+    url = f"sqlite:///{tmp_path / 'subjects.db'}"
+    migrate.upgrade(url, "0005")
+    engine = create_engine(url)
+    job_id, chunk_job, delete_job = "9b1f0c52-0000-4000-8000-000000000001", "c1", "d1"
+    with engine.begin() as conn:
+        insert = text("INSERT INTO jobs (id, kind, subject_id, status, attempts, max_attempts, due_at, created_at, "
+                      "updated_at) VALUES (:id, :kind, :subject, 'queued', 0, 5, '2026-01-01', '2026-01-01', "
+                      "'2026-01-01')")
+        conn.execute(insert, {"id": chunk_job, "kind": "account_updater.process_chunk", "subject": f"{job_id}:7"})
+        conn.execute(insert, {"id": delete_job, "kind": "agentic.delete_payment_method", "subject": "pm_1/op_2"})
+    migrate.upgrade(url)
+    with engine.connect() as conn:
+        rows = dict(
+            (row[0], row[1:])
+            for row in conn.execute(text("SELECT id, subject_type, subject_id, subject_number, operation_id FROM jobs"))
+        )
+    engine.dispose()
+    assert rows[chunk_job] == ("account_updater_job", job_id, 7, None)
+    assert rows[delete_job] == ("payment_method", "pm_1", None, "op_2")

@@ -1,7 +1,8 @@
 """The worker side of the Celery application: what only worker and beat processes need.
 
 ``celery -A workers.celery_app worker|beat`` (``tessera worker`` / ``tessera beat``) loads this module:
-the shared application of :mod:`infra.celery`, plus beat's schedule (``beat_schedule.py``), a fresh
+the shared application of :mod:`infra.celery`, plus beat's schedule (``beat_schedule.py``) and scheduler
+(:mod:`workers.beat`: sweeps sent only when they have work), a fresh
 database engine in every forked pool process, and the worker signals (:mod:`workers.signals`: log
 context, task metrics, heartbeats).
 """
@@ -19,6 +20,7 @@ from workers import signals as _signals  # noqa: F401  (connects the worker sign
 __all__ = ["QUEUES", "app", "celery_app"]
 
 celery_app.conf.beat_schedule = beat_schedule(get_settings())
+celery_app.conf.beat_scheduler = "workers.beat:Scheduler"  # gated sweeps: the relay idles without backlog
 app = celery_app  # `celery -A workers.celery_app` finds `app`
 
 

@@ -4,8 +4,7 @@
   headers (``before_task_publish``); a worker binds them, the task name and id and the job id to
   every log line of the run (``task_prerun``) and forgets them after (``task_postrun``). A job task
   whose message carries no trace (one re-sent by the relay) takes it from its job row.
-* Each run is counted by task name and outcome, timed, and webhook deliveries counted by outcome
-  (``infra/metrics.py``).
+* Each run is counted by task name and outcome and timed (``infra/metrics.py``).
 * Heartbeats (``infra/ops.py``): a worker every ten seconds while it runs, beat each time it sends a
   scheduled task, the outbox relay after each run.
 
@@ -23,7 +22,7 @@ from celery import signals
 
 from config.settings import get_settings
 from infra import logs, metrics, ops
-from infra.celery import DELIVER_TASK, TENANT_HEADER, TRACE_HEADER
+from infra.celery import TENANT_HEADER, TRACE_HEADER
 from storage.db import session_scope
 from storage.models import Job
 
@@ -86,8 +85,6 @@ def _task_postrun(task_id=None, task=None, retval=None, state=None, **_kwargs) -
     started = _started.pop(task_id, None) if task_id else None
     try:
         metrics.task_finished(name, outcome_of(state, retval), None if started is None else time.monotonic() - started)
-        if name == DELIVER_TASK and isinstance(retval, dict):
-            metrics.webhook_outcomes(retval)
         if name == RELAY_TASK and state == "SUCCESS":
             _heartbeat("relay")
     finally:
@@ -95,13 +92,15 @@ def _task_postrun(task_id=None, task=None, retval=None, state=None, **_kwargs) -
 
 
 def outcome_of(state: str | None, retval) -> str:
-    """The outcome label of a run: a job task's returned status, else from the Celery state."""
+    """The outcome label of a run: a job task's returned status, else from the Celery state (a
+    reported failure, :class:`infra.task.AttemptFailed`, says ``failed`` or ``dead``)."""
     if state == "SUCCESS":
         return retval if isinstance(retval, str) and retval in metrics.JOB_OUTCOMES else "succeeded"
     if state == "RETRY":
         return "retrying"
     if state == "FAILURE":
-        return "error"
+        outcome = getattr(retval, "outcome", None)
+        return outcome if outcome in metrics.JOB_OUTCOMES else "error"
     return (state or "unknown").lower()
 
 

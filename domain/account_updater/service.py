@@ -88,6 +88,8 @@ PREPARE_TASK = "account_updater.prepare"
 CHUNK_TASK = "account_updater.process_chunk"
 FINISH_TASK = "account_updater.finish"
 DETECT_TASK = "account_updater.detect"
+#: The subject type of the platform jobs working on an account updater job (``Job.subject_type``).
+SUBJECT = "account_updater_job"
 COMPLETED_EVENT = "account-updater.job.completed"
 
 REQUEST_COLUMNS = ("token", "expiration_year", "expiration_month", "merchant_id")
@@ -370,7 +372,8 @@ def start_processing(session: Session, job_id: uuid.UUID, *, now: dt.datetime | 
     if not moved:
         return False
     job = session.get(AccountUpdaterJob, job_id, populate_existing=True)
-    jobs.record(session, kind=PREPARE_TASK, tenant_id=job.tenant_id, subject_id=str(job.id), trace_id=job.trace_id)
+    jobs.record(session, kind=PREPARE_TASK, tenant_id=job.tenant_id, subject_type=SUBJECT, subject_id=str(job.id),
+                trace_id=job.trace_id)
     return True
 
 
@@ -736,10 +739,12 @@ def apply_scan(session: Session, job_id: uuid.UUID, scan: Scan) -> dict:
                                         end_byte=plan.end_byte, first_row=plan.first_row, row_count=plan.row_count))
     session.flush()
     for number in range(len(scan.chunks)):
-        jobs.record(session, kind=CHUNK_TASK, tenant_id=job.tenant_id, subject_id=f"{job.id}:{number}",
+        jobs.record(session, kind=CHUNK_TASK, tenant_id=job.tenant_id, subject_type=SUBJECT, subject_id=str(job.id),
+                    subject_number=number,
                     trace_id=job.trace_id)
     if not scan.chunks:
-        jobs.record(session, kind=FINISH_TASK, tenant_id=job.tenant_id, subject_id=str(job.id), trace_id=job.trace_id)
+        jobs.record(session, kind=FINISH_TASK, tenant_id=job.tenant_id, subject_type=SUBJECT, subject_id=str(job.id),
+                    trace_id=job.trace_id)
     return {"rows": scan.rows, "chunks": len(scan.chunks)}
 
 
@@ -1120,7 +1125,8 @@ def apply_chunk(session: Session, job_id: uuid.UUID, number: int, outcome: Chunk
     job.modified_at = now
     session.add(job)
     if job.chunks_done >= (job.chunks_total or 0):
-        jobs.record(session, kind=FINISH_TASK, tenant_id=job.tenant_id, subject_id=str(job.id), trace_id=job.trace_id)
+        jobs.record(session, kind=FINISH_TASK, tenant_id=job.tenant_id, subject_type=SUBJECT, subject_id=str(job.id),
+                    trace_id=job.trace_id)
     session.flush()
     clock.lap("write")
     return {"rows": outcome.rows, "results": outcome.result_rows, "new_tokens": len(tokens),

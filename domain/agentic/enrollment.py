@@ -1,6 +1,6 @@
 """The worker side of agentic payment methods: rail enrollment, polling, the delete cascade.
 
-Each function is one step of a job task (``tasks/agentic.py``, template ``infra/job_task.py``):
+Each function is one step of a job task (``tasks/agentic.py``, template ``infra/task.py``):
 
 * **enrollment** (``agentic.enroll_rail``, one job per rail, so two rails enroll in parallel on two
   workers): :func:`perform_enrollment` reads the card from the card token and calls the provider
@@ -166,7 +166,8 @@ def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) ->
         pm.card = card
         pm.updated_at = utcnow()
     if outcome.status == "pending":
-        poll = jobs.record(session, kind=POLL_TASK, tenant_id=pm.tenant_id, subject_id=str(rail.id),
+        poll = jobs.record(session, kind=POLL_TASK, tenant_id=pm.tenant_id, subject_type="rail",
+                           subject_id=str(rail.id),
                            trace_id=job.trace_id, max_attempts=POLL_MAX_ATTEMPTS)
         rail.job_id = poll.id
         settle_rail(session, pm, rail, status="pending", provider_ids=outcome.provider_ids)
@@ -213,8 +214,8 @@ def enrollment_failed(session: Session, job: Job, error: Exception) -> None:
 
 
 def _delete_subject(job: Job) -> tuple[str, str]:
-    pm_id, _, owner = (job.subject_id or "").partition("/")
-    return pm_id, owner
+    """The payment method a delete job works on and the operation (lease owner) it belongs to."""
+    return job.subject_id or "", job.operation_id or ""
 
 
 def perform_delete(job: Job, settings: Settings, session_scope) -> str | Stale:

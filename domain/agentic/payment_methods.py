@@ -404,7 +404,8 @@ def create_payment_method(
             rail.status, rail.error_code = "error", "PROVIDER_NOT_CONFIGURED"
             record_provider_error(session, rail, code="PROVIDER_NOT_CONFIGURED")
         else:
-            job = jobs.record(session, kind=ENROLL_TASK, tenant_id=caller.tenant_id, subject_id=str(rail.id),
+            job = jobs.record(session, kind=ENROLL_TASK, tenant_id=caller.tenant_id, subject_type="rail",
+                              subject_id=str(rail.id),
                               trace_id=caller.trace_id, max_attempts=ENROLL_MAX_ATTEMPTS)
             rail.job_id, rail.operation_id, rail.attempt = job.id, owner, "create"
             job_ids.append(job.id)
@@ -582,7 +583,8 @@ def start_retry(session: Session, caller: Caller, pm_id: str, *, rail: str, prov
                     trace_id=caller.trace_id)
         return Started(pm.id, (), failure="PROVIDER_NOT_CONFIGURED")
     card_source(session, caller.tenant_id, pm.token_id)
-    job = jobs.record(session, kind=ENROLL_TASK, tenant_id=caller.tenant_id, subject_id=str(target.id),
+    job = jobs.record(session, kind=ENROLL_TASK, tenant_id=caller.tenant_id, subject_type="rail",
+                      subject_id=str(target.id),
                       trace_id=caller.trace_id, max_attempts=ENROLL_MAX_ATTEMPTS)
     target.job_id, target.operation_id, target.attempt = job.id, owner, "retry"
     session.add(target)
@@ -652,7 +654,8 @@ def start_delete(session: Session, caller: Caller, pm_id: str, *, settings: Sett
         return Started(pm.id, ())
     leases.acquire(session, tenant_id=caller.tenant_id, resource_id=pm.id, operation=leases.DELETE, owner=owner,
                    seconds=settings.operation_lease_seconds)
-    job = jobs.record(session, kind=DELETE_TASK, tenant_id=caller.tenant_id, subject_id=f"{pm.id}/{owner}",
+    job = jobs.record(session, kind=DELETE_TASK, tenant_id=caller.tenant_id, subject_type="payment_method",
+                      subject_id=pm.id, operation_id=owner,
                       trace_id=caller.trace_id, max_attempts=DELETE_MAX_ATTEMPTS)
     return Started(pm.id, (job.id,))
 

@@ -80,6 +80,8 @@ SUSPEND_TASK = "network_tokens.suspend"
 RESUME_TASK = "network_tokens.resume"
 DELETE_TASK = "network_tokens.delete"
 EXPIRE_INTENTS_TASK = "network_tokens.expire_token_intents"
+#: The subject type of the jobs on one network token (``Job.subject_type``).
+SUBJECT = "network_token"
 
 READ, REVEAL = "network-token:read", "network-token:reveal"
 ENTITY_TYPE = "network-token"
@@ -372,7 +374,8 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
         session, caller.tenant_id, SOURCE_PURPOSE, str(token.id), json.dumps(provisioning).encode()
     )
     session.add(token)
-    job = jobs.record(session, kind=PROVISION_TASK, tenant_id=caller.tenant_id, subject_id=str(token.id),
+    job = jobs.record(session, kind=PROVISION_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
+                      subject_id=str(token.id),
                       trace_id=caller.trace_id, max_attempts=PROVISION_MAX_ATTEMPTS)
     token.pending_job_id = job.id
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=token.id, operation="create")
@@ -457,7 +460,8 @@ def provisioning_input(session: Session, job: Job) -> tuple[CardNetwork, CardToP
 
 
 def _record_network_delete(session: Session, tenant_id: uuid.UUID, reference: str, trace_id: str | None) -> Job:
-    return jobs.record(session, kind=DELETE_TASK, tenant_id=tenant_id, subject_id=reference, trace_id=trace_id,
+    return jobs.record(session, kind=DELETE_TASK, tenant_id=tenant_id, subject_type="network_reference",
+                       subject_id=reference, trace_id=trace_id,
                        max_attempts=DELETE_MAX_ATTEMPTS)
 
 
@@ -532,7 +536,7 @@ def request_change(session: Session, caller: Caller, token_id: object, action: s
         if pending is not None and pending.status not in jobs.TERMINAL:
             raise Problem(409, "Another change of this network token is under way; retry when it ends.",
                           title="Conflict")
-    job = jobs.record(session, kind=task, tenant_id=caller.tenant_id, subject_id=str(token.id),
+    job = jobs.record(session, kind=task, tenant_id=caller.tenant_id, subject_type=SUBJECT, subject_id=str(token.id),
                       trace_id=caller.trace_id, max_attempts=CHANGE_MAX_ATTEMPTS)
     token.pending_job_id = job.id
     token.modified_by = caller.application_id
@@ -643,7 +647,8 @@ def card_art_start(session: Session, caller: Caller, token_id: object, *,
                       title="Card art unavailable")
     if token.card_art is not None and token.card_art_at is not None and now - token.card_art_at < CARD_ART_TTL:
         return {"card_art": token.card_art}
-    job = jobs.record(session, kind=CARD_ART_TASK, tenant_id=caller.tenant_id, subject_id=str(token.id),
+    job = jobs.record(session, kind=CARD_ART_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
+                      subject_id=str(token.id),
                       trace_id=caller.trace_id, max_attempts=CALL_MAX_ATTEMPTS)
     return Started(token.id, job.id)
 
@@ -730,7 +735,8 @@ def cryptogram_start(session: Session, caller: Caller, token_id: object, reply_k
     if token.status != "active" or token.network_reference is None:
         raise Problem(409, f"Only an active network token has cryptograms; this one is {token.status}.",
                       title="Conflict", extra={"status_now": token.status})
-    job = jobs.record(session, kind=CRYPTOGRAM_TASK, tenant_id=caller.tenant_id, subject_id=str(token.id),
+    job = jobs.record(session, kind=CRYPTOGRAM_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
+                      subject_id=str(token.id),
                       trace_id=caller.trace_id, max_attempts=CALL_MAX_ATTEMPTS)
     job.result = {"reply_key": reply_key}
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=token.id, operation="cryptogram")

@@ -42,9 +42,7 @@ from domain.tenancy.caller import Caller
 from domain.tenancy.members import member_view
 from domain.tenancy.tenants import get_tenant
 from infra import jobs
-from infra.dispatch import send_task
 from infra.errors import Problem, not_found
-from infra.mail import SMTP_TIMEOUT_S, MailError, send_mail
 from storage.crypto import get_keyring
 from storage.models import Job, Tenant, TenantMember, User
 from storage.models_tenant_admin import InvitationLink, TenantInvitation
@@ -129,6 +127,7 @@ def _issue_link(session: Session, invitation: TenantInvitation, trace_id: str | 
         session,
         kind=MAIL_TASK,
         tenant_id=invitation.tenant_id,
+        subject_type="invitation_link",
         subject_id=str(link.id),
         trace_id=trace_id,
         max_attempts=MAIL_MAX_ATTEMPTS,
@@ -423,52 +422,15 @@ def prepare_mail(session: Session, link_id: uuid.UUID, settings: Settings, *, no
     return InvitationMail(to=invitation.email, subject=f"Invitation to join {tenant.name} on Tessera", text=text)
 
 
-def deliver_mail(job_id: uuid.UUID, owner: str, settings: Settings, session_scope) -> str:
-    """Run one attempt of an invitation mail job end to end; returns what happened.
+def mail_of_job(session: Session, job: Job, settings: Settings) -> InvitationMail | None:
+    """The mail a ``mail.invitation`` job sends (its subject is the link), or None when there is
+    nothing to send any more (see :func:`prepare_mail`)."""
+    return prepare_mail(session, uuid.UUID(job.subject_id), settings)
 
-    Short transactions around the SMTP call: lease the job, build the mail, send it outside any
-    transaction, record the outcome. A transient :class:`infra.mail.MailError` schedules a retry with
-    backoff (a countdown task up to a minute, else the outbox relay); a permanent one fails the job.
-    """
-    with session_scope() as session:
-        job = jobs.lease(session, job_id, owner, lease_seconds=SMTP_TIMEOUT_S * 3 + 30)
-        if job is None:
-            return "skipped"
-        link_id = uuid.UUID(job.subject_id)
-    with session_scope() as session:
-        mail = prepare_mail(session, link_id, settings)
-        if mail is None:
-            jobs.complete(session, session.get(Job, job_id), result={"sent": False})
-            return "nothing to send"
-    try:
-        send_mail(
-            to=mail.to,
-            subject=mail.subject,
-            text=mail.text,
-            smtp_url=settings.smtp_url,
-            data_dir=settings.data_dir,
-            sender=settings.mail_from,
-        )
-    except MailError as exc:
-        with session_scope() as session:
-            job = session.get(Job, job_id)
-            if not exc.transient:
-                jobs.fail(session, job, error=str(exc))
-                return "failed"
-            delay = jobs.schedule_retry(session, job, error=str(exc))
-        if delay is None:
-            return "dead"
-        if delay <= jobs.MAX_COUNTDOWN_SECONDS:
-            send_task(MAIL_TASK, countdown=delay, job_id=str(job_id))
-        return "retry"
-    except ValueError as exc:  # an address that cannot be put in a header: not worth retrying
-        with session_scope() as session:
-            jobs.fail(session, session.get(Job, job_id), error=str(exc))
-        return "failed"
-    with session_scope() as session:
-        link = session.get(InvitationLink, link_id)
-        if link is not None:
-            link.mailed_at = utcnow()
-            session.add(link)
-        jobs.complete(session, session.get(Job, job_id), result={"sent": True})
-    return "sent"
+
+def mark_mailed(session: Session, job: Job) -> None:
+    """Note on the job's link that its mail went out."""
+    link = session.get(InvitationLink, uuid.UUID(job.subject_id))
+    if link is not None:
+        link.mailed_at = utcnow()
+        session.add(link)

@@ -147,8 +147,24 @@ def delete_tenant(session: Session, caller: Caller) -> None:
 def webhook_signing_secret(session: Session, tenant_id: uuid.UUID) -> str:
     """The tenant's Standard Webhooks secret (``whsec_...``), decrypted."""
     tenant = get_tenant(session, tenant_id)
-    return (
-        get_keyring()
-        .decrypt(session, tenant.id, WEBHOOK_SECRET_PURPOSE, str(tenant.id), tenant.webhook_secret_ct)
-        .decode()
-    )
+    return cached_signing_secret(session, tenant.id, tenant.webhook_secret_ct)
+
+
+#: Decrypted signing secrets of this process: tenant id -> (the ciphertext it came from, the secret).
+_SECRETS: dict[uuid.UUID, tuple[bytes, str]] = {}
+
+
+def cached_signing_secret(session: Session, tenant_id: uuid.UUID, ciphertext: bytes) -> str:
+    """The signing secret sealed in ``ciphertext`` (the tenant's ``webhook_secret_ct``), decrypted once
+    per process: a webhook worker signs thousands of deliveries a second with a few secrets.
+
+    The cache is keyed by the ciphertext as well as the tenant, so a new secret (a new ciphertext,
+    read in the same statement as the deliveries) is decrypted at once: a changed secret is never
+    served from the cache.
+    """
+    cached = _SECRETS.get(tenant_id)
+    if cached is not None and cached[0] == ciphertext:
+        return cached[1]
+    secret = get_keyring().decrypt(session, tenant_id, WEBHOOK_SECRET_PURPOSE, str(tenant_id), ciphertext).decode()
+    _SECRETS[tenant_id] = (bytes(ciphertext), secret)
+    return secret

@@ -4,9 +4,14 @@ Delivery (``ARCHITECTURE.md`` step 4): :func:`domain.webhooks.events.emit` write
 webhook; the ``webhooks.deliver`` task takes a lease on the row, POSTs the envelope
 ``{event: {id, type, timestamp, tenant_id, trace_id, data}, delivered_at}`` signed with the Standard
 Webhooks scheme (``webhook-id`` is the delivery's message id and stays the same across retries), and
-records the attempt. A non-2xx answer or a timeout is retried after the delays of
-``TESSERA_WEBHOOK_RETRY_SCHEDULE`` (default 5 s, 30 s, 2 min, 10 min, 30 min, 2 h, 5 h, 10 h, 10 h);
-delays up to a minute ride on a Celery countdown, longer ones wait as ``due_at`` for the beat relay.
+records the attempt. A 5xx, 408, 409, 425 or 429 answer, a timeout or a connection error is retried
+after the delays of ``TESSERA_WEBHOOK_RETRY_SCHEDULE`` (default 5 s, 30 s, 2 min, 10 min, 30 min, 2 h,
+5 h, 10 h, 10 h); delays up to a minute ride on a Celery countdown, longer ones wait as ``due_at`` for
+the relay. Any other answer (a 3xx: redirects are not followed; another 4xx) and a refused destination
+fail the delivery at once: the receiver would answer the same on every retry (a redeliver tries again).
+A message carries about a hundred deliveries: one statement leases them and reads their events,
+webhooks and signing secrets, the POSTs go out concurrently on the worker process's keep-alive pool
+(``infra.http.deliver_many``) and the outcomes are recorded together.
 A webhook failing without a single success for ``TESSERA_WEBHOOK_DISABLE_AFTER_SECONDS`` (5 days) is
 disabled and its ``notify_email`` is told. Redirects are never followed; private, loopback and
 link-local destinations are refused at delivery time unless ``TESSERA_ALLOW_PRIVATE_DESTINATIONS``.
@@ -20,24 +25,24 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import or_, update
+from sqlalchemy import insert, or_, update
 from sqlmodel import Session, select
 
 from config.settings import Settings
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
-from domain.tenancy.tenants import webhook_signing_secret
+from domain.tenancy.tenants import cached_signing_secret
 from domain.webhooks.events import EVENT_TYPES
+from infra import jobs
 from infra.celery import DELIVER_TASK
-from infra.dispatch import enqueue_after_commit, send_task
+from infra.dispatch import enqueue_batch_after_commit
 from infra.errors import not_found, validation_problem
-from infra.http import DeliveryResult, deliver, validate_destination_url
+from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many, validate_destination_url
 from infra.signing import headers as signature_headers
-from storage.models import Event, Webhook, WebhookAttempt, WebhookDelivery
+from storage.models import Event, Tenant, Webhook, WebhookAttempt, WebhookDelivery
 from storage.types import utcnow
 
 NOTIFY_TASK = "mail.webhook_disabled"
-MAX_COUNTDOWN_SECONDS = 60
 
 
 # ---- subscriptions -------------------------------------------------------------------------------
@@ -245,7 +250,7 @@ def redeliver(session: Session, caller: Caller, webhook_id: uuid.UUID, delivery_
     delivery.due_at = utcnow()
     delivery.completed_at = None
     session.add(delivery)
-    enqueue_after_commit(session, DELIVER_TASK, delivery_ids=[str(delivery.id)])
+    enqueue_batch_after_commit(session, DELIVER_TASK, "delivery_ids", [str(delivery.id)])
     event_type = session.get(Event, delivery.event_id).type
     audit.record(session, caller, entity_type="webhook", entity_id=webhook.id, operation="update")
     return delivery_view(delivery, event_type, [])
@@ -256,22 +261,50 @@ def redeliver(session: Session, caller: Caller, webhook_id: uuid.UUID, delivery_
 
 @dataclass(frozen=True)
 class Prepared:
-    """What one attempt needs, read in a short transaction before the HTTP call."""
+    """What one attempt needs, read with its lease before the HTTP call."""
 
     delivery_id: uuid.UUID
+    webhook_id: uuid.UUID
     url: str
     body: bytes
     headers: dict[str, str]
     attempt_number: int
 
 
-def lease_delivery(session: Session, delivery_id: uuid.UUID, owner: str, *, lease_seconds: float) -> bool:
-    """Take the lease on a due, pending delivery (an atomic update: one worker wins)."""
-    now = utcnow()
-    result = session.execute(
+@dataclass
+class BatchOutcome:
+    """What one batch of deliveries came to: ``counts`` of each outcome (``success``, ``http_error``,
+    ``timeout``, ``connection_error``, ``refused``, ``closed``, ``skipped``), how many were scheduled
+    for a retry and how many failed for good."""
+
+    counts: dict[str, int]
+    retrying: int = 0
+    failed: int = 0
+
+
+#: What an attempt reads with its lease: the delivery, its webhook, its event, its tenant's sealed secret.
+_LEASED_COLUMNS = (
+    WebhookDelivery.id,
+    WebhookDelivery.attempts,
+    Webhook.id,
+    Webhook.url,
+    Webhook.status,
+    Event.id,
+    Event.type,
+    Event.created_at,
+    Event.tenant_id,
+    Event.trace_id,
+    Event.data,
+    Tenant.webhook_secret_ct,
+    Tenant.deleted_at,
+)
+
+
+def _lease(delivery_ids: list[uuid.UUID], owner: str, now: dt.datetime, lease_seconds: float):
+    return (
         update(WebhookDelivery)
         .where(
-            WebhookDelivery.id == delivery_id,
+            WebhookDelivery.id.in_(delivery_ids),
             WebhookDelivery.status == "pending",
             WebhookDelivery.due_at <= now + dt.timedelta(seconds=1),
             or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now),
@@ -279,92 +312,184 @@ def lease_delivery(session: Session, delivery_id: uuid.UUID, owner: str, *, leas
         .values(lease_owner=owner, lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
         .execution_options(synchronize_session=False)
     )
-    return result.rowcount == 1
 
 
-def prepare(session: Session, delivery_id: uuid.UUID) -> Prepared | None:
-    """Build the signed request of a leased delivery; None (and the delivery closed) when its webhook
-    is gone or disabled."""
-    delivery = session.get(WebhookDelivery, delivery_id)
-    webhook = session.get(Webhook, delivery.webhook_id) if delivery else None
-    if delivery is None:
-        return None
-    if webhook is None or webhook.status != "enabled":
-        _close(delivery, "failed", "the webhook is disabled")
-        session.add(delivery)
-        return None
-    event = session.get(Event, delivery.event_id)
-    envelope = {
-        "event": {
-            "id": str(event.id),
-            "type": event.type,
-            "timestamp": event.created_at.isoformat(),
-            "tenant_id": str(event.tenant_id),
-            "trace_id": event.trace_id,
-            "data": event.data,
-        },
-        "delivered_at": utcnow().isoformat(),
-    }
-    body = json.dumps(envelope, separators=(",", ":")).encode()
-    secret = webhook_signing_secret(session, event.tenant_id)
-    signed = signature_headers(secret, message_id(delivery.id), int(time.time()), body)
-    return Prepared(delivery.id, webhook.url, body, signed, delivery.attempts + 1)
+def _lease_and_read(session: Session, delivery_ids: list[uuid.UUID], owner: str, lease_seconds: float) -> list:
+    """Lease every due, pending, unleased delivery of ``delivery_ids`` and read each with its webhook,
+    event and tenant: on PostgreSQL one ``UPDATE ... FROM ... RETURNING``; SQLite (the embedded
+    default) returns only the updated table's columns, so there the rows are read by a second query."""
+    statement = _lease(delivery_ids, owner, utcnow(), lease_seconds)
+    if session.get_bind().dialect.name == "postgresql":
+        statement = statement.where(
+            Event.id == WebhookDelivery.event_id,
+            Webhook.id == WebhookDelivery.webhook_id,
+            Tenant.id == WebhookDelivery.tenant_id,
+        ).returning(*_LEASED_COLUMNS)
+        return session.execute(statement).all()
+    leased = session.execute(statement.returning(WebhookDelivery.id)).scalars().all()
+    if not leased:
+        return []
+    return session.execute(
+        select(*_LEASED_COLUMNS)
+        .join(Event, Event.id == WebhookDelivery.event_id)
+        .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
+        .join(Tenant, Tenant.id == WebhookDelivery.tenant_id)
+        .where(WebhookDelivery.id.in_(leased))
+    ).all()
 
 
-def _close(delivery: WebhookDelivery, status: str, error: str | None) -> None:
-    delivery.status = status
-    delivery.completed_at = utcnow()
-    delivery.lease_owner = None
-    delivery.lease_expires_at = None
-    if error:
-        delivery.last_error = error[:500]
+def lease_batch(
+    session: Session, delivery_ids: list[uuid.UUID], owner: str, *, lease_seconds: float
+) -> tuple[list[Prepared], list[uuid.UUID]]:
+    """Lease the deliveries of ``delivery_ids`` that are due (one statement: a duplicate message or a
+    second worker gets none of them) and build their signed requests.
 
-
-def record_outcome(session: Session, prepared: Prepared, result: DeliveryResult, settings: Settings) -> int | None:
-    """Record an attempt; returns the countdown (s) for a retry the caller should send now, if any.
-
-    Success closes the delivery and clears the webhook's failing streak. Any other outcome schedules
-    the next retry from the schedule, or closes the delivery as failed when the schedule is spent or
-    the destination was refused; a webhook failing for longer than the disable period is disabled
-    and its notify address mailed (after commit).
+    Returns ``(prepared, closed)``: ``closed`` are leased deliveries that will never be sent (their
+    webhook is disabled or their tenant deleted); :func:`record_outcomes` closes them.
     """
-    delivery = session.get(WebhookDelivery, prepared.delivery_id)
-    webhook = session.get(Webhook, delivery.webhook_id)
+    if not delivery_ids:
+        return [], []
+    rows = _lease_and_read(session, delivery_ids, owner, lease_seconds)
+    delivered_at = utcnow().isoformat()
+    timestamp = int(time.time())
+    prepared, closed = [], []
+    for (delivery_id, attempts, webhook_id, url, webhook_status, event_id, event_type, event_created_at,
+         tenant_id, trace_id, data, secret_ct, tenant_deleted_at) in rows:
+        if webhook_status != "enabled" or tenant_deleted_at is not None:
+            closed.append(delivery_id)
+            continue
+        envelope = {
+            "event": {
+                "id": str(event_id),
+                "type": event_type,
+                "timestamp": event_created_at.isoformat(),
+                "tenant_id": str(tenant_id),
+                "trace_id": trace_id,
+                "data": data,
+            },
+            "delivered_at": delivered_at,
+        }
+        body = json.dumps(envelope, separators=(",", ":")).encode()
+        secret = cached_signing_secret(session, tenant_id, secret_ct)
+        signed = signature_headers(secret, message_id(delivery_id), timestamp, body)
+        prepared.append(Prepared(delivery_id, webhook_id, url, body, signed, attempts + 1))
+    return prepared, closed
+
+
+def lease_delivery(session: Session, delivery_id: uuid.UUID, owner: str, *, lease_seconds: float) -> bool:
+    """Take the lease on one due, pending delivery (see :func:`lease_batch`); False when taken."""
+    return session.execute(_lease([delivery_id], owner, utcnow(), lease_seconds)).rowcount == 1
+
+
+def _retry_delay(result: DeliveryResult, attempt_number: int, settings: Settings) -> float | None:
+    """Seconds before the next attempt, or None when the delivery fails for good: on success, on a
+    refused destination or an answer that retrying cannot change (a 3xx, or a 4xx other than 408,
+    409, 425, 429: ``DeliveryResult.transient`` is false), or when ``TESSERA_WEBHOOK_RETRY_SCHEDULE``
+    is spent."""
+    delays = settings.webhook_retry_delays
+    if result.outcome == "success" or not result.transient or attempt_number > len(delays):
+        return None
+    return max(delays[attempt_number - 1], result.retry_after_s or 0)
+
+
+def record_outcomes(
+    session: Session,
+    prepared: list[Prepared],
+    results: list[DeliveryResult],
+    closed: list[uuid.UUID],
+    settings: Settings,
+) -> BatchOutcome:
+    """Record a batch of attempts: one multi-row INSERT of the attempt rows and one UPDATE per
+    distinct outcome (in practice one: every delivery succeeded), retries scheduled by ``due_at``
+    and sent after the commit (a countdown up to a minute, the relay beyond).
+
+    Success closes the delivery and clears its webhook's failing streak. A transient failure
+    schedules the next try from the retry schedule; a permanent one (refused destination, a 3xx or a
+    4xx other than 408/409/425/429) or a spent schedule closes the delivery as failed, without
+    further tries. A webhook failing for longer than the disable period is disabled and its notify
+    address mailed (a recorded ``mail.webhook_disabled`` job).
+    """
     now = utcnow()
-    session.add(
-        WebhookAttempt(
-            delivery_id=delivery.id,
-            number=prepared.attempt_number,
-            outcome=result.outcome,
-            status_code=result.status_code,
-            duration_ms=result.duration_ms,
-            error=result.error,
-            attempted_at=now,
+    outcome = BatchOutcome(counts={})
+    if closed:
+        session.execute(
+            update(WebhookDelivery)
+            .where(WebhookDelivery.id.in_(closed))
+            .values(status="failed", completed_at=now, lease_owner=None, lease_expires_at=None,
+                    last_error="the webhook is disabled")
+            .execution_options(synchronize_session=False)
         )
+        outcome.counts["closed"] = len(closed)
+        outcome.failed += len(closed)
+    if not prepared:
+        return outcome
+    session.execute(
+        insert(WebhookAttempt),
+        [
+            {
+                "id": uuid.uuid4(),
+                "delivery_id": p.delivery_id,
+                "number": p.attempt_number,
+                "outcome": r.outcome,
+                "status_code": r.status_code,
+                "duration_ms": r.duration_ms,
+                "error": r.error,
+                "attempted_at": now,
+            }
+            for p, r in zip(prepared, results, strict=True)
+        ],
     )
-    delivery.attempts = prepared.attempt_number
-    delivery.last_status_code = result.status_code
-    countdown = None
-    if result.outcome == "success":
-        _close(delivery, "succeeded", None)
-        if webhook is not None and webhook.failing_since is not None:
-            webhook.failing_since = None
-            session.add(webhook)
-    else:
-        delays = settings.webhook_retry_delays
-        if result.outcome == "refused" or prepared.attempt_number > len(delays):
-            _close(delivery, "failed", result.error or f"HTTP {result.status_code}")
+    groups: dict[tuple, list[uuid.UUID]] = {}
+    succeeded: set[uuid.UUID] = set()
+    failing: set[uuid.UUID] = set()
+    retries: dict[float, list[str]] = {}
+    for p, r in zip(prepared, results, strict=True):
+        outcome.counts[r.outcome] = outcome.counts.get(r.outcome, 0) + 1
+        if r.outcome == "success":
+            succeeded.add(p.webhook_id)
+            key = ("succeeded", p.attempt_number, r.status_code, None, None)
         else:
-            delay = max(delays[prepared.attempt_number - 1], result.retry_after_s or 0)
-            delivery.due_at = now + dt.timedelta(seconds=delay)
-            delivery.last_error = (result.error or f"HTTP {result.status_code}")[:500]
-            delivery.lease_owner = None
-            delivery.lease_expires_at = None
-            countdown = delay if delay <= MAX_COUNTDOWN_SECONDS else None
+            failing.add(p.webhook_id)
+            error = (r.error or f"HTTP {r.status_code}")[:500]
+            delay = _retry_delay(r, p.attempt_number, settings)
+            if delay is None:
+                outcome.failed += 1
+                key = ("failed", p.attempt_number, r.status_code, error, None)
+            else:
+                outcome.retrying += 1
+                retries.setdefault(delay, []).append(str(p.delivery_id))
+                key = ("pending", p.attempt_number, r.status_code, error, delay)
+        groups.setdefault(key, []).append(p.delivery_id)
+    for (status, attempts, status_code, error, delay), ids in groups.items():
+        values: dict = {"status": status, "attempts": attempts, "last_status_code": status_code,
+                        "lease_owner": None, "lease_expires_at": None}
+        if status == "pending":
+            values.update(due_at=now + dt.timedelta(seconds=delay), last_error=error, enqueued_at=None)
+        else:
+            values.update(completed_at=now)
+            if error is not None:
+                values["last_error"] = error
+        session.execute(
+            update(WebhookDelivery)
+            .where(WebhookDelivery.id.in_(ids))
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+    for delay, ids in retries.items():
+        enqueue_batch_after_commit(session, DELIVER_TASK, "delivery_ids", ids, delay=delay)
+    cleared = succeeded - failing
+    if cleared:
+        session.execute(
+            update(Webhook)
+            .where(Webhook.id.in_(cleared), Webhook.failing_since.is_not(None))
+            .values(failing_since=None)
+            .execution_options(synchronize_session=False)
+        )
+    for webhook_id in failing:
+        webhook = session.get(Webhook, webhook_id)
         if webhook is not None:
             _note_failure(session, webhook, now, settings)
-    session.add(delivery)
-    return countdown
+    return outcome
 
 
 def _note_failure(session: Session, webhook: Webhook, now: dt.datetime, settings: Settings) -> None:
@@ -375,31 +500,60 @@ def _note_failure(session: Session, webhook: Webhook, now: dt.datetime, settings
         webhook.disabled_reason = f"deliveries failed for {int(failing_for)} s without a success"
         webhook.modified_at = now
         if webhook.notify_email:
-            enqueue_after_commit(session, NOTIFY_TASK, webhook_id=str(webhook.id))
+            jobs.record(session, kind=NOTIFY_TASK, tenant_id=webhook.tenant_id, subject_type="webhook",
+                        subject_id=str(webhook.id),
+                        trace_id=None, max_attempts=8)
     session.add(webhook)
 
 
-def attempt(delivery_id: uuid.UUID, owner: str, settings: Settings, session_scope) -> str:
-    """Run one attempt of a delivery end to end; returns what happened (for logs and tests).
+@dataclass(frozen=True)
+class DisabledNotice:
+    """The mail telling a disabled webhook's ``notify_email`` why it was disabled."""
 
-    Two short transactions: lease and prepare, then record. The HTTP call runs outside any transaction.
-    """
-    lease_seconds = settings.webhook_timeout_seconds * 3 + 30
+    to: str
+    subject: str
+    text: str
+
+
+def disabled_notice(session: Session, webhook_id: uuid.UUID) -> DisabledNotice | None:
+    """The ``mail.webhook_disabled`` job's mail, or None when there is nothing to tell any more
+    (the webhook is gone, enabled again, or has no ``notify_email``)."""
+    webhook = session.get(Webhook, webhook_id)
+    if webhook is None or not webhook.notify_email or webhook.status != "disabled":
+        return None
+    text = (
+        f"Your Tessera webhook '{webhook.name}' ({webhook.id}) delivering to {webhook.url} was disabled: "
+        f"{webhook.disabled_reason}.\n\n"
+        "Fix the receiver, then enable the webhook again with PUT /webhooks/{id} and status 'enabled'.\n"
+    )
+    return DisabledNotice(to=webhook.notify_email, subject=f"Webhook '{webhook.name}' disabled", text=text)
+
+
+def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings, session_scope) -> BatchOutcome:
+    """Deliver a batch (about a hundred deliveries, one message): lease them and read what they need
+    in one statement, POST them concurrently on the process's connection pool, record the outcomes
+    in one transaction. Two short transactions; the HTTP calls run outside any."""
+    lease_seconds = settings.webhook_timeout_seconds * TOTAL_TIMEOUT_FACTOR + 30
     with session_scope() as session:
-        if not lease_delivery(session, delivery_id, owner, lease_seconds=lease_seconds):
-            return "skipped"
-        prepared = prepare(session, delivery_id)
-    if prepared is None:
-        return "closed"
-    result = deliver(
-        prepared.url,
-        prepared.body,
-        prepared.headers,
+        prepared, closed = lease_batch(session, delivery_ids, owner, lease_seconds=lease_seconds)
+    results = deliver_many(
+        [Request(p.url, p.body, p.headers) for p in prepared],
         timeout_s=settings.webhook_timeout_seconds,
         allow_private=settings.allow_private_destinations,
+        per_host=settings.webhook_host_concurrency,
     )
+    if not prepared and not closed:
+        return BatchOutcome(counts={"skipped": len(delivery_ids)})
     with session_scope() as session:
-        countdown = record_outcome(session, prepared, result, settings)
-    if countdown is not None:
-        send_task(DELIVER_TASK, countdown=countdown, delivery_ids=[str(delivery_id)])
-    return result.outcome
+        outcome = record_outcomes(session, prepared, results, closed, settings)
+    skipped = len(delivery_ids) - len(prepared) - len(closed)
+    if skipped:
+        outcome.counts["skipped"] = skipped
+    return outcome
+
+
+def attempt(delivery_id: uuid.UUID, owner: str, settings: Settings, session_scope) -> str:
+    """Run one attempt of one delivery end to end (:func:`deliver_batch` of one); returns what happened:
+    an HTTP outcome, ``closed`` or ``skipped`` (leased by someone else, or not due)."""
+    counts = deliver_batch([delivery_id], owner, settings, session_scope).counts
+    return next(iter(counts))

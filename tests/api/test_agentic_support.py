@@ -152,7 +152,8 @@ def jobs_of(pm_id: str) -> list[Job]:
     subjects = [str(r.id) for r in rail_rows(pm_id)]
     with session_scope() as session:
         rows = session.exec(select(Job).order_by(Job.created_at)).all()
-    return [j for j in rows if j.subject_id in subjects or (j.subject_id or "").startswith(f"{pm_id}/")]
+    return [j for j in rows if (j.subject_type == "rail" and j.subject_id in subjects)
+            or (j.subject_type == "payment_method" and j.subject_id == pm_id)]
 
 
 def rail_events(tenant_id, pm_id: str) -> list[dict]:

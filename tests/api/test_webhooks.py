@@ -310,3 +310,98 @@ def test_default_retry_schedule_starts_within_ten_seconds_and_grows():
     assert delays[0] <= 10
     assert delays == sorted(delays)
     assert sum(delays) > 24 * 3600
+
+
+def test_an_answer_retrying_cannot_change_fails_the_delivery_at_once(tenant, receiver):
+    hook = _subscribe(tenant, receiver.url)
+    receiver.status = 404  # a 4xx other than 408/409/425/429: the receiver answers the same every time
+    event_id = _emit(tenant)
+
+    def failed():
+        data = tenant.client.get(f"/webhooks/{hook['id']}/deliveries").json["data"]
+        return data if data and data[0]["status"] == "failed" else None
+
+    delivery = wait_until(failed, timeout=15)[0]
+    assert [a["status_code"] for a in delivery["attempts"]] == [404]
+    assert delivery["next_attempt_at"] is None
+    assert len([r for r in receiver.received if str(event_id).encode() in r.body]) == 1
+
+
+def test_a_conflict_answer_is_retried(tenant, receiver):
+    hook = _subscribe(tenant, receiver.url)
+    receiver.status = 409
+    event_id = _emit(tenant)
+    receiver.wait_for(lambda r: str(event_id).encode() in r.body)
+    receiver.status = 200
+
+    def succeeded():
+        data = tenant.client.get(f"/webhooks/{hook['id']}/deliveries").json["data"]
+        return data if data and data[0]["status"] == "succeeded" else None
+
+    delivery = wait_until(succeeded, timeout=20)[0]
+    assert [a["status_code"] for a in delivery["attempts"]] == [409, 200]
+
+
+def test_the_disabled_notice_is_a_recorded_job(tenant, receiver):
+    from storage.models import Job
+
+    hook = _subscribe(tenant, receiver.url)
+    with session_scope() as session:
+        row = session.get(Webhook, uuid.UUID(hook["id"]))
+        row.failing_since = dt.datetime.now(dt.UTC) - dt.timedelta(days=6)
+        session.add(row)
+    receiver.status = 500
+    _emit(tenant)
+
+    def notice():
+        with session_scope() as session:
+            return session.exec(
+                select(Job).where(Job.kind == webhooks.NOTIFY_TASK, Job.subject_type == "webhook",
+                                  Job.subject_id == hook["id"],
+                                  Job.status == "succeeded")
+            ).first()
+
+    job = wait_until(notice, timeout=20)
+    assert job.result == {"sent": True} and job.tenant_id == tenant.id
+
+
+def test_two_workers_leasing_one_batch_at_once_share_it_without_overlap(tenant, receiver):
+    import threading
+
+    _subscribe(tenant, receiver.url)
+    with session_scope() as session:
+        for _ in range(60):
+            events.emit(session, tenant_id=tenant.id, type="token.created", data={}, trace_id=None)
+        ids = list(session.exec(select(WebhookDelivery.id).where(WebhookDelivery.tenant_id == tenant.id,
+                                                                 WebhookDelivery.status == "pending")).all())
+        session.info.clear()  # keep the worker out of it: the two "workers" below race for the rows
+    got: dict[str, list] = {}
+    start = threading.Barrier(2)
+
+    def lease(owner: str) -> None:
+        start.wait()
+        with session_scope() as session:
+            prepared, closed = webhooks.lease_batch(session, ids, owner, lease_seconds=60)
+        got[owner] = [p.delivery_id for p in prepared] + closed
+
+    threads = [threading.Thread(target=lease, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not set(got["a"]) & set(got["b"])
+    assert sorted(got["a"] + got["b"]) == sorted(ids)
+
+
+def test_the_signing_secret_cache_follows_a_new_secret(tenant):
+    from domain.tenancy.tenants import WEBHOOK_SECRET_PURPOSE, cached_signing_secret, webhook_signing_secret
+    from storage.crypto import get_keyring
+    from storage.models import Tenant
+
+    with session_scope() as session:
+        first = webhook_signing_secret(session, tenant.id)
+        old_ct = session.get(Tenant, tenant.id).webhook_secret_ct
+        assert cached_signing_secret(session, tenant.id, old_ct) == first
+        new_ct = get_keyring().encrypt(session, tenant.id, WEBHOOK_SECRET_PURPOSE, str(tenant.id), b"whsec_bmV3")
+        assert cached_signing_secret(session, tenant.id, new_ct) == "whsec_bmV3"
+        assert cached_signing_secret(session, tenant.id, old_ct) == first

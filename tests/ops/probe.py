@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from infra import jobs
 from infra.celery import celery_app
-from infra.job_task import JobTask
 from infra.jobs import TransientError
+from infra.task import JobTask
 from storage.db import session_scope
 from storage.models import Job
 
@@ -40,7 +40,8 @@ def record(*, max_attempts: int = 2, tenant_id=None, trace_id: str | None = None
     """Record a probe job (its task is sent on commit unless ``fields`` make it not due yet)."""
     with session_scope() as session:
         job = jobs.record(
-            session, kind=KIND, tenant_id=tenant_id, subject_id="probe", trace_id=trace_id, max_attempts=max_attempts
+            session, kind=KIND, tenant_id=tenant_id, subject_type="probe", subject_id="probe",
+            trace_id=trace_id, max_attempts=max_attempts
         )
         for name, value in fields.items():
             setattr(job, name, value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 
-from infra.celery import QUEUE_OF_FAMILY, celery_app
+from infra.celery import QUEUE_OF_MODULE, QUEUES, celery_app, queue_of
 
 _ID_PARAMETER = re.compile(r"^[a-z_]+_ids?$")
 
@@ -35,10 +35,13 @@ def test_tasks_take_ids_only():
             assert _ID_PARAMETER.match(parameter.name), f"{name} takes '{parameter.name}': tasks take ids only"
         checked[name] = [p.name for p in parameters]
     assert checked["webhooks.deliver"] == ["delivery_ids"]
-    assert checked["mail.webhook_disabled"] == ["webhook_id"]
+    assert checked["mail.webhook_disabled"] == ["job_id"]  # a recorded job, like every mail
 
 
-def test_every_family_routes_to_a_declared_queue():
-    from infra.celery import QUEUES
-
-    assert set(QUEUE_OF_FAMILY.values()) <= set(QUEUES)
+def test_task_names_start_with_their_module_and_route_by_the_one_table():
+    for name, task in _platform_tasks().items():
+        module = task.run.__module__ if task.run.__module__.startswith("tasks.") else type(task).__module__
+        if not module.startswith("tasks."):
+            continue
+        assert module == f"tasks.{name.partition('.')[0]}", f"{name} is defined in {module}"
+        assert queue_of(name) == QUEUE_OF_MODULE[module.removeprefix("tasks.")] in QUEUES

@@ -22,7 +22,7 @@ import urllib3
 from sqlalchemy import func, select, update
 
 from domain.account_updater import service as au
-from infra.dispatch import _PENDING
+from infra.dispatch import take_pending
 from storage.db import session_scope
 from storage.models import AuditLog, Event, Job, Token
 from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
@@ -129,7 +129,7 @@ def test_bulk_token_rows_are_the_rows_create_tokens_writes(tenant):
 def _quiet(session) -> list:
     """Take the task messages this transaction would send after commit (the test sends them itself or
     not at all, so no other worker races it)."""
-    return session.info.pop(_PENDING, [])
+    return take_pending(session)
 
 
 def _card(session, tenant_id, number: str) -> str:
@@ -190,7 +190,7 @@ def counts(tenant_id, job_id) -> dict:
 
 def _cancel_recorded_jobs(job_id) -> None:
     with session_scope() as session:
-        session.execute(update(Job).where(Job.subject_id.like(f"{job_id}%"), Job.status == "queued")
+        session.execute(update(Job).where(Job.subject_id == str(job_id), Job.status == "queued")
                         .values(status="cancelled"))
 
 
@@ -224,8 +224,8 @@ def test_the_chunk_task_run_twice_does_its_work_once(tenant):
     job_id = prepared_job(tenant.id, UPDATES * 2, chunk_rows=4)
     try:
         with session_scope() as session:
-            chunk_jobs = session.scalars(select(Job.id).where(Job.subject_id.like(f"{job_id}:%"))
-                                         .order_by(Job.subject_id)).all()
+            chunk_jobs = session.scalars(select(Job.id).where(Job.subject_id == str(job_id), Job.kind == au.CHUNK_TASK)
+                                         .order_by(Job.subject_number)).all()
         assert len(chunk_jobs) == 2
         assert process_chunk.run(job_id=str(chunk_jobs[0])) == "succeeded"
         assert process_chunk.run(job_id=str(chunk_jobs[0])) == "skipped"  # the message delivered again
@@ -339,7 +339,8 @@ def test_a_worker_sigkilled_mid_chunk_leaves_rows_and_tokens_exactly_once(tenant
     second = None
     try:
         with session_scope() as session:  # hand the recorded chunk jobs to the subprocess worker only
-            chunk_jobs = session.scalars(select(Job).where(Job.subject_id.like(f"{job_id}:%"))).all()
+            chunk_jobs = session.scalars(select(Job).where(Job.subject_id == str(job_id),
+                                                         Job.kind == au.CHUNK_TASK)).all()
         send([(au.CHUNK_TASK, {"job_id": str(j.id)}) for j in chunk_jobs])
         assert gate.held.wait(60), log_path.read_text()[-3000:]  # one chunk done, the next waiting on the network
         kill_group(first)  # the whole worker (main process and pool child), as a machine dies

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+from uuid import uuid4
 
 from infra import jobs, outbox
 from infra.celery import celery_app
-from infra.job_task import JobTask
 from infra.jobs import PermanentError, TransientError
+from infra.task import JobTask
 from storage.db import session_scope
 from storage.models import Job
 from tests.helpers import wait_until
@@ -31,7 +32,7 @@ class ScriptedJob(JobTask):
     def apply(self, session, job, outcome):
         return outcome
 
-    def on_failure(self, session, job, error):
+    def on_job_failure(self, session, job, error):
         job.result = {**(job.result or {}), "on_failure": type(error).__name__}
         session.add(job)
 
@@ -41,7 +42,8 @@ celery_app.register_task(ScriptedJob())
 
 def _record(subject: str, max_attempts: int = 5) -> Job:
     with session_scope() as session:
-        return jobs.record(session, kind=ScriptedJob.name, tenant_id=None, subject_id=subject, trace_id=None,
+        return jobs.record(session, kind=ScriptedJob.name, tenant_id=None, subject_type="script",
+                           subject_id=subject, trace_id=None,
                            max_attempts=max_attempts)
 
 
@@ -99,3 +101,143 @@ def test_a_job_whose_worker_died_is_released_and_relayed(worker):
     with session_scope() as session:
         assert outbox.relay(session, grace_seconds=0) >= 1
     assert _settled(job.id, "succeeded").attempts == 2
+
+
+class _States:
+    """The Celery states the worker reports for one job's runs (what Flower shows), from the worker's
+    own signals: one entry per run, in order."""
+
+    def __init__(self, job_id):
+        from celery import signals
+
+        self.job_id, self.states = str(job_id), []
+        self._signals = {signals.task_success: self._success, signals.task_retry: self._retry,
+                         signals.task_failure: self._failure}
+        for signal, receiver in self._signals.items():
+            signal.connect(receiver, weak=False)
+
+    def _mine(self, request) -> bool:
+        return (getattr(request, "kwargs", None) or {}).get("job_id") == self.job_id
+
+    def _success(self, sender=None, result=None, **_):
+        if self._mine(sender.request):
+            self.states.append(("SUCCESS", result))
+
+    def _retry(self, request=None, reason=None, **_):
+        if self._mine(request):
+            self.states.append(("RETRY", str(reason)))
+
+    def _failure(self, sender=None, exception=None, **_):
+        if self._mine(sender.request):
+            self.states.append(("FAILURE", str(exception)))
+
+    def close(self):
+        for signal, receiver in self._signals.items():
+            signal.disconnect(receiver)
+
+
+def test_attempts_show_as_retry_then_success_each_run_once(worker):
+    job = _record("transient:1")
+    states = _States(job.id)
+    try:
+        _settled(job.id, "succeeded")
+        wait_until(lambda: len(states.states) >= 2)
+    finally:
+        states.close()
+    assert [state for state, _ in states.states] == ["RETRY", "SUCCESS"]
+    assert "503" in states.states[0][1] and states.states[1][1] == "succeeded"
+    assert _job(job.id).attempts == 2
+
+
+def test_a_permanent_failure_and_a_dead_letter_show_as_failure(worker):
+    permanent, forever = _record("permanent"), _record("forever", max_attempts=2)
+    failed, dead = _States(permanent.id), _States(forever.id)
+    try:
+        _settled(permanent.id, "failed")
+        _settled(forever.id, "dead")
+        wait_until(lambda: failed.states and len(dead.states) >= 2)
+    finally:
+        failed.close()
+        dead.close()
+    assert failed.states == [("FAILURE", "DECLINED: the provider declined")]
+    assert [state for state, _ in dead.states] == ["RETRY", "FAILURE"]
+    assert dead.states[1][1].startswith("dead letter after 2 attempts")
+
+
+def test_a_retry_past_a_minute_waits_for_the_relay_without_a_message(worker):
+    from infra.dispatch import take_pending
+
+    with session_scope() as session:
+        job = Job(kind=ScriptedJob.name, subject_id="transient:0", status="running", attempts=1, max_attempts=5)
+        session.add(job)
+    with session_scope() as session:
+        row = session.get(Job, job.id)
+        assert jobs.schedule_retry(session, row, error="later", delay=120) == 120
+        assert take_pending(session) == []  # no countdown message: due_at and the relay carry it
+        row = session.get(Job, job.id)
+        row_due = row.due_at
+    with session_scope() as session:
+        assert jobs.schedule_retry(session, session.get(Job, job.id), error="soon", delay=2) == 2
+        assert take_pending(session) == [(ScriptedJob.name, {"job_id": str(job.id)})]
+    assert row_due > dt.datetime.now(dt.UTC) + dt.timedelta(seconds=100)
+
+
+def test_beat_sends_the_relay_only_when_something_is_due(database):
+    from workers.beat import GATES, RELAY_TASK, has_work
+
+    with session_scope() as session:
+        job = Job(kind=ScriptedJob.name, subject_id="transient:0")  # recorded; its message "was lost"
+        session.add(job)
+        due = job.due_at
+    with session_scope() as session:
+        # nothing recorded in this database was due back then (other tests' rows included)
+        assert outbox.relay_due(session, grace_seconds=15, now=dt.datetime(2000, 1, 1, tzinfo=dt.UTC)) is False
+        assert outbox.relay_due(session, grace_seconds=15, now=due + dt.timedelta(seconds=16)) is True
+    assert RELAY_TASK in GATES and has_work("sweeps.delete_expired_tokens") is True  # ungated
+    with session_scope() as session:
+        session.get(Job, job.id).status = "cancelled"
+
+
+def test_replaying_a_dead_mail_job_sends_the_mail(worker, tenant):
+    with session_scope() as session:
+        job = jobs.record(session, kind="mail.webhook_disabled", tenant_id=tenant.id, subject_type="webhook",
+                          subject_id=str(uuid4()),
+                          trace_id=None, max_attempts=1)
+    done = _settled(job.id, "succeeded")  # no such webhook: nothing to tell, succeeded without a mail
+    assert done.result == {"sent": False}
+    with session_scope() as session:
+        row = session.get(Job, job.id)
+        row.status = "dead"
+        session.add(row)
+    with session_scope() as session:
+        jobs.requeue(session, session.get(Job, job.id))
+    replayed = _settled(job.id, "succeeded")
+    assert replayed.attempts == 1 and replayed.result == {"sent": False}
+
+
+def test_two_workers_racing_for_one_job_one_wins(database):
+    """Every kind of job (network tokens, rails, account updater steps, mails) is leased by
+    ``jobs.lease``: two workers asking at the same instant, one gets it."""
+    import threading
+
+    with session_scope() as session:
+        job = Job(kind=ScriptedJob.name, subject_type="script", subject_id="transient:0", status="queued")
+        session.add(job)
+    won: list[str] = []
+    start = threading.Barrier(2)
+
+    def lease(owner: str) -> None:
+        start.wait()
+        with session_scope() as session:
+            if jobs.lease(session, job.id, owner, lease_seconds=30) is not None:
+                won.append(owner)
+
+    threads = [threading.Thread(target=lease, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(won) == 1
+    assert _job(job.id).lease_owner == won[0] and _job(job.id).attempts == 1
+    with session_scope() as session:
+        session.get(Job, job.id).status = "cancelled"

@@ -1,7 +1,7 @@
 """pre-configured proxies
 
-Revision ID: 0006_proxies
-Revises: 0005
+Revision ID: 0007_proxies
+Revises: 0006_job_subjects
 """
 
 from collections.abc import Sequence
@@ -12,8 +12,8 @@ from alembic import op
 
 import storage.types
 
-revision: str = "0006_proxies"
-down_revision: str | None = "0005"
+revision: str = "0007_proxies"
+down_revision: str | None = "0006_job_subjects"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,0 +1,78 @@
+"""Beat's scheduler: periodic tasks that are sent only when they have something to do.
+
+Some sweeps run every few seconds but usually find nothing (the outbox relay, the release of stale
+job leases, the account updater's look for uploaded files). A Celery task every few seconds that
+does nothing floods Flower's task list and the console, so beat first asks one cheap ``EXISTS``
+query in its own process (:data:`GATES`) and sends the task only when the answer is yes. When the
+database cannot be asked, the task is sent anyway (the sweep then finds out itself).
+
+``tessera beat`` runs this scheduler (``beat_scheduler`` in ``workers/celery_app.py``); beat's and the
+relay's heartbeats are written after each pass, sent or not, so ``tessera queues`` shows them alive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from celery.beat import PersistentScheduler
+from sqlalchemy import exists, select
+from sqlmodel import Session
+
+from config.settings import get_settings
+from infra import ops, outbox
+from storage.db import session_scope
+from storage.models_account_updater import AccountUpdaterJob
+from storage.types import utcnow
+
+log = logging.getLogger("tessera.beat")
+
+RELAY_TASK = "sweeps.relay_outbox"
+
+
+def _uploads_awaited(session: Session) -> bool:
+    now = utcnow()
+    return bool(
+        session.scalar(
+            select(exists().where(AccountUpdaterJob.status == "pending", AccountUpdaterJob.expires_at > now))
+        )
+    )
+
+
+#: Task name -> the query that tells whether sending it now would do anything.
+GATES: dict[str, Callable[[Session], bool]] = {
+    RELAY_TASK: lambda session: outbox.relay_due(session, grace_seconds=get_settings().outbox_relay_after_seconds),
+    "sweeps.release_stale_leases": lambda session: outbox.stale_leases_exist(session),
+    "account_updater.detect_uploads": _uploads_awaited,
+}
+
+
+def has_work(task_name: str) -> bool:
+    """Whether the periodic task ``task_name`` has something to do now (True for ungated tasks and
+    when the database cannot be asked)."""
+    gate = GATES.get(task_name)
+    if gate is None:
+        return True
+    try:
+        with session_scope() as session:
+            return gate(session)
+    except Exception:
+        log.warning("could not ask whether %s has work; sending it", task_name, exc_info=True)
+        return True
+
+
+class Scheduler(PersistentScheduler):
+    """Celery's persistent scheduler, sending a gated entry only when :func:`has_work` says so."""
+
+    def apply_entry(self, entry, producer=None):
+        if has_work(entry.task):
+            super().apply_entry(entry, producer=producer)
+        else:
+            log.debug("beat: %s has nothing to do; not sent", entry.task)
+        settings = get_settings()
+        try:
+            ops.record_heartbeat(settings, "beat")
+            if entry.task == RELAY_TASK:
+                ops.record_heartbeat(settings, "relay")  # the relay looked (here, or in the task it sent)
+        except Exception:
+            log.warning("could not record beat's heartbeat", exc_info=True)
