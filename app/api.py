@@ -18,17 +18,18 @@ import asyncio
 import functools
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from app.context import DB_EXECUTOR, SETTINGS, TRACE_ID
+from app.context import DB_EXECUTOR, JOB_WAITS, SETTINGS, TRACE_ID
 from domain.tenancy.auth import authenticate, caller_cache
 from domain.tenancy.caller import Caller
 from infra.errors import Problem, not_found, validation_problem
+from infra.wait import Outcome, read_outcomes
 from storage.db import session_scope
 
 
@@ -93,6 +94,15 @@ class Call:
     async def db(self, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
         """Run ``fn(session, *args, **kwargs)`` in one transaction on the database thread pool."""
         return await run_db(self.request.app, fn, *args, **kwargs)
+
+    async def wait_for_jobs(self, job_ids: Iterable[uuid.UUID], *, timeout: float) -> dict[uuid.UUID, Outcome]:
+        """Wait up to ``timeout`` seconds until every job of ``job_ids`` settles, woken by the outcome
+        messages of the process's subscription (``infra/wait.py``); the last outcome known of each."""
+
+        async def read(ids: list[uuid.UUID]) -> dict[uuid.UUID, Outcome]:
+            return await self.db(read_outcomes, ids)
+
+        return await self.request.app[JOB_WAITS].wait(job_ids, read, timeout=timeout)
 
 
 async def run_db(app: web.Application, fn: Callable[..., Any], /, *args, **kwargs) -> Any:

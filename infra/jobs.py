@@ -14,21 +14,19 @@ The life of a job::
   outbox relay sends it again.
 * The job id is the provider-side idempotency key: a job run twice asks the provider twice with the
   same key and gets the same answer, so nothing is done twice.
-* :func:`wait` lets an HTTP handler wait for the outcome up to a bounded time without blocking the
-  event loop.
+* A request waits for the outcome with :mod:`infra.wait`: settling a job publishes it after the commit.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import random
 import uuid
-from collections.abc import Awaitable, Callable
 
 from sqlalchemy import or_, update
 from sqlmodel import Session
 
+from infra import wait
 from infra.dispatch import enqueue_after_commit
 from storage.models import Job
 from storage.types import utcnow
@@ -104,7 +102,8 @@ def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: flo
     return session.get(Job, job_id, populate_existing=True)
 
 
-def _close(job: Job, status: str, *, error: str | None = None, result: dict | None = None) -> None:
+def _close(session: Session, job: Job, status: str, *, error: str | None = None, result: dict | None = None) -> None:
+    """Settle the job; its outcome is published to a waiting request once the transaction commits."""
     job.status = status
     job.lease_owner = None
     job.lease_expires_at = None
@@ -113,18 +112,18 @@ def _close(job: Job, status: str, *, error: str | None = None, result: dict | No
         job.last_error = error[:1000]
     if result is not None:
         job.result = result
+    session.add(job)
+    wait.announce_on_commit(session, job.id, status, job.result)
 
 
 def complete(session: Session, job: Job, *, result: dict | None = None) -> None:
     """Mark the job succeeded (in the transaction that writes its outcome)."""
-    _close(job, "succeeded", result=result)
-    session.add(job)
+    _close(session, job, "succeeded", result=result)
 
 
 def fail(session: Session, job: Job, *, error: str, result: dict | None = None) -> None:
     """Mark the job failed for good (a permanent error), with its error recorded."""
-    _close(job, "failed", error=error, result=result)
-    session.add(job)
+    _close(session, job, "failed", error=error, result=result)
 
 
 def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> float:
@@ -140,8 +139,7 @@ def schedule_retry(session: Session, job: Job, *, error: str, delay: float | Non
     longer delays wait as ``due_at`` for the relay), or None when the job became a dead letter.
     """
     if job.attempts >= job.max_attempts:
-        _close(job, "dead", error=error)
-        session.add(job)
+        _close(session, job, "dead", error=error)
         return None
     delay = backoff_seconds(job.attempts) if delay is None else delay
     job.status = "queued"
@@ -166,28 +164,3 @@ def requeue(session: Session, job: Job) -> None:
     job.updated_at = utcnow()
     session.add(job)
     enqueue_after_commit(session, job.kind, job_id=str(job.id))
-
-
-async def wait(
-    read_status: Callable[[uuid.UUID], Awaitable[str | None]], job_id: uuid.UUID, *, timeout: float
-) -> str | None:
-    """Poll ``read_status(job_id)`` until the job is terminal or ``timeout`` seconds pass.
-
-    Returns the last status seen. Polls start at 5 ms and back off to 250 ms, sleeping with
-    ``asyncio.sleep`` so the event loop stays free.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    interval = 0.005
-    status = await read_status(job_id)
-    while status not in TERMINAL and loop.time() < deadline:
-        await asyncio.sleep(min(interval, max(0.0, deadline - loop.time())))
-        interval = min(0.25, interval * 1.5)
-        status = await read_status(job_id)
-    return status
-
-
-def job_status(session: Session, job_id: uuid.UUID) -> str | None:
-    """The status of a job (None when it does not exist)."""
-    job = session.get(Job, job_id, populate_existing=True)
-    return job.status if job else None

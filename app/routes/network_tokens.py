@@ -17,7 +17,6 @@ from pydantic import Field
 from app.api import AnyOf, Api, Call
 from app.schemas import RequestModel, ResponseModel
 from domain.network_tokens import service
-from infra import jobs
 
 api = Api()
 TAG = "Network tokens"
@@ -218,13 +217,9 @@ class CryptogramOut(ResponseModel):
     eci: str
 
 
-async def _wait(call: Call, job_id: uuid.UUID) -> str | None:
-    """Wait for the job to end, up to the configured bound, polling on the database thread pool."""
-
-    async def status(value: uuid.UUID) -> str | None:
-        return await call.db(jobs.job_status, value)
-
-    return await jobs.wait(status, job_id, timeout=call.settings.network_token_wait_seconds)
+async def _wait(call: Call, job_id: uuid.UUID) -> None:
+    """Wait for the job to settle, up to the configured bound (woken by its outcome message)."""
+    await call.wait_for_jobs([job_id], timeout=call.settings.network_token_wait_seconds)
 
 
 @api.route(

@@ -4,8 +4,9 @@
 
 Every call to the card network runs in a worker (``spec/README.md`` decision 5): the API records a job
 (:func:`infra.jobs.record`) in the transaction of its change, waits for the outcome without blocking the
-event loop (:func:`infra.jobs.wait`, up to ``TESSERA_NETWORK_TOKEN_WAIT_SECONDS``) and answers with what
-is known. The tasks in ``tasks/network_tokens.py`` are thin shells around the ``*_input`` / ``apply_*`` /
+event loop (woken by the job's outcome message, ``infra/wait.py``; up to
+``TESSERA_NETWORK_TOKEN_WAIT_SECONDS``) and answers with what is known. The tasks in
+``tasks/network_tokens.py`` are thin shells around the ``*_input`` / ``apply_*`` /
 ``*_failed`` functions here. The job id is the network's idempotency key, so a job run twice (a worker
 killed after the network answered and before its commit) gets the same network token, not a second one.
 
