@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ class Call:
     body: Any
     query: Any
     trace_id: str
+    #: ``time.monotonic()`` when the handler was called.
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def params(self):
@@ -96,13 +99,14 @@ class Call:
         return await run_db(self.request.app, fn, *args, **kwargs)
 
     async def wait_for_jobs(self, job_ids: Iterable[uuid.UUID], *, timeout: float) -> dict[uuid.UUID, Outcome]:
-        """Wait up to ``timeout`` seconds until every job of ``job_ids`` settles, woken by the outcome
-        messages of the process's subscription (``infra/wait.py``); the last outcome known of each."""
+        """Wait up to ``timeout`` seconds until every job of ``job_ids`` (recorded by this request)
+        settles, woken by the outcome messages of the process's subscription (``infra/wait.py``);
+        the last outcome known of each."""
 
         async def read(ids: list[uuid.UUID]) -> dict[uuid.UUID, Outcome]:
             return await self.db(read_outcomes, ids)
 
-        return await self.request.app[JOB_WAITS].wait(job_ids, read, timeout=timeout)
+        return await self.request.app[JOB_WAITS].wait(job_ids, read, timeout=timeout, since=self.started)
 
 
 async def run_db(app: web.Application, fn: Callable[..., Any], /, *args, **kwargs) -> Any:

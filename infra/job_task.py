@@ -49,12 +49,18 @@ class JobTask(TesseraTask):
     #: How long a worker holds a job; longer than the slowest provider call it makes.
     lease_seconds: float = 120.0
 
+    def lease_reads(self) -> dict[str, Any]:
+        """What ``perform`` needs, read by the lease statement itself (:func:`infra.jobs.lease_and_read`):
+        name -> scalar SQL expression over the job row. Given any, ``perform(job, read)`` gets their values."""
+        return {}
+
     def perform(self, job: Job) -> Any:
         """Do the slow part (provider calls) outside any transaction; return what ``apply`` needs."""
         raise NotImplementedError
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
-        """Write the outcome and its events in the completing transaction; return the job result."""
+        """Write the outcome and its events in the completing transaction (the job row is locked
+        already); return the job result."""
         raise NotImplementedError
 
     def on_failure(self, session: Session, job: Job, error: Exception) -> None:
@@ -62,20 +68,20 @@ class JobTask(TesseraTask):
 
     def run(self, job_id: str) -> str:
         """Lease, perform, apply: returns the job's status after this attempt."""
-        with session_scope() as session:
-            job = jobs.lease(session, uuid.UUID(job_id), self.worker_id(), lease_seconds=self.lease_seconds)
-            if job is not None:
-                session.expunge(job)
-        if job is None:
+        reads = self.lease_reads()
+        leased = jobs.lease_and_read(uuid.UUID(job_id), self.worker_id(), lease_seconds=self.lease_seconds,
+                                     reads=reads)
+        if leased is None:
             return "skipped"
+        job, read = leased
         try:
-            outcome = self.perform(job)
+            outcome = self.perform(job, read) if reads else self.perform(job)
         except TransientError as exc:
             return self._retry(job, exc)
         except PermanentError as exc:
             return self._fail(job, exc)
         with session_scope() as session:
-            current = session.get(Job, job.id)
+            current = session.get(Job, job.id, with_for_update=True)  # locked first: the lock order of ``apply``
             result = self.apply(session, current, outcome)
             jobs.complete(session, current, result=result)
         return "succeeded"

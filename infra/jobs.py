@@ -22,12 +22,15 @@ from __future__ import annotations
 import datetime as dt
 import random
 import uuid
+from collections.abc import Mapping
+from typing import Any
 
-from sqlalchemy import or_, update
+from sqlalchemy import ColumnElement, or_, select, update
 from sqlmodel import Session
 
 from infra import wait
 from infra.dispatch import enqueue_after_commit
+from storage.db import get_lease_engine, session_scope
 from storage.models import Job
 from storage.types import utcnow
 
@@ -77,10 +80,10 @@ def record(
     return job
 
 
-def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: float) -> Job | None:
-    """Take the job for ``owner`` (one worker wins); counts an attempt. None when not takeable now."""
+def _lease_statement(job_id: uuid.UUID, owner: str, lease_seconds: float):
+    """The UPDATE taking job ``job_id`` for ``owner`` when it is takeable now (counts an attempt)."""
     now = utcnow()
-    result = session.execute(
+    return (
         update(Job)
         .where(
             Job.id == job_id,
@@ -97,9 +100,46 @@ def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: flo
         )
         .execution_options(synchronize_session=False)
     )
+
+
+def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: float) -> Job | None:
+    """Take the job for ``owner`` (one worker wins); counts an attempt. None when not takeable now."""
+    result = session.execute(_lease_statement(job_id, owner, lease_seconds))
     if result.rowcount != 1:
         return None
     return session.get(Job, job_id, populate_existing=True)
+
+
+def lease_and_read(
+    job_id: uuid.UUID, owner: str, *, lease_seconds: float, reads: Mapping[str, ColumnElement] | None = None
+) -> tuple[Job, dict[str, Any]] | None:
+    """Take the job for ``owner`` like :func:`lease` and read, in the same statement, what its work
+    needs: ``reads`` maps names to scalar SQL expressions over the job row (correlated subqueries).
+
+    Returns the detached job and ``{name: value}``; None when the job is not takeable now. On
+    PostgreSQL this is one ``UPDATE ... RETURNING`` committed without waiting for the WAL flush (a
+    lease lost in a database crash only means the job is taken again, with the same idempotency
+    key); elsewhere :func:`lease` and a SELECT in one transaction.
+    """
+    reads = dict(reads or {})
+    labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
+    labelled = [expression.label(labels[name]) for name, expression in reads.items()]
+    engine = get_lease_engine()
+    if engine is not None:
+        statement = _lease_statement(job_id, owner, lease_seconds).returning(*Job.__table__.columns, *labelled)
+        with engine.connect() as connection:
+            row = connection.execute(statement).mappings().first()
+        if row is None:
+            return None
+        job = Job.model_validate({column.name: row[column] for column in Job.__table__.columns})
+        return job, {name: row[labels[name]] for name in reads}
+    with session_scope() as session:
+        job = lease(session, job_id, owner, lease_seconds=lease_seconds)
+        if job is None:
+            return None
+        values = session.execute(select(*labelled).where(Job.id == job_id)).mappings().one() if labelled else {}
+        session.expunge(job)
+    return job, {name: values[labels[name]] for name in reads}
 
 
 def _close(session: Session, job: Job, status: str, *, error: str | None = None, result: dict | None = None) -> None:

@@ -10,12 +10,15 @@ the waiting request one poll interval, nothing else.
 
 The api side: one :class:`JobWaits` per api process holds one pattern subscription
 (``PSUBSCRIBE <prefix>tessera:job-outcome:*``) and a map of job id -> futures of the requests waiting
-for it (started and stopped in the aiohttp application's ``cleanup_ctx``). :meth:`JobWaits.wait`
-registers its futures first, then reads the jobs' statuses once from the database (the job may have
-settled, and its message gone out, before the request began to listen), then sleeps on the futures.
-The database is read again every ``TESSERA_JOB_WAIT_POLL_SECONDS`` (default 1 s) as a safety net for
-a missed message. Without Redis (the embedded default of ``tessera dev``) or while the subscription is
-down, the wait polls the database, from 10 ms backing off to that same interval.
+for it (started and stopped in the aiohttp application's ``cleanup_ctx``). A message for a job nobody
+waits for yet is kept for :data:`RECENT_SECONDS` (the worker can be faster than the request that
+recorded the job is to start waiting). :meth:`JobWaits.wait` registers its futures first; unless the
+subscription has been live without a break since before the job was recorded (``since``), it then
+reads the jobs' statuses once from the database (the job may have settled, and its message gone out,
+before this process listened); then it sleeps on the futures. The database is read again every
+``TESSERA_JOB_WAIT_POLL_SECONDS`` (default 1 s) as a safety net for a missed message. Without Redis
+(the embedded default of ``tessera dev``) or while the subscription is down, the wait polls the
+database, from 10 ms backing off to that same interval.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -50,6 +55,9 @@ SAFE_RESULT_KEYS = ("code", "status", "network_token_id", "rail_status", "skippe
 FIRST_POLL_SECONDS = 0.01
 #: Seconds between two attempts to (re)subscribe after Redis failed.
 RESUBSCRIBE_SECONDS = 1.0
+#: Seconds an outcome nobody waits for yet is kept, and how many such outcomes at most.
+RECENT_SECONDS = 10.0
+RECENT_MAX = 10_000
 
 
 def channel_prefix(prefix: str) -> str:
@@ -144,9 +152,13 @@ class JobWaits:
     def __init__(self, redis_url: str | None, *, prefix: str = "", poll_seconds: float = 1.0):
         self.redis_url = redis_url
         self.pattern = channel_prefix(prefix) + "*"
+        #: The subscription's Redis client name (``CLIENT LIST``): the process and this instance.
+        self.client_name = f"tessera-job-waits-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.poll_seconds = poll_seconds
         self._waiters: dict[uuid.UUID, set[asyncio.Future]] = {}
+        self._recent: OrderedDict[uuid.UUID, tuple[float, Outcome]] = OrderedDict()
         self._subscribed = asyncio.Event()
+        self._live_since: float | None = None
         self._reader: asyncio.Task | None = None
         self._client = None
         #: Counters for operators and tests: messages delivered to a waiter, database reads made.
@@ -158,12 +170,17 @@ class JobWaits:
         """True while the pattern subscription is live."""
         return self._subscribed.is_set()
 
+    def live_since(self, since: float) -> bool:
+        """True when the subscription has been live without a break since ``time.monotonic()`` was
+        ``since``: every outcome published after that reached this process."""
+        return self._live_since is not None and self._live_since <= since
+
     async def start(self, *, ready_timeout: float = 2.0) -> None:
         """Subscribe (in a background task that re-subscribes after a Redis failure); waits up to
         ``ready_timeout`` seconds for the first subscription, never failing when Redis is down."""
         if not self.redis_url:
             return
-        self._client = aioredis.Redis.from_url(self.redis_url)
+        self._client = aioredis.Redis.from_url(self.redis_url, client_name=self.client_name)
         self._reader = asyncio.create_task(self._read(), name="tessera-job-waits")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._subscribed.wait(), ready_timeout)
@@ -189,6 +206,7 @@ class JobWaits:
                     if message is None:
                         continue
                     if message["type"] == "psubscribe":
+                        self._live_since = time.monotonic()
                         self._subscribed.set()
                     elif message["type"] == "pmessage":
                         self._deliver(message["data"])
@@ -197,6 +215,7 @@ class JobWaits:
             except Exception:
                 log.warning("the job outcome subscription failed; waits poll until it is back", exc_info=True)
             finally:
+                self._live_since = None
                 self._subscribed.clear()
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
@@ -210,16 +229,30 @@ class JobWaits:
         except (ValueError, KeyError, TypeError):
             log.warning("ignored a malformed job outcome message")
             return
-        for future in self._waiters.get(job_id, ()):
+        waiting = self._waiters.get(job_id)
+        if not waiting:
+            self._keep(job_id, outcome)
+        for future in waiting or ():
             if not future.done():
                 future.set_result(outcome)
                 self.notified += 1
+
+    def _keep(self, job_id: uuid.UUID, outcome: Outcome) -> None:
+        now = time.monotonic()
+        self._recent[job_id] = (now, outcome)
+        while self._recent and (len(self._recent) > RECENT_MAX or next(iter(self._recent.values()))[0]
+                                < now - RECENT_SECONDS):
+            self._recent.popitem(last=False)
 
     def _register(self, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, asyncio.Future]:
         loop = asyncio.get_running_loop()
         futures = {}
         for job_id in job_ids:
             future = loop.create_future()
+            recent = self._recent.pop(job_id, None)
+            if recent is not None:
+                future.set_result(recent[1])
+                self.notified += 1
             self._waiters.setdefault(job_id, set()).add(future)
             futures[job_id] = future
         return futures
@@ -237,12 +270,14 @@ class JobWaits:
         """How many jobs have a request waiting for them now."""
         return len(self._waiters)
 
-    async def wait(self, job_ids: Iterable[uuid.UUID], read: ReadOutcomes, *, timeout: float
-                   ) -> dict[uuid.UUID, Outcome]:
+    async def wait(self, job_ids: Iterable[uuid.UUID], read: ReadOutcomes, *, timeout: float,
+                   since: float | None = None) -> dict[uuid.UUID, Outcome]:
         """Wait until every job of ``job_ids`` is settled or ``timeout`` seconds pass.
 
         ``read(ids)`` reads the outcomes of ``ids`` from the database (off the event loop; a job
-        missing from its answer counts as unsettled). Returns the last outcome known of each job.
+        missing from its answer counts as unsettled). ``since``: a ``time.monotonic()`` taken before
+        the jobs were recorded; when the subscription has been live since then, the first database
+        read is skipped (no outcome can have been missed). Returns the last outcome known of each job.
         """
         ids = list(dict.fromkeys(job_ids))
         if not ids:
@@ -251,7 +286,10 @@ class JobWaits:
         deadline = loop.time() + timeout
         futures = self._register(ids)
         try:
-            known = await self._read_once(read, ids)
+            if since is not None and self.live_since(since):
+                known = {job_id: Outcome(None) for job_id in ids}
+            else:
+                known = await self._read_once(read, ids)
             pending = {job_id for job_id in ids if not known[job_id].settled}
             interval = self.poll_seconds if self.subscribed else FIRST_POLL_SECONDS
             next_read = loop.time() + interval

@@ -4,7 +4,7 @@
   webhooks, files, mail, sweeps, default), with the options given (``--concurrency N``, ``-n NAME``...).
 * A child process runs the ``providers`` queue (card network and agentic provider calls, I/O-bound:
   a thread waits on the network) on a thread pool of ``TESSERA_PROVIDER_CONCURRENCY`` threads
-  (default 24), named ``<name>-providers@<host>``. It stays in this process's group (a group kill
+  (default 16), named ``<name>-providers@<host>``. It stays in this process's group (a group kill
   takes both), gets the shutdown signal this process gets (a warm shutdown finishes its running
   calls), and is sent SIGTERM by the kernel if this process dies without one.
 

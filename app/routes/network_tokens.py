@@ -217,9 +217,10 @@ class CryptogramOut(ResponseModel):
     eci: str
 
 
-async def _wait(call: Call, job_id: uuid.UUID) -> None:
-    """Wait for the job to settle, up to the configured bound (woken by its outcome message)."""
-    await call.wait_for_jobs([job_id], timeout=call.settings.network_token_wait_seconds)
+async def _wait(call: Call, job_id: uuid.UUID) -> str | None:
+    """Wait for the job to settle, up to the configured bound (woken by its outcome message); its status."""
+    outcomes = await call.wait_for_jobs([job_id], timeout=call.settings.network_token_wait_seconds)
+    return outcomes[job_id].status
 
 
 @api.route(
@@ -237,8 +238,8 @@ async def _wait(call: Call, job_id: uuid.UUID) -> None:
 async def create(call: Call):
     """Record, wait, answer 201 / 202 / 422 (see the description)."""
     started = await call.db(service.create_network_token, call.caller, call.body.model_dump(mode="json"))
-    await _wait(call, started.job_id)
-    return await call.db(service.provisioning_outcome, call.caller, started)
+    status = await _wait(call, started.job_id)
+    return await call.db(service.provisioning_outcome, call.caller, started, status=status)
 
 
 @api.route(
