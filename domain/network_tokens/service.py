@@ -45,7 +45,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from sqlalchemy import ScalarSelect, Uuid, cast, update
+from sqlalchemy import ScalarSelect, update
 from sqlmodel import Session, select
 
 from domain.network_tokens.ids import parse_uuid
@@ -73,7 +73,7 @@ from storage.crypto import get_keyring
 from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
-from storage.types import utcnow
+from storage.types import TextAsUuid, utcnow
 
 PROVISION_TASK = "network_tokens.provision"
 CARD_ART_TASK = "network_tokens.card_art"
@@ -443,7 +443,7 @@ def network_for_job(session: Session, job: Job) -> CardNetwork:
 
 def _of_token(column) -> ScalarSelect:
     """``column`` of the job's network token (its subject), as a scalar subquery over the job row."""
-    return select(column).where(NetworkToken.id == cast(Job.subject_id, Uuid)).scalar_subquery()
+    return select(column).where(NetworkToken.id == TextAsUuid(Job.subject_id)).scalar_subquery()
 
 
 def _tenant_type() -> ScalarSelect:
