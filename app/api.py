@@ -18,8 +18,9 @@ import asyncio
 import functools
 import json
 import re
+import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +28,11 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from app.context import DB_EXECUTOR, GROUP_COMMIT, SETTINGS, TRACE_ID
+from app.context import DB_EXECUTOR, GROUP_COMMIT, JOB_WAITS, SETTINGS, TRACE_ID
 from domain.tenancy.auth import authenticate, caller_cache
 from domain.tenancy.caller import Caller
 from infra.errors import Problem, not_found, validation_problem
+from infra.wait import Outcome, read_outcomes
 from storage.db import session_scope
 
 
@@ -74,6 +76,8 @@ class Call:
     body: Any
     query: Any
     trace_id: str
+    #: ``time.monotonic()`` when the handler was called.
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def params(self):
@@ -100,6 +104,16 @@ class Call:
         """:meth:`db` for the hot path: the transaction may be shared with the units of work of other
         requests arriving within ``TESSERA_GROUP_COMMIT_MS`` (``storage.db.GroupCommit``)."""
         return await self.request.app[GROUP_COMMIT].run(fn, *args, **kwargs)
+
+    async def wait_for_jobs(self, job_ids: Iterable[uuid.UUID], *, timeout: float) -> dict[uuid.UUID, Outcome]:
+        """Wait up to ``timeout`` seconds until every job of ``job_ids`` (recorded by this request)
+        settles, woken by the outcome messages of the process's subscription (``infra/wait.py``);
+        the last outcome known of each."""
+
+        async def read(ids: list[uuid.UUID]) -> dict[uuid.UUID, Outcome]:
+            return await self.db(read_outcomes, ids)
+
+        return await self.request.app[JOB_WAITS].wait(job_ids, read, timeout=timeout, since=self.started)
 
 
 async def run_db(app: web.Application, fn: Callable[..., Any], /, *args, **kwargs) -> Any:

@@ -12,12 +12,15 @@ from storage.db import GroupCommit
 if TYPE_CHECKING:
     from app.ratelimit import RateLimiter
     from config.settings import Settings
+    from infra.wait import JobWaits
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 DB_EXECUTOR: web.AppKey[ThreadPoolExecutor] = web.AppKey("db_executor", ThreadPoolExecutor)
 #: Shared transactions of the token hot path (``storage.db.GroupCommit``; ``TESSERA_GROUP_COMMIT_MS``).
 GROUP_COMMIT: web.AppKey[GroupCommit] = web.AppKey("group_commit", GroupCommit)
 RATE_LIMITER: web.AppKey[RateLimiter] = web.AppKey("rate_limiter")
+#: The process's job-outcome subscription (``infra/wait.py``).
+JOB_WAITS: web.AppKey[JobWaits] = web.AppKey("job_waits")
 OPENAPI: web.AppKey[dict] = web.AppKey("openapi", dict)
 #: Every declared route of the application (``app/api.py``), in routing order.
 ROUTES: web.AppKey[list] = web.AppKey("routes", list)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from app.api import CALLER
-from app.context import DB_EXECUTOR, GROUP_COMMIT, RATE_LIMITER, ROUTES, SETTINGS, TRACE_ID
+from app.context import DB_EXECUTOR, GROUP_COMMIT, JOB_WAITS, RATE_LIMITER, ROUTES, SETTINGS, TRACE_ID
 from app.problems import problem_response
 from app.ratelimit import RateLimiter, rules_for
 from app.routes import (
@@ -38,6 +38,7 @@ from app.routes.agentic import agentic_problem
 from config.settings import Settings, get_settings
 from infra import logs, metrics
 from infra.errors import Problem
+from infra.wait import JobWaits
 from storage.db import GroupCommit
 
 log = logging.getLogger("tessera.api")
@@ -191,7 +192,11 @@ async def _resources(app: web.Application):
 
             redis_client = aioredis.from_url(settings.redis_url)
         app[RATE_LIMITER] = RateLimiter(settings, redis_client)
+    app[JOB_WAITS] = JobWaits(settings.redis_url, prefix=settings.redis_key_prefix,
+                              poll_seconds=settings.job_wait_poll_seconds)
+    await app[JOB_WAITS].start()
     yield
+    await app[JOB_WAITS].close()
     if RATE_LIMITER in app:
         await app[RATE_LIMITER].close()
     app[DB_EXECUTOR].shutdown(wait=True)

@@ -122,6 +122,11 @@ class Settings(BaseSettings):
 
     # The async spine.
     outbox_relay_after_seconds: int = 15
+    #: A request waiting for a job is woken by its outcome message (``infra/wait.py``); the database
+    #: is re-read this often (seconds) for a missed message, and polled at most this slowly without Redis.
+    job_wait_poll_seconds: float = 1.0
+    #: Threads of the ``providers`` queue's worker (I/O-bound provider calls), beside the prefork pool.
+    provider_concurrency: int = 16
     task_time_limit_seconds: int = 120
     worker_concurrency: int | None = None
 

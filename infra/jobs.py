@@ -14,22 +14,23 @@ The life of a job::
   outbox relay sends it again.
 * The job id is the provider-side idempotency key: a job run twice asks the provider twice with the
   same key and gets the same answer, so nothing is done twice.
-* :func:`wait` lets an HTTP handler wait for the outcome up to a bounded time without blocking the
-  event loop.
+* A request waits for the outcome with :mod:`infra.wait`: settling a job publishes it after the commit.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Mapping
+from typing import Any
 
-from sqlalchemy import or_, update
+from sqlalchemy import ColumnElement, or_, select, update
 from sqlmodel import Session
 
+from infra import wait
 from infra.dispatch import enqueue_after_commit
+from storage.db import get_lease_engine, session_scope
 from storage.models import Job
 from storage.types import utcnow
 
@@ -95,10 +96,10 @@ def record(
     return job
 
 
-def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: float) -> Job | None:
-    """Take the job for ``owner`` (one worker wins); counts an attempt. None when not takeable now."""
+def _lease_statement(job_id: uuid.UUID, owner: str, lease_seconds: float):
+    """The UPDATE taking job ``job_id`` for ``owner`` when it is takeable now (counts an attempt)."""
     now = utcnow()
-    result = session.execute(
+    return (
         update(Job)
         .where(
             Job.id == job_id,
@@ -115,12 +116,50 @@ def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: flo
         )
         .execution_options(synchronize_session=False)
     )
+
+
+def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: float) -> Job | None:
+    """Take the job for ``owner`` (one worker wins); counts an attempt. None when not takeable now."""
+    result = session.execute(_lease_statement(job_id, owner, lease_seconds))
     if result.rowcount != 1:
         return None
     return session.get(Job, job_id, populate_existing=True)
 
 
-def _close(job: Job, status: str, *, error: str | None = None, result: dict | None = None) -> None:
+def lease_and_read(
+    job_id: uuid.UUID, owner: str, *, lease_seconds: float, reads: Mapping[str, ColumnElement] | None = None
+) -> tuple[Job, dict[str, Any]] | None:
+    """Take the job for ``owner`` like :func:`lease` and read, in the same statement, what its work
+    needs: ``reads`` maps names to scalar SQL expressions over the job row (correlated subqueries).
+
+    Returns the detached job and ``{name: value}``; None when the job is not takeable now. On
+    PostgreSQL this is one ``UPDATE ... RETURNING`` committed without waiting for the WAL flush (a
+    lease lost in a database crash only means the job is taken again, with the same idempotency
+    key); elsewhere :func:`lease` and a SELECT in one transaction.
+    """
+    reads = dict(reads or {})
+    labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
+    labelled = [expression.label(labels[name]) for name, expression in reads.items()]
+    engine = get_lease_engine()
+    if engine is not None:
+        statement = _lease_statement(job_id, owner, lease_seconds).returning(*Job.__table__.columns, *labelled)
+        with engine.connect() as connection:
+            row = connection.execute(statement).mappings().first()
+        if row is None:
+            return None
+        job = Job.model_validate({column.name: row[column] for column in Job.__table__.columns})
+        return job, {name: row[labels[name]] for name in reads}
+    with session_scope() as session:
+        job = lease(session, job_id, owner, lease_seconds=lease_seconds)
+        if job is None:
+            return None
+        values = session.execute(select(*labelled).where(Job.id == job_id)).mappings().one() if labelled else {}
+        session.expunge(job)
+    return job, {name: values[labels[name]] for name in reads}
+
+
+def _close(session: Session, job: Job, status: str, *, error: str | None = None, result: dict | None = None) -> None:
+    """Settle the job; its outcome is published to a waiting request once the transaction commits."""
     job.status = status
     job.lease_owner = None
     job.lease_expires_at = None
@@ -129,18 +168,18 @@ def _close(job: Job, status: str, *, error: str | None = None, result: dict | No
         job.last_error = error[:1000]
     if result is not None:
         job.result = result
+    session.add(job)
+    wait.announce_on_commit(session, job.id, status, job.result)
 
 
 def complete(session: Session, job: Job, *, result: dict | None = None) -> None:
     """Mark the job succeeded (in the transaction that writes its outcome)."""
-    _close(job, "succeeded", result=result)
-    session.add(job)
+    _close(session, job, "succeeded", result=result)
 
 
 def fail(session: Session, job: Job, *, error: str, result: dict | None = None) -> None:
     """Mark the job failed for good (a permanent error), with its error recorded."""
-    _close(job, "failed", error=error, result=result)
-    session.add(job)
+    _close(session, job, "failed", error=error, result=result)
 
 
 def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> float:
@@ -159,8 +198,7 @@ def schedule_retry(
     (:func:`infra.dispatch.enqueue_after_commit`); a longer delay waits as ``due_at`` for the relay.
     """
     if job.attempts >= job.max_attempts:
-        _close(job, "dead", error=error)
-        session.add(job)
+        _close(session, job, "dead", error=error)
         return None
     delay = backoff_seconds(job.attempts, base=backoff_base) if delay is None else delay
     job.status = "queued"
@@ -186,28 +224,3 @@ def requeue(session: Session, job: Job) -> None:
     job.updated_at = utcnow()
     session.add(job)
     enqueue_after_commit(session, job.kind, job_id=str(job.id))
-
-
-async def wait(
-    read_status: Callable[[uuid.UUID], Awaitable[str | None]], job_id: uuid.UUID, *, timeout: float
-) -> str | None:
-    """Poll ``read_status(job_id)`` until the job is terminal or ``timeout`` seconds pass.
-
-    Returns the last status seen. Polls start at 5 ms and back off to 250 ms, sleeping with
-    ``asyncio.sleep`` so the event loop stays free.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    interval = 0.005
-    status = await read_status(job_id)
-    while status not in TERMINAL and loop.time() < deadline:
-        await asyncio.sleep(min(interval, max(0.0, deadline - loop.time())))
-        interval = min(0.25, interval * 1.5)
-        status = await read_status(job_id)
-    return status
-
-
-def job_status(session: Session, job_id: uuid.UUID) -> str | None:
-    """The status of a job (None when it does not exist)."""
-    job = session.get(Job, job_id, populate_existing=True)
-    return job.status if job else None

@@ -132,12 +132,18 @@ class JobTask(TesseraTask):
     #: The first retry delay (seconds) of the exponential backoff, when the error names no delay.
     backoff_base: float = 2.0
 
+    def lease_reads(self) -> dict[str, Any]:
+        """What ``perform`` needs, read by the lease statement itself (:func:`infra.jobs.lease_and_read`):
+        name -> scalar SQL expression over the job row. Given any, ``perform(job, read)`` gets their values."""
+        return {}
+
     def perform(self, job: Job) -> Any:
         """Do the slow part (provider calls) outside any transaction; return what ``apply`` needs."""
         raise NotImplementedError
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
-        """Write the outcome and its events in the completing transaction; return the job result."""
+        """Write the outcome and its events in the completing transaction (the job row is locked
+        already); return the job result."""
         raise NotImplementedError
 
     def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
@@ -147,20 +153,20 @@ class JobTask(TesseraTask):
         """Lease, perform, apply: returns ``succeeded`` or ``skipped`` (not takeable: a duplicate
         message, another worker's lease, not due yet); raises Retry or :class:`AttemptFailed` after
         recording a retry or a failure."""
-        with self.session_scope() as session:
-            job = jobs.lease(session, uuid.UUID(job_id), self.worker_id(), lease_seconds=self.lease_seconds)
-            if job is not None:
-                session.expunge(job)
-        if job is None:
+        reads = self.lease_reads()
+        leased = jobs.lease_and_read(uuid.UUID(job_id), self.worker_id(), lease_seconds=self.lease_seconds,
+                                     reads=reads)
+        if leased is None:
             return "skipped"
+        job, read = leased
         try:
-            outcome = self.perform(job)
+            outcome = self.perform(job, read) if reads else self.perform(job)
         except TransientError as exc:
             return self._retry(job, exc)
         except PermanentError as exc:
             return self._fail(job, exc)
         with self.session_scope() as session:
-            current = session.get(Job, job.id)
+            current = session.get(Job, job.id, with_for_update=True)  # locked first: the lock order of ``apply``
             result = self.apply(session, current, outcome)
             jobs.complete(session, current, result=result)
         return "succeeded"

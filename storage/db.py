@@ -70,11 +70,26 @@ def get_engine() -> Engine:
     return make_engine(settings.effective_database_url, pool_size=settings.db_pool_size)
 
 
+@functools.cache
+def get_lease_engine() -> Engine | None:
+    """The process's engine for statements whose loss in a database crash is harmless (taking a
+    job's lease: lost, the job is taken again with the same idempotency key): PostgreSQL only,
+    autocommit (one statement, one round trip) without waiting for the WAL flush
+    (``synchronous_commit=off``). None on SQLite: use :func:`session_scope`."""
+    settings = get_settings()
+    if not settings.effective_database_url.startswith("postgresql"):
+        return None
+    return create_engine(settings.effective_database_url, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_pool_size, pool_pre_ping=True, isolation_level="AUTOCOMMIT",
+                         connect_args={"options": "-c synchronous_commit=off"})
+
+
 def reset_engine() -> None:
-    """Dispose of the process's engine (after a fork, or when tests change the settings)."""
-    if get_engine.cache_info().currsize:
-        get_engine().dispose()
-    get_engine.cache_clear()
+    """Dispose of the process's engines (after a fork, or when tests change the settings)."""
+    for cached in (get_engine, get_lease_engine):
+        if cached.cache_info().currsize and cached() is not None:
+            cached().dispose()
+        cached.cache_clear()
 
 
 @contextlib.contextmanager

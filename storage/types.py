@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import Column, DateTime
+from sqlalchemy import Column, DateTime, Uuid
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import TypeDecorator
 
 
@@ -42,3 +44,23 @@ class UTCDateTime(TypeDecorator):
 def ts_column(*, nullable: bool = False, index: bool = False) -> Column:
     """A UTC timestamp column for a SQLModel field's ``sa_column``."""
     return Column(UTCDateTime(), nullable=nullable, index=index)
+
+
+class TextAsUuid(FunctionElement):
+    """A text column holding a UUID (``"1b4e28ba-2fa1-11d2-883f-0016d3cca427"``) compared with a UUID
+    column in SQL: ``CAST(x AS UUID)`` on PostgreSQL; on SQLite, where UUIDs are stored as 32 hex
+    digits, ``x`` without its dashes."""
+
+    type = Uuid()
+    inherit_cache = True
+    name = "text_as_uuid"
+
+
+@compiles(TextAsUuid)
+def _text_as_uuid(element: TextAsUuid, compiler, **kw) -> str:
+    return f"CAST({compiler.process(next(iter(element.clauses)), **kw)} AS UUID)"
+
+
+@compiles(TextAsUuid, "sqlite")
+def _text_as_uuid_sqlite(element: TextAsUuid, compiler, **kw) -> str:
+    return f"lower(replace({compiler.process(next(iter(element.clauses)), **kw)}, '-', ''))"

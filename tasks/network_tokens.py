@@ -46,10 +46,13 @@ class Provision(NetworkTokenJob):
     name = service.PROVISION_TASK
     backoff_base = service.PROVISION_BACKOFF_BASE
 
-    def perform(self, job: Job) -> Any:
+    def lease_reads(self) -> dict[str, Any]:
+        """See :func:`domain.network_tokens.service.provisioning_reads`."""
+        return service.provisioning_reads()
+
+    def perform(self, job: Job, read: dict) -> Any:
         """The network's :class:`~providers.card_network.ProvisionedToken` (None: nothing to do)."""
-        with session_scope() as session:
-            found = service.provisioning_input(session, job)
+        found = service.provisioning_input(job, read)
         if found is None:
             return None
         network, card = found

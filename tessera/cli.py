@@ -2,7 +2,7 @@
 
     tessera dev                      migrations, then api, worker, beat, sandbox (and S3) as children
     tessera api [--host H] [--port P] [--workers N]
-    tessera worker [celery worker options]
+    tessera worker [celery worker options]   prefork pool, and the providers queue on threads
     tessera beat [celery beat options]
     tessera migrate
     tessera tenants create --name NAME --owner-email EMAIL [--type test|production] [--json]
@@ -119,12 +119,11 @@ def _supervise(children: list[subprocess.Popen]) -> int:
 def _worker(args: argparse.Namespace) -> int:
     share_metrics(get_settings())
     from infra.logs import configure_logging
+    from tessera.worker import run_worker
     from workers.celery_app import QUEUES, celery_app
 
     configure_logging(get_settings())
-    argv = ["worker", "--loglevel", get_settings().log_level, "-Q", ",".join(QUEUES), *args.celery_args]
-    celery_app.worker_main(argv)
-    return 0
+    return run_worker(celery_app, QUEUES, args.celery_args)
 
 
 def _beat(args: argparse.Namespace) -> int:

@@ -445,7 +445,7 @@ async def create(call: Call):
             return 201, await call.db(service.replay, call.caller, outcome.resource_id)
         claim = outcome
     started = await _record_create(call, request, owner, claim)
-    await service.wait_for_jobs(call.db, list(started.job_ids), timeout=settings.agentic_wait_seconds)
+    await call.wait_for_jobs(started.job_ids, timeout=settings.agentic_wait_seconds)
     return 201, await call.db(service.finish_create, call.caller, started.payment_method_id, claim=claim)
 
 
@@ -561,7 +561,7 @@ async def retry(call: Call):
                             settings=call.settings, owner=leases.new_owner())
     if started.failure is not None:
         raise agentic_error(started.failure)
-    await service.wait_for_jobs(call.db, list(started.job_ids), timeout=call.settings.agentic_wait_seconds)
+    await call.wait_for_jobs(started.job_ids, timeout=call.settings.agentic_wait_seconds)
     result = await call.db(service.finish_retry, call.caller, pm_id, rail=body.rail, provider=body.provider,
                            job_id=started.job_ids[0])
     if isinstance(result, Problem):
@@ -624,7 +624,7 @@ async def delete(call: Call):
     started = await call.db(service.start_delete, call.caller, pm_id, settings=call.settings,
                             owner=leases.new_owner())
     if started.job_ids:
-        await service.wait_for_jobs(call.db, list(started.job_ids), timeout=call.settings.agentic_wait_seconds)
+        await call.wait_for_jobs(started.job_ids, timeout=call.settings.agentic_wait_seconds)
         await call.db(service.finish_delete, call.caller, pm_id, started.job_ids)
 
 

@@ -17,7 +17,6 @@ from pydantic import Field
 from app.api import AnyOf, Api, Call
 from app.schemas import RequestModel, ResponseModel
 from domain.network_tokens import service
-from infra import jobs
 
 api = Api()
 TAG = "Network tokens"
@@ -219,12 +218,9 @@ class CryptogramOut(ResponseModel):
 
 
 async def _wait(call: Call, job_id: uuid.UUID) -> str | None:
-    """Wait for the job to end, up to the configured bound, polling on the database thread pool."""
-
-    async def status(value: uuid.UUID) -> str | None:
-        return await call.db(jobs.job_status, value)
-
-    return await jobs.wait(status, job_id, timeout=call.settings.network_token_wait_seconds)
+    """Wait for the job to settle, up to the configured bound (woken by its outcome message); its status."""
+    outcomes = await call.wait_for_jobs([job_id], timeout=call.settings.network_token_wait_seconds)
+    return outcomes[job_id].status
 
 
 @api.route(
@@ -242,8 +238,8 @@ async def _wait(call: Call, job_id: uuid.UUID) -> str | None:
 async def create(call: Call):
     """Record, wait, answer 201 / 202 / 422 (see the description)."""
     started = await call.db(service.create_network_token, call.caller, call.body.model_dump(mode="json"))
-    await _wait(call, started.job_id)
-    return await call.db(service.provisioning_outcome, call.caller, started)
+    status = await _wait(call, started.job_id)
+    return await call.db(service.provisioning_outcome, call.caller, started, status=status)
 
 
 @api.route(

@@ -8,8 +8,8 @@ Rails follow from the card: visa -> ``agentic-token``/``vic``, mastercard ->
 ``agentic-token``/``agentpay``, and any network the processor supports (visa, mastercard, amex) ->
 ``spt``/``psp``. A create writes the payment method, one rail per pair and one enrollment job per
 rail in one transaction, with an ``enroll`` operation lease that the last of those jobs releases;
-the handler then waits for the jobs up to ``agentic_wait_seconds`` and answers (:func:`finish_create`):
-rails whose job is still running are shown ``pending`` and flagged so that their outcome is
+the handler then waits for the jobs (``infra/wait.py``) up to ``agentic_wait_seconds`` and answers
+(:func:`finish_create`): rails whose job is still running are shown ``pending`` and flagged so that their outcome is
 delivered as the event ``agentic.payment-method.rail.retried``.
 
 Payment method updated_at moves only with what a client can see: a rail's status, error code or
@@ -274,19 +274,6 @@ def job_statuses(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, 
         return {}
     rows = session.exec(select(Job.id, Job.status).where(Job.id.in_(job_ids))).all()
     return dict(rows)
-
-
-async def wait_for_jobs(db, job_ids: list[uuid.UUID], *, timeout: float) -> bool:
-    """Wait (without blocking the event loop) until every job is terminal or ``timeout`` seconds
-    pass; True when all finished. ``db(fn, *args)`` runs ``fn(session, *args)`` off the loop."""
-    if not job_ids:
-        return True
-
-    async def read(_job_id):
-        statuses = await db(job_statuses, job_ids)
-        return "succeeded" if all(s in jobs.TERMINAL for s in statuses.values()) else "running"
-
-    return await jobs.wait(read, job_ids[0], timeout=timeout) == "succeeded"
 
 
 # ---- create --------------------------------------------------------------------------------------

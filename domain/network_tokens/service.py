@@ -4,8 +4,9 @@
 
 Every call to the card network runs in a worker (``spec/README.md`` decision 5): the API records a job
 (:func:`infra.jobs.record`) in the transaction of its change, waits for the outcome without blocking the
-event loop (:func:`infra.jobs.wait`, up to ``TESSERA_NETWORK_TOKEN_WAIT_SECONDS``) and answers with what
-is known. The tasks in ``tasks/network_tokens.py`` are thin shells around the ``*_input`` / ``apply_*`` /
+event loop (woken by the job's outcome message, ``infra/wait.py``; up to
+``TESSERA_NETWORK_TOKEN_WAIT_SECONDS``) and answers with what is known. The tasks in
+``tasks/network_tokens.py`` are thin shells around the ``*_input`` / ``apply_*`` /
 ``*_failed`` functions here. The job id is the network's idempotency key, so a job run twice (a worker
 killed after the network answered and before its commit) gets the same network token, not a second one.
 
@@ -44,7 +45,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from sqlalchemy import update
+from sqlalchemy import ScalarSelect, update
 from sqlmodel import Session, select
 
 from domain.network_tokens.ids import parse_uuid
@@ -69,9 +70,10 @@ from providers.card_network import (
     card_network_for,
 )
 from storage.crypto import get_keyring
+from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
-from storage.types import utcnow
+from storage.types import TextAsUuid, utcnow
 
 PROVISION_TASK = "network_tokens.provision"
 CARD_ART_TASK = "network_tokens.card_art"
@@ -409,12 +411,19 @@ def provisioning_problem(job: Job) -> Problem:
                    title="Provisioning failed", extra={"code": code})
 
 
-def provisioning_outcome(session: Session, caller: Caller, started: Started) -> tuple[int, dict]:
+def provisioning_outcome(session: Session, caller: Caller, started: Started, *, status: str | None = None
+                         ) -> tuple[int, dict]:
     """After the bounded wait: ``(201, active object)``, ``(202, inactive object)`` or a raised problem.
 
-    The job row is locked while deciding, so a worker finishing at this moment either is seen
-    (201 / 422) or sees the 202 (``announced``) and emits ``network-token.failed`` if it fails.
+    ``status``: the job's status the wait ended with. A ``succeeded`` job is settled for good: the
+    network token is read without locks. Otherwise the job row is locked while deciding, so a worker
+    finishing at this moment either is seen (201 / 422) or sees the 202 (``announced``) and emits
+    ``network-token.failed`` if it fails.
     """
+    if status == "succeeded":
+        token = _get(session, caller.tenant_id, started.network_token_id)
+        if token.status != "inactive":
+            return 201, _view(session, caller, token)
     job = _locked_job(session, started.job_id)
     if job.status in _FAILED:
         raise provisioning_problem(job)
@@ -432,31 +441,53 @@ def provisioning_outcome(session: Session, caller: Caller, started: Started) -> 
 def network_for_job(session: Session, job: Job) -> CardNetwork:
     """The adapter for the job's tenant; PermanentError ``provider_not_configured`` when none."""
     tenant = session.get(Tenant, job.tenant_id)
-    if tenant is None:
+    return _network_for(job, tenant.type if tenant is not None else None)
+
+
+def _of_token(column) -> ScalarSelect:
+    """``column`` of the job's network token (its subject), as a scalar subquery over the job row."""
+    return select(column).where(NetworkToken.id == TextAsUuid(Job.subject_id)).scalar_subquery()
+
+
+def _tenant_type() -> ScalarSelect:
+    return select(Tenant.type).where(Tenant.id == Job.tenant_id).scalar_subquery()
+
+
+def provisioning_reads() -> dict[str, ScalarSelect]:
+    """What a provisioning job needs, read by its lease statement (:func:`infra.jobs.lease_and_read`):
+    the tenant's type and the network token's tenant, status, sealed input and merchant."""
+    return {"tenant_type": _tenant_type(), "token_tenant_id": _of_token(NetworkToken.tenant_id),
+            "status": _of_token(NetworkToken.status), "source_ct": _of_token(NetworkToken.source_ct),
+            "merchant_id": _of_token(NetworkToken.merchant_id)}
+
+
+def _network_for(job: Job, tenant_type: str | None) -> CardNetwork:
+    if tenant_type is None:
         raise PermanentError("tenant_removed", "the tenant no longer exists")
     try:
-        return card_network_for(tenant.type)
+        return card_network_for(tenant_type)
     except Problem as exc:
         raise PermanentError("provider_not_configured", str(exc)) from None
 
 
-def provisioning_input(session: Session, job: Job) -> tuple[CardNetwork, CardToProvision] | None:
-    """What the provisioning job sends: the adapter and the card. None when there is nothing to do
-    (the network token was removed, or is no longer inactive)."""
-    token = session.get(NetworkToken, parse_uuid(job.subject_id))
-    if token is None or token.tenant_id != job.tenant_id or token.status != "inactive" or token.source_ct is None:
+def provisioning_input(job: Job, read: dict) -> tuple[CardNetwork, CardToProvision] | None:
+    """What the provisioning job sends (``read``: :func:`provisioning_reads`' values): the adapter and
+    the card. None when there is nothing to do (the network token was removed, or is no longer
+    inactive). Raises PermanentError ``tenant_removed`` / ``provider_not_configured``."""
+    if read["token_tenant_id"] != job.tenant_id or read["status"] != "inactive" or read["source_ct"] is None:
         return None
-    source = json.loads(get_keyring().decrypt(session, token.tenant_id, SOURCE_PURPOSE, str(token.id),
-                                              token.source_ct))
+    with session_scope() as session:  # the tenant's key is cached: no statement runs
+        source = json.loads(get_keyring().decrypt(session, job.tenant_id, SOURCE_PURPOSE, str(job.subject_id),
+                                                  read["source_ct"]))
     card = CardToProvision(
         number=source["number"],
         expiration_month=source["expiration_month"],
         expiration_year=source["expiration_year"],
         cvc=source.get("cvc"),
         cardholder=source.get("cardholder"),
-        merchant_id=token.merchant_id,
+        merchant_id=read["merchant_id"],
     )
-    return network_for_job(session, job), card
+    return _network_for(job, read["tenant_type"]), card
 
 
 def _record_network_delete(session: Session, tenant_id: uuid.UUID, reference: str, trace_id: str | None) -> Job:
@@ -472,7 +503,7 @@ def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | No
     result = {"network_token_id": job.subject_id}
     if outcome is None:
         return {**result, "skipped": True}
-    _locked_job(session, job.id)
+    # the job row is locked already (``JobTask``): the lock order is the job row, then the network token
     token = session.get(NetworkToken, parse_uuid(job.subject_id), with_for_update=True)
     if token is None or token.tenant_id != job.tenant_id:
         _record_network_delete(session, job.tenant_id, outcome.reference, job.trace_id)
@@ -578,7 +609,7 @@ def change_input(session: Session, job: Job) -> tuple[CardNetwork, str] | None:
 def apply_change(session: Session, job: Job, action: str, network_status: str | None) -> dict:
     """The network confirmed: set the new status, emit ``network-token.suspended`` / ``.resumed``."""
     _, target, _ = _CHANGES[action]
-    _locked_job(session, job.id)
+    # the job row is locked already (``JobTask``): the lock order is the job row, then the network token
     token = session.get(NetworkToken, parse_uuid(job.subject_id), with_for_update=True)
     if network_status is None or token is None or token.tenant_id != job.tenant_id:
         return {"network_token_id": job.subject_id, "skipped": True}

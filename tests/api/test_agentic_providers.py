@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from app.api import Call
 from config.settings import Settings
-from domain.agentic import payment_methods
 from domain.agentic.consumers import canonical_language_code, normalize_country_code
 from domain.agentic.payment_methods import merge_card, rails_for_brand
 from infra.jobs import TransientError
@@ -276,10 +276,10 @@ def test_retry_answers_the_providers_rejection(tenant, monkeypatch, code, status
 
 
 def _no_wait(monkeypatch):
-    async def expired(db, job_ids, *, timeout):
-        return False
+    async def expired(call, job_ids, *, timeout):
+        return {}
 
-    monkeypatch.setattr(payment_methods, "wait_for_jobs", expired)
+    monkeypatch.setattr(Call, "wait_for_jobs", expired)
 
 
 def _slow_vic(monkeypatch, seconds: float = 1.0):

@@ -1,6 +1,6 @@
 """``tessera dev`` on the embedded defaults (SQLite database and broker in a data dir), driven like a
-newcomer: tenant from the CLI, a webhook, a tokenized card, the signed webhook; then SIGTERM stops
-every child process."""
+newcomer: tenant from the CLI, a webhook, a tokenized card, the signed webhook, a network token; then
+SIGTERM stops every child process (the worker's providers node too)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,12 @@ def test_dev_runs_on_embedded_defaults_and_stops_cleanly(tmp_path):
         assert token.status == 201, token
         hit = receiver.wait_for(lambda r: token.json["id"].encode() in r.body, timeout=60)[0]
         verify(secret, hit.headers, hit.body)
+
+        # a provider job: the worker's thread pool of the providers queue takes it from the SQLite broker,
+        # and the create's wait, without Redis, ends by polling the database
+        card = {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2032}
+        network_token = client.post("/network-tokens", {"data": card})
+        assert network_token.status == 201 and network_token.json["status"] == "active", network_token
     finally:
         receiver.stop()
         children = psutil.Process(dev.pid).children(recursive=True)

@@ -158,7 +158,9 @@ def test_sigterm_warm_shutdown_finishes_the_running_task_and_leaves_the_rest_que
     assert samples.get(("tessera_webhook_deliveries_total", frozenset({("outcome", "success")})), 0) >= 2
     ready = ApiClient(platform.api_url).get("/readyz").json
     assert ready["status"] == "ready", ready
-    assert len(ready["workers"]) == 1 and ready["workers"][0]["heartbeat_age_seconds"] < 30
+    # one `tessera worker`: its prefork node and its providers (thread pool) node
+    assert len(ready["workers"]) == 2 and all(w["heartbeat_age_seconds"] < 30 for w in ready["workers"]), ready
+    assert sorted("-providers@" in w["name"] for w in ready["workers"]) == [False, True], ready
 
     second_worker.signal(signal.SIGTERM)
     assert second_worker.popen.wait(30) == 0, second_worker.output()

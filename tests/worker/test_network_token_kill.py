@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 
 from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, _drop_database, _recreate_database, free_port
@@ -210,9 +210,12 @@ def test_a_worker_dying_after_the_network_answered_gets_the_same_token_on_retry(
         started = network_tokens.create_network_token(session, caller, {"data": card})
         session.flush()
         doomed = jobs_.lease(session, started.job_id, "doomed-worker", lease_seconds=2)
+        reads = Provision().lease_reads()  # what the lease statement reads for the provider call
+        read = dict(session.execute(select(*(value.label(name) for name, value in reads.items()))
+                                    .where(Job.id == started.job_id)).mappings().one())
         session.expunge(doomed)
     # the doomed worker calls the network with the job id as idempotency key; the network answers ...
-    first = Provision().perform(doomed)
+    first = Provision().perform(doomed, read)
     at_network = ApiClient(sandbox).get(f"/_admin/network-tokens?pan={number}").json
     assert at_network["count"] == 1 and at_network["network_tokens"][0]["id"] == first.reference
     # ... and the worker dies before its commit: the job stays running under a lease that expires
