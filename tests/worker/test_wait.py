@@ -52,7 +52,9 @@ celery_app.register_task(WaitedJob())
 
 def _record(subject: str) -> Job:
     with session_scope() as session:
-        return jobs.record(session, kind=WaitedJob.name, tenant_id=None, subject_id=subject, trace_id=None)
+        return jobs.record(
+            session, kind=WaitedJob.name, tenant_id=None, subject_type="test", subject_id=subject, trace_id=None
+        )
 
 
 async def _read(ids):
