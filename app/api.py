@@ -17,13 +17,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 from app.context import DB_EXECUTOR, SETTINGS, TRACE_ID
 from domain.tenancy.auth import authenticate, caller_cache
@@ -129,6 +132,13 @@ class Route:
     openapi_extra: dict = field(default_factory=dict)
     body_optional: bool = False
 
+    def __post_init__(self) -> None:
+        self.path_params: tuple[str, ...] = tuple(_PATH_PARAM.findall(self.path))
+        self.body_adapter = None if self.body is None or self.body is RAW_JSON else TypeAdapter(self.body)
+
+
+_PATH_PARAM = re.compile(r"{(\w+)}")
+
 
 class Api:
     """The registry of endpoints of one aiohttp application."""
@@ -208,6 +218,12 @@ async def _dispatch(route: Route, request: web.Request) -> web.StreamResponse:
     caller = await _authenticate(request, settings, trace_id) if route.auth else None
     if caller is not None and route.permission is not None:
         _check_permission(caller, route.permission)
+    if route.path_params and any("\x00" in request.match_info[name] for name in route.path_params):
+        raise validation_problem({name: ["Must not contain NUL characters."] for name in route.path_params
+                                  if "\x00" in request.match_info[name]})
+    if "%00" in request.rel_url.raw_query_string:
+        raise validation_problem({key: ["Must not contain NUL characters."] for key, value in request.query.items()
+                                  if "\x00" in value or "\x00" in key})
     query = _parse_query(route.query, request) if route.query else None
     body = await _parse_body(route, request) if route.body is not None else None
     result = await route.handler(Call(request, caller, body, query, trace_id))
@@ -219,6 +235,8 @@ async def _dispatch(route: Route, request: web.Request) -> web.StreamResponse:
 
 async def _authenticate(request: web.Request, settings, trace_id: str) -> Caller:
     key = request.headers.get(settings.header("API-KEY"))
+    if key and not (key.isascii() and key.isprintable()):  # not UTF-8 (surrogate-escaped) or control bytes
+        raise Problem(401, f"The {settings.header('API-KEY')} header does not hold a valid API key.")
     if not key:
         if "X-API-KEY" in request.headers and settings.header_prefix != "X":
             raise Problem(
@@ -277,37 +295,72 @@ def query_extras(query: BaseModel) -> dict[str, str]:
     return getattr(query, "__query_extra__", {})
 
 
+#: pydantic-core's JSON parser refuses nesting deeper than this (400).
+MAX_JSON_DEPTH = 200
+#: A literal that may overflow a double (an exponent of three digits or 309 digits in a row).
+_HUGE_NUMBER = re.compile(rb"[eE]\+?\d{3}|\d{309}")
+_JSON_TYPE = re.compile(r"^application/(?:[\w.+-]+\+)?json$")
+
+
+def json_media_type(content_type: str) -> bool:
+    """True for ``application/json`` and every ``application/*+json`` media type (RFC 6839)."""
+    return bool(_JSON_TYPE.match(content_type))
+
+
+def _accepts(route_type: str, content_type: str) -> bool:
+    if route_type == "application/json":
+        return json_media_type(content_type)
+    return content_type == route_type
+
+
 async def read_json(request: web.Request, *, content_types: tuple[str, ...] = ("application/json",)) -> Any:
-    """Read and parse a JSON body: 415 for another content type, 400 for malformed or empty JSON."""
-    if request.content_type not in content_types:
+    """Read and parse a JSON body: 415 for another content type, 400 for malformed or empty JSON.
+
+    ``application/json`` in ``content_types`` admits every JSON media type (``application/*+json``).
+    Errors: see :func:`parse_json`.
+    """
+    if not any(_accepts(allowed, request.content_type) for allowed in content_types):
         raise Problem(415, f"Send the body as {' or '.join(content_types)}.")
-    raw = await request.read()
+    return parse_json(await request.read())
+
+
+def parse_json(raw: bytes) -> Any:
+    """Parse a request body with pydantic-core's JSON parser; 400 problems for what cannot be stored.
+
+    Refused (400): an empty body, malformed JSON, an escaped lone UTF-16 surrogate (``"\\ud800"``:
+    no UTF-8 text can hold it), nesting deeper than :data:`MAX_JSON_DEPTH`, an integer literal of
+    more than 4,300 digits (the parser's and Python's limit), a number too large for a double
+    (stored JSON has no Infinity), and NUL in any string or key (PostgreSQL text cannot hold NUL).
+    """
     if not raw.strip():
         raise Problem(400, "The request body is empty.", title="Invalid body")
     try:
-        payload = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        payload = from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
         raise Problem(400, f"The request body is not valid JSON: {exc}", title="Invalid body") from None
-    if b"\\u0000" in raw:  # PostgreSQL text cannot hold NUL, and no field of this API needs one
-        errors = {path or "body": ["Must not contain NUL characters."] for path in _nul_paths(payload, "")}
-        if errors:
-            raise validation_problem(errors)
+    errors: dict[str, list[str]] = {}
+    if b"\\u0000" in raw:
+        for path in _paths(payload, "", lambda v: isinstance(v, str) and "\x00" in v, keys=True):
+            errors.setdefault(path or "body", []).append("Must not contain NUL characters.")
+    if _HUGE_NUMBER.search(raw):
+        for path in _paths(payload, "", lambda v: isinstance(v, float) and not math.isfinite(v)):
+            errors.setdefault(path or "body", []).append("This number is too large.")
+    if errors:
+        raise validation_problem(errors)
     return payload
 
 
-def _nul_paths(value: Any, path: str) -> list[str]:
-    """The paths of the strings (values or keys) in a JSON value that contain a NUL character."""
-    if isinstance(value, str):
-        return [path] if "\x00" in value else []
+def _paths(value: Any, path: str, bad: Callable[[Any], bool], *, keys: bool = False) -> list[str]:
+    """The paths of the values (and, with ``keys``, the object keys) in a JSON value that are ``bad``."""
     if isinstance(value, list):
-        return [p for i, item in enumerate(value) for p in _nul_paths(item, f"{path}[{i}]")]
+        return [p for i, item in enumerate(value) for p in _paths(item, f"{path}[{i}]", bad, keys=keys)]
     if isinstance(value, dict):
         found = []
         for key, item in value.items():
             child = f"{path}.{key}" if path else str(key)
-            found += [child] if "\x00" in key else _nul_paths(item, child)
+            found += [child] if keys and bad(key) else _paths(item, child, bad, keys=keys)
         return found
-    return []
+    return [path] if bad(value) else []
 
 
 async def _parse_body(route: Route, request: web.Request) -> Any:
@@ -315,10 +368,10 @@ async def _parse_body(route: Route, request: web.Request) -> Any:
         payload: Any = {}
     else:
         payload = await read_json(request, content_types=(route.request_content_type,))
-    if route.body is RAW_JSON:
+    if route.body_adapter is None:
         return payload
     try:
-        return route.body.model_validate(payload)  # type: ignore[union-attr]
+        return route.body_adapter.validate_python(payload)
     except ValidationError as exc:
         raise validation_problem(pydantic_errors(exc)) from None
 

@@ -108,8 +108,8 @@ async def list_(call: Call):
     """``GET /account-updater/jobs``."""
     q = call.query
     data, following = await call.db(service.list_jobs, call.caller, size=q.size,
-                                    after=decode_cursor(q.start, ("t", "id")))
-    return cursor_page(data, size=q.size, next_position=following)
+                                    after=decode_cursor(call, q.start))
+    return cursor_page(call, data, size=q.size, next_position=following)
 
 
 @api.route(

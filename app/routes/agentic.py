@@ -500,10 +500,10 @@ async def list_(call: Call):
     """``GET /agentic/payment-methods``: a cursor page, newest first."""
     q = _query(ListQuery, call.request)
     data, next_position = await call.db(
-        service.list_payment_methods, call.caller, size=q.size, after=decode_cursor(q.start, ("t", "id")),
+        service.list_payment_methods, call.caller, size=q.size, after=decode_cursor(call, q.start),
         consumer_id=str(q.consumer_id) if q.consumer_id else None, status=q.status,
     )
-    return cursor_page(data, size=q.size, next_position=next_position)
+    return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
 @api.route(
@@ -593,8 +593,8 @@ async def errors(call: Call):
     """``GET .../errors``: a cursor page of provider errors, newest first."""
     q = _query(ErrorsQuery, call.request)
     data, next_position = await call.db(service.list_provider_errors, call.caller, call.params["payment_method_id"],
-                                        size=q.size, after=decode_cursor(q.start, ("t", "id")))
-    return cursor_page(data, size=q.size, next_position=next_position)
+                                        size=q.size, after=decode_cursor(call, q.start))
+    return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
 @api.route(

@@ -234,10 +234,10 @@ def _list_filters(call: Call) -> tuple[str, str] | None:
 async def _list(call: Call) -> dict:
     q = call.query
     metadata = _list_filters(call)
-    position = decode_cursor(q.start, ("t", "id"))
+    position = decode_cursor(call, q.start)
     data, following = await call.db(service.list_tokens, call.caller, types=q.type, metadata=metadata,
                                     size=q.size, position=position)
-    return cursor_page(data, size=q.size, next_position=following)
+    return cursor_page(call, data, size=q.size, next_position=following)
 
 
 LIST_TEXT = (
@@ -267,9 +267,9 @@ async def list_v2(call: Call):
            "GET /v2/tokens (`size`, `start` in the body). " + READ_RULES)
 async def search_v2(call: Call):
     b = call.body
-    position = decode_cursor(b.start, ("t", "id"))
+    position = decode_cursor(call, b.start)
     data, following = await call.db(service.search_tokens, call.caller, b.query, size=b.size, position=position)
-    return cursor_page(data, size=b.size, next_position=following)
+    return cursor_page(call, data, size=b.size, next_position=following)
 
 
 @api.route("GET", "/tokens", tag=TAG, summary="List tokens v1 (shut down)", errors=(410,), deprecated=True,

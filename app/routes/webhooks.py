@@ -116,9 +116,9 @@ async def create(call: Call):
 async def list_(call: Call):
     q = call.query
     data, next_position = await call.db(
-        service.list_webhooks, call.caller, size=q.size, after=decode_cursor(q.start, ("t", "id"))
+        service.list_webhooks, call.caller, size=q.size, after=decode_cursor(call, q.start)
     )
-    return cursor_page(data, size=q.size, next_position=next_position)
+    return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
 @api.route(
@@ -215,9 +215,9 @@ async def deliveries(call: Call):
         call.caller,
         call.uuid_param(what="webhook"),
         size=q.size,
-        after=decode_cursor(q.start, ("t", "id")),
+        after=decode_cursor(call, q.start),
     )
-    return cursor_page(data, size=q.size, next_position=next_position)
+    return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
 @api.route(
