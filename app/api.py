@@ -75,6 +75,8 @@ class Call:
     body: Any
     query: Any
     trace_id: str
+    #: Headers the handler adds to its (successful) answer.
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def params(self):
@@ -226,9 +228,12 @@ async def _dispatch(route: Route, request: web.Request) -> web.StreamResponse:
                                   if "\x00" in value or "\x00" in key})
     query = _parse_query(route.query, request) if route.query else None
     body = await _parse_body(route, request) if route.body is not None else None
-    result = await route.handler(Call(request, caller, body, query, trace_id))
+    call = Call(request, caller, body, query, trace_id)
+    result = await route.handler(call)
     response = _to_response(route, result)
     for name, value in route.extra_headers.items():
+        response.headers[name] = value
+    for name, value in call.headers.items():
         response.headers[name] = value
     return response
 

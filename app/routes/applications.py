@@ -12,6 +12,7 @@ from app.pagination import offset_page, offset_query
 from app.schemas import Audited, Name, RequestModel, ResponseModel
 from domain.tenancy import applications as service
 from domain.tenancy.applications import APPLICATION_TYPES
+from domain.tenancy.permissions import LEGACY_SHUTDOWN_DATE, modern_names
 from infra.errors import Problem
 
 api = Api()
@@ -46,6 +47,26 @@ class ApplicationKeyOut(ResponseModel):
     key: str | None = Field(None, description="The API key; returned only when the key is created.")
 
 
+#: RFC 9745: a grant naming a legacy permission is answered with this header.
+LEGACY_DEPRECATION = {"Deprecation": f"@{int(LEGACY_SHUTDOWN_DATE.timestamp())}"}
+GRANT_TEXT = (
+    "Legacy permission names (section 5.4: `token:create`, `token:read`, `token:decrypt`, `token:update`, "
+    "`token:delete`, `token:use` and their `card:` and `bank:` forms) are taken and mapped to their granular "
+    "replacements (`token:create` -> `token:general:create`, `card:read` -> `token:pci:read:low`, `bank:decrypt` "
+    "-> `token:bank:read:high`, `token:use` -> `token:general:use:proxy` ...); the new names are stored and "
+    "returned, and the answer carries `Deprecation: " + LEGACY_DEPRECATION["Deprecation"] + "` (the legacy "
+    "names were retired on January 3, 2022). `card:decrypt` never existed: 400."
+)
+
+
+def _granted(call: Call, requested: list[str]) -> list[str]:
+    """The permissions to grant: legacy names mapped (and the answer marked deprecated)."""
+    permissions, legacy = modern_names(requested)
+    if legacy:
+        call.headers.update(LEGACY_DEPRECATION)
+    return permissions
+
+
 ListQuery = offset_query(100, id=(list[uuid.UUID], Field(default_factory=list)))
 
 
@@ -59,11 +80,12 @@ ListQuery = offset_query(100, id=(list[uuid.UUID], Field(default_factory=list)))
     tag=TAG,
     summary="Create an application",
     errors=(400, 401, 403),
-    description="Returns the application with its API key; the key is shown only this once.",
+    description="Returns the application with its API key; the key is shown only this once. " + GRANT_TEXT,
 )
 async def create(call: Call):
     b = call.body
-    return await call.db(service.create_application, call.caller, name=b.name, type=b.type, permissions=b.permissions)
+    permissions = _granted(call, b.permissions)
+    return await call.db(service.create_application, call.caller, name=b.name, type=b.type, permissions=permissions)
 
 
 @api.route(
@@ -118,7 +140,7 @@ async def get(call: Call):
     tag=TAG,
     summary="Update an application",
     errors=(400, 401, 403, 404),
-    description="Replaces the name and the permissions. The type cannot change.",
+    description="Replaces the name and the permissions. The type cannot change. " + GRANT_TEXT,
 )
 async def update(call: Call):
     b = call.body
@@ -127,7 +149,7 @@ async def update(call: Call):
         call.caller,
         call.uuid_param(what="application"),
         name=b.name,
-        permissions=b.permissions,
+        permissions=_granted(call, b.permissions),
     )
 
 

@@ -218,7 +218,7 @@ def parse_token_request(
     if data is None:
         errors.add(data_key, "is required")
     elif validate_data and kind == "card":
-        data, found = validate_card(data, today=now.date(), prefix=data_key)
+        data, found = validate_card(data, today=now.date(), prefix=data_key, check_expiry=False)
         errors.update(found)
     elif validate_data and kind == "bank":
         data, found = validate_bank(data, prefix=data_key)
