@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import math
 import re
 import uuid
@@ -63,7 +64,7 @@ class AllOf:
 
 Permission = str | AnyOf | AllOf | None
 CALLER: web.RequestKey[Caller] = web.RequestKey("caller", Caller)
-RAW_JSON = object()  # body=RAW_JSON: any JSON value, validated by the handler
+log = logging.getLogger("tessera.api")
 
 
 @dataclass
@@ -75,6 +76,9 @@ class Call:
     body: Any
     query: Any
     trace_id: str
+    #: The request body as parsed JSON, before model validation (for an idempotency hash, or a domain
+    #: that takes the raw object after the model validated it).
+    payload: Any = None
     #: Headers the handler adds to its (successful) answer.
     headers: dict[str, str] = field(default_factory=dict)
 
@@ -98,6 +102,11 @@ class Call:
     async def db(self, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
         """Run ``fn(session, *args, **kwargs)`` in one transaction on the database thread pool."""
         return await run_db(self.request.app, fn, *args, **kwargs)
+
+    async def blocking(self, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
+        """Run ``fn(*args, **kwargs)``, which manages its own transactions, on the database thread pool."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.request.app[DB_EXECUTOR], functools.partial(fn, *args, **kwargs))
 
 
 async def run_db(app: web.Application, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
@@ -129,14 +138,22 @@ class Route:
     errors: tuple[int, ...] = ()
     deprecated: bool = False
     extra_headers: dict[str, str] = field(default_factory=dict)
-    request_content_type: str = "application/json"
+    request_content_type: str | tuple[str, ...] = "application/json"
     response_content_type: str = "application/json"
     openapi_extra: dict = field(default_factory=dict)
     body_optional: bool = False
+    problems: Callable[[Problem], Problem] | None = None
+    examples: dict[str, Any] = field(default_factory=dict)
+    documented: bool = True
 
     def __post_init__(self) -> None:
         self.path_params: tuple[str, ...] = tuple(_PATH_PARAM.findall(self.path))
-        self.body_adapter = None if self.body is None or self.body is RAW_JSON else TypeAdapter(self.body)
+        kinds = self.request_content_type
+        self.request_content_types: tuple[str, ...] = (kinds,) if isinstance(kinds, str) else kinds
+        # adapters are built once, here, never per request
+        self.body_adapter = TypeAdapter(self.body) if self.body is not None else None
+        json_answer = self.response is not None and self.status != 204 and self.response_content_type.endswith("json")
+        self.response_adapter = TypeAdapter(self.response) if json_answer else None
 
 
 _PATH_PARAM = re.compile(r"{(\w+)}")
@@ -165,16 +182,28 @@ class Api:
         errors: tuple[int, ...] = (),
         deprecated: bool = False,
         extra_headers: dict[str, str] | None = None,
-        request_content_type: str = "application/json",
+        request_content_type: str | tuple[str, ...] = "application/json",
         response_content_type: str = "application/json",
         openapi_extra: dict | None = None,
         body_optional: bool = False,
+        problems: Callable[[Problem], Problem] | None = None,
+        examples: dict[str, Any] | None = None,
+        documented: bool = True,
     ) -> Callable:
         """Declare an endpoint; returns a decorator taking ``async def handler(call: Call)``.
 
-        The handler returns a JSON-able value (answered with ``status``), ``None`` (answered 204
-        when ``status`` is 204), a ``(status, value)`` pair, or an aiohttp response.
+        ``body`` and ``query`` are pydantic models (``body`` may be any type pydantic validates, such
+        as an ``Annotated`` JSON value with its schema); the framework validates both before the
+        handler runs (400 with per-field ``errors``). ``response`` is the type every answer is
+        validated and serialised through (pydantic-core, fields the handler left out stay out), so
+        the served shape is the documented one; a handler result that does not fit is a server bug
+        (500, logged). The handler returns a value (answered with ``status``), ``None`` (answered
+        204 when ``status`` is 204), a ``(status, value)`` pair, or an aiohttp response.
         ``body_optional``: a request without a body is validated as ``{}`` (every field optional).
+        ``problems``: how this route's problems are framed (for example the agentic form, spec 001
+        section 7); applied to every problem raised for the route, framing ones included.
+        ``examples``: ``{"request": ..., "response": ...}`` for the OpenAPI description.
+        ``documented``: False for a catch-all that only frames problems (left out of the description).
         """
 
         def decorate(handler: Callable[[Call], Awaitable[Any]]) -> Callable:
@@ -199,6 +228,9 @@ class Api:
                     response_content_type=response_content_type,
                     openapi_extra=openapi_extra or {},
                     body_optional=body_optional,
+                    problems=problems,
+                    examples=examples or {},
+                    documented=documented,
                 )
             )
             return handler
@@ -215,6 +247,35 @@ class Api:
 
 
 async def _dispatch(route: Route, request: web.Request) -> web.StreamResponse:
+    if route.problems is None:
+        return await _pipeline(route, request)
+    try:
+        return await _pipeline(route, request)
+    except Problem as problem:
+        raise route.problems(problem) from None
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        raise route.problems(http_problem(exc)) from None
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path, "method": request.method})
+        raise route.problems(Problem(500, "An unexpected error occurred.")) from None
+
+
+def http_problem(exc: web.HTTPException) -> Problem:
+    """The problem for an aiohttp HTTP error (404 no route, 405, 413 body too large ...)."""
+    headers = {}
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+    detail = {
+        404: "No resource exists at this path.",
+        405: "This method is not allowed on this path.",
+        413: "The request body is too large.",
+    }.get(exc.status, exc.text if exc.text and not exc.text.startswith(str(exc.status)) else None)
+    return Problem(exc.status, detail, headers=headers)
+
+
+async def _pipeline(route: Route, request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     trace_id = request[TRACE_ID]
     caller = await _authenticate(request, settings, trace_id) if route.auth else None
@@ -227,8 +288,8 @@ async def _dispatch(route: Route, request: web.Request) -> web.StreamResponse:
         raise validation_problem({key: ["Must not contain NUL characters."] for key, value in request.query.items()
                                   if "\x00" in value or "\x00" in key})
     query = _parse_query(route.query, request) if route.query else None
-    body = await _parse_body(route, request) if route.body is not None else None
-    call = Call(request, caller, body, query, trace_id)
+    payload, body = await _parse_body(route, request) if route.body is not None else (None, None)
+    call = Call(request, caller, body, query, trace_id, payload)
     result = await route.handler(call)
     response = _to_response(route, result)
     for name, value in route.extra_headers.items():
@@ -368,15 +429,14 @@ def _paths(value: Any, path: str, bad: Callable[[Any], bool], *, keys: bool = Fa
     return [path] if bad(value) else []
 
 
-async def _parse_body(route: Route, request: web.Request) -> Any:
+async def _parse_body(route: Route, request: web.Request) -> tuple[Any, Any]:
+    """``(parsed JSON, validated body)``."""
     if route.body_optional and not request.body_exists:
         payload: Any = {}
     else:
-        payload = await read_json(request, content_types=(route.request_content_type,))
-    if route.body_adapter is None:
-        return payload
+        payload = await read_json(request, content_types=route.request_content_types)
     try:
-        return route.body_adapter.validate_python(payload)
+        return payload, route.body_adapter.validate_python(payload)  # type: ignore[union-attr]
     except ValidationError as exc:
         raise validation_problem(pydantic_errors(exc)) from None
 
@@ -424,4 +484,13 @@ def _to_response(route: Route, result: Any) -> web.StreamResponse:
         status, result = result
     if result is None and status == 204:
         return web.Response(status=204)
-    return json_response(result, status)
+    adapter = route.response_adapter
+    if adapter is None:
+        return json_response(result, status)
+    try:
+        body = adapter.dump_json(adapter.validate_python(result), exclude_unset=True, by_alias=True)
+    except ValidationError as exc:
+        log.error("the answer of %s %s does not fit its response model: %s", route.method, route.path,
+                  pydantic_errors(exc))
+        raise Problem(500, "An unexpected error occurred.") from None
+    return web.Response(status=status, body=body, content_type=route.response_content_type)

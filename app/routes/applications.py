@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Literal
 
 from pydantic import Field
 
 from app.api import Api, Call
-from app.pagination import offset_page, offset_query
+from app.pagination import OffsetPage, offset_page, offset_query
 from app.schemas import Audited, Name, RequestModel, ResponseModel
 from domain.tenancy import applications as service
 from domain.tenancy.applications import APPLICATION_TYPES
@@ -43,7 +44,7 @@ class ApplicationOut(Audited):
 class ApplicationKeyOut(ResponseModel):
     id: uuid.UUID
     application_id: uuid.UUID
-    created_at: str
+    created_at: dt.datetime
     key: str | None = Field(None, description="The API key; returned only when the key is created.")
 
 
@@ -93,7 +94,7 @@ async def create(call: Call):
     "/applications",
     permission="application:read",
     query=ListQuery,
-    response=list[ApplicationOut],
+    response=OffsetPage[ApplicationOut],
     tag=TAG,
     summary="List applications",
     errors=(400, 401, 403),
@@ -215,6 +216,7 @@ async def delete_key(call: Call):
     "POST",
     "/applications/{id}/regenerate",
     permission="application:update",
+    status=410,
     tag=TAG,
     summary="Regenerate an application key (shut down)",
     errors=(410,),

@@ -9,7 +9,7 @@ from pydantic import Field
 from sqlmodel import Session, select
 
 from app.api import Api, Call
-from app.pagination import cursor_page, cursor_query, decode_cursor
+from app.pagination import CursorPage, cursor_page, cursor_query, decode_cursor
 from app.schemas import ResponseModel
 from domain.tenancy.audit import ENTITY_TYPES
 from domain.tenancy.caller import Caller
@@ -82,7 +82,7 @@ def list_logs(session: Session, caller: Caller, query, position: dict | None) ->
     "/logs",
     permission="log:read",
     query=LogQuery,
-    response=list[LogOut],
+    response=CursorPage[LogOut],
     tag=TAG,
     summary="List log rows",
     errors=(400, 401, 403),

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, EmailStr, Field, ValidationError
 
 from app.api import AllOf, Api, Call, parse_json, pydantic_errors
 from app.context import SETTINGS
-from app.pagination import offset_page, offset_query
+from app.pagination import OffsetPage, offset_page, offset_query
 from app.ratelimit import RateLimiter, Rule
 from app.schemas import Audited, RequestModel, ResponseModel
 from domain.client_keys import service as client_keys
@@ -320,7 +320,7 @@ async def usage_report(call: Call):
     "/tenants/self/members",
     permission="tenant:member:read",
     query=MembersQuery,
-    response=list[MemberOut],
+    response=OffsetPage[MemberOut],
     tag=MEMBER_TAG,
     summary="List the tenant's members",
     errors=(400,),
@@ -391,7 +391,7 @@ async def create_invitation(call: Call):
     "/tenants/self/invitations",
     permission="tenant:invitation:read",
     query=InvitationsQuery,
-    response=list[InvitationOut],
+    response=OffsetPage[InvitationOut],
     tag=INVITATION_TAG,
     summary="List the tenant's invitations",
     errors=(400,),
