@@ -6,10 +6,12 @@ A route module declares each endpoint with :meth:`Api.route`::
                status=201, response=WebhookOut, tag="Webhooks", summary="Create a webhook")
     async def create_webhook(call: Call) -> dict: ...
 
-The wrapper authenticates the ``<prefix>-API-KEY`` header (401), checks the permission (403), parses
-and validates the query and the JSON body with pydantic (400 with per-field ``errors``; 415 for a
-body that is not JSON), and serialises what the handler returns. The same declarations produce
-``GET /openapi.json`` (``app/openapi.py``).
+The wrapper authenticates the ``<prefix>-API-KEY`` header (401), checks the permission (403), refuses
+NUL in path segments and query values, parses the JSON body with pydantic-core (any JSON media type;
+400 for what cannot be stored, 415 for a body that is not JSON), validates the query and the body
+with their models (400 with per-field ``errors``), and serialises what the handler returns through
+its response model. A route's ``problems`` attribute frames its problems (the agentic form). The
+same declarations produce ``GET /openapi.json`` (``app/openapi.py``), rendered at ``GET /docs``.
 """
 
 from __future__ import annotations

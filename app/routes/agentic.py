@@ -2,10 +2,10 @@
 
 Problems under ``/agentic/`` take the agentic form (spec 001 section 7): ``type`` is a stable code of
 the error catalogue (``domain/agentic/errors.py``), ``title`` the first message of a validation
-failure, ``errors`` every failing field. Handlers here validate bodies and queries themselves and
-raise agentic problems; :func:`agentic_problem` is the hook the shared error middleware calls to
-give the framing problems raised before a handler runs (401, 403, 404, 400 invalid body, 413, 415)
-the same form.
+failure, ``errors`` every failing field. The form is the ``problems`` attribute of each route here
+(:func:`agentic_form`, :func:`agents_form`), so the framework applies it to the framing problems
+raised before a handler runs (401, 403, 400 invalid body, 413, 415) and to the handler's own; a
+catch-all route gives other paths under ``/agentic/`` their 404 and 405 in the same form.
 """
 
 from __future__ import annotations
