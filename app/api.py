@@ -453,11 +453,58 @@ def pydantic_errors(exc: ValidationError, prefix: str = "") -> dict[str, list[st
                 path += f"[{part}]"
             else:
                 path = f"{path}.{part}" if path else str(part)
-        message = error["msg"]
-        if error["type"] == "extra_forbidden":
-            message = "This property is not allowed."
-        errors.setdefault(path or "body", []).append(message)
+        errors.setdefault(path or "body", []).append(_message(error))
     return errors
+
+
+#: pydantic error type -> the message in the domain's voice (``is required``, ``must be a string`` ...),
+#: formatted with the error's context; types not listed keep pydantic's message.
+_MESSAGES = {
+    "missing": "is required",
+    "extra_forbidden": "This property is not allowed.",
+    "string_type": "must be a string",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be a boolean",
+    "bool_parsing": "must be a boolean",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "list_type": "must be an array",
+    "uuid_type": "must be a uuid",
+    "uuid_parsing": "must be a uuid",
+    "datetime_type": "must be an ISO 8601 date-time",
+    "datetime_parsing": "must be an ISO 8601 date-time",
+    "datetime_from_date_parsing": "must be an ISO 8601 date-time",
+    "string_too_short": "must be at least {min_length} characters",
+    "string_too_long": "must be at most {max_length} characters",
+    "too_short": "must have at least {min_length} items",
+    "too_long": "must have at most {max_length} items",
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be greater than {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "string_pattern_mismatch": "must match the pattern {pattern}",
+    "literal_error": "must be one of {expected}",
+    "enum": "must be one of {expected}",
+    "value_error": "{error}",
+}
+
+
+def _message(error: dict) -> str:
+    """One validation message in the platform's voice (the same phrasing as the domain's checks)."""
+    template = _MESSAGES.get(error["type"])
+    if error["type"] in ("string_too_short", "too_short") and (error.get("ctx") or {}).get("min_length") == 1:
+        return "must not be empty"
+    if template is None:
+        return error["msg"]
+    try:
+        return template.format(**(error.get("ctx") or {}))
+    except (KeyError, IndexError):
+        return error["msg"]
 
 
 def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

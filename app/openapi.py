@@ -50,7 +50,7 @@ PROBLEM_SCHEMA = {
     "required": ["type", "title", "status"],
     "example": {"type": "about:blank", "title": "One or more validation errors occurred.", "status": 400,
                 "detail": "The request is invalid; see errors.", "instance": "/applications",
-                "errors": {"name": ["String should have at least 1 character"]}},
+                "errors": {"name": ["must not be empty"]}},
 }
 
 #: Decisions taken where the reference documents are silent (see also each operation's description).
@@ -61,7 +61,8 @@ _DECISIONS = (
     "(also in a path segment or a query value) answers 400 and changes nothing. An API key header that is not "
     "ASCII text answers 401. Cursors (`pagination.next`, sent back as `start`) are signed for the tenant and the "
     "list: a forged, altered or another list's cursor answers 400 naming `start`; cursors do not expire. "
-    "Validation messages are pydantic's, keyed by property path in `errors`."
+    "Validation messages speak one voice (`is required`, `must be a string`, `must be at most 100` ...), keyed by "
+    "property path in `errors`."
 )
 
 _ERROR_TEXT = {
