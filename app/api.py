@@ -6,10 +6,12 @@ A route module declares each endpoint with :meth:`Api.route`::
                status=201, response=WebhookOut, tag="Webhooks", summary="Create a webhook")
     async def create_webhook(call: Call) -> dict: ...
 
-The wrapper authenticates the ``<prefix>-API-KEY`` header (401), checks the permission (403), parses
-and validates the query and the JSON body with pydantic (400 with per-field ``errors``; 415 for a
-body that is not JSON), and serialises what the handler returns. The same declarations produce
-``GET /openapi.json`` (``app/openapi.py``).
+The wrapper authenticates the ``<prefix>-API-KEY`` header (401), checks the permission (403), refuses
+NUL in path segments and query values, parses the JSON body with pydantic-core (any JSON media type;
+400 for what cannot be stored, 415 for a body that is not JSON), validates the query and the body
+with their models (400 with per-field ``errors``), and serialises what the handler returns through
+its response model. A route's ``problems`` attribute frames its problems (the agentic form). The
+same declarations produce ``GET /openapi.json`` (``app/openapi.py``), rendered at ``GET /docs``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
+import math
 import re
 import time
 import uuid
@@ -26,7 +30,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 from app.context import DB_EXECUTOR, GROUP_COMMIT, JOB_WAITS, SETTINGS, TRACE_ID
 from domain.tenancy.auth import authenticate, caller_cache
@@ -64,7 +69,7 @@ class AllOf:
 
 Permission = str | AnyOf | AllOf | None
 CALLER: web.RequestKey[Caller] = web.RequestKey("caller", Caller)
-RAW_JSON = object()  # body=RAW_JSON: any JSON value, validated by the handler
+log = logging.getLogger("tessera.api")
 
 
 @dataclass
@@ -78,6 +83,11 @@ class Call:
     trace_id: str
     #: ``time.monotonic()`` when the handler was called.
     started: float = field(default_factory=time.monotonic)
+    #: The request body as parsed JSON, before model validation (for an idempotency hash, or a domain
+    #: that takes the raw object after the model validated it).
+    payload: Any = None
+    #: Headers the handler adds to its (successful) answer.
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def params(self):
@@ -115,6 +125,11 @@ class Call:
 
         return await self.request.app[JOB_WAITS].wait(job_ids, read, timeout=timeout, since=self.started)
 
+    async def blocking(self, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
+        """Run ``fn(*args, **kwargs)``, which manages its own transactions, on the database thread pool."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.request.app[DB_EXECUTOR], functools.partial(fn, *args, **kwargs))
+
 
 async def run_db(app: web.Application, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
     """Run a blocking unit of work ``fn(session, ...)`` off the event loop, in one transaction."""
@@ -145,10 +160,25 @@ class Route:
     errors: tuple[int, ...] = ()
     deprecated: bool = False
     extra_headers: dict[str, str] = field(default_factory=dict)
-    request_content_type: str = "application/json"
+    request_content_type: str | tuple[str, ...] = "application/json"
     response_content_type: str = "application/json"
     openapi_extra: dict = field(default_factory=dict)
     body_optional: bool = False
+    problems: Callable[[Problem], Problem] | None = None
+    examples: dict[str, Any] = field(default_factory=dict)
+    documented: bool = True
+
+    def __post_init__(self) -> None:
+        self.path_params: tuple[str, ...] = tuple(_PATH_PARAM.findall(self.path))
+        kinds = self.request_content_type
+        self.request_content_types: tuple[str, ...] = (kinds,) if isinstance(kinds, str) else kinds
+        # adapters are built once, here, never per request
+        self.body_adapter = TypeAdapter(self.body) if self.body is not None else None
+        json_answer = self.response is not None and self.status != 204 and self.response_content_type.endswith("json")
+        self.response_adapter = TypeAdapter(self.response) if json_answer else None
+
+
+_PATH_PARAM = re.compile(r"{(\w+)}")
 
 
 class Api:
@@ -174,16 +204,28 @@ class Api:
         errors: tuple[int, ...] = (),
         deprecated: bool = False,
         extra_headers: dict[str, str] | None = None,
-        request_content_type: str = "application/json",
+        request_content_type: str | tuple[str, ...] = "application/json",
         response_content_type: str = "application/json",
         openapi_extra: dict | None = None,
         body_optional: bool = False,
+        problems: Callable[[Problem], Problem] | None = None,
+        examples: dict[str, Any] | None = None,
+        documented: bool = True,
     ) -> Callable:
         """Declare an endpoint; returns a decorator taking ``async def handler(call: Call)``.
 
-        The handler returns a JSON-able value (answered with ``status``), ``None`` (answered 204
-        when ``status`` is 204), a ``(status, value)`` pair, or an aiohttp response.
+        ``body`` and ``query`` are pydantic models (``body`` may be any type pydantic validates, such
+        as an ``Annotated`` JSON value with its schema); the framework validates both before the
+        handler runs (400 with per-field ``errors``). ``response`` is the type every answer is
+        validated and serialised through (pydantic-core, fields the handler left out stay out), so
+        the served shape is the documented one; a handler result that does not fit is a server bug
+        (500, logged). The handler returns a value (answered with ``status``), ``None`` (answered
+        204 when ``status`` is 204), a ``(status, value)`` pair, or an aiohttp response.
         ``body_optional``: a request without a body is validated as ``{}`` (every field optional).
+        ``problems``: how this route's problems are framed (for example the agentic form, spec 001
+        section 7); applied to every problem raised for the route, framing ones included.
+        ``examples``: ``{"request": ..., "response": ...}`` for the OpenAPI description.
+        ``documented``: False for a catch-all that only frames problems (left out of the description).
         """
 
         def decorate(handler: Callable[[Call], Awaitable[Any]]) -> Callable:
@@ -208,6 +250,9 @@ class Api:
                     response_content_type=response_content_type,
                     openapi_extra=openapi_extra or {},
                     body_optional=body_optional,
+                    problems=problems,
+                    examples=examples or {},
+                    documented=documented,
                 )
             )
             return handler
@@ -224,22 +269,62 @@ class Api:
 
 
 async def _dispatch(route: Route, request: web.Request) -> web.StreamResponse:
+    if route.problems is None:
+        return await _pipeline(route, request)
+    try:
+        return await _pipeline(route, request)
+    except Problem as problem:
+        raise route.problems(problem) from None
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        raise route.problems(http_problem(exc)) from None
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path, "method": request.method})
+        raise route.problems(Problem(500, "An unexpected error occurred.")) from None
+
+
+def http_problem(exc: web.HTTPException) -> Problem:
+    """The problem for an aiohttp HTTP error (404 no route, 405, 413 body too large ...)."""
+    headers = {}
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+    detail = {
+        404: "No resource exists at this path.",
+        405: "This method is not allowed on this path.",
+        413: "The request body is too large.",
+    }.get(exc.status, exc.text if exc.text and not exc.text.startswith(str(exc.status)) else None)
+    return Problem(exc.status, detail, headers=headers)
+
+
+async def _pipeline(route: Route, request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     trace_id = request[TRACE_ID]
     caller = await _authenticate(request, settings, trace_id) if route.auth else None
     if caller is not None and route.permission is not None:
         _check_permission(caller, route.permission)
+    if route.path_params and any("\x00" in request.match_info[name] for name in route.path_params):
+        raise validation_problem({name: ["Must not contain NUL characters."] for name in route.path_params
+                                  if "\x00" in request.match_info[name]})
+    if "%00" in request.rel_url.raw_query_string:
+        raise validation_problem({key: ["Must not contain NUL characters."] for key, value in request.query.items()
+                                  if "\x00" in value or "\x00" in key})
     query = _parse_query(route.query, request) if route.query else None
-    body = await _parse_body(route, request) if route.body is not None else None
-    result = await route.handler(Call(request, caller, body, query, trace_id))
+    payload, body = await _parse_body(route, request) if route.body is not None else (None, None)
+    call = Call(request, caller, body, query, trace_id, payload)
+    result = await route.handler(call)
     response = _to_response(route, result)
     for name, value in route.extra_headers.items():
+        response.headers[name] = value
+    for name, value in call.headers.items():
         response.headers[name] = value
     return response
 
 
 async def _authenticate(request: web.Request, settings, trace_id: str) -> Caller:
     key = request.headers.get(settings.header("API-KEY"))
+    if key and not (key.isascii() and key.isprintable()):  # not UTF-8 (surrogate-escaped) or control bytes
+        raise Problem(401, f"The {settings.header('API-KEY')} header does not hold a valid API key.")
     if not key:
         if "X-API-KEY" in request.headers and settings.header_prefix != "X":
             raise Problem(
@@ -297,64 +382,82 @@ def query_extras(query: BaseModel) -> dict[str, str]:
     return getattr(query, "__query_extra__", {})
 
 
+#: pydantic-core's JSON parser refuses nesting deeper than this (400).
+MAX_JSON_DEPTH = 200
+#: A literal that may overflow a double (an exponent of three digits or 309 digits in a row).
+_HUGE_NUMBER = re.compile(rb"[eE]\+?\d{3}|\d{309}")
+_JSON_TYPE = re.compile(r"^application/(?:[\w.+-]+\+)?json$")
+
+
+def json_media_type(content_type: str) -> bool:
+    """True for ``application/json`` and every ``application/*+json`` media type (RFC 6839)."""
+    return bool(_JSON_TYPE.match(content_type))
+
+
+def _accepts(route_type: str, content_type: str) -> bool:
+    if route_type == "application/json":
+        return json_media_type(content_type)
+    return content_type == route_type
+
+
 async def read_json(request: web.Request, *, content_types: tuple[str, ...] = ("application/json",)) -> Any:
-    """Read and parse a JSON body: 415 for another content type, 400 for malformed or empty JSON."""
-    if request.content_type not in content_types:
+    """Read and parse a JSON body: 415 for another content type, 400 for malformed or empty JSON.
+
+    ``application/json`` in ``content_types`` admits every JSON media type (``application/*+json``).
+    Errors: see :func:`parse_json`.
+    """
+    if not any(_accepts(allowed, request.content_type) for allowed in content_types):
         raise Problem(415, f"Send the body as {' or '.join(content_types)}.")
-    raw = await request.read()
+    return parse_json(await request.read())
+
+
+def parse_json(raw: bytes) -> Any:
+    """Parse a request body with pydantic-core's JSON parser; 400 problems for what cannot be stored.
+
+    Refused (400): an empty body, malformed JSON, an escaped lone UTF-16 surrogate (``"\\ud800"``:
+    no UTF-8 text can hold it), nesting deeper than :data:`MAX_JSON_DEPTH`, an integer literal of
+    more than 4,300 digits (the parser's and Python's limit), a number too large for a double
+    (stored JSON has no Infinity), and NUL in any string or key (PostgreSQL text cannot hold NUL).
+    """
     if not raw.strip():
         raise Problem(400, "The request body is empty.", title="Invalid body")
     try:
-        payload = loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        payload = from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
         raise Problem(400, f"The request body is not valid JSON: {exc}", title="Invalid body") from None
-    if b"\\u0000" in raw:  # PostgreSQL text cannot hold NUL, and no field of this API needs one
-        errors = {path or "body": ["Must not contain NUL characters."] for path in _nul_paths(payload, "")}
-        if errors:
-            raise validation_problem(errors)
+    errors: dict[str, list[str]] = {}
+    if b"\\u0000" in raw:
+        for path in _paths(payload, "", lambda v: isinstance(v, str) and "\x00" in v, keys=True):
+            errors.setdefault(path or "body", []).append("Must not contain NUL characters.")
+    if _HUGE_NUMBER.search(raw):
+        for path in _paths(payload, "", lambda v: isinstance(v, float) and not math.isfinite(v)):
+            errors.setdefault(path or "body", []).append("This number is too large.")
+    if errors:
+        raise validation_problem(errors)
     return payload
 
 
-def loads(raw: bytes) -> Any:
-    """Parse a JSON body: orjson when it reads the body exactly as the standard library would (no
-    integer of 19 digits or more, which orjson turns into a float; nothing it refuses, such as NaN or
-    a lone surrogate), else :func:`json.loads`, whose errors (JSONDecodeError, UnicodeDecodeError)
-    are raised."""
-    if not _LONG_NUMBER.search(raw):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(raw)
-
-
-_LONG_NUMBER = re.compile(rb"\d{19}")
-
-
-def _nul_paths(value: Any, path: str) -> list[str]:
-    """The paths of the strings (values or keys) in a JSON value that contain a NUL character."""
-    if isinstance(value, str):
-        return [path] if "\x00" in value else []
+def _paths(value: Any, path: str, bad: Callable[[Any], bool], *, keys: bool = False) -> list[str]:
+    """The paths of the values (and, with ``keys``, the object keys) in a JSON value that are ``bad``."""
     if isinstance(value, list):
-        return [p for i, item in enumerate(value) for p in _nul_paths(item, f"{path}[{i}]")]
+        return [p for i, item in enumerate(value) for p in _paths(item, f"{path}[{i}]", bad, keys=keys)]
     if isinstance(value, dict):
         found = []
         for key, item in value.items():
             child = f"{path}.{key}" if path else str(key)
-            found += [child] if "\x00" in key else _nul_paths(item, child)
+            found += [child] if keys and bad(key) else _paths(item, child, bad, keys=keys)
         return found
-    return []
+    return [path] if bad(value) else []
 
 
-async def _parse_body(route: Route, request: web.Request) -> Any:
+async def _parse_body(route: Route, request: web.Request) -> tuple[Any, Any]:
+    """``(parsed JSON, validated body)``."""
     if route.body_optional and not request.body_exists:
         payload: Any = {}
     else:
-        payload = await read_json(request, content_types=(route.request_content_type,))
-    if route.body is RAW_JSON:
-        return payload
+        payload = await read_json(request, content_types=route.request_content_types)
     try:
-        return route.body.model_validate(payload)  # type: ignore[union-attr]
+        return payload, route.body_adapter.validate_python(payload)  # type: ignore[union-attr]
     except ValidationError as exc:
         raise validation_problem(pydantic_errors(exc)) from None
 
@@ -369,11 +472,58 @@ def pydantic_errors(exc: ValidationError, prefix: str = "") -> dict[str, list[st
                 path += f"[{part}]"
             else:
                 path = f"{path}.{part}" if path else str(part)
-        message = error["msg"]
-        if error["type"] == "extra_forbidden":
-            message = "This property is not allowed."
-        errors.setdefault(path or "body", []).append(message)
+        errors.setdefault(path or "body", []).append(_message(error))
     return errors
+
+
+#: pydantic error type -> the message in the domain's voice (``is required``, ``must be a string`` ...),
+#: formatted with the error's context; types not listed keep pydantic's message.
+_MESSAGES = {
+    "missing": "is required",
+    "extra_forbidden": "This property is not allowed.",
+    "string_type": "must be a string",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be a boolean",
+    "bool_parsing": "must be a boolean",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "list_type": "must be an array",
+    "uuid_type": "must be a uuid",
+    "uuid_parsing": "must be a uuid",
+    "datetime_type": "must be an ISO 8601 date-time",
+    "datetime_parsing": "must be an ISO 8601 date-time",
+    "datetime_from_date_parsing": "must be an ISO 8601 date-time",
+    "string_too_short": "must be at least {min_length} characters",
+    "string_too_long": "must be at most {max_length} characters",
+    "too_short": "must have at least {min_length} items",
+    "too_long": "must have at most {max_length} items",
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be greater than {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "string_pattern_mismatch": "must match the pattern {pattern}",
+    "literal_error": "must be one of {expected}",
+    "enum": "must be one of {expected}",
+    "value_error": "{error}",
+}
+
+
+def _message(error: dict) -> str:
+    """One validation message in the platform's voice (the same phrasing as the domain's checks)."""
+    template = _MESSAGES.get(error["type"])
+    if error["type"] in ("string_too_short", "too_short") and (error.get("ctx") or {}).get("min_length") == 1:
+        return "must not be empty"
+    if template is None:
+        return error["msg"]
+    try:
+        return template.format(**(error.get("ctx") or {}))
+    except (KeyError, IndexError):
+        return error["msg"]
 
 
 def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -414,4 +564,13 @@ def _to_response(route: Route, result: Any) -> web.StreamResponse:
         status, result = result
     if result is None and status == 204:
         return web.Response(status=204)
-    return json_response(result, status)
+    adapter = route.response_adapter
+    if adapter is None:
+        return json_response(result, status)
+    try:
+        body = adapter.dump_json(adapter.validate_python(result), exclude_unset=True, by_alias=True)
+    except ValidationError as exc:
+        log.error("the answer of %s %s does not fit its response model: %s", route.method, route.path,
+                  pydantic_errors(exc))
+        raise Problem(500, "An unexpected error occurred.") from None
+    return web.Response(status=status, body=body, content_type=route.response_content_type)

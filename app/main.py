@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from app.api import CALLER
+from app.api import CALLER, http_problem
 from app.context import DB_EXECUTOR, GROUP_COMMIT, JOB_WAITS, RATE_LIMITER, ROUTES, SETTINGS, TRACE_ID
 from app.problems import problem_response
 from app.ratelimit import RateLimiter, rules_for
@@ -34,7 +34,6 @@ from app.routes import (
     webhooks,
 )
 from app.routes import logs as log_routes
-from app.routes.agentic import agentic_problem
 from config.settings import Settings, get_settings
 from infra import logs, metrics
 from infra.errors import Problem
@@ -133,15 +132,14 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         request[TRACE_ID] = _trace_id(request, trace_header)
         response = await handler(request)
     except Problem as problem:
-        response = problem_response(agentic_problem(problem, request), request.path)
+        response = problem_response(problem, request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = problem_response(agentic_problem(_http_problem(exc), request), request.path)
+        response = problem_response(http_problem(exc), request.path)
     except Exception:
         log.exception("unhandled error", extra={"path": request.path, "method": request.method})
-        problem = agentic_problem(Problem(500, "An unexpected error occurred."), request)
-        response = problem_response(problem, request.path)
+        response = problem_response(Problem(500, "An unexpected error occurred."), request.path)
     response.headers[trace_header] = request.get(TRACE_ID) or str(uuid.uuid4())
     return response
 
@@ -154,18 +152,6 @@ def _trace_id(request: web.Request, header: str) -> str:
         request[TRACE_ID] = str(uuid.uuid4())
         raise Problem(400, f"{header} must be a uuid (at most 64 letters, digits, '-', '_', '.', ':').")
     return supplied
-
-
-def _http_problem(exc: web.HTTPException) -> Problem:
-    headers = {}
-    if isinstance(exc, web.HTTPMethodNotAllowed):
-        headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
-    detail = {
-        404: "No resource exists at this path.",
-        405: "This method is not allowed on this path.",
-        413: "The request body is too large.",
-    }.get(exc.status, exc.text if exc.text and not exc.text.startswith(str(exc.status)) else None)
-    return Problem(exc.status, detail, headers=headers)
 
 
 @web.middleware

@@ -19,9 +19,11 @@ class RequestModel(BaseModel):
 
 
 class ResponseModel(BaseModel):
-    """Base of documented response shapes (used for OpenAPI; handlers return plain dicts)."""
+    """Base of response shapes: every answer is validated and serialised through its model
+    (``app/api.py``), and a property the model does not declare is a server bug (500, logged), so
+    the served shape is the documented one."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
 
 class Audited(ResponseModel):

@@ -154,6 +154,11 @@ def _create_key_file(path: Path) -> None:
 # ---- the keyring ---------------------------------------------------------------------------------
 
 
+def hkdf(key_material: bytes, info: bytes) -> bytes:
+    """A 32-byte key derived from ``key_material`` for the purpose ``info`` (HKDF-SHA256, no salt)."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(key_material)
+
+
 @dataclass(frozen=True)
 class TenantKeys:
     """A tenant's plain data key and the HMAC keys derived from it."""
@@ -165,11 +170,7 @@ class TenantKeys:
     @classmethod
     def derive(cls, data_key: bytes) -> TenantKeys:
         """Derive the HMAC keys from the data key with HKDF-SHA256."""
-
-        def hkdf(info: bytes) -> bytes:
-            return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(data_key)
-
-        return cls(data_key, hkdf(b"tessera fingerprint v1"), hkdf(b"tessera search index v1"))
+        return cls(data_key, hkdf(data_key, b"tessera fingerprint v1"), hkdf(data_key, b"tessera search index v1"))
 
 
 class Keyring:
@@ -193,6 +194,19 @@ class Keyring:
     @functools.cached_property
     def _master(self) -> MasterKeyWrapper:
         return MasterKeyWrapper(load_master_key(self._settings))
+
+    @functools.cached_property
+    def _platform_keys(self) -> dict[bytes, bytes]:
+        return {}
+
+    def platform_key(self, info: bytes) -> bytes:
+        """A 32-byte platform-wide key for the purpose ``info`` (for example ``b"tessera cursor v1"``),
+        derived with HKDF-SHA256 from the master key material (``TESSERA_MASTER_KEY`` or ``master.key``);
+        the same in every process sharing that material. Cached per process."""
+        key = self._platform_keys.get(info)
+        if key is None:
+            key = self._platform_keys[info] = hkdf(load_master_key(self._settings), info)
+        return key
 
     def create_tenant_key(self, session: Session, tenant_id: uuid.UUID) -> None:
         """Make and store a new wrapped data key for a new tenant (in the caller's transaction)."""

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from app.api import Api, Call, read_json
-from app.pagination import cursor_page, cursor_query, decode_cursor
+from app.api import Api, Call
+from app.pagination import CursorPage, cursor_page, cursor_query, decode_cursor
 from app.schemas import ResponseModel
 from domain.account_updater import service
 
 api = Api()
+#: An S3 event (``{"Records": [...]}``) or an SNS envelope carrying one; any JSON object is taken (a
+#: notification is only a hint).
+S3Notification = Annotated[dict[str, Any], Field(description="An S3 event or an SNS envelope carrying one.")]
 TAG = "Account updater"
 
 
@@ -42,11 +45,7 @@ class JobOut(ResponseModel):
                                      "file, valid one hour from the read that returned it.")
 
 
-class JobPage(ResponseModel):
-    """One page of jobs (cursor pagination)."""
-
-    pagination: dict
-    data: list[JobOut]
+JobPage = CursorPage[JobOut]
 
 
 ListQuery = cursor_query(100)
@@ -108,8 +107,8 @@ async def list_(call: Call):
     """``GET /account-updater/jobs``."""
     q = call.query
     data, following = await call.db(service.list_jobs, call.caller, size=q.size,
-                                    after=decode_cursor(q.start, ("t", "id")))
-    return cursor_page(data, size=q.size, next_position=following)
+                                    after=decode_cursor(call, q.start))
+    return cursor_page(call, data, size=q.size, next_position=following)
 
 
 @api.route(
@@ -136,7 +135,8 @@ async def get(call: Call):
     tag=TAG,
     summary="Receive an S3 ObjectCreated notification",
     errors=(400, 415),
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}},
+    body=S3Notification,
+    request_content_type=("application/json", "text/plain"),
     description="Not in the reference: ours. Point the bucket's event notifications (ObjectCreated) here through "
     "a bridge that POSTs JSON (`application/json` or `text/plain`), e.g. an SNS HTTP subscription (the "
     "`Notification` envelope is opened; a `SubscriptionConfirmation` is logged with its SubscribeURL for an "
@@ -148,5 +148,4 @@ async def get(call: Call):
 )
 async def s3_notification(call: Call):
     """``POST /account-updater/notifications/s3``: a hint that a request file was uploaded."""
-    body = await read_json(call.request, content_types=("application/json", "text/plain"))
-    await call.db(service.notify_objects, body)
+    await call.db(service.notify_objects, call.payload)

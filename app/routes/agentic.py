@@ -2,29 +2,24 @@
 
 Problems under ``/agentic/`` take the agentic form (spec 001 section 7): ``type`` is a stable code of
 the error catalogue (``domain/agentic/errors.py``), ``title`` the first message of a validation
-failure, ``errors`` every failing field. Handlers here validate bodies and queries themselves and
-raise agentic problems; :func:`agentic_problem` is the hook the shared error middleware calls to
-give the framing problems raised before a handler runs (401, 403, 404, 400 invalid body, 413, 415)
-the same form.
+failure, ``errors`` every failing field. The form is the ``problems`` attribute of each route here
+(:func:`agentic_form`, :func:`agents_form`), so the framework applies it to the framing problems
+raised before a handler runs (401, 403, 400 invalid body, 413, 415) and to the handler's own; a
+catch-all route gives other paths under ``/agentic/`` their 404 and 405 in the same form.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import functools
 import ipaddress
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from aiohttp import web
-from pydantic import BaseModel, ConfigDict, EmailStr, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, EmailStr, Field, field_validator
 
-from app.api import RAW_JSON, Api, Call, pydantic_errors
-from app.context import DB_EXECUTOR
-from app.pagination import cursor_page, decode_cursor
+from app.api import Api, Call
+from app.pagination import CursorPage, cursor_page, decode_cursor
 from app.schemas import RequestModel, ResponseModel
 from domain.agentic import agents as agent_service
 from domain.agentic import idempotency, leases
@@ -52,76 +47,19 @@ CLAIM_MARGIN_SECONDS = 60.0
 # ---- the agentic problem form --------------------------------------------------------------------
 
 
-def agentic_problem(problem: Problem, request: web.Request) -> Problem:
-    """The problem to answer for ``request``: unchanged outside ``/agentic/``; under it, the agentic
-    form (:func:`domain.agentic.errors.to_agentic`), plus the ``Deprecation`` header under
-    ``/agentic/agents``. Idempotent: an agentic problem passes through."""
-    if not request.path.startswith(PREFIX):
-        return problem
+def agentic_form(problem: Problem) -> Problem:
+    """The agentic form of a problem (:func:`domain.agentic.errors.to_agentic`): the ``problems``
+    attribute of every payment-method route, applied to framing problems (401, 403, 400 invalid
+    body, 413, 415) and handler problems alike. Idempotent: an agentic problem passes through."""
+    return to_agentic(problem)
+
+
+def agents_form(problem: Problem) -> Problem:
+    """:func:`agentic_form` plus the ``Deprecation`` header: the ``problems`` attribute of the
+    deprecated agents routes."""
     translated = to_agentic(problem)
-    if request.path.startswith(AGENTS_PREFIX):
-        translated.headers = {**translated.headers, **DEPRECATION}
+    translated.headers = {**translated.headers, **DEPRECATION}
     return translated
-
-
-def _agentic(handler: Callable[[Call], Awaitable[Any]]) -> Callable[[Call], Awaitable[Any]]:
-    """Raise every problem of ``handler`` in the agentic form."""
-
-    @functools.wraps(handler)
-    async def wrapped(call: Call) -> Any:
-        try:
-            return await handler(call)
-        except Problem as problem:
-            raise agentic_problem(problem, call.request) from None
-
-    return wrapped
-
-
-def _validate(model: type[BaseModel], payload: Any) -> Any:
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        raise validation_error(pydantic_errors(exc)) from None
-
-
-def _query(model: type[BaseModel], request: web.Request) -> Any:
-    raw = {name: request.query.getall(name)[-1] for name in model.model_fields if name in request.query}
-    return _validate(model, raw)
-
-
-def _inline(schema: dict) -> dict:
-    """A JSON schema with its ``$defs`` references resolved in place (for openapi_extra)."""
-    definitions = schema.pop("$defs", {})
-
-    def resolve(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return resolve(dict(definitions[ref.rsplit("/", 1)[-1]]))
-            return {k: resolve(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [resolve(v) for v in node]
-        return node
-
-    return resolve(schema)
-
-
-def _body_doc(model: type[BaseModel], description: str = "") -> dict:
-    schema = _inline(TypeAdapter(model).json_schema(mode="validation"))
-    return {"requestBody": {"required": True, "description": description,
-                            "content": {"application/json": {"schema": schema}}}}
-
-
-def _query_doc(model: type[BaseModel]) -> list[dict]:
-    schema = _inline(TypeAdapter(model).json_schema(mode="validation"))
-    return [{"name": name, "in": "query", "required": False, "schema": prop}
-            for name, prop in schema.get("properties", {}).items()]
-
-
-async def _blocking(call: Call, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
-    """Run ``fn`` (which manages its own transaction) on the database thread pool."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(call.request.app[DB_EXECUTOR], functools.partial(fn, *args, **kwargs))
 
 
 # ---- models --------------------------------------------------------------------------------------
@@ -257,11 +195,7 @@ class PaymentMethodOut(ResponseModel):
     updated_at: dt.datetime
 
 
-class PaymentMethodPage(ResponseModel):
-    """A cursor page of payment methods."""
-
-    pagination: dict[str, Any]
-    data: list[PaymentMethodOut]
+PaymentMethodPage = CursorPage[PaymentMethodOut]
 
 
 class ProviderErrorOut(ResponseModel):
@@ -282,11 +216,7 @@ class ProviderErrorOut(ResponseModel):
     occurred_at: dt.datetime
 
 
-class ProviderErrorPage(ResponseModel):
-    """A cursor page of provider errors, newest first."""
-
-    pagination: dict[str, Any]
-    data: list[ProviderErrorOut]
+ProviderErrorPage = CursorPage[ProviderErrorOut]
 
 
 class InstanceDetailsIn(RequestModel):
@@ -408,19 +338,18 @@ _EVENT_TEXT = (
     "POST",
     "/agentic/payment-methods",
     permission="agentic:payment-method:create",
-    body=RAW_JSON,
+    body=CreateIn,
     status=201,
     response=PaymentMethodOut,
+    problems=agentic_form,
     tag=TAG,
     summary="Create a payment method",
     errors=(400, 404, 409, 413, 415, 500),
     description=_CREATE_TEXT + "\n\n" + _EVENT_TEXT,
-    openapi_extra=_body_doc(CreateIn),
 )
-@_agentic
 async def create(call: Call):
     """``POST /agentic/payment-methods`` (spec 001 section 4): 201 with the payment method."""
-    body = _validate(CreateIn, call.body)
+    body: CreateIn = call.body
     settings = call.settings
     header = settings.header("IDEMPOTENCY-KEY")
     key = call.request.headers.get(header)
@@ -438,7 +367,7 @@ async def create(call: Call):
             raise validation_error(errors)
         outcome = await call.db(
             idempotency.claim, tenant_id=call.caller.tenant_id, scope=idempotency.CREATE_PAYMENT_METHOD, key=key,
-            body_hash=idempotency.request_hash(call.body), owner=owner,
+            body_hash=idempotency.request_hash(call.payload), owner=owner,
             seconds=settings.agentic_wait_seconds + CLAIM_MARGIN_SECONDS,
         )
         if isinstance(outcome, idempotency.Replay):
@@ -453,7 +382,7 @@ async def _record_create(call: Call, request: service.CreateRequest, owner: str,
                          claim: idempotency.Claim | None) -> service.Started:
     """The recording transaction of a create, with the idempotency record settled on failure."""
     try:
-        return await _blocking(call, service.create_unit, call.caller, request, settings=call.settings,
+        return await call.blocking(service.create_unit, call.caller, request, settings=call.settings,
                                owner=owner, claim=claim)
     except Problem as problem:
         answer = to_agentic(problem)
@@ -482,8 +411,10 @@ async def _settle_quietly(call: Call, fn, claim: idempotency.Claim) -> None:
 @api.route(
     "GET",
     "/agentic/payment-methods",
+    query=ListQuery,
     permission="agentic:payment-method:get",
     response=PaymentMethodPage,
+    problems=agentic_form,
     tag=TAG,
     summary="List payment methods",
     errors=(400,),
@@ -493,17 +424,15 @@ async def _settle_quietly(call: Call, fn, claim: idempotency.Claim) -> None:
         "`status` is `active` (default), `deleted` or `all`. A page may be shorter than `size` while more remain: "
         "the end is the absence of `pagination.next`."
     ),
-    openapi_extra={"parameters": _query_doc(ListQuery)},
 )
-@_agentic
 async def list_(call: Call):
     """``GET /agentic/payment-methods``: a cursor page, newest first."""
-    q = _query(ListQuery, call.request)
+    q: ListQuery = call.query
     data, next_position = await call.db(
-        service.list_payment_methods, call.caller, size=q.size, after=decode_cursor(q.start, ("t", "id")),
+        service.list_payment_methods, call.caller, size=q.size, after=decode_cursor(call, q.start),
         consumer_id=str(q.consumer_id) if q.consumer_id else None, status=q.status,
     )
-    return cursor_page(data, size=q.size, next_position=next_position)
+    return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
 @api.route(
@@ -511,13 +440,13 @@ async def list_(call: Call):
     "/agentic/payment-methods/{payment_method_id}",
     permission="agentic:payment-method:get",
     response=PaymentMethodOut,
+    problems=agentic_form,
     tag=TAG,
     summary="Get a payment method",
     errors=(404,),
     description=_ERROR_FORM + "404 PAYMENT_METHOD_NOT_FOUND when absent in the tenant. Deleted payment methods "
     "are returned with status `deleted`.",
 )
-@_agentic
 async def get(call: Call):
     """``GET /agentic/payment-methods/{payment_method_id}``."""
     return await call.db(service.read_payment_method, call.caller, call.params["payment_method_id"])
@@ -527,8 +456,9 @@ async def get(call: Call):
     "POST",
     "/agentic/payment-methods/{payment_method_id}/rails/retry",
     permission="agentic:payment-method:create",
-    body=RAW_JSON,
+    body=RetryIn,
     response=PaymentMethodOut,
+    problems=agentic_form,
     tag=TAG,
     summary="Retry a rail",
     errors=(400, 404, 409, 413, 415, 422),
@@ -547,12 +477,10 @@ async def get(call: Call):
         "retry in flight), 409 PAYMENT_METHOD_DELETE_IN_PROGRESS, 409 PAYMENT_METHOD_DELETE_INCOMPLETE (a delete "
         "stopped during its cascade: repeat DELETE).\n\n" + _EVENT_TEXT
     ),
-    openapi_extra=_body_doc(RetryIn),
 )
-@_agentic
 async def retry(call: Call):
     """``POST .../rails/retry``: 200 with the payment method, or the rejection's problem."""
-    body = _validate(RetryIn, call.body)
+    body: RetryIn = call.body
     if (body.rail, body.provider) not in service.VALID_PAIRS:
         valid = ", ".join(provider for rail, provider in service.VALID_PAIRS if rail == body.rail)
         raise validation_error({"provider": [f"{body.provider} does not serve the {body.rail} rail; valid: {valid}."]})
@@ -572,8 +500,10 @@ async def retry(call: Call):
 @api.route(
     "GET",
     "/agentic/payment-methods/{payment_method_id}/errors",
+    query=ErrorsQuery,
     permission="agentic:payment-method:get",
     response=ProviderErrorPage,
+    problems=agentic_form,
     tag=TAG,
     summary="List a payment method's provider errors",
     errors=(400, 404),
@@ -586,15 +516,13 @@ async def retry(call: Call):
         "(`provider_code` is the provider's own code, or `HTTP_<status>` when it sent none). 404 "
         "PAYMENT_METHOD_NOT_FOUND."
     ),
-    openapi_extra={"parameters": _query_doc(ErrorsQuery)},
 )
-@_agentic
 async def errors(call: Call):
     """``GET .../errors``: a cursor page of provider errors, newest first."""
-    q = _query(ErrorsQuery, call.request)
+    q: ErrorsQuery = call.query
     data, next_position = await call.db(service.list_provider_errors, call.caller, call.params["payment_method_id"],
-                                        size=q.size, after=decode_cursor(q.start, ("t", "id")))
-    return cursor_page(data, size=q.size, next_position=next_position)
+                                        size=q.size, after=decode_cursor(call, q.start))
+    return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
 @api.route(
@@ -602,6 +530,7 @@ async def errors(call: Call):
     "/agentic/payment-methods/{payment_method_id}",
     permission="agentic:payment-method:delete",
     status=204,
+    problems=agentic_form,
     tag=TAG,
     summary="Delete a payment method",
     errors=(404, 409, 500),
@@ -617,7 +546,6 @@ async def errors(call: Call):
         "with the removals still to do. 404 PAYMENT_METHOD_NOT_FOUND."
     ),
 )
-@_agentic
 async def delete(call: Call):
     """``DELETE /agentic/payment-methods/{payment_method_id}``: 204."""
     pm_id = call.params["payment_method_id"]
@@ -645,9 +573,10 @@ def _agent_id(call: Call) -> str:
     "POST",
     "/agentic/agents",
     permission="agent:create",
-    body=RAW_JSON,
+    body=AgentIn,
     status=201,
     response=AgentOut,
+    problems=agents_form,
     tag=AGENTS_TAG,
     summary="Create an agent",
     errors=(400, 413, 415),
@@ -656,12 +585,10 @@ def _agent_id(call: Call) -> str:
     description=_AGENTS_TEXT + " `name` 1 to 255 characters; `enrollment_ids` at most 50; `instance_details` "
     "{ip_address (IPv4), brand, type (mobile-phone, tablet, laptop, personal-assistant, connected-auto, "
     "home-appliance, wearable, stationary-computer, e-reader, handheld-gaming-device, other)}, all optional.",
-    openapi_extra=_body_doc(AgentIn),
 )
-@_agentic
 async def create_agent(call: Call):
     """``POST /agentic/agents``: 201 with the agent."""
-    body = _validate(AgentIn, call.body)
+    body: AgentIn = call.body
     details = body.instance_details.model_dump(exclude_none=True) if body.instance_details else None
     return await call.db(agent_service.create_agent, call.caller, name=body.name, enrollment_ids=body.enrollment_ids,
                          instance_details=details)
@@ -672,6 +599,7 @@ async def create_agent(call: Call):
     "/agentic/agents/{agent_id}",
     permission="agent:get",
     response=AgentOut,
+    problems=agents_form,
     tag=AGENTS_TAG,
     summary="Get an agent",
     errors=(404,),
@@ -679,7 +607,6 @@ async def create_agent(call: Call):
     extra_headers=DEPRECATION,
     description=_AGENTS_TEXT,
 )
-@_agentic
 async def get_agent(call: Call):
     """``GET /agentic/agents/{agent_id}``."""
     return await call.db(agent_service.read_agent, call.caller, _agent_id(call))
@@ -689,8 +616,9 @@ async def get_agent(call: Call):
     "PATCH",
     "/agentic/agents/{agent_id}",
     permission="agent:update",
-    body=RAW_JSON,
+    body=AgentPatch,
     response=AgentOut,
+    problems=agents_form,
     tag=AGENTS_TAG,
     summary="Update an agent",
     errors=(400, 404, 413, 415),
@@ -698,12 +626,10 @@ async def get_agent(call: Call):
     extra_headers=DEPRECATION,
     description=_AGENTS_TEXT + " Each field present replaces the stored one (`name` and `enrollment_ids` "
     "cannot be null; `instance_details: null` clears the details); fields absent are kept.",
-    openapi_extra=_body_doc(AgentPatch),
 )
-@_agentic
 async def update_agent(call: Call):
     """``PATCH /agentic/agents/{agent_id}``."""
-    body = _validate(AgentPatch, call.body)
+    body: AgentPatch = call.body
     changes = {}
     nulls = {}
     for name in body.model_fields_set:
@@ -724,6 +650,7 @@ async def update_agent(call: Call):
     "/agentic/agents/{agent_id}",
     permission="agent:delete",
     status=204,
+    problems=agents_form,
     tag=AGENTS_TAG,
     summary="Delete an agent",
     errors=(404,),
@@ -731,7 +658,30 @@ async def update_agent(call: Call):
     extra_headers=DEPRECATION,
     description=_AGENTS_TEXT,
 )
-@_agentic
 async def delete_agent(call: Call):
     """``DELETE /agentic/agents/{agent_id}``: 204."""
     await call.db(agent_service.delete_agent, call.caller, _agent_id(call))
+
+
+# ---- everything else under /agentic/ -------------------------------------------------------------
+
+
+@api.route("*", "/agentic/{rest:.*}", problems=agentic_form, tag=TAG, summary="No resource", status=404,
+           auth=False, documented=False)
+async def nothing_here(call: Call):
+    """Any other path under ``/agentic/``: 404 NOT_FOUND (405 METHOD_NOT_ALLOWED with ``Allow`` when the
+    path exists with other methods), in the agentic form (plus ``Deprecation`` under the agents)."""
+    request = call.request
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is request.match_info.route.resource:
+            continue
+        match, methods = await resource.resolve(request)
+        if match is None:
+            allowed |= methods
+    if allowed:
+        problem = Problem(405, "This method is not allowed on this path.",
+                          headers={"Allow": ", ".join(sorted(allowed))})
+    else:
+        problem = Problem(404, "No resource exists at this path.")
+    raise (agents_form if request.path.startswith(AGENTS_PREFIX) else agentic_form)(problem)

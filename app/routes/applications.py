@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Literal
 
 from pydantic import Field
 
 from app.api import Api, Call
-from app.pagination import offset_page, offset_query
+from app.pagination import OffsetPage, offset_page, offset_query
 from app.schemas import Audited, Name, RequestModel, ResponseModel
 from domain.tenancy import applications as service
 from domain.tenancy.applications import APPLICATION_TYPES
+from domain.tenancy.permissions import LEGACY_SHUTDOWN_DATE, modern_names
 from infra.errors import Problem
 
 api = Api()
@@ -42,8 +44,28 @@ class ApplicationOut(Audited):
 class ApplicationKeyOut(ResponseModel):
     id: uuid.UUID
     application_id: uuid.UUID
-    created_at: str
+    created_at: dt.datetime
     key: str | None = Field(None, description="The API key; returned only when the key is created.")
+
+
+#: RFC 9745: a grant naming a legacy permission is answered with this header.
+LEGACY_DEPRECATION = {"Deprecation": f"@{int(LEGACY_SHUTDOWN_DATE.timestamp())}"}
+GRANT_TEXT = (
+    "Legacy permission names (section 5.4: `token:create`, `token:read`, `token:decrypt`, `token:update`, "
+    "`token:delete`, `token:use` and their `card:` and `bank:` forms) are taken and mapped to their granular "
+    "replacements (`token:create` -> `token:general:create`, `card:read` -> `token:pci:read:low`, `bank:decrypt` "
+    "-> `token:bank:read:high`, `token:use` -> `token:general:use:proxy` ...); the new names are stored and "
+    "returned, and the answer carries `Deprecation: " + LEGACY_DEPRECATION["Deprecation"] + "` (the legacy "
+    "names were retired on January 3, 2022). `card:decrypt` never existed: 400."
+)
+
+
+def _granted(call: Call, requested: list[str]) -> list[str]:
+    """The permissions to grant: legacy names mapped (and the answer marked deprecated)."""
+    permissions, legacy = modern_names(requested)
+    if legacy:
+        call.headers.update(LEGACY_DEPRECATION)
+    return permissions
 
 
 ListQuery = offset_query(100, id=(list[uuid.UUID], Field(default_factory=list)))
@@ -59,11 +81,12 @@ ListQuery = offset_query(100, id=(list[uuid.UUID], Field(default_factory=list)))
     tag=TAG,
     summary="Create an application",
     errors=(400, 401, 403),
-    description="Returns the application with its API key; the key is shown only this once.",
+    description="Returns the application with its API key; the key is shown only this once. " + GRANT_TEXT,
 )
 async def create(call: Call):
     b = call.body
-    return await call.db(service.create_application, call.caller, name=b.name, type=b.type, permissions=b.permissions)
+    permissions = _granted(call, b.permissions)
+    return await call.db(service.create_application, call.caller, name=b.name, type=b.type, permissions=permissions)
 
 
 @api.route(
@@ -71,7 +94,7 @@ async def create(call: Call):
     "/applications",
     permission="application:read",
     query=ListQuery,
-    response=list[ApplicationOut],
+    response=OffsetPage[ApplicationOut],
     tag=TAG,
     summary="List applications",
     errors=(400, 401, 403),
@@ -118,7 +141,7 @@ async def get(call: Call):
     tag=TAG,
     summary="Update an application",
     errors=(400, 401, 403, 404),
-    description="Replaces the name and the permissions. The type cannot change.",
+    description="Replaces the name and the permissions. The type cannot change. " + GRANT_TEXT,
 )
 async def update(call: Call):
     b = call.body
@@ -127,7 +150,7 @@ async def update(call: Call):
         call.caller,
         call.uuid_param(what="application"),
         name=b.name,
-        permissions=b.permissions,
+        permissions=_granted(call, b.permissions),
     )
 
 
@@ -193,6 +216,7 @@ async def delete_key(call: Call):
     "POST",
     "/applications/{id}/regenerate",
     permission="application:update",
+    status=410,
     tag=TAG,
     summary="Regenerate an application key (shut down)",
     errors=(410,),

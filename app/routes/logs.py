@@ -9,11 +9,11 @@ from pydantic import Field
 from sqlmodel import Session, select
 
 from app.api import Api, Call
-from app.pagination import cursor_page, cursor_query, decode_cursor
+from app.pagination import CursorPage, cursor_page, cursor_query, decode_cursor
 from app.schemas import ResponseModel
 from domain.tenancy.audit import ENTITY_TYPES
 from domain.tenancy.caller import Caller
-from infra.errors import validation_problem
+from storage.keyset import keyset_page
 from storage.models import AuditLog
 
 api = Api()
@@ -48,19 +48,8 @@ def _aware(value: dt.datetime | None) -> dt.datetime | None:
     return value.replace(tzinfo=dt.UTC) if value is not None and value.tzinfo is None else value
 
 
-def _position(position: dict) -> tuple[dt.datetime, uuid.UUID]:
-    """The (created_at, id) keyset position of a decoded cursor; 400 when its values are not ours."""
-    try:
-        at = _aware(dt.datetime.fromisoformat(position["t"]))
-        last_id = uuid.UUID(position["id"])
-    except (TypeError, ValueError, AttributeError):
-        raise validation_problem({"start": ["This is not a cursor returned by this endpoint."]}) from None
-    return at, last_id
-
-
-def list_logs(session: Session, caller: Caller, query) -> dict:
-    """One page of the tenant's log rows, newest first."""
-    position = decode_cursor(query.start, ("t", "id"))
+def list_logs(session: Session, caller: Caller, query, position: dict | None) -> tuple[list[dict], dict | None]:
+    """One page of the tenant's log rows, newest first, and the next keyset position (or None)."""
     stmt = select(AuditLog).where(AuditLog.tenant_id == caller.tenant_id)
     if query.entity_type:
         stmt = stmt.where(AuditLog.entity_type == query.entity_type)
@@ -70,12 +59,8 @@ def list_logs(session: Session, caller: Caller, query) -> dict:
         stmt = stmt.where(AuditLog.created_at >= _aware(query.start_date))
     if query.end_date:
         stmt = stmt.where(AuditLog.created_at < _aware(query.end_date))
-    if position:
-        at, last_id = _position(position)
-        stmt = stmt.where((AuditLog.created_at < at) | ((AuditLog.created_at == at) & (AuditLog.id < last_id)))
-    rows = session.exec(stmt.order_by(AuditLog.created_at.desc(), AuditLog.id.desc()).limit(query.size + 1)).all()
-    more = len(rows) > query.size
-    rows = rows[: query.size]
+    rows, next_position = keyset_page(session, stmt, order=(AuditLog.created_at, AuditLog.id), size=query.size,
+                                      after=position)
     data = [
         {
             "tenant_id": r.tenant_id,
@@ -89,8 +74,7 @@ def list_logs(session: Session, caller: Caller, query) -> dict:
         }
         for r in rows
     ]
-    next_position = {"t": rows[-1].created_at.isoformat(), "id": str(rows[-1].id)} if more else None
-    return cursor_page(data, size=query.size, next_position=next_position)
+    return data, next_position
 
 
 @api.route(
@@ -98,7 +82,7 @@ def list_logs(session: Session, caller: Caller, query) -> dict:
     "/logs",
     permission="log:read",
     query=LogQuery,
-    response=list[LogOut],
+    response=CursorPage[LogOut],
     tag=TAG,
     summary="List log rows",
     errors=(400, 401, 403),
@@ -106,7 +90,8 @@ def list_logs(session: Session, caller: Caller, query) -> dict:
     "end_date (exclusive). Log rows never carry sensitive data. Retention is not limited.",
 )
 async def list_(call: Call):
-    return await call.db(list_logs, call.caller, call.query)
+    data, next_position = await call.db(list_logs, call.caller, call.query, decode_cursor(call, call.query.start))
+    return cursor_page(call, data, size=call.query.size, next_position=next_position)
 
 
 @api.route(

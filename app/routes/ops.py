@@ -124,6 +124,7 @@ async def readyz(call: Call):
     "GET",
     "/metrics",
     auth=False,
+    response=str,
     tag="Operations",
     summary="Prometheus metrics",
     response_content_type="text/plain",

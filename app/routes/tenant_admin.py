@@ -13,18 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import datetime as dt
-import json
 import logging
 import re
 import uuid
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ConfigDict, EmailStr, Field, ValidationError
 
-from app.api import AllOf, Api, Call, pydantic_errors
+from app.api import AllOf, Api, Call, parse_json, pydantic_errors
 from app.context import SETTINGS
-from app.pagination import offset_page, offset_query
+from app.pagination import OffsetPage, offset_page, offset_query
 from app.ratelimit import RateLimiter, Rule
 from app.schemas import Audited, RequestModel, ResponseModel
 from domain.client_keys import service as client_keys
@@ -320,7 +320,7 @@ async def usage_report(call: Call):
     "/tenants/self/members",
     permission="tenant:member:read",
     query=MembersQuery,
-    response=list[MemberOut],
+    response=OffsetPage[MemberOut],
     tag=MEMBER_TAG,
     summary="List the tenant's members",
     errors=(400,),
@@ -391,7 +391,7 @@ async def create_invitation(call: Call):
     "/tenants/self/invitations",
     permission="tenant:invitation:read",
     query=InvitationsQuery,
-    response=list[InvitationOut],
+    response=OffsetPage[InvitationOut],
     tag=INVITATION_TAG,
     summary="List the tenant's invitations",
     errors=(400,),
@@ -624,13 +624,28 @@ async def _read_small(part, limit: int, field: str) -> bytes:
 
 def _parse_request_part(raw: bytes) -> dict:
     try:
-        payload: Any = json.loads(raw) if raw.strip() else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise validation_problem({"request": [f"Not valid JSON: {exc}"]}) from None
+        payload: Any = parse_json(raw) if raw.strip() else {}
+    except Problem as problem:
+        raise validation_problem(problem.errors or {"request": [problem.detail or "Not valid JSON."]}) from None
     try:
         return DocumentRequest.model_validate(payload).metadata
     except ValidationError as exc:
         raise validation_problem(pydantic_errors(exc, prefix="request")) from None
+
+
+def _check_filename(part) -> None:
+    """A part's filename, when sent, is printable UTF-8 text (no NUL or other control characters)."""
+    name = part.filename
+    if name is not None and not (name.isprintable() and _encodable(name)):
+        raise validation_problem({"document": ["The part's filename must be printable UTF-8 text (no NUL)."]})
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # undecodable bytes arrive as lone surrogates
+        return False
+    return True
 
 
 def _part_content_type(part) -> str:
@@ -728,6 +743,7 @@ async def create_document(call: Call):
             if name == "request" and metadata is None:
                 metadata = _parse_request_part(await _read_small(part, REQUEST_PART_MAX_BYTES, "request"))
             elif name == "document" and upload.writer is None:
+                _check_filename(part)
                 await upload.begin(_part_content_type(part))
                 await upload.stream(part, max_bytes)
             elif name in ("request", "document"):
@@ -747,9 +763,10 @@ async def create_document(call: Call):
             chunk_count=upload.writer.chunks,
             metadata=metadata or {},
         )
-    except ValueError as exc:  # malformed multipart framing
+    except (ValueError, HttpProcessingError) as exc:  # malformed multipart framing or part headers
         await upload.undo()
-        raise Problem(400, f"The multipart body is malformed: {exc}", title="Invalid body") from None
+        reason = exc.message if isinstance(exc, HttpProcessingError) else exc
+        raise Problem(400, f"The multipart body is malformed: {reason}", title="Invalid body") from None
     except BaseException:
         await upload.undo()
         raise

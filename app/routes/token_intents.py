@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from app.api import RAW_JSON, AllOf, Api, Call
-from app.routes.tokens import TokenOut
+from app.api import AllOf, Api, Call
+from app.routes.tokens import ConvertIn, TokenOut
 from app.schemas import RequestModel, ResponseModel
 from domain.network_tokens import token_intents as service
 
@@ -117,7 +117,7 @@ async def delete(call: Call):
     "POST",
     "/token-intents/{id}/convert",
     permission=AllOf("token-intent:read", "token:pci:create"),
-    body=RAW_JSON,
+    body=ConvertIn,
     status=201,
     response=TokenOut,
     tag=TAG,
@@ -134,4 +134,4 @@ async def delete(call: Call):
 )
 async def convert(call: Call):
     """The intent becomes a card token."""
-    return await call.db(service.convert_intent, call.caller, call.params["id"], call.body)
+    return await call.db(service.convert_intent, call.caller, call.params["id"], call.payload)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Awaitable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from app.api import RAW_JSON, Api, Call, query_extras
-from app.pagination import cursor_page, cursor_query, decode_cursor, offset_page, offset_query
+from app.api import Api, Call, query_extras
+from app.pagination import CursorPage, OffsetPage, cursor_page, cursor_query, decode_cursor, offset_page, offset_query
 from app.schemas import RequestModel, ResponseModel
 from domain.tokens import service
 from infra.errors import Problem, validation_problem
@@ -51,7 +51,8 @@ class TokenOut(ResponseModel):
     data: Any = Field(None, description="Complete, masked or absent by the caller's read access.")
     mask: Any = None
     containers: list[str]
-    metadata: dict[str, str]
+    metadata: dict[str, str] | None = Field(None, description="Left out of a deduplicated payment-forwarding answer "
+                                            "unless the key reads the token's container completely.")
     search_indexes: list[str]
     fingerprint: str | None = None
     fingerprint_expression: str | None = None
@@ -64,13 +65,10 @@ class TokenOut(ResponseModel):
     expires_at: dt.datetime | None = None
 
 
-class TokenRequestDoc(BaseModel):
-    """The token request object (documentation; the domain validates it)."""
+class TokenOptions(RequestModel):
+    """The options of a token request (every field optional). The domain checks what a type cannot
+    express (containers, expressions, aliases in use ...) and answers 400 keyed by path."""
 
-    model_config = ConfigDict(extra="forbid", title="TokenRequest")
-    type: TokenType
-    data: Any = Field(description="card: {number, expiration_month, expiration_year, cvc, name}; "
-                      "bank: {routing_number, account_number}; token: any JSON value.")
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9\-_.:]{1,400}$",
                            description="An alias; an id already used in the tenant answers 409.")
     metadata: dict[str, str] | None = Field(None, description="At most 100 pairs; key <= 255, value <= 1024.")
@@ -78,24 +76,55 @@ class TokenRequestDoc(BaseModel):
                       "four of the number and the expiration; for bank: the account number's last four.")
     containers: list[str] | None = Field(None, description="Default /<classification>/high/.")
     search_indexes: list[str] | None = Field(None, max_length=20)
-    fingerprint_expression: str | None = None
+    fingerprint_expression: str | None = Field(None, description="A Liquid expression; a comma where a filter's "
+                                               "pipe belongs is read as the pipe.")
     deduplicate_token: bool | None = None
     expires_at: dt.datetime | None = Field(None, description="ISO 8601, in the future.")
     parent_id: str | None = Field(None, description="An existing token of the tenant.")
+
+
+class TokenRequest(TokenOptions):
+    """The token request object (core document, "Token"). ``data`` by type: card ``{number,
+    expiration_month, expiration_year, cvc, name}`` (Luhn and the form of the expiration checked, not
+    its date; a numeric ``cvc`` is taken as its digits), bank ``{routing_number, account_number}``,
+    token any JSON value."""
+
+    model_config = ConfigDict(extra="allow", title="TokenRequest", json_schema_extra={
+        "additionalProperties": False,
+        "examples": [{"type": "card", "data": {"number": "4111111111111111", "expiration_month": 12,
+                                               "expiration_year": 2031}, "metadata": {"order": "1234"}}],
+    })
+    type: TokenType
+    data: Any = Field(description="card: {number, expiration_month, expiration_year, cvc, name}; "
+                      "bank: {routing_number, account_number}; token: any JSON value.")
     privacy: Any = Field(None, description="Shut down on February 1, 2023: accepted and ignored.")
 
 
-class PspCardDoc(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenPatch(TokenOptions):
+    """An RFC 7396 merge patch of a token: objects merge, null removes. ``id``, ``type`` and
+    ``parent_id`` cannot change (400)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
+    data: Any = None
+    metadata: dict[str, str | None] | None = Field(None, description="Merged; a null value removes the key.")
+    privacy: Any = Field(None, description="Ignored.")
+
+
+class ConvertIn(TokenOptions):
+    """Options of the token made from a token intent; ``type`` and ``data`` come from the intent (400)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
+
+
+class PspCard(RequestModel):
     number: str
     exp_month: str | None = Field(None, pattern=r"^\d{2}$")
     exp_year: str | None = Field(None, pattern=r"^\d{4}$")
-    cvc: str | None = None
+    cvc: str | int | None = None
     name: str | None = None
 
 
-class PspOptionsDoc(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PspOptions(RequestModel):
     id: str | None = None
     mask: Any = None
     containers: list[str] | None = None
@@ -106,6 +135,29 @@ class PspOptionsDoc(BaseModel):
     expires_at: dt.datetime | None = None
 
 
+class PspForwardIn(RequestModel):
+    """A card in a payment processor's forwarding format, with the token options in ``metadata``."""
+
+    card: PspCard
+    metadata: PspOptions | None = None
+
+
+#: ``POST /tokenize``: any JSON value, walked recursively by the domain (which validates each token
+#: request object it finds); the union documents the forms.
+TokenizeIn = Annotated[
+    TokenRequest | str | float | bool | list[Any] | dict[str, Any] | None,
+    Field(description="A token request object, a bare string/number/boolean, or objects and arrays of them "
+          "(mixed types), walked recursively."),
+]
+#: The answer mirrors the request: each token request object replaced by its token, each bare value by its id.
+TokenizeOut = Annotated[
+    TokenOut | str | list[Any] | dict[str, Any] | None,
+    Field(description="The request's structure with each token request object replaced by its token object and "
+          "each bare value by the id of its token."),
+]
+
+
+
 class SearchIn(RequestModel):
     query: str = Field(max_length=4096, description="id:<id>, data:<value>, metadata.<key>:<value>, or "
                        "metadata.<key>:<value> terms joined by AND. Values may be double-quoted.")
@@ -113,9 +165,7 @@ class SearchIn(RequestModel):
     start: str | None = Field(None, description="The cursor from pagination.next.")
 
 
-class TokenPage(ResponseModel):
-    pagination: dict[str, Any]
-    data: list[TokenOut]
+TokenPage = CursorPage[TokenOut]
 
 
 async def _deprecated(answer: Awaitable[Any]) -> Any:
@@ -125,20 +175,6 @@ async def _deprecated(answer: Awaitable[Any]) -> Any:
     except Problem as problem:
         problem.headers.update(DECRYPT_DEPRECATION)
         raise
-
-
-def _json_body(schema: dict, description: str = "", content_type: str = "application/json") -> dict:
-    return {"requestBody": {"required": True, "description": description,
-                            "content": {content_type: {"schema": schema}}}}
-
-
-def _psp_schema() -> dict:
-    return {
-        "type": "object",
-        "required": ["card"],
-        "additionalProperties": False,
-        "properties": {"card": PspCardDoc.model_json_schema(), "metadata": PspOptionsDoc.model_json_schema()},
-    }
 
 
 ListQuery = cursor_query(100, type=(list[TokenType], Field(default_factory=list, description="Token types.")))
@@ -156,10 +192,8 @@ METADATA_PARAMETER = {
 # ---- create --------------------------------------------------------------------------------------
 
 
-@api.route("POST", "/tokenize", body=RAW_JSON, status=201, tag=TAG, summary="Tokenize one or many values",
-           errors=(400, 401, 403, 409),
-           openapi_extra=_json_body({}, "Any JSON value: a token request object, a bare string/number/boolean, or "
-                                    "objects and arrays of them (mixed types)."),
+@api.route("POST", "/tokenize", body=TokenizeIn, status=201, response=TokenizeOut, tag=TAG,
+           summary="Tokenize one or many values", errors=(400, 401, 403, 409),
            description="Permission: `token:<classification>:create` for every classification tokenized (403 names "
            "the missing one).\n\nThe body is walked recursively and the answer (201) has the same structure: an "
            "object is a token request object when it has a string `type` among token, card, bank, a `data` member "
@@ -175,11 +209,11 @@ METADATA_PARAMETER = {
            "given) is replaced, under `read_existing` it is unchanged. A card's `cvc` is kept one hour for provider "
            "calls, then dropped. " + READ_RULES)
 async def tokenize(call: Call):
-    return await call.db_grouped(service.tokenize, call.caller, call.body)
+    return await call.db_grouped(service.tokenize, call.caller, call.payload)
 
 
-@api.route("POST", "/tokens", body=RAW_JSON, status=201, response=TokenOut, tag=TAG, summary="Create a token",
-           errors=(400, 401, 403, 409), openapi_extra=_json_body(TokenRequestDoc.model_json_schema()),
+@api.route("POST", "/tokens", body=TokenRequest, status=201, response=TokenOut, tag=TAG, summary="Create a token",
+           errors=(400, 401, 403, 409),
            description="Permission: `token:<classification>:create` (card -> pci, bank -> bank, token -> the "
            "classification of its containers, default general).\n\nContainers must parse as "
            "/<classification>/<impact_level>/ and, for card and bank, be of the type's classification. "
@@ -187,12 +221,12 @@ async def tokenize(call: Call):
            "Luhn and expiry checked. Deduplication and fingerprints as for POST /tokenize (201 with the existing "
            "token on a hit). " + READ_RULES)
 async def create(call: Call):
-    return await call.db_grouped(service.create_token, call.caller, call.body)
+    return await call.db_grouped(service.create_token, call.caller, call.payload)
 
 
-@api.route("POST", "/connections/psp-forward/tokenize", permission="token:pci:create", body=RAW_JSON, status=201,
-           response=TokenOut, tag=TAG, summary="Tokenize a card in a payment processor's forwarding format",
-           errors=(400, 401, 403, 409), openapi_extra=_json_body(_psp_schema()),
+@api.route("POST", "/connections/psp-forward/tokenize", permission="token:pci:create", body=PspForwardIn,
+           status=201, response=TokenOut, tag=TAG, summary="Tokenize a card in a payment processor's forwarding format",
+           errors=(400, 401, 403, 409),
            description="The spec's `token:create` is the retired legacy name of `token:pci:create`. `card` "
            "{number, exp_month 'MM', exp_year 'YYYY', cvc, name} becomes card token data {number, "
            "expiration_month (integer), expiration_year (integer), cvc, name}, so expressions refer to "
@@ -202,7 +236,7 @@ async def create(call: Call):
            "token found by deduplication, `data` and `metadata` are left out unless the key reads the token's "
            "container completely. " + READ_RULES)
 async def psp_forward(call: Call):
-    return await call.db_grouped(service.psp_forward_tokenize, call.caller, call.body)
+    return await call.db_grouped(service.psp_forward_tokenize, call.caller, call.payload)
 
 
 # ---- list and search -----------------------------------------------------------------------------
@@ -234,10 +268,10 @@ def _list_filters(call: Call) -> tuple[str, str] | None:
 async def _list(call: Call) -> dict:
     q = call.query
     metadata = _list_filters(call)
-    position = decode_cursor(q.start, ("t", "id"))
+    position = decode_cursor(call, q.start)
     data, following = await call.db(service.list_tokens, call.caller, types=q.type, metadata=metadata,
                                     size=q.size, position=position)
-    return cursor_page(data, size=q.size, next_position=following)
+    return cursor_page(call, data, size=q.size, next_position=following)
 
 
 LIST_TEXT = (
@@ -267,19 +301,19 @@ async def list_v2(call: Call):
            "GET /v2/tokens (`size`, `start` in the body). " + READ_RULES)
 async def search_v2(call: Call):
     b = call.body
-    position = decode_cursor(b.start, ("t", "id"))
+    position = decode_cursor(call, b.start)
     data, following = await call.db(service.search_tokens, call.caller, b.query, size=b.size, position=position)
-    return cursor_page(data, size=b.size, next_position=following)
+    return cursor_page(call, data, size=b.size, next_position=following)
 
 
-@api.route("GET", "/tokens", tag=TAG, summary="List tokens v1 (shut down)", errors=(410,), deprecated=True,
+@api.route("GET", "/tokens", status=410, tag=TAG, summary="List tokens v1 (shut down)", errors=(410,), deprecated=True,
            description=SHUT_DOWN + "Shut down on March 1, 2025: answers 410. Use GET /v2/tokens.")
 async def list_v1(call: Call):
     raise Problem(410, "List tokens v1 was shut down on March 1, 2025; use GET /v2/tokens (cursor pagination; "
                   "no id parameter; at most one metadata.<key> parameter, matched exactly and case-sensitively).")
 
 
-@api.route("POST", "/tokens/search", tag=TAG, summary="Search tokens v1 (shut down)", errors=(410,),
+@api.route("POST", "/tokens/search", status=410, tag=TAG, summary="Search tokens v1 (shut down)", errors=(410,),
            deprecated=True,
            description=SHUT_DOWN + "Shut down on March 1, 2025: answers 410. Use POST /v2/tokens/search.")
 async def search_v1(call: Call):
@@ -322,9 +356,8 @@ async def get_bank_decrypt(call: Call):
     return await _deprecated(call.db(service.read_token, call.caller, call.params["id"], of_type="bank"))
 
 
-@api.route("PATCH", "/tokens/{id}", body=RAW_JSON, request_content_type=MERGE_PATCH, response=TokenOut, tag=TAG,
+@api.route("PATCH", "/tokens/{id}", body=TokenPatch, request_content_type=MERGE_PATCH, response=TokenOut, tag=TAG,
            summary="Update a token (merge patch)", errors=(400, 401, 403, 404, 415),
-           openapi_extra=_json_body({"type": "object"}, "An RFC 7396 merge patch.", MERGE_PATCH),
            description="Permission: `token:<classification>:update` (of the new classification too when the "
            "containers change it).\n\nContent-Type must be `application/merge-patch+json` (415 otherwise). The "
            "patch may hold data, metadata, mask, containers, search_indexes, fingerprint_expression, "
@@ -333,7 +366,7 @@ async def get_bank_decrypt(call: Call):
            "parent_id cannot change (400). The result is validated like a new token (card data re-validated) and "
            "its fingerprint and search indexes recomputed. Answers 200 with the token. " + READ_RULES)
 async def update(call: Call):
-    return await call.db(service.update_token, call.caller, call.params["id"], call.body)
+    return await call.db(service.update_token, call.caller, call.params["id"], call.payload)
 
 
 @api.route("DELETE", "/tokens/{id}", status=204, tag=TAG, summary="Delete a token and its children",
@@ -344,7 +377,7 @@ async def delete(call: Call):
     await call.db(service.delete_token, call.caller, call.params["id"])
 
 
-@api.route("GET", "/tokens/{parent_id}/children", query=ChildrenQuery, response=TokenPage, tag=TAG,
+@api.route("GET", "/tokens/{parent_id}/children", query=ChildrenQuery, response=OffsetPage[TokenOut], tag=TAG,
            summary="List a token's children", errors=(400, 401, 403, 404),
            description="Permission: `token:<classification>:read:<impact_level>` on the parent (403 without any "
            "read permission of its classification).\n\nOffset pagination (page, size 1..100), newest first; filters "

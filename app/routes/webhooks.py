@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import EmailStr, Field
 
 from app.api import Api, Call
-from app.pagination import cursor_page, cursor_query, decode_cursor
+from app.pagination import CursorPage, cursor_page, cursor_query, decode_cursor
 from app.schemas import Audited, Name, RequestModel, ResponseModel
 from domain.tenancy.tenants import webhook_signing_secret
 from domain.webhooks import service
@@ -107,7 +107,7 @@ async def create(call: Call):
     "/webhooks",
     permission="webhooks:read",
     query=ListQuery,
-    response=list[WebhookOut],
+    response=CursorPage[WebhookOut],
     tag=TAG,
     summary="List webhooks",
     errors=(400,),
@@ -116,9 +116,9 @@ async def create(call: Call):
 async def list_(call: Call):
     q = call.query
     data, next_position = await call.db(
-        service.list_webhooks, call.caller, size=q.size, after=decode_cursor(q.start, ("t", "id"))
+        service.list_webhooks, call.caller, size=q.size, after=decode_cursor(call, q.start)
     )
-    return cursor_page(data, size=q.size, next_position=next_position)
+    return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
 @api.route(
@@ -202,7 +202,7 @@ async def delete(call: Call):
     "/webhooks/{id}/deliveries",
     permission="webhook:read",
     query=ListQuery,
-    response=list[DeliveryOut],
+    response=CursorPage[DeliveryOut],
     tag=TAG,
     summary="List a webhook's deliveries and their attempts",
     errors=(400, 404),
@@ -215,9 +215,9 @@ async def deliveries(call: Call):
         call.caller,
         call.uuid_param(what="webhook"),
         size=q.size,
-        after=decode_cursor(q.start, ("t", "id")),
+        after=decode_cursor(call, q.start),
     )
-    return cursor_page(data, size=q.size, next_position=next_position)
+    return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
 @api.route(

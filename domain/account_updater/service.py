@@ -73,11 +73,12 @@ from domain.webhooks.events import emit as emit_event
 from domain.webhooks.events import emit_many
 from infra import jobs
 from infra.dispatch import enqueue_after_commit
-from infra.errors import not_found, validation_problem
+from infra.errors import not_found
 from infra.jobs import PermanentError, TransientError
 from providers.account_updates import MAX_ITEMS, AccountUpdatesClient, UpdateItem, UpdateResult, base_url
 from storage import s3
 from storage.crypto import DecryptionError, get_keyring
+from storage.keyset import keyset_page
 from storage.models import AuditLog, Tenant, Token, TokenMetadata
 from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
 from storage.types import utcnow
@@ -332,23 +333,8 @@ def list_jobs(
         AccountUpdaterJob.tenant_id == caller.tenant_id,
         or_(AccountUpdaterJob.status != "pending", AccountUpdaterJob.expires_at > now),
     )
-    if after:
-        try:
-            at, last = dt.datetime.fromisoformat(after["t"]), uuid.UUID(str(after["id"]))
-        except (TypeError, ValueError):
-            raise validation_problem({"start": ["This is not a cursor returned by this endpoint."]}) from None
-        query = query.where(
-            or_(
-                AccountUpdaterJob.created_at < at,
-                (AccountUpdaterJob.created_at == at) & (AccountUpdaterJob.id < last),
-            )
-        )
-    rows = session.scalars(
-        query.order_by(AccountUpdaterJob.created_at.desc(), AccountUpdaterJob.id.desc()).limit(size + 1)
-    ).all()
-    more = len(rows) > size
-    rows = rows[:size]
-    following = {"t": rows[-1].created_at.isoformat(), "id": str(rows[-1].id)} if more else None
+    rows, following = keyset_page(session, query, order=(AccountUpdaterJob.created_at, AccountUpdaterJob.id),
+                                  size=size, after=after)
     return [job_view(job, now=now) for job in rows], following
 
 

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, or_
+from sqlalchemy import delete
 from sqlmodel import Session, func, select
 
 from config.settings import Settings
@@ -39,6 +39,7 @@ from infra import jobs
 from infra.errors import Problem
 from providers.agentic import DISPLAY_FIELDS, provider_for
 from storage.db import get_engine
+from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import Agent, PaymentMethod, PaymentMethodRail, ProviderError
 from storage.types import utcnow
@@ -463,15 +464,6 @@ def read_payment_method(session: Session, caller: Caller, pm_id: str) -> dict:
     return view_of(session, pm)
 
 
-def _cursor_position(after: dict | None) -> tuple[dt.datetime, str] | None:
-    if not after:
-        return None
-    try:
-        return dt.datetime.fromisoformat(after["t"]), str(after["id"])
-    except (TypeError, ValueError):
-        raise validation_error({"start": ["This is not a cursor returned by this endpoint."]}) from None
-
-
 def list_payment_methods(session: Session, caller: Caller, *, size: int, after: dict | None,
                          consumer_id: str | None, status: str) -> tuple[list[dict], dict | None]:
     """``GET /agentic/payment-methods``: newest first (created_at, id), filtered by ``consumer_id``
@@ -481,22 +473,14 @@ def list_payment_methods(session: Session, caller: Caller, *, size: int, after: 
         query = query.where(PaymentMethod.status == status)
     if consumer_id is not None:
         query = query.where(PaymentMethod.consumer_id == consumer_id)
-    position = _cursor_position(after)
-    if position:
-        at, last = position
-        query = query.where(or_(PaymentMethod.created_at < at,
-                                (PaymentMethod.created_at == at) & (PaymentMethod.id < last)))
-    rows = session.exec(query.order_by(PaymentMethod.created_at.desc(), PaymentMethod.id.desc()).limit(size + 1)).all()
-    more = len(rows) > size
-    rows = rows[:size]
+    rows, next_position = keyset_page(session, query, order=(PaymentMethod.created_at, PaymentMethod.id), size=size,
+                                      after=after)
     rails: dict[str, list[PaymentMethodRail]] = {}
     if rows:
         for rail in session.exec(select(PaymentMethodRail).where(
                 PaymentMethodRail.payment_method_id.in_([pm.id for pm in rows]))):
             rails.setdefault(rail.payment_method_id, []).append(rail)
-    data = [payment_method_view(pm, rails.get(pm.id, [])) for pm in rows]
-    next_position = {"t": rows[-1].created_at.isoformat(), "id": rows[-1].id} if more else None
-    return data, next_position
+    return [payment_method_view(pm, rails.get(pm.id, [])) for pm in rows], next_position
 
 
 def list_provider_errors(session: Session, caller: Caller, pm_id: str, *, size: int, after: dict | None
@@ -506,15 +490,8 @@ def list_provider_errors(session: Session, caller: Caller, pm_id: str, *, size: 
     pm = find(session, caller.tenant_id, pm_id)
     query = select(ProviderError).where(ProviderError.tenant_id == caller.tenant_id,
                                         ProviderError.payment_method_id == pm.id)
-    position = _cursor_position(after)
-    if position:
-        at, last = position
-        query = query.where(or_(ProviderError.occurred_at < at,
-                                (ProviderError.occurred_at == at) & (ProviderError.id < last)))
-    rows = session.exec(query.order_by(ProviderError.occurred_at.desc(), ProviderError.id.desc()).limit(size + 1)).all()
-    more = len(rows) > size
-    rows = rows[:size]
-    next_position = {"t": rows[-1].occurred_at.isoformat(), "id": rows[-1].id} if more else None
+    rows, next_position = keyset_page(session, query, order=(ProviderError.occurred_at, ProviderError.id), size=size,
+                                      after=after)
     return [provider_error_view(e) for e in rows], next_position
 
 

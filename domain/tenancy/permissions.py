@@ -4,11 +4,12 @@ Token permissions have the form ``token:<classification>:<operation>[:<qualifier
 classification is ``general``, ``pci`` or ``bank``; reads carry an impact level (``low``,
 ``moderate``, ``high``) and uses a purpose (``proxy``, ``reactor``). The legacy names of section 5.4
 (``token:create``, ``card:read`` ...) were shut down on January 3, 2022: :data:`LEGACY_PERMISSIONS`
-maps each to its replacement.
+maps each to its replacement, and :func:`modern_names` maps the names of a new grant.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable
 
 CLASSIFICATIONS = ("general", "pci", "bank")
@@ -70,6 +71,20 @@ def _legacy() -> dict[str, str]:
 
 LEGACY_PERMISSIONS: dict[str, str] = _legacy()
 LEGACY_SHUTDOWN = "January 3, 2022"
+LEGACY_SHUTDOWN_DATE = dt.datetime(2022, 1, 3, tzinfo=dt.UTC)
+
+
+def modern_names(requested: Iterable[str]) -> tuple[list[str], list[str]]:
+    """``requested`` with each legacy name (section 5.4: ``token:create``, ``card:read``, ``bank:use``
+    ...) replaced by its granular name, in order and without repeats, and the legacy names that were
+    replaced. A new grant is liberal in the names it takes and stores only the new ones."""
+    modern: dict[str, None] = {}
+    legacy = []
+    for name in requested:
+        if name in LEGACY_PERMISSIONS:
+            legacy.append(name)
+        modern[LEGACY_PERMISSIONS.get(name, name)] = None
+    return list(modern), legacy
 
 
 def effective_permissions(stored: Iterable[str]) -> frozenset[str]:

@@ -219,6 +219,7 @@ def validate_card(
     *,
     today: datetime.date,
     prefix: str = "data",
+    check_expiry: bool = True,
 ) -> tuple[dict | None, dict[str, list[str]]]:
     """Validate the data of a ``card`` token.
 
@@ -227,9 +228,12 @@ def validate_card(
     * ``number`` (required): a string of 12 to 19 ASCII digits that passes the Luhn check;
       spaces, dashes and other separators are rejected, not stripped;
     * ``expiration_month``: integer 1-12 and ``expiration_year``: four-digit integer, given
-      together or not at all; when given, the card must not be expired on ``today`` (a card is
-      valid through the last day of its expiration month);
-    * ``cvc``: a string of 3 or 4 digits;
+      together or not at all; when given and ``check_expiry`` is true, the card must not be expired
+      on ``today`` (a card is valid through the last day of its expiration month). Vaulting passes
+      ``check_expiry=False``: an expired card is a valid card to store (the account updater exists for
+      exactly those cards), only its form is checked;
+    * ``cvc``: a string of 3 or 4 digits; a JSON integer (not a boolean) is taken as its digits
+      (``123`` -> ``"123"``) and stored as a string, as existing client libraries send it;
     * ``name``: a string of at most 200 characters.
 
     ``bool`` values are never accepted as integers. An optional key whose value is ``null``
@@ -282,7 +286,7 @@ def validate_card(
     elif year is not None and month is None:
         _add(errors, month_path, "is required when expiration_year is given")
     elif month_ok and year_ok:
-        if (year, month) < (today.year, today.month):
+        if check_expiry and (year, month) < (today.year, today.month):
             message = f"card expired (valid through {month:02d}/{year})"
             _add(errors, month_path, message)
             _add(errors, year_path, message)
@@ -291,6 +295,8 @@ def validate_card(
             result["expiration_year"] = year
 
     cvc = data.get("cvc")
+    if _is_int(cvc) and cvc >= 0:
+        cvc = str(cvc)
     if cvc is not None and _check_digits(cvc, f"{prefix}.cvc", errors, min_len=3, max_len=4):
         result["cvc"] = cvc
 

@@ -592,11 +592,47 @@ def _describe(err: BaseException) -> str:
     return f"expression failed ({type(err).__name__})"
 
 
+#: A comma followed by a filter name, where Liquid wanted the end of an output expression.
+_STRAY_COMMA = re.compile(r",\s*([A-Za-z_][\w-]*)")
+
+
+def _comma_as_pipe(source: str, err: LiquidError) -> str | None:
+    """``source`` with the comma Liquid stopped at read as the filter pipe it was meant to be
+    (``{{ data.number, reveal_last: 4 }}`` -> ``{{ data.number| reveal_last: 4 }}``), when the
+    comma is followed by a known filter's name; None otherwise (the error stands)."""
+    token = getattr(err, "token", None)
+    index = getattr(token, "start_index", None)
+    if getattr(token, "kind", None) != "comma" or not isinstance(index, int):
+        return None
+    match = _STRAY_COMMA.match(source, index)
+    if match is None or match.group(1) not in environment.filters:
+        return None
+    return source[:index] + "|" + source[index + 1:]
+
+
+def _parse(source: str) -> Any:
+    """Parse ``source``, reading each stray comma before a filter name as a pipe (liberal in what an
+    expression may say; the same length, so positions in later errors stay those of ``source``)."""
+    repaired: dict[int, LiquidError] = {}  # index of a comma read as a pipe -> the error it made
+    while True:
+        try:
+            return environment.from_string(source)
+        except LiquidError as err:
+            index = getattr(getattr(err, "token", None), "start_index", None)
+            if index in repaired:  # the pipe is wrong there too (a tag, not an output): the comma's error
+                raise repaired[index] from None
+            attempt = _comma_as_pipe(source, err)
+            if attempt is None:
+                raise
+            repaired[index] = err
+            source = attempt
+
+
 @lru_cache(maxsize=TEMPLATE_CACHE_SIZE)
 def _compile(source: str) -> _Compiled:
     """Parse ``source`` and check its filters; raises ExpressionError. Results are LRU-cached."""
     try:
-        template = environment.from_string(source)
+        template = _parse(source)
         analysis = template.analyze(include_partials=False)
     except Exception as err:
         raise ExpressionError(f"invalid expression: {_describe(err)}") from err
@@ -635,7 +671,8 @@ def _check_context(context: object) -> Mapping[str, object]:
 def validate_expression(template: str) -> None:
     """Parse ``template`` without rendering it.
 
-    Raises ExpressionError when ``template`` is not a string, is longer than
+    A comma where a filter's pipe belongs (``{{ data.number, reveal_last: 4 }}``) is read as that
+    pipe. Raises ExpressionError when ``template`` is not a string, is longer than
     :data:`MAX_TEMPLATE_LENGTH` characters, has a syntax error (the message gives line and
     column), uses a disallowed tag (``include``, ``render``) or uses an unknown filter, even in a
     branch that would not run. Undefined variables are only detected when rendering.

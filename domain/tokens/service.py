@@ -75,6 +75,7 @@ from domain.webhooks import events
 from infra.errors import Problem, forbidden, not_found, validation_problem
 from storage.crypto import get_keyring
 from storage.db import Rows, stage_rows
+from storage.keyset import keyset_page
 from storage.models import Token, TokenMetadata, TokenSearchIndex
 from storage.types import utcnow
 
@@ -265,7 +266,7 @@ def parse_token_request(
     if data is None:
         errors.add(data_key, "is required")
     elif validate_data and kind == "card":
-        data, found = validate_card(data, today=now.date(), prefix=data_key)
+        data, found = validate_card(data, today=now.date(), prefix=data_key, check_expiry=False)
         errors.update(found)
     elif validate_data and kind == "bank":
         data, found = validate_bank(data, prefix=data_key)
@@ -1115,16 +1116,7 @@ def _cursor_page(session: Session, caller: Caller, stmt, *, size: int, position:
     if len(readable) < len(CLASSIFICATIONS):
         first_container = Token.containers[0].as_string()
         stmt = stmt.where(or_(*(first_container.like(f"/{c}/%") for c in readable)))
-    if position:
-        try:
-            at, last_id = dt.datetime.fromisoformat(position["t"]), str(position["id"])
-        except (TypeError, ValueError):
-            raise validation_problem({"start": ["This is not a cursor returned by this endpoint."]}) from None
-        stmt = stmt.where((Token.created_at < at) | ((Token.created_at == at) & (Token.id < last_id)))
-    rows = session.exec(stmt.order_by(Token.created_at.desc(), Token.id.desc()).limit(size + 1)).all()
-    more = len(rows) > size
-    rows = rows[:size]
-    following = {"t": rows[-1].created_at.isoformat(), "id": rows[-1].id} if more else None
+    rows, following = keyset_page(session, stmt, order=(Token.created_at, Token.id), size=size, after=position)
     return _present(session, caller, rows, now), following
 
 

@@ -39,6 +39,7 @@ from infra.dispatch import enqueue_batch_after_commit
 from infra.errors import not_found, validation_problem
 from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many, validate_destination_url
 from infra.signing import headers as signature_headers
+from storage.keyset import keyset_page
 from storage.models import Event, Tenant, Webhook, WebhookAttempt, WebhookDelivery
 from storage.types import utcnow
 
@@ -116,15 +117,8 @@ def read_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> dic
 def list_webhooks(session: Session, caller: Caller, *, size: int, after: dict | None) -> tuple[list[dict], dict | None]:
     """``GET /webhooks``: one page, oldest first, and the next keyset position (or None)."""
     query = select(Webhook).where(Webhook.tenant_id == caller.tenant_id)
-    if after:
-        at = dt.datetime.fromisoformat(after["t"])
-        query = query.where(
-            or_(Webhook.created_at > at, (Webhook.created_at == at) & (Webhook.id > uuid.UUID(after["id"])))
-        )
-    rows = session.exec(query.order_by(Webhook.created_at, Webhook.id).limit(size + 1)).all()
-    more = len(rows) > size
-    rows = rows[:size]
-    next_position = {"t": rows[-1].created_at.isoformat(), "id": str(rows[-1].id)} if more else None
+    rows, next_position = keyset_page(session, query, order=(Webhook.created_at, Webhook.id), size=size, after=after,
+                                      descending=False)
     return [webhook_view(w) for w in rows], next_position
 
 
@@ -213,19 +207,8 @@ def list_deliveries(
         .join(Event, Event.id == WebhookDelivery.event_id)
         .where(WebhookDelivery.webhook_id == webhook.id)
     )
-    if after:
-        at = dt.datetime.fromisoformat(after["t"])
-        query = query.where(
-            or_(
-                WebhookDelivery.created_at < at,
-                (WebhookDelivery.created_at == at) & (WebhookDelivery.id < uuid.UUID(after["id"])),
-            )
-        )
-    rows = session.exec(
-        query.order_by(WebhookDelivery.created_at.desc(), WebhookDelivery.id.desc()).limit(size + 1)
-    ).all()
-    more = len(rows) > size
-    rows = rows[:size]
+    rows, next_position = keyset_page(session, query, order=(WebhookDelivery.created_at, WebhookDelivery.id),
+                                      size=size, after=after, entity=lambda row: row[0])
     attempts: dict[uuid.UUID, list[WebhookAttempt]] = {}
     if rows:
         for attempt in session.exec(
@@ -234,9 +217,7 @@ def list_deliveries(
             .order_by(WebhookAttempt.number)
         ):
             attempts.setdefault(attempt.delivery_id, []).append(attempt)
-    data = [delivery_view(d, event_type, attempts.get(d.id, [])) for d, event_type in rows]
-    next_position = {"t": rows[-1][0].created_at.isoformat(), "id": str(rows[-1][0].id)} if more else None
-    return data, next_position
+    return [delivery_view(d, event_type, attempts.get(d.id, [])) for d, event_type in rows], next_position
 
 
 def redeliver(session: Session, caller: Caller, webhook_id: uuid.UUID, delivery_ref: str) -> dict:

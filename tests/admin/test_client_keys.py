@@ -116,7 +116,7 @@ def test_explicit_expiry_and_its_bounds(tenant):
     for value, message in [
         ((now + dt.timedelta(days=367)).isoformat(), "1 year"),
         ((now - dt.timedelta(minutes=1)).isoformat(), "future"),
-        ("next tuesday", "datetime"),
+        ("next tuesday", "ISO 8601 date-time"),
     ]:
         body = assert_problem(tenant.client.post("/keys", {"expires_at": value}), 400)
         assert message in " ".join(body["errors"]["expires_at"])

@@ -115,4 +115,6 @@ def test_agents_are_deprecated_in_the_openapi_description(api):
         assert doc["paths"][f"{AGENTS}/{{agent_id}}"][method]["deprecated"] is True
     create = doc["paths"]["/agentic/payment-methods"]["post"]
     assert "agentic.payment-method.rail.retried" in create["description"]
-    assert create["requestBody"]["content"]["application/json"]["schema"]["properties"]["source"]
+    schema = create["requestBody"]["content"]["application/json"]["schema"]
+    schema = doc["components"]["schemas"][schema["$ref"].rsplit("/", 1)[-1]]
+    assert schema["properties"]["source"]

@@ -1,27 +1,18 @@
-"""The agentic problem form (spec 001 section 7): the hook that translates core problems, the framing
-codes over real HTTP, and the codes handlers raise."""
+"""The agentic problem form (spec 001 section 7): the route attribute that frames core problems, the
+framing codes over real HTTP, and the codes handlers raise."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import make_mocked_request
 
-import app.main
-from app.routes.agentic import DEPRECATION, agentic_problem
+from app.routes import agentic
+from app.routes.agentic import DEPRECATION, agentic_form, agents_form
 from domain.agentic.errors import CATALOGUE, agentic_error, to_agentic, validation_error
 from infra.errors import Problem, validation_problem
 from tests.api.test_agentic_support import AMEX, BASE, PROBLEM, assert_problem, body, card_token
-from tests.conftest import free_port, serve_in_thread
 from tests.helpers import ApiClient
 
-# ---- the hook, as a function -----------------------------------------------------------------------
-
-
-def _request(path: str) -> web.Request:
-    return make_mocked_request("POST", path)
+# ---- the route attribute, as a function ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -37,7 +28,7 @@ def _request(path: str) -> web.Request:
     ],
 )
 def test_core_framing_problems_become_codes(problem, code, title):
-    translated = agentic_problem(problem, _request("/agentic/payment-methods"))
+    translated = agentic_form(problem)
     assert translated.type == code
     assert translated.status == problem.status
     assert translated.title == title
@@ -46,24 +37,32 @@ def test_core_framing_problems_become_codes(problem, code, title):
 
 def test_a_core_validation_problem_becomes_validation_error_titled_with_the_first_message():
     problem = validation_problem({"size": ["must be at most 100"], "start": ["not a cursor"]})
-    translated = agentic_problem(problem, _request("/agentic/payment-methods"))
+    translated = agentic_form(problem)
     assert translated.type == "VALIDATION_ERROR" and translated.status == 400
     assert translated.title == "size: must be at most 100"
     assert translated.errors == problem.errors
 
 
-def test_outside_agentic_paths_problems_are_untouched():
-    problem = Problem(401, "missing")
-    assert agentic_problem(problem, _request("/webhooks")) is problem
-    assert agentic_problem(problem, _request("/agenticx")) is problem
+def test_every_agentic_route_and_only_those_frame_problems_the_agentic_way():
+    import app.main
+
+    for module in app.main.route_modules():
+        for route in module.api.routes:
+            if route.path.startswith("/agentic/agents"):
+                assert route.problems is agents_form, route.path
+            elif route.path.startswith("/agentic/"):
+                assert route.problems is agentic_form, route.path
+            else:
+                assert route.problems is None, route.path
+    assert any(route.path == "/agentic/{rest:.*}" for route in agentic.api.routes)
 
 
 def test_agentic_problems_pass_through_and_agents_get_the_deprecation_header():
     problem = agentic_error("CARD_REJECTED")
-    assert agentic_problem(problem, _request("/agentic/payment-methods/pm_1/rails/retry")) is problem
-    translated = agentic_problem(Problem(401, "missing"), _request("/agentic/agents/agt_1"))
+    assert agentic_form(problem) is problem
+    translated = agents_form(Problem(401, "missing"))
     assert translated.type == "UNAUTHORIZED" and translated.headers == DEPRECATION
-    assert "Deprecation" not in agentic_problem(Problem(401, "x"), _request("/agentic/payment-methods")).headers
+    assert "Deprecation" not in agentic_form(Problem(401, "x")).headers
 
 
 def test_the_catalogue_is_complete():
@@ -93,34 +92,6 @@ def test_the_catalogue_is_complete():
 # ---- framing over real HTTP ------------------------------------------------------------------------
 
 
-@web.middleware
-async def _hook(request, handler):
-    """The wiring proposed for ``app.main.error_middleware``, as an inner middleware."""
-    try:
-        return await handler(request)
-    except Problem as problem:
-        raise agentic_problem(problem, request) from None
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        raise agentic_problem(app.main._http_problem(exc), request) from None
-
-
-@pytest.fixture(scope="module")
-def hooked(api):
-    """The API with the hook applied (works whether or not the shared middleware calls it yet)."""
-
-    def factory():
-        application = app.main.init_app()
-        application.middlewares.append(_hook)
-        return application
-
-    port = free_port()
-    stop = serve_in_thread(factory, port)
-    yield f"http://127.0.0.1:{port}"
-    stop()
-
-
 def _framing_cases(client: ApiClient, keyless: ApiClient, reader: ApiClient) -> list[tuple]:
     return [
         (keyless.post(BASE, {}), 401, "UNAUTHORIZED"),
@@ -135,24 +106,21 @@ def _framing_cases(client: ApiClient, keyless: ApiClient, reader: ApiClient) -> 
     ]
 
 
-def test_framing_codes_over_http(hooked, tenant, limited):
-    client = ApiClient(hooked, tenant.api_key)
-    reader = ApiClient(hooked, limited(tenant, ["agentic:payment-method:get"]).api_key)
-    for answer, status, code in _framing_cases(client, ApiClient(hooked), reader):
-        assert_problem(answer, status, code)
-    agents = ApiClient(hooked).post("/agentic/agents", {"name": "x"})
-    assert_problem(agents, 401, "UNAUTHORIZED")
-    assert agents.headers["Deprecation"] == DEPRECATION["Deprecation"]
-    outside = ApiClient(hooked).get("/webhooks")
-    assert outside.status == 401 and outside.json["type"] == "about:blank"
-
-
-@pytest.mark.skipif("agentic_problem" not in inspect.getsource(app.main),
-                    reason="app.main.error_middleware does not call agentic_problem yet")
-def test_framing_codes_through_the_shared_middleware(api, tenant, limited):
+def test_framing_codes_over_http(api, tenant, limited):
     reader = limited(tenant, ["agentic:payment-method:get"])
     for answer, status, code in _framing_cases(tenant.client, api.client(), reader):
         assert_problem(answer, status, code)
+    agents = api.client().post("/agentic/agents", {"name": "x"})
+    assert_problem(agents, 401, "UNAUTHORIZED")
+    assert agents.headers["Deprecation"] == DEPRECATION["Deprecation"]
+    missing_agent_path = api.client().get("/agentic/agents/agt_1/nothing")
+    assert_problem(missing_agent_path, 404, "NOT_FOUND")
+    assert missing_agent_path.headers["Deprecation"] == DEPRECATION["Deprecation"]
+    wrong_method = tenant.client.put(BASE, {})
+    assert_problem(wrong_method, 405, "METHOD_NOT_ALLOWED")
+    assert wrong_method.headers["Allow"] == "GET, POST"
+    outside = api.client().get("/webhooks")
+    assert outside.status == 401 and outside.json["type"] == "about:blank"
 
 
 # ---- codes raised by the handlers themselves (no hook needed) ----------------------------------------

@@ -102,13 +102,21 @@ def test_name_of_200_characters_is_accepted(api, tenant):
         ("bank:decrypt", "token:bank:read:high"),
     ],
 )
-def test_legacy_permission_names_are_refused_naming_the_replacement(api, tenant, legacy, replacement):
+def test_legacy_permission_names_are_mapped_to_their_replacement(api, tenant, legacy, replacement):
+    """A new grant naming a legacy permission (section 5.4) stores and returns the granular name, and
+    the answer says the legacy name is deprecated (RFC 9745)."""
     answer = tenant.client.post(
-        "/applications", {"name": "old", "type": "server_to_server", "permissions": [legacy]}
+        "/applications", {"name": "old", "type": "server_to_server", "permissions": [legacy, replacement]}
     )
-    body = assert_problem(answer, 400)
-    messages = " ".join(body["errors"]["permissions"])
-    assert legacy in messages and replacement in messages
+    assert answer.status == 201, answer
+    assert answer.json["permissions"] == [replacement]
+    assert answer.headers["Deprecation"] == "@1641168000"
+    stored = tenant.client.get(f"/applications/{answer.json['id']}")
+    assert stored.json["permissions"] == [replacement]
+    assert "Deprecation" not in stored.headers
+    plain = tenant.client.post("/applications", {"name": "new", "type": "server_to_server",
+                                                 "permissions": [replacement]})
+    assert plain.status == 201 and "Deprecation" not in plain.headers
 
 
 def test_card_decrypt_never_existed(api, tenant):
@@ -277,7 +285,7 @@ def test_update_replaces_name_and_permissions(api, tenant):
 def test_update_validation(api, tenant):
     created = create(tenant.client, name="keep", permissions=["tenant:read"])
     path = f"/applications/{created['id']}"
-    assert_problem(tenant.client.put(path, {"name": "x", "permissions": ["token:create"]}), 400)
+    assert_problem(tenant.client.put(path, {"name": "x", "permissions": ["card:decrypt"]}), 400)
     assert_problem(tenant.client.put(path, {"name": "x", "permissions": ["nope"]}), 400)
     body = assert_problem(tenant.client.put(path, {"name": "x", "type": "public"}), 400)
     assert "type" in body["errors"]
@@ -286,6 +294,10 @@ def test_update_validation(api, tenant):
     assert "name" in body["errors"]
     unchanged = tenant.client.get(path).json
     assert unchanged["name"] == "keep" and unchanged["permissions"] == ["tenant:read"]
+    # a legacy name is mapped to its replacement (not refused)
+    legacy = tenant.client.put(path, {"name": "keep", "permissions": ["token:create"]})
+    assert legacy.status == 200 and legacy.json["permissions"] == ["token:general:create"], legacy
+    assert legacy.headers["Deprecation"] == "@1641168000"
 
 
 def test_delete_stops_its_key(api, tenant):

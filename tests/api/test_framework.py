@@ -345,7 +345,7 @@ def _declared_routes():
         module = importlib.import_module(f"app.routes.{info.name}")
         registry = getattr(module, "api", None)
         if registry is not None:
-            routes += [(info.name, route) for route in registry.routes]
+            routes += [(info.name, route) for route in registry.routes if route.documented]
     return routes
 
 
@@ -413,3 +413,106 @@ def test_openapi_problem_responses(api):
     assert doc["paths"]["/applications/{id}/regenerate"]["post"]["deprecated"] is True
     trace = [p for p in create["parameters"] if p["in"] == "header"]
     assert trace and trace[0]["name"] == f"{api.prefix}-TRACE-ID"
+
+
+# ---- one way to declare an endpoint -----------------------------------------------------------------
+
+#: Handlers that read their request themselves, and why.
+_READS_ITS_OWN_BODY = {"create_document": "a multipart upload streamed part by part into S3"}
+
+
+def test_every_route_declares_its_request_and_response_models():
+    """Bodies and queries are models the framework validates (no parser in a handler beside a model
+    used only for the description); every JSON answer goes through a response model."""
+    import inspect
+
+    for module, route in _declared_routes():
+        source = inspect.getsource(route.handler)
+        where = f"{route.method} {route.path} ({module})"
+        if "call.body" in source or "call.payload" in source:
+            assert route.body is not None and route.body_adapter is not None, where
+        if route.handler.__name__ not in _READS_ITS_OWN_BODY:
+            for hand_parsing in ("read_json(", "json.loads(", "request.read(", "request.post(", "model_validate("):
+                assert hand_parsing not in source, f"{where} parses its request by hand ({hand_parsing})"
+        assert "request.query" not in source or route.query is not None, f"{where} reads an undeclared query"
+        if "call.query" in source:
+            assert route.query is not None, where
+        if route.status not in (204, 410):
+            assert route.response is not None, f"{where} declares no response model"
+            if route.response_content_type.endswith("json"):
+                assert route.response_adapter is not None, where
+        if route.handler.__name__ not in _READS_ITS_OWN_BODY:
+            assert "requestBody" not in route.openapi_extra, f"{where}: a body described beside its model"
+
+
+def test_served_answers_fit_the_description(api, tenant):
+    """Answers served by the running API validate against the schemas of /openapi.json (each answer is
+    serialised through its model; this checks the description says the same)."""
+    from jsonschema import Draft202012Validator
+    from referencing import Registry, Resource
+
+    doc = api.client().get("/openapi.json").json
+    registry = Registry().with_resource("urn:tessera", Resource.opaque(doc))
+
+    def check(method: str, path: str, template: str, status: int, body=None, **kw):
+        answer = tenant.client.request(method, path, body, **kw)
+        assert answer.status == status, answer
+        content = doc["paths"][template][method.lower()]["responses"][str(status)]["content"]
+        pointer = "/".join(("", "paths", template.replace("~", "~0").replace("/", "~1"), method.lower(),
+                            "responses", str(status), "content", next(iter(content)).replace("/", "~1"), "schema"))
+        validator = Draft202012Validator({"$ref": "urn:tessera#" + pointer}, registry=registry)
+        errors = list(validator.iter_errors(answer.json))
+        assert not errors, (method, path, [e.message for e in errors[:3]])
+        return answer.json
+
+    token = check("POST", "/tokens", "/tokens", 201, {"type": "card", "data": {"number": "4242424242424242"}})
+    check("POST", "/tokenize", "/tokenize", 201, {"a": {"type": "token", "data": "x"}, "b": ["y", None]})
+    check("GET", f"/tokens/{token['id']}", "/tokens/{id}", 200)
+    check("GET", "/v2/tokens?size=1", "/v2/tokens", 200)
+    check("GET", "/applications", "/applications", 200)
+    check("GET", "/logs?size=2", "/logs", 200)
+    check("GET", "/webhooks", "/webhooks", 200)
+    check("GET", "/tenants/self/members", "/tenants/self/members", 200)
+    check("GET", "/tenants/self/invitations", "/tenants/self/invitations", 200)
+    check("GET", "/agentic/payment-methods", "/agentic/payment-methods", 200)
+
+
+def test_the_description_a_user_can_work_from(api):
+    """Webhooks with every event type, an example on every operation, no empty schema, a full Problem."""
+    from domain.webhooks.events import EVENT_TYPES
+
+    doc = api.client().get("/openapi.json").json
+    assert set(doc["webhooks"]) == set(EVENT_TYPES)
+    for event_type, entry in doc["webhooks"].items():
+        body = entry["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"]["properties"]["event"]["properties"]["type"] == {"const": event_type}
+        assert body["schema"]["properties"]["event"]["properties"]["data"]["properties"]
+        assert body["example"]["event"]["type"] == event_type
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            parts = [operation.get("requestBody", {}), *operation["responses"].values()]
+            media = [m for part in parts for m in (part.get("content") or {}).values()]
+            assert any("example" in m for m in media), f"{method} {path} has no example"
+            for m in media:
+                assert m["schema"] not in ({}, None), f"{method} {path} has an empty schema"
+    tokenize = doc["paths"]["/tokenize"]["post"]
+    assert tokenize["requestBody"]["content"]["application/json"]["schema"]["anyOf"]
+    assert tokenize["responses"]["201"]["content"]["application/json"]["schema"]["anyOf"]
+    page = doc["paths"]["/webhooks"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert page["$ref"].endswith("CursorPage_WebhookOut_")
+    problem = doc["components"]["schemas"]["Problem"]["properties"]
+    assert {"type", "title", "status", "detail", "instance", "errors", "code"} <= set(problem)
+    assert "any JSON media type" in doc["info"]["description"]
+
+
+def test_the_docs_page_renders_the_description_from_the_package(api):
+    page = api.client().get("/docs")
+    assert page.status == 200 and page.headers["Content-Type"].startswith("text/html")
+    html = page.raw.decode()
+    assert "/docs/assets/swagger-ui-bundle.js" in html and "http" not in html.replace("http-equiv", "")
+    script = api.client().get("/docs/assets/swagger-ui-bundle.js")
+    assert script.status == 200 and len(script.raw) > 100_000
+    assert "/openapi.json" in api.client().get("/docs/assets/init.js").raw.decode()
+    assert api.client().get("/docs/assets/swagger-ui.css").status == 200
+    assert_problem(api.client().get("/docs/assets/..%2Fsecret"), 404)
+    assert_problem(api.client().get("/docs/assets/index.j2"), 404)

@@ -86,7 +86,7 @@ def test_errors_are_keyed_by_path_and_nothing_is_written(tenant):
         "ok": card(),
         "card": card("4242424242424241"),
         "items": ["fine", {"type": "bank", "data": {"routing_number": "123456789", "account_number": "12"}}],
-        "later": {"type": "card", "data": {"number": VISA, "expiration_month": 1, "expiration_year": 2001}},
+        "later": {"type": "card", "data": {"number": VISA, "expiration_month": 13, "expiration_year": 20011}},
     }
     answer = tenant.client.post("/tokenize", body)
     assert answer.status == 400, answer
@@ -228,7 +228,7 @@ def test_psp_forward_validation(tenant):
     assert set(answer.json["errors"]) == {"card.exp_month", "card.exp_year", "card.zip", "metadata.parent_id",
                                           "extra"}
     answer = tenant.client.post("/connections/psp-forward/tokenize",
-                                {"card": {"number": VISA, "exp_month": "01", "exp_year": "2001"},
+                                {"card": {"number": VISA, "exp_month": "13", "exp_year": "0999"},
                                  "metadata": {"containers": ["/general/high/"]}})
     assert answer.status == 400
     assert set(answer.json["errors"]) == {"card.exp_month", "card.exp_year", "metadata.containers[0]"}

@@ -303,9 +303,15 @@ def test_bad_cvc(cvc):
     assert list(errors) == ["data.cvc"]
 
 
-def test_cvc_must_be_a_string():
-    _, errors = validate_card(full_card(cvc=123), today=TODAY)
-    assert errors == {"data.cvc": ["must be a string"]}
+def test_cvc_sent_as_a_number_is_taken_as_its_digits():
+    data, errors = validate_card(full_card(cvc=123), today=TODAY)
+    assert errors == {}
+    assert data["cvc"] == "123"
+    for wrong in (True, 1.5, "x", [1]):
+        _, errors = validate_card(full_card(cvc=wrong), today=TODAY)
+        assert list(errors) == ["data.cvc"], wrong
+    _, errors = validate_card(full_card(cvc=12), today=TODAY)
+    assert list(errors) == ["data.cvc"]
 
 
 @pytest.mark.parametrize("cvc", ["123", "1234", "000"])
@@ -443,3 +449,12 @@ def test_default_fingerprint_expressions():
     assert render(DEFAULT_FINGERPRINT_EXPRESSIONS["bank"], bank) == "021000021|1234"
     token = make_context("token", {"b": [1, 2], "a": "x"})
     assert render(DEFAULT_FINGERPRINT_EXPRESSIONS["token"], token) == '{"a":"x","b":[1,2]}'
+
+
+def test_an_expired_card_is_valid_to_vault():
+    """Vaulting checks the form only (month 1-12, four-digit year, Luhn), not the date."""
+    data, errors = validate_card(full_card(expiration_month=5, expiration_year=2001), today=TODAY, check_expiry=False)
+    assert errors == {}
+    assert (data["expiration_month"], data["expiration_year"]) == (5, 2001)
+    _, errors = validate_card(full_card(expiration_month=13, expiration_year=201), today=TODAY, check_expiry=False)
+    assert set(errors) == {"data.expiration_month", "data.expiration_year"}

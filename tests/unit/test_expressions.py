@@ -502,3 +502,32 @@ def test_a_bare_path_renders_as_liquid_renders_it(value):
 def test_a_bare_path_to_a_missing_key_still_raises():
     with pytest.raises(ExpressionError):
         render("{{ nothing.here }}", {"data": {}, "metadata": {}, "type": "token"})
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{{ data.number, reveal_last: 4 }}", "XXXXXXXXXXXX4242"),
+        ("{{ data.number,reveal_last:4 }}", "XXXXXXXXXXXX4242"),
+        ('{{ data.number, reveal_last: 4, "*" }}', "************4242"),
+        ("a\n{{ data.number, last4 }}-{{ data.number, slice: 0, 4 }}", "a\n4242-4242"),
+    ],
+)
+def test_a_comma_where_a_filter_pipe_belongs_is_read_as_the_pipe(template, expected):
+    context = {"data": {"number": "4242424242424242"}, "metadata": {}, "type": "card"}
+    assert r(template, context) == expected
+
+
+@pytest.mark.parametrize(
+    ("template", "position"),
+    [
+        ('{{ data.number, "x" }}', "line 1, column 15"),
+        ("{{ data.number, }}", "line 1, column 15"),
+        ("{% if data.number, last4 %}x{% endif %}", "line 1, column 18"),
+        ("ab\n{{ data.number, nope }}", "line 2, column 15"),
+    ],
+)
+def test_any_other_comma_is_an_error_naming_its_position(template, position):
+    with pytest.raises(ExpressionError, match="invalid expression") as info:
+        validate_expression(template)
+    assert position in str(info.value)

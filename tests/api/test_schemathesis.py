@@ -1,0 +1,47 @@
+"""Property-based run of the OpenAPI description against the live API (schemathesis): with a management
+key, generated requests for every operation (a bounded number each) find no server error and no answer
+that breaks its documented schema (status, content type, body)."""
+
+from __future__ import annotations
+
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
+
+from tests.conftest import make_tenant
+
+#: Operations that would end the run's own tenant or key (they are exercised by their own tests).
+DESTRUCTIVE = {("DELETE", "/tenants/self"), ("DELETE", "/applications/{id}")}
+CHECKS = [schemathesis.checks.not_a_server_error, response_schema_conformance, content_type_conformance]
+
+
+def _operations(api, api_key: str):
+    document = api.client().get("/openapi.json").json
+    schema = schemathesis.openapi.from_dict(document)
+    schema.config.update(base_url=api.base_url, headers={f"{api.prefix}-API-KEY": api_key})
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if (operation.method.upper(), operation.path) not in DESTRUCTIVE:
+            yield operation
+
+
+def test_no_server_error_and_answers_fit_the_description(api):
+    owner = make_tenant(api, name="fuzzed")
+    failures, calls = [], []
+    operations = list(_operations(api, owner.api_key))
+    assert len(operations) > 50
+    for operation in operations:
+
+        @settings(max_examples=8, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def run(case):
+            calls.append(case.call_and_validate(checks=CHECKS).status_code)
+
+        try:
+            run()
+        except Exception as exc:  # every operation's failure is collected and reported
+            failures.append(f"{operation.label}: {str(exc)[:1500]}")
+    assert not failures, "\n\n".join(failures)
+    assert len(calls) >= 2 * len(operations)  # generated requests really went out
+    assert any(status < 300 for status in calls) and any(400 <= status < 500 for status in calls)
