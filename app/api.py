@@ -311,7 +311,7 @@ async def _pipeline(route: Route, request: web.Request) -> web.StreamResponse:
                                   if "\x00" in value or "\x00" in key})
     query = _parse_query(route.query, request) if route.query else None
     payload, body = await _parse_body(route, request) if route.body is not None else (None, None)
-    call = Call(request, caller, body, query, trace_id, payload)
+    call = Call(request, caller, body, query, trace_id, payload=payload)
     result = await route.handler(call)
     response = _to_response(route, result)
     for name, value in route.extra_headers.items():

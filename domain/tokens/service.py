@@ -1116,7 +1116,8 @@ def _cursor_page(session: Session, caller: Caller, stmt, *, size: int, position:
     if len(readable) < len(CLASSIFICATIONS):
         first_container = Token.containers[0].as_string()
         stmt = stmt.where(or_(*(first_container.like(f"/{c}/%") for c in readable)))
-    rows, following = keyset_page(session, stmt, order=(Token.created_at, Token.id), size=size, after=position)
+    rows, following = keyset_page(session, stmt, order=(Token.created_at, Token.id), size=size, after=position,
+                                  entity=lambda row: row)  # plain rows (columns), not ORM objects
     return _present(session, caller, rows, now), following
 
 
