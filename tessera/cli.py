@@ -1,16 +1,18 @@
 """The ``tessera`` command.
 
     tessera dev                      migrations, then api, worker, beat, sandbox (and S3) as children
-    tessera api [--host H] [--port P]
+    tessera api [--host H] [--port P] [--workers N]
     tessera worker [celery worker options]
     tessera beat [celery beat options]
     tessera migrate
     tessera tenants create --name NAME --owner-email EMAIL [--type test|production] [--json]
+    tessera tenants list [--json]
     tessera sandbox [--host H] [--port P]
     tessera flower [--address A] [--port P] [flower options]
     tessera jobs list [--state S]... [--kind K] [--tenant ID] [--limit N] [--json]
     tessera jobs show|retry|cancel ID [--json]
     tessera queues [--json] [--timeout S]
+    tessera --version
 
 Every command reads the same ``TESSERA_*`` settings (``config/settings.py``).
 """
@@ -22,6 +24,7 @@ import json
 import os
 import sys
 
+from config import __version__
 from config.settings import get_settings
 
 
@@ -45,16 +48,52 @@ def _api(args: argparse.Namespace) -> int:
     configure_logging(settings)
     host = args.host or settings.api_host
     port = args.port or settings.api_port
+    if args.workers > 1:
+        return serve_api_workers(args.workers, host, port)
+    listening = {"host": host, "port": port}
+    if args.listen_fd is not None:  # a socket bound by the parent (tessera dev)
+        import socket
+
+        listening = {"sock": socket.socket(fileno=args.listen_fd)}
     print(f"tessera api listening on http://{host}:{port}", flush=True)
     web.run_app(
         init_app(settings),
-        host=host,
-        port=port,
+        **listening,
         print=None,
         shutdown_timeout=settings.api_shutdown_timeout_seconds,
         access_log=None,
+        reuse_port=args.reuse_port,
     )
     return 0
+
+
+def serve_api_workers(count: int, host: str, port: int) -> int:
+    """``tessera api --workers N``: N api processes listening on one port (``SO_REUSEPORT``: the kernel
+    spreads the connections). SIGTERM or SIGINT goes to each; returns when all have stopped, with the
+    first non-zero exit status. One that exits on its own stops the others."""
+    import signal
+    import subprocess
+    import time
+
+    command = [sys.executable, "-m", "tessera.cli", "api", "--host", host, "--port", str(port), "--reuse-port"]
+    children = [subprocess.Popen(command) for _ in range(count)]  # noqa: S603 - our own interpreter
+    print(f"tessera api: {count} processes listening on http://{host}:{port}", flush=True)
+
+    told: set[int] = set()
+
+    def forward(signum, _frame):
+        for child in children:
+            if child.poll() is None and child.pid not in told:
+                told.add(child.pid)
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while all(child.poll() is None for child in children):
+        time.sleep(0.2)
+    forward(signal.SIGTERM, None)
+    codes = [child.wait() for child in children]
+    return next((code for code in codes if code), 0)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -81,11 +120,37 @@ def _beat(args: argparse.Namespace) -> int:
 
 
 def _migrate(_args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import OperationalError
+
     from storage import migrate
 
-    migrate.upgrade()
+    url = get_settings().effective_database_url
+    try:
+        migrate.upgrade(url)
+    except OperationalError as exc:
+        print(f"error: {database_unreachable(url, exc)}", file=sys.stderr, flush=True)
+        return 1
     print("database migrated to head", flush=True)
     return 0
+
+
+def database_unreachable(url: str, exc: Exception) -> str:
+    """One line for an operator whose database does not answer: which database, and for a PostgreSQL
+    database that does not exist yet, the command that creates it."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    where = f"{parsed.host or 'localhost'}:{parsed.port or 5432}"
+    reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if parsed.get_backend_name() == "postgresql" and "does not exist" in reason and parsed.database:
+        user = f" -U {parsed.username}" if parsed.username else ""
+        return (
+            f'database "{parsed.database}" does not exist on {where}; create it with '
+            f"`createdb -h {parsed.host or 'localhost'} -p {parsed.port or 5432}{user} {parsed.database}` "
+            "(or point TESSERA_DATABASE_URL at another database)"
+        )
+    name = parsed.database or url
+    return f'cannot reach database "{name}" ({parsed.get_backend_name()} on {where}): {reason}'
 
 
 def _tenants_create(args: argparse.Namespace) -> int:
@@ -111,6 +176,24 @@ def _tenants_create(args: argparse.Namespace) -> int:
             f"api key:     {result['api_key']}  (shown once)",
             flush=True,
         )
+    return 0
+
+
+def _tenants_list(args: argparse.Namespace) -> int:
+    from domain.tenancy.tenants import list_tenants
+    from storage.db import session_scope
+
+    with session_scope() as session:
+        rows = list_tenants(session, limit=args.limit)
+    if args.json:
+        _print_json(rows)
+    elif not rows:
+        print("no tenants yet: tessera tenants create --name NAME --owner-email EMAIL", flush=True)
+    else:
+        columns = [("id", "ID"), ("name", "NAME"), ("type", "TYPE"), ("owner_email", "OWNER"),
+                   ("members", "MEMBERS"), ("created_at", "CREATED")]
+        shown = [{**row, "created_at": row["created_at"].strftime("%Y-%m-%d %H:%M")} for row in rows]
+        print(_table(shown, columns), flush=True)
     return 0
 
 
@@ -256,7 +339,13 @@ def _queues(args: argparse.Namespace) -> int:
     from infra import ops
 
     report = ops.queue_report(get_settings(), timeout=args.timeout)
-    failed = 1 if {"broker", "database"} & set(report["errors"]) else 0
+    unreachable = {"broker", "database"} & set(report["errors"])
+    missing = [w["name"] for w in report["workers"] if not w["alive"]]
+    if not any(w["alive"] for w in report["workers"]):
+        missing.append("every worker" if not report["workers"] else "a live worker")
+    if not report["beat"]["alive"]:
+        missing.append("beat")
+    failed = 1 if unreachable or missing else 0
     if args.json:
         _print_json(report)
         return failed
@@ -277,6 +366,8 @@ def _queues(args: argparse.Namespace) -> int:
         lines.append(f"{label}: {state}, last heartbeat {age + ' ago' if age else 'never'}")
     for source, error in report["errors"].items():
         lines.append(f"error reading {source}: {error}")
+    if missing:
+        lines.append(f"missing: {', '.join(missing)}")
     print("\n".join(lines), flush=True)
     return failed
 
@@ -290,6 +381,7 @@ def _dev(_args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tessera`` command."""
     parser = argparse.ArgumentParser(prog="tessera", description="Tessera tokenization platform")
+    parser.add_argument("--version", action="version", version=f"tessera {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     commands.add_parser("dev", help="run everything locally (embedded defaults unless configured)").set_defaults(
@@ -298,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     api = commands.add_parser("api", help="run the HTTP API")
     api.add_argument("--host")
     api.add_argument("--port", type=int)
+    api.add_argument("--workers", type=int, default=1, help="api processes sharing the port (SO_REUSEPORT)")
+    api.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+    api.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
     api.set_defaults(func=_api)
     worker = commands.add_parser("worker", help="run a Celery worker (extra options go to celery worker)")
     worker.set_defaults(func=_worker)
@@ -318,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--type", choices=("test", "production"), default="test")
     create.add_argument("--json", action="store_true", help="print one JSON object")
     create.set_defaults(func=_tenants_create)
+    tenant_list = tenants.add_parser("list", help="the live tenants, oldest first")
+    tenant_list.add_argument("--limit", type=int, default=100)
+    tenant_list.add_argument("--json", action="store_true", help="print a JSON array")
+    tenant_list.set_defaults(func=_tenants_list)
 
     flower = commands.add_parser(
         "flower", help="run Flower on the platform's Celery app (basic auth: TESSERA_FLOWER_USER/PASSWORD)"
