@@ -93,7 +93,8 @@ def serve_api_workers(count: int, host: str, port: int) -> int:
         time.sleep(0.2)
     forward(signal.SIGTERM, None)
     codes = [child.wait() for child in children]
-    return next((code for code in codes if code), 0)
+    # A child stopped by the signal it was sent (before its handlers were in place) stopped cleanly.
+    return next((code for code in codes if code and -code not in (signal.SIGTERM, signal.SIGINT)), 0)
 
 
 def _worker(args: argparse.Namespace) -> int:
