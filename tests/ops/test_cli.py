@@ -20,7 +20,6 @@ from sqlalchemy.engine import make_url
 
 from config import __version__
 from infra import ops
-from tests.conftest import free_port
 from tests.helpers import ApiClient, wait_until
 from tests.ops.conftest import TESSERA
 
