@@ -211,6 +211,8 @@ def configure_logging(settings: Settings) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(settings.log_format, colors=sys.stderr.isatty()))
     handler.addFilter(QuietCelery())
+    # boto3 says "Found credentials in environment variables." once per process and client: not news.
+    logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level)

@@ -13,7 +13,8 @@ only reach its own api. The banner (base URL, data directory, where mail goes, h
 queues in Flower) is printed last, once the api answers and the worker and beat have sent their
 first heartbeats.
 
-Logs are in the human format (``TESSERA_LOG_FORMAT=console``) unless set. The api and the worker share
+Logs are in the human format (``TESSERA_LOG_FORMAT=console``) unless set, one line per unit of work
+(``infra/logs.py``); moto's line per S3 request goes to ``s3-server.log`` in the data dir. The api and the worker share
 their Prometheus series through ``TESSERA_METRICS_DIR`` (``metrics/`` in the data dir), emptied at each
 start together with the heartbeats of the previous run, so ``/metrics`` counts this run only.
 """
@@ -190,10 +191,13 @@ def run_dev() -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         fd = api_socket.fileno()
+        s3_log = (settings.data_dir / "s3-server.log").open("ab")  # moto's line per S3 request: not the console
         for name, command in _commands(env, fd).items():
+            output = {"stdout": s3_log, "stderr": subprocess.STDOUT} if name == "s3" else {}
             children[name] = subprocess.Popen(  # noqa: S603 - our own interpreter
-                command, env=env, pass_fds=(fd,) if name == "api" else ()
+                command, env=env, pass_fds=(fd,) if name == "api" else (), **output
             )
+        s3_log.close()
         api_socket.close()  # the api process holds it now
         base_url = f"http://{settings.api_host}:{settings.api_port}"
         if not _wait_until_ready(base_url, settings, children):
