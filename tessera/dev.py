@@ -101,26 +101,28 @@ def bind_api_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _ready(base_url: str, settings) -> bool:
+def _ready(base_url: str, settings, since: float) -> bool:
     """The api answers (on the socket bound here, so it is ours) and the worker and beat have
-    recorded their first heartbeats."""
+    recorded heartbeats since ``since`` (epoch seconds: this run's, not a previous run's in Redis)."""
     from infra import ops
 
     try:
         with urllib.request.urlopen(base_url + "/healthz", timeout=2):  # noqa: S310 - our own loopback URL
             pass
-        kinds = {beat.kind for beat in ops.heartbeats(settings).values()}
+        kinds = {beat.kind for beat in ops.heartbeats(settings).values() if beat.at >= since}
     except Exception:  # noqa: BLE001 - not ready yet, whatever the reason
         return False
     return {"worker", "beat"} <= kinds
 
 
-def _wait_until_ready(base_url: str, settings, children: dict[str, subprocess.Popen], timeout: float = 90) -> bool:
+def _wait_until_ready(
+    base_url: str, settings, children: dict[str, subprocess.Popen], since: float, timeout: float = 90
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(child.poll() is not None for child in children.values()):
             return False
-        if _ready(base_url, settings):
+        if _ready(base_url, settings, since):
             return True
         time.sleep(0.3)
     return False
@@ -191,6 +193,7 @@ def run_dev() -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         fd = api_socket.fileno()
+        started = time.time()
         s3_log = (settings.data_dir / "s3-server.log").open("ab")  # moto's line per S3 request: not the console
         for name, command in _commands(env, fd).items():
             output = {"stdout": s3_log, "stderr": subprocess.STDOUT} if name == "s3" else {}
@@ -200,10 +203,10 @@ def run_dev() -> int:
         s3_log.close()
         api_socket.close()  # the api process holds it now
         base_url = f"http://{settings.api_host}:{settings.api_port}"
-        if not _wait_until_ready(base_url, settings, children):
+        if not _wait_until_ready(base_url, settings, children, started):
             print("tessera dev: the platform did not start; see the output above", file=sys.stderr, flush=True)
             return 1
-        print(banner(settings.model_copy(update={"smtp_url": env.get("TESSERA_SMTP_URL")}), base_url), flush=True)
+        print(banner(settings, base_url), flush=True)
         while not stopping:
             for name, child in children.items():
                 if child.poll() is not None:

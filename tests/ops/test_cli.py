@@ -20,6 +20,7 @@ from sqlalchemy.engine import make_url
 
 from config import __version__
 from infra import ops
+from tests.conftest import free_port
 from tests.helpers import ApiClient, wait_until
 from tests.ops.conftest import TESSERA
 
@@ -162,3 +163,36 @@ def test_the_console_shows_units_of_work_not_periodic_noise(platform, receiver):
     delivered = [line for line in lines if "webhooks.deliver[" in line]
     assert len(delivered) == 1 and "succeeded" in delivered[0], delivered
     assert not [line for line in lines if "data=" in line]
+
+
+def test_dev_prints_its_banner_last_and_then_stays_quiet(tmp_path):
+    """``tessera dev`` on the embedded defaults, as a newcomer runs it: the banner comes once the api,
+    the worker and beat run, and no periodic line follows it while nothing happens."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "PROMETHEUS_", "AWS_"))}
+    env.update({"TESSERA_API_PORT": str(port), "TESSERA_DATA_DIR": str(tmp_path / "data")})
+    out = (tmp_path / "dev.out").open("wb")
+    dev = subprocess.Popen([*TESSERA, "dev"], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def banner_shown():
+            assert dev.poll() is None, (tmp_path / "dev.out").read_text()
+            return "Tessera is running at" in (tmp_path / "dev.out").read_text()
+
+        wait_until(banner_shown, timeout=150, interval=0.5)
+        time.sleep(1)
+        text = (tmp_path / "dev.out").read_text()
+        time.sleep(12)  # two runs of the 5 s sweeps and the relay
+        later = (tmp_path / "dev.out").read_text()
+        assert later == text, later[len(text):][:2000]  # nothing printed after the banner
+        banner = text[text.index("Tessera is running at"):]
+        assert f"http://127.0.0.1:{port}" in banner
+        assert str(tmp_path / "data") in banner and str(tmp_path / "data" / "mail") in banner
+        assert "tessera flower" in banner
+        assert banner.rstrip().endswith("-" * 78)  # the banner is the last thing on the console
+        dev.send_signal(signal.SIGTERM)
+        assert dev.wait(60) == 0
+    finally:
+        if dev.poll() is None:
+            os.killpg(dev.pid, signal.SIGKILL)
+            dev.wait(10)
+        out.close()
