@@ -150,7 +150,9 @@ def database_unreachable(url: str, exc: Exception) -> str:
             f"`createdb -h {parsed.host or 'localhost'} -p {parsed.port or 5432}{user} {parsed.database}` "
             "(or point TESSERA_DATABASE_URL at another database)"
         )
-    name = parsed.database or url
+    if parsed.get_backend_name() == "sqlite":
+        return f'cannot open the SQLite database "{parsed.database}": {reason}'
+    name = parsed.database or parsed.render_as_string(hide_password=True)
     return f'cannot reach database "{name}" ({parsed.get_backend_name()} on {where}): {reason}'
 
 
@@ -414,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--type", choices=("test", "production"), default="test")
     create.add_argument("--json", action="store_true", help="print one JSON object")
     create.set_defaults(func=_tenants_create)
-    tenant_list = tenants.add_parser("list", help="the live tenants, oldest first")
+    tenant_list = tenants.add_parser("list", help="the live tenants, newest first")
     tenant_list.add_argument("--limit", type=int, default=100)
     tenant_list.add_argument("--json", action="store_true", help="print a JSON array")
     tenant_list.set_defaults(func=_tenants_list)

@@ -14,9 +14,10 @@ queues in Flower) is printed last, once the api answers and the worker and beat 
 first heartbeats.
 
 Logs are in the human format (``TESSERA_LOG_FORMAT=console``) unless set, one line per unit of work
-(``infra/logs.py``); moto's line per S3 request goes to ``s3-server.log`` in the data dir. The api and the worker share
-their Prometheus series through ``TESSERA_METRICS_DIR`` (``metrics/`` in the data dir), emptied at each
-start together with the heartbeats of the previous run, so ``/metrics`` counts this run only.
+(``infra/logs.py``); moto's line per S3 request goes to ``s3-server.log`` in the data dir. The api and
+the worker share their Prometheus series through ``TESSERA_METRICS_DIR`` (``metrics/`` in the data
+dir), emptied at each start together with the heartbeats of the previous run, so ``/metrics`` counts
+this run only.
 """
 
 from __future__ import annotations

@@ -434,14 +434,16 @@ def prepare_mail(session: Session, link_id: uuid.UUID, settings: Settings, *, no
         f"If you did not expect this invitation, ignore this mail.\n"
     )
     name, role, link = html.escape(tenant.name), html.escape(invitation.role), html.escape(url, quote=True)
-    page = (
-        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Invitation to {name}</title></head>'
-        f"<body><p>You are invited to join the Tessera tenant <strong>{name}</strong> with the role "
-        f"<strong>{role}</strong>.</p>"
-        f'<p><a href="{link}">See the invitation and accept it</a> (the link works once).</p>'
-        f"<p>The link expires at {expires}.</p>"
-        f"<p>If the button does not open, copy this address into your browser:<br>{link}</p>"
-        f"<p>If you did not expect this invitation, ignore this mail.</p></body></html>"
+    page = "\n".join(  # one element a line: mail lines stay far below RFC 5322's 998 characters
+        [
+            f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Invitation to {name}</title></head>',
+            f"<body><p>You are invited to join the Tessera tenant <strong>{name}</strong> with the role "
+            f"<strong>{role}</strong>.</p>",
+            f'<p><a href="{link}">See the invitation and accept it</a> (the link works once).</p>',
+            f"<p>The link expires at {expires}.</p>",
+            f"<p>If the link does not open, copy this address into your browser:<br>{link}</p>",
+            "<p>If you did not expect this invitation, ignore this mail.</p></body></html>",
+        ]
     )
     return InvitationMail(
         to=invitation.email, subject=f"Invitation to join {tenant.name} on Tessera", text=text, html=page

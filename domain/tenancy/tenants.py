@@ -91,7 +91,7 @@ def owner_email_address(value: str) -> str:
 
 
 def list_tenants(session: Session, *, limit: int = 100) -> list[dict]:
-    """The live tenants, oldest first (at most ``limit``), each ``{id, name, type, owner_email,
+    """The live tenants, newest first (at most ``limit``), each ``{id, name, type, owner_email,
     members, created_at}``: what ``tessera tenants list`` shows."""
     members = (
         select(func.count()).select_from(TenantMember).where(TenantMember.tenant_id == Tenant.id).scalar_subquery()
@@ -100,7 +100,7 @@ def list_tenants(session: Session, *, limit: int = 100) -> list[dict]:
         select(Tenant, User.email, members)
         .join(User, User.id == Tenant.owner_id, isouter=True)
         .where(Tenant.deleted_at.is_(None))
-        .order_by(Tenant.created_at, Tenant.id)
+        .order_by(Tenant.created_at.desc(), Tenant.id.desc())
         .limit(limit)
     ).all()
     return [

@@ -44,6 +44,7 @@ def test_the_mail_has_a_plain_text_part_with_the_link_alone_on_a_line_and_an_htm
     # As sent (not decoded): the link whole on a line of its own, no quoted-printable escapes.
     assert mail.link in plain.get_payload().splitlines() and "=3D" not in plain.get_payload()
     assert mail.link in rich.get_payload().replace("&amp;", "&")
+    assert max(len(line) for line in message.as_string().splitlines()) <= 998  # RFC 5322 line limit
     assert mail.link in mail.text.splitlines()
     assert f'href="{mail.link}"' in mail.html.replace("&amp;", "&")
     assert "READ_ONLY" in mail.html and "acme" in mail.html

@@ -78,6 +78,14 @@ def test_migrate_names_a_missing_database_and_how_to_create_it(database):
     assert f"createdb -h {missing.host} -p {missing.port}" in line and missing.database in line
 
 
+def test_migrate_names_an_unreachable_database_without_its_password():
+    url = f"postgresql+psycopg2://tessera:s3cret-pw@127.0.0.1:{free_port()}/tessera"
+    done = tessera("migrate", env={**os.environ, "TESSERA_DATABASE_URL": url})
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith('error: cannot reach database "tessera"') and "s3cret-pw" not in line, line
+
+
 def test_dev_stops_at_once_naming_a_taken_port(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
