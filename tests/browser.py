@@ -8,10 +8,13 @@ URL, type into inputs, click, and read the page the browser shows, as a person w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -37,7 +40,8 @@ class Browser:
     """One headless Chromium with a fresh profile and one page; use as a context manager."""
 
     def __init__(self, profile_parent: Path, timeout: float = 30) -> None:
-        self._profile = tempfile.TemporaryDirectory(dir=profile_parent)
+        # Chromium's helper processes may still be writing the profile as it is removed.
+        self._profile = tempfile.TemporaryDirectory(dir=profile_parent, ignore_cleanup_errors=True)
         self.timeout = timeout
         self._ids = itertools.count(1)
         self._process: subprocess.Popen | None = None
@@ -54,6 +58,7 @@ class Browser:
                  "--remote-debugging-port=0", "about:blank"],
                 stdout=subprocess.DEVNULL,
                 stderr=sink,
+                start_new_session=True,  # its own process group: stopped with every helper process
             )
         endpoint = None
         deadline = time.monotonic() + self.timeout
@@ -71,7 +76,8 @@ class Browser:
         finally:
             self._loop.close()
             if self._process is not None:
-                self._process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._process.pid, signal.SIGKILL)
                 self._process.wait(10)
             self._profile.cleanup()
 
