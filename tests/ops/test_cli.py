@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -166,8 +167,10 @@ def test_the_console_shows_units_of_work_not_periodic_noise(platform, receiver):
     lines = worker.stderr_lines() + beat.stderr_lines()
     assert not [line for line in lines if "Sending due task" in line]
     assert not [line for line in lines if "] received" in line]
-    quiet = [line for line in lines if "detect_uploads" in line or "relay_outbox" in line]
-    assert quiet == [], quiet[:3]
+    # Sweeps that found nothing write nothing (a relay run that re-sent work, e.g. another test's
+    # backlog in the shared database, is a unit of work and shows).
+    periodic = [line for line in lines if "detect_uploads[" in line or "relay_outbox[" in line]
+    assert [line for line in periodic if re.search(r"succeeded in \S+: 0 ", line)] == [], periodic[:3]
     delivered = [line for line in lines if "webhooks.deliver[" in line]
     assert len(delivered) == 1 and "succeeded" in delivered[0], delivered
     assert not [line for line in lines if "data=" in line]
