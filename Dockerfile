@@ -2,7 +2,10 @@ FROM python:3.11-slim
 WORKDIR /srv/tessera
 COPY pyproject.toml README.md beat_schedule.py ./
 COPY app app
-COPY core core
+COPY config config
+COPY domain domain
+COPY infra infra
+COPY providers providers
 COPY sandbox sandbox
 COPY storage storage
 COPY tasks tasks

@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     redis_key_prefix: str = ""
     redis_url: str | None = None
     s3_endpoint_url: str | None = None
+    # The S3 endpoint as clients outside the platform's network reach it (pre-signed URLs); None: the same.
+    s3_public_endpoint_url: str | None = None
     s3_bucket: str = "tessera"
     s3_region: str = "us-east-1"
     smtp_url: str | None = None

@@ -6,6 +6,11 @@ bind the task's around each run (``workers/signals.py``). Code logs with the sta
 (``logging.getLogger(name)``, ``extra={...}`` for fields) or with :func:`get_logger`; both end up in
 the same handler, so a line looks the same whichever was used.
 
+One line per unit of work: at INFO, :class:`QuietCelery` leaves out Celery's "received" line (the
+outcome line follows), beat's "sending due task" lines, and the outcome line of a periodic task that
+found nothing to do (:func:`quiet_periodic`); failures and retries always show. ``TESSERA_LOG_LEVEL=
+DEBUG`` shows everything. The console format leaves out Celery's ``data`` field (the message says it).
+
 Never log a card number, a CVC, an API key, a signing secret or token data: log ids. The test suite
 scans every record for them (``tests/ops/test_logs.py``).
 """
@@ -100,7 +105,41 @@ def _context_defaults(_logger, _method, event: dict) -> dict:
 
 
 def _drop_empty(_logger, _method, event: dict) -> dict:
-    return {k: v for k, v in event.items() if v is not None}
+    return {k: v for k, v in event.items() if v is not None and not (k == "data" and _is_celery(event))}
+
+
+def _is_celery(event: dict) -> bool:
+    return str(event.get("logger", "")).startswith("celery")
+
+
+#: Task names run on a schedule whose "nothing to do" outcome lines are left out (:func:`quiet_periodic`).
+_PERIODIC: set[str] = set()
+#: What a periodic task returns when it found nothing to do, as Celery's log line shows it.
+_NOTHING_DONE = frozenset({"0", "None", "{}", "[]", "()", "False", "''"})
+
+
+def quiet_periodic(task_names) -> None:
+    """Leave out the INFO outcome line of these scheduled tasks when they found nothing to do
+    (returned 0, None or an empty collection): beat runs some every few seconds."""
+    _PERIODIC.update(task_names)
+
+
+class QuietCelery(logging.Filter):
+    """Drops Celery's per-message chatter at INFO so the console shows one line per unit of work
+    (see the module docstring). Passes everything when the root logger is at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or logging.getLogger().isEnabledFor(logging.DEBUG):
+            return True
+        if record.name == "celery.worker.strategy":
+            return False
+        if record.name == "celery.beat":
+            return "Sending due task" not in str(record.msg)
+        if record.name == "celery.app.trace":
+            data = getattr(record, "data", None)
+            if isinstance(data, dict) and data.get("name") in _PERIODIC:
+                return str(data.get("return_value")) not in _NOTHING_DONE
+        return True
 
 
 _FIRST = ("time", "level", "logger", "message", *CONTEXT_FIELDS)
@@ -171,6 +210,9 @@ def configure_logging(settings: Settings) -> None:
     _configure_structlog()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(settings.log_format, colors=sys.stderr.isatty()))
+    handler.addFilter(QuietCelery())
+    # boto3 says "Found credentials in environment variables." once per process and client: not news.
+    logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level)

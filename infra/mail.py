@@ -62,7 +62,14 @@ def _check_header(name: str, value: str) -> None:
         raise ValueError(f"{name} must not contain line breaks")
 
 
-def _build_message(*, to: str, subject: str, text: str, sender: str) -> EmailMessage:
+def _cte(body: str) -> str:
+    """The transfer encoding of a part: ``7bit`` for ASCII, ``8bit`` otherwise. Never
+    quoted-printable, whose soft line breaks cut long links in two for anyone reading the raw mail
+    (lines stay far below RFC 5322's 998 characters)."""
+    return "7bit" if body.isascii() else "8bit"
+
+
+def _build_message(*, to: str, subject: str, text: str, sender: str, html: str | None = None) -> EmailMessage:
     for name, value in (("to", to), ("subject", subject), ("sender", sender)):
         _check_header(name, value)
     if not to.strip() or not sender.strip():
@@ -75,7 +82,9 @@ def _build_message(*, to: str, subject: str, text: str, sender: str) -> EmailMes
     _name, addr = email.utils.parseaddr(sender)
     domain = addr.rpartition("@")[2] or None
     msg["Message-ID"] = email.utils.make_msgid(domain=domain)
-    msg.set_content(text)
+    msg.set_content(text, cte=_cte(text))
+    if html is not None:
+        msg.add_alternative(html, subtype="html", cte=_cte(html))
     return msg
 
 
@@ -219,12 +228,17 @@ def send_mail(
     smtp_url: str | None,
     data_dir: pathlib.Path,
     sender: str,
-) -> None:
-    """Send one plain-text message, or store it as an ``.eml`` file.
+    html: str | None = None,
+) -> pathlib.Path | None:
+    """Send one message, or store it as an ``.eml`` file; returns the file's path (``None`` when
+    sent over SMTP).
 
     The message gets ``From`` (``sender``), ``To``, ``Subject``, ``Date``
     (UTC, RFC 5322) and a fresh ``Message-ID`` (domain taken from
-    ``sender``); ``text`` is the UTF-8 body.
+    ``sender``); ``text`` is the UTF-8 body, and with ``html`` the message is
+    ``multipart/alternative`` with the plain-text part first. Parts are sent
+    7bit (ASCII) or 8bit, never quoted-printable, so a link stays whole on its
+    line.
 
     With ``smtp_url`` set, it is sent over SMTP (see the module docstring for
     URL forms; connect/read timeouts are 10 s). With ``smtp_url`` ``None``
@@ -238,6 +252,8 @@ def send_mail(
             ``"Ann <a@example.com>"``).
         subject: subject line (no line breaks).
         text: plain-text body.
+        html: the HTML version of the same body, or ``None`` for a plain-text
+            message.
         smtp_url: ``smtp://``/``smtps://`` URL, or ``None`` for the file
             fallback.
         data_dir: the installation's data directory (used only when
@@ -251,8 +267,8 @@ def send_mail(
             are empty (programming/input error, not worth retrying).
         OSError: the ``.eml`` file could not be written (fallback mode).
     """
-    msg = _build_message(to=to, subject=subject, text=text, sender=sender)
+    msg = _build_message(to=to, subject=subject, text=text, sender=sender, html=html)
     if smtp_url is None:
-        _write_eml(msg, data_dir)
-        return
+        return _write_eml(msg, data_dir)
     _send_smtp(msg, smtp_url)
+    return None

@@ -10,8 +10,8 @@ Used by ``tessera jobs`` / ``tessera queues`` (``tessera/cli.py``), ``GET /metri
   are the outbox backlog the beat relay watches.
 * A job that exhausted its retries is a dead letter (``infra/jobs.py``: status ``dead`` with its last
   error); :func:`retry` replays it, and replays a webhook delivery that ended ``failed``.
-* Heartbeats: each worker writes one every :data:`HEARTBEAT_SECONDS`, beat one each time it sends a
-  scheduled task, the outbox relay one after each run; in Redis (``TESSERA_REDIS_URL``, else a Redis
+* Heartbeats: each worker and beat write one every :data:`HEARTBEAT_SECONDS` from a thread, the
+  outbox relay one after each run; in Redis (``TESSERA_REDIS_URL``, else a Redis
   broker) or, on the embedded defaults, as files in ``heartbeats/`` of the data dir.
 """
 
@@ -351,7 +351,7 @@ def queue_report(settings: Settings, *, timeout: float = 1.0) -> dict[str, Any]:
         "queues": queues,
         "outbox_backlog": {"job": waiting.jobs, "webhook_delivery": waiting.deliveries},
         "workers": workers,
-        "beat": component("beat", relay_every * 3 + HEARTBEAT_SECONDS),
+        "beat": component("beat", 3 * HEARTBEAT_SECONDS),
         "relay": component("relay", relay_every * 3 + HEARTBEAT_SECONDS),
         "errors": errors,
     }

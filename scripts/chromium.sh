@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Make sure a headless-capable Chromium is installed (Debian's `chromium` package); the Flower test
-# (tests/ops/test_flower.py) drives it. Does nothing when one is already on the PATH. Safe to run again.
-set -euo pipefail
+# Install a headless-capable Chromium (Debian's `chromium` package) for the browser tests
+# (tests/browser.py: Flower's pages, the invitation page). Does nothing when one is already on the
+# PATH. When it cannot be installed (no apt-get, no root, no package) it says so and succeeds: the
+# browser tests are then skipped, each with the reason in pytest's summary. Safe to run again.
+set -uo pipefail
 
 found() { command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; }
+if ! found; then
+  as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo -n "$@"; else return 1; fi; }
+  if command -v apt-get >/dev/null; then
+    { as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq chromium; } \
+      >/dev/null 2>&1
+  fi
+fi
 if found; then
   echo "chromium: $(command -v chromium || command -v chromium-browser)"
-  exit 0
+else
+  echo "chromium: could not be installed here; the browser tests will be skipped" >&2
 fi
-
-as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
-as_root apt-get update -qq
-DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq chromium >/dev/null
-found || { echo "chromium did not install" >&2; exit 1; }
-echo "chromium: $(command -v chromium || command -v chromium-browser)"
+exit 0

@@ -11,6 +11,7 @@ with backoff on transient SMTP failures, a dead letter after ``max_attempts`` (r
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Protocol
 
@@ -24,6 +25,8 @@ from infra.jobs import PermanentError, TransientError
 from infra.mail import SMTP_TIMEOUT_S, MailError, send_mail
 from infra.task import JobTask
 from storage.models import Job
+
+log = logging.getLogger("tessera.tasks.mail")
 
 
 class _Mail(Protocol):
@@ -54,14 +57,18 @@ class MailJob(JobTask):
         if mail is None:
             return False
         try:
-            send_mail(to=mail.to, subject=mail.subject, text=mail.text, smtp_url=settings.smtp_url,
-                      data_dir=settings.data_dir, sender=settings.mail_from)
+            written = send_mail(to=mail.to, subject=mail.subject, text=mail.text, html=getattr(mail, "html", None),
+                                smtp_url=settings.smtp_url, data_dir=settings.data_dir, sender=settings.mail_from)
         except MailError as exc:
             if exc.transient:
                 raise TransientError(str(exc)) from exc
             raise PermanentError("MAIL_REFUSED", str(exc)) from exc
         except ValueError as exc:  # an address that cannot be put in a header: not worth retrying
             raise PermanentError("MAIL_ADDRESS", str(exc)) from exc
+        if written is not None:  # the embedded default: say where the message is, for a person to open
+            log.info("mail written to %s", written, extra={"path": str(written)})
+        else:
+            log.info("mail sent", extra={"smtp": (settings.smtp_url or "").rsplit("@", 1)[-1]})
         return True
 
     def apply(self, session: Session, job: Job, outcome: bool) -> dict:

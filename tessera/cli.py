@@ -6,11 +6,13 @@
     tessera beat [celery beat options]
     tessera migrate
     tessera tenants create --name NAME --owner-email EMAIL [--type test|production] [--json]
+    tessera tenants list [--json]
     tessera sandbox [--host H] [--port P]
     tessera flower [--address A] [--port P] [flower options]
     tessera jobs list [--state S]... [--kind K] [--tenant ID] [--limit N] [--json]
     tessera jobs show|retry|cancel ID [--json]
     tessera queues [--json] [--timeout S]
+    tessera --version
 
 Every command reads the same ``TESSERA_*`` settings (``config/settings.py``).
 """
@@ -22,10 +24,12 @@ import gc
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+from config import __version__
 from config.settings import get_settings
 
 
@@ -44,15 +48,16 @@ def _api(args: argparse.Namespace) -> int:
     host = args.host or settings.api_host
     port = args.port or settings.api_port
     workers = args.workers or settings.api_workers or os.cpu_count() or 1
-    if args.reuse_port or workers == 1:
-        return _serve_api(settings, host, port, reuse_port=args.reuse_port)
+    if args.reuse_port or args.listen_fd is not None or workers == 1:
+        return _serve_api(settings, host, port, reuse_port=args.reuse_port, listen_fd=args.listen_fd)
     print(f"tessera api listening on http://{host}:{port} ({workers} processes)", flush=True)
     argv = [sys.executable, "-m", "tessera.cli", "api", "--host", host, "--port", str(port), "--reuse-port"]
     return _supervise([subprocess.Popen(argv) for _ in range(workers)])  # noqa: S603 - our own command
 
 
-def _serve_api(settings, host: str, port: int, *, reuse_port: bool) -> int:
-    """One api process on ``host:port`` (``reuse_port``: beside its siblings on the same port)."""
+def _serve_api(settings, host: str, port: int, *, reuse_port: bool, listen_fd: int | None = None) -> int:
+    """One api process on ``host:port`` (``reuse_port``: beside its siblings on the same port;
+    ``listen_fd``: on the listening socket its parent bound)."""
     import asyncio
 
     from aiohttp import web
@@ -67,14 +72,16 @@ def _serve_api(settings, host: str, port: int, *, reuse_port: bool) -> int:
     if uvloop is not None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     configure_logging(settings)
+    listening: dict = {"host": host, "port": port}
+    if listen_fd is not None:  # a socket bound by the parent (tessera dev): the port is surely ours
+        listening = {"sock": socket.socket(fileno=listen_fd)}
     if not reuse_port:
         print(f"tessera api listening on http://{host}:{port}", flush=True)
     app = init_app(settings)
     app.on_startup.append(_freeze_heap)
     web.run_app(
         app,
-        host=host,
-        port=port,
+        **listening,
         print=None,
         shutdown_timeout=settings.api_shutdown_timeout_seconds,
         access_log=None,
@@ -139,11 +146,39 @@ def _beat(args: argparse.Namespace) -> int:
 
 
 def _migrate(_args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import OperationalError
+
     from storage import migrate
 
-    migrate.upgrade()
+    url = get_settings().effective_database_url
+    try:
+        migrate.upgrade(url)
+    except OperationalError as exc:
+        print(f"error: {database_unreachable(url, exc)}", file=sys.stderr, flush=True)
+        return 1
     print("database migrated to head", flush=True)
     return 0
+
+
+def database_unreachable(url: str, exc: Exception) -> str:
+    """One line for an operator whose database does not answer: which database, and for a PostgreSQL
+    database that does not exist yet, the command that creates it."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    where = f"{parsed.host or 'localhost'}:{parsed.port or 5432}"
+    reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if parsed.get_backend_name() == "postgresql" and "does not exist" in reason and parsed.database:
+        user = f" -U {parsed.username}" if parsed.username else ""
+        return (
+            f'database "{parsed.database}" does not exist on {where}; create it with '
+            f"`createdb -h {parsed.host or 'localhost'} -p {parsed.port or 5432}{user} {parsed.database}` "
+            "(or point TESSERA_DATABASE_URL at another database)"
+        )
+    if parsed.get_backend_name() == "sqlite":
+        return f'cannot open the SQLite database "{parsed.database}": {reason}'
+    name = parsed.database or parsed.render_as_string(hide_password=True)
+    return f'cannot reach database "{name}" ({parsed.get_backend_name()} on {where}): {reason}'
 
 
 def _tenants_create(args: argparse.Namespace) -> int:
@@ -169,6 +204,24 @@ def _tenants_create(args: argparse.Namespace) -> int:
             f"api key:     {result['api_key']}  (shown once)",
             flush=True,
         )
+    return 0
+
+
+def _tenants_list(args: argparse.Namespace) -> int:
+    from domain.tenancy.tenants import list_tenants
+    from storage.db import session_scope
+
+    with session_scope() as session:
+        rows = list_tenants(session, limit=args.limit)
+    if args.json:
+        _print_json(rows)
+    elif not rows:
+        print("no tenants yet: tessera tenants create --name NAME --owner-email EMAIL", flush=True)
+    else:
+        columns = [("id", "ID"), ("name", "NAME"), ("type", "TYPE"), ("owner_email", "OWNER"),
+                   ("members", "MEMBERS"), ("created_at", "CREATED")]
+        shown = [{**row, "created_at": row["created_at"].strftime("%Y-%m-%d %H:%M")} for row in rows]
+        print(_table(shown, columns), flush=True)
     return 0
 
 
@@ -314,7 +367,13 @@ def _queues(args: argparse.Namespace) -> int:
     from infra import ops
 
     report = ops.queue_report(get_settings(), timeout=args.timeout)
-    failed = 1 if {"broker", "database"} & set(report["errors"]) else 0
+    unreachable = {"broker", "database"} & set(report["errors"])
+    missing = [w["name"] for w in report["workers"] if not w["alive"]]
+    if not any(w["alive"] for w in report["workers"]):
+        missing.append("every worker" if not report["workers"] else "a live worker")
+    if not report["beat"]["alive"]:
+        missing.append("beat")
+    failed = 1 if unreachable or missing else 0
     if args.json:
         _print_json(report)
         return failed
@@ -335,6 +394,8 @@ def _queues(args: argparse.Namespace) -> int:
         lines.append(f"{label}: {state}, last heartbeat {age + ' ago' if age else 'never'}")
     for source, error in report["errors"].items():
         lines.append(f"error reading {source}: {error}")
+    if missing:
+        lines.append(f"missing: {', '.join(missing)}")
     print("\n".join(lines), flush=True)
     return failed
 
@@ -348,6 +409,7 @@ def _dev(_args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tessera`` command."""
     parser = argparse.ArgumentParser(prog="tessera", description="Tessera tokenization platform")
+    parser.add_argument("--version", action="version", version=f"tessera {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     commands.add_parser("dev", help="run everything locally (embedded defaults unless configured)").set_defaults(
@@ -359,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--workers", type=int, help="api processes sharing the port (default: TESSERA_API_WORKERS, "
                      "else one per core)")
     api.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
+    api.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # a socket bound by tessera dev
     api.set_defaults(func=_api)
     worker = commands.add_parser("worker", help="run a Celery worker (extra options go to celery worker)")
     worker.set_defaults(func=_worker)
@@ -379,6 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--type", choices=("test", "production"), default="test")
     create.add_argument("--json", action="store_true", help="print one JSON object")
     create.set_defaults(func=_tenants_create)
+    tenant_list = tenants.add_parser("list", help="the live tenants, newest first")
+    tenant_list.add_argument("--limit", type=int, default=100)
+    tenant_list.add_argument("--json", action="store_true", help="print a JSON array")
+    tenant_list.set_defaults(func=_tenants_list)
 
     flower = commands.add_parser(
         "flower", help="run Flower on the platform's Celery app (basic auth: TESSERA_FLOWER_USER/PASSWORD)"

@@ -7,13 +7,22 @@ database and the broker are SQLite files in ``TESSERA_DATA_DIR``; with ``TESSERA
 ``TESSERA_BROKER_URL`` set it uses PostgreSQL and Redis. Private webhook destinations are allowed
 (a newcomer's receiver is on localhost) unless ``TESSERA_ALLOW_PRIVATE_DESTINATIONS`` says otherwise.
 
-Logs are in the human format (``TESSERA_LOG_FORMAT=console``) unless set. The api and the worker share
-their Prometheus series through ``TESSERA_METRICS_DIR`` (``metrics/`` in the data dir), emptied at each
-start together with the heartbeats of the previous run, so ``/metrics`` counts this run only.
+The api's port is bound here, before anything starts, and handed to the api process: when it is taken
+``tessera dev`` stops at once naming the port and ``TESSERA_API_PORT``, and its readiness check can
+only reach its own api. The banner (base URL, data directory, where mail goes, how to watch the
+queues in Flower) is printed last, once the api answers and the worker and beat have sent their
+first heartbeats.
+
+Logs are in the human format (``TESSERA_LOG_FORMAT=console``) unless set, one line per unit of work
+(``infra/logs.py``); moto's line per S3 request goes to ``s3-server.log`` in the data dir. The api and
+the worker share their Prometheus series through ``TESSERA_METRICS_DIR`` (``metrics/`` in the data
+dir), emptied at each start together with the heartbeats of the previous run, so ``/metrics`` counts
+this run only.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -48,11 +57,11 @@ def _child_environment() -> dict[str, str]:
     return env
 
 
-def _commands(env: dict[str, str]) -> dict[str, list[str]]:
+def _commands(env: dict[str, str], api_fd: int) -> dict[str, list[str]]:
     me = [sys.executable, "-m", "tessera.cli"]
     sandbox_port = env["TESSERA_SANDBOX_URL"].rsplit(":", 1)[-1].rstrip("/")
     commands = {
-        "api": [*me, "api", *([] if env.get("TESSERA_API_WORKERS") else ["--workers", "1"])],
+        "api": [*me, "api", "--listen-fd", str(api_fd)],
         "worker": [*me, "worker", "--concurrency", "2"],
         "beat": [*me, "beat"],
         "sandbox": [*me, "sandbox", "--port", sandbox_port],
@@ -72,17 +81,76 @@ def _fresh_run_state(settings) -> None:
     metrics_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _wait_for_api(base_url: str, children: dict[str, subprocess.Popen], timeout: float = 60) -> bool:
+class PortTaken(OSError):
+    """The api's port is in use by another program."""
+
+
+def bind_api_socket(host: str, port: int) -> socket.socket:
+    """The api's listening socket, bound here so the api process inherits it. Raises
+    :class:`PortTaken` with a one-line message naming the port and ``TESSERA_API_PORT``."""
+    try:
+        sock = socket.create_server((host, port), backlog=1024)
+    except OSError as exc:
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+            reason = "is in use by another program" if exc.errno == errno.EADDRINUSE else "may not be used by this user"
+            raise PortTaken(
+                f"port {port} on {host} {reason}; stop that program or pick another port, "
+                f"e.g. TESSERA_API_PORT={port + 10} tessera dev"
+            ) from None
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _ready(base_url: str, settings, since: float) -> bool:
+    """The api answers (on the socket bound here, so it is ours) and the worker and beat have
+    recorded heartbeats since ``since`` (epoch seconds: this run's, not a previous run's in Redis)."""
+    from infra import ops
+
+    try:
+        with urllib.request.urlopen(base_url + "/healthz", timeout=2):  # noqa: S310 - our own loopback URL
+            pass
+        kinds = {beat.kind for beat in ops.heartbeats(settings).values() if beat.at >= since}
+    except Exception:  # noqa: BLE001 - not ready yet, whatever the reason
+        return False
+    return {"worker", "beat"} <= kinds
+
+
+def _wait_until_ready(
+    base_url: str, settings, children: dict[str, subprocess.Popen], since: float, timeout: float = 90
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(child.poll() is not None for child in children.values()):
             return False
-        try:
-            with urllib.request.urlopen(base_url + "/status", timeout=2):  # noqa: S310 - our own loopback URL
-                return True
-        except OSError:
-            time.sleep(0.3)
+        if _ready(base_url, settings, since):
+            return True
+        time.sleep(0.3)
     return False
+
+
+def banner(settings, base_url: str) -> str:
+    """What ``tessera dev`` prints once everything runs: the base URL, the data directory, where
+    mail goes and how to watch the queues."""
+    mail = (
+        f"sent through {settings.smtp_url.split('@')[-1]}"
+        if settings.smtp_url
+        else f"written as .eml files to {settings.data_dir / 'mail'}"
+    )
+    if settings.effective_broker_url.startswith("sqla+"):
+        flower = "Flower needs a Redis broker: set TESSERA_BROKER_URL=redis://... and run tessera flower"
+    else:
+        flower = "TESSERA_FLOWER_PASSWORD=choose-one tessera flower   (then http://127.0.0.1:5555)"
+    rule = "-" * 78
+    return (
+        f"\n{rule}\n"
+        f"  Tessera is running at {base_url}   (Ctrl-C stops it)\n"
+        f"  data:    {settings.data_dir}\n"
+        f"  mail:    {mail}\n"
+        f"  queues:  tessera queues; in a browser: {flower}\n"
+        f"  start:   tessera tenants create --name demo --owner-email you@example.com --json\n"
+        f"{rule}\n"
+    )
 
 
 def _stop(children: dict[str, subprocess.Popen]) -> None:
@@ -105,6 +173,11 @@ def run_dev() -> int:
 
     settings = reload_settings()
     configure_logging(settings.model_copy(update={"log_format": os.environ.get("TESSERA_LOG_FORMAT", "console")}))
+    try:
+        api_socket = bind_api_socket(settings.api_host, settings.api_port)
+    except PortTaken as exc:
+        print(f"tessera dev: {exc}", file=sys.stderr, flush=True)
+        return 1
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     print(f"tessera dev: data in {settings.data_dir}", flush=True)
     _fresh_run_state(settings)
@@ -120,17 +193,21 @@ def run_dev() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        for name, command in _commands(env).items():
-            children[name] = subprocess.Popen(command, env=env)  # noqa: S603 - our own interpreter
+        fd = api_socket.fileno()
+        started = time.time()
+        s3_log = (settings.data_dir / "s3-server.log").open("ab")  # moto's line per S3 request: not the console
+        for name, command in _commands(env, fd).items():
+            output = {"stdout": s3_log, "stderr": subprocess.STDOUT} if name == "s3" else {}
+            children[name] = subprocess.Popen(  # noqa: S603 - our own interpreter
+                command, env=env, pass_fds=(fd,) if name == "api" else (), **output
+            )
+        s3_log.close()
+        api_socket.close()  # the api process holds it now
         base_url = f"http://{settings.api_host}:{settings.api_port}"
-        if not _wait_for_api(base_url, children):
+        if not _wait_until_ready(base_url, settings, children, started):
             print("tessera dev: the platform did not start; see the output above", file=sys.stderr, flush=True)
             return 1
-        print(
-            f"\nTessera is running at {base_url}  (Ctrl-C stops it)\n"
-            f"Create a tenant: tessera tenants create --name demo --owner-email you@example.com --json\n",
-            flush=True,
-        )
+        print(banner(settings, base_url), flush=True)
         while not stopping:
             for name, child in children.items():
                 if child.poll() is not None:
@@ -139,4 +216,5 @@ def run_dev() -> int:
             time.sleep(0.5)
         return 0
     finally:
+        api_socket.close()
         _stop(children)

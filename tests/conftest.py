@@ -20,9 +20,22 @@ import pytest
 
 # Each run gets its own database and its own Redis key prefix, so runs side by side never meet.
 RUN_ID = f"{os.getpid()}"
-TEST_DATABASE_URL = os.environ.get(
-    "TESSERA_TEST_DATABASE_URL", f"postgresql+psycopg2://postgres@127.0.0.1:5432/tessera_test_{RUN_ID}"
-)
+#: Written by scripts/services.sh when the local PostgreSQL asks for passwords: a role of the tests' own.
+TEST_URL_FILE = Path(__file__).resolve().parents[1] / ".tessera-test-database-url"
+
+
+def _test_database_url() -> str:
+    """``TESSERA_TEST_DATABASE_URL`` as given; else the role ``scripts/services.sh`` made (password
+    authentication), else user postgres on loopback; these two on a database of this run's own."""
+    if os.environ.get("TESSERA_TEST_DATABASE_URL"):
+        return os.environ["TESSERA_TEST_DATABASE_URL"]
+    base = "postgresql+psycopg2://postgres@127.0.0.1:5432/tessera_test"
+    if TEST_URL_FILE.is_file() and TEST_URL_FILE.read_text().strip():
+        base = TEST_URL_FILE.read_text().strip()
+    return f"{base}_{RUN_ID}"
+
+
+TEST_DATABASE_URL = _test_database_url()
 TEST_REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 REDIS_PREFIX = f"test{RUN_ID}:"
 

@@ -6,8 +6,9 @@ does nothing floods Flower's task list and the console, so beat first asks one c
 query in its own process (:data:`GATES`) and sends the task only when the answer is yes. When the
 database cannot be asked, the task is sent anyway (the sweep then finds out itself).
 
-``tessera beat`` runs this scheduler (``beat_scheduler`` in ``workers/celery_app.py``); beat's and the
-relay's heartbeats are written after each pass, sent or not, so ``tessera queues`` shows them alive.
+``tessera beat`` runs this scheduler (``beat_scheduler`` in ``workers/celery_app.py``); the relay's
+heartbeat is written after each of its passes, sent or not, so ``tessera queues`` shows it alive (beat's
+own heartbeat comes from a thread of its own, ``workers/signals.py``).
 """
 
 from __future__ import annotations
@@ -69,10 +70,8 @@ class Scheduler(PersistentScheduler):
             super().apply_entry(entry, producer=producer)
         else:
             log.debug("beat: %s has nothing to do; not sent", entry.task)
-        settings = get_settings()
-        try:
-            ops.record_heartbeat(settings, "beat")
-            if entry.task == RELAY_TASK:
-                ops.record_heartbeat(settings, "relay")  # the relay looked (here, or in the task it sent)
-        except Exception:
-            log.warning("could not record beat's heartbeat", exc_info=True)
+        if entry.task == RELAY_TASK:
+            try:  # the relay looked (here, or in the task it sent); beat's own heartbeat is a thread
+                ops.record_heartbeat(get_settings(), "relay")  # of its own (workers/signals.py)
+            except Exception:
+                log.warning("could not record the relay's heartbeat", exc_info=True)

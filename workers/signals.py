@@ -5,8 +5,9 @@
   every log line of the run (``task_prerun``) and forgets them after (``task_postrun``). A job task
   whose message carries no trace (one re-sent by the relay) takes it from its job row.
 * Each run is counted by task name and outcome and timed (``infra/metrics.py``).
-* Heartbeats (``infra/ops.py``): a worker every ten seconds while it runs, beat each time it sends a
-  scheduled task, the outbox relay after each run.
+* Heartbeats (``infra/ops.py``): a worker and beat every ten seconds while they run, each from a
+  thread of its own (never as a Celery task: nothing shows up in Flower or the console); the outbox
+  relay's from beat's scheduler after each of its passes (``workers/beat.py``) and after each run.
 
 Imported by ``workers/celery_app.py``, so every process using the Celery app has them.
 """
@@ -31,24 +32,10 @@ log = logging.getLogger("tessera.workers")
 RELAY_TASK = "sweeps.relay_outbox"
 
 _started: dict[str, float] = {}
-_state = {"beat": False}
 _heartbeat_stop = threading.Event()
 
 
-# ---- producers -----------------------------------------------------------------------------------
-
-
-@signals.beat_init.connect
-def _beat_started(**_kwargs) -> None:
-    _state["beat"] = True
-    _heartbeat("beat")
-
-
-@signals.after_task_publish.connect
-def _beat_heartbeat(**_kwargs) -> None:
-    """Beat is alive when it sends its scheduled tasks."""
-    if _state["beat"]:
-        _heartbeat("beat")
+# ---- heartbeats ----------------------------------------------------------------------------------
 
 
 def _heartbeat(name: str) -> None:
@@ -56,6 +43,28 @@ def _heartbeat(name: str) -> None:
         ops.record_heartbeat(get_settings(), name)
     except Exception:
         log.warning("could not record the %s heartbeat", name, exc_info=True)
+
+
+def start_heartbeat(name: str) -> threading.Thread:
+    """Record the heartbeat ``name`` now and every :data:`infra.ops.HEARTBEAT_SECONDS` from a daemon
+    thread, until :data:`_heartbeat_stop` is set; independent of what the process publishes or runs."""
+    _heartbeat_stop.clear()
+
+    def beat() -> None:
+        while True:
+            _heartbeat(name)
+            if _heartbeat_stop.wait(ops.HEARTBEAT_SECONDS):
+                return
+
+    thread = threading.Thread(target=beat, name="tessera-heartbeat", daemon=True)
+    thread.start()
+    return thread
+
+
+@signals.beat_init.connect
+def _beat_started(**_kwargs) -> None:
+    """Beat is alive while its process runs, whether or not a scheduled task is due."""
+    start_heartbeat("beat")
 
 
 # ---- task runs -----------------------------------------------------------------------------------
@@ -129,16 +138,7 @@ def _job_context(job_id, trace_id, tenant_id) -> tuple[str | None, str | None]:
 @signals.worker_ready.connect
 def _worker_ready(sender=None, **_kwargs) -> None:
     """Start the worker's heartbeat (in the worker's main process)."""
-    name = f"worker:{getattr(sender, 'hostname', None) or 'celery'}"
-    _heartbeat_stop.clear()
-
-    def beat() -> None:
-        while True:
-            _heartbeat(name)
-            if _heartbeat_stop.wait(ops.HEARTBEAT_SECONDS):
-                return
-
-    threading.Thread(target=beat, name="tessera-heartbeat", daemon=True).start()
+    start_heartbeat(f"worker:{getattr(sender, 'hostname', None) or 'celery'}")
 
 
 @signals.worker_shutdown.connect

@@ -179,7 +179,8 @@ def _s3_error(exc: Exception, what: str) -> Exception:
 
 
 def head_object(key: str) -> dict | None:
-    """``HEAD`` of ``key``: ``{"size", "etag", "last_modified"}``, None when there is no such object.
+    """``HEAD`` of ``key``: ``{"size", "etag", "last_modified", "content_type"}``, None when there is no
+    such object.
 
     Raises TransientError when S3 cannot answer.
     """
@@ -191,7 +192,30 @@ def head_object(key: str) -> dict | None:
         raise _s3_error(exc, "head") from exc
     except BotoCoreError as exc:
         raise _s3_error(exc, "head") from exc
-    return {"size": head["ContentLength"], "etag": head.get("ETag"), "last_modified": head.get("LastModified")}
+    return {
+        "size": head["ContentLength"],
+        "etag": head.get("ETag"),
+        "last_modified": head.get("LastModified"),
+        "content_type": head.get("ContentType"),
+    }
+
+
+#: Content types that some S3-compatible servers (moto's, in ``tessera dev``) read as an HTML form,
+#: storing an empty object: ``curl --data-binary`` sends the first unless told otherwise.
+FORM_CONTENT_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def empty_upload_error(content_type: str | None) -> str:
+    """The job error of a request file that arrived empty: when it was uploaded as a form, say so and
+    how to upload it instead."""
+    kind = (content_type or "").split(";", 1)[0].strip().lower()
+    if kind in FORM_CONTENT_TYPES:
+        return (
+            f"The file arrived empty: it was uploaded with Content-Type {kind}, which the S3 server read as a "
+            "form (curl --data-binary sends that type). Upload the file itself, e.g. "
+            "curl -T request.csv '<upload_url>' or add -H 'Content-Type: text/csv'."
+        )
+    return f"The file is empty; its first line must be the header {REQUEST_HEADER}."
 
 
 def _get_blocks(key: str, *, etag: str | None = None, byte_range: tuple[int, int] | None = None) -> Iterator[bytes]:
@@ -696,6 +720,8 @@ def scan_job_file(job_id: uuid.UUID, session_scope, settings: Settings | None = 
         return Scan(size=head["size"], errors=[
             f"The file is {head['size']:,} bytes, over the limit of {limit:,} bytes (30 MB)."
         ])
+    if head["size"] == 0:
+        return Scan(errors=[empty_upload_error(head.get("content_type"))])
     chunk_rows = max(1, min(settings.account_updater_chunk_rows, MAX_ITEMS))
     scan = scan_request(_get_blocks(key, etag=head["etag"]), max_bytes=limit, chunk_rows=chunk_rows)
     scan.etag = head["etag"]

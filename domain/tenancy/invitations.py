@@ -15,9 +15,11 @@ after the commit, retried on transient SMTP failures, re-sent by the outbox rela
 token is ``inv_`` + base64url(HMAC-SHA256(link key, link id)), where the link key is derived with
 HKDF from the tenant's data key: the database keeps only the SHA-256 digest of the token, the Celery
 message carries only the job id, and the mail task recomputes the token from the link id. The mail
-holds ``<base>/invitations/accept?token=<token>`` where the base is ``TESSERA_PUBLIC_BASE_URL`` or the
-api's ``http://<api_host>:<api_port>``. ``POST /invitations/accept`` (no API key) with the token and
-the user's names accepts it once.
+(a plain-text part with the link alone on its line, and an HTML part) links to the invitation page
+``<base>/invitations/join?token=<token>``, where the base is ``TESSERA_PUBLIC_BASE_URL`` or the api's
+``http://<api_host>:<api_port>``: it shows the tenant and the role, and its form accepts. Programs use
+``GET /invitations/accept?token=`` (what the link invites to) and ``POST /invitations/accept`` (no API
+key) with the token and the user's names; either way a link accepts once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import base64
 import datetime as dt
 import hashlib
 import hmac
+import html
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -52,11 +56,13 @@ INVITATION = "tenant_invitation"
 MEMBER = "tenant_member"
 MAIL_TASK = "mail.invitation"
 ACCEPT_PATH = "/invitations/accept"
+ACCEPT_PAGE_PATH = "/invitations/join"
 INVITABLE_ROLES = ("ADMIN", "READ_ONLY")
 TOKEN_PREFIX = "inv_"  # noqa: S105 - the prefix of link tokens, not a secret
 MAIL_MAX_ATTEMPTS = 8
 #: The longest a token may be (the prefix and 43 characters of base64url); longer input is refused unread.
 MAX_TOKEN_LENGTH = 100
+log = logging.getLogger("tessera.invitations")
 
 
 # ---- link tokens ---------------------------------------------------------------------------------
@@ -78,10 +84,13 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def _base(settings: Settings) -> str:
+    return (settings.public_base_url or f"http://{settings.api_host}:{settings.api_port}").rstrip("/")
+
+
 def accept_url(settings: Settings, token: str) -> str:
-    """The link put in the mail: ``<base>/invitations/accept?token=<token>``."""
-    base = (settings.public_base_url or f"http://{settings.api_host}:{settings.api_port}").rstrip("/")
-    return f"{base}{ACCEPT_PATH}?token={token}"
+    """The link put in the mail, the invitation page: ``<base>/invitations/join?token=<token>``."""
+    return f"{_base(settings)}{ACCEPT_PAGE_PATH}?token={token}"
 
 
 # ---- views ---------------------------------------------------------------------------------------
@@ -390,11 +399,12 @@ def expire_invitations(session: Session, *, now: dt.datetime | None = None, batc
 
 @dataclass(frozen=True)
 class InvitationMail:
-    """One invitation mail, ready to send."""
+    """One invitation mail, ready to send: ``text`` and ``html`` say the same."""
 
     to: str
     subject: str
     text: str
+    html: str
 
 
 def prepare_mail(session: Session, link_id: uuid.UUID, settings: Settings, *, now: dt.datetime | None = None):
@@ -412,14 +422,31 @@ def prepare_mail(session: Session, link_id: uuid.UUID, settings: Settings, *, no
         return None
     token = link_token(session, tenant.id, link.id)
     url = accept_url(settings, token)
+    expires = invitation.expires_at.strftime("%Y-%m-%d %H:%M UTC")
+    api_url = f"{_base(settings)}{ACCEPT_PATH}"
     text = (
         f"You are invited to join the Tessera tenant '{tenant.name}' with the role {invitation.role}.\n\n"
-        f"Accept the invitation with this link (it works once):\n\n    {url}\n\n"
-        f"The link expires at {invitation.expires_at.strftime('%Y-%m-%d %H:%M UTC')}. To accept from a program, "
-        f'POST {{"token": "{token}", "first_name": ..., "last_name": ...}} to '
-        f"{url.split('?', 1)[0]}.\n\nIf you did not expect this invitation, ignore this mail.\n"
+        f"Open this link to see the invitation and accept it (it works once):\n\n{url}\n\n"
+        f"The link expires at {expires}.\n\n"
+        f"To accept from a program instead, POST this JSON to {api_url}:\n\n"
+        f'{{"token": "{token}", "first_name": "...", "last_name": "..."}}\n\n'
+        f"If you did not expect this invitation, ignore this mail.\n"
     )
-    return InvitationMail(to=invitation.email, subject=f"Invitation to join {tenant.name} on Tessera", text=text)
+    name, role, link = html.escape(tenant.name), html.escape(invitation.role), html.escape(url, quote=True)
+    page = "\n".join(  # one element a line: mail lines stay far below RFC 5322's 998 characters
+        [
+            f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Invitation to {name}</title></head>',
+            f"<body><p>You are invited to join the Tessera tenant <strong>{name}</strong> with the role "
+            f"<strong>{role}</strong>.</p>",
+            f'<p><a href="{link}">See the invitation and accept it</a> (the link works once).</p>',
+            f"<p>The link expires at {expires}.</p>",
+            f"<p>If the link does not open, copy this address into your browser:<br>{link}</p>",
+            "<p>If you did not expect this invitation, ignore this mail.</p></body></html>",
+        ]
+    )
+    return InvitationMail(
+        to=invitation.email, subject=f"Invitation to join {tenant.name} on Tessera", text=text, html=page
+    )
 
 
 def mail_of_job(session: Session, job: Job, settings: Settings) -> InvitationMail | None:

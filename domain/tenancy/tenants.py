@@ -5,7 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from sqlmodel import Session, select
+from pydantic import EmailStr, TypeAdapter, ValidationError
+from sqlmodel import Session, func, select
 
 from domain.tenancy import audit
 from domain.tenancy.auth import caller_cache, new_api_key
@@ -19,6 +20,7 @@ from storage.models import Application, ApplicationKey, Tenant, TenantMember, Us
 from storage.types import utcnow
 
 TENANT_TYPES = ("test", "production")
+_EMAIL = TypeAdapter(EmailStr)
 
 #: Tenant settings (spec: Tenant settings) and the values each accepts; all are sent as strings.
 SETTING_VALUES: dict[str, tuple[str, ...]] = {
@@ -47,11 +49,15 @@ class NewTenant:
 
 def create_tenant(session: Session, *, name: str, owner_email: str, type: str = "test") -> NewTenant:
     """Create a tenant with its owner (an OWNER member), its data key, its webhook signing secret
-    and a management application holding every permission. Raises ValueError for bad input."""
+    and a management application holding every permission.
+
+    Raises ValueError (a one-line message) for a name outside 1 to 200 characters, an unknown type or
+    an owner email that is not a well-formed address (RFC 5322, as the API's ``EmailStr`` fields)."""
     if not name or len(name) > 200:
         raise ValueError("name must be 1 to 200 characters")
     if type not in TENANT_TYPES:
         raise ValueError(f"type must be one of {', '.join(TENANT_TYPES)}")
+    owner_email = owner_email_address(owner_email)
     owner = session.exec(select(User).where(User.email == owner_email.lower())).first()
     if owner is None:
         owner = User(email=owner_email.lower())
@@ -72,6 +78,42 @@ def create_tenant(session: Session, *, name: str, owner_email: str, type: str = 
     key, digest = new_api_key()
     session.add(ApplicationKey(tenant_id=tenant.id, application_id=application.id, key_digest=digest))
     return NewTenant(tenant.id, application.id, key)
+
+
+def owner_email_address(value: str) -> str:
+    """``value`` as a well-formed email address (``user@example.com``), else ValueError with one line
+    naming it and what is wrong with it."""
+    try:
+        return _EMAIL.validate_python(value)
+    except ValidationError as exc:
+        reason = exc.errors(include_url=False)[0]["msg"].removeprefix("value is not a valid email address: ")
+        raise ValueError(f"owner email {value!r} is not a valid address: {' '.join(reason.split())}") from None
+
+
+def list_tenants(session: Session, *, limit: int = 100) -> list[dict]:
+    """The live tenants, newest first (at most ``limit``), each ``{id, name, type, owner_email,
+    members, created_at}``: what ``tessera tenants list`` shows."""
+    members = (
+        select(func.count()).select_from(TenantMember).where(TenantMember.tenant_id == Tenant.id).scalar_subquery()
+    )
+    rows = session.exec(
+        select(Tenant, User.email, members)
+        .join(User, User.id == Tenant.owner_id, isouter=True)
+        .where(Tenant.deleted_at.is_(None))
+        .order_by(Tenant.created_at.desc(), Tenant.id.desc())
+        .limit(limit)
+    ).all()
+    return [
+        {
+            "id": tenant.id,
+            "name": tenant.name,
+            "type": tenant.type,
+            "owner_email": email,
+            "members": count,
+            "created_at": tenant.created_at,
+        }
+        for tenant, email, count in rows
+    ]
 
 
 def get_tenant(session: Session, tenant_id: uuid.UUID) -> Tenant:

@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlsplit
 from aiosmtpd.controller import Controller
 from urllib3 import encode_multipart_formdata
 
-LINK = re.compile(r"https?://\S+/invitations/accept\?token=[A-Za-z0-9_-]+")
+LINK = re.compile(r"https?://\S+/invitations/join\?token=[A-Za-z0-9_-]+")
 
 
 @dataclass
@@ -30,7 +30,13 @@ class Mail:
 
     @property
     def text(self) -> str:
-        return self.message.get_content()
+        """The plain-text part."""
+        return self.message.get_body(("plain",)).get_content()
+
+    @property
+    def html(self) -> str:
+        """The HTML part."""
+        return self.message.get_body(("html",)).get_content()
 
     @property
     def link(self) -> str:

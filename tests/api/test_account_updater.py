@@ -343,6 +343,20 @@ def test_malformed_files_fail_the_job_with_messages(tenant, receiver):
     assert any("not valid CSV" in e for e in failed_with(client, receiver, (HEADER + '\n"abc,,,\n').encode()))
 
 
+def test_a_file_sent_as_a_form_arrives_empty_and_the_errors_say_why(tenant):
+    # `curl -X PUT --data-binary @file URL` labels the body application/x-www-form-urlencoded; moto's
+    # server (tessera dev's S3) reads it as a form and stores an empty object.
+    job = create_job(tenant.client)
+    body = (HEADER + "\nabc,,,\n").encode()
+    answer = _HTTP.request("PUT", job["upload_url"], body=body,
+                           headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert answer.status == 200
+    done = settle(tenant.client, job["id"])
+    assert done["status"] == "failed", done
+    [error] = done["errors"]
+    assert "arrived empty" in error and "application/x-www-form-urlencoded" in error and "curl -T" in error
+
+
 def test_a_file_over_30_mb_fails_the_job(tenant, receiver):
     subscribe(tenant.client, receiver, ["account-updater.job.completed"])
     row = b"00000000-0000-0000-0000-000000000000,30,01,\n"

@@ -1,11 +1,17 @@
-"""docker-compose.yml, checked without a Docker engine: every platform service runs a real
-``tessera`` subcommand, every ``TESSERA_*`` variable is a real setting, PostgreSQL and Redis have
-health checks that the platform's services wait on, and the api and workers share the metrics volume."""
+"""docker-compose.yml, checked without a Docker engine: the file is valid against the Compose
+specification's JSON schema (``tests/ops/data/compose-spec.json``, as shipped in docker-compose 1.29.2,
+Apache-2.0, licence beside it); every platform service runs a real ``tessera`` subcommand from one
+image built once, every ``TESSERA_*`` variable is a real setting, the stores have health checks the
+platform's services wait on, their data lives in named volumes, and the api and workers share the
+metrics volume."""
 
 from __future__ import annotations
 
+import json
+import tomllib
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -13,6 +19,7 @@ from config.settings import Settings
 from tessera.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = Path(__file__).with_name("data") / "compose-spec.json"
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +77,53 @@ def test_api_and_workers_share_the_metrics_volume(compose):
     # SIGTERM drains: the grace period outlasts the api's shutdown timeout and the task time limit.
     assert services["api"]["stop_grace_period"] == "35s"
     assert services["worker"]["stop_grace_period"] == "130s"
+
+
+def test_the_file_is_valid_against_the_compose_specification_schema(compose):
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(compose), key=lambda e: list(e.absolute_path))
+    assert [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors] == []
+    # The schema does catch a mistake: an unknown service key and a malformed healthcheck.
+    broken = {**compose, "services": {**compose["services"], "api": {**compose["services"]["api"], "comand": []}}}
+    assert any("comand" in e.message for e in validator.iter_errors(broken))
+    broken["services"]["redis"] = {**compose["services"]["redis"], "healthcheck": {"interval": 5}}
+    assert list(validator.iter_errors(broken))
+
+
+def test_one_image_built_once_runs_every_platform_service(compose):
+    services = _platform_services(compose)
+    built = [name for name, service in services.items() if "build" in service]
+    assert built == ["migrate"], built
+    assert {service["image"] for service in services.values()} == {"tessera:latest"}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    for package in packages["include"]:
+        name = package.rstrip("*")
+        assert f"COPY {name} {name}" in dockerfile, f"the image lacks the {name} package"
+    assert "COPY beat_schedule.py" in dockerfile or "beat_schedule.py ./" in dockerfile
+
+
+def test_the_stores_are_real_servers_with_named_volumes(compose):
+    services = compose["services"]
+    env = services["api"]["environment"]
+    assert "moto" not in services["s3"]["image"]
+    assert env["TESSERA_S3_ENDPOINT_URL"] == "http://s3:9000"
+    # Pre-signed URLs are signed for an address reachable from outside the compose network.
+    public = env["TESSERA_S3_PUBLIC_ENDPOINT_URL"]
+    assert "localhost:9000" in public and "9000:9000" in services["s3"]["ports"]
+    assert env["TESSERA_SMTP_URL"] == "smtp://mailpit:1025" and "mailpit" in services["mailpit"]["image"]
+    assert "8025:8025" in services["mailpit"]["ports"]  # its web UI
+    for store, folder in (("postgres", "/var/lib/postgresql/data"), ("redis", "/data"), ("s3", "/data")):
+        mounts = [m.split(":") for m in services[store]["volumes"]]
+        assert any(path == folder and volume in compose["volumes"] for volume, path in mounts), store
+        assert services[store]["healthcheck"]["test"], store
+    assert "--appendonly" in services["redis"]["command"] and "yes" in services["redis"]["command"]
+    for name, service in _platform_services(compose).items():
+        for dependency in ("s3", "mailpit"):
+            assert service["depends_on"][dependency]["condition"] == "service_healthy", (name, dependency)
+
+
+def test_the_api_runs_several_processes(compose):
+    args = build_parser().parse_args(compose["services"]["api"]["command"][1:])
+    assert args.workers >= 2

@@ -8,7 +8,6 @@ from __future__ import annotations
 import html
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,7 @@ from sqlmodel import select
 
 from storage.db import session_scope
 from storage.models import WebhookDelivery
+from tests.browser import CHROMIUM, CHROMIUM_FLAGS, SKIP_REASON
 from tests.conftest import free_port
 from tests.helpers import wait_until
 from tests.ops.conftest import TESSERA
@@ -28,17 +28,6 @@ pytestmark = pytest.mark.timeout(180)
 
 CARD = {"type": "card", "data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2031}}
 USER, PASSWORD = "ops", "flower-test-password"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 @pytest.fixture
@@ -101,7 +90,7 @@ def test_flower_refuses_to_start_without_a_password():
     assert "TESSERA_FLOWER_PASSWORD" in done.stderr
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed: run scripts/chromium.sh")
+@pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
 def test_flower_shows_a_tessera_task_succeeded_with_ids_for_arguments(flower, tenant, receiver, tmp_path):
     base, headers = flower
     assert urllib3.request("GET", base + "/api/tasks", timeout=5).status == 401  # the API is behind basic auth

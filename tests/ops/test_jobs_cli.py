@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import subprocess
 import uuid
 
+import pytest
 from sqlmodel import select
 
+from config.settings import get_settings
 from domain.webhooks.service import message_id
+from infra import ops
 from storage.db import session_scope
 from storage.models import Job, WebhookDelivery
 from tessera.cli import _table
@@ -119,7 +123,16 @@ def _delivery(delivery_id) -> WebhookDelivery:
         return session.get(WebhookDelivery, delivery_id)
 
 
-def test_queues_shows_depth_oldest_age_consumers_and_workers(worker):
+@pytest.fixture
+def beat_alive():
+    """A beat heartbeat, as a running ``tessera beat`` writes it (the in-process worker has no beat)."""
+    settings = get_settings()
+    ops.record_heartbeat(settings, "beat")
+    yield
+    ops.forget_heartbeat(settings, "beat")
+
+
+def test_queues_shows_depth_oldest_age_consumers_and_workers(worker, beat_alive):
     earlier = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=3)
     with session_scope() as session:
         waiting = Job(kind="ops_probe.waiting", status="queued", due_at=earlier)
@@ -140,6 +153,28 @@ def test_queues_shows_depth_oldest_age_consumers_and_workers(worker):
     assert table.returncode == 0, table.stderr
     assert table.stdout.splitlines()[0].split() == ["QUEUE", "DEPTH", "DUE", "OLDEST", "CONSUMERS"]
     assert any(line.split()[:1] == ["default"] and line.split()[3] == "3m" for line in table.stdout.splitlines())
+
+
+def test_queues_exits_non_zero_when_beat_or_every_worker_is_missing(worker):
+    settings = get_settings()
+    ops.forget_heartbeat(settings, "beat")
+    no_beat = tessera("queues")
+    assert no_beat.returncode == 1, no_beat.stdout
+    assert "beat: MISSING" in no_beat.stdout and no_beat.stdout.splitlines()[-1] == "missing: beat"
+
+    ops.record_heartbeat(settings, "beat")
+    try:
+        assert tessera("queues").returncode == 0
+        # A run whose broker no worker consumes (its own Redis key prefix) has no worker alive.
+        alone = subprocess.run(
+            [*TESSERA, "queues", "--json", "--timeout", "0.5"],
+            env={**os.environ, "TESSERA_REDIS_KEY_PREFIX": f"{settings.redis_key_prefix}alone{os.urandom(3).hex()}:"},
+            capture_output=True, text=True, timeout=60,
+        )
+    finally:
+        ops.forget_heartbeat(settings, "beat")
+    report = json.loads(alone.stdout)
+    assert alone.returncode == 1 and not any(w["alive"] for w in report["workers"])
 
 
 def test_the_table_lines_up_its_columns():

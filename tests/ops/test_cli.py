@@ -1,0 +1,209 @@
+"""The ``tessera`` command as a person uses it, run as real subprocesses: ``--version``, ``tenants
+create`` refusing a malformed owner email in one line, ``tenants list``, ``migrate`` naming a missing
+database, ``tessera dev`` stopping at once on a taken port, ``api --workers``, and the console of a
+real worker and beat: one line per unit of work, no periodic no-op lines, no payload dumps."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import uuid
+
+import psutil
+import pytest
+import urllib3
+from sqlalchemy.engine import make_url
+
+from config import __version__
+from infra import ops
+from tests.conftest import free_port
+from tests.helpers import ApiClient, wait_until
+from tests.ops.conftest import TESSERA
+
+pytestmark = pytest.mark.timeout(180)
+CARD = {"type": "card", "data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2031}}
+
+
+def tessera(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*TESSERA, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_version():
+    done = tessera("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"tessera {__version__}"
+
+
+def test_tenants_create_refuses_a_malformed_owner_email_in_one_line(database):
+    name = f"bad-{uuid.uuid4().hex[:8]}"
+    for address in ("not-an-address", "you@", "a b@example.com"):
+        done = tessera("tenants", "create", "--name", name, "--owner-email", address)
+        assert done.returncode == 2, done
+        assert done.stdout == ""
+        [line] = done.stderr.splitlines()
+        assert line.startswith("error: owner email") and repr(address) in line, line
+    listed = json.loads(tessera("tenants", "list", "--json").stdout)
+    assert name not in {row["name"] for row in listed}  # nothing was created
+
+
+def test_tenants_list_as_a_table_and_as_json(database):
+    name = f"listed-{uuid.uuid4().hex[:8]}"
+    owner = f"{name}@example.com"
+    created = tessera("tenants", "create", "--name", name, "--owner-email", owner, "--json")
+    assert created.returncode == 0, created.stderr
+    tenant_id = json.loads(created.stdout)["tenant_id"]
+
+    rows = json.loads(tessera("tenants", "list", "--json").stdout)
+    [row] = [r for r in rows if r["id"] == tenant_id]
+    assert (row["name"], row["type"], row["owner_email"], row["members"]) == (name, "test", owner, 1)
+
+    table = tessera("tenants", "list")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["ID", "NAME", "TYPE", "OWNER", "MEMBERS", "CREATED"]
+    [line] = [line for line in lines if line.startswith(tenant_id)]
+    assert line.split()[1:5] == [name, "test", owner, "1"]
+
+
+def test_migrate_names_a_missing_database_and_how_to_create_it(database):
+    missing = make_url(database).set(database=f"tessera_missing_{uuid.uuid4().hex[:8]}")
+    env = {**os.environ, "TESSERA_DATABASE_URL": missing.render_as_string(hide_password=False)}
+    done = tessera("migrate", env=env)
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()  # one line, no traceback
+    assert f'database "{missing.database}" does not exist' in line
+    assert f"createdb -h {missing.host} -p {missing.port}" in line and missing.database in line
+
+
+def test_migrate_names_an_unreachable_database_without_its_password():
+    url = f"postgresql+psycopg2://tessera:s3cret-pw@127.0.0.1:{free_port()}/tessera"
+    done = tessera("migrate", env={**os.environ, "TESSERA_DATABASE_URL": url})
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith('error: cannot reach database "tessera"') and "s3cret-pw" not in line, line
+
+
+def test_dev_stops_at_once_naming_a_taken_port(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "TESSERA_API_PORT": str(port), "TESSERA_DATA_DIR": str(tmp_path / "data")}
+        started = time.monotonic()
+        done = tessera("dev", env=env, timeout=30)
+        elapsed = time.monotonic() - started
+    assert done.returncode == 1
+    assert f"port {port}" in done.stderr and "TESSERA_API_PORT" in done.stderr
+    assert not (tmp_path / "data").exists()  # it stopped before migrating or starting anything
+    assert elapsed < 15, elapsed  # not after a readiness timeout
+
+
+def test_dev_readiness_reaches_its_own_api(tmp_path):
+    """The api's socket is bound by ``tessera dev`` and inherited: the port answers only through it."""
+    from tessera.dev import bind_api_socket
+
+    sock = bind_api_socket("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        assert sock.get_inheritable()
+        with pytest.raises(OSError, match="TESSERA_API_PORT"):
+            bind_api_socket("127.0.0.1", port)
+    finally:
+        sock.close()
+
+
+def test_api_workers_share_one_port_and_stop_together(platform):
+    process = platform.start("api", "api", "--workers", "2")
+    url = platform.api_url + "/healthz"
+
+    def up():
+        assert process.alive(), process.output()
+        try:
+            return urllib3.request("GET", url, timeout=2, retries=False).status == 200
+        except urllib3.exceptions.HTTPError:
+            return False
+
+    wait_until(up, timeout=60, interval=0.2)
+    children = psutil.Process(process.popen.pid).children()
+    assert len(children) == 2
+    assert all(c.cmdline()[-1] == "--reuse-port" for c in children)
+    port = int(platform.env["TESSERA_API_PORT"])
+
+    def listening(child):
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in child.net_connections("tcp"))
+
+    wait_until(lambda: all(listening(c) for c in children), timeout=60, interval=0.2)  # both bound the port
+    process.signal(signal.SIGTERM)
+    assert process.popen.wait(40) == 0
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+
+
+def test_the_console_shows_units_of_work_not_periodic_noise(platform, receiver):
+    console = {"TESSERA_LOG_FORMAT": "console"}
+    worker = platform.start_worker("--concurrency", "1", extra_env=console)
+    beat = platform.start("beat", "beat", "--schedule", str(platform.tmp_path / "schedule"), extra_env=console)
+    platform.start_api()
+    settings = platform.settings()
+    # The beat heartbeat comes from its own thread, not from publishing tasks.
+    wait_until(lambda: "beat" in ops.heartbeats(settings), timeout=30)
+    first = ops.heartbeats(settings)["beat"]
+    assert first.pid == beat.popen.pid and first.every == ops.HEARTBEAT_SECONDS
+
+    created = json.loads(platform.run("tenants", "create", "--name", "console", "--owner-email",
+                                      "console@example.com", "--json").stdout)
+    client = ApiClient(platform.api_url, created["api_key"])
+    hook = client.post("/webhooks", {"name": "c", "url": receiver.url, "events": ["token.created"]})
+    assert hook.status == 201, hook
+    token = client.post("/tokenize", CARD)
+    assert token.status == 201, token
+    receiver.wait_for(lambda r: token.json["id"].encode() in r.body)
+    time.sleep(12)  # past two runs of the 5 s sweeps and the relay
+    assert ops.heartbeats(settings)["beat"].at > first.at  # refreshed while beat runs
+
+    lines = worker.stderr_lines() + beat.stderr_lines()
+    assert not [line for line in lines if "Sending due task" in line]
+    assert not [line for line in lines if "] received" in line]
+    # Sweeps that found nothing write nothing (a relay run that re-sent work, e.g. another test's
+    # backlog in the shared database, is a unit of work and shows).
+    periodic = [line for line in lines if "detect_uploads[" in line or "relay_outbox[" in line]
+    assert [line for line in periodic if re.search(r"succeeded in \S+: 0 ", line)] == [], periodic[:3]
+    delivered = [line for line in lines if "webhooks.deliver[" in line]
+    assert len(delivered) == 1 and "succeeded" in delivered[0], delivered
+    assert not [line for line in lines if "data=" in line]
+
+
+def test_dev_prints_its_banner_last_and_then_stays_quiet(tmp_path):
+    """``tessera dev`` on the embedded defaults, as a newcomer runs it: the banner comes once the api,
+    the worker and beat run, and no periodic line follows it while nothing happens."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_", "PROMETHEUS_", "AWS_"))}
+    env.update({"TESSERA_API_PORT": str(port), "TESSERA_DATA_DIR": str(tmp_path / "data")})
+    out = (tmp_path / "dev.out").open("wb")
+    dev = subprocess.Popen([*TESSERA, "dev"], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def banner_shown():
+            assert dev.poll() is None, (tmp_path / "dev.out").read_text()
+            return "Tessera is running at" in (tmp_path / "dev.out").read_text()
+
+        wait_until(banner_shown, timeout=150, interval=0.5)
+        time.sleep(1)
+        text = (tmp_path / "dev.out").read_text()
+        time.sleep(12)  # two runs of the 5 s sweeps and the relay
+        later = (tmp_path / "dev.out").read_text()
+        assert later == text, later[len(text):][:2000]  # nothing printed after the banner
+        banner = text[text.index("Tessera is running at"):]
+        assert f"http://127.0.0.1:{port}" in banner
+        assert str(tmp_path / "data") in banner and str(tmp_path / "data" / "mail") in banner
+        assert "tessera flower" in banner
+        assert banner.rstrip().endswith("-" * 78)  # the banner is the last thing on the console
+        dev.send_signal(signal.SIGTERM)
+        assert dev.wait(60) == 0
+    finally:
+        if dev.poll() is None:
+            os.killpg(dev.pid, signal.SIGKILL)
+            dev.wait(10)
+        out.close()
