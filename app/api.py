@@ -408,7 +408,28 @@ async def read_json(request: web.Request, *, content_types: tuple[str, ...] = ("
     """
     if not any(_accepts(allowed, request.content_type) for allowed in content_types):
         raise Problem(415, f"Send the body as {' or '.join(content_types)}.")
+    if request.content_type == FORM:
+        return await read_form(request)
     return parse_json(await request.read())
+
+
+#: An HTML form's body, admitted where a route lists it among its request content types.
+FORM = "application/x-www-form-urlencoded"
+
+
+async def read_form(request: web.Request) -> dict[str, str]:
+    """An HTML form's fields as a JSON object of strings, for the route's body model to validate.
+
+    A field left empty is absent (a browser sends every field of the form); a field sent twice keeps
+    its last value; NUL in a name or value is a 400 naming the field (PostgreSQL text cannot hold it).
+    """
+    form = await request.post()
+    payload = {name: value for name, value in form.items() if isinstance(value, str) and value != ""}
+    nul = {name: ["Must not contain NUL characters."] for name, value in payload.items()
+           if "\x00" in name or "\x00" in value}
+    if nul:
+        raise validation_problem(nul)
+    return payload
 
 
 def parse_json(raw: bytes) -> Any:

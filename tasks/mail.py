@@ -41,6 +41,8 @@ class MailJob(JobTask):
 
     abstract = True
     lease_seconds = SMTP_TIMEOUT_S * 3 + 30
+    #: What the mail is, in log lines (``invitation mail written to <path>``).
+    label = "mail"
 
     def compose(self, session: Session, job: Job) -> _Mail | None:
         """The mail to send now."""
@@ -66,9 +68,9 @@ class MailJob(JobTask):
         except ValueError as exc:  # an address that cannot be put in a header: not worth retrying
             raise PermanentError("MAIL_ADDRESS", str(exc)) from exc
         if written is not None:  # the embedded default: say where the message is, for a person to open
-            log.info("mail written to %s", written, extra={"path": str(written)})
+            log.info("%s written to %s", self.label, written, extra={"path": str(written)})
         else:
-            log.info("mail sent", extra={"smtp": (settings.smtp_url or "").rsplit("@", 1)[-1]})
+            log.info("%s sent", self.label, extra={"smtp": (settings.smtp_url or "").rsplit("@", 1)[-1]})
         return True
 
     def apply(self, session: Session, job: Job, outcome: bool) -> dict:
@@ -81,6 +83,7 @@ class InvitationMail(MailJob):
     """The invitation mail of one link."""
 
     name = invitations.MAIL_TASK
+    label = "invitation mail"
 
     def compose(self, session, job):
         return invitations.mail_of_job(session, job, get_settings())
@@ -93,6 +96,7 @@ class WebhookDisabledMail(MailJob):
     """The notice that a webhook was disabled."""
 
     name = webhooks.NOTIFY_TASK
+    label = "webhook-disabled notice"
 
     def compose(self, session, job):
         return webhooks.disabled_notice(session, uuid.UUID(job.subject_id))

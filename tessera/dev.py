@@ -103,17 +103,22 @@ def bind_api_socket(host: str, port: int) -> socket.socket:
 
 
 def _ready(base_url: str, settings, since: float) -> bool:
-    """The api answers (on the socket bound here, so it is ours) and the worker and beat have
-    recorded heartbeats since ``since`` (epoch seconds: this run's, not a previous run's in Redis)."""
+    """The api answers (on the socket bound here, so it is ours) and beat and both worker nodes (the
+    prefork pool and the providers pool) have recorded heartbeats since ``since`` (epoch seconds: this
+    run's, not a previous run's in Redis)."""
     from infra import ops
 
     try:
         with urllib.request.urlopen(base_url + "/healthz", timeout=2):  # noqa: S310 - our own loopback URL
             pass
-        kinds = {beat.kind for beat in ops.heartbeats(settings).values() if beat.at >= since}
+        fresh = {name: beat for name, beat in ops.heartbeats(settings).items() if beat.at >= since}
     except Exception:  # noqa: BLE001 - not ready yet, whatever the reason
         return False
-    return {"worker", "beat"} <= kinds
+    workers = [name for name, beat in fresh.items() if beat.kind == "worker"]
+    # `tessera worker` is two nodes: the prefork pool and the providers queue's thread pool
+    return (any(beat.kind == "beat" for beat in fresh.values())
+            and any("-providers@" in name for name in workers)
+            and any("-providers@" not in name for name in workers))
 
 
 def _wait_until_ready(

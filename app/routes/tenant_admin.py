@@ -22,8 +22,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ConfigDict, EmailStr, Field, ValidationError
 
-from app.api import AllOf, Api, Call, parse_json, pydantic_errors
+from app.api import FORM, AllOf, Api, Call, parse_json, pydantic_errors
 from app.context import SETTINGS
+from app.invitation_pages import NAME_MAX, accepted_page, invitation_page, problem_page, wants_html
 from app.pagination import OffsetPage, offset_page, offset_query
 from app.ratelimit import RateLimiter, Rule
 from app.schemas import Audited, RequestModel, ResponseModel
@@ -138,8 +139,8 @@ class AcceptIn(RequestModel):
     """The body of POST /invitations/accept: the link's token and the invitee's names."""
 
     token: str = Field(min_length=1, max_length=invitations.MAX_TOKEN_LENGTH, description="The link's token.")
-    first_name: str | None = Field(None, max_length=200)
-    last_name: str | None = Field(None, max_length=200)
+    first_name: str | None = Field(None, max_length=NAME_MAX)
+    last_name: str | None = Field(None, max_length=NAME_MAX)
 
 
 class TenantRef(ResponseModel):
@@ -471,11 +472,19 @@ _ACCEPT_ERRORS = (
     summary="See what an invitation link invites to",
     errors=(400, 404, 410),
     description="The target of the link in the invitation mail. Does not use the link up: accept with "
-    "POST /invitations/accept. " + _ACCEPT_ERRORS,
+    "POST /invitations/accept. A browser (`Accept` naming `text/html`, JSON not first) gets an HTML page "
+    "instead: the tenant, the role and a form posting the token and the invitee's names to "
+    "POST /invitations/accept; an unusable link gets a page with the status below. " + _ACCEPT_ERRORS,
 )
 async def preview_invitation(call: Call):
-    """``GET /invitations/accept?token=``: the invitation, without using the link."""
-    return await call.db(invitations.preview_invitation, token=call.query.token)
+    """``GET /invitations/accept?token=``: the invitation, without using the link (a page for a browser)."""
+    if not wants_html(call.request):
+        return await call.db(invitations.preview_invitation, token=call.query.token)
+    try:
+        preview = await call.db(invitations.preview_invitation, token=call.query.token)
+    except Problem as problem:
+        return problem_page(problem)
+    return invitation_page(preview, call.query.token)
 
 
 @api.route(
@@ -483,6 +492,7 @@ async def preview_invitation(call: Call):
     "/invitations/accept",
     auth=False,
     body=AcceptIn,
+    request_content_type=("application/json", FORM),
     status=201,
     response=MemberOut,
     tag=INVITATION_TAG,
@@ -490,12 +500,21 @@ async def preview_invitation(call: Call):
     errors=(400, 404, 409, 410),
     description="No API key: the token from the invitation mail's link is the credential. Creates the user when the "
     "address is new (with the names given) and the tenant member with the invited role, once; the invitation is "
-    "removed. 409 when the user is already a member. " + _ACCEPT_ERRORS,
+    "removed. 409 when the user is already a member. The same fields sent as an HTML form "
+    "(`application/x-www-form-urlencoded`, the page of GET /invitations/accept) are answered with an HTML page "
+    "(201 accepted, or the status below with its reason). " + _ACCEPT_ERRORS,
 )
 async def accept_invitation(call: Call):
-    """``POST /invitations/accept``: 201 with the new member."""
+    """``POST /invitations/accept``: 201 with the new member (a page when the body is an HTML form)."""
     b = call.body
-    return await call.db(invitations.accept_invitation, token=b.token, first_name=b.first_name, last_name=b.last_name)
+    accept = invitations.accept_invitation
+    if call.request.content_type != FORM:
+        return await call.db(accept, token=b.token, first_name=b.first_name, last_name=b.last_name)
+    try:
+        member = await call.db(accept, token=b.token, first_name=b.first_name, last_name=b.last_name)
+    except Problem as problem:
+        return problem_page(problem)
+    return accepted_page(member)
 
 
 # ---- client encryption keys ----------------------------------------------------------------------

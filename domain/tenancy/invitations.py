@@ -16,7 +16,7 @@ token is ``inv_`` + base64url(HMAC-SHA256(link key, link id)), where the link ke
 HKDF from the tenant's data key: the database keeps only the SHA-256 digest of the token, the Celery
 message carries only the job id, and the mail task recomputes the token from the link id. The mail
 (a plain-text part with the link alone on its line, and an HTML part) links to the invitation page
-``<base>/invitations/join?token=<token>``, where the base is ``TESSERA_PUBLIC_BASE_URL`` or the api's
+``<base>/invitations/accept?token=<token>``, where the base is ``TESSERA_PUBLIC_BASE_URL`` or the api's
 ``http://<api_host>:<api_port>``: it shows the tenant and the role, and its form accepts. Programs use
 ``GET /invitations/accept?token=`` (what the link invites to) and ``POST /invitations/accept`` (no API
 key) with the token and the user's names; either way a link accepts once.
@@ -56,7 +56,6 @@ INVITATION = "tenant_invitation"
 MEMBER = "tenant_member"
 MAIL_TASK = "mail.invitation"
 ACCEPT_PATH = "/invitations/accept"
-ACCEPT_PAGE_PATH = "/invitations/join"
 INVITABLE_ROLES = ("ADMIN", "READ_ONLY")
 TOKEN_PREFIX = "inv_"  # noqa: S105 - the prefix of link tokens, not a secret
 MAIL_MAX_ATTEMPTS = 8
@@ -89,8 +88,8 @@ def _base(settings: Settings) -> str:
 
 
 def accept_url(settings: Settings, token: str) -> str:
-    """The link put in the mail, the invitation page: ``<base>/invitations/join?token=<token>``."""
-    return f"{_base(settings)}{ACCEPT_PAGE_PATH}?token={token}"
+    """The link put in the mail, the invitation page: ``<base>/invitations/accept?token=<token>``."""
+    return f"{_base(settings)}{ACCEPT_PATH}?token={token}"
 
 
 # ---- views ---------------------------------------------------------------------------------------

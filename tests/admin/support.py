@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlsplit
 from aiosmtpd.controller import Controller
 from urllib3 import encode_multipart_formdata
 
-LINK = re.compile(r"https?://\S+/invitations/join\?token=[A-Za-z0-9_-]+")
+LINK = re.compile(r"https?://\S+/invitations/accept\?token=[A-Za-z0-9_-]+")
 
 
 @dataclass

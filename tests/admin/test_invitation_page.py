@@ -51,7 +51,7 @@ def test_the_mail_has_a_plain_text_part_with_the_link_alone_on_a_line_and_an_htm
 
 
 def test_without_smtp_the_log_says_where_the_mail_file_was_written(api, tenant, caplog):
-    caplog.set_level(logging.INFO, logger="tessera.invitations")
+    caplog.set_level(logging.INFO, logger="tessera.tasks.mail")  # the mail task says where it wrote
     _invite(tenant, _address())
 
     def written():
@@ -63,16 +63,20 @@ def test_without_smtp_the_log_says_where_the_mail_file_was_written(api, tenant, 
 
 
 def test_an_unknown_link_answers_a_page_that_says_so(api):
-    answer = urllib3.request("GET", api.base_url + "/invitations/join?token=inv_unknown", timeout=10)
+    page = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}  # what a browser sends
+    answer = urllib3.request("GET", api.base_url + "/invitations/accept?token=inv_unknown", headers=page, timeout=10)
     assert answer.status == 404
     assert answer.headers["Content-Type"].startswith("text/html")
     assert "not valid" in answer.data.decode()
     assert "frame-ancestors 'none'" in answer.headers["Content-Security-Policy"]
     posted = urllib3.request(
-        "POST", api.base_url + "/invitations/join", body=urlencode({"token": "inv_unknown"}), timeout=10,
+        "POST", api.base_url + "/invitations/accept", body=urlencode({"token": "inv_unknown"}), timeout=10,
         headers={"Content-Type": "application/x-www-form-urlencoded"},
     )
     assert posted.status == 404 and "not valid" in posted.data.decode()
+    # the same link asked for JSON (an API client) answers the problem
+    api_client = urllib3.request("GET", api.base_url + "/invitations/accept?token=inv_unknown", timeout=10)
+    assert api_client.status == 404 and api_client.headers["Content-Type"].startswith("application/problem+json")
 
 
 @pytest.mark.timeout(180)
@@ -87,6 +91,7 @@ def test_a_person_accepts_from_the_page_in_a_browser(api, tenant, mailbox, tmp_p
         shown = browser.text()
         assert "acme" in shown and "READ_ONLY" in shown and email in shown, shown
         assert browser.evaluate("document.querySelector('form').method") == "post"
+        assert browser.evaluate("new URL(document.querySelector('form').action).pathname") == "/invitations/accept"
         browser.type_into("#first_name", "Ada")
         browser.type_into("#last_name", "Lovelace")
         browser.click_and_wait("#accept")

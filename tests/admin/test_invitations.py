@@ -47,7 +47,7 @@ def test_create_mails_a_link_that_accepts_once(api, tenant, mailbox):
     [mail] = mailbox.wait_for(email)
     assert mail.to == email
     assert "acme" in mail.message["Subject"]
-    assert mail.link.startswith(f"{api.base_url}/invitations/join?token=inv_")
+    assert mail.link.startswith(f"{api.base_url}/invitations/accept?token=inv_")
     assert "ADMIN" in mail.text
 
     # the link's token answers what it invites to, without using it up
