@@ -259,7 +259,10 @@ def _operation(route: Route, schemas: _Schemas, settings: Settings) -> dict:
             "description": _ERROR_TEXT.get(status, "Error."),
             "content": {"application/problem+json": {"schema": {"$ref": _REF.format(model="Problem")}}},
         }
-    operation.update({k: v for k, v in route.openapi_extra.items() if k != "parameters"})
+    operation.update({k: v for k, v in route.openapi_extra.items() if k not in ("parameters", "responses")})
+    for status, answer in route.openapi_extra.get("responses", {}).items():  # merged: more media types
+        target = operation["responses"].setdefault(status, {"description": answer.get("description", "")})
+        target.setdefault("content", {}).update(answer.get("content", {}))
     return operation
 
 

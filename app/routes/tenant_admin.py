@@ -462,6 +462,12 @@ _ACCEPT_ERRORS = (
 )
 
 
+def _html_answers(*statuses: int) -> dict:
+    """``openapi_extra`` documenting the HTML pages a browser or an HTML form gets at these statuses."""
+    page = {"text/html": {"schema": {"type": "string", "description": "An HTML page."}}}
+    return {"responses": {str(status): {"description": "An HTML page.", "content": page} for status in statuses}}
+
+
 @api.route(
     "GET",
     "/invitations/accept",
@@ -471,6 +477,7 @@ _ACCEPT_ERRORS = (
     tag=INVITATION_TAG,
     summary="See what an invitation link invites to",
     errors=(400, 404, 410),
+    openapi_extra=_html_answers(200, 404, 409, 410),
     description="The target of the link in the invitation mail. Does not use the link up: accept with "
     "POST /invitations/accept. A browser (`Accept` naming `text/html`, JSON not first) gets an HTML page "
     "instead: the tenant, the role and a form posting the token and the invitee's names to "
@@ -498,6 +505,7 @@ async def preview_invitation(call: Call):
     tag=INVITATION_TAG,
     summary="Accept an invitation",
     errors=(400, 404, 409, 410),
+    openapi_extra=_html_answers(201, 404, 409, 410),
     description="No API key: the token from the invitation mail's link is the credential. Creates the user when the "
     "address is new (with the names given) and the tenant member with the invited role, once; the invitation is "
     "removed. 409 when the user is already a member. The same fields sent as an HTML form "
