@@ -77,7 +77,7 @@ def record(
 
     The subject is typed, never encoded in one string: ``subject_type`` names what the job works on
     (``network_token``, ``rail``, ``payment_method``, ``account_updater_job``, ``invitation_link``,
-    ``webhook``, ``network_reference``), ``subject_id`` is that resource's own id (a UUID as text, a
+    ``webhook``, ``network_reference``, ``document``), ``subject_id`` is that resource's own id (a UUID as text, a
     ``pm_...`` id, the network's token reference), ``subject_number`` a part of it (an account updater
     chunk) and ``operation_id`` the operation lease the job belongs to (a payment method's delete).
     """

@@ -1,20 +1,47 @@
 """Document tasks (``documents.*`` on the ``files`` queue).
 
-``documents.purge(document_id)``: removes a deleted document's S3 object and row (a lost message is
-harmless: the ``tenant_admin.sweep_documents`` sweep removes what is left).
+``documents.purge`` (a recorded job, subject: the document): removes a deleted document's S3 object,
+then its row. S3 failures are retried with backoff; a lost message is re-sent by the outbox relay, and
+the ``tenant_admin.sweep_documents`` sweep removes whatever a dead letter leaves.
 """
 
 from __future__ import annotations
 
 import uuid
 
+from botocore.exceptions import BotoCoreError, ClientError
+from sqlmodel import Session
+
 from domain.documents import service as documents
 from infra.celery import celery_app
-from infra.task import TesseraTask
+from infra.jobs import TransientError
+from infra.task import JobTask
+from storage.models import Job
 
 
-@celery_app.task(name=documents.PURGE_TASK, base=TesseraTask, bind=True)
-def purge_document(self, document_id: str) -> bool:
-    """Remove a deleted document's S3 object and row; False when there was nothing to do."""
-    with self.session_scope() as session:
-        return documents.purge_document(session, uuid.UUID(document_id))
+class PurgeDocument(JobTask):
+    """Remove the S3 object (outside any transaction), then the row in the completing one."""
+
+    name = documents.PURGE_TASK
+    lease_seconds = 120.0
+
+    def perform(self, job: Job) -> bool:
+        """True when the object was removed now; False when the document is not (or no longer) deleted.
+
+        Raises :class:`~infra.jobs.TransientError` when S3 refuses or cannot be reached."""
+        with self.session_scope() as session:
+            found = documents.deleted_document_object(session, uuid.UUID(job.subject_id))
+        if found is None:
+            return False
+        try:
+            documents.remove_object(*found)
+        except (ClientError, BotoCoreError) as exc:
+            raise TransientError(f"S3: {exc}") from exc
+        return True
+
+    def apply(self, session: Session, job: Job, outcome: bool) -> dict:
+        removed = outcome and documents.remove_deleted_document(session, uuid.UUID(job.subject_id))
+        return {"purged": bool(removed)}
+
+
+celery_app.register_task(PurgeDocument())

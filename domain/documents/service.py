@@ -15,7 +15,7 @@ whatever the document's size; a download holds one sealed chunk at a time.
 
 Life of a row: ``uploading`` (written before the first byte goes to S3, so a crashed upload is
 found and cleaned) -> ``ready`` -> ``deleted`` (invisible at once; the object is removed by the
-``documents.purge`` task sent after the commit, or by the ``tenant_admin.sweep_documents`` sweep,
+``documents.purge`` job recorded with the delete, or by the ``tenant_admin.sweep_documents`` sweep,
 which also removes uploads left ``uploading`` for more than :data:`STALE_UPLOAD_SECONDS`).
 """
 
@@ -32,7 +32,7 @@ from sqlmodel import Session, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
-from infra.dispatch import enqueue_after_commit
+from infra import jobs
 from infra.errors import not_found
 from storage import s3
 from storage.crypto import get_keyring, open_sealed, seal
@@ -43,6 +43,8 @@ log = logging.getLogger("tessera.documents")
 
 DOCUMENT = "document"
 PURGE_TASK = "documents.purge"
+#: Attempts of a purge job before it is a dead letter (the sweep still removes what is left).
+PURGE_MAX_ATTEMPTS = 5
 #: Plaintext bytes per sealed chunk.
 CHUNK_SIZE = 1024 * 1024
 #: Bytes a sealed chunk adds: version (1), nonce (12), tag (16).
@@ -176,7 +178,8 @@ def delete_document(session: Session, caller: Caller, document_id: uuid.UUID) ->
     document.status = "deleted"
     document.deleted_at = utcnow()
     session.add(document)
-    enqueue_after_commit(session, PURGE_TASK, document_id=str(document.id))
+    jobs.record(session, kind=PURGE_TASK, tenant_id=document.tenant_id, subject_type="document",
+                subject_id=str(document.id), trace_id=caller.trace_id, max_attempts=PURGE_MAX_ATTEMPTS)
     audit.record(session, caller, entity_type=DOCUMENT, entity_id=document.id, operation="delete")
 
 
@@ -330,15 +333,26 @@ def _purge_rows(session: Session, rows: list[Document]) -> int:
     return purged
 
 
-def purge_document(session: Session, document_id: uuid.UUID) -> bool:
-    """Remove a deleted document's S3 object and row (``documents.purge``); False when there is
-    nothing to do or another worker holds the row."""
-    rows = session.exec(
-        select(Document)
-        .where(Document.id == document_id, Document.status == "deleted")
-        .with_for_update(skip_locked=True)
-    ).all()
-    return _purge_rows(session, list(rows)) == 1
+def deleted_document_object(session: Session, document_id: uuid.UUID) -> tuple[str, str | None] | None:
+    """``(object_key, upload_id)`` of deleted document ``document_id``; None when it is not deleted
+    or already purged (the ``documents.purge`` job's read)."""
+    row = session.exec(
+        select(Document.object_key, Document.upload_id).where(Document.id == document_id,
+                                                              Document.status == "deleted")
+    ).first()
+    return None if row is None else (row[0], row[1])
+
+
+def remove_deleted_document(session: Session, document_id: uuid.UUID) -> bool:
+    """Delete deleted document ``document_id``'s row once its S3 object is gone; False when
+    there was none (purged already by the sweep)."""
+    document = session.exec(
+        select(Document).where(Document.id == document_id, Document.status == "deleted").with_for_update()
+    ).first()
+    if document is None:
+        return False
+    session.delete(document)
+    return True
 
 
 def sweep_documents(session: Session, *, now: dt.datetime | None = None, batch: int = 100) -> int:

@@ -16,7 +16,7 @@ from sqlmodel import select
 from domain.documents import service as documents
 from storage import s3
 from storage.db import session_scope
-from storage.models import AuditLog
+from storage.models import AuditLog, Job
 from storage.models_tenant_admin import Document
 from tests.admin.conftest import SMALL_DOCUMENT_MAX_BYTES, SMALL_DOCUMENTS_PER_MINUTE
 from tests.admin.support import multipart, upload
@@ -73,6 +73,8 @@ def test_upload_read_download_delete(tenant):
     assert_problem(tenant.client.get(f"/documents/{doc['id']}/data"), 404)
     assert_problem(tenant.client.delete(f"/documents/{doc['id']}"), 404)
     wait_until(lambda: _objects(tenant) == [] and _rows(tenant) == [], timeout=20)  # purged by the worker
+    # the purge is a recorded job of its own, completed once the object and the row are gone
+    wait_until(lambda: _purge_jobs(doc["id"]) == [("succeeded", {"purged": True})], timeout=20)
 
     with session_scope() as session:
         operations = session.exec(
@@ -239,6 +241,14 @@ def test_the_documents_api_is_rate_limited_per_application(small_limits_api, ten
     other_app = small_limits_api.client(limited(tenant, ["document:read"]).api_key)
     assert other_app.get(f"/documents/{doc['id']}").status == 200
     assert SMALL_DOCUMENTS_PER_MINUTE == 3
+
+
+def _purge_jobs(document_id: str) -> list[tuple[str, dict | None]]:
+    with session_scope() as session:
+        return [tuple(row) for row in session.exec(
+            select(Job.status, Job.result).where(Job.kind == documents.PURGE_TASK, Job.subject_type == "document",
+                                                 Job.subject_id == document_id)
+        ).all()]
 
 
 def test_abandoned_uploads_and_deleted_documents_are_swept(tenant):
