@@ -86,6 +86,15 @@ class Settings(BaseSettings):
     # Tokens.
     cvc_retention_seconds: int = 3600
 
+    # Wallet tokens. The wallet-a root replacing the pinned Apple Root CA - G3 (a PEM path, for
+    # sandboxes and tests); how far a wallet-a signing time may be from the clock; the wallet-b root
+    # signing keys (a path to the provider's published key list, JSON); how long an unused cryptogram
+    # is kept (it is erased at its first use in any case).
+    wallet_a_root_ca: str | None = None
+    wallet_a_signing_time_window_seconds: int = 300
+    wallet_b_root_keys: str | None = None
+    wallet_cryptogram_retention_seconds: int = 3600
+
     # Providers: test tenants call the sandbox; production tenants the live URLs below (unset: 422).
     provider_connect_timeout_seconds: float = 5.0
     provider_read_timeout_seconds: float = 45.0

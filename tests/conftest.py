@@ -72,6 +72,9 @@ os.environ.update(
         "AWS_DEFAULT_REGION": "us-east-1",
         # Short webhook retry delays keep the retry tests quick; the default schedule is tested apart.
         "TESSERA_WEBHOOK_RETRY_SCHEDULE": "1,1,2",
+        # Wallet token roots the wallet tests write at import (tests/wallets/conftest.py): their own CA.
+        "TESSERA_WALLET_A_ROOT_CA": str(DATA_DIR / "wallet-a-root.pem"),
+        "TESSERA_WALLET_B_ROOT_KEYS": str(DATA_DIR / "wallet-b-root-keys.json"),
     }
 )
 

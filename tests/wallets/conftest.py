@@ -42,3 +42,43 @@ def flip(value: str, index: int = -1) -> str:
     raw = bytearray(base64.b64decode(value))
     raw[index] ^= 0x01
     return base64.b64encode(bytes(raw)).decode()
+
+
+# ---- the HTTP tests' trust anchors --------------------------------------------------------------
+# tests/conftest.py points TESSERA_WALLET_A_ROOT_CA and TESSERA_WALLET_B_ROOT_KEYS at these files;
+# they are written here, at import, before the API reads them, with a chain valid around today.
+
+
+def _current_wallet_a_ca():
+    from storage.types import utcnow
+    from tests.wallets.issuers import INTERMEDIATE_OID, LEAF_OID, WalletACA, certificate
+
+    now = utcnow()
+    window = {"not_before": now - dt.timedelta(days=1), "not_after": now + dt.timedelta(days=3650)}
+    ca = WalletACA()
+    ca.root = certificate("Test Root CA", ca.root_key, ca=True, **window)
+    ca.intermediate = certificate("Test Application Integration CA", ca.intermediate_key, issuer=ca.root,
+                                  issuer_key=ca.root_key, ca=True, marker=INTERMEDIATE_OID, **window)
+    ca.leaf = certificate("test-smp-broker-sign", ca.leaf_key, issuer=ca.intermediate,
+                          issuer_key=ca.intermediate_key, marker=LEAF_OID, **window)
+    return ca
+
+
+def _write_anchors():
+    import os
+
+    from tests.wallets.issuers import WalletBIssuer, pem
+
+    ca = _current_wallet_a_ca()
+    issuer = WalletBIssuer(intermediate_expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=30),
+                           root_expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=3650))
+    root_path, keys_path = os.environ.get("TESSERA_WALLET_A_ROOT_CA"), os.environ.get("TESSERA_WALLET_B_ROOT_KEYS")
+    if root_path:
+        Path(root_path).write_bytes(pem(ca.root))
+    if keys_path:
+        Path(keys_path).write_text(json.dumps({"keys": [issuer.root_entry()]}))
+    return ca, issuer
+
+
+#: The chain and the wallet-b issuer the API trusts during the tests.
+HTTP_CA, HTTP_ISSUER = _write_anchors()
