@@ -11,7 +11,11 @@
   ``cryptogram_expires_at``, whichever comes first. ``transaction_id`` is unique per tenant and
   wallet: a token is accepted once (replay guard).
 * ``wallet_domains``: the domains a tenant registered, per environment (``sandbox`` or
-  ``production``), at most 99 per tenant and environment.
+  ``production``), at most 99 per tenant and environment; ``pending`` while a worker fetches the
+  domain's association file and registers it with the wallet provider, then ``verified``.
+* ``wallet_sessions``: a merchant session request while a worker asks the wallet provider's gateway;
+  the answer is sealed (``session_ct``, purpose ``wallet-session``) and the row deleted once the
+  request that made it has read it (or stopped waiting).
 """
 
 from __future__ import annotations
@@ -99,4 +103,22 @@ class WalletDomain(SQLModel, table=True):
     )
     environment: str = Field(max_length=16)
     domain: str = Field(sa_column=Column(String(253), nullable=False))
+    status: str = Field(default="pending", max_length=16)  # pending, verified
+    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+
+
+class WalletSession(SQLModel, table=True):
+    """A merchant session being created at the wallet provider's gateway ``validation_url``."""
+
+    __tablename__ = "wallet_sessions"
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    tenant_id: uuid.UUID = Field(
+        sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
+    )
+    validation_url: str = Field(sa_column=Column(String(2048), nullable=False))
+    display_name: str = Field(sa_column=Column(String(255), nullable=False))
+    domain: str = Field(sa_column=Column(String(253), nullable=False))
+    merchant_registration_id: str | None = Field(default=None, sa_column=Column(String(255), nullable=True))
+    session_ct: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())

@@ -15,7 +15,7 @@ from pydantic import Field
 from app.api import AnyOf, Api, Call
 from app.routes.token_intents import TokenIntentOut
 from app.schemas import RequestModel, ResponseModel
-from domain.wallets import service
+from domain.wallets import domains, service
 from infra.errors import Problem, not_found
 
 api = Api()
@@ -209,6 +209,115 @@ async def delete_b_key(call: Call):
     await call.db(service.delete_key, call.caller, service.WALLET_B, call.params["id"])
 
 
+# ---- domains and merchant sessions ---------------------------------------------------------------
+
+_DOMAINS = (
+    "A tenant's domains belong to its environment: the wallet provider's sandbox for test tenants, production "
+    "for production tenants (a domain registered in one is unknown to the other). Registering a domain fetches "
+    "its verification file `https://<domain>/.well-known/apple-developer-merchantid-domain-association` "
+    "(`TESSERA_WALLET_A_DOMAIN_FILE_URL`) in a worker through the platform's outbound client, then registers the "
+    "domain with the wallet provider under the tenant id as merchant id; the request waits up to "
+    "`TESSERA_WALLET_WAIT_SECONDS` (default 10 s). 422 when the file is not available (the domain is not "
+    "kept); 502 when the provider cannot be reached (contact support). Designed here: a domain whose work is still "
+    "running after the wait is listed with `status` `pending` and becomes `verified` (or disappears if its file "
+    "was not available); domains are normalised to lower-case ASCII (IDNA). At most 99 domains (400). "
+    "Production tenants: 422 Provider not configured (this deployment has no live registration service). "
+)
+
+
+class DomainIn(RequestModel):
+    """`POST /wallet-a/domain-registration` and `POST /wallet-a/domain-deregistration`."""
+
+    domain: str = Field(min_length=1, max_length=253)
+
+
+class DomainsIn(RequestModel):
+    """`PUT /wallet-a/domain-registration`."""
+
+    domains: list[str] = Field(max_length=domains.MAX_DOMAINS)
+
+
+class DomainOut(ResponseModel):
+    """A registered domain."""
+
+    domain: str
+    status: str = Field(description="`verified`, or `pending` while its verification runs.")
+
+
+class DomainsOut(ResponseModel):
+    """The tenant's domains in its environment."""
+
+    domains: list[DomainOut]
+
+
+class SessionIn(RequestModel):
+    """`POST /wallet-a/session`."""
+
+    validation_url: str | None = Field(default=None, max_length=2048)
+    display_name: str = Field(min_length=1, max_length=64)
+    domain: str = Field(min_length=1, max_length=253)
+    merchant_registration_id: str | None = Field(default=None, max_length=255)
+
+
+async def _registered(call: Call, values: list[str], *, replace: bool, field: str) -> dict:
+    job_ids = await call.db(domains.register_domains, call.caller, values, replace=replace, field=field)
+    if job_ids:
+        await call.wait_for_jobs(job_ids, timeout=call.settings.wallet_wait_seconds)
+    return await call.db(domains.registration_outcome, call.caller, job_ids)
+
+
+@api.route("POST", "/wallet-a/domain-registration", permission="wallet-a:manage", body=DomainIn,
+           response=DomainsOut, tag=TAG, summary="Register a wallet-a domain", errors=(400, 422, 502),
+           description="Adds one domain; answers every domain of the tenant's environment. " + _DOMAINS)
+async def register_domain(call: Call):
+    return await _registered(call, [call.body.domain], replace=False, field="domain")
+
+
+@api.route("PUT", "/wallet-a/domain-registration", permission="wallet-a:manage", body=DomainsIn,
+           response=DomainsOut, tag=TAG, summary="Replace the wallet-a domains", errors=(400, 422, 502),
+           description="The tenant's domains become exactly `domains`: new ones are registered, missing ones "
+           "removed. " + _DOMAINS)
+async def replace_domains(call: Call):
+    return await _registered(call, call.body.domains, replace=True, field="domains")
+
+
+@api.route("GET", "/wallet-a/domain-registration", permission="wallet-a:manage", response=DomainsOut, tag=TAG,
+           summary="List the wallet-a domains", description=_DOMAINS)
+async def list_domains(call: Call):
+    return await call.db(domains.list_domains, call.caller)
+
+
+@api.route("POST", "/wallet-a/domain-deregistration", permission="wallet-a:manage", body=DomainIn, status=204,
+           tag=TAG, summary="Deregister a wallet-a domain", errors=(400, 404),
+           description="Forgets the domain at once (404 when it is not registered); a worker tells the wallet "
+           "provider (retried until it answers).")
+async def deregister_domain(call: Call):
+    await call.db(domains.deregister_domain, call.caller, call.body.domain)
+
+
+@api.route("POST", "/wallet-a/session", permission="wallet-a:session", body=SessionIn, response=dict[str, Any],
+           tag=TAG, summary="Create a wallet-a merchant session", errors=(400, 422, 503),
+           description="Merchant validation through the wallet provider's payment session gateway: answers the "
+           "gateway's opaque session object unchanged. `validation_url` defaults to the gateway of the tenant's "
+           "environment (test tenants: the sandbox gateway, `TESSERA_SANDBOX_URL` + "
+           "`/wallet-gateway/sandbox/paymentservices/paymentSession`; production: "
+           "`https://apple-pay-gateway.apple.com/paymentservices/paymentSession`) and must be one of the allowed "
+           "gateways. The merchant identifier sent is the tenant id; `merchant_registration_id` is passed on as "
+           "`merchantRegistrationId`. The call runs in a worker; this request waits up to "
+           "`TESSERA_WALLET_WAIT_SECONDS`. Errors, all 422 distinguished by detail: validation_url not an allowed "
+           "gateway; merchant not enrolled in the environment validation_url targets (the detail names both); "
+           "domain not registered (verified) in the tenant's environment; certificate configuration missing "
+           "(production gateways need a merchant identity certificate this deployment does not hold); the wallet "
+           "provider rejected the request (detail includes its message). 503 when the session service is "
+           "unavailable or slower than the wait.")
+async def create_session(call: Call):
+    b = call.body
+    row_id, job_id = await call.db(domains.start_session, call.caller, display_name=b.display_name, domain=b.domain,
+                                   validation_url=b.validation_url, merchant_registration_id=b.merchant_registration_id)
+    await call.wait_for_jobs([job_id], timeout=call.settings.wallet_wait_seconds)
+    return await call.db(domains.session_outcome, call.caller, row_id, job_id)
+
+
 # ---- tokens --------------------------------------------------------------------------------------
 
 
@@ -256,12 +365,13 @@ async def create_b(call: Call):
 _CONNECTION_WALLETS = {"wallet-a": "/wallet-a", "wallet-b": "/wallet-b", "apple-pay": "/wallet-a",
                        "google-pay": "/wallet-b"}
 _SHUT_DOWN = (
-    "Shut down on July 1, 2026 (deprecated August 05, 2025): answers 410 naming the replacement. Endpoints "
+    "Permission: none (any valid API key learns that the endpoint is gone). Shut down on July 1, 2026 "
+    "(deprecated August 05, 2025): answers 410 naming the replacement. Endpoints "
     "moved from /connections/<wallet>/* to /<wallet>/*; permissions from connections:<wallet>:invoke and "
     "connections:<wallet>:manage to wallet-a:session, wallet-a:create, wallet-a:manage and wallet-b:create; "
     "`apple_payment_method_token` became `apple_payment_data`; proxy expressions `token_intent:` became "
     "`wallet-a:` (or `wallet-b:` for the cryptogram method). `apple-pay` and `google-pay` are read as "
-    "`wallet-a` and `wallet-b`. No permission is needed to learn that the endpoint is gone."
+    "`wallet-a` and `wallet-b`."
 )
 
 

@@ -70,15 +70,32 @@ def upgrade() -> None:
         sa.Column("tenant_id", sa.Uuid(), nullable=False),
         sa.Column("environment", sqlmodel.sql.sqltypes.AutoString(length=16), nullable=False),
         sa.Column("domain", sa.String(length=253), nullable=False),
+        sa.Column("status", sqlmodel.sql.sqltypes.AutoString(length=16), nullable=False),
         sa.Column("created_at", storage.types.UTCDateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(["tenant_id"], ["tenants.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("tenant_id", "environment", "domain", name="uq_wallet_domains"),
     )
     op.create_index("ix_wallet_domains_tenant_id", "wallet_domains", ["tenant_id"], unique=False)
+    op.create_table(
+        "wallet_sessions",
+        sa.Column("id", sa.Uuid(), nullable=False),
+        sa.Column("tenant_id", sa.Uuid(), nullable=False),
+        sa.Column("validation_url", sa.String(length=2048), nullable=False),
+        sa.Column("display_name", sa.String(length=255), nullable=False),
+        sa.Column("domain", sa.String(length=253), nullable=False),
+        sa.Column("merchant_registration_id", sa.String(length=255), nullable=True),
+        sa.Column("session_ct", sa.LargeBinary(), nullable=True),
+        sa.Column("created_at", storage.types.UTCDateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(["tenant_id"], ["tenants.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("id"),
+    )
+    op.create_index("ix_wallet_sessions_tenant_id", "wallet_sessions", ["tenant_id"], unique=False)
 
 
 def downgrade() -> None:
+    op.drop_index("ix_wallet_sessions_tenant_id", table_name="wallet_sessions")
+    op.drop_table("wallet_sessions")
     op.drop_index("ix_wallet_domains_tenant_id", table_name="wallet_domains")
     op.drop_table("wallet_domains")
     op.drop_index("ix_wallet_tokens_tenant_id", table_name="wallet_tokens")
