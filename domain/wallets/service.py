@@ -55,7 +55,6 @@ from domain.wallets.fields import DEFAULT_CLOCK, Authentication, CardData, Clock
 from infra.errors import Problem, not_found, validation_problem
 from storage.crypto import get_keyring
 from storage.models_wallets import WalletMerchantKey, WalletToken
-from storage.types import utcnow
 
 WALLET_A, WALLET_B = "wallet-a", "wallet-b"
 KEY_PURPOSE = "wallet-merchant-key"
@@ -63,6 +62,8 @@ DATA_PURPOSE = "wallet-token"
 CRYPTOGRAM_PURPOSE = "wallet-cryptogram"
 #: The ``type`` of a wallet-b cryptogram token (the spec names dpan/mpan for wallet-a only).
 WALLET_B_TYPE = "network_token"
+#: The clock every wallet check reads when none is given (wall time; tests inject a fixed one).
+CLOCK: Clock = DEFAULT_CLOCK
 
 
 # ---- merchant keys -------------------------------------------------------------------------------
@@ -94,14 +95,14 @@ def _store_key(session: Session, caller: Caller, row: WalletMerchantKey,
 
 
 def add_wallet_a_certificate(session: Session, caller: Caller, *, certificate: str, private_key: str,
-                             now: dt.datetime | None = None) -> dict:
+                             clock: Clock | None = None) -> dict:
     """``POST /wallet-a/merchant-certificates``: store a payment processing certificate and its key.
 
     422 (``merchant_certificate_invalid``) when the PEM cannot be read, the key is not P-256, does not
     belong to the certificate, or the merchant id extension is missing; 422 when the certificate has
     expired. Answers :func:`key_view`.
     """
-    now = now or utcnow()
+    now = (clock or CLOCK)()
     key = wallet_a.MerchantKey.from_pem(_pem_bytes(certificate), _pem_bytes(private_key))
     cert = x509.load_pem_x509_certificate(_pem_bytes(certificate))
     if key.expires_at is not None and key.expires_at <= now:
@@ -128,7 +129,7 @@ def _wallet_b_private_key(value: str) -> ec.EllipticCurvePrivateKey:
         raise MerchantCertificateInvalid("private_key must be an EC P-256 key, PEM or base64 PKCS#8 DER") from None
 
 
-def add_wallet_b_key(session: Session, caller: Caller, *, private_key: str, now: dt.datetime | None = None) -> dict:
+def add_wallet_b_key(session: Session, caller: Caller, *, private_key: str, clock: Clock | None = None) -> dict:
     """``POST /wallet-b/merchant-keys``: store a wallet-b merchant private key (P-256, PEM or base64
     PKCS#8 DER); 422 ``merchant_certificate_invalid`` otherwise. Answers :func:`key_view` with
     ``merchant_id`` the recipient id ``merchant:<tenant id>``."""
@@ -137,7 +138,7 @@ def add_wallet_b_key(session: Session, caller: Caller, *, private_key: str, now:
         tenant_id=caller.tenant_id, wallet=WALLET_B,
         public_key_hash=base64.b64encode(wallet_a.public_key_hash(key.public_key())).decode(),
         merchant_id=recipient_id(caller.tenant_id), private_key_ct=b"", created_by=caller.application_id,
-        created_at=now or utcnow(),
+        created_at=(clock or CLOCK)(),
     )
     return _store_key(session, caller, row, key)
 
@@ -252,7 +253,7 @@ def _store_token(session: Session, caller: Caller, row: WalletToken, data: CardD
 
 
 def create_wallet_a(session: Session, caller: Caller, apple_payment_data: Any, *,
-                    expires_at: dt.datetime | None = None, clock: Clock = DEFAULT_CLOCK) -> dict:
+                    expires_at: dt.datetime | None = None, clock: Clock | None = None) -> dict:
     """``POST /wallet-a``: verify and decrypt ``apple_payment_data`` (:func:`wallet_a.decrypt_payment`)
     with the tenant's active merchant certificates, store the resource, answer ``{wallet_a: resource}``
     without ``data``.
@@ -262,6 +263,7 @@ def create_wallet_a(session: Session, caller: Caller, apple_payment_data: Any, *
     transaction. Nothing is stored on any failure.
     """
     settings = get_settings()
+    clock = clock or CLOCK
     now = clock()
     keys = _active_keys(session, caller.tenant_id, WALLET_A, now)
     if not keys:
@@ -302,7 +304,7 @@ def _root_keys() -> list[wallet_b.RootSigningKey]:
 
 
 def create_wallet_b(session: Session, caller: Caller, google_payment_data: Any, *,
-                    expires_at: dt.datetime | None = None, clock: Clock = DEFAULT_CLOCK) -> dict:
+                    expires_at: dt.datetime | None = None, clock: Clock | None = None) -> dict:
     """``POST /wallet-b``: verify and decrypt an ECv2 token (:func:`wallet_b.decrypt_token`) sealed for
     ``merchant:<tenant id>`` with the tenant's merchant keys. ``CRYPTOGRAM_3DS`` stores a wallet token
     and answers ``{google_pay: resource}`` without ``data``; ``PAN_ONLY`` answers ``{token_intent: ...}``
@@ -311,6 +313,7 @@ def create_wallet_b(session: Session, caller: Caller, google_payment_data: Any, 
     Raises the library's 4xx problems, 503 when the root keys are not configured, 409 for a replayed
     ``messageId``. Nothing is stored on any failure.
     """
+    clock = clock or CLOCK
     now = clock()
     keys = _active_keys(session, caller.tenant_id, WALLET_B, now)
     if not keys:
@@ -352,11 +355,11 @@ def _take_cryptogram(session: Session, row: WalletToken, caller_id: uuid.UUID | 
     return cryptogram
 
 
-def read_wallet_a(session: Session, caller: Caller, token_id: object, *, now: dt.datetime | None = None) -> dict:
+def read_wallet_a(session: Session, caller: Caller, token_id: object, *, clock: Clock | None = None) -> dict:
     """``GET /wallet-a/{id}``: the resource at top level; ``data`` complete and the cryptogram (once)
     with ``wallet-a:reveal``, else ``data`` masked (``wallet-a:read``). 404 when missing or another
     tenant's. Writes a ``read`` log row."""
-    now = now or utcnow()
+    now = (clock or CLOCK)()
     parsed = parse_uuid(token_id)
     row = session.get(WalletToken, parsed) if parsed else None
     if row is None or row.tenant_id != caller.tenant_id or row.wallet != WALLET_A:
@@ -377,7 +380,7 @@ def load_for_proxy(session: Session, tenant_id: uuid.UUID, wallet: str, ids: Seq
     """The resources of ``ids`` (text ids as written in expressions) of ``wallet`` in the tenant, each
     complete (``data`` and the cryptogram), for a proxy request: ``{id: resource}`` with ids and times
     as JSON text. Reading a cryptogram here is its use: it is erased in the caller's transaction."""
-    now = now or utcnow()
+    now = now or CLOCK()
     wanted = {parse_uuid(i): i for i in ids if parse_uuid(i) is not None}
     if not wanted:
         return {}

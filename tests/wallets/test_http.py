@@ -8,9 +8,11 @@ through TESSERA_WALLET_A_ROOT_CA / TESSERA_WALLET_B_ROOT_KEYS (tests/wallets/con
 from __future__ import annotations
 
 import base64
+import copy
 import datetime as dt
 import hashlib
 import json
+import uuid
 
 import pytest
 from cryptography import x509
@@ -104,7 +106,7 @@ def test_merchant_certificates_are_added_listed_and_deleted_without_their_key(te
     assert "PRIVATE" not in listed.raw.decode()
     assert other_tenant.client.get("/wallet-a/merchant-certificates").json["data"] == []
     with session_scope() as session:
-        row = session.get(WalletMerchantKey, __import__("uuid").UUID(body["id"]))
+        row = session.get(WalletMerchantKey, uuid.UUID(body["id"]))
         assert key_pem(first.key) not in row.private_key_ct  # sealed at rest
 
     reader = limited(tenant, ["wallet-a:create", "wallet-a:reveal"])
@@ -408,3 +410,61 @@ def test_proxy_expressions_need_proxy_invoke_and_an_existing_wallet_token(tenant
     wrong_wallet = {"n": f'{{{{ wallet-b: {a_id} | json: "$.data.number" }}}}'}
     with pytest.raises(ProxyError):
         _proxy(tenant, wrong_wallet)
+
+
+# ---- the public vector, an injected clock, the cryptogram's retention ---------------------------
+
+VECTOR_SIGNED_AT = dt.datetime(2021, 9, 1, 19, 3, 6, tzinfo=dt.UTC)
+
+
+def test_the_public_vector_decrypts_over_http_with_its_root_and_a_fixed_clock(tenant, wallet_a_vector, monkeypatch):
+    from domain.wallets import service
+
+    settings = service.get_settings()
+    monkeypatch.setattr(service, "get_settings",
+                        lambda: settings.model_copy(update={"wallet_a_root_ca": wallet_a_vector["root_path"]}))
+    monkeypatch.setattr(service, "CLOCK", lambda: VECTOR_SIGNED_AT)
+    added = tenant.client.post("/wallet-a/merchant-certificates", {
+        "certificate": wallet_a_vector["certificate"].decode(), "private_key": wallet_a_vector["private_key"].decode()})
+    assert added.status == 201, added
+    assert added.json["public_key_hash"] == wallet_a_vector["token"]["header"]["publicKeyHash"]
+    token = wallet_a_vector["token"]
+    body = {"apple_payment_data": {"paymentData": token, "transactionIdentifier": token["header"]["transactionId"]}}
+    created = tenant.client.post("/wallet-a", body)
+    assert created.status == 201, created
+    revealed = tenant.client.get(f"/wallet-a/{created.json['wallet_a']['id']}").json
+    assert revealed["data"] == {"number": "5353756319181169", "expiration_month": 9, "expiration_year": 2024}
+    assert revealed["transaction_id"] == token["header"]["transactionId"].lower()
+
+    monkeypatch.setattr(service, "CLOCK", lambda: VECTOR_SIGNED_AT + dt.timedelta(minutes=6))
+    late = tenant.client.post("/wallet-a", body)
+    assert late.status == 422 and late.json["code"] == "signing_time_out_of_window", late
+    monkeypatch.setattr(service, "CLOCK", lambda: VECTOR_SIGNED_AT)
+    tampered = copy.deepcopy(body)
+    tampered["apple_payment_data"]["paymentData"]["data"] = flip(token["data"])
+    assert tenant.client.post("/wallet-a", tampered).json["code"] == "message_digest_mismatch"
+
+
+def test_an_unused_cryptogram_is_gone_after_its_retention(tenant, merchant, limited):
+    created = tenant.client.post("/wallet-a", apple_body(merchant)).json["wallet_a"]
+    with session_scope() as session:
+        row = session.get(WalletToken, uuid.UUID(created["id"]))
+        assert row.cryptogram_ct is not None and CRYPTOGRAM.encode() not in row.cryptogram_ct  # sealed
+        assert row.cryptogram_expires_at > utcnow()
+        row.cryptogram_expires_at = utcnow() - dt.timedelta(seconds=1)
+        session.add(row)
+    revealed = limited(tenant, ["wallet-a:reveal"]).get(f"/wallet-a/{created['id']}")
+    assert revealed.json["authentication"]["threeds_cryptogram"] is None
+    assert revealed.json["data"]["number"] == PAN
+    with session_scope() as session:
+        assert session.get(WalletToken, uuid.UUID(created["id"])).cryptogram_ct is None
+
+
+def test_wallet_operations_are_logged(tenant, merchant):
+    created = tenant.client.post("/wallet-a", apple_body(merchant)).json["wallet_a"]
+    tenant.client.get(f"/wallet-a/{created['id']}")
+    logs = tenant.client.get("/logs").json["data"]
+    rows = [(row["entity_type"], row["operation"]) for row in logs if row["entity_id"] == created["id"]]
+    assert ("wallet-a", "create") in rows and ("wallet-a", "read") in rows
+    types = {t["value"] for t in tenant.client.get("/logs/entity-types").json}
+    assert {"wallet-a", "wallet-b", "wallet-a-merchant-key", "wallet-a-domain"} <= types
