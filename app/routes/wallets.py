@@ -28,7 +28,9 @@ _REFUSALS = (
     "`message_digest_mismatch`, `signing_time_out_of_window`, `merchant_key_not_found`, `decryption_failed`, "
     "`payment_data_invalid` (wallet-a); 422 `intermediate_key_signature_invalid`, `intermediate_key_expired`, "
     "`message_signature_invalid`, `message_expired`, `decryption_failed`, `payment_data_invalid` (wallet-b). "
-    "A token is accepted once: the same transaction again answers 409. "
+    "A stored token is accepted once: the same wallet-a transaction id or wallet-b message id again answers 409 "
+    "(a wallet-b PAN_ONLY token, which stores no wallet token, gives a new token intent until its "
+    "messageExpiration). "
 )
 _CRYPTOGRAM = (
     "Cryptograms are not kept past their use (decided here): the cryptogram is sealed apart from the card and "

@@ -14,8 +14,9 @@ they are documented in the OpenAPI descriptions of ``app/routes/wallets.py`` too
   ``wallet-merchant-key``). Every key whose certificate has not expired is active (rotation); a
   wallet-a token picks one by ``header.publicKeyHash``; a wallet-b token is tried with each.
 * **Tokenize.** Verification and decryption failures raise the library's 4xx problems before
-  anything is written. A transaction is accepted once per tenant and wallet: a replayed token
-  answers 409 (wallet-a ``transaction_id``, wallet-b ``messageId``).
+  anything is written. A stored transaction is accepted once per tenant and wallet: a replayed token
+  answers 409 (wallet-a ``transaction_id``, wallet-b ``messageId``); a wallet-b ``PAN_ONLY`` token
+  stores no wallet token and gives a new token intent until its ``messageExpiration``.
 * **Cryptograms are not kept past their use.** The cryptogram is sealed apart from the card data and
   erased at its first use: the first ``GET /wallet-a/{id}`` with ``wallet-a:reveal`` or the first
   proxy request reading the token (``{{ wallet-a: <id> | ... }}``), whichever comes first; unused,

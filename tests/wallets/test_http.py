@@ -29,6 +29,7 @@ from storage.models_wallets import WalletMerchantKey, WalletToken
 from storage.types import utcnow
 from tests.wallets.conftest import HTTP_CA, HTTP_ISSUER, flip
 from tests.wallets.issuers import (
+    INTERMEDIATE_OID,
     MERCHANT_ID_OID,
     Merchant,
     WalletACA,
@@ -233,10 +234,22 @@ def test_tampered_tokens_are_refused_and_nothing_is_stored(tenant, merchant, tam
     assert stored(tenant.id) == 0
 
 
+def _expired_intermediate_ca() -> WalletACA:
+    """The trusted chain with its intermediate (same key and name) expired yesterday."""
+    now = utcnow()
+    ca = copy.copy(HTTP_CA)
+    ca.intermediate = certificate("Test Application Integration CA", ca.intermediate_key, issuer=HTTP_CA.root,
+                                  issuer_key=HTTP_CA.root_key, ca=True, marker=INTERMEDIATE_OID,
+                                  not_before=now - dt.timedelta(days=30), not_after=now - dt.timedelta(days=1))
+    return ca
+
+
 def test_refusals_name_the_failed_check(tenant, merchant):
     stranger = Merchant()
     cases = [
         (apple_body(stranger), "merchant_key_not_found"),
+        (apple_body(stranger, key_hash_of=merchant), "decryption_failed"),  # sealed for another key
+        (apple_body(merchant, ca=_expired_intermediate_ca()), "certificate_invalid"),
         (apple_body(merchant, ca=WalletACA()), "certificate_invalid"),  # chains to another root
         (apple_body(merchant, signing_time=utcnow() - dt.timedelta(hours=1)), "signing_time_out_of_window"),
         (apple_body(merchant, payment=apple_payment(applicationExpirationDate="2912")), "payment_data_invalid"),
