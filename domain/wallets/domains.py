@@ -46,7 +46,7 @@ from providers.wallet_gateway import (
     wallet_gateway_for,
 )
 from storage.crypto import get_keyring
-from storage.models import Job
+from storage.models import Job, Tenant
 from storage.models_wallets import WalletDomain, WalletSession
 
 MAX_DOMAINS = 99
@@ -119,9 +119,10 @@ def register_domains(session: Session, caller: Caller, values: Sequence[str], *,
     wallet_gateway_for(caller.tenant_type)  # a tenant without a reachable provider learns it first
     wanted = _normalized(values, field)
     environment = environment_of(caller.tenant_type)
+    # one registration at a time per tenant: the limit and the set stay exact under concurrent requests
+    session.exec(select(Tenant.id).where(Tenant.id == caller.tenant_id).with_for_update()).first()
     rows = {row.domain: row for row in session.exec(
-        select(WalletDomain).where(WalletDomain.tenant_id == caller.tenant_id,
-                                   WalletDomain.environment == environment).with_for_update()
+        select(WalletDomain).where(WalletDomain.tenant_id == caller.tenant_id, WalletDomain.environment == environment)
     ).all()}
     if replace:
         for domain, row in list(rows.items()):

@@ -137,3 +137,16 @@ def test_the_gateway_rejection_and_unavailability(tenant, registered):
     assert refused.status == 422, refused
     assert refused.json["detail"].startswith("The wallet provider rejected the request: ")
     assert f"not registered for domain={registered}" in refused.json["detail"]
+
+
+def test_concurrent_registrations_of_one_tenant_all_land(tenant, served):
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [served() for _ in range(4)]
+    twice = served()
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        answers = list(pool.map(lambda d: tenant.client.post("/wallet-a/domain-registration", {"domain": d}),
+                                [*names, twice, twice]))
+    assert [a.status for a in answers] == [200] * 6, answers
+    listed = tenant.client.get("/wallet-a/domain-registration").json["domains"]
+    assert sorted(d["domain"] for d in listed) == sorted([*names, twice])
