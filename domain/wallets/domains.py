@@ -27,6 +27,7 @@ sealed only until the request reads it.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import uuid
@@ -48,12 +49,15 @@ from providers.wallet_gateway import (
 from storage.crypto import get_keyring
 from storage.models import Job, Tenant
 from storage.models_wallets import WalletDomain, WalletSession
+from storage.types import utcnow
 
 MAX_DOMAINS = 99
 REGISTER_TASK = "wallets.register_domain"
 REMOVE_TASK = "wallets.remove_domain"
 SESSION_TASK = "wallets.merchant_session"
 SESSION_PURPOSE = "wallet-session"
+#: A session request row older than this was abandoned by its request (the process died meanwhile).
+STALE_SESSION = dt.timedelta(minutes=10)
 ENTITY = "wallet-a-domain"
 _LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
 
@@ -252,6 +256,11 @@ def start_session(session: Session, caller: Caller, *, display_name: str, domain
     if environment == "production":
         raise Problem(422, "The certificate configuration for the production gateway is missing: this deployment "
                       "holds no merchant identity certificate.", title="Session refused")
+    # requests whose process died before reading their answer leave rows: cleared here, lazily
+    stale = utcnow() - STALE_SESSION
+    for old in session.exec(select(WalletSession).where(WalletSession.tenant_id == caller.tenant_id,
+                                                         WalletSession.created_at < stale)).all():
+        session.delete(old)
     row = WalletSession(tenant_id=caller.tenant_id, validation_url=url, display_name=display_name, domain=name,
                         merchant_registration_id=merchant_registration_id)
     session.add(row)

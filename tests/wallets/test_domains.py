@@ -150,3 +150,17 @@ def test_concurrent_registrations_of_one_tenant_all_land(tenant, served):
     assert [a.status for a in answers] == [200] * 6, answers
     listed = tenant.client.get("/wallet-a/domain-registration").json["domains"]
     assert sorted(d["domain"] for d in listed) == sorted([*names, twice])
+
+
+def test_abandoned_session_requests_are_cleared(tenant, registered):
+    import datetime as dt
+
+    from storage.types import utcnow
+
+    with session_scope() as db:
+        db.add(WalletSession(tenant_id=tenant.id, validation_url=SANDBOX_GATEWAY, display_name="Shop",
+                             domain=registered, session_ct=b"sealed", created_at=utcnow() - dt.timedelta(hours=1)))
+    assert tenant.client.post("/wallet-a/session", {"display_name": "Shop", "domain": registered}).status == 200
+    with session_scope() as db:
+        left = db.exec(select(func.count()).select_from(WalletSession).where(WalletSession.tenant_id == tenant.id))
+        assert left.one() == 0
