@@ -31,6 +31,7 @@ from app.routes import (
     tenants,
     token_intents,
     tokens,
+    wallets,
     webhooks,
 )
 from app.routes import logs as log_routes
@@ -62,6 +63,7 @@ def route_modules() -> list:
         account_updater,
         webhooks,
         log_routes,
+        wallets,
     ]
 
 

@@ -86,6 +86,20 @@ class Settings(BaseSettings):
     # Tokens.
     cvc_retention_seconds: int = 3600
 
+    # Wallet tokens. The wallet-a root replacing the pinned Apple Root CA - G3 (a PEM path, for
+    # sandboxes and tests); how far a wallet-a signing time may be from the clock; the wallet-b root
+    # signing keys (a path to the provider's published key list, JSON); how long an unused cryptogram
+    # is kept (it is erased at its first use in any case).
+    wallet_a_root_ca: str | None = None
+    wallet_a_signing_time_window_seconds: int = 300
+    wallet_b_root_keys: str | None = None
+    wallet_cryptogram_retention_seconds: int = 3600
+    # Where a domain's association file is fetched ({domain} is replaced), the CA bundle trusted for it
+    # (unset: the system's), and how long a request waits for domain and session work.
+    wallet_a_domain_file_url: str = "https://{domain}/.well-known/apple-developer-merchantid-domain-association"
+    wallet_a_domain_ca_certs: str | None = None
+    wallet_wait_seconds: float = 10.0
+
     # Providers: test tenants call the sandbox; production tenants the live URLs below (unset: 422).
     provider_connect_timeout_seconds: float = 5.0
     provider_read_timeout_seconds: float = 45.0

@@ -429,11 +429,13 @@ def _tls_error_message(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Request:
-    """One POST for :func:`deliver_many`: ``url``, JSON ``body`` bytes and extra ``headers``."""
+    """One request for :func:`deliver_many`: ``url``, JSON ``body`` bytes and extra ``headers``;
+    ``method`` POST unless told (a GET sends no body)."""
 
     url: str
     body: bytes
     headers: Mapping[str, str]
+    method: str = "POST"
 
 
 class _VettingResolver(AbstractResolver):
@@ -579,8 +581,9 @@ async def _post(session: aiohttp.ClientSession, request: Request, *, timeout_s: 
         total=TOTAL_TIMEOUT_FACTOR * timeout_s, sock_connect=timeout_s, sock_read=timeout_s
     )
     try:
-        async with session.post(
-            url, data=bytes(request.body), headers=request_headers, allow_redirects=False, timeout=timeout
+        async with session.request(
+            request.method, url, data=bytes(request.body) if request.method != "GET" else None,
+            headers=request_headers, allow_redirects=False, timeout=timeout,
         ) as answer:
             status = answer.status
             retry_after = _parse_retry_after(answer.headers.get("retry-after")) if status in (429, 503) else None

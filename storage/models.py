@@ -328,4 +328,5 @@ from storage import (  # noqa: E402, F401
     models_network_tokens,
     models_proxy,
     models_tenant_admin,
+    models_wallets,
 )

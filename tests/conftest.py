@@ -52,6 +52,8 @@ S3_PORT = free_port()
 #: The sandbox's slow card answers after this long: just past the API's 10 s bounded wait.
 SANDBOX_SLOW_SECONDS = 12.0
 DATA_DIR = Path(tempfile.mkdtemp(prefix="tessera-test-"))
+#: Where the wallet tests serve domains' association files over HTTPS (tests/wallets/conftest.py).
+WALLET_DOMAINS_PORT = free_port()
 
 # The settings are read from the environment when first used: set them before importing the platform.
 os.environ.update(
@@ -72,6 +74,12 @@ os.environ.update(
         "AWS_DEFAULT_REGION": "us-east-1",
         # Short webhook retry delays keep the retry tests quick; the default schedule is tested apart.
         "TESSERA_WEBHOOK_RETRY_SCHEDULE": "1,1,2",
+        # Wallet token roots the wallet tests write at import (tests/wallets/conftest.py): their own CA.
+        "TESSERA_WALLET_A_ROOT_CA": str(DATA_DIR / "wallet-a-root.pem"),
+        "TESSERA_WALLET_B_ROOT_KEYS": str(DATA_DIR / "wallet-b-root-keys.json"),
+        "TESSERA_WALLET_A_DOMAIN_FILE_URL": f"https://127.0.0.1:{WALLET_DOMAINS_PORT}/{{domain}}/.well-known/"
+        "apple-developer-merchantid-domain-association",
+        "TESSERA_WALLET_A_DOMAIN_CA_CERTS": str(DATA_DIR / "wallet-domains-ca.pem"),
     }
 )
 

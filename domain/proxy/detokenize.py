@@ -10,6 +10,8 @@ filters; the head names the value, the filters after it work on that value):
 * ``{{ network_token: <id> | json: "$.data.number" }}``: the network token object with its number
   (DPAN) complete; cryptograms and ECI values are not part of it and are never generated here;
 * ``{{ token_intent: <id> | json: "$.data.number" }}``: the token intent object;
+* ``{{ wallet-a: <id> | json: "$.data.number" }}``, ``{{ wallet-b: <id> | ... }}``: the wallet token
+  resource, complete (spec 001 sections 2 and 9); reading it uses up its cryptogram;
 * ``{{ encrypted | json: "$.data.number" }}`` and ``{{ encrypted | json: "$.<name>.data.<field>" }}``:
   the decrypted ``<prefix>-ENCRYPTED`` payload, single and multiple forms.
 
@@ -51,7 +53,7 @@ from urllib.parse import quote_plus, unquote_plus
 from xml.sax.saxutils import escape as xml_escape
 
 from domain.proxy.errors import ProxyError, invalid_expression, invalid_request, missing_right
-from domain.proxy.values import KINDS, NETWORK_TOKEN, TOKEN, TOKEN_INTENT, Loaded, ValueLoader
+from domain.proxy.values import KINDS, NETWORK_TOKEN, TOKEN, TOKEN_INTENT, WALLET_A, WALLET_B, Loaded, ValueLoader
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import TYPE_CLASSIFICATION, parse_container
 from domain.tokens.expressions import (
@@ -72,7 +74,7 @@ VALUE = "value"
 # Linear scan: no '{' inside an expression (outside quotes), so a run of braces fails at once.
 _EXPRESSION = re.compile(r"""\{\{((?:[^{}"']|"[^"]{0,4096}"|'[^']{0,4096}'|\}(?!\}))*)\}\}""")
 _HEAD = re.compile(
-    r"""\s*(?:(?P<kind>token_intent|network_token|token)\s*:\s*(?P<kid>[^\s|,]+)"""
+    r"""\s*(?:(?P<kind>token_intent|network_token|token|wallet-a|wallet-b)\s*:\s*(?P<kid>[^\s|,]+)"""
     r"""|(?P<enc>encrypted)(?=[\s|,]|\Z)"""
     r"""|(?P<id>[^\s|,]+))(?P<rest>.*)\Z""",
     re.DOTALL,
@@ -297,7 +299,7 @@ def required_permission(loaded: Loaded) -> str | None:
     """The right needed beyond ``proxy:invoke`` to use ``loaded`` (core document section 5):
     ``token:<classification>:use:proxy`` of its containers (the type's default classification
     without containers); None for a network token."""
-    if loaded.kind == NETWORK_TOKEN:
+    if loaded.kind in (NETWORK_TOKEN, WALLET_A, WALLET_B):  # wallets: proxy:invoke only (spec 001 section 9)
         return None
     parsed = [parse_container(c) for c in loaded.containers]
     classifications = [p[0] for p in parsed if p is not None]

@@ -23,13 +23,15 @@ from domain.network_tokens import token_intents
 from domain.network_tokens.ids import parse_uuid
 from domain.tenancy.usage import record_token_activity
 from domain.tokens import service as tokens
+from domain.wallets import service as wallets
 from storage.crypto import get_keyring
 from storage.models import Token
 from storage.models_network_tokens import NetworkToken, TokenIntent
 from storage.types import utcnow
 
 TOKEN, NETWORK_TOKEN, TOKEN_INTENT = "token", "network_token", "token_intent"
-KINDS: tuple[str, ...] = (TOKEN, NETWORK_TOKEN, TOKEN_INTENT)
+WALLET_A, WALLET_B = wallets.WALLET_A, wallets.WALLET_B
+KINDS: tuple[str, ...] = (TOKEN, NETWORK_TOKEN, TOKEN_INTENT, WALLET_A, WALLET_B)
 #: Where a token intent's card would be placed once converted: its rights are those of card tokens.
 INTENT_CONTAINERS = ("/pci/high/",)
 
@@ -102,6 +104,9 @@ class SqlValueLoader:
             return self._network_tokens(tenant_id, ids)
         if kind == TOKEN_INTENT:
             return self._intents(tenant_id, ids)
+        if kind in (WALLET_A, WALLET_B):  # reading a wallet token is its cryptogram's one use
+            found = wallets.load_for_proxy(self.session, tenant_id, kind, ids, now=self.now)
+            return {i: Loaded(kind, i, record["data"], record, ()) for i, record in found.items()}
         raise ValueError(f"unknown kind {kind!r}")
 
     def _decrypt(self, tenant_id: uuid.UUID, purpose: str, resource_id: object, ciphertext: bytes) -> Any:

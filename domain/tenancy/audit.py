@@ -30,6 +30,12 @@ ENTITY_TYPES: dict[str, str] = {
     "tenant_member": "Tenant member",
     "token": "Token",
     "token-intent": "Token intent",
+    "wallet-a": "Wallet token (wallet-a)",
+    "wallet-a-domain": "Wallet domain (wallet-a)",
+    "wallet-a-merchant-key": "Merchant certificate (wallet-a)",
+    "wallet-a-session": "Merchant session (wallet-a)",
+    "wallet-b": "Wallet token (wallet-b)",
+    "wallet-b-merchant-key": "Merchant key (wallet-b)",
     "webhook": "Webhook",
 }
 
