@@ -44,13 +44,13 @@ class RegisterDomain(_WalletJob):
 
 
 class RemoveDomain(_WalletJob):
-    """Tell the provider a domain was removed (job subject: ``<environment>:<domain>``)."""
+    """Tell the provider a domain was removed (job subject: the domain name)."""
 
     name = domains.REMOVE_TASK
 
     def perform(self, job):
         """The provider call (:func:`domain.wallets.domains.perform_removal`)."""
-        return domains.perform_removal(job)
+        return domains.perform_removal(job, session_scope)
 
     def apply(self, session, job, outcome):
         """Nothing to write."""

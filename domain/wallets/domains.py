@@ -110,7 +110,7 @@ def _normalized(values: Sequence[str], field: str) -> list[str]:
 def _forget(session: Session, caller: Caller, row: WalletDomain) -> None:
     session.delete(row)
     jobs.record(session, kind=REMOVE_TASK, tenant_id=caller.tenant_id, subject_type="wallet_domain_removal",
-                subject_id=f"{row.environment}:{row.domain}", trace_id=caller.trace_id)
+                subject_id=row.domain, trace_id=caller.trace_id)
     audit.record(session, caller, entity_type=ENTITY, entity_id=row.domain, operation="delete")
 
 
@@ -222,11 +222,13 @@ def registration_failed(session: Session, job: Job) -> None:
         session.delete(row)
 
 
-def perform_removal(job: Job) -> None:
-    """Tell the provider a domain was removed (subject ``<environment>:<domain>``)."""
-    environment, domain = job.subject_id.split(":", 1)
-    gateway = wallet_gateway_for("test" if environment == "sandbox" else "production")
-    gateway.remove_domain(str(job.tenant_id), domain, idempotency_key=str(job.id))
+def perform_removal(job: Job, session_scope) -> None:
+    """Tell the provider that domain ``job.subject_id`` was removed, in the environment of the job's
+    tenant (a tenant's type never changes, so it is the environment the domain was registered in)."""
+    with session_scope() as session:
+        tenant_type = session.exec(select(Tenant.type).where(Tenant.id == job.tenant_id)).one()
+    gateway = wallet_gateway_for(tenant_type)
+    gateway.remove_domain(str(job.tenant_id), job.subject_id, idempotency_key=str(job.id))
 
 
 # ---- merchant sessions ---------------------------------------------------------------------------
