@@ -26,6 +26,7 @@ from app.routes import (
     applications,
     network_tokens,
     ops,
+    proxy,
     status,
     tenant_admin,
     tenants,
@@ -62,6 +63,7 @@ def route_modules() -> list:
         account_updater,
         webhooks,
         log_routes,
+        proxy,
     ]
 
 
