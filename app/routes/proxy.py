@@ -101,6 +101,13 @@ class ProxyErrorOut(BaseModel):
 _PROXY_ERROR_SCHEMA = {**ProxyErrorOut.model_json_schema(ref_template="#/components/schemas/{model}")}
 _DEFS = _PROXY_ERROR_SCHEMA.pop("$defs", {})
 _PROXY_ERROR_SCHEMA["properties"]["proxy_error"] = _DEFS["ProxyErrorBody"]
+#: A ``proxy_error``, or a plain problem for what the API refuses before the proxy runs (a malformed
+#: trace id, the rate limit).
+_ERROR_SCHEMA = {
+    "anyOf": [_PROXY_ERROR_SCHEMA, {"$ref": "#/components/schemas/Problem"}],
+    "description": "A proxy_error; a plain problem only for what the API refuses before the proxy runs "
+                   "(a malformed trace id, the rate limit).",
+}
 _PROXY_ERROR_STATUSES = {
     "400": "Invalid proxy request or detokenization expression; a destination refused (HTTP, an IP address, a "
            "name resolving to a private address, a name that does not resolve); more than 20 tokens; an unknown "
@@ -114,6 +121,9 @@ _PROXY_ERROR_STATUSES = {
     "502": "The destination could not be reached (connection refused or reset, TLS failure, answer too large).",
     "503": "A code transform's runtime is initializing; retry shortly.",
 }
+
+
+_ANY_BODY = {"type": "string", "format": "binary", "description": "Any body, of any media type."}
 
 
 def _parameter(name: str, where: str, description: str) -> dict:
@@ -138,19 +148,18 @@ def _invoke_openapi(names: ProxyHeaderNames, with_tail: bool) -> dict:
     if with_tail:
         parameters.insert(0, _parameter("tail", "path", "The path appended to the destination (several segments "
                                         "allowed)."))
-    responses: dict[str, Any] = {
-        "default": {
-            "description": f"The destination's answer, status, headers and body unchanged, with "
-                           f"`{names.destination_status}` carrying its status.",
-            "headers": {names.destination_status: {"schema": {"type": "integer"}}},
-            "content": {"*/*": {"schema": {}}},
-        }
+    answer = {
+        "description": f"The destination's answer (any status), headers and body unchanged, with "
+                       f"`{names.destination_status}` carrying its status.",
+        "headers": {names.destination_status: {"schema": {"type": "integer"}}},
+        "content": {"*/*": {"schema": _ANY_BODY}},
     }
+    responses: dict[str, Any] = {"200": answer, "default": answer}
     for status, text in _PROXY_ERROR_STATUSES.items():
         responses[status] = {"description": text, "content": {"application/problem+json": {
-            "schema": _PROXY_ERROR_SCHEMA}}}
+            "schema": _ERROR_SCHEMA}}}
     return {"parameters": parameters, "responses": responses,
-            "requestBody": {"required": False, "content": {"*/*": {"schema": {}}}}}
+            "requestBody": {"required": False, "content": {"*/*": {"schema": _ANY_BODY}}}}
 
 
 _INVOKE_TEXT = (
@@ -301,6 +310,7 @@ def _install_invocation_routes() -> None:
         for method in METHODS:
             api.route(
                 method, path, auth=False, tag=TAG, summary=f"Invoke the proxy ({method})",
+                response=bytes, response_content_type="*/*",
                 description=description, problems=as_proxy_error, documented=documented,
                 openapi_extra=_invoke_openapi(names, path != "/proxy"),
             )(handler)

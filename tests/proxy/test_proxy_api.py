@@ -15,7 +15,8 @@ from config.settings import get_settings
 from storage.db import session_scope
 from storage.models_tenant_admin import TokenActivity
 from tests.conftest import RunningApi, app_with_permissions, free_port, make_tenant, serve_in_thread
-from tests.proxy.upstream import DEST, resolve_names, start_upstream
+from tests.proxy.certificates import DEST, resolve_names
+from tests.proxy.upstream import start_upstream
 
 CARD = {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2030, "cvc": "123"}
 URL, KEY, API_KEY = "TS-PROXY-URL", "TS-PROXY-KEY", "TS-API-KEY"
