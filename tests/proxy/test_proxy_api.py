@@ -328,4 +328,5 @@ def test_openapi_describes_the_proxy(api):
     assert set(document["paths"]["/proxies"]) == {"get", "post"}
     assert set(document["paths"]["/proxies/{id}"]) == {"get", "put", "patch", "delete"}
     error = document["paths"]["/proxy"]["post"]["responses"]["408"]["content"]["application/problem+json"]
-    assert "proxy_error" in error["schema"]["properties"]
+    proxy_error, problem = error["schema"]["anyOf"]
+    assert "proxy_error" in proxy_error["properties"] and problem == {"$ref": "#/components/schemas/Problem"}
