@@ -14,6 +14,7 @@ service itself is a ``{"proxy_error": {...}}`` body.
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Any
 
@@ -366,9 +367,19 @@ _FIELDS_TEXT = (
     "strings, encrypted at rest), `require_auth` (default true; false lets a caller knowing only the key invoke "
     "it), `application` (`{id}`: the application whose permissions apply to callers without an API key). "
     "Deprecated since October 8, 2025 and still accepted: `request_transform` / `response_transform` (one "
-    "transform, stored as a one-item list; not together with the list). Shut down on March 31, 2023: "
+    "transform, stored as a one-item list; not together with the list; the answer carries `Deprecation`). Shut down on March 31, 2023: "
     "`request_reactor_id` / `response_reactor_id` answer 400."
 )
+
+
+#: RFC 9745 ``Deprecation`` of the singular ``request_transform`` / ``response_transform`` (October 8, 2025;
+#: no shutdown announced, so no ``Sunset``), sent when a body uses them.
+SINGULAR_DEPRECATION = {"Deprecation": f"@{int(dt.datetime(2025, 10, 8, tzinfo=dt.UTC).timestamp())}"}
+
+
+def _deprecated_fields(call: Call) -> None:
+    if isinstance(call.payload, dict) and {"request_transform", "response_transform"} & set(call.payload):
+        call.headers.update(SINGULAR_DEPRECATION)
 
 
 class _ProxyBody:
@@ -387,6 +398,7 @@ class _ProxyBody:
            description="Answers the proxy with its `key` (shown only here; send it in the proxy key header or query "
            "parameter to invoke it). " + _FIELDS_TEXT)
 async def create(call: Call):
+    _deprecated_fields(call)
     return await call.db(service.create_proxy, call.caller, call.body)
 
 
@@ -410,6 +422,7 @@ async def get(call: Call):
            tag=MANAGEMENT_TAG, summary="Replace a proxy", errors=(400, 404),
            description="Replaces every field (omitted ones take their defaults); the key stays. " + _FIELDS_TEXT)
 async def update(call: Call):
+    _deprecated_fields(call)
     return await call.db(service.update_proxy, call.caller, call.uuid_param(what="proxy"), call.body)
 
 
@@ -419,6 +432,7 @@ async def update(call: Call):
            "(`configuration` by key), null removes (a removed field takes its default); the result is validated "
            "like a PUT body (400 with per-field errors, nothing changed). " + _FIELDS_TEXT)
 async def patch(call: Call):
+    _deprecated_fields(call)
     return await call.db(service.patch_proxy, call.caller, call.uuid_param(what="proxy"), call.payload)
 
 

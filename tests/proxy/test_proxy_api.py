@@ -104,7 +104,8 @@ def test_ephemeral_proxy_forwards_and_detokenizes(tenant, upstream):
         raw=json.dumps(body).replace(f'"{{{{ {card} | json: \'$.expiration_month\' }}}}"',
                                      f"{{{{ {card} | json: '$.expiration_month' }}}}").encode(),
         headers={URL: upstream.base() + "/base//", "Authorization": "Bearer dest-secret",
-                 "TS-PROXY-KEEP-ALIVE": "timeout=5", "TS-ENCRYPTED": "x", "X-Custom": "1"},
+                 "TS-PROXY-KEEP-ALIVE": "timeout=5", "TS-PROXY-CONNECTION": "keep-alive",
+                 "TS-ENCRYPTED": "x", "X-Custom": "1", "Proxy-Authorization": "Basic x"},
     )
     assert answer.status == 201, answer
     assert answer.headers[STATUS] == "201" and answer.headers["X-Upstream"] == "yes"
@@ -113,7 +114,8 @@ def test_ephemeral_proxy_forwards_and_detokenizes(tenant, upstream):
     assert seen.method == "POST" and seen.path == "/base/charges/%2Fa?amount=10&currency=eur"
     assert seen.json == {"number": CARD["number"], "last4": "4242", "month": 12, "plain": "kept"}
     assert seen.header("Authorization") == "Bearer dest-secret" and seen.header("X-Custom") == "1"
-    assert seen.header("Keep-Alive") == "timeout=5"
+    assert seen.header("Keep-Alive") == "timeout=5" and seen.header("Connection") == "keep-alive"
+    assert seen.header("Proxy-Authorization") is None  # hop-by-hop
     assert not [name for name, _ in seen.headers if name.upper().startswith("TS-")]
     assert tenant.api_key not in json.dumps(seen.headers)
     with session_scope() as session:
@@ -277,8 +279,11 @@ def test_transforms(tenant, upstream):
 
 
 def test_proxies_crud_pagination_and_merge_patch(tenant, limited, upstream):
-    created = _proxy(tenant, upstream, name="alpha one", configuration={"user": "u", "password": "p"},
-                     request_transform={"type": "append_text", "value": "!"})
+    answer = tenant.client.post("/proxies", {"name": "alpha one", "destination_url": upstream.base() + "/v1/",
+                                             "configuration": {"user": "u", "password": "p"},
+                                             "request_transform": {"type": "append_text", "value": "!"}})
+    assert answer.status == 201 and answer.headers["Deprecation"] == "@1759881600", answer
+    created = answer.json
     assert created["key"].startswith("pxk_") and created["request_transforms"] == [
         {"type": "append_text", "value": "!"}]
     assert created["destination_url"] == upstream.base() + "/v1" and created["require_auth"] is True
@@ -295,7 +300,7 @@ def test_proxies_crud_pagination_and_merge_patch(tenant, limited, upstream):
     patched = tenant.client.patch(f"/proxies/{created['id']}", {"configuration": {"password": None, "extra": "e"},
                                                                  "require_auth": False},
                                   content_type="application/merge-patch+json")
-    assert patched.status == 200, patched
+    assert patched.status == 200 and "Deprecation" not in patched.headers, patched
     assert patched.json["configuration"] == {"user": "u", "extra": "e"} and patched.json["require_auth"] is False
     assert patched.json["name"] == "alpha one" and patched.json["request_transforms"] == created["request_transforms"]
     assert tenant.client.patch(f"/proxies/{created['id']}", {"name": "x"}).status == 415
