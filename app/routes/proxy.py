@@ -367,7 +367,8 @@ _FIELDS_TEXT = (
     "strings, encrypted at rest), `require_auth` (default true; false lets a caller knowing only the key invoke "
     "it), `application` (`{id}`: the application whose permissions apply to callers without an API key). "
     "Deprecated since October 8, 2025 and still accepted: `request_transform` / `response_transform` (one "
-    "transform, stored as a one-item list; not together with the list; the answer carries `Deprecation`). Shut down on March 31, 2023: "
+    "transform, stored as a one-item list; not together with the list; the answer carries `Deprecation`). "
+    "Shut down on March 31, 2023: "
     "`request_reactor_id` / `response_reactor_id` answer 400."
 )
 

@@ -335,3 +335,22 @@ def test_openapi_describes_the_proxy(api):
     error = document["paths"]["/proxy"]["post"]["responses"]["408"]["content"]["application/problem+json"]
     proxy_error, problem = error["schema"]["anyOf"]
     assert "proxy_error" in proxy_error["properties"] and problem == {"$ref": "#/components/schemas/Problem"}
+
+
+def test_encrypted_payloads_over_http(tenant, upstream):
+    from tests.proxy.conftest import Vault
+    from tests.proxy.test_detokenize import _encrypted
+
+    vault = Vault(tenant.id, tenant.application_id)
+    single = _encrypted(vault, {"type": "card", "data": CARD})
+    body = {"pan": '{{ encrypted | json: "$.data.number" }}'}
+    answer = tenant.client.post("/proxy", body, headers={URL: upstream.base(), "TS-ENCRYPTED": single})
+    assert answer.status == 201, answer
+    multiple = _encrypted(vault, {"first": {"type": "card", "data": CARD}})
+    body = {"pan": '{{ encrypted | json: "$.first.data.number" | last4 }}'}
+    answer = tenant.client.post("/proxy", body, headers={URL: upstream.base(), "TS-ENCRYPTED": multiple})
+    assert answer.status == 201, answer
+    assert [s.json for s in upstream.received] == [{"pan": CARD["number"]}, {"pan": "4242"}]
+    assert all(s.header("TS-ENCRYPTED") is None for s in upstream.received)
+    error = _proxy_error(tenant.client.post("/proxy", body, headers={URL: upstream.base()}), 400)
+    assert "encrypted" in error["errors"]
