@@ -5,9 +5,13 @@ destination on loopback with a test certificate authority (``tests/proxy/upstrea
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import uuid
+import warnings
 
 import pytest
+from aiohttp import web
 from sqlmodel import select
 
 from app.main import init_app
@@ -354,3 +358,36 @@ def test_encrypted_payloads_over_http(tenant, upstream):
     assert all(s.header("TS-ENCRYPTED") is None for s in upstream.received)
     error = _proxy_error(tenant.client.post("/proxy", body, headers={URL: upstream.base()}), 400)
     assert "encrypted" in error["errors"]
+
+
+def test_destinations_below_tls_1_2_are_refused(tenant, upstream, destination, tmp_path):
+    """A destination speaking at most TLS 1.1 (which an old client reaches) is refused: 502."""
+    cert, key = destination.ca.parent / "server.pem", destination.ca.parent / "server-key.pem"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the old versions are deprecated: that is the point
+        old = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        old.load_cert_chain(cert, key)
+        old.minimum_version, old.maximum_version = ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1
+        old.set_ciphers("DEFAULT:@SECLEVEL=0")
+        seen = []
+
+        async def handler(request):
+            seen.append(request.path)
+            return web.Response(status=201)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        port = free_port()
+        stop = serve_in_thread(lambda: app, port, ssl_context=old)
+        try:
+            client = ssl.create_default_context(cafile=str(destination.ca))
+            client.minimum_version = ssl.TLSVersion.TLSv1
+            client.set_ciphers("DEFAULT:@SECLEVEL=0")
+            with socket.create_connection(("127.0.0.1", port)) as raw, client.wrap_socket(
+                    raw, server_hostname=DEST) as tls:
+                assert tls.version() == "TLSv1.1"
+            # the proxy offers TLS 1.2 at least: the handshake fails (the server resets it) and nothing is sent
+            _proxy_error(tenant.client.get("/proxy", headers={URL: f"https://{DEST}:{port}"}), 502)
+            assert seen == []
+        finally:
+            stop()
