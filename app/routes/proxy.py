@@ -67,7 +67,7 @@ def as_proxy_error(problem: Problem) -> Problem:
     return wrapped
 
 
-def _forward_problem(error: http.ForwardError, names: ProxyHeaderNames, timeout_s: float) -> ProxyError:
+def _forward_problem(error: http.ForwardError, timeout_s: float) -> ProxyError:
     if error.outcome == "timeout":
         detail = f"The destination did not answer within {timeout_s:g} seconds."
         return ProxyError(408, detail, title=DESTINATION_TIMEOUT, errors={"destination": [detail]})
@@ -281,7 +281,7 @@ async def invoke(call: Call) -> web.StreamResponse:
             max_response_bytes=settings.proxy_max_response_bytes,
         )
     except http.ForwardError as error:
-        raise _forward_problem(error, names, timeout_s) from None
+        raise _forward_problem(error, timeout_s) from None
     headers, answer_body = answer.headers, answer.body
     if target is not None and target.response_transforms and 200 <= answer.status < 300:
         answer_type = next((value for name, value in headers if name.lower() == "content-type"), None)
