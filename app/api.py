@@ -321,6 +321,12 @@ async def _pipeline(route: Route, request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def authenticate_request(request: web.Request, settings, trace_id: str) -> Caller:
+    """The caller of the ``<prefix>-API-KEY`` header, for a route declared with ``auth=False`` that
+    authenticates only some of its requests (401 problems as for every route)."""
+    return await _authenticate(request, settings, trace_id)
+
+
 async def _authenticate(request: web.Request, settings, trace_id: str) -> Caller:
     key = request.headers.get(settings.header("API-KEY"))
     if key and not (key.isascii() and key.isprintable()):  # not UTF-8 (surrogate-escaped) or control bytes

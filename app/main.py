@@ -26,6 +26,7 @@ from app.routes import (
     applications,
     network_tokens,
     ops,
+    proxy,
     status,
     tenant_admin,
     tenants,
@@ -64,6 +65,7 @@ def route_modules() -> list:
         webhooks,
         log_routes,
         wallets,
+        proxy,
     ]
 
 

@@ -73,6 +73,12 @@ class Settings(BaseSettings):
 
     # Outbound calls.
     allow_private_destinations: bool = False
+    # The outbound proxy: a PEM file of extra trusted roots (added to the system's) for destinations
+    # with private certificate authorities; the destination's time to answer (spec section 8: 25 s,
+    # then 408); the longest answer passed back, in bytes.
+    proxy_ca_bundle: str | None = None
+    proxy_timeout_seconds: float = 25.0
+    proxy_max_response_bytes: int = 10 * 1024 * 1024
 
     # Rate limits (spec section 8): requests per window per client IP, then blocked.
     rate_limit_enabled: bool = True

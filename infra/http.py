@@ -1,7 +1,8 @@
-"""Safe outbound HTTP for webhook delivery.
+"""Safe outbound HTTP: webhook delivery and the outbound proxy.
 
 The entry points that talk to the network are :func:`deliver_many` (a batch of POSTs sent
-concurrently) and :func:`deliver` (one POST). They share one keep-alive connection pool per process
+concurrently), :func:`deliver` (one POST) and :func:`forward` (one request of any method, awaited from
+another event loop, for the proxy). They share one keep-alive connection pool per process
 (aiohttp on one event loop per process, reused across tasks) with these protections:
 
 * **SSRF**: the pool's resolver resolves a host name here, once per DNS-cache period, with
@@ -43,6 +44,7 @@ from typing import Literal
 from urllib.parse import SplitResult, urlsplit
 
 import aiohttp
+import multidict
 import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 
@@ -51,10 +53,13 @@ __all__ = [
     "TOTAL_TIMEOUT_FACTOR",
     "USER_AGENT",
     "DeliveryResult",
+    "ForwardError",
+    "Forwarded",
     "Outcome",
     "Request",
     "deliver",
     "deliver_many",
+    "forward",
     "is_public_address",
     "validate_destination_url",
 ]
@@ -224,12 +229,12 @@ def is_public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool
 # --------------------------------------------------------------------------
 
 
-def _split_url(url: str) -> tuple[SplitResult | None, str | None]:
+def _split_url(url: str, max_length: int = MAX_URL_LENGTH) -> tuple[SplitResult | None, str | None]:
     """Parse and form-check ``url``; return ``(parts, None)`` or ``(None, error)``."""
     if not isinstance(url, str) or not url:
         return None, "URL is empty"
-    if len(url) > MAX_URL_LENGTH:
-        return None, f"URL is longer than {MAX_URL_LENGTH} characters"
+    if len(url) > max_length:
+        return None, f"URL is longer than {max_length} characters"
     if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
         return None, "URL contains whitespace or control characters"
     if "\\" in url:
@@ -494,12 +499,17 @@ class _Pool:
                 self._loop, self._pid, self._sessions = loop, os.getpid(), {}
             return self._loop
 
-    def session(self, *, allow_private: bool, ca_certs: str | None, timeout_s: float, per_host: int):
-        """The pooled session for these options (call on the pool's loop)."""
-        key = (allow_private, ca_certs, timeout_s, per_host)
+    def session(self, *, allow_private: bool, ca_certs: str | None, timeout_s: float, per_host: int,
+                extra_ca: str | None = None):
+        """The pooled session for these options (call on the pool's loop). ``ca_certs`` replaces the
+        system's trusted roots; ``extra_ca`` (a PEM path) adds roots to them. TLS 1.2 at least."""
+        key = (allow_private, ca_certs, extra_ca, timeout_s, per_host)
         session = self._sessions.get(key)
         if session is None or session.closed:
             ssl_context = ssl.create_default_context(cafile=ca_certs)
+            if extra_ca:
+                ssl_context.load_verify_locations(cafile=extra_ca)
+            ssl_context.minimum_version = ssl.TLSVersion.TLSv1_2
             connector = aiohttp.TCPConnector(
                 resolver=_VettingResolver(allow_private=allow_private, timeout_s=timeout_s),
                 limit=0,
@@ -594,29 +604,36 @@ async def _post(session: aiohttp.ClientSession, request: Request, *, timeout_s: 
                 body = b""
             if not answer.content.at_eof():
                 answer.close()  # not read to the end: the connection is not reused
-    except _Refused as exc:
-        return result("refused", str(exc), False)
-    except _DnsTimeout:
-        return result("timeout", "DNS resolution timed out", True)
-    except aiohttp.ClientConnectorDNSError:
-        return result("connection_error", "DNS resolution failed", True)
-    except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError, ssl.SSLError) as exc:
-        return result("connection_error", _tls_error_message(exc), True)
-    except aiohttp.ConnectionTimeoutError:
-        return result("timeout", f"connect timed out after {timeout_s:g}s", True)
-    except TimeoutError:
-        return result("timeout", "timed out waiting for the response", True)
-    except aiohttp.ClientConnectorError as exc:
-        return result("connection_error", _connect_error_message(exc), True)
-    except aiohttp.ServerDisconnectedError:
-        return result("connection_error", "connection closed before a response was received", True)
-    except (aiohttp.ClientResponseError, aiohttp.ClientPayloadError, ValueError):
-        return result("connection_error", "malformed response", True)
-    except (aiohttp.ClientError, OSError) as exc:
-        text = str(exc).lower()
-        return result("connection_error", "connection reset by peer" if "reset" in text else "connection failed", True)
+    except (_Refused, _DnsTimeout, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        outcome, error = _failure(exc, timeout_s)
+        return result(outcome, error, outcome != "refused")
     outcome, transient, err = _classify_status(status)
     return result(outcome, err, transient, status, retry_after, body[:max_response_bytes])
+
+
+def _failure(exc: BaseException, timeout_s: float) -> tuple[Outcome, str]:
+    """``(outcome, safe message)`` for an exception raised while sending a request and reading its
+    answer: ``refused`` (the SSRF guard), ``timeout`` or ``connection_error``."""
+    if isinstance(exc, _Refused):
+        return "refused", str(exc)
+    if isinstance(exc, _DnsTimeout):
+        return "timeout", "DNS resolution timed out"
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return "connection_error", "DNS resolution failed"
+    if isinstance(exc, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError, ssl.SSLError)):
+        return "connection_error", _tls_error_message(exc)
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "timeout", f"connect timed out after {timeout_s:g}s"
+    if isinstance(exc, TimeoutError):
+        return "timeout", "timed out waiting for the response"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connection_error", _connect_error_message(exc)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "connection_error", "connection closed before a response was received"
+    if isinstance(exc, (aiohttp.ClientResponseError, aiohttp.ClientPayloadError, ValueError)):
+        return "connection_error", "malformed response"
+    text = str(exc).lower()
+    return "connection_error", "connection reset by peer" if "reset" in text else "connection failed"
 
 
 def _is_ip_literal(host: str) -> bool:
@@ -737,3 +754,113 @@ def deliver(
         ca_certs=ca_certs,
     )
     return result
+
+
+# --------------------------------------------------------------------------
+# Forwarding (the outbound proxy)
+# --------------------------------------------------------------------------
+
+#: Hop-by-hop answer headers (RFC 9110 section 7.6.1) and framing the api recomputes: not passed back.
+_HOP_BY_HOP_ANSWER = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer", "transfer-encoding",
+     "upgrade", "content-length"}
+)
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """A destination's answer to :func:`forward`: ``status``, ``headers`` (``(name, value)`` pairs in
+    the order received, hop-by-hop and framing headers left out), ``body`` (as sent: never
+    decompressed) and ``duration_ms``."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    duration_ms: int
+
+
+class ForwardError(Exception):
+    """:func:`forward` received no usable answer. ``outcome`` is ``refused`` (the URL or its resolved
+    addresses are not allowed), ``timeout`` (no complete answer within the time limit),
+    ``too_large`` (the answer is longer than allowed) or ``connection_error``; ``message`` is safe to
+    show (never the request's headers, body, path or query)."""
+
+    def __init__(self, outcome: str, message: str):
+        super().__init__(message)
+        self.outcome = outcome
+        self.message = message
+
+
+async def _send(session: aiohttp.ClientSession, method: str, url: str, headers: list[tuple[str, str]],
+                body: bytes | None, *, timeout_s: float, allow_private: bool, max_response_bytes: int) -> Forwarded:
+    started = time.monotonic()
+    parts, error = _split_url(url, max_length=MAX_URL_LENGTH + 8192)
+    if parts is None:
+        raise ForwardError("refused", error or "URL is not valid")
+    assert parts.hostname is not None
+    hostname = _idna_host(parts.hostname)
+    port = parts.port if parts.port is not None else _ALLOWED_SCHEMES[parts.scheme.lower()]
+    netloc = f"[{hostname}]" if ":" in hostname else hostname
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    try:
+        if _is_ip_literal(hostname):  # aiohttp does not ask the resolver about an IP literal
+            _vet([hostname], allow_private)
+        async with session.request(
+            method,
+            yarl.URL(f"{parts.scheme.lower()}://{netloc}:{port}{target}", encoded=True),
+            data=body if body else None,
+            headers=multidict.CIMultiDict(headers),
+            allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as answer:
+            content = await answer.content.read(max_response_bytes + 1)
+            if len(content) > max_response_bytes:
+                answer.close()
+                raise ForwardError("too_large", f"the answer is longer than {max_response_bytes} bytes")
+            kept = [
+                (name.decode("latin-1"), value.decode("latin-1"))
+                for name, value in answer.raw_headers
+                if name.decode("latin-1").lower() not in _HOP_BY_HOP_ANSWER
+            ]
+            return Forwarded(answer.status, kept, content, max(0, round((time.monotonic() - started) * 1000)))
+    except ForwardError:
+        raise
+    except (_Refused, _DnsTimeout, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        outcome, message = _failure(exc, timeout_s)
+        raise ForwardError(outcome, message) from None
+
+
+async def forward(
+    method: str,
+    url: str,
+    headers: list[tuple[str, str]],
+    body: bytes | None,
+    *,
+    timeout_s: float,
+    allow_private: bool,
+    extra_ca: str | None = None,
+    per_host: int = 64,
+    max_response_bytes: int = 10 * 1024 * 1024,
+) -> Forwarded:
+    """Send one request and return the destination's answer, awaited from any event loop.
+
+    The request runs on the process's pooled ``ClientSession`` (its own loop; a keep-alive pool of at
+    most ``per_host`` connections per destination host) with the same SSRF guard as :func:`deliver`
+    (resolved addresses vetted unless ``allow_private``), TLS 1.2 or higher with the system's roots
+    plus ``extra_ca`` (a PEM path), redirects never followed, no header added but ``Host`` and the
+    body's framing, the answer never decompressed. ``headers`` are sent as given (repeated names
+    kept); ``timeout_s`` bounds the whole exchange, answer body included.
+
+    Raises :class:`ForwardError` (``refused``, ``timeout``, ``too_large``, ``connection_error``);
+    cancelling the awaiting task cancels the request.
+    """
+    if not timeout_s > 0:
+        raise ValueError("timeout_s must be > 0")
+
+    async def run() -> Forwarded:
+        session = _POOL.session(allow_private=allow_private, ca_certs=None, timeout_s=timeout_s, per_host=per_host,
+                                extra_ca=extra_ca)
+        return await _send(session, method, url, headers, body, timeout_s=timeout_s, allow_private=allow_private,
+                           max_response_bytes=max_response_bytes)
+
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), _POOL.loop()))

@@ -187,8 +187,9 @@ class RunningApi:
         return ApiClient(self.base_url, api_key, self.prefix)
 
 
-def serve_in_thread(app_factory, port: int):
-    """Serve an aiohttp application on 127.0.0.1:port in a daemon thread; returns a stop function."""
+def serve_in_thread(app_factory, port: int, *, ssl_context=None):
+    """Serve an aiohttp application on 127.0.0.1:port (HTTPS with ``ssl_context``) in a daemon thread;
+    returns a stop function."""
     from aiohttp import web
 
     loop = asyncio.new_event_loop()
@@ -198,7 +199,7 @@ def serve_in_thread(app_factory, port: int):
     async def start():
         runner = web.AppRunner(app_factory(), shutdown_timeout=2, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await web.TCPSite(runner, "127.0.0.1", port, ssl_context=ssl_context).start()
         holder["runner"] = runner
         started.set()
 

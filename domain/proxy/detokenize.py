@@ -15,7 +15,8 @@ filters; the head names the value, the filters after it work on that value):
 * ``{{ encrypted | json: "$.data.number" }}`` and ``{{ encrypted | json: "$.<name>.data.<field>" }}``:
   the decrypted ``<prefix>-ENCRYPTED`` payload, single and multiple forms.
 
-A comma where a filter's pipe belongs is read as the pipe (``{{ id, json: "$.number", last4 }}``).
+A comma where a filter's pipe belongs is read as the pipe (``{{ id, json: "$.number", last4 }}``), by
+the expression engine's one rule for it.
 A bare head is always a token id (aliases included); the words ``token``, ``network_token``,
 ``token_intent`` followed by ``:`` and the word ``encrypted`` are reserved.
 
@@ -58,7 +59,6 @@ from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import TYPE_CLASSIFICATION, parse_container
 from domain.tokens.expressions import (
     ExpressionError,
-    environment,
     evaluate,
     stringify_filter,
     validate_expression,
@@ -81,7 +81,6 @@ _HEAD = re.compile(
 )
 _JSON_QUOTE = re.compile(r'\\.|"', re.DOTALL)  # an escape pair (skipped) or a quote
 _TOKEN_ID = re.compile(r"[A-Za-z0-9\-_.:]{1,400}")
-_FILTER_NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?=[:|,]|\Z)")
 
 
 @dataclass(frozen=True)
@@ -100,28 +99,6 @@ class Expression:
     ref: Ref | None
     bare: bool
     source: str
-
-
-def _pipes(rest: str) -> str:
-    """``rest`` (what follows the head) with every comma standing where a pipe belongs read as one."""
-    out: list[str] = []
-    i, quote = 0, None
-    while i < len(rest):
-        ch = rest[i]
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "\"'":
-            quote = ch
-        elif ch == ",":
-            following = _FILTER_NAME.match(rest, i + 1)
-            previous = "".join(out).rstrip()
-            if not previous or previous.endswith("|") or (
-                following is not None and following.group(1) in environment.filters
-            ):
-                ch = "|"
-        out.append(ch)
-        i += 1
-    return "".join(out)
 
 
 def parse_expression(inner: str, *, where: str) -> Expression:
@@ -146,8 +123,8 @@ def parse_expression(inner: str, *, where: str) -> Expression:
                 uuid.UUID(ref.id)
             except ValueError:
                 raise invalid_expression(f"A {ref.kind} id must be a UUID.", where=where) from None
-    rest = _pipes(rest[1:]).strip() if rest else ""
-    source = "{{ " + VALUE + (" | " + rest if rest else "") + " }}"
+    # a comma standing for a pipe (after the value or among filters) is read by the expression engine
+    source = "{{ " + VALUE + (" " + rest if rest else "") + " }}"
     try:
         validate_expression(source)
     except ExpressionError as err:

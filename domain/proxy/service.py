@@ -13,21 +13,26 @@ import datetime as dt
 import json
 import secrets
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import func, or_
 from sqlmodel import Session, select
 
+from domain.proxy.detokenize import Detokenized, detokenize
 from domain.proxy.models import ProxyRequest, validation_errors
-from domain.proxy.transforms import dump_transforms
+from domain.proxy.transforms import dump_transforms, load_transforms
+from domain.proxy.values import SqlValueLoader
 from domain.tenancy import audit
 from domain.tenancy.auth import key_digest
 from domain.tenancy.caller import Caller
+from domain.tenancy.permissions import effective_permissions
 from domain.tokens.service import merge_patch
 from infra.errors import not_found, validation_problem
 from storage.crypto import get_keyring
-from storage.models import Application
+from storage.db import Rows, stage_rows
+from storage.models import Application, Tenant
 from storage.models_proxy import Proxy
 from storage.types import utcnow
 
@@ -203,6 +208,74 @@ def delete_proxy(session: Session, caller: Caller, proxy_id: object) -> None:
     proxy = _get(session, caller, proxy_id, lock=True)
     session.delete(proxy)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="delete")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A pre-configured proxy as an invocation needs it (Proxy rule 3): ``proxy_id``, ``tenant_id``,
+    ``destination_url``, ``require_auth``, the transforms as models, and ``anonymous``: the caller
+    acting when no API key is sent to a proxy that does not require one (the permissions of the
+    proxy's ``application``; none without one)."""
+
+    proxy_id: uuid.UUID
+    tenant_id: uuid.UUID
+    destination_url: str
+    require_auth: bool
+    request_transforms: list
+    response_transforms: list
+    anonymous: Caller | None
+
+
+def invocation_target(session: Session, key: str, *, trace_id: str | None = None) -> Target | None:
+    """The proxy whose key is ``key`` ready to be invoked, or None when no proxy of a live tenant has
+    it. ``anonymous`` is set only when the proxy does not require authentication."""
+    proxy = find_by_key(session, key)
+    if proxy is None:
+        return None
+    tenant = session.get(Tenant, proxy.tenant_id)
+    if tenant is None or tenant.deleted_at is not None:
+        return None
+    anonymous = None
+    if not proxy.require_auth:
+        application = session.get(Application, proxy.application_id) if proxy.application_id else None
+        if application is not None and application.tenant_id != tenant.id:
+            application = None
+        anonymous = Caller(
+            tenant_id=tenant.id,
+            tenant_type=tenant.type,
+            application_id=application.id if application else None,
+            application_type=application.type if application else None,
+            permissions=effective_permissions(application.permissions) if application else frozenset(),
+            tenant_settings=dict(tenant.settings or {}),
+            trace_id=trace_id,
+            actor_type="application" if application else "anonymous",
+        )
+    return Target(proxy.id, proxy.tenant_id, proxy.destination_url, proxy.require_auth,
+                  load_transforms(proxy.request_transforms or []), load_transforms(proxy.response_transforms or []),
+                  anonymous)
+
+
+EPHEMERAL = "ephemeral"
+"""The log's ``entity_id`` of an ephemeral proxy invocation (a pre-configured one logs its id)."""
+
+
+def prepare_invocation(session: Session, caller: Caller, proxy_id: uuid.UUID | None, *,
+                       headers: list[tuple[str, str]], body: bytes | None, content_type: str | None,
+                       encrypted_header: str | None) -> Detokenized:
+    r"""Detokenize an outgoing request and log the invocation, in one unit of work.
+
+    Returns :func:`~domain.proxy.detokenize.detokenize`'s result and raises its ``ProxyError``\ s
+    (nothing is written then). Writes, in one statement (:func:`storage.db.stage_rows`, shared with
+    the units of work of its group), the log row (entity type ``proxy``, ``entity_id`` the proxy's
+    id or :data:`EPHEMERAL`, operation ``invoke``; never the body) and the usage of the detokenized
+    tokens (counted as used this month).
+    """
+    rows = Rows()
+    detokenized = detokenize(caller, SqlValueLoader(session, rows=rows), headers=headers, body=body,
+                             content_type=content_type, encrypted_header=encrypted_header)
+    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=proxy_id or EPHEMERAL, operation="invoke")
+    stage_rows(session, rows)
+    return detokenized
 
 
 def find_by_key(session: Session, key: str) -> Proxy | None:

@@ -26,9 +26,10 @@ only when its status is 2xx. Transforms run in the order given. Tokenizing calls
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Annotated, Any, Literal, Protocol
@@ -185,9 +186,10 @@ def dump_transforms(transforms: Sequence[Any]) -> list[dict]:
 class Tokenizer(Protocol):
     """Makes tokens for the ``tokenize`` transform."""
 
-    def tokenize(self, requests: list[dict]) -> list[str]:
+    def tokenize(self, requests: list[dict]) -> list[str] | Awaitable[list[str]]:
         """Create one token per token request object (``{type, data, ...}``) and return their ids,
-        in order. Raises a problem (403 without ``token:<c>:create``, 400 for invalid data)."""
+        in order (or an awaitable of them, for a tokenizer that works off the event loop). Raises a
+        problem (403 without ``token:<c>:create``, 400 for invalid data)."""
         ...
 
 
@@ -216,6 +218,11 @@ class Message:
     headers: list[tuple[str, str]]
     body: bytes | None
     content_type: str | None = None
+
+
+CodeRunner = Callable[[CodeTransform, Message, str], Awaitable[Message]]
+"""Runs a code transform: ``await runner(transform, message, side)`` with ``side`` ``"request"`` or
+``"response"``; returns the transformed message, raises a ``ProxyError`` when the code fails."""
 
 
 @lru_cache(maxsize=256)
@@ -292,12 +299,14 @@ def _matches(document: Any, path: str) -> list[tuple[tuple, Any]]:
     return [(tuple(m.parts), m.obj) for m in _compiled(path).finditer(document)]
 
 
-def _tokenize(transform: TokenizeTransform, message: Message, tokenizer: Tokenizer, where: str) -> Message:
+async def _tokenize(transform: TokenizeTransform, message: Message, tokenizer: Tokenizer, where: str) -> Message:
     document = _json_body(message, where)
     found = _matches(document, transform.location)
     if not found:
         return message
     ids = tokenizer.tokenize([{**copy.deepcopy(transform.token), "data": value} for _, value in found])
+    if inspect.isawaitable(ids):
+        ids = await ids
     for (parts, _), token_id in zip(found, ids, strict=True):
         document = _set(document, parts, token_id)
     return Message(message.headers, _encode(document), message.content_type)
@@ -343,14 +352,18 @@ def _append_json(transform: AppendJsonTransform, message: Message, where: str) -
     return Message(message.headers, _encode(document), message.content_type)
 
 
-def _apply(transforms: Sequence[Any], message: Message, tokenizer: Tokenizer, side: str) -> Message:
+async def _apply(transforms: Sequence[Any], message: Message, tokenizer: Tokenizer, side: str,
+                 code_runner: CodeRunner | None) -> Message:
     for index, transform in enumerate(transforms):
         where = f"{side}_transforms[{index}]"
         if isinstance(transform, CodeTransform):
-            raise ProxyError(503, "The code transform's runtime is not available yet; retry shortly.",
-                             title=TRANSFORM_INITIALIZING, errors={where: ["runtime initializing"]})
-        if isinstance(transform, TokenizeTransform):
-            message = _tokenize(transform, message, tokenizer, where)
+            if code_runner is None:
+                raise ProxyError(503, "The code transform's runtime is not available yet; retry shortly.",
+                                 title=TRANSFORM_INITIALIZING,
+                                 errors={where: ["runtime initializing"]})
+            message = await code_runner(transform, message, side)
+        elif isinstance(transform, TokenizeTransform):
+            message = await _tokenize(transform, message, tokenizer, where)
         elif isinstance(transform, MaskTransform):
             message = _mask(transform, message, where)
         elif isinstance(transform, AppendJsonTransform):
@@ -364,22 +377,26 @@ def _apply(transforms: Sequence[Any], message: Message, tokenizer: Tokenizer, si
     return message
 
 
-def apply_request_transforms(transforms: Sequence[Any], message: Message, tokenizer: Tokenizer) -> Message:
+async def apply_request_transforms(transforms: Sequence[Any], message: Message, tokenizer: Tokenizer, *,
+                                   code_runner: CodeRunner | None = None) -> Message:
     """Apply ``transforms`` (models from :func:`load_transforms`) to an outgoing request, in order.
 
-    Returns the new :class:`Message` (the input is unchanged). Raises
-    :class:`~domain.proxy.errors.ProxyError`: 503 ``Proxy request transform is initializing`` for a
-    code transform; 400 ``Proxy transform failed`` when a transform does not fit the body (not JSON,
-    not text, no place for a member); what the tokenizer raises for tokens it cannot make.
+    Returns the new :class:`Message` (the input is unchanged). A code transform is run by
+    ``code_runner(transform, message, "request")``; without one it raises a 503 ``Proxy request
+    transform is initializing``. Raises :class:`~domain.proxy.errors.ProxyError`: 400 ``Proxy
+    transform failed`` when a transform does not fit the body (not JSON, not text, no place for a
+    member); what the tokenizer or the code runner raise.
     """
-    return _apply(transforms, message, tokenizer, "request")
+    return await _apply(transforms, message, tokenizer, "request", code_runner)
 
 
-def apply_response_transforms(
-    transforms: Sequence[Any], status: int, message: Message, tokenizer: Tokenizer
+async def apply_response_transforms(
+    transforms: Sequence[Any], status: int, message: Message, tokenizer: Tokenizer, *,
+    code_runner: CodeRunner | None = None,
 ) -> Message:
     """Apply response ``transforms`` to the destination's answer when ``status`` is 2xx; any other
-    answer is returned unchanged. Same errors as :func:`apply_request_transforms`."""
+    answer is returned unchanged. Same errors as :func:`apply_request_transforms` (the 503's title
+    says ``response``); a code transform runs as ``code_runner(transform, message, "response")``."""
     if not 200 <= status < 300:
         return message
-    return _apply(transforms, message, tokenizer, "response")
+    return await _apply(transforms, message, tokenizer, "response", code_runner)

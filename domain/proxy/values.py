@@ -21,10 +21,11 @@ from domain.client_keys.service import decrypt_encrypted_header
 from domain.network_tokens import service as network_tokens
 from domain.network_tokens import token_intents
 from domain.network_tokens.ids import parse_uuid
-from domain.tenancy.usage import record_token_activity
+from domain.tenancy.usage import record_token_activity, stage_token_activity
 from domain.tokens import service as tokens
 from domain.wallets import service as wallets
 from storage.crypto import get_keyring
+from storage.db import Rows
 from storage.models import Token
 from storage.models_network_tokens import NetworkToken, TokenIntent
 from storage.types import utcnow
@@ -87,12 +88,15 @@ def plain(view: dict) -> dict:
 class SqlValueLoader:
     """:class:`ValueLoader` on the database, in the caller's session (one query per kind).
 
-    Detokenized tokens are counted as used this month (``token_activity``, the usage report).
+    Detokenized tokens are counted as used this month (``token_activity``, the usage report): written
+    at once, or queued in ``rows`` when given (for the caller to insert with its other rows in one
+    statement, :func:`storage.db.stage_rows`).
     """
 
-    def __init__(self, session: Session, *, now: dt.datetime | None = None):
+    def __init__(self, session: Session, *, now: dt.datetime | None = None, rows: Rows | None = None):
         self.session = session
         self.now = now or utcnow()
+        self.rows = rows
 
     def load(self, tenant_id: uuid.UUID, kind: str, ids: Sequence[str]) -> dict[str, Loaded]:
         """See :meth:`ValueLoader.load`."""
@@ -128,7 +132,10 @@ class SqlValueLoader:
             record = plain(tokens.token_view(row, data, None, access=tokens.FULL))  # type: ignore[arg-type]
             record["data"] = data
             found[row.id] = Loaded(TOKEN, row.id, data, record, tuple(row.containers or ()))
-        record_token_activity(self.session, tenant_id, list(found), now=self.now)
+        if self.rows is not None:
+            stage_token_activity(self.rows, tenant_id, list(found), now=self.now)
+        else:
+            record_token_activity(self.session, tenant_id, list(found), now=self.now)
         return found
 
     def _network_tokens(self, tenant_id: uuid.UUID, ids: Sequence[str]) -> dict[str, Loaded]:

@@ -25,6 +25,7 @@ ENTITY_TYPES: dict[str, str] = {
     "document": "Document",
     "network-token": "Network token",
     "payment_method": "Payment method",
+    "proxy": "Proxy",
     "tenant": "Tenant",
     "tenant_invitation": "Tenant invitation",
     "tenant_member": "Tenant member",
@@ -45,6 +46,7 @@ _PAST = {
     "update": "updated",
     "delete": "deleted",
     "cryptogram": "cryptogram generated",
+    "invoke": "invoked",
 }
 
 

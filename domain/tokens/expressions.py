@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import jsonpath
 from liquid import Environment, RenderContext
 from liquid.builtin.expressions import FilteredExpression, Path
+from liquid.builtin.expressions.arguments import KeywordArgument, PositionalArgument
 from liquid.builtin.output import OutputNode
 from liquid.exceptions import (
     FilterArgumentError,
@@ -610,13 +611,44 @@ def _comma_as_pipe(source: str, err: LiquidError) -> str | None:
     return source[:index] + "|" + source[index + 1:]
 
 
+def _argument_comma(source: str, template: Any) -> int | None:
+    """The index of a comma Liquid read as separating a filter's arguments although a known filter's
+    name follows it (``{{ value | json: "$.a", last4 }}``: ``last4`` is no variable but the next
+    filter), in an output statement; None when there is none."""
+    for node in template.nodes:
+        if not isinstance(node, OutputNode) or type(node.expression) is not FilteredExpression:
+            continue
+        for applied in node.expression.filters:
+            for argument in applied.args:
+                if isinstance(argument, KeywordArgument):
+                    name, token = argument.name, argument.token
+                elif isinstance(argument, PositionalArgument) and type(argument.value) is Path:
+                    segments = argument.value.path
+                    name = segments[0] if len(segments) == 1 and isinstance(segments[0], str) else None
+                    token = argument.value.token
+                else:
+                    continue
+                index = getattr(token, "start_index", None)
+                if name not in environment.filters or not isinstance(index, int):
+                    continue
+                before = source[:index].rstrip()
+                if before.endswith(","):
+                    return len(before) - 1
+    return None
+
+
 def _parse(source: str) -> Any:
     """Parse ``source``, reading each stray comma before a filter name as a pipe (liberal in what an
-    expression may say; the same length, so positions in later errors stay those of ``source``)."""
+    expression may say; the same length, so positions in later errors stay those of ``source``).
+
+    Two places are read so: a comma where Liquid wanted the end of an output (after a value:
+    ``{{ data.number, last4 }}``), and a comma among a filter's arguments followed by a known filter's
+    name (``{{ data.number | slice: 0, 4, last4 }}``, where the name would otherwise be read as an
+    undefined variable). The proxy's expressions (``domain.proxy.detokenize``) use this too."""
     repaired: dict[int, LiquidError] = {}  # index of a comma read as a pipe -> the error it made
     while True:
         try:
-            return environment.from_string(source)
+            template = environment.from_string(source)
         except LiquidError as err:
             index = getattr(getattr(err, "token", None), "start_index", None)
             if index in repaired:  # the pipe is wrong there too (a tag, not an output): the comma's error
@@ -626,6 +658,12 @@ def _parse(source: str) -> Any:
                 raise
             repaired[index] = err
             source = attempt
+            continue
+        index = _argument_comma(source, template)
+        if index is None or index in repaired:
+            return template
+        repaired[index] = LiquidError("unexpected comma", token=None)
+        source = source[:index] + "|" + source[index + 1:]
 
 
 @lru_cache(maxsize=TEMPLATE_CACHE_SIZE)

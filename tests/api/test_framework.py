@@ -418,7 +418,11 @@ def test_openapi_problem_responses(api):
 # ---- one way to declare an endpoint -----------------------------------------------------------------
 
 #: Handlers that read their request themselves, and why.
-_READS_ITS_OWN_BODY = {"create_document": "a multipart upload streamed part by part into S3"}
+_READS_ITS_OWN_BODY = {
+    "create_document": "a multipart upload streamed part by part into S3",
+    "invoke": "the proxy forwards any body, of any media type, with its expressions rendered",
+    "invoke_path": "the proxy forwards any body, of any media type, with its expressions rendered",
+}
 
 
 def test_every_route_declares_its_request_and_response_models():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -37,6 +38,14 @@ class Recorder:
         return [f"tok_{len(self.requests) - len(requests) + i}" for i in range(len(requests))]
 
 
+def run_request(*args, **kwargs) -> Message:
+    return asyncio.run(apply_request_transforms(*args, **kwargs))
+
+
+def run_response(*args, **kwargs) -> Message:
+    return asyncio.run(apply_response_transforms(*args, **kwargs))
+
+
 def _message(body, headers=()) -> Message:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return Message(list(headers), raw, "application/json")
@@ -50,7 +59,7 @@ def test_transforms_run_in_order():
         {"type": "append_header", "location": "X-Extra", "value": "1"},
     ])
     recorder = Recorder()
-    out = apply_request_transforms(transforms, _message(BODY, [("Accept", "*/*")]), recorder)
+    out = run_request(transforms, _message(BODY, [("Accept", "*/*")]), recorder)
     assert json.loads(out.body) == {"card": "tok_0", "items": [{"number": "*"}, {"number": "*"}],
                                     "meta": {"source": {"v": 1}}}
     assert recorder.requests == [{"type": "card", "metadata": {"from": "proxy"}, "data": BODY["card"]}]
@@ -63,7 +72,7 @@ def test_mask_by_regex_and_append_text():
         {"type": "mask", "matcher": "regex", "expression": "secret"},
         {"type": "append_text", "value": "&end=1"},
     ])
-    out = apply_request_transforms(transforms, Message([], b"cvc=123&pan=4242424242424242&secret", None), Recorder())
+    out = run_request(transforms, Message([], b"cvc=123&pan=4242424242424242&secret", None), Recorder())
     assert out.body == b"cvc=###&pan=424242######4242&******&end=1"
 
 
@@ -71,10 +80,10 @@ def test_response_transforms_only_on_success():
     transforms = load_transforms([{"type": "tokenize", "location": "$.card.number", "token": {"type": "token"}}])
     message = _message(BODY)
     recorder = Recorder()
-    assert apply_response_transforms(transforms, 402, message, recorder) is message
-    assert apply_response_transforms(transforms, 302, message, recorder) is message
+    assert run_response(transforms, 402, message, recorder) is message
+    assert run_response(transforms, 302, message, recorder) is message
     assert recorder.requests == []
-    out = apply_response_transforms(transforms, 201, message, recorder)
+    out = run_response(transforms, 201, message, recorder)
     assert json.loads(out.body)["card"] == {"number": "tok_0", "cvc": "123"}
 
 
@@ -82,9 +91,31 @@ def test_code_transforms_are_stored_but_wait_for_their_runtime():
     transforms = load_transforms([{"type": "code", "code": "module.exports = async (req) => req;"}])
     assert dump_transforms(transforms) == [{"type": "code", "code": "module.exports = async (req) => req;"}]
     with pytest.raises(ProxyError) as caught:
-        apply_request_transforms(transforms, _message(BODY), Recorder())
+        run_request(transforms, _message(BODY), Recorder())
     assert caught.value.status == 503
     assert caught.value.body()["proxy_error"]["title"] == TRANSFORM_INITIALIZING
+
+
+def test_code_transforms_run_through_the_code_runner_in_order():
+    transforms = load_transforms([
+        {"type": "append_header", "location": "X-Before", "value": "1"},
+        {"type": "code", "code": "module.exports = async (req) => req;"},
+        {"type": "append_text", "value": "!"},
+    ])
+    seen = []
+
+    async def runner(transform, message, side):
+        seen.append((transform.code, message.headers, side))
+        return Message([*message.headers, ("X-Code", side)], b"from code", message.content_type)
+
+    out = run_request(transforms, _message(BODY), Recorder(), code_runner=runner)
+    assert seen == [("module.exports = async (req) => req;", [("X-Before", "1")], "request")]
+    assert out.headers == [("X-Before", "1"), ("X-Code", "request")] and out.body == b"from code!"
+    out = run_response(transforms, 200, _message(BODY), Recorder(), code_runner=runner)
+    assert seen[-1][2] == "response" and out.body == b"from code!"
+    with pytest.raises(ProxyError) as caught:
+        run_response(transforms, 200, _message(BODY), Recorder())
+    assert caught.value.status == 503 and caught.value.errors == {"response_transforms[1]": ["runtime initializing"]}
 
 
 def test_transforms_that_do_not_fit_the_body():
@@ -94,7 +125,7 @@ def test_transforms_that_do_not_fit_the_body():
         ({"type": "append_text", "value": "x"}, b"\xff"),
     ):
         with pytest.raises(ProxyError) as caught:
-            apply_request_transforms(load_transforms([spec]), _message(body), Recorder())
+            run_request(load_transforms([spec]), _message(body), Recorder())
         assert caught.value.status == 400 and list(caught.value.errors) == ["request_transforms[0]"]
 
 
@@ -121,11 +152,11 @@ def test_validation_errors_per_field():
 def test_tokenize_through_the_token_domain(vault):
     transforms = load_transforms([{"type": "tokenize", "location": "$.card", "token": {"type": "card"}}])
     with session_scope() as session:
-        out = apply_response_transforms(transforms, 200, _message(BODY), DomainTokenizer(session, vault.caller()))
+        out = run_response(transforms, 200, _message(BODY), DomainTokenizer(session, vault.caller()))
         token_id = json.loads(out.body)["card"]
         stored = tokens.read_token(session, vault.caller(), token_id)
     assert stored["type"] == "card" and stored["data"]["number"] == BODY["card"]["number"]
     with session_scope() as session, pytest.raises(Problem) as caught:
         tokenizer = DomainTokenizer(session, vault.caller("proxy:invoke"))
-        apply_response_transforms(transforms, 200, _message(BODY), tokenizer)
+        run_response(transforms, 200, _message(BODY), tokenizer)
     assert caught.value.status == 403

@@ -511,6 +511,8 @@ def test_a_bare_path_to_a_missing_key_still_raises():
         ("{{ data.number,reveal_last:4 }}", "XXXXXXXXXXXX4242"),
         ('{{ data.number, reveal_last: 4, "*" }}', "************4242"),
         ("a\n{{ data.number, last4 }}-{{ data.number, slice: 0, 4 }}", "a\n4242-4242"),
+        ("{{ data.number | slice: 0, 8, last4 }}", "4242"),
+        ("{{ data.number | slice: 0, 8, reveal_last: 2, '#' }}", "######42"),
     ],
 )
 def test_a_comma_where_a_filter_pipe_belongs_is_read_as_the_pipe(template, expected):
