@@ -26,6 +26,7 @@ from app.routes import (
     applications,
     network_tokens,
     ops,
+    reactors,
     status,
     tenant_admin,
     tenants,
@@ -61,6 +62,7 @@ def route_modules() -> list:
         agentic,
         account_updater,
         webhooks,
+        reactors,
         log_routes,
     ]
 

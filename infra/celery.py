@@ -31,6 +31,7 @@ QUEUE_OF_MODULE = {
     "agentic": "providers",
     "account_updater": "files",
     "documents": "files",
+    "reactors": "reactors",
 }
 #: The queue of beat's periodic tasks.
 SWEEPS_QUEUE = "sweeps"
