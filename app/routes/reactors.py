@@ -226,17 +226,34 @@ FORMULAS_GONE = ("Reactor formulas were shut down on February 14, 2024; use reac
                  "(POST /reactors).")
 
 
-async def _formulas_gone(call: Call):
-    raise Problem(410, FORMULAS_GONE, title="Gone")
+FORMULAS_TEXT = ("Shut down on February 14, 2024 (section 9): answers 410 whatever the key or body. Replacement: "
+                 "reactors with a code attribute.")
 
 
-for _method, _path, _summary in (
-    ("POST", "/reactor-formulas", "Create a reactor formula (shut down)"),
-    ("GET", "/reactor-formulas", "List reactor formulas (shut down)"),
-    ("GET", "/reactor-formulas/{id}", "Get a reactor formula (shut down)"),
-    ("PUT", "/reactor-formulas/{id}", "Update a reactor formula (shut down)"),
-    ("DELETE", "/reactor-formulas/{id}", "Delete a reactor formula (shut down)"),
-):
-    api.route(_method, _path, status=410, tag=TAG, summary=_summary, errors=(410,), deprecated=True, auth=False,
-              description="Shut down on February 14, 2024 (section 9): answers 410 whatever the key or body. "
-              "Replacement: reactors with a code attribute.")(_formulas_gone)
+def _formulas_route(method: str, path: str, summary: str):
+    return api.route(method, path, status=410, tag=TAG, summary=summary, errors=(410,), deprecated=True, auth=False,
+                     description=FORMULAS_TEXT)
+
+
+def _gone() -> Problem:
+    return Problem(410, FORMULAS_GONE, title="Gone")
+
+
+@_formulas_route("POST", "/reactor-formulas", "Create a reactor formula (shut down)")
+async def create_formula(call: Call):
+    raise _gone()
+
+
+@_formulas_route("GET", "/reactor-formulas", "List reactor formulas (shut down)")
+async def list_formulas(call: Call):
+    raise _gone()
+
+
+@_formulas_route("GET", "/reactor-formulas/{id}", "Get a reactor formula (shut down)")
+async def get_formula(call: Call):
+    raise _gone()
+
+
+@_formulas_route("PUT", "/reactor-formulas/{id}", "Update a reactor formula (shut down)")
+async def update_formula(call: Call):
+    raise _gone()
