@@ -29,32 +29,16 @@ import argparse
 import base64
 import json
 import time
-from dataclasses import dataclass, field
 
 import urllib3
 
 from benchmarks import common
 from benchmarks.network_tokens import CARD
+from benchmarks.reactors import Round
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/tessera_bench_reactors"
 ARGS = {"amount": 1299, "currency": "USD"}
 REACT, FLOOR = "POST /reactors/{id}/react", "POST /network-tokens"
-
-
-@dataclass
-class Round:
-    number: int
-    target: str
-    latencies: list[float] = field(default_factory=list)
-    seconds: float = 0.0
-    errors: int = 0
-
-    @property
-    def per_second(self) -> float:
-        return common.ratio(len(self.latencies), self.seconds)
-
-    def p(self, q: float) -> float:
-        return common.percentile(self.latencies, q) * 1000
 
 
 class Client:
@@ -104,10 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         tenant = common.make_tenant("bench-reactors")
         base_url = f"http://127.0.0.1:{api_port}"
         with common.Children(scratch) as children:
-            sandbox = children.start("sandbox", [common.executable("tessera"), "sandbox", "--port", str(sandbox_port)])
-            common.wait_http(f"http://127.0.0.1:{sandbox_port}/health", sandbox)
-            api = children.start("api", [common.executable("tessera"), "api", "--port", str(api_port)])
-            common.wait_http(f"{base_url}/status", api)
+            sandbox, api = common.start_sandbox_and_api(children, sandbox_port, api_port)
             worker = common.start_platform_worker(children, args.worker_concurrency)
             watched = [sandbox, api, worker]
             client = Client(base_url, tenant.api_key)
