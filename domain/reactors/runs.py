@@ -35,6 +35,7 @@ from domain.proxy.values import SqlValueLoader
 from domain.reactors import service
 from domain.reactors.runtime import Reactor as RuntimeReactor
 from domain.reactors.runtime import Runtime, reactor_runtime
+from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import effective_permissions
 from domain.tokens import service as tokens
@@ -121,6 +122,7 @@ def start_run(session: Session, caller: Caller, reactor_id: object, *, args: Any
     reactor = service.get_reactor(session, caller, reactor_id)
     if reactor.deployed_at is None or reactor.state not in SERVING_STATES:
         raise Problem(409, f"The reactor has no version to run yet (state {reactor.state}).", title="Conflict")
+    audit.record(session, caller, entity_type=service.ENTITY_TYPE, entity_id=reactor.id, operation="invoke")
     return _record(session, caller, reactor_id=reactor.id, kind=kind, program=None, request={"args": args})
 
 

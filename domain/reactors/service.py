@@ -13,7 +13,9 @@ the rest is ours):
 * update (PUT or PATCH) of a reactor that serves: ``updating``, then ``active`` (the new version
   serves) or ``outdated`` (the previous version keeps serving; ``requested`` keeps the refused one);
   an update of a reactor whose creation failed is a new creation (``creating``);
-* update and delete are refused (409) while a build runs (``creating``, ``updating``).
+* update and delete are refused (409) while a build runs (``creating``, ``updating``);
+* an update that asks for the version that serves (a rename, or a return from ``outdated``) builds
+  nothing: the reactor is ``active`` at once.
 
 The ``name`` is not part of a version: a new name applies at once. Functions run inside the caller's
 unit of work (``fn(session, caller, ...)``) and never commit; every change and single read writes a
@@ -229,12 +231,27 @@ def _settled(reactor: Reactor, action: str) -> None:
                            "has ended.", title="Conflict")
 
 
+def _serves(session: Session, reactor: Reactor, request: ReactorRequest) -> bool:
+    """True when ``request`` asks for the version that serves already (same code, runtime and
+    configuration)."""
+    return (reactor.deployed_at is not None and reactor.code == request.code
+            and reactor.runtime == _runtime_json(request.runtime)
+            and configuration_of(session, reactor) == request.configuration)
+
+
 def _update(session: Session, caller: Caller, reactor: Reactor, request: ReactorRequest) -> dict:
     _settled(reactor, "updated")
     reactor.name = request.name
     reactor.modified_by = caller.application_id
     reactor.modified_at = utcnow()
-    _request_build(session, caller, reactor, request)
+    if _serves(session, reactor, request):  # a rename, or back to the serving version: nothing to build
+        reactor.state = ACTIVE
+        reactor.requested = None
+        reactor.requested_configuration_ct = None
+        reactor.build_job_id = None
+        session.add(reactor)
+    else:
+        _request_build(session, caller, reactor, request)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=reactor.id, operation="update")
     return reactor_view(session, reactor)
 

@@ -156,6 +156,10 @@ def test_patch_needs_merge_patch_json_and_answers_204(tenant):
     assert answer.status == 204, answer
     after = settled(c, reactor["id"])
     assert (after["state"], after["name"], after["configuration"]) == ("active", "patched", {"B": "2", "C": "3"})
+    renamed = c.patch(f"/reactors/{reactor['id']}", {"name": "renamed"}, content_type="application/merge-patch+json")
+    assert renamed.status == 204
+    now = c.get(f"/reactors/{reactor['id']}").json
+    assert (now["state"], now["name"]) == ("active", "renamed")  # the version is the same: nothing to build
 
 
 def test_update_and_delete_answer_409_while_a_build_runs(tenant):
@@ -208,6 +212,12 @@ def test_vulnerable_dependencies_fail_a_create_and_outdate_an_update(tenant):
     assert outdated["requested"]["reactor"]["code"] == new_code
     assert outdated["requested"]["error_code"] == "vulnerabilities_detected"
     assert react(c, serving["id"], {"old": True}).json["raw"]["args"] == {"old": True}
+
+    # back to the serving version: active at once, nothing built
+    back = c.put(f"/reactors/{serving['id']}", body())
+    assert (back.json["state"], "requested" in back.json) == ("active", False)
+    c.put(f"/reactors/{serving['id']}", body(new_code, runtime={"image": "node22", "dependencies": VULNERABLE}))
+    assert settled(c, serving["id"])["state"] == "outdated"
 
     # a remediated version (no vulnerable package) builds and serves
     fixed = "const isNumber = require('is-number'); module.exports = async () => ({ raw: isNumber(3) });"
