@@ -9,22 +9,27 @@ Each is a :class:`infra.task.JobTask` running one recorded job:
   ``build_failed``.
 * ``reactors.run`` runs one invocation's code in this worker's warm Node.js processes
   (:mod:`domain.reactors.runs`); one attempt only: a run whose worker died is not run again.
+* ``reactors.purge_results`` is the beat sweep of old invocations (on the ``sweeps`` queue).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from sqlmodel import Session
 
+from config.settings import get_settings
 from domain.reactors import runs, service
 from domain.reactors.runtime import reactor_runtime
 from infra.celery import celery_app
 from infra.jobs import PermanentError, TransientError
 from infra.node_runtime.packages import AuditUnavailable, InstallFailed
-from infra.task import JobTask
+from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
 from storage.models import Job
+from storage.types import utcnow
+from tasks.sweeps import in_batches
 
 
 class BuildReactor(JobTask):
@@ -78,3 +83,11 @@ class RunReactor(JobTask):
 
 celery_app.register_task(BuildReactor())
 celery_app.register_task(RunReactor())
+
+
+@celery_app.task(name=runs.PURGE_TASK, base=TesseraTask)
+def purge_results() -> int:
+    """Beat sweep: delete invocations settled longer ago than ``TESSERA_REACTOR_RESULT_RETENTION_HOURS``
+    (their sealed arguments and answers), in batches of 500."""
+    before = utcnow() - dt.timedelta(hours=get_settings().reactor_result_retention_hours)
+    return in_batches(lambda session: runs.purge_results(session, before=before, batch=500), 500)

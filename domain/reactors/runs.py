@@ -22,13 +22,15 @@ does not run the code a second time (customer code may have charged a card): the
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import hashlib
 import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlmodel import Session
+from sqlalchemy import delete
+from sqlmodel import Session, select
 
 from domain.proxy.detokenize import INVOKE, detokenize
 from domain.proxy.values import SqlValueLoader
@@ -330,3 +332,21 @@ def settled_answer(session: Session, run_id: uuid.UUID) -> tuple[str, Any]:
     if run is None:
         raise not_found("reactor")
     return run.status, run_answer(session, run)
+
+
+# ---- retention -----------------------------------------------------------------------------------
+
+PURGE_TASK = "reactors.purge_results"
+
+
+def purge_results(session: Session, *, before: dt.datetime, batch: int = 500) -> int:
+    """Delete up to ``batch`` settled invocations (their sealed arguments and answers) that ended
+    before ``before``; rows locked by a concurrent sweep are skipped. Returns how many; call again
+    while it returns ``batch``. A result asked for afterwards answers 404."""
+    ids = session.exec(
+        select(ReactorRun.id).where(ReactorRun.status != PENDING, ReactorRun.completed_at < before)
+        .limit(batch).with_for_update(skip_locked=True)
+    ).all()
+    if ids:
+        session.exec(delete(ReactorRun).where(ReactorRun.id.in_(ids)))
+    return len(ids)

@@ -4,6 +4,7 @@ the error classes, the timeout, tokenizing, detokenized arguments and the shut-d
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 import uuid
@@ -360,3 +361,23 @@ def test_reactor_formulas_are_gone(tenant, method, path):
     answer = tenant.client.request(method, path, {"name": "f"} if method in ("POST", "PUT") else None)
     assert answer.status == 410, answer
     assert "reactors" in answer.json["detail"]
+
+
+def test_results_are_purged_after_their_retention(tenant):
+    from domain.reactors.runs import purge_results
+    from storage.types import utcnow
+
+    c = tenant.client
+    reactor = active(c)
+    started = c.post(f"/reactors/{reactor['id']}/react-async", {"args": {"n": 1}})
+    path = f"/reactors/{reactor['id']}/results/{started.json['async_reactor_request_id']}"
+    end = time.monotonic() + 60
+    while c.get(path).status == 404 and time.monotonic() < end:
+        time.sleep(0.1)
+    assert c.get(path).status == 200
+    with session_scope() as session:
+        assert purge_results(session, before=utcnow() - dt.timedelta(hours=1)) == 0
+    assert c.get(path).status == 200
+    with session_scope() as session:
+        assert purge_results(session, before=utcnow() + dt.timedelta(seconds=1), batch=10_000) >= 1
+    assert c.get(path).status == 404
