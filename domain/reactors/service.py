@@ -225,10 +225,15 @@ def list_reactors(session: Session, caller: Caller, *, ids: list[uuid.UUID], nam
     return [reactor_view(session, r) for r in rows], total
 
 
-def _settled(reactor: Reactor, action: str) -> None:
-    if reactor.state not in SETTLED_STATES:
-        raise Problem(409, f"The reactor cannot be {action} while it is {reactor.state}; retry once its build "
-                           "has ended.", title="Conflict")
+def _settled(session: Session, reactor: Reactor, action: str) -> None:
+    """409 while a build runs; a build job that ended without writing its outcome (cancelled by an
+    operator) no longer holds the reactor."""
+    if reactor.state in SETTLED_STATES:
+        return
+    build = session.get(Job, reactor.build_job_id) if reactor.build_job_id else None
+    if build is None or build.status not in jobs.TERMINAL:
+        raise Problem(409, f"The reactor cannot be {action} while it is {reactor.state}; retry once its "
+                           "build has ended.", title="Conflict")
 
 
 def _serves(session: Session, reactor: Reactor, request: ReactorRequest) -> bool:
@@ -240,7 +245,7 @@ def _serves(session: Session, reactor: Reactor, request: ReactorRequest) -> bool
 
 
 def _update(session: Session, caller: Caller, reactor: Reactor, request: ReactorRequest) -> dict:
-    _settled(reactor, "updated")
+    _settled(session, reactor, "updated")
     reactor.name = request.name
     reactor.modified_by = caller.application_id
     reactor.modified_at = utcnow()
@@ -271,7 +276,7 @@ def patch_reactor(session: Session, caller: Caller, reactor_id: object, patch: A
     if not isinstance(patch, dict):
         raise validation_problem({"body": ["A merge patch must be a JSON object."]})
     reactor = get_reactor(session, caller, reactor_id, lock=True)
-    _settled(reactor, "updated")
+    _settled(session, reactor, "updated")
     latest = (reactor.requested or {}).get("reactor")
     current = {
         "name": reactor.name,
@@ -287,7 +292,7 @@ def delete_reactor(session: Session, caller: Caller, reactor_id: object) -> None
     """``DELETE /reactors/{id}``: 403 without ``reactor:delete``; 404; 409 while a build runs."""
     caller.require("reactor:delete")
     reactor = get_reactor(session, caller, reactor_id, lock=True)
-    _settled(reactor, "deleted")
+    _settled(session, reactor, "deleted")
     session.delete(reactor)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=reactor.id, operation="delete")
 

@@ -14,7 +14,7 @@ from sqlmodel import select
 
 from config.settings import reload_settings
 from storage.db import session_scope
-from storage.models import Event
+from storage.models import Event, Job
 from storage.models_reactors import Reactor
 
 ECHO = "module.exports = async (req) => ({ raw: { args: req.args, configuration: req.configuration } });"
@@ -166,13 +166,20 @@ def test_patch_needs_merge_patch_json_and_answers_204(tenant):
 def test_update_and_delete_answer_409_while_a_build_runs(tenant):
     c = tenant.client
     reactor = active(c)
-    with session_scope() as session:  # a build in flight, held still for the test
-        session.get(Reactor, uuid.UUID(reactor["id"])).state = "updating"
+    with session_scope() as session:  # a build in flight, held still for the test (no task is sent)
+        build = Job(kind="reactors.build", tenant_id=tenant.id, subject_type="reactor", subject_id=reactor["id"],
+                    status="running")
+        session.add(build)
+        row = session.get(Reactor, uuid.UUID(reactor["id"]))
+        row.state, row.build_job_id = "updating", build.id
     assert c.put(f"/reactors/{reactor['id']}", body()).status == 409
     patched = c.patch(f"/reactors/{reactor['id']}", {"name": "n"}, content_type="application/merge-patch+json")
     assert patched.status == 409
     assert c.delete(f"/reactors/{reactor['id']}").status == 409
     assert react(c, reactor["id"], {"still": "serving"}).json["raw"]["args"] == {"still": "serving"}
+    with session_scope() as session:  # an operator cancels the build: it no longer holds the reactor
+        session.get(Job, build.id).status = "cancelled"
+    assert c.delete(f"/reactors/{reactor['id']}").status == 204
 
 
 def test_permissions_and_tenants(tenant, other_tenant, limited):
