@@ -25,6 +25,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,7 @@ from domain.tokens import service as tokens
 from domain.webhooks import events
 from infra import jobs
 from infra.errors import Problem, not_found
-from infra.node_runtime.packages import AuditUnavailable, InstallFailed
+from infra.node_runtime.packages import AuditUnavailable, InstallFailed, dependency_key
 from storage.crypto import get_keyring
 from storage.db import session_scope
 from storage.models import Job, Tenant
@@ -211,13 +212,22 @@ def perform_run(job: Job) -> RunOutcome | None:
                                           title="Reactor Runtime Error"))
 
 
+#: Seconds a worker process trusts the scan of a code transform's dependency set.
+SCAN_TRUST_SECONDS = 600.0
+_scans: dict[tuple[str, str], tuple[float, list]] = {}
+
+
 def _check_transform_dependencies(runtime: Runtime) -> None:
-    """A code transform's dependencies are installed and scanned before its code runs; an
-    unremediated CRITICAL vulnerability answers 403 ``Proxy invocation blocked`` (section 7)."""
+    """A code transform's dependencies are installed and scanned before its code runs (the scan of
+    a dependency set is trusted for :data:`SCAN_TRUST_SECONDS` by a worker process); an unremediated
+    CRITICAL vulnerability answers 403 ``Proxy invocation blocked`` (section 7)."""
     if not runtime.dependencies and not runtime.resolutions:
         return
-    build = reactor_runtime().build(runtime)
-    critical = [v for v in build.vulnerabilities if v.severity == "CRITICAL"]
+    key = (dependency_key(runtime.dependencies, runtime.resolutions), str(reactor_runtime().advisories))
+    known = _scans.get(key)
+    if known is None or known[0] < time.monotonic() - SCAN_TRUST_SECONDS:
+        known = _scans[key] = (time.monotonic(), reactor_runtime().build(runtime).vulnerabilities)
+    critical = [v for v in known[1] if v.severity == "CRITICAL"]
     if critical:
         names = ", ".join(f"{v.name}@{v.version} ({v.id})" for v in critical)
         raise Problem(403, f"The transform's dependencies have unremediated critical vulnerabilities: {names}.",
