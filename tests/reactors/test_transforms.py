@@ -79,3 +79,12 @@ def test_a_critical_advisory_on_a_dependency_blocks_the_invocation(caller, tmp_p
         reload_settings()
     assert (caught.value.status, caught.value.title) == (403, INVOCATION_BLOCKED)
     assert "CVE-2099-0007" in caught.value.detail
+
+
+def test_no_answer_within_the_wait_is_the_503_of_an_initializing_runtime(caller):
+    from domain.proxy.errors import TRANSFORM_INITIALIZING
+
+    slow = "module.exports = async () => { await new Promise((r) => setTimeout(r, 3000)); return {}; };"
+    with pytest.raises(ProxyError) as caught:
+        run(caller, slow, JSON_REQUEST, timeout=0.2)
+    assert (caught.value.status, caught.value.title) == (503, TRANSFORM_INITIALIZING)
