@@ -47,6 +47,11 @@ def beat_schedule(settings: Settings) -> dict:
             "schedule": 60.0,
             "options": {"expires": 55},
         },
+        "reactor-results": {
+            "task": "reactors.purge_results",
+            "schedule": 300.0,
+            "options": {"expires": 290},
+        },
         "invitation-expiry": {
             "task": "tenant_admin.expire_invitations",
             "schedule": 60.0,

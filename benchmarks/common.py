@@ -415,6 +415,15 @@ def wait_http(url: str, child: Child, timeout: float = 60.0) -> None:
 # ---- the platform's worker and the webhook receiver ----------------------------------------------
 
 
+def start_sandbox_and_api(children: Children, sandbox_port: int, api_port: int) -> tuple[Child, Child]:
+    """``tessera sandbox`` and ``tessera api`` on these ports, each answering before the next starts."""
+    sandbox = children.start("sandbox", [executable("tessera"), "sandbox", "--port", str(sandbox_port)])
+    wait_http(f"http://127.0.0.1:{sandbox_port}/health", sandbox)
+    api = children.start("api", [executable("tessera"), "api", "--port", str(api_port)])
+    wait_http(f"http://127.0.0.1:{api_port}/status", api)
+    return sandbox, api
+
+
 def start_platform_worker(children: Children, concurrency: int) -> Child:
     """``tessera worker --concurrency N`` on every platform queue, with this process's settings."""
     return children.start("worker", [executable("tessera"), "worker", "--concurrency", str(concurrency)])

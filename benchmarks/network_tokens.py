@@ -247,10 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         tenant = common.make_tenant("bench-network-tokens")
         base_url = f"http://127.0.0.1:{api_port}"
         with common.Children(scratch) as children:
-            sandbox = children.start("sandbox", [common.executable("tessera"), "sandbox", "--port", str(sandbox_port)])
-            common.wait_http(f"http://127.0.0.1:{sandbox_port}/health", sandbox)
-            api = children.start("api", [common.executable("tessera"), "api", "--port", str(api_port)])
-            common.wait_http(f"{base_url}/status", api)
+            sandbox, api = common.start_sandbox_and_api(children, sandbox_port, api_port)
             worker = common.start_platform_worker(children, args.worker_concurrency)
             reference = children.start("roundtrip-worker", [
                 common.executable("celery"), "-A", "benchmarks.network_tokens:roundtrip_app", "worker",

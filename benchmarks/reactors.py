@@ -70,6 +70,7 @@ class Round:
     latencies: list[float] = field(default_factory=list)
     seconds: float = 0.0
     cores: dict[str, float] = field(default_factory=dict)
+    errors: int = 0
 
     @property
     def per_second(self) -> float:

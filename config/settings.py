@@ -142,6 +142,14 @@ class Settings(BaseSettings):
     #: At most this many connections (deliveries in flight) to one receiving host per worker process.
     webhook_host_concurrency: int = Field(default=32, ge=1)
 
+    # Reactors (core document sections 2 and 8): a JSON file of {name, version, severity, id}
+    # advisories the builds scan against instead of `npm audit` (offline deployments, tests), and how
+    # long `POST /reactors/{id}/react` waits for the invocation's outcome (seconds), and how long an
+    # invocation's sealed arguments and answer are kept after it ended (hours).
+    reactor_advisories: Path | None = None
+    reactor_wait_seconds: float = 30.0
+    reactor_result_retention_hours: int = 168
+
     # The async spine.
     outbox_relay_after_seconds: int = 15
     #: A request waiting for a job is woken by its outcome message (``infra/wait.py``); the database

@@ -327,6 +327,7 @@ from storage import (  # noqa: E402, F401
     models_agentic,
     models_network_tokens,
     models_proxy,
+    models_reactors,
     models_tenant_admin,
     models_wallets,
 )

@@ -32,11 +32,13 @@ from domain.proxy.errors import INVALID_REQUEST, ProxyError, invalid_request
 from domain.proxy.models import ProxyRequest, validation_errors
 from domain.proxy.rules import ProxyHeaderNames, destination_url, forward_headers, proxy_header_names
 from domain.proxy.transforms import (
+    CodeRunner,
     DomainTokenizer,
     Message,
     apply_request_transforms,
     apply_response_transforms,
 )
+from domain.reactors.transforms import code_transform_runner
 from domain.tenancy.caller import Caller
 from infra import http
 from infra.errors import Problem, validation_problem
@@ -239,6 +241,14 @@ async def _caller_for(call: Call, target: service.Target | None, names: ProxyHea
     return caller
 
 
+def _code_runner(call: Call, caller: Caller, target: service.Target | None) -> CodeRunner | None:
+    """The runner of the proxy's code transforms: each runs as a reactor invocation in a worker, the
+    request waiting for its outcome message; None when the proxy has no code transform."""
+    if target is None or not target.has_code:
+        return None
+    return code_transform_runner(caller, configuration=target.configuration, db=call.db, wait=call.wait_for_jobs)
+
+
 async def invoke(call: Call) -> web.StreamResponse:
     """One proxied request (see :data:`_INVOKE_TEXT`)."""
     request = call.request
@@ -266,9 +276,10 @@ async def invoke(call: Call) -> web.StreamResponse:
                           key_query=names.key_query, where=where)
     content_type = request.headers.get("Content-Type")
     message = Message(forward_headers(request.headers.items(), names), body, content_type)
+    code_runner = _code_runner(call, caller, target)
     if target is not None and target.request_transforms:
         message = await apply_request_transforms(target.request_transforms, message, _Tokenizer(call, caller),
-                                                 code_runner=None)
+                                                 code_runner=code_runner)
     detokenized = await call.db_grouped(
         service.prepare_invocation, caller, target.proxy_id if target else None, headers=message.headers,
         body=message.body, content_type=content_type, encrypted_header=request.headers.get(names.encrypted),
@@ -287,7 +298,7 @@ async def invoke(call: Call) -> web.StreamResponse:
         answer_type = next((value for name, value in headers if name.lower() == "content-type"), None)
         out = await apply_response_transforms(target.response_transforms, answer.status,
                                               Message(headers, answer_body, answer_type), _Tokenizer(call, caller),
-                                              code_runner=None)
+                                              code_runner=code_runner)
         headers, answer_body = out.headers, out.body
     response_headers = CIMultiDict(headers)
     response_headers[names.destination_status] = str(answer.status)

@@ -13,7 +13,7 @@ import datetime as dt
 import json
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,7 +22,7 @@ from sqlmodel import Session, select
 
 from domain.proxy.detokenize import Detokenized, detokenize
 from domain.proxy.models import ProxyRequest, validation_errors
-from domain.proxy.transforms import dump_transforms, load_transforms
+from domain.proxy.transforms import CodeTransform, dump_transforms, load_transforms
 from domain.proxy.values import SqlValueLoader
 from domain.tenancy import audit
 from domain.tenancy.auth import key_digest
@@ -215,7 +215,8 @@ class Target:
     """A pre-configured proxy as an invocation needs it (Proxy rule 3): ``proxy_id``, ``tenant_id``,
     ``destination_url``, ``require_auth``, the transforms as models, and ``anonymous``: the caller
     acting when no API key is sent to a proxy that does not require one (the permissions of the
-    proxy's ``application``; none without one)."""
+    proxy's ``application``; none without one). ``configuration``: the proxy's plain configuration
+    map, read only when a code transform needs it (empty otherwise)."""
 
     proxy_id: uuid.UUID
     tenant_id: uuid.UUID
@@ -224,6 +225,12 @@ class Target:
     request_transforms: list
     response_transforms: list
     anonymous: Caller | None
+    configuration: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_code(self) -> bool:
+        """True when a request or response transform is a code transform (run by the reactor runtime)."""
+        return any(isinstance(t, CodeTransform) for t in (*self.request_transforms, *self.response_transforms))
 
 
 def invocation_target(session: Session, key: str, *, trace_id: str | None = None) -> Target | None:
@@ -250,9 +257,12 @@ def invocation_target(session: Session, key: str, *, trace_id: str | None = None
             trace_id=trace_id,
             actor_type="application" if application else "anonymous",
         )
-    return Target(proxy.id, proxy.tenant_id, proxy.destination_url, proxy.require_auth,
-                  load_transforms(proxy.request_transforms or []), load_transforms(proxy.response_transforms or []),
-                  anonymous)
+    target = Target(proxy.id, proxy.tenant_id, proxy.destination_url, proxy.require_auth,
+                    load_transforms(proxy.request_transforms or []), load_transforms(proxy.response_transforms or []),
+                    anonymous)
+    if target.has_code:
+        target = replace(target, configuration=configuration_of(session, proxy))
+    return target
 
 
 EPHEMERAL = "ephemeral"

@@ -28,6 +28,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from config.settings import get_settings
+from domain.tenancy.permissions import modern_names, permission_errors
 from infra.errors import Problem
 from infra.node_runtime import packages
 from infra.node_runtime.pool import NodePool
@@ -72,7 +73,7 @@ class Runtime(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    image: str
+    image: str | None = Field(None, validate_default=True)
     dependencies: dict[str, str] = Field(default_factory=dict)
     resolutions: dict[str, str] = Field(default_factory=dict)
     timeout: int = Field(10, ge=1, le=30)
@@ -82,12 +83,22 @@ class Runtime(BaseModel):
 
     @field_validator("image")
     @classmethod
-    def _node22_only(cls, value: str) -> str:
-        if value == "node-svc":
-            raise ValueError("node-svc is deprecated for new reactors since October 5, 2026: use node22")
+    def _node22_only(cls, value: str | None) -> str:
+        if value is None or value == "node-svc":
+            raise ValueError("a Node runtime image is required: node-svc is deprecated for new reactors since "
+                             "October 5, 2026 (an omitted image means node-svc); use node22")
         if value != "node22":
             raise ValueError("must be node22")
         return value
+
+    @field_validator("permissions")
+    @classmethod
+    def _known_permissions(cls, value: list[str]) -> list[str]:
+        modern, _legacy = modern_names(value)
+        errors = permission_errors(modern)
+        if errors:
+            raise ValueError("; ".join(errors))
+        return modern
 
     @field_validator("dependencies", "resolutions")
     @classmethod
@@ -186,9 +197,20 @@ class ReactorRuntime:
         value, a timeout (``runtime.timeout``), a process that ended (memory exhausted) or a result
         that is not an object (section 7).
         """
+        value = self.call(reactor, {"args": args, "configuration": configuration or {}})
+        if value is None:
+            return ReactorResponse()
+        if not isinstance(value, dict):
+            raise Problem(500, "The reactor code must return an object with raw and/or tokenize.",
+                          title="Reactor Runtime Error")
+        return ReactorResponse(raw=value.get("raw"), tokenize=value.get("tokenize"))
+
+    def call(self, reactor: Reactor, request: object) -> object:
+        """Run ``reactor``'s function once on ``request`` (any JSON) and return what it returned
+        (JSON; None for nothing). Raises the problems of :meth:`invoke` but the last one."""
         program = self._program(reactor)
         try:
-            outcome = self.pool.invoke(program, {"args": args, "configuration": configuration or {}})
+            outcome = self.pool.invoke(program, request)
         except CodeLoadError as exc:
             raise _invalid_code(exc) from None
         except InvocationTimeout as exc:
@@ -198,13 +220,7 @@ class ReactorRuntime:
             raise Problem(500, "The reactor's process ended before answering (for example out of memory).",
                           title="Reactor Runtime Error") from None
         if isinstance(outcome, Returned):
-            value = outcome.value
-            if value is None:
-                return ReactorResponse()
-            if not isinstance(value, dict):
-                raise Problem(500, "The reactor code must return an object with raw and/or tokenize.",
-                              title="Reactor Runtime Error")
-            return ReactorResponse(raw=value.get("raw"), tokenize=value.get("tokenize"))
+            return outcome.value
         if outcome.marked and outcome.name in REACTOR_ERRORS:
             status, title = REACTOR_ERRORS[outcome.name]
             raise Problem(status, outcome.message or title, title=title, errors=_error_map(outcome.errors))
@@ -296,11 +312,14 @@ _default_lock = threading.Lock()
 
 def reactor_runtime() -> ReactorRuntime:
     """The process's runtime: under ``<TESSERA_DATA_DIR>/reactors``, scanning against the advisory
-    file named by ``TESSERA_REACTOR_ADVISORIES`` when that is set, else with ``npm audit``."""
+    file named by ``TESSERA_REACTOR_ADVISORIES`` when that is set, else with ``npm audit``. Made
+    again (the old one closed) when either setting changed since."""
     global _default
+    settings = get_settings()
+    root, advisories = settings.data_dir / "reactors", settings.reactor_advisories
     with _default_lock:
-        if _default is None:
-            advisories = os.environ.get("TESSERA_REACTOR_ADVISORIES")
-            _default = ReactorRuntime(get_settings().data_dir / "reactors",
-                                      advisories=Path(advisories) if advisories else None)
+        if _default is None or (_default.root, _default.advisories) != (root, advisories):
+            if _default is not None:
+                _default.close()
+            _default = ReactorRuntime(root, advisories=advisories)
         return _default

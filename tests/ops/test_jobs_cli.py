@@ -144,7 +144,7 @@ def test_queues_shows_depth_oldest_age_consumers_and_workers(worker, beat_alive)
         with session_scope() as session:
             session.delete(session.get(Job, waiting.id))
     queues = {q["queue"]: q for q in report["queues"]}
-    assert set(queues) == {"default", "webhooks", "providers", "files", "mail", "sweeps"}
+    assert set(queues) == {"default", "webhooks", "providers", "files", "mail", "sweeps", "reactors"}
     assert all(isinstance(q["depth"], int) for q in queues.values())
     assert queues["default"]["due"] >= 1 and queues["default"]["oldest_age_seconds"] >= 180
     assert all(q["consumers"] >= 1 for q in queues.values()), report  # the in-process worker answers

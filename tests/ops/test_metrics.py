@@ -117,7 +117,7 @@ def test_queue_depth_is_the_length_of_each_queues_redis_lists_under_the_prefix(r
         depths = ops.queue_depths(settings)
     finally:
         redis_flushed.delete(*keys, elsewhere)
-    assert depths == {"default": 0, "webhooks": 0, "providers": 0, "files": 3, "mail": 0, "sweeps": 0}
+    assert depths == {"default": 0, "webhooks": 0, "providers": 0, "files": 3, "mail": 0, "sweeps": 0, "reactors": 0}
 
 
 def test_oldest_waiting_work_and_the_outbox_backlog_per_queue(api, tenant):

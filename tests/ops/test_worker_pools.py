@@ -41,7 +41,7 @@ def test_tessera_worker_runs_the_providers_queue_on_threads_beside_the_prefork_p
     assert stats[threads]["pool"]["max-concurrency"] == 16
     assert {q["name"] for q in queues[threads]} == {"providers"}
     assert "providers" not in {q["name"] for q in queues[prefork]}
-    assert {"default", "webhooks", "files", "mail", "sweeps"} <= {q["name"] for q in queues[prefork]}
+    assert {"default", "webhooks", "files", "mail", "sweeps", "reactors"} <= {q["name"] for q in queues[prefork]}
 
     worker.signal(signal.SIGTERM)  # a warm shutdown stops both nodes
     assert worker.popen.wait(60) == 0, worker.output()

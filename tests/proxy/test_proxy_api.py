@@ -277,9 +277,27 @@ def test_transforms(tenant, upstream):
     assert token_id != "s3cret" and tenant.client.get(f"/tokens/{token_id}").json["data"] == "s3cret"
     answer = tenant.client.post("/proxy/status/400", {"secret": "s"}, headers={KEY: proxy["key"]})
     assert answer.status == 400 and "X-Masked" not in answer.headers  # response transforms only on 2xx
-    code = _proxy(tenant, upstream, name="code", request_transforms=[{"type": "code", "code": "module.exports = 1"}])
-    error = _proxy_error(tenant.client.post("/proxy", {"a": 1}, headers={KEY: code["key"]}), 503)
-    assert error["title"] == "Proxy request transform is initializing"
+
+
+def test_code_transforms_run_in_a_worker_with_the_proxy_configuration(tenant, upstream):
+    rewrite = ("module.exports = async (req) => ({ body: {...req.args.body, merchant: req.configuration.MERCHANT}, "
+               "headers: {...req.args.headers, 'X-Code': 'yes'} });")
+    masked = ("module.exports = async (req) => ({ body: {...req.args.body, "
+              "card: {number: req.args.body.card.number.replace(/[0-9]/g, '#')}} });")
+    proxy = _proxy(tenant, upstream, name="code", configuration={"MERCHANT": "m-42"},
+                   request_transforms=[{"type": "code", "code": rewrite, "runtime": {"image": "node22"}}],
+                   response_transforms=[{"type": "code", "code": masked, "runtime": {"image": "node22"}}])
+    answer = tenant.client.post("/proxy/answer", {"a": 1}, headers={KEY: proxy["key"]})
+    assert answer.status == 200, answer
+    seen = upstream.received[-1]
+    assert seen.json == {"a": 1, "merchant": "m-42"} and seen.header("X-Code") == "yes"
+    assert answer.json["card"] == {"number": "#" * 16}  # the response side ran too
+    thrower = _proxy(tenant, upstream, name="thrower", request_transforms=[
+        {"type": "code", "code": "const { BadRequestError } = require('@tessera/reactor');"
+                                 "module.exports = async () => { throw new BadRequestError('no way'); };",
+         "runtime": {"image": "node22"}}])
+    error = _proxy_error(tenant.client.post("/proxy", {"a": 1}, headers={KEY: thrower["key"]}), 400)
+    assert "no way" in error["detail"]
 
 
 def test_proxies_crud_pagination_and_merge_patch(tenant, limited, upstream):

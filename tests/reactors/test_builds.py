@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from config.settings import get_settings
+from config.settings import get_settings, reload_settings
 from domain.reactors import runtime as runtime_module
 from domain.reactors.runtime import ReactorRuntime, Runtime
 from infra.node_runtime import packages
@@ -103,6 +103,7 @@ def test_no_dependencies_need_no_npm(tmp_path, advisory_file):
 def test_the_process_runtime_scans_against_tessera_reactor_advisories(monkeypatch, advisory_file):
     monkeypatch.setenv("TESSERA_REACTOR_ADVISORIES", str(advisory_file))
     monkeypatch.setattr(runtime_module, "_default", None)
+    reload_settings()
     rt = runtime_module.reactor_runtime()
     try:
         assert rt is runtime_module.reactor_runtime()
@@ -111,3 +112,5 @@ def test_the_process_runtime_scans_against_tessera_reactor_advisories(monkeypatc
         assert rt.build(Runtime(image="node22", dependencies=DEPENDENCIES)).state == "vulnerabilities_detected"
     finally:
         rt.close()
+        monkeypatch.delenv("TESSERA_REACTOR_ADVISORIES")
+        reload_settings()

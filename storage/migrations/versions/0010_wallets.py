@@ -1,7 +1,7 @@
 """wallet tokens, merchant keys and domains
 
 Revision ID: 0010_wallets
-Revises: 0007_proxies
+Revises: 0009_reactors
 """
 
 from collections.abc import Sequence
@@ -13,7 +13,7 @@ from alembic import op
 import storage.types
 
 revision: str = "0010_wallets"
-down_revision: str | None = "0007_proxies"
+down_revision: str | None = "0009_reactors"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,0 +1,93 @@
+"""Tasks of reactors (``reactors.*``, routed to the ``reactors`` queue): builds and invocations.
+
+Each is a :class:`infra.task.JobTask` running one recorded job:
+
+* ``reactors.build`` installs a requested version's pinned dependencies (npm, ``--ignore-scripts``,
+  cached by dependency set) and scans them (:meth:`domain.reactors.runtime.ReactorRuntime.build`),
+  then :func:`domain.reactors.service.apply_build` makes it serve or refuses it. npm failing to
+  install is permanent (``build_failed``); a scan that could not be made is retried, then
+  ``build_failed``.
+* ``reactors.run`` runs one invocation's code in this worker's warm Node.js processes
+  (:mod:`domain.reactors.runs`); one attempt only: a run whose worker died is not run again.
+* ``reactors.purge_results`` is the beat sweep of old invocations (on the ``sweeps`` queue).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlmodel import Session
+
+from config.settings import get_settings
+from domain.reactors import runs, service
+from domain.reactors.runtime import reactor_runtime
+from infra.celery import celery_app
+from infra.jobs import PermanentError, TransientError
+from infra.node_runtime.packages import AuditUnavailable, InstallFailed
+from infra.task import JobTask, TesseraTask
+from storage.db import session_scope
+from storage.models import Job
+from storage.types import utcnow
+from tasks.sweeps import in_batches
+
+
+class BuildReactor(JobTask):
+    """``reactors.build``: install and scan the requested version of a reactor."""
+
+    name = service.BUILD_TASK
+    lease_seconds = 600.0
+    backoff_base = 5.0
+
+    def perform(self, job: Job) -> Any:
+        """The :class:`~domain.reactors.runtime.Build` (None: nothing to build any more)."""
+        with session_scope() as session:
+            runtime = service.build_input(session, job)
+        if runtime is None:
+            return None
+        try:
+            return reactor_runtime().build(runtime)
+        except InstallFailed as exc:
+            raise PermanentError(service.BUILD_FAILED, str(exc)) from None
+        except AuditUnavailable as exc:
+            raise TransientError(f"the vulnerability scan could not be made: {exc}") from None
+
+    def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
+        """See :func:`domain.reactors.service.apply_build`."""
+        return service.apply_build(session, job, outcome)
+
+    def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
+        """See :func:`domain.reactors.service.build_failed`."""
+        service.build_failed(session, job, error)
+
+
+class RunReactor(JobTask):
+    """``reactors.run``: run one invocation (a ``react``, a ``react-async`` or a code transform)."""
+
+    name = runs.RUN_TASK
+    #: The longest runtime timeout (30 s) twice over, plus a cold start and the dependencies' install.
+    lease_seconds = 120.0
+
+    def perform(self, job: Job) -> Any:
+        """See :func:`domain.reactors.runs.perform_run`."""
+        return runs.perform_run(job)
+
+    def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
+        """See :func:`domain.reactors.runs.apply_run`."""
+        return runs.apply_run(session, job, outcome)
+
+    def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
+        """See :func:`domain.reactors.runs.run_failed`."""
+        runs.run_failed(session, job, error)
+
+
+celery_app.register_task(BuildReactor())
+celery_app.register_task(RunReactor())
+
+
+@celery_app.task(name=runs.PURGE_TASK, base=TesseraTask)
+def purge_results() -> int:
+    """Beat sweep: delete invocations settled longer ago than ``TESSERA_REACTOR_RESULT_RETENTION_HOURS``
+    (their sealed arguments and answers), in batches of 500."""
+    before = utcnow() - dt.timedelta(hours=get_settings().reactor_result_retention_hours)
+    return in_batches(lambda session: runs.purge_results(session, before=before, batch=500), 500)
