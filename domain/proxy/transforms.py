@@ -14,8 +14,8 @@ shapes are ours, in the API's style (snake_case, ``type`` discriminator, per-fie
   body, making the objects on the way;
 * ``{"type": "append_text", "value": "..."}``: appends text to the body;
 * ``{"type": "append_header", "location": "<Header-Name>", "value": "..."}``: adds a header;
-* ``{"type": "code", "code": "...", "runtime": {...}}``: accepted and stored; it runs in the reactor
-  runtime, so until that runtime serves it, invoking answers 503 ``Proxy request transform is
+* ``{"type": "code", "code": "...", "runtime": {...}}``: run by the ``code_runner`` the caller gives
+  (the reactor runtime, in a worker); without one, invoking answers 503 ``Proxy request transform is
   initializing``.
 
 Request transforms apply to the outgoing request; response transforms to the destination's answer,
