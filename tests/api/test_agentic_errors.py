@@ -45,6 +45,7 @@ def test_a_core_validation_problem_becomes_validation_error_titled_with_the_firs
 
 def test_every_agentic_route_and_only_those_frame_problems_the_agentic_way():
     import app.main
+    from app.routes.proxy import as_proxy_error
 
     for module in app.main.route_modules():
         for route in module.api.routes:
@@ -52,6 +53,8 @@ def test_every_agentic_route_and_only_those_frame_problems_the_agentic_way():
                 assert route.problems is agents_form, route.path
             elif route.path.startswith("/agentic/"):
                 assert route.problems is agentic_form, route.path
+            elif route.path == "/proxy" or route.path.startswith("/proxy/"):
+                assert route.problems is as_proxy_error, route.path  # the proxy's own {proxy_error} form
             else:
                 assert route.problems is None, route.path
     assert any(route.path == "/agentic/{rest:.*}" for route in agentic.api.routes)
