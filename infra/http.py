@@ -55,6 +55,7 @@ __all__ = [
     "Request",
     "deliver",
     "deliver_many",
+    "fetch",
     "is_public_address",
     "validate_destination_url",
 ]
@@ -429,11 +430,13 @@ def _tls_error_message(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Request:
-    """One POST for :func:`deliver_many`: ``url``, JSON ``body`` bytes and extra ``headers``."""
+    """One request for :func:`deliver_many`: ``url``, JSON ``body`` bytes and extra ``headers``;
+    ``method`` ``POST`` (a delivery) or ``GET`` (:func:`fetch`: the body is not sent)."""
 
     url: str
     body: bytes
     headers: Mapping[str, str]
+    method: str = "POST"
 
 
 class _VettingResolver(AbstractResolver):
@@ -579,8 +582,9 @@ async def _post(session: aiohttp.ClientSession, request: Request, *, timeout_s: 
         total=TOTAL_TIMEOUT_FACTOR * timeout_s, sock_connect=timeout_s, sock_read=timeout_s
     )
     try:
-        async with session.post(
-            url, data=bytes(request.body), headers=request_headers, allow_redirects=False, timeout=timeout
+        data = bytes(request.body) if request.method != "GET" else None
+        async with session.request(
+            request.method, url, data=data, headers=request_headers, allow_redirects=False, timeout=timeout
         ) as answer:
             status = answer.status
             retry_after = _parse_retry_after(answer.headers.get("retry-after")) if status in (429, 503) else None
@@ -728,6 +732,22 @@ def deliver(
         raise TypeError("body must be bytes")
     [result] = deliver_many(
         [Request(url, bytes(body), headers)],
+        timeout_s=timeout_s,
+        allow_private=allow_private,
+        max_response_bytes=max_response_bytes,
+        ca_certs=ca_certs,
+    )
+    return result
+
+
+def fetch(url: str, *, timeout_s: float, allow_private: bool, max_response_bytes: int = 64 * 1024,
+          ca_certs: str | None = None) -> DeliveryResult:
+    """GET ``url`` once under the rules of :func:`deliver` (the SSRF guard, no redirects, bounded
+    time and memory) and report what happened; the answer's first ``max_response_bytes`` are in
+    ``response_body``. Network problems are reported in the result (``refused`` for an address the
+    guard rejects), never raised."""
+    [result] = deliver_many(
+        [Request(url, b"", {"accept": "application/json"}, method="GET")],
         timeout_s=timeout_s,
         allow_private=allow_private,
         max_response_bytes=max_response_bytes,
