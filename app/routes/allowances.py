@@ -29,6 +29,7 @@ from domain.agentic import allowances as service
 from domain.agentic import idempotency, leases
 from domain.agentic.errors import agentic_error, validation_error
 from domain.agentic.payment_methods import VALID_PAIRS
+from infra.errors import Problem
 
 api = Api()
 
@@ -504,7 +505,10 @@ async def mint(call: Call):
     recorded = await record_with_key(call, service.mint_unit, call.caller, _allowance_id(call), request,
                                      settings=call.settings, claim=claim, unknown_code="CREDENTIAL_OUTCOME_UNKNOWN")
     await call.wait_for_jobs(recorded.job_ids, timeout=wait)
-    return 201, await call.db(service.finish_mint, call.caller, recorded.resource_id, recorded.job_ids[0], claim)
+    answer = await call.db(service.finish_mint, call.caller, recorded.resource_id, recorded.job_ids[0], claim)
+    if isinstance(answer, Problem):
+        raise answer
+    return 201, answer
 
 
 @api.route(

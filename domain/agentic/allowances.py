@@ -735,11 +735,11 @@ def mint_unit(caller: Caller, allowance_id: str, request: MintRequest, *, settin
 
 
 def finish_mint(session: Session, caller: Caller, credential_id: str, job_id: uuid.UUID,
-                claim: idempotency.Claim | None) -> dict:
+                claim: idempotency.Claim | None) -> dict | Problem:
     """After the bounded wait: the credential with its value (taken out of its sealed copy, which is
     cleared: it is returned this once), or the failure's problem (recorded on the key for replay),
     ``CREDENTIAL_OUTCOME_UNKNOWN`` (the key terminal), or 409 ``ALLOWANCE_CREDENTIAL_IN_PROGRESS``
-    while the mint runs."""
+    while the mint runs. Problems are returned, not raised, so that the key's settling commits."""
     row = session.get(PaymentCredential, credential_id, with_for_update=True, populate_existing=True)
     status, result = job_state(session, job_id)
     if row is not None and row.state == "issued":
@@ -751,22 +751,22 @@ def finish_mint(session: Session, caller: Caller, credential_id: str, job_id: uu
         if claim is not None:
             idempotency.succeed(session, claim)
         if value is None:
-            raise agentic_error("CREDENTIAL_PAYLOAD_UNAVAILABLE")
+            return agentic_error("CREDENTIAL_PAYLOAD_UNAVAILABLE")
         return credential_view(row, value)
     if status in ("failed", "dead", "cancelled"):
         if result.get("code") == "CREDENTIAL_OUTCOME_UNKNOWN" or status == "dead":
             if claim is not None:
                 idempotency.unknown(session, claim)
-            raise agentic_error("CREDENTIAL_OUTCOME_UNKNOWN")
+            return agentic_error("CREDENTIAL_OUTCOME_UNKNOWN")
         problem = failure_problem(result, "PROVIDER_CREDENTIALS_FAILED")
         if claim is not None:
             idempotency.fail(session, claim, problem)
-        raise problem
+        return problem
     if row is None:  # settled as stale: the outcome cannot be told
         if claim is not None:
             idempotency.unknown(session, claim)
-        raise agentic_error("CREDENTIAL_OUTCOME_UNKNOWN")
-    raise agentic_error("ALLOWANCE_CREDENTIAL_IN_PROGRESS")
+        return agentic_error("CREDENTIAL_OUTCOME_UNKNOWN")
+    return agentic_error("ALLOWANCE_CREDENTIAL_IN_PROGRESS")
 
 
 def seal_credential(session: Session, row: PaymentCredential, credential: dict) -> None:
