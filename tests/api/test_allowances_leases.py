@@ -7,7 +7,8 @@ A killed worker is represented by the state it leaves behind: the mint's reserva
 the API under its lease, its job recorded but never run by a worker (the message to the worker is
 not sent: ``infra.jobs.enqueue_after_commit`` is replaced for that one request, and the request
 does not wait for it: the only stand-ins here), and, for the second case, the provider's real mint
-made through the adapter with the credential id as key, its outcome never written. The lease is then made stale as five minutes would.
+made through the adapter with the credential id as key, its outcome never written. The lease is then
+made stale as five minutes would.
 """
 
 from __future__ import annotations
