@@ -48,12 +48,21 @@ TESSERA = str(Path(sys.executable).with_name("tessera"))
 HOLD_SECONDS = 90.0
 
 
-class HoldingProxy:
-    """Forwards everything to the sandbox; the answers of enrollment creates are held back."""
+def enrollment_creates(method: str, parts: list[str]) -> bool:
+    """The calls :class:`HoldingProxy` holds by default: enrollment creates."""
+    return method == "POST" and parts[0] == "agentic" and parts[-1] == "enrollments"
 
-    def __init__(self, sandbox: str):
+
+class HoldingProxy:
+    """Forwards everything to the sandbox; the answers of the calls ``holds`` picks (enrollment
+    creates by default) are held back, or, with ``before`` true, the calls themselves (never
+    forwarded: released, they answer 503)."""
+
+    def __init__(self, sandbox: str, holds=enrollment_creates, *, before: bool = False):
         self.sandbox = sandbox
-        self.held: list[tuple[str, float]] = []  # (provider, arrival time) of each held enrollment
+        self.holds = holds
+        self.before = before
+        self.held: list[tuple[str, float]] = []  # (provider, arrival time) of each held call
         self.answered: list[str] = []
         self.released = threading.Event()
 
@@ -65,18 +74,25 @@ class HoldingProxy:
     async def forward(self, request: web.Request) -> web.Response:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        parts = request.path.strip("/").split("/")
+        held = self.holds(request.method, parts)
+        if held and self.before:  # the call never reaches the provider
+            await self._hold(parts)
+            return web.Response(status=503, body=b"{}", content_type="application/json")
         async with aiohttp.ClientSession() as http, http.request(
             request.method, self.sandbox + request.path_qs, data=body or None, headers=headers
         ) as answer:
             payload, status = await answer.read(), answer.status
-        parts = request.path.strip("/").split("/")
-        if request.method == "POST" and parts[0] == "agentic" and parts[-1] == "enrollments":
-            self.held.append((parts[1], time.monotonic()))
-            deadline = time.monotonic() + HOLD_SECONDS
-            while not self.released.is_set() and time.monotonic() < deadline:  # the worker is killed meanwhile
-                await asyncio.sleep(0.05)
+        if held and not self.before:
+            await self._hold(parts)
         self.answered.append(request.path)
         return web.Response(status=status, body=payload, content_type="application/json")
+
+    async def _hold(self, parts: list[str]) -> None:
+        self.held.append((parts[1], time.monotonic()))
+        deadline = time.monotonic() + HOLD_SECONDS
+        while not self.released.is_set() and time.monotonic() < deadline:  # the worker is killed meanwhile
+            await asyncio.sleep(0.05)
 
 
 @contextlib.contextmanager
