@@ -411,7 +411,7 @@ def fetch_key_set(url: str, settings: Settings) -> dict:
     return key_set
 
 
-def perform_mint(job: Job, settings: Settings, session_scope) -> tuple[MintedCredential, dict] | Stale:
+def perform_mint(job: Job, settings: Settings, session_scope) -> MintedCredential | Stale:
     """Fetch the key set (mpp), then mint at the provider with the credential id as key. Raises
     :class:`ProviderRejection`, :class:`CredentialOutcomeUnknown`, PermanentError (the key set),
     TransientError (asked again with the same key)."""
@@ -429,9 +429,8 @@ def perform_mint(job: Job, settings: Settings, session_scope) -> tuple[MintedCre
     mpp = None
     if target.mpp is not None:
         mpp = MppRequest(fetch_key_set(target.mpp["key_set_url"], settings), target.mpp["challenge"])
-    minted = provider.mint_credential(target.provider_allowance_id, credential_format=target.format,
-                                      amount=target.amount, mpp=mpp, idempotency_key=target.credential_id)
-    return minted, minted.credential
+    return provider.mint_credential(target.provider_allowance_id, credential_format=target.format,
+                                    amount=target.amount, mpp=mpp, idempotency_key=target.credential_id)
 
 
 def _locked_mint(session: Session, job: Job) -> tuple[Allowance | None, PaymentCredential | None]:
@@ -443,13 +442,13 @@ def _locked_mint(session: Session, job: Job) -> tuple[Allowance | None, PaymentC
     return allowance, row
 
 
-def apply_mint(session: Session, job: Job, outcome: tuple[MintedCredential, dict] | Stale) -> dict:
+def apply_mint(session: Session, job: Job, outcome: MintedCredential | Stale) -> dict:
     """reserved -> spent and the credential recorded (``issued``, its value sealed for the request),
     its event emitted, the mint lease released: one transaction."""
     allowance, row = _locked_mint(session, job)
     if isinstance(outcome, Stale) or allowance is None or row is None or row.state != "minting":
         return {"stale": outcome.reason if isinstance(outcome, Stale) else "settled"}
-    minted, credential = outcome
+    minted = outcome
     if allowance.reserved_by == row.id:
         allowance.amount_reserved -= row.amount
         allowance.amount_spent += row.amount
@@ -458,7 +457,7 @@ def apply_mint(session: Session, job: Job, outcome: tuple[MintedCredential, dict
     row.state = "issued"
     row.provider_credential_id = minted.id
     row.expires_at = minted.expires_at
-    service.seal_credential(session, row, credential)
+    service.seal_credential(session, row, minted.credential)
     session.add(row)
     leases.release(session, allowance.id, row.id)
     events.emit(session, tenant_id=row.tenant_id, type=service.CREDENTIAL_EVENT,

@@ -267,3 +267,13 @@ def test_an_allowance_of_a_visa_card_is_usable_on_spt_before_verification(tenant
     answer = mint(tenant.client, alw["id"], "30.00")
     assert answer.status == 201, answer
     assert amounts(read(tenant.client, alw["id"])) == (Decimal(30), Decimal(0), Decimal(0), Decimal(30))
+
+
+def test_log_rows_name_the_allowance_and_the_credential(tenant):
+    alw = allowance(tenant.client, AMEX)
+    credential = mint(tenant.client, alw["id"], "1.00").json
+    for entity_type, entity_id in (("allowance", alw["id"]), ("payment_credential", credential["id"])):
+        rows = tenant.client.get(f"/logs?entity_type={entity_type}").json["data"]
+        assert (entity_id, "create") in [(r["entity_id"], r["operation"]) for r in rows], rows
+    listed = {t["value"] for t in tenant.client.get("/logs/entity-types").json}
+    assert {"allowance", "payment_credential"} <= listed
