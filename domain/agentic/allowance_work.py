@@ -31,7 +31,7 @@ from sqlmodel import Session, select
 
 from config.settings import Settings
 from domain.agentic import allowances as service
-from domain.agentic import leases
+from domain.agentic import idempotency, leases
 from domain.agentic.errors import CATALOGUE
 from domain.agentic.payment_methods import record_provider_error
 from domain.webhooks import events
@@ -490,6 +490,9 @@ def mint_failed(session: Session, job: Job, error: Exception) -> None:
     code, _status = _code(error, "PROVIDER_CREDENTIALS_FAILED")
     if unknown:
         code = "CREDENTIAL_OUTCOME_UNKNOWN"
+    idempotency.settle_resource(session, tenant_id=row.tenant_id, scope=idempotency.MINT_CREDENTIAL,
+                                resource_id=row.id, problem=None if unknown else service.failure_problem(
+                                    {"code": code}, "PROVIDER_CREDENTIALS_FAILED"))
     if code in CATALOGUE and code != "VALIDATION_ERROR":
         rail = session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == row.allowance_id,
                                                         AllowanceRail.rail == row.rail,

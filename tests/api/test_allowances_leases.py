@@ -18,6 +18,7 @@ import json
 import uuid
 from decimal import Decimal
 
+import pytest
 import urllib3
 from sqlalchemy import update
 from sqlmodel import select
@@ -26,6 +27,7 @@ from app.api import Call
 from config.settings import get_settings
 from domain.agentic import allowance_work, payment_methods
 from infra import jobs as jobs_module
+from infra.task import AttemptFailed
 from storage.db import session_scope
 from storage.models import Job
 from storage.models_agentic import OperationLease
@@ -35,6 +37,8 @@ from tests.api.test_agentic_support import AMEX, BASE, assert_problem, created
 from tests.api.test_allowances_credentials import admin_count
 from tests.api.test_allowances_support import (
     ALLOWANCES,
+    CANCEL_FAILS_ONCE,
+    MINT_FAILS,
     allowance,
     amounts,
     credential_rows,
@@ -208,3 +212,41 @@ def test_a_lost_create_commit_is_terminal_for_its_key(tenant, monkeypatch):
     listed = tenant.client.get(f"{ALLOWANCES}?payment_method_id={pm['id']}").json["data"]
     assert len(listed) == 1
     assert json.dumps(listed[0]["amount"]) == json.dumps(usd("9.00"))
+
+
+def test_a_key_held_by_a_running_mint_answers_in_progress_and_then_its_outcome(tenant, monkeypatch):
+    alw = allowance(tenant.client, MINT_FAILS, "30.00")
+    headers_key = "mint-running"
+
+    async def no_wait(self, job_ids, *, timeout):  # the request stops waiting before the worker ends
+        return {}
+
+    monkeypatch.setattr(Call, "wait_for_jobs", no_wait)
+    monkeypatch.setattr(jobs_module, "enqueue_after_commit", lambda *args, **kwargs: None)
+    first = mint(tenant.client, alw["id"], "5.00", key=headers_key)
+    monkeypatch.undo()
+    assert_problem(first, 409, "ALLOWANCE_CREDENTIAL_IN_PROGRESS")
+    assert_problem(mint(tenant.client, alw["id"], "5.00", key=headers_key), 409, "IDEMPOTENCY_IN_PROGRESS")
+    [pending] = credential_rows(alw["id"])
+    with pytest.raises(AttemptFailed):  # the worker ends it: a conclusive failure, reported as FAILURE
+        MintCredential().run(str(pending.job_id))
+    assert_problem(mint(tenant.client, alw["id"], "5.00", key=headers_key), 422, "PROVIDER_CREDENTIALS_FAILED")
+    assert amounts(read(tenant.client, alw["id"])) == (Decimal(30), Decimal(30), Decimal(0), Decimal(0))
+
+
+def test_a_stopped_payment_method_delete_blocks_minting_and_resumes(tenant):
+    alw = allowance(tenant.client, CANCEL_FAILS_ONCE, "30.00")
+    pm_path = f"{BASE}/{alw['payment_method_id']}"
+    assert_problem(tenant.client.delete(pm_path), 500, "PROVIDER_ALLOWANCE_CANCEL_FAILED")
+    assert read(tenant.client, alw["id"])["status"] == "pending_verification"
+    assert_problem(mint(tenant.client, alw["id"], "1.00"), 400, "PAYMENT_METHOD_DELETED")
+    assert_problem(verify(tenant.client, alw["id"], "start"), 400, "PAYMENT_METHOD_DELETED")
+    assert_problem(tenant.client.post(ALLOWANCES, {"payment_method_id": alw["payment_method_id"],
+                                                   "amount": usd("1.00")}), 400, "PAYMENT_METHOD_DELETED")
+    # each provider refuses its first cancellation: the second DELETE gets past vic, the third past psp
+    assert_problem(tenant.client.delete(pm_path), 500, "PROVIDER_ALLOWANCE_CANCEL_FAILED")
+    assert tenant.client.delete(pm_path).status == 204
+    assert read(tenant.client, alw["id"])["status"] == "cancelled"
+    assert tenant.client.get(pm_path).json["status"] == "deleted"
+    codes = [e["code"] for e in tenant.client.get(f"{ALLOWANCES}/{alw['id']}/errors").json["data"]]
+    assert codes == ["PROVIDER_ALLOWANCE_CANCEL_FAILED", "PROVIDER_ALLOWANCE_CANCEL_FAILED"]
