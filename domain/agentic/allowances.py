@@ -259,11 +259,19 @@ def settle_stale(session: Session, allowance: Allowance) -> bool:
     return True
 
 
-def _usable(session: Session, allowance: Allowance, *, settle: bool = True) -> None:
-    """Settle a stale reservation; 400 ``ALLOWANCE_CANCELLED`` (also while a cancellation stopped
-    half-way) or ``ALLOWANCE_EXPIRED``."""
-    if settle:
-        settle_stale(session, allowance)
+def _not_busy(session: Session, allowance: Allowance) -> None:
+    """Settle a stale reservation, then 409 with the in-progress code of an operation in flight
+    (``ALLOWANCE_CREDENTIAL_IN_PROGRESS``, ``..._UPDATE_...``, ``..._VERIFICATION_...``,
+    ``..._DELETE_IN_PROGRESS``)."""
+    settle_stale(session, allowance)
+    lease = leases.held(session, allowance.id)
+    if lease is not None:
+        raise leases.in_progress(lease)
+
+
+def _usable(allowance: Allowance) -> None:
+    """400 ``ALLOWANCE_CANCELLED`` (also while a cancellation runs or stopped half-way) or
+    ``ALLOWANCE_EXPIRED``."""
     if allowance.status == "cancelled" or allowance.delete_requested_at is not None:
         raise agentic_error("ALLOWANCE_CANCELLED")
     if effective_status(allowance) == "expired":
@@ -472,16 +480,14 @@ def start_update(session: Session, caller: Caller, allowance_id: str, changes: d
     """``PATCH /agentic/allowances/{id}``, the recording part. ``changes``: any of ``amount``
     (``(Decimal, currency)``), ``description`` (None clears it), ``expires_at``.
 
-    Raises 404 ``ALLOWANCE_NOT_FOUND``, 400 ``ALLOWANCE_CANCELLED`` / ``ALLOWANCE_EXPIRED``, 409
-    (the lease of an operation in flight), 400 ``VALIDATION_ERROR`` (another currency, an amount below
+    Raises 404 ``ALLOWANCE_NOT_FOUND``, 409 (the lease of an operation in flight), 400
+    ``ALLOWANCE_CANCELLED`` / ``ALLOWANCE_EXPIRED``, 400 ``VALIDATION_ERROR`` (another currency, an amount below
     reserved plus spent, an expiry not in the coming year). The values wait in ``pending_update``
     for the worker: the row changes only when every provider agreed.
     """
     allowance = find(session, caller.tenant_id, allowance_id)
-    _usable(session, allowance)
-    lease = leases.held(session, allowance.id)
-    if lease is not None:
-        raise leases.in_progress(lease)
+    _not_busy(session, allowance)
+    _usable(allowance)
     errors: dict[str, list[str]] = {}
     pending: dict[str, Any] = {}
     if "amount" in changes:
@@ -535,24 +541,22 @@ def start_verification(session: Session, caller: Caller, allowance_id: str, *, r
                        action: str, otp: str | None, settings: Settings, owner: str) -> Recorded:
     """``POST /agentic/allowances/{id}/rails/verify``, the recording part (the pair is known valid).
 
-    Raises, in this order, 404 ``ALLOWANCE_NOT_FOUND``, 400 ``ALLOWANCE_CANCELLED`` /
-    ``ALLOWANCE_EXPIRED``, 400 ``PAYMENT_METHOD_DELETED``, 400 ``RAIL_NOT_FOUND``, 400
-    ``VERIFICATION_NOT_REQUIRED`` (an spt rail), 400 ``RAIL_NOT_ACTIVE`` (a rail in error), 409 (an
-    operation in flight: ``ALLOWANCE_VERIFICATION_IN_PROGRESS`` ...), 400
-    ``VERIFICATION_STATE_INVALID`` (start on a verified rail; a code when none is awaited). The
-    code is kept encrypted on the rail until the job submits it.
+    Raises, in this order, 404 ``ALLOWANCE_NOT_FOUND``, 409 (an operation in flight:
+    ``ALLOWANCE_VERIFICATION_IN_PROGRESS`` ...), 400 ``ALLOWANCE_CANCELLED`` / ``ALLOWANCE_EXPIRED``,
+    400 ``PAYMENT_METHOD_DELETED``, 400 ``RAIL_NOT_FOUND``, 400 ``VERIFICATION_NOT_REQUIRED`` (an
+    spt rail), 400 ``RAIL_NOT_ACTIVE`` (a rail in error), 400 ``VERIFICATION_STATE_INVALID`` (start
+    on a verified rail; a code when none is awaited). The code is kept encrypted on the rail until
+    the job submits it.
     """
     allowance = find(session, caller.tenant_id, allowance_id)
-    _usable(session, allowance)
+    _not_busy(session, allowance)
+    _usable(allowance)
     _payment_method_alive(session, allowance)
     target = _rail(session, allowance, rail, provider)
     if target.rail == "spt":
         raise agentic_error("VERIFICATION_NOT_REQUIRED")
     if target.status == "error":
         raise agentic_error("RAIL_NOT_ACTIVE", "The rail's setup failed at its provider; it cannot be verified.")
-    lease = leases.held(session, allowance.id)
-    if lease is not None:
-        raise leases.in_progress(lease)
     if action == "start" and target.status == "active":
         raise agentic_error("VERIFICATION_STATE_INVALID", "The rail is verified already.")
     if action == "submit_otp" and target.verification != "otp_sent":
@@ -598,10 +602,7 @@ def start_cancel(session: Session, caller: Caller, allowance_id: str, *, setting
     allowance = find(session, caller.tenant_id, allowance_id)
     if allowance.status == "cancelled" or effective_status(allowance) == "expired":
         return Recorded(allowance.id)
-    settle_stale(session, allowance)
-    lease = leases.held(session, allowance.id)
-    if lease is not None:
-        raise leases.in_progress(lease)
+    _not_busy(session, allowance)
     allowance.delete_requested_at = allowance.delete_requested_at or utcnow()
     session.add(allowance)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=allowance.id, operation="delete")
@@ -690,11 +691,8 @@ def start_mint(session: Session, caller: Caller, allowance_id: str, request: Min
     writes the credential row (``minting``) and its job, in one transaction.
     """
     allowance = find(session, caller.tenant_id, allowance_id)
-    settle_stale(session, allowance)
-    lease = leases.held(session, allowance.id)
-    if lease is not None:
-        raise leases.in_progress(lease)
-    _usable(session, allowance, settle=False)
+    _not_busy(session, allowance)
+    _usable(allowance)
     _payment_method_alive(session, allowance)
     target = _rail(session, allowance, request.rail, request.provider)
     if target.status != "active":

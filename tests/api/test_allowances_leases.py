@@ -21,6 +21,7 @@ from decimal import Decimal
 import pytest
 import urllib3
 from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
 from app.api import Call
@@ -250,3 +251,11 @@ def test_a_stopped_payment_method_delete_blocks_minting_and_resumes(tenant):
     assert tenant.client.get(pm_path).json["status"] == "deleted"
     codes = [e["code"] for e in tenant.client.get(f"{ALLOWANCES}/{alw['id']}/errors").json["data"]]
     assert codes == ["PROVIDER_ALLOWANCE_CANCEL_FAILED", "PROVIDER_ALLOWANCE_CANCEL_FAILED"]
+
+
+def test_the_database_refuses_amounts_that_do_not_add_up(tenant):
+    alw = allowance(tenant.client, AMEX, "10.00")
+    for values in ({"amount_spent": Decimal(1)}, {"amount_available": Decimal(-1), "amount_spent": Decimal(11)}):
+        with pytest.raises(IntegrityError), session_scope() as session:
+            session.execute(update(Allowance).where(Allowance.id == alw["id"]).values(**values))
+    assert amounts(read(tenant.client, alw["id"])) == (Decimal(10), Decimal(10), Decimal(0), Decimal(0))
