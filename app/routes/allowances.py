@@ -42,7 +42,7 @@ Provider = Literal["vic", "agentpay", "psp"]
 # ---- models --------------------------------------------------------------------------------------
 
 
-class AmountIn(RequestModel):
+class MoneyIn(RequestModel):
     """An amount: ``value`` a decimal string (a JSON number is read as its decimal), ``currency`` an
     ISO 4217 code."""
 
@@ -51,25 +51,25 @@ class AmountIn(RequestModel):
     currency: str = Field(min_length=3, max_length=3, description="ISO 4217, like USD (lower case is upper-cased).")
 
 
-class CreateIn(RequestModel):
+class AllowanceCreateIn(RequestModel):
     """The body of ``POST /agentic/allowances``."""
 
     payment_method_id: str = Field(min_length=1, max_length=40)
-    amount: AmountIn
+    amount: MoneyIn
     description: str | None = Field(None, max_length=service.MAX_DESCRIPTION)
     expires_at: AwareDatetime | None = Field(None, description="Default 30 days from now; at most a year away.")
 
 
-class PatchIn(RequestModel):
+class AllowancePatchIn(RequestModel):
     """The merge-patch body of ``PATCH /agentic/allowances/{allowance_id}``."""
 
-    amount: AmountIn | None = None
+    amount: MoneyIn | None = None
     description: str | None = Field(None, max_length=service.MAX_DESCRIPTION,
                                     description="null clears it.")
     expires_at: AwareDatetime | None = None
 
 
-class VerifyIn(RequestModel):
+class VerificationIn(RequestModel):
     """The body of ``POST .../rails/verify``."""
 
     rail: Rail
@@ -86,17 +86,17 @@ class MppIn(RequestModel):
     challenge: str = Field(min_length=1, max_length=1024)
 
 
-class MintIn(RequestModel):
+class CredentialMintIn(RequestModel):
     """The body of ``POST .../credentials``."""
 
     rail: Rail
     provider: Provider
     format: Literal["card", "network-token", "identifier", "mpp"]
-    amount: AmountIn
+    amount: MoneyIn
     mpp: MppIn | None = None
 
 
-class ListQuery(BaseModel):
+class AllowanceListQuery(BaseModel):
     """The query of ``GET /agentic/allowances``."""
 
     model_config = ConfigDict(extra="ignore")
@@ -170,7 +170,7 @@ class CredentialOut(ResponseModel):
 # ---- helpers -------------------------------------------------------------------------------------
 
 
-def _amount(amount: AmountIn, path: str = "amount") -> tuple[Any, str]:
+def _amount(amount: MoneyIn, path: str = "amount") -> tuple[Any, str]:
     """``(Decimal, currency)`` of a body amount, else 400 VALIDATION_ERROR naming its fields."""
     currency = amount.currency.upper()
     errors: dict[str, list[str]] = {}
@@ -214,7 +214,7 @@ _CONTRACT = (
     "POST",
     "/agentic/allowances",
     permission="agentic:allowance:create",
-    body=CreateIn,
+    body=AllowanceCreateIn,
     status=201,
     response=AllowanceOut,
     problems=agentic_form,
@@ -241,7 +241,7 @@ _CONTRACT = (
 )
 async def create(call: Call):
     """``POST /agentic/allowances``: 201 with the allowance."""
-    body: CreateIn = call.body
+    body: AllowanceCreateIn = call.body
     value, currency = _amount(body.amount)
     request = service.CreateRequest(body.payment_method_id, value, currency, body.description, body.expires_at)
     owner = leases.new_owner()
@@ -257,7 +257,7 @@ async def create(call: Call):
 @api.route(
     "GET",
     "/agentic/allowances",
-    query=ListQuery,
+    query=AllowanceListQuery,
     permission="agentic:allowance:get",
     response=AllowancePage,
     problems=agentic_form,
@@ -272,7 +272,7 @@ async def create(call: Call):
 )
 async def list_(call: Call):
     """``GET /agentic/allowances``: a cursor page, newest first."""
-    q: ListQuery = call.query
+    q: AllowanceListQuery = call.query
     data, next_position = await call.db(
         service.list_allowances, call.caller, size=q.size, after=decode_cursor(call, q.start),
         payment_method_id=q.payment_method_id, status=q.status,
@@ -326,7 +326,7 @@ async def errors(call: Call):
     "PATCH",
     "/agentic/allowances/{allowance_id}",
     permission="agentic:allowance:update",
-    body=PatchIn,
+    body=AllowancePatchIn,
     response=AllowanceOut,
     problems=agentic_form,
     tag=TAG,
@@ -349,7 +349,7 @@ async def errors(call: Call):
 )
 async def update(call: Call):
     """``PATCH /agentic/allowances/{allowance_id}``: 200 with the allowance."""
-    body: PatchIn = call.body
+    body: AllowancePatchIn = call.body
     changes: dict[str, Any] = {}
     nulls = {}
     for name in body.model_fields_set:
@@ -404,7 +404,7 @@ async def delete(call: Call):
     "POST",
     "/agentic/allowances/{allowance_id}/rails/verify",
     permission="agentic:allowance:verify",
-    body=VerifyIn,
+    body=VerificationIn,
     response=VerificationOut,
     problems=agentic_form,
     tag=TAG,
@@ -428,7 +428,7 @@ async def delete(call: Call):
 )
 async def verify(call: Call):
     """``POST .../rails/verify``: 200 ``{status, rail}``."""
-    body: VerifyIn = call.body
+    body: VerificationIn = call.body
     _pair(body.rail, body.provider)
     if body.action == "submit_otp" and body.otp is None:
         raise validation_error({"otp": ["is required for submit_otp"]})
@@ -448,7 +448,7 @@ async def verify(call: Call):
     "POST",
     "/agentic/allowances/{allowance_id}/credentials",
     permission="agentic:credential:create",
-    body=MintIn,
+    body=CredentialMintIn,
     status=201,
     response=CredentialOut,
     problems=agentic_form,
@@ -485,7 +485,7 @@ async def verify(call: Call):
 )
 async def mint(call: Call):
     """``POST .../credentials``: 201 with the credential and its value."""
-    body: MintIn = call.body
+    body: CredentialMintIn = call.body
     _pair(body.rail, body.provider)
     mpp = body.mpp.model_dump() if body.mpp is not None else None
     problems = service.format_errors(body.provider, body.format, mpp)

@@ -137,35 +137,51 @@ def isolated_prefix(redis_flushed):
         redis_flushed.delete(key)
 
 
-def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(
-    database, sandbox, isolated_prefix
-):
+@contextlib.contextmanager
+def stack(prefix: str, proxy_port: int, *, log_prefix: str, **settings: str):
+    """``tessera api`` and ``tessera beat`` on Redis prefix ``prefix`` and worker A, which reaches the
+    sandbox through the proxy on ``proxy_port``, for a new tenant (``settings``: more environment);
+    yields ``(start, worker_a, client, tenant, env)``. The processes' log tails are printed when the
+    block fails."""
     from domain.tenancy.tenants import create_tenant
 
-    proxy = HoldingProxy(sandbox)
-    proxy_port = free_port()
-    stop_proxy = serve_in_thread(proxy.app, proxy_port)
     api_port = free_port()
-    common = {
-        "TESSERA_REDIS_KEY_PREFIX": isolated_prefix,
+    env = {
+        "TESSERA_REDIS_KEY_PREFIX": prefix,
         "TESSERA_API_PORT": str(api_port),
         "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1",
         "TESSERA_AGENTIC_PROVIDER_TIMEOUT_SECONDS": "3",  # a job's lease: 1 + 3 + 10 s
         "TESSERA_PROVIDER_CONNECT_TIMEOUT_SECONDS": "1",
         "TESSERA_AGENTIC_WAIT_SECONDS": "2",
         "TESSERA_LOG_LEVEL": "WARNING",
+        **settings,
     }
     with session_scope() as session:
         tenant = create_tenant(session, name="kill", owner_email=f"kill-{os.urandom(4).hex()}@example.com")
-    log_dir = Path(tempfile.mkdtemp(prefix="tessera-kill-"))
+    log_dir = Path(tempfile.mkdtemp(prefix=log_prefix))
     try:
         with processes(log_dir) as start:
-            start("api", [TESSERA, "api"], common)
-            start("beat", [TESSERA, "beat"], common)
+            start("api", [TESSERA, "api"], env)
+            start("beat", [TESSERA, "beat"], env)
             worker_a = start("worker-a", [TESSERA, "worker", "--concurrency", "2", "-n", "a@%h"],
-                             {**common, "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{proxy_port}"})
+                             {**env, "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{proxy_port}"})
             client = ApiClient(f"http://127.0.0.1:{api_port}", tenant.api_key)
             wait_until(lambda: _answers(client), timeout=60)
+            yield start, worker_a, client, tenant, env
+    except BaseException:
+        print(_log_tail(log_dir), file=sys.stderr)
+        raise
+
+
+def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(
+    database, sandbox, isolated_prefix
+):
+    proxy = HoldingProxy(sandbox)
+    proxy_port = free_port()
+    stop_proxy = serve_in_thread(proxy.app, proxy_port)
+    try:
+        with stack(isolated_prefix, proxy_port, log_prefix="tessera-kill-") as (start, worker_a, client, tenant,
+                                                                                 common):
             number = fresh_visa()
 
             created = client.post(BASE, {"source": {"type": "svc_card_token", "token_id": card_token(client, number)},
@@ -201,9 +217,6 @@ def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(
             with session_scope() as session:
                 assert session.get(OperationLease, pm["id"]) is None
             assert client.delete(f"{BASE}/{pm['id']}").status == 204
-    except BaseException:
-        print(_log_tail(log_dir), file=sys.stderr)
-        raise
     finally:
         proxy.released.set()
         time.sleep(0.2)

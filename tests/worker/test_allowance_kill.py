@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
-import tempfile
 import threading
 import time
 from decimal import Decimal
-from pathlib import Path
 
 import pytest
 from sqlmodel import select
@@ -30,8 +27,8 @@ from storage.models import Job
 from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential
 from tests.api.test_agentic_support import AMEX, BASE, admin, card_token
 from tests.conftest import free_port, serve_in_thread
-from tests.helpers import ApiClient, wait_until
-from tests.worker.test_agentic_kill import TESSERA, HoldingProxy, _answers, isolated_prefix, processes
+from tests.helpers import wait_until
+from tests.worker.test_agentic_kill import TESSERA, HoldingProxy, isolated_prefix, stack
 
 __all__ = ["isolated_prefix"]  # the fixture, used by the tests below
 
@@ -50,33 +47,12 @@ def _amounts(alw_id: str) -> tuple[Decimal, Decimal, Decimal, Decimal]:
 
 @pytest.mark.parametrize("before", [True, False], ids=["before-the-call", "after-the-answer"])
 def test_a_worker_killed_mid_mint_leaves_the_amounts_adding_up(database, sandbox, isolated_prefix, before):
-    from domain.tenancy.tenants import create_tenant
-
     proxy = HoldingProxy(sandbox, credential_mints, before=before)
     proxy_port = free_port()
     stop_proxy = serve_in_thread(proxy.app, proxy_port)
-    api_port = free_port()
-    common = {
-        "TESSERA_REDIS_KEY_PREFIX": isolated_prefix,
-        "TESSERA_API_PORT": str(api_port),
-        "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1",
-        "TESSERA_AGENTIC_PROVIDER_TIMEOUT_SECONDS": "3",
-        "TESSERA_PROVIDER_CONNECT_TIMEOUT_SECONDS": "1",
-        "TESSERA_AGENTIC_WAIT_SECONDS": "2",
-        "TESSERA_OPERATION_LEASE_SECONDS": "5",
-        "TESSERA_LOG_LEVEL": "WARNING",
-    }
-    with session_scope() as session:
-        tenant = create_tenant(session, name="kill", owner_email=f"kill-{os.urandom(4).hex()}@example.com")
-    log_dir = Path(tempfile.mkdtemp(prefix="tessera-mint-kill-"))
     try:
-        with processes(log_dir) as start:
-            start("api", [TESSERA, "api"], common)
-            start("beat", [TESSERA, "beat"], common)
-            worker_a = start("worker-a", [TESSERA, "worker", "--concurrency", "2", "-n", "a@%h"],
-                             {**common, "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{proxy_port}"})
-            client = ApiClient(f"http://127.0.0.1:{api_port}", tenant.api_key)
-            wait_until(lambda: _answers(client), timeout=60)
+        with stack(isolated_prefix, proxy_port, log_prefix="tessera-mint-kill-",
+                   TESSERA_OPERATION_LEASE_SECONDS="5") as (start, worker_a, client, _tenant, common):
             token_id = card_token(client, AMEX)
             answer = client.post(BASE, {"source": {"type": "svc_card_token", "token_id": token_id},
                                         "consumer": {"email": "ada@example.com"}})
@@ -139,10 +115,6 @@ def test_a_worker_killed_mid_mint_leaves_the_amounts_adding_up(database, sandbox
                                  "amount": {"value": "40.00", "currency": "USD"}})
             assert final.status == 201, final
             assert _amounts(alw["id"]) == (Decimal(50), Decimal(0), Decimal(0), Decimal(50))
-    except BaseException:
-        print("\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in log_dir.glob("*.log")),
-              file=sys.stderr)
-        raise
     finally:
         proxy.released.set()
         time.sleep(0.2)
