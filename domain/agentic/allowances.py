@@ -584,7 +584,9 @@ def finish_verification(session: Session, caller: Caller, allowance_id: str, *, 
         raise failure_problem(result, "PROVIDER_VERIFICATION_FAILED")
     if status not in jobs.TERMINAL:
         raise agentic_error("ALLOWANCE_VERIFICATION_IN_PROGRESS")
-    return {"status": result.get("verification", "otp_sent"), "rail": rail_view(_rail(session, allowance, rail,
+    if "verification" not in result:  # overtaken: the rail is no longer where this step applies
+        raise agentic_error("VERIFICATION_STATE_INVALID")
+    return {"status": result["verification"], "rail": rail_view(_rail(session, allowance, rail,
                                                                                        provider))}
 
 

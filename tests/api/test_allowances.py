@@ -277,3 +277,16 @@ def test_log_rows_name_the_allowance_and_the_credential(tenant):
         assert (entity_id, "create") in [(r["entity_id"], r["operation"]) for r in rows], rows
     listed = {t["value"] for t in tenant.client.get("/logs/entity-types").json}
     assert {"allowance", "payment_credential"} <= listed
+
+
+def test_allowance_and_credential_events_are_delivered(tenant, receiver):
+    events = ["agentic.allowance.updated", "agentic.credential.created"]
+    hook = tenant.client.post("/webhooks", {"name": "allowances", "url": receiver.url, "events": events})
+    assert hook.status == 201, hook
+    alw = allowance(tenant.client, AMEX)
+    credential = mint(tenant.client, alw["id"], "2.00").json
+    hits = receiver.wait_for(lambda r: r.json["event"]["type"] == "agentic.credential.created", timeout=20)
+    assert hits[0].json["event"]["data"] == {"credential": {"id": credential["id"]},
+                                             "allowance": {"id": alw["id"], "status": "active"}}
+    updated = receiver.wait_for(lambda r: r.json["event"]["type"] == "agentic.allowance.updated", timeout=20)
+    assert updated[0].json["event"]["data"] == {"allowance": {"id": alw["id"], "status": "active"}}
