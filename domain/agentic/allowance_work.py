@@ -355,9 +355,10 @@ def cancel_failed(session: Session, job: Job, error: Exception) -> None:
 
 
 def payment_method_allowances(session: Session, pm_id: str) -> list[str]:
-    """The ids of the payment method's allowances not cancelled yet (the delete cascade's)."""
+    """The ids of the payment method's live allowances (the delete cascade's: cancelled and expired
+    ones are left as they are)."""
     return list(session.exec(select(Allowance.id).where(Allowance.payment_method_id == pm_id,
-                                                        Allowance.status != "cancelled")).all())
+                                                        Allowance.status.in_(service.LIVE))).all())
 
 
 def busy_allowance(session: Session, pm_id: str) -> leases.OperationLease | None:
@@ -370,12 +371,16 @@ def busy_allowance(session: Session, pm_id: str) -> leases.OperationLease | None
 
 
 def cancel_payment_method_allowances(session: Session, pm_id: str, *, trace_id: str | None) -> None:
-    """The payment method is deleted: every allowance it backs is ``cancelled`` (its providers were
-    asked by :func:`cancel_rails`)."""
+    """The payment method is deleted: every live allowance it backs is ``cancelled`` (its providers
+    were asked by :func:`cancel_rails`), or ``expired`` when its expiry passed."""
     for allowance_id in payment_method_allowances(session, pm_id):
         allowance = service.lock(session, allowance_id)
-        if allowance is not None:
-            service.settle_stale(session, allowance)
+        if allowance is None:
+            continue
+        service.settle_stale(session, allowance)
+        if service.effective_status(allowance) == "expired":  # expiry is terminal: it stays expired
+            service.set_status(session, allowance, "expired", trace_id=trace_id)
+        else:
             service.mark_cancelled(session, allowance, trace_id=trace_id)
 
 

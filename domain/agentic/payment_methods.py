@@ -656,10 +656,10 @@ def _allowance_busy(session: Session, pm_id: str) -> bool:
 
 
 def _allowances_to_cancel(session: Session, pm_id: str) -> bool:
-    """True when the payment method backs an allowance not cancelled yet (the cascade cancels it)."""
+    """True when the payment method backs a live allowance (the cascade cancels it)."""
     return session.exec(
         select(func.count()).select_from(Allowance)
-        .where(Allowance.payment_method_id == pm_id, Allowance.status != "cancelled")
+        .where(Allowance.payment_method_id == pm_id, Allowance.status.in_(("pending_verification", "active")))
     ).one() > 0
 
 

@@ -259,3 +259,14 @@ def test_the_database_refuses_amounts_that_do_not_add_up(tenant):
         with pytest.raises(IntegrityError), session_scope() as session:
             session.execute(update(Allowance).where(Allowance.id == alw["id"]).values(**values))
     assert amounts(read(tenant.client, alw["id"])) == (Decimal(10), Decimal(10), Decimal(0), Decimal(0))
+
+
+def test_deleting_the_payment_method_leaves_an_expired_allowance_expired(tenant):
+    alw = allowance(tenant.client, AMEX, "20.00")
+    live = tenant.client.post(ALLOWANCES, {"payment_method_id": alw["payment_method_id"], "amount": usd("5.00")}).json
+    with session_scope() as session:
+        session.execute(update(Allowance).where(Allowance.id == alw["id"])
+                        .values(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)))
+    assert tenant.client.delete(f"{BASE}/{alw['payment_method_id']}").status == 204
+    assert read(tenant.client, alw["id"])["status"] == "expired"
+    assert read(tenant.client, live["id"])["status"] == "cancelled"
