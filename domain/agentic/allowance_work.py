@@ -465,6 +465,8 @@ def apply_mint(session: Session, job: Job, outcome: MintedCredential | Stale) ->
     service.seal_credential(session, row, minted.credential)
     session.add(row)
     leases.release(session, allowance.id, row.id)
+    idempotency.settle_resource(session, tenant_id=row.tenant_id, scope=idempotency.MINT_CREDENTIAL,
+                                resource_id=row.id, state="succeeded")
     events.emit(session, tenant_id=row.tenant_id, type=service.CREDENTIAL_EVENT,
                 data={"credential": {"id": row.id}, "allowance": {"id": allowance.id,
                                                                   "status": service.effective_status(allowance)}},
@@ -495,9 +497,9 @@ def mint_failed(session: Session, job: Job, error: Exception) -> None:
     code, _status = _code(error, "PROVIDER_CREDENTIALS_FAILED")
     if unknown:
         code = "CREDENTIAL_OUTCOME_UNKNOWN"
+    problem = None if unknown else service.failure_problem({"code": code}, "PROVIDER_CREDENTIALS_FAILED")
     idempotency.settle_resource(session, tenant_id=row.tenant_id, scope=idempotency.MINT_CREDENTIAL,
-                                resource_id=row.id, problem=None if unknown else service.failure_problem(
-                                    {"code": code}, "PROVIDER_CREDENTIALS_FAILED"))
+                                resource_id=row.id, state="unknown" if unknown else "failed", problem=problem)
     if code in CATALOGUE and code != "VALIDATION_ERROR":
         rail = session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == row.allowance_id,
                                                         AllowanceRail.rail == row.rail,

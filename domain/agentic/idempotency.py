@@ -164,14 +164,14 @@ def unknown(session: Session, claim_: Claim) -> None:
                     .execution_options(synchronize_session=False))
 
 
-def settle_resource(session: Session, *, tenant_id: uuid.UUID, scope: str, resource_id: str,
-                    problem: Problem | None) -> None:
+def settle_resource(session: Session, *, tenant_id: uuid.UUID, scope: str, resource_id: str, state: str,
+                    problem: Problem | None = None) -> None:
     """A worker learned the outcome of the operation that makes ``resource_id``: a running record
-    naming it is settled (``problem`` None: unknown; else that conclusive failure), so a replay after
-    its request stopped waiting answers the outcome rather than guessing from the resource."""
-    values: dict[str, Any] = {"state": "unknown", "completed_at": utcnow()}
+    naming it is settled (``state`` ``succeeded``, ``unknown``, or ``failed`` with ``problem``), so a
+    replay after its request stopped waiting answers the outcome at once."""
+    values: dict[str, Any] = {"state": state, "completed_at": utcnow()}
     if problem is not None:
-        values.update(state="failed", status_code=problem.status, problem=problem.body())
+        values.update(status_code=problem.status, problem=problem.body())
     session.execute(
         update(IdempotencyRecord)
         .where(IdempotencyRecord.tenant_id == tenant_id, IdempotencyRecord.scope == scope,

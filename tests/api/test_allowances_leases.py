@@ -235,6 +235,25 @@ def test_a_key_held_by_a_running_mint_answers_in_progress_and_then_its_outcome(t
     assert amounts(read(tenant.client, alw["id"])) == (Decimal(30), Decimal(30), Decimal(0), Decimal(0))
 
 
+def test_a_key_whose_mint_succeeded_after_its_request_stopped_waiting_answers_payload_unavailable(
+        tenant, monkeypatch):
+    alw = allowance(tenant.client, AMEX, "30.00")
+
+    async def no_wait(self, job_ids, *, timeout):
+        return {}
+
+    monkeypatch.setattr(Call, "wait_for_jobs", no_wait)
+    monkeypatch.setattr(jobs_module, "enqueue_after_commit", lambda *args, **kwargs: None)
+    assert_problem(mint(tenant.client, alw["id"], "5.00", key="late"), 409, "ALLOWANCE_CREDENTIAL_IN_PROGRESS")
+    monkeypatch.undo()
+    [pending] = credential_rows(alw["id"])
+    MintCredential().run(str(pending.job_id))
+    assert_problem(mint(tenant.client, alw["id"], "5.00", key="late"), 409, "CREDENTIAL_PAYLOAD_UNAVAILABLE")
+    assert amounts(read(tenant.client, alw["id"])) == (Decimal(30), Decimal(25), Decimal(0), Decimal(5))
+    shown = tenant.client.get(f"{ALLOWANCES}/{alw['id']}/credentials/{pending.id}")
+    assert shown.status == 200 and "credential" not in shown.json
+
+
 def test_a_stopped_payment_method_delete_blocks_minting_and_resumes(tenant):
     alw = allowance(tenant.client, CANCEL_FAILS_ONCE, "30.00")
     pm_path = f"{BASE}/{alw['payment_method_id']}"
