@@ -32,7 +32,7 @@ from infra.task import AttemptFailed
 from storage.db import session_scope
 from storage.models import Job
 from storage.models_agentic import OperationLease
-from storage.models_allowances import Allowance, AllowanceRail
+from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential
 from tasks.agentic import MintCredential, sweep_allowances
 from tests.api.test_agentic_support import AMEX, BASE, assert_problem, created
 from tests.api.test_allowances_credentials import admin_count
@@ -252,6 +252,13 @@ def test_a_key_whose_mint_succeeded_after_its_request_stopped_waiting_answers_pa
     assert amounts(read(tenant.client, alw["id"])) == (Decimal(30), Decimal(25), Decimal(0), Decimal(5))
     shown = tenant.client.get(f"{ALLOWANCES}/{alw['id']}/credentials/{pending.id}")
     assert shown.status == 200 and "credential" not in shown.json
+    [issued] = credential_rows(alw["id"])
+    assert issued.sealed is not None and b"spt_" not in issued.sealed  # encrypted while it waits
+    with session_scope() as session:  # nobody takes it: ten minutes on, the sweep destroys it
+        session.execute(update(PaymentCredential).where(PaymentCredential.id == pending.id)
+                        .values(created_at=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=11)))
+    sweep_allowances()
+    assert [r.sealed for r in credential_rows(alw["id"])] == [None]
 
 
 def test_a_stopped_payment_method_delete_blocks_minting_and_resumes(tenant):
