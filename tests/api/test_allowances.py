@@ -290,3 +290,24 @@ def test_allowance_and_credential_events_are_delivered(tenant, receiver):
                                              "allowance": {"id": alw["id"], "status": "active"}}
     updated = receiver.wait_for(lambda r: r.json["event"]["type"] == "agentic.allowance.updated", timeout=20)
     assert updated[0].json["event"]["data"] == {"allowance": {"id": alw["id"], "status": "active"}}
+
+
+def test_framing_problems_take_the_agentic_form(tenant, api):
+    alw = allowance(tenant.client, AMEX)
+    assert_problem(tenant.client.post(ALLOWANCES, raw=b"{", content_type="application/json"), 400, "INVALID_BODY")
+    assert_problem(tenant.client.post(ALLOWANCES, {"amount": usd("1.00")}), 400, "VALIDATION_ERROR")
+    assert_problem(tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", raw=b"x", content_type="text/plain"), 415,
+                   "UNSUPPORTED_MEDIA_TYPE")
+    assert_problem(api.client().get(ALLOWANCES), 401, "UNAUTHORIZED")
+    assert_problem(tenant.client.get(f"{ALLOWANCES}/{alw['id']}/nothing"), 404, "NOT_FOUND")
+    assert_problem(tenant.client.put(f"{ALLOWANCES}/{alw['id']}", {}), 405, "METHOD_NOT_ALLOWED")
+
+
+def test_a_production_tenant_without_live_providers_has_no_active_rails(api):
+    from tests.conftest import make_tenant
+
+    production = make_tenant(api, type="production")
+    pm = created(production.client, AMEX)
+    assert pm["rails"][0]["error"] == {"code": "PROVIDER_NOT_CONFIGURED"}
+    answer = production.client.post(ALLOWANCES, {"payment_method_id": pm["id"], "amount": usd("1.00")})
+    assert_problem(answer, 400, "NO_ACTIVE_RAILS")
