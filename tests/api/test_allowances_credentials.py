@@ -12,7 +12,10 @@ import pytest
 from aiohttp import web
 from joserfc import jwe
 from joserfc.jwk import OKPKey
+from sqlmodel import select
 
+from storage.db import session_scope
+from storage.models_allowances import AllowanceRail
 from tests.api.test_agentic_support import AMEX, admin, assert_problem
 from tests.api.test_allowances_support import (
     ALLOWANCES,
@@ -28,7 +31,7 @@ from tests.api.test_allowances_support import (
     usd,
     verified,
 )
-from tests.conftest import free_port, serve_in_thread
+from tests.conftest import SANDBOX_PORT, free_port, serve_in_thread
 
 
 def test_an_identifier_mint_moves_the_amount_to_spent_and_returns_the_value_once(tenant):
@@ -61,12 +64,6 @@ def test_an_identifier_mint_moves_the_amount_to_spent_and_returns_the_value_once
 
 def admin_count(tenant, alw_id: str) -> int:
     """How many credentials the sandbox minted for the allowance's provider allowances."""
-    from sqlmodel import select
-
-    from storage.db import session_scope
-    from storage.models_allowances import AllowanceRail
-    from tests.conftest import SANDBOX_PORT
-
     with session_scope() as session:
         ids = [r.provider_allowance_id for r in session.exec(
             select(AllowanceRail).where(AllowanceRail.allowance_id == alw_id)).all()]
