@@ -1,5 +1,5 @@
-"""A worker killed mid-mint: before the provider call, and between the provider's answer and the
-commit. The stale mint lease is settled by the beat sweep (the reservation becomes spent), the amounts
+"""A worker killed mid-setup (the job, run again with the same key, sets each rail up once) and
+mid-mint: before the provider call, and between the provider's answer and the commit. The stale mint lease is settled by the beat sweep (the reservation becomes spent), the amounts
 add up at every step, and the job the dead worker held, run again by another worker, changes nothing.
 
 The stack runs as real processes on a Redis key prefix of its own (see ``test_agentic_kill.py``):
@@ -25,7 +25,7 @@ from sqlmodel import select
 from storage.db import session_scope
 from storage.models import Job
 from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential
-from tests.api.test_agentic_support import AMEX, BASE, admin, card_token
+from tests.api.test_agentic_support import AMEX, BASE, admin, card_token, fresh_visa
 from tests.conftest import free_port, serve_in_thread
 from tests.helpers import wait_until
 from tests.worker.test_agentic_kill import TESSERA, HoldingProxy, isolated_prefix, stack
@@ -115,6 +115,57 @@ def test_a_worker_killed_mid_mint_leaves_the_amounts_adding_up(database, sandbox
                                  "amount": {"value": "40.00", "currency": "USD"}})
             assert final.status == 201, final
             assert _amounts(alw["id"]) == (Decimal(50), Decimal(0), Decimal(0), Decimal(50))
+    finally:
+        proxy.released.set()
+        time.sleep(0.2)
+        stop_proxy()
+
+
+def allowance_setups(method: str, parts: list[str]) -> bool:
+    return method == "POST" and parts[0] == "agentic" and parts[-1] == "allowances"
+
+
+def test_a_worker_killed_mid_setup_sets_the_rail_up_once(database, sandbox, isolated_prefix):
+    proxy = HoldingProxy(sandbox, allowance_setups)
+    proxy_port = free_port()
+    stop_proxy = serve_in_thread(proxy.app, proxy_port)
+    try:
+        with stack(isolated_prefix, proxy_port, log_prefix="tessera-setup-kill-") as (start, worker_a, client,
+                                                                                      _tenant, common):
+            number = fresh_visa()
+            answer = client.post(BASE, {"source": {"type": "svc_card_token", "token_id": card_token(client, number)},
+                                        "consumer": {"email": "ada@example.com"}})
+            assert answer.status == 201, answer
+            pm = answer.json
+            wait_until(lambda: all(r["status"] == "enabled" for r in client.get(f"{BASE}/{pm['id']}").json["rails"]),
+                       timeout=60)
+            created = client.post("/agentic/allowances", {"payment_method_id": pm["id"],
+                                                          "amount": {"value": "50.00", "currency": "USD"}})
+            assert created.status == 201, created
+            alw = created.json
+            assert {r["status"] for r in alw["rails"]} == {"inactive"}  # both set-ups still running
+            wait_until(lambda: len(proxy.held) == 2, timeout=60)  # both providers set up, answers held
+            os.killpg(worker_a.pid, signal.SIGKILL)
+            worker_a.wait(10)
+
+            start("worker-b", [TESSERA, "worker", "--concurrency", "2", "-n", "b@%h"], common)
+
+            def settled():
+                now = client.get(f"/agentic/allowances/{alw['id']}").json
+                return all(r["status"] == "active" or (r["provider"] == "vic" and r["status"] == "inactive")
+                           for r in now["rails"]) and now["status"] == "pending_verification" and now
+
+            def set_up():
+                with session_scope() as session:
+                    rails = session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == alw["id"])).all()
+                    return all(r.provider_allowance_id for r in rails) and rails
+
+            rails = wait_until(set_up, timeout=150)
+            assert settled()
+            for rail in rails:  # the job run again asked with the same key: one allowance at each provider
+                held = admin(sandbox, "allowances", provider=rail.provider, pan=number)["allowances"]
+                assert [a["id"] for a in held] == [rail.provider_allowance_id]
+            assert _amounts(alw["id"]) == (Decimal(50), Decimal(50), Decimal(0), Decimal(0))
     finally:
         proxy.released.set()
         time.sleep(0.2)
