@@ -1,6 +1,7 @@
 """A worker killed mid-setup (the job, run again with the same key, sets each rail up once) and
-mid-mint: before the provider call, and between the provider's answer and the commit. The stale mint lease is settled by the beat sweep (the reservation becomes spent), the amounts
-add up at every step, and the job the dead worker held, run again by another worker, changes nothing.
+mid-mint: before the provider call, and between the provider's answer and the commit. The stale
+mint lease is settled by the beat sweep (the reservation becomes spent), the amounts add up at every
+step, and the job the dead worker held, run again by another worker, changes nothing.
 
 The stack runs as real processes on a Redis key prefix of its own (see ``test_agentic_kill.py``):
 ``tessera api``, ``tessera beat`` and two ``tessera worker`` processes. Worker A reaches the sandbox
