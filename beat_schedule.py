@@ -77,6 +77,11 @@ def beat_schedule(settings: Settings) -> dict:
             "schedule": 3600.0,
             "options": {"expires": 3300},
         },
+        "agentic-allowances": {
+            "task": "agentic.sweep_allowances",
+            "schedule": 30.0,
+            "options": {"expires": 25},
+        },
         "stale-leases": {
             "task": "sweeps.release_stale_leases",
             "schedule": 30.0,

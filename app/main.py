@@ -23,6 +23,7 @@ from app.ratelimit import RateLimiter, rules_for
 from app.routes import (
     account_updater,
     agentic,
+    allowances,
     applications,
     network_tokens,
     ops,
@@ -61,6 +62,7 @@ def route_modules() -> list:
         tokens,
         token_intents,
         network_tokens,
+        allowances,
         agentic,
         account_updater,
         webhooks,

@@ -359,6 +359,9 @@ _EVENT_DATA: dict[str, dict] = {
                            "status": {"enum": ["enabled", "pending", "error"]},
                            "provider_ids": {"type": "object", "additionalProperties": {"type": "string"}},
                            "error": {"type": "object", "properties": {"code": {"type": "string"}}}}}}},
+    "agentic.allowance.updated": {"type": "object", "required": ["allowance"], "properties": {"allowance": _ids()}},
+    "agentic.credential.created": {"type": "object", "required": ["credential", "allowance"],
+                                   "properties": {"credential": _ids(status=False), "allowance": _ids()}},
     "reactor": {"type": "object", "required": ["reactor", "invocation"],
                 "properties": {"reactor": _ids(status=False), "invocation": _ids()}},
 }

@@ -59,6 +59,7 @@ __all__ = [
     "Request",
     "deliver",
     "deliver_many",
+    "fetch",
     "forward",
     "is_public_address",
     "validate_destination_url",
@@ -435,7 +436,7 @@ def _tls_error_message(exc: BaseException) -> str:
 @dataclass(frozen=True)
 class Request:
     """One request for :func:`deliver_many`: ``url``, JSON ``body`` bytes and extra ``headers``;
-    ``method`` POST unless told (a GET sends no body)."""
+    ``method`` ``POST`` (a delivery) or ``GET`` (:func:`fetch`: the body is not sent)."""
 
     url: str
     body: bytes
@@ -864,3 +865,19 @@ async def forward(
                            max_response_bytes=max_response_bytes)
 
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), _POOL.loop()))
+
+
+def fetch(url: str, *, timeout_s: float, allow_private: bool, max_response_bytes: int = 64 * 1024,
+          ca_certs: str | None = None, accept: str = "application/json") -> DeliveryResult:
+    """GET ``url`` once under the rules of :func:`deliver` (the SSRF guard, no redirects, bounded
+    time and memory) and report what happened; the answer's first ``max_response_bytes`` are in
+    ``response_body``. Network problems are reported in the result (``refused`` for an address the
+    guard rejects), never raised. ``accept``: the Accept header sent."""
+    [result] = deliver_many(
+        [Request(url, b"", {"accept": accept}, method="GET")],
+        timeout_s=timeout_s,
+        allow_private=allow_private,
+        max_response_bytes=max_response_bytes,
+        ca_certs=ca_certs,
+    )
+    return result

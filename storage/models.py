@@ -325,6 +325,7 @@ class AuditLog(SQLModel, table=True):
 from storage import (  # noqa: E402, F401
     models_account_updater,
     models_agentic,
+    models_allowances,
     models_network_tokens,
     models_proxy,
     models_reactors,

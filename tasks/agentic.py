@@ -1,6 +1,8 @@
 """Agentic tasks (``agentic.*``, routed to the ``providers`` queue): rail enrollment, polling of
-pending enrollments, the delete cascade, and two beat sweeps (stale operation leases, provider error
-retention). Thin shells: the work is in :mod:`domain.agentic.enrollment` and friends.
+pending enrollments, the delete cascade, the allowance jobs (rail setup, update, verification,
+cancellation, minting) and three beat sweeps (stale operation leases, provider error retention,
+allowances: stale reservations, expiry, undelivered credential values). Thin shells: the work is in
+:mod:`domain.agentic.enrollment`, :mod:`domain.agentic.allowance_work` and friends.
 
 Beat entries (``beat_schedule.py``)::
 
@@ -8,6 +10,8 @@ Beat entries (``beat_schedule.py``)::
                                  "options": {"expires": 25, "queue": "sweeps"}},
     "agentic-provider-errors": {"task": "agentic.purge_provider_errors", "schedule": 3600.0,
                                 "options": {"expires": 3300, "queue": "sweeps"}},
+    "agentic-allowances": {"task": "agentic.sweep_allowances", "schedule": 30.0,
+                           "options": {"expires": 25, "queue": "sweeps"}},
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import logging
 
 from config.settings import get_settings
-from domain.agentic import enrollment, leases
+from domain.agentic import allowance_work, enrollment, leases
+from domain.agentic import allowances as allowance_service
 from domain.agentic.payment_methods import DELETE_TASK, ENROLL_TASK, POLL_TASK, purge_provider_errors
 from infra.celery import celery_app
 from infra.task import JobTask, TesseraTask
@@ -102,9 +107,74 @@ class DeletePaymentMethod(_ProviderJob):
         enrollment.delete_failed(session, job, error)
 
 
+class _AllowanceJob(_ProviderJob):
+    """An allowance job: ``steps`` are its perform, apply and failure functions
+    (:mod:`domain.agentic.allowance_work`). Its lease covers two calls (two rails, or a mint's key
+    set fetch and provider call)."""
+
+    abstract = True
+    steps: tuple = ()
+
+    @property
+    def lease_seconds(self) -> float:  # type: ignore[override]
+        """Seconds a worker holds the job: two calls' timeouts plus 10 s."""
+        settings = get_settings()
+        return 2 * (settings.provider_connect_timeout_seconds + settings.agentic_provider_timeout_seconds) + 10.0
+
+    def perform(self, job):
+        """The provider calls, outside any transaction."""
+        return self.steps[0](job, get_settings(), session_scope)
+
+    def apply(self, session, job, outcome):
+        """Write the outcome with the job's completion."""
+        return self.steps[1](session, job, outcome)
+
+    def on_job_failure(self, session, job, error):
+        """Record a conclusive failure or a dead letter."""
+        self.steps[2](session, job, error)
+
+
+class SetUpAllowanceRail(_AllowanceJob):
+    """Set up one allowance rail at its provider (job subject: the allowance rail id)."""
+
+    name = allowance_service.SETUP_TASK
+    steps = (allowance_work.perform_setup, allowance_work.apply_setup, allowance_work.setup_failed)
+
+
+class UpdateAllowance(_AllowanceJob):
+    """Apply an allowance's pending update at its providers, then locally (subject: the allowance)."""
+
+    name = allowance_service.UPDATE_TASK
+    steps = (allowance_work.perform_update, allowance_work.apply_update, allowance_work.update_failed)
+
+
+class VerifyAllowanceRail(_AllowanceJob):
+    """Start a rail's verification or submit its code (subject: the allowance rail id)."""
+
+    name = allowance_service.VERIFY_TASK
+    steps = (allowance_work.perform_verification, allowance_work.apply_verification,
+             allowance_work.verification_failed)
+
+
+class CancelAllowance(_AllowanceJob):
+    """Cancel an allowance at every provider, then locally (subject: the allowance)."""
+
+    name = allowance_service.CANCEL_TASK
+    steps = (allowance_work.perform_cancel, allowance_work.apply_cancel, allowance_work.cancel_failed)
+
+
+class MintCredential(_AllowanceJob):
+    """Mint one payment credential (subject: the credential id, also the provider's key)."""
+
+    name = allowance_service.MINT_TASK
+    steps = (allowance_work.perform_mint, allowance_work.apply_mint, allowance_work.mint_failed)
+
+
 celery_app.register_task(EnrollRail())
 celery_app.register_task(PollRail())
 celery_app.register_task(DeletePaymentMethod())
+for _task in (SetUpAllowanceRail, UpdateAllowance, VerifyAllowanceRail, CancelAllowance, MintCredential):
+    celery_app.register_task(_task())
 
 
 @celery_app.task(name="agentic.release_stale_operation_leases", base=TesseraTask)
@@ -119,3 +189,12 @@ def purge_provider_errors_task() -> int:
     days = get_settings().provider_error_retention_days
     return in_batches(lambda s: purge_provider_errors(s, retention_days=days, batch=SWEEP_BATCH), SWEEP_BATCH)
 
+
+
+@celery_app.task(name="agentic.sweep_allowances", base=TesseraTask)
+def sweep_allowances() -> int:
+    """Settle stale mint reservations (to spent), expire allowances past ``expires_at``, destroy
+    credential values their request never took; returns how many rows changed."""
+    return (in_batches(lambda s: allowance_service.settle_stale_reservations(s, batch=SWEEP_BATCH), SWEEP_BATCH)
+            + in_batches(lambda s: allowance_service.expire_allowances(s, batch=SWEEP_BATCH), SWEEP_BATCH)
+            + in_batches(lambda s: allowance_service.purge_undelivered(s, batch=SWEEP_BATCH), SWEEP_BATCH))

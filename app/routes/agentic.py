@@ -206,7 +206,9 @@ class ProviderErrorOut(ResponseModel):
     title: str
     detail: str
     provider: str
-    operation: str = Field(description="`enrollment` (provisioning a rail) or `deletion` (the delete cascade).")
+    operation: str = Field(description="`enrollment` (provisioning a rail), `deletion` (the delete cascade), "
+                           "`allowance` (an allowance rail's setup), `allowance_update`, `verification`, "
+                           "`cancellation`, `credentials` (a mint).")
     rail: str
     provider_code: str | None
     provider_correlation_id: str | None
@@ -351,8 +353,6 @@ async def create(call: Call):
     """``POST /agentic/payment-methods`` (spec 001 section 4): 201 with the payment method."""
     body: CreateIn = call.body
     settings = call.settings
-    header = settings.header("IDEMPOTENCY-KEY")
-    key = call.request.headers.get(header)
     request = service.CreateRequest(
         token_id=str(body.source.token_id),
         consumer=body.consumer.model_dump(mode="json", exclude_none=True),
@@ -360,45 +360,60 @@ async def create(call: Call):
         agent_id=body.agent_id,
     )
     owner = leases.new_owner()
-    claim = None
-    if key is not None:
-        errors = idempotency.key_errors(key, header)
-        if errors:
-            raise validation_error(errors)
-        outcome = await call.db(
-            idempotency.claim, tenant_id=call.caller.tenant_id, scope=idempotency.CREATE_PAYMENT_METHOD, key=key,
-            body_hash=idempotency.request_hash(call.payload), owner=owner,
-            seconds=settings.agentic_wait_seconds + CLAIM_MARGIN_SECONDS,
-        )
-        if isinstance(outcome, idempotency.Replay):
-            return 201, await call.db(service.replay, call.caller, outcome.resource_id)
-        claim = outcome
-    started = await _record_create(call, request, owner, claim)
+    claim = await claim_key(call, idempotency.CREATE_PAYMENT_METHOD, owner)
+    if isinstance(claim, idempotency.Replay):
+        return 201, await call.db(service.replay, call.caller, claim.resource_id)
+    started = await record_with_key(call, service.create_unit, call.caller, request, settings=settings,
+                                    owner=owner, claim=claim)
     await call.wait_for_jobs(started.job_ids, timeout=settings.agentic_wait_seconds)
     return 201, await call.db(service.finish_create, call.caller, started.payment_method_id, claim=claim)
 
 
-async def _record_create(call: Call, request: service.CreateRequest, owner: str,
-                         claim: idempotency.Claim | None) -> service.Started:
-    """The recording transaction of a create, with the idempotency record settled on failure."""
+async def record_with_key(call: Call, unit, /, *args, claim: idempotency.Claim | None,
+                          unknown_code: str = "CREATE_OUTCOME_UNKNOWN", **kwargs):
+    """The recording transaction of a keyed operation (``unit(*args, claim=claim, **kwargs)``, which
+    commits on its own: :func:`domain.agentic.payment_methods.commit_unit`), with the idempotency
+    record settled on failure: a problem is recorded for replay, a lost commit makes the key
+    terminal (``unknown_code``), another failure frees the key (500 ``INTERNAL_ERROR``), and so does
+    an operation in flight (its 409 asks for the exact request again)."""
     try:
-        return await call.blocking(service.create_unit, call.caller, request, settings=call.settings,
-                               owner=owner, claim=claim)
+        return await call.blocking(unit, *args, claim=claim, **kwargs)
     except Problem as problem:
         answer = to_agentic(problem)
         if claim is not None:
-            await call.db(idempotency.fail, claim, answer)
+            # an operation in flight asks for the exact request again, key included: the key stays free
+            settle = idempotency.release if answer.type in leases.IN_PROGRESS_CODES.values() else idempotency.fail
+            await call.db(settle, claim, *(() if settle is idempotency.release else (answer,)))
         raise answer from None
     except service.OutcomeUnknown:
-        log.exception("the commit of a payment method create failed; its outcome is unknown")
+        log.exception("the commit of a keyed operation failed; its outcome is unknown")
         if claim is not None:
             await _settle_quietly(call, idempotency.unknown, claim)
-        raise agentic_error("CREATE_OUTCOME_UNKNOWN") from None
+        raise agentic_error(unknown_code) from None
     except Exception:
-        log.exception("a payment method create failed before its commit")
+        log.exception("a keyed operation failed before its commit")
         if claim is not None:
             await _settle_quietly(call, idempotency.release, claim)
         raise agentic_error("INTERNAL_ERROR") from None
+
+
+async def claim_key(call: Call, scope: str, owner: str, *, wait_seconds: float | None = None
+                    ) -> idempotency.Claim | idempotency.Replay | None:
+    """The request's ``<prefix>-IDEMPOTENCY-KEY`` claimed in ``scope`` (None without a key; a Replay of
+    an earlier success). Raises 400 ``VALIDATION_ERROR`` for a malformed key and the problems of
+    :func:`domain.agentic.idempotency.claim`."""
+    header = call.settings.header("IDEMPOTENCY-KEY")
+    key = call.request.headers.get(header)
+    if key is None:
+        return None
+    errors = idempotency.key_errors(key, header)
+    if errors:
+        raise validation_error(errors)
+    return await call.db(
+        idempotency.claim, tenant_id=call.caller.tenant_id, scope=scope, key=key,
+        body_hash=idempotency.request_hash(call.payload), owner=owner,
+        seconds=(wait_seconds or call.settings.agentic_wait_seconds) + CLAIM_MARGIN_SECONDS,
+    )
 
 
 async def _settle_quietly(call: Call, fn, claim: idempotency.Claim) -> None:
@@ -535,10 +550,13 @@ async def errors(call: Call):
     summary="Delete a payment method",
     errors=(404, 409, 500),
     description=_ERROR_FORM + (
-        "204, no body. The cascade removes each rail's enrollment at its provider in a worker (there are no "
-        "allowances to cancel yet), while the request waits up to `TESSERA_AGENTIC_WAIT_SECONDS`; then the "
-        "payment method is `deleted` (its updated_at moves once). A payment method with nothing enrolled is "
-        "deleted at once. Repeating DELETE on a deleted payment method answers 204 without any provider call and "
+        "204, no body. The cascade first cancels every allowance the payment method backs at its providers "
+        "(they become `cancelled`, no further verification or minting), then removes each rail's enrollment at "
+        "its provider, in a worker, while the request waits up to `TESSERA_AGENTIC_WAIT_SECONDS`; then the "
+        "payment method is `deleted` (its updated_at moves once). A payment method with nothing enrolled and no "
+        "allowance is deleted at once. 409 PAYMENT_METHOD_OPERATION_IN_PROGRESS also while an operation on one "
+        "of its allowances (a mint, a verification, an update, a cancellation) is in flight. Repeating DELETE "
+        "on a deleted payment method answers 204 without any provider call and "
         "leaves updated_at unchanged. 409 PAYMENT_METHOD_OPERATION_IN_PROGRESS while an enrollment or retry is "
         "in flight, 409 PAYMENT_METHOD_DELETE_IN_PROGRESS while a cascade runs (also when the wait ends first: "
         "repeat the DELETE), 500 PROVIDER_ALLOWANCE_CANCEL_FAILED when a provider removal failed: the cascade "

@@ -11,8 +11,10 @@ Each function is one step of a job task (``tasks/agentic.py``, template ``infra/
   off from 0.5 s to 30 s, until the enrollment is enabled (about 20 minutes at most; then the rail
   records ``PROVIDER_ENROLLMENT_FAILED``). The platform polls rather than taking the provider's
   callback: no inbound endpoint to secure, and a lost callback cannot leave a rail pending.
-* **delete cascade** (``agentic.delete_payment_method``): removes each rail's provider enrollment,
-  recording each removal as it happens, so a cascade stopped half-way resumes where it stopped.
+* **delete cascade** (``agentic.delete_payment_method``): cancels every allowance the payment method
+  backs at its providers (:func:`domain.agentic.allowance_work.cancel_rails`), then removes each
+  rail's provider enrollment, recording each cancellation and removal as it happens, so a cascade
+  stopped half-way resumes where it stopped; the allowances become ``cancelled`` with the deletion.
 
 Every writing step locks the payment method row first, so the steps of one payment method (and the
 API's) are serialised. A job whose rail has moved on to another job (a retry overtook a poll) or
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from sqlmodel import Session
 
 from config.settings import Settings
-from domain.agentic import leases
+from domain.agentic import allowance_work, leases
 from domain.agentic.errors import CATALOGUE
 from domain.agentic.payment_methods import (
     POLL_MAX_ATTEMPTS,
@@ -235,6 +237,8 @@ def perform_delete(job: Job, settings: Settings, session_scope) -> str | Stale:
         tenant_type = session.get(Tenant, pm.tenant_id).type
         todo = [(r.id, r.provider, r.enrollment_id) for r in rails_of(session, pm_id)
                 if r.enrollment_id and r.enrollment_removed_at is None]
+        allowance_ids = allowance_work.payment_method_allowances(session, pm_id)
+    allowance_work.cancel_rails(session_scope, settings, allowance_ids, key=str(job.id))
     for rail_id, provider_name, enrollment_id in todo:
         provider = provider_for(provider_name, tenant_type, settings)
         try:
@@ -257,6 +261,7 @@ def apply_delete(session: Session, job: Job, outcome: str | Stale) -> dict:
     pm_id, owner = _delete_subject(job)
     pm = lock(session, pm_id)
     if pm is not None and not isinstance(outcome, Stale) and pm.status == "active":
+        allowance_work.cancel_payment_method_allowances(session, pm_id, trace_id=job.trace_id)
         mark_deleted(session, pm)
     leases.release(session, pm_id, owner)
     return {"outcome": outcome.reason if isinstance(outcome, Stale) else outcome}
@@ -270,6 +275,8 @@ def delete_failed(session: Session, job: Job, error: Exception) -> None:
     pm = lock(session, pm_id)
     rail_id = getattr(error, "rail_id", None)
     rail = session.get(PaymentMethodRail, rail_id) if rail_id else None
+    if pm is not None and rail is None:
+        allowance_work.record_cancel_failure(session, error)  # an allowance the cascade could not cancel
     if pm is not None and rail is not None:
         provider_code = error.provider_code if isinstance(error, EnrollmentFailed) else None
         correlation = error.correlation_id if isinstance(error, EnrollmentFailed) else None

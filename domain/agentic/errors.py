@@ -88,6 +88,25 @@ CATALOGUE: dict[str, tuple[int, str, str]] = {
         409, "Operation in progress", "Wait briefly and repeat the exact request."
     ),
     "PAYMENT_METHOD_DELETE_IN_PROGRESS": (409, "Delete in progress", "Wait briefly and repeat the exact request."),
+    "ALLOWANCE_VERIFICATION_IN_PROGRESS": (
+        409, "Verification in progress", "Wait briefly and repeat the exact request."
+    ),
+    "ALLOWANCE_UPDATE_IN_PROGRESS": (409, "Update in progress", "Wait briefly and repeat the exact request."),
+    "ALLOWANCE_DELETE_IN_PROGRESS": (409, "Cancellation in progress", "Wait briefly and repeat the exact request."),
+    "ALLOWANCE_CREDENTIAL_IN_PROGRESS": (
+        409, "Credential mint in progress",
+        "Only one mint can reserve an allowance at a time; wait briefly and repeat the exact request.",
+    ),
+    "CREDENTIAL_PAYLOAD_UNAVAILABLE": (
+        409, "Credential payload unavailable",
+        "The credential was minted and returned once; it cannot be returned again. Read it with GET (without "
+        "its value) or mint a new one with a new key.",
+    ),
+    "CREDENTIAL_OUTCOME_UNKNOWN": (
+        409, "Credential outcome unknown",
+        "The provider may have issued a credential whose value cannot be returned; the amount moved to "
+        "amount_spent. This key is terminal; do not retry this operation.",
+    ),
     "PAYMENT_METHOD_DELETE_INCOMPLETE": (
         409, "Delete incomplete", "A delete stopped during its cascade; repeat DELETE to finish it."
     ),

@@ -1,4 +1,4 @@
-"""Idempotency keys of payment method creates (spec 001 section 8, Idempotency; task 3 of the issue).
+"""Idempotency keys of payment method and allowance creates and credential mints (spec 001 section 8).
 
 ``<prefix>-IDEMPOTENCY-KEY`` (1 to 255 characters) is optional; without it every request is a new
 operation. With it, the key alone defines sameness (per tenant), and its record
@@ -44,6 +44,10 @@ from storage.models_agentic import IdempotencyRecord
 from storage.types import utcnow
 
 CREATE_PAYMENT_METHOD = "payment-method.create"
+CREATE_ALLOWANCE = "allowance.create"
+MINT_CREDENTIAL = "credential.mint"
+#: scope -> the code every replay of an unknown outcome answers (``CREATE_OUTCOME_UNKNOWN`` otherwise)
+UNKNOWN_CODES = {MINT_CREDENTIAL: "CREDENTIAL_OUTCOME_UNKNOWN"}
 MAX_KEY_LENGTH = 255
 
 
@@ -84,7 +88,8 @@ def claim(session: Session, *, tenant_id: uuid.UUID, scope: str, key: str, body_
     """Claim ``key`` for ``owner`` (commit right after), or settle what an earlier request left.
 
     Returns a :class:`Claim` (go on), or a :class:`Replay` (answer the earlier resource). Raises the
-    409 ``IDEMPOTENCY_CONFLICT``, ``IDEMPOTENCY_IN_PROGRESS``, ``CREATE_OUTCOME_UNKNOWN`` problems,
+    409 ``IDEMPOTENCY_CONFLICT``, ``IDEMPOTENCY_IN_PROGRESS``, ``CREATE_OUTCOME_UNKNOWN`` (for a mint
+    ``CREDENTIAL_OUTCOME_UNKNOWN``, :data:`UNKNOWN_CODES`) problems,
     or the stored problem of a conclusive failure.
     """
     now = utcnow()
@@ -106,7 +111,7 @@ def claim(session: Session, *, tenant_id: uuid.UUID, scope: str, key: str, body_
         return Replay(record.resource_id)
     if record.state == "failed" and record.problem:
         raise stored_problem(record.problem, record.status_code)
-    raise agentic_error("CREATE_OUTCOME_UNKNOWN")
+    raise agentic_error(UNKNOWN_CODES.get(scope, "CREATE_OUTCOME_UNKNOWN"))
 
 
 def _settle_abandoned(session: Session, record: IdempotencyRecord, now: dt.datetime) -> None:
@@ -157,6 +162,22 @@ def unknown(session: Session, claim_: Claim) -> None:
     """The outcome cannot be told (the commit's answer was lost): the key is terminal."""
     session.execute(update(IdempotencyRecord).where(*_where(claim_)).values(state="unknown", completed_at=utcnow())
                     .execution_options(synchronize_session=False))
+
+
+def settle_resource(session: Session, *, tenant_id: uuid.UUID, scope: str, resource_id: str, state: str,
+                    problem: Problem | None = None) -> None:
+    """A worker learned the outcome of the operation that makes ``resource_id``: a running record
+    naming it is settled (``state`` ``succeeded``, ``unknown``, or ``failed`` with ``problem``), so a
+    replay after its request stopped waiting answers the outcome at once."""
+    values: dict[str, Any] = {"state": state, "completed_at": utcnow()}
+    if problem is not None:
+        values.update(status_code=problem.status, problem=problem.body())
+    session.execute(
+        update(IdempotencyRecord)
+        .where(IdempotencyRecord.tenant_id == tenant_id, IdempotencyRecord.scope == scope,
+               IdempotencyRecord.resource_id == resource_id, IdempotencyRecord.state == "running")
+        .values(**values).execution_options(synchronize_session=False)
+    )
 
 
 def release(session: Session, claim_: Claim) -> None:

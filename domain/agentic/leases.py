@@ -1,4 +1,4 @@
-"""Operation leases: in-flight work on a payment method (task 5 of the agentic issue).
+"""Operation leases: in-flight work on a payment method or an allowance.
 
 A lease is a row (:class:`storage.models_agentic.OperationLease`), one per resource, with an
 ``operation`` (``enroll`` for a create's or a retry's enrollments, ``delete`` for a delete cascade),
@@ -7,7 +7,10 @@ it lives in the database, in the transaction that records the work, so it can ne
 work by more than its expiry. Its presence is what answers the ``409 ..._IN_PROGRESS`` problems:
 
 * ``enroll`` held -> ``PAYMENT_METHOD_OPERATION_IN_PROGRESS``;
-* ``delete`` held -> ``PAYMENT_METHOD_DELETE_IN_PROGRESS``.
+* ``delete`` held -> ``PAYMENT_METHOD_DELETE_IN_PROGRESS``;
+* on an allowance: ``setup`` and ``update`` -> ``ALLOWANCE_UPDATE_IN_PROGRESS``, ``verify`` ->
+  ``ALLOWANCE_VERIFICATION_IN_PROGRESS``, ``cancel`` -> ``ALLOWANCE_DELETE_IN_PROGRESS``, ``mint``
+  (the five-minute mint lease, spec 001 section 8) -> ``ALLOWANCE_CREDENTIAL_IN_PROGRESS``.
 
 The holder deletes its lease when the work ends (the last enrollment job of an operation, the
 delete job); :func:`release_expired` (a beat sweep) frees leases whose holder died. An expired lease
@@ -29,7 +32,17 @@ from storage.models_agentic import OperationLease
 from storage.types import utcnow
 
 ENROLL, DELETE = "enroll", "delete"
-IN_PROGRESS_CODES = {ENROLL: "PAYMENT_METHOD_OPERATION_IN_PROGRESS", DELETE: "PAYMENT_METHOD_DELETE_IN_PROGRESS"}
+#: The operations on an allowance: its rails' setup, an update, a verification, a cancellation, a mint.
+SETUP, UPDATE, VERIFY, CANCEL, MINT = "setup", "update", "verify", "cancel", "mint"
+IN_PROGRESS_CODES = {
+    ENROLL: "PAYMENT_METHOD_OPERATION_IN_PROGRESS",
+    DELETE: "PAYMENT_METHOD_DELETE_IN_PROGRESS",
+    SETUP: "ALLOWANCE_UPDATE_IN_PROGRESS",
+    UPDATE: "ALLOWANCE_UPDATE_IN_PROGRESS",
+    VERIFY: "ALLOWANCE_VERIFICATION_IN_PROGRESS",
+    CANCEL: "ALLOWANCE_DELETE_IN_PROGRESS",
+    MINT: "ALLOWANCE_CREDENTIAL_IN_PROGRESS",
+}
 
 
 def new_owner() -> str:

@@ -41,7 +41,8 @@ from providers.agentic import DISPLAY_FIELDS, provider_for
 from storage.db import get_engine
 from storage.keyset import keyset_page
 from storage.models import Job
-from storage.models_agentic import Agent, PaymentMethod, PaymentMethodRail, ProviderError
+from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
+from storage.models_allowances import Allowance
 from storage.types import utcnow
 
 SOURCE_TYPE = "svc_card_token"
@@ -189,16 +190,19 @@ def merge_card(current: dict | None, provider_card: dict | None) -> tuple[dict |
 
 def record_provider_error(
     session: Session,
-    rail: PaymentMethodRail,
+    rail: Any,
     *,
     code: str,
     provider_code: str | None = None,
     correlation_id: str | None = None,
     operation: str = "enrollment",
     detail: str | None = None,
+    allowance_id: str | None = None,
+    payment_credential_id: str | None = None,
 ) -> ProviderError:
-    """Add a provider error object for ``rail`` (catalogue title and remediation; never the
-    provider's message or body)."""
+    """Add a provider error object for ``rail`` (a payment method's or an allowance's: it has
+    ``tenant_id``, ``rail``, ``provider`` and ``payment_method_id`` or ``allowance_id``), with
+    catalogue title and remediation; never the provider's message or body."""
     _status, title, remediation = CATALOGUE.get(code, CATALOGUE["PROVIDER_ENROLLMENT_FAILED"])
     error = ProviderError(
         id=new_id("prv_"),
@@ -211,7 +215,9 @@ def record_provider_error(
         rail=rail.rail,
         provider_code=provider_code,
         provider_correlation_id=correlation_id,
-        payment_method_id=rail.payment_method_id,
+        payment_method_id=getattr(rail, "payment_method_id", None),
+        allowance_id=allowance_id or getattr(rail, "allowance_id", None),
+        payment_credential_id=payment_credential_id,
         occurred_at=utcnow(),
     )
     session.add(error)
@@ -412,14 +418,13 @@ def commit(session: Session) -> None:
     session.commit()
 
 
-def create_unit(caller: Caller, request: CreateRequest, *, settings: Settings, owner: str,
-                claim: idempotency.Claim | None) -> Started:
-    """Run :func:`create_payment_method` in its own transaction, telling apart a failure before the
-    commit (re-raised: nothing was written) from a failing commit (:class:`OutcomeUnknown`)."""
+def commit_unit(fn, /, *args, **kwargs):
+    """Run ``fn(session, *args, **kwargs)`` in its own transaction, telling apart a failure before
+    the commit (re-raised: nothing was written) from a failing commit (:class:`OutcomeUnknown`)."""
     session = Session(get_engine(), expire_on_commit=False)
     try:
         try:
-            started = create_payment_method(session, caller, request, settings=settings, owner=owner, claim=claim)
+            result = fn(session, *args, **kwargs)
             session.flush()
         except BaseException:
             session.rollback()
@@ -428,9 +433,15 @@ def create_unit(caller: Caller, request: CreateRequest, *, settings: Settings, o
             commit(session)
         except Exception as exc:
             raise OutcomeUnknown(str(exc)) from exc
-        return started
+        return result
     finally:
         session.close()
+
+
+def create_unit(caller: Caller, request: CreateRequest, *, settings: Settings, owner: str,
+                claim: idempotency.Claim | None) -> Started:
+    """Run :func:`create_payment_method` in its own transaction (:func:`commit_unit`)."""
+    return commit_unit(create_payment_method, caller, request, settings=settings, owner=owner, claim=claim)
 
 
 def finish_create(session: Session, caller: Caller, pm_id: str, *, claim: idempotency.Claim | None) -> dict:
@@ -488,8 +499,15 @@ def list_provider_errors(session: Session, caller: Caller, pm_id: str, *, size: 
     """``GET /agentic/payment-methods/{id}/errors``: the payment method's provider errors, newest
     first (occurred_at, id); 404 ``PAYMENT_METHOD_NOT_FOUND`` when absent."""
     pm = find(session, caller.tenant_id, pm_id)
-    query = select(ProviderError).where(ProviderError.tenant_id == caller.tenant_id,
-                                        ProviderError.payment_method_id == pm.id)
+    return provider_error_page(session, caller.tenant_id, ProviderError.payment_method_id == pm.id, size=size,
+                               after=after)
+
+
+def provider_error_page(session: Session, tenant_id: uuid.UUID, where: Any, *, size: int, after: dict | None
+                        ) -> tuple[list[dict], dict | None]:
+    """One page of the tenant's provider errors matching ``where`` (a column condition: a payment
+    method's, an allowance's), newest first (occurred_at, id), and the next keyset position."""
+    query = select(ProviderError).where(ProviderError.tenant_id == tenant_id, where)
     rows, next_position = keyset_page(session, query, order=(ProviderError.occurred_at, ProviderError.id), size=size,
                                       after=after)
     return [provider_error_view(e) for e in rows], next_position
@@ -609,11 +627,15 @@ def start_delete(session: Session, caller: Caller, pm_id: str, *, settings: Sett
     lease = leases.held(session, pm.id)
     if lease is not None:
         raise leases.in_progress(lease)
+    if _allowance_busy(session, pm.id):
+        raise agentic_error("PAYMENT_METHOD_OPERATION_IN_PROGRESS",
+                            "An operation on an allowance of this payment method is in flight.")
     now = utcnow()
     pm.delete_requested_at = pm.delete_requested_at or now
     session.add(pm)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="delete")
-    if not any(r.enrollment_id and r.enrollment_removed_at is None for r in rails_of(session, pm.id)):
+    if (not any(r.enrollment_id and r.enrollment_removed_at is None for r in rails_of(session, pm.id))
+            and not _allowances_to_cancel(session, pm.id)):
         mark_deleted(session, pm)
         return Started(pm.id, ())
     leases.acquire(session, tenant_id=caller.tenant_id, resource_id=pm.id, operation=leases.DELETE, owner=owner,
@@ -622,6 +644,23 @@ def start_delete(session: Session, caller: Caller, pm_id: str, *, settings: Sett
                       subject_id=pm.id, operation_id=owner,
                       trace_id=caller.trace_id, max_attempts=DELETE_MAX_ATTEMPTS)
     return Started(pm.id, (job.id,))
+
+
+def _allowance_busy(session: Session, pm_id: str) -> bool:
+    """True when a live operation lease holds one of the payment method's allowances."""
+    return session.exec(
+        select(func.count()).select_from(OperationLease)
+        .join(Allowance, Allowance.id == OperationLease.resource_id)
+        .where(Allowance.payment_method_id == pm_id, OperationLease.expires_at > utcnow())
+    ).one() > 0
+
+
+def _allowances_to_cancel(session: Session, pm_id: str) -> bool:
+    """True when the payment method backs a live allowance (the cascade cancels it)."""
+    return session.exec(
+        select(func.count()).select_from(Allowance)
+        .where(Allowance.payment_method_id == pm_id, Allowance.status.in_(("pending_verification", "active")))
+    ).one() > 0
 
 
 def mark_deleted(session: Session, pm: PaymentMethod) -> None:

@@ -48,6 +48,8 @@ ALL_PERMISSIONS: tuple[str, ...] = tuple(
     + _crud("webhooks", "create", "read", "update", "delete")
     + ["webhook:read"]
     + _crud("agentic:payment-method", "create", "get", "delete")
+    + _crud("agentic:allowance", "create", "get", "update", "delete", "verify")
+    + _crud("agentic:credential", "create", "get")
     + _crud("agent", "create", "get", "update", "delete")
     + _crud("account-updater:job", "create", "read")
     + _crud("wallet-a", "manage", "session", "create", "read", "reveal")

@@ -193,9 +193,9 @@ def perform_registration(job: Job, session_scope) -> bool:
     domain, _environment = found
     settings = get_settings()
     url = settings.wallet_a_domain_file_url.replace("{domain}", domain)
-    [result] = http.deliver_many([http.Request(url, b"", {}, method="GET")], timeout_s=settings.webhook_timeout_seconds,
-                                 allow_private=settings.allow_private_destinations,
-                                 ca_certs=settings.wallet_a_domain_ca_certs)
+    result = http.fetch(url, timeout_s=settings.webhook_timeout_seconds,
+                        allow_private=settings.allow_private_destinations, ca_certs=settings.wallet_a_domain_ca_certs,
+                        accept="*/*")
     if result.outcome != "success" or not result.response_body.strip():
         reason = "it is empty" if result.outcome == "success" else (result.error or f"HTTP {result.status_code}")
         raise jobs.PermanentError("domain_verification_failed",

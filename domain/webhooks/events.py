@@ -43,6 +43,8 @@ EVENT_TYPES: tuple[str, ...] = (
     "network-token.failed",
     "account-updater.job.completed",
     "agentic.payment-method.rail.retried",
+    "agentic.allowance.updated",
+    "agentic.credential.created",
     "reactor.invocation.completed",
     "reactor.invocation.failed",
 )

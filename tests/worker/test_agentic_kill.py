@@ -48,12 +48,21 @@ TESSERA = str(Path(sys.executable).with_name("tessera"))
 HOLD_SECONDS = 90.0
 
 
-class HoldingProxy:
-    """Forwards everything to the sandbox; the answers of enrollment creates are held back."""
+def enrollment_creates(method: str, parts: list[str]) -> bool:
+    """The calls :class:`HoldingProxy` holds by default: enrollment creates."""
+    return method == "POST" and parts[0] == "agentic" and parts[-1] == "enrollments"
 
-    def __init__(self, sandbox: str):
+
+class HoldingProxy:
+    """Forwards everything to the sandbox; the answers of the calls ``holds`` picks (enrollment
+    creates by default) are held back, or, with ``before`` true, the calls themselves (never
+    forwarded: released, they answer 503)."""
+
+    def __init__(self, sandbox: str, holds=enrollment_creates, *, before: bool = False):
         self.sandbox = sandbox
-        self.held: list[tuple[str, float]] = []  # (provider, arrival time) of each held enrollment
+        self.holds = holds
+        self.before = before
+        self.held: list[tuple[str, float]] = []  # (provider, arrival time) of each held call
         self.answered: list[str] = []
         self.released = threading.Event()
 
@@ -65,18 +74,25 @@ class HoldingProxy:
     async def forward(self, request: web.Request) -> web.Response:
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        parts = request.path.strip("/").split("/")
+        held = self.holds(request.method, parts)
+        if held and self.before:  # the call never reaches the provider
+            await self._hold(parts)
+            return web.Response(status=503, body=b"{}", content_type="application/json")
         async with aiohttp.ClientSession() as http, http.request(
             request.method, self.sandbox + request.path_qs, data=body or None, headers=headers
         ) as answer:
             payload, status = await answer.read(), answer.status
-        parts = request.path.strip("/").split("/")
-        if request.method == "POST" and parts[0] == "agentic" and parts[-1] == "enrollments":
-            self.held.append((parts[1], time.monotonic()))
-            deadline = time.monotonic() + HOLD_SECONDS
-            while not self.released.is_set() and time.monotonic() < deadline:  # the worker is killed meanwhile
-                await asyncio.sleep(0.05)
+        if held and not self.before:
+            await self._hold(parts)
         self.answered.append(request.path)
         return web.Response(status=status, body=payload, content_type="application/json")
+
+    async def _hold(self, parts: list[str]) -> None:
+        self.held.append((parts[1], time.monotonic()))
+        deadline = time.monotonic() + HOLD_SECONDS
+        while not self.released.is_set() and time.monotonic() < deadline:  # the worker is killed meanwhile
+            await asyncio.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -121,35 +137,51 @@ def isolated_prefix(redis_flushed):
         redis_flushed.delete(key)
 
 
-def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(
-    database, sandbox, isolated_prefix
-):
+@contextlib.contextmanager
+def stack(prefix: str, proxy_port: int, *, log_prefix: str, **settings: str):
+    """``tessera api`` and ``tessera beat`` on Redis prefix ``prefix`` and worker A, which reaches the
+    sandbox through the proxy on ``proxy_port``, for a new tenant (``settings``: more environment);
+    yields ``(start, worker_a, client, tenant, env)``. The processes' log tails are printed when the
+    block fails."""
     from domain.tenancy.tenants import create_tenant
 
-    proxy = HoldingProxy(sandbox)
-    proxy_port = free_port()
-    stop_proxy = serve_in_thread(proxy.app, proxy_port)
     api_port = free_port()
-    common = {
-        "TESSERA_REDIS_KEY_PREFIX": isolated_prefix,
+    env = {
+        "TESSERA_REDIS_KEY_PREFIX": prefix,
         "TESSERA_API_PORT": str(api_port),
         "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1",
         "TESSERA_AGENTIC_PROVIDER_TIMEOUT_SECONDS": "3",  # a job's lease: 1 + 3 + 10 s
         "TESSERA_PROVIDER_CONNECT_TIMEOUT_SECONDS": "1",
         "TESSERA_AGENTIC_WAIT_SECONDS": "2",
         "TESSERA_LOG_LEVEL": "WARNING",
+        **settings,
     }
     with session_scope() as session:
         tenant = create_tenant(session, name="kill", owner_email=f"kill-{os.urandom(4).hex()}@example.com")
-    log_dir = Path(tempfile.mkdtemp(prefix="tessera-kill-"))
+    log_dir = Path(tempfile.mkdtemp(prefix=log_prefix))
     try:
         with processes(log_dir) as start:
-            start("api", [TESSERA, "api"], common)
-            start("beat", [TESSERA, "beat"], common)
+            start("api", [TESSERA, "api"], env)
+            start("beat", [TESSERA, "beat"], env)
             worker_a = start("worker-a", [TESSERA, "worker", "--concurrency", "2", "-n", "a@%h"],
-                             {**common, "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{proxy_port}"})
+                             {**env, "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{proxy_port}"})
             client = ApiClient(f"http://127.0.0.1:{api_port}", tenant.api_key)
             wait_until(lambda: _answers(client), timeout=60)
+            yield start, worker_a, client, tenant, env
+    except BaseException:
+        print(_log_tail(log_dir), file=sys.stderr)
+        raise
+
+
+def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(
+    database, sandbox, isolated_prefix
+):
+    proxy = HoldingProxy(sandbox)
+    proxy_port = free_port()
+    stop_proxy = serve_in_thread(proxy.app, proxy_port)
+    try:
+        with stack(isolated_prefix, proxy_port, log_prefix="tessera-kill-") as (start, worker_a, client, tenant,
+                                                                                 common):
             number = fresh_visa()
 
             created = client.post(BASE, {"source": {"type": "svc_card_token", "token_id": card_token(client, number)},
@@ -185,9 +217,6 @@ def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(
             with session_scope() as session:
                 assert session.get(OperationLease, pm["id"]) is None
             assert client.delete(f"{BASE}/{pm['id']}").status == 204
-    except BaseException:
-        print(_log_tail(log_dir), file=sys.stderr)
-        raise
     finally:
         proxy.released.set()
         time.sleep(0.2)
