@@ -260,7 +260,9 @@ async def invoke(call: Call) -> web.StreamResponse:
     key = _proxy_key(request, names)
     target = None
     if key:
-        target = await call.db(service.invocation_target, key, trace_id=call.trace_id)
+        target = await service.target_cache.get_or_load(
+            key, trace_id=call.trace_id, ttl=settings.auth_cache_seconds,
+            load=lambda: call.db(service.invocation_target, key, trace_id=call.trace_id))
         if target is None:
             raise ProxyError(404, "No proxy has this key.", title=NOT_FOUND, errors={"key": ["No proxy has this key."]})
     caller = await _caller_for(call, target, names)
