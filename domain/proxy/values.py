@@ -34,7 +34,7 @@ TOKEN, NETWORK_TOKEN, TOKEN_INTENT = "token", "network_token", "token_intent"
 WALLET_A, WALLET_B = wallets.WALLET_A, wallets.WALLET_B
 KINDS: tuple[str, ...] = (TOKEN, NETWORK_TOKEN, TOKEN_INTENT, WALLET_A, WALLET_B)
 #: The token's columns its view and its decryption read, selected as plain rows (no ORM objects).
-_TOKEN_COLUMNS = tuple(getattr(Token, name) for name in (
+_TOKEN_COLUMNS = tuple(getattr(Token, name).label(name) for name in (
     "tenant_id", "id", "type", "data_ct", "mask", "containers", "meta", "search_indexes", "fingerprint",
     "fingerprint_expression", "deduplicate_token", "parent_id", "created_by", "created_at", "modified_by",
     "modified_at", "expires_at", "cvc_expires_at"))
@@ -133,13 +133,13 @@ class SqlValueLoader:
         return json.loads(get_keyring().decrypt(self.session, tenant_id, purpose, str(resource_id), ciphertext))
 
     def _tokens(self, tenant_id: uuid.UUID, ids: Sequence[str]) -> dict[str, Loaded]:
-        rows = self.session.execute(
+        rows = self.session.connection().execute(
             select(*_TOKEN_COLUMNS).where(
                 Token.tenant_id == tenant_id,
                 Token.id.in_(list(ids)),
                 or_(Token.expires_at.is_(None), Token.expires_at > self.now),
             )
-        ).all()  # plain rows, no ORM objects: token_view reads their attributes by the same names
+        ).all()  # plain rows on the session's connection (no ORM objects); token_view reads the same names
         found = {}
         for row in rows:
             data = self._decrypt(tenant_id, tokens.DATA_PURPOSE, row.id, row.data_ct)
