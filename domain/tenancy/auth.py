@@ -91,6 +91,7 @@ class KeyCache(Generic[V]):
         self._lock = threading.Lock()
         self._flights: dict[tuple, asyncio.Future] = {}
         self._followers: list[KeyCache] = []
+        self._generation = 0  # counts clears: a load that began before one is not kept
         if cleared_with is not None:
             cleared_with._followers.append(self)
 
@@ -106,8 +107,8 @@ class KeyCache(Generic[V]):
     ) -> V | None:
         """The value of ``key`` from the cache, else from ``load()`` (awaited once for all the
         requests of this event loop that miss on the same key meanwhile: when an entry expires
-        under load, one lookup, not one per request), kept ``ttl`` seconds. None for an unknown key
-        (not kept)."""
+        under load, one lookup, not one per request), kept ``ttl`` seconds unless :meth:`clear` ran
+        while it loaded. None for an unknown key (not kept)."""
         cached = self.get(key, trace_id=trace_id)
         if cached is not None:
             return cached
@@ -116,11 +117,12 @@ class KeyCache(Generic[V]):
         if flight is None:
 
             async def load_and_keep() -> V | None:
+                generation = self._generation
                 try:
                     found = await load()
                 finally:
                     self._flights.pop(flight_key, None)
-                if found is not None:
+                if found is not None and generation == self._generation:
                     self.put(key, found, ttl)
                 return found
 
@@ -141,6 +143,7 @@ class KeyCache(Generic[V]):
         """Forget every entry (and those of the caches cleared with this one)."""
         with self._lock:
             self._entries.clear()
+            self._generation += 1
         for follower in self._followers:
             follower.clear()
 
