@@ -433,3 +433,13 @@ def test_a_change_of_a_proxy_applies_to_the_next_invocation(tenant, proxy_api, u
     assert tenant.client.delete(f"/proxies/{proxy['id']}").status == 204
     _proxy_error(tenant.client.post("/proxy/d", {"x": 4}, headers={KEY: proxy["key"]}), 404)
     assert len(upstream.received) == 3
+
+
+def test_invocations_reuse_the_connection_to_a_destination(tenant, upstream):
+    proxy = _proxy(tenant, upstream)
+    for n in range(3):
+        assert tenant.client.post(f"/proxy/keep-{n}", {"n": n}, headers={KEY: proxy["key"]}).status == 201
+        assert tenant.client.post(f"/proxy/v1/keep-{n}", {"n": n}, headers={URL: upstream.base()}).status == 201
+    peers = {seen.peer for seen in upstream.received}
+    assert len(upstream.received) == 6 and None not in peers
+    assert len(peers) == 1  # one kept-alive connection, requests one after the other
