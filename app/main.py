@@ -39,7 +39,7 @@ from app.routes import (
 )
 from app.routes import logs as log_routes
 from config.settings import Settings, get_settings
-from infra import logs, metrics
+from infra import http, logs, metrics
 from infra.errors import Problem
 from infra.wait import JobWaits
 from storage.db import GroupCommit
@@ -190,6 +190,7 @@ async def _resources(app: web.Application):
                               poll_seconds=settings.job_wait_poll_seconds)
     await app[JOB_WAITS].start()
     yield
+    await http.close_sessions()  # the outbound sessions of this loop (the proxy's)
     await app[JOB_WAITS].close()
     if RATE_LIMITER in app:
         await app[RATE_LIMITER].close()

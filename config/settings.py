@@ -53,8 +53,8 @@ class Settings(BaseSettings):
     # Processes of `tessera api`, sharing its port through SO_REUSEPORT (unset: one per core;
     # `tessera dev` runs one unless this is set).
     api_workers: int | None = None
-    # How long an api process trusts an API key it has looked up (0: look up on every request). A
-    # change or deletion made through this process applies at once; other processes see it within this.
+    # How long an api process trusts an API key (and a proxy key) it has looked up (0: look up on every
+    # request). A change or deletion made through this process applies at once; other processes see it within this.
     auth_cache_seconds: float = 2.0
     # How long an api process trusts the event types a tenant's webhooks subscribe to (0: read them
     # on every event). Same rule as auth_cache_seconds for changes made here and elsewhere.

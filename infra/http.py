@@ -481,9 +481,12 @@ class _VettingResolver(AbstractResolver):
 class _Pool:
     """The process's event loop (a daemon thread) and its keep-alive connection pools.
 
-    One loop per process, made on first use and again after a fork; one ``ClientSession`` per
-    ``(allow_private, ca_certs, timeout_s, per_host)`` (in practice one per worker process), reused by
-    every task the process runs.
+    One loop per process, made on first use and again after a fork, for callers without a loop of
+    their own (:func:`deliver`, :func:`deliver_many`); one ``ClientSession`` per event loop and
+    ``(allow_private, ca_certs, timeout_s, per_host)`` (in practice one per worker process, and for
+    the api one on its own loop: :func:`forward` runs there, with no hop to another thread), reused by
+    every request of that loop. Sessions of other loops than the pool's are closed by
+    :func:`close_sessions` on their loop.
     """
 
     def __init__(self) -> None:
@@ -492,21 +495,33 @@ class _Pool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sessions: dict[tuple, aiohttp.ClientSession] = {}
 
+    def _forked(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the parent's loop and sessions are not ours
+            self._loop, self._pid, self._sessions = None, os.getpid(), {}
+
     def loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
-            if self._pid != os.getpid() or self._loop is None or self._loop.is_closed():
+            self._forked()
+            if self._loop is None or self._loop.is_closed():
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, name="tessera-http", daemon=True).start()
-                self._loop, self._pid, self._sessions = loop, os.getpid(), {}
+                self._loop = loop
+                self._sessions = {k: v for k, v in self._sessions.items() if not k[0].is_closed()}
             return self._loop
 
     def session(self, *, allow_private: bool, ca_certs: str | None, timeout_s: float, per_host: int,
                 extra_ca: str | None = None):
-        """The pooled session for these options (call on the pool's loop). ``ca_certs`` replaces the
-        system's trusted roots; ``extra_ca`` (a PEM path) adds roots to them. TLS 1.2 at least."""
-        key = (allow_private, ca_certs, extra_ca, timeout_s, per_host)
+        """The pooled session of the running loop for these options (call on that loop). ``ca_certs``
+        replaces the system's trusted roots; ``extra_ca`` (a PEM path) adds roots to them. TLS 1.2 at
+        least."""
+        loop = asyncio.get_running_loop()
+        key = (loop, allow_private, ca_certs, extra_ca, timeout_s, per_host)
         session = self._sessions.get(key)
         if session is None or session.closed:
+            with self._lock:
+                self._forked()
+                for old in [k for k in self._sessions if k[0].is_closed()]:  # loops gone (tests)
+                    del self._sessions[old]
             ssl_context = ssl.create_default_context(cafile=ca_certs)
             if extra_ca:
                 ssl_context.load_verify_locations(cafile=extra_ca)
@@ -526,23 +541,33 @@ class _Pool:
             self._sessions[key] = session
         return session
 
-
-    def close(self) -> None:
-        """Close the pooled sessions (at interpreter exit: no "unclosed session" warnings)."""
-        loop = self._loop
-        if self._pid != os.getpid() or loop is None or loop.is_closed() or not self._sessions:
-            return
-
-        async def close_all() -> None:
-            for session in list(self._sessions.values()):
+    async def close_loop_sessions(self) -> None:
+        """Close the sessions of the running loop."""
+        loop = asyncio.get_running_loop()
+        for key in [k for k in self._sessions if k[0] is loop]:
+            session = self._sessions.pop(key, None)
+            if session is not None:
                 await session.close()
 
+    def close(self) -> None:
+        """Close the pool loop's sessions (at interpreter exit: no "unclosed session" warnings)."""
+        loop = self._loop
+        if self._pid != os.getpid() or loop is None or loop.is_closed():
+            return
+        if not any(k[0] is loop for k in self._sessions):
+            return
         with contextlib.suppress(Exception):  # exiting anyway
-            asyncio.run_coroutine_threadsafe(close_all(), loop).result(timeout=2)
+            asyncio.run_coroutine_threadsafe(self.close_loop_sessions(), loop).result(timeout=2)
 
 
 _POOL = _Pool()
 atexit.register(_POOL.close)
+
+
+async def close_sessions() -> None:
+    """Close the pooled sessions of the running event loop (an application's own loop, at its
+    shutdown; the pool's own loop closes at interpreter exit)."""
+    await _POOL.close_loop_sessions()
 
 
 def _connect_error_message(exc: BaseException) -> str:
@@ -845,12 +870,12 @@ async def forward(
 ) -> Forwarded:
     """Send one request and return the destination's answer, awaited from any event loop.
 
-    The request runs on the process's pooled ``ClientSession`` (its own loop; a keep-alive pool of at
-    most ``per_host`` connections per destination host) with the same SSRF guard as :func:`deliver`
-    (resolved addresses vetted unless ``allow_private``), TLS 1.2 or higher with the system's roots
-    plus ``extra_ca`` (a PEM path), redirects never followed, no header added but ``Host`` and the
-    body's framing, the answer never decompressed. ``headers`` are sent as given (repeated names
-    kept); ``timeout_s`` bounds the whole exchange, answer body included.
+    The request runs on the calling loop's pooled ``ClientSession`` (a keep-alive pool of at most
+    ``per_host`` connections per destination host; :func:`close_sessions` at the loop's end) with the
+    same SSRF guard as :func:`deliver` (resolved addresses vetted unless ``allow_private``), TLS 1.2
+    or higher with the system's roots plus ``extra_ca`` (a PEM path), redirects never followed, no
+    header added but ``Host`` and the body's framing, the answer never decompressed. ``headers`` are
+    sent as given (repeated names kept); ``timeout_s`` bounds the whole exchange, answer body included.
 
     Raises :class:`ForwardError` (``refused``, ``timeout``, ``too_large``, ``connection_error``);
     cancelling the awaiting task cancels the request.
@@ -858,13 +883,10 @@ async def forward(
     if not timeout_s > 0:
         raise ValueError("timeout_s must be > 0")
 
-    async def run() -> Forwarded:
-        session = _POOL.session(allow_private=allow_private, ca_certs=None, timeout_s=timeout_s, per_host=per_host,
-                                extra_ca=extra_ca)
-        return await _send(session, method, url, headers, body, timeout_s=timeout_s, allow_private=allow_private,
-                           max_response_bytes=max_response_bytes)
-
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), _POOL.loop()))
+    session = _POOL.session(allow_private=allow_private, ca_certs=None, timeout_s=timeout_s, per_host=per_host,
+                            extra_ca=extra_ca)
+    return await _send(session, method, url, headers, body, timeout_s=timeout_s, allow_private=allow_private,
+                       max_response_bytes=max_response_bytes)
 
 
 def fetch(url: str, *, timeout_s: float, allow_private: bool, max_response_bytes: int = 64 * 1024,

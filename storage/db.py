@@ -272,9 +272,12 @@ class GroupCommit:
     A unit of work is ``fn(session, *args, **kwargs)``: it must not commit, and whatever it does
     outside the transaction must bear being done twice (a unit may run again alone). Rows staged by
     a unit are not visible to the units after it in the group. ``window`` 0 runs every unit alone at
-    once. At most ``max_group`` units share a transaction, and at most ``max_running`` groups run at
-    a time: what arrives meanwhile waits for one of them to end and goes in the next group (fewer,
-    larger transactions under load; no more threads contending for the interpreter lock).
+    once. When no group is running, a unit does not wait for the window: it starts at the end of the
+    event loop's current turn with whatever was submitted in that turn (a lone request pays no
+    window; under load, what arrives while groups run forms the next group). At most ``max_group``
+    units share a transaction, and at most ``max_running`` groups run at a time: what arrives
+    meanwhile waits for one of them to end and goes in the next group (fewer, larger transactions
+    under load; no more threads contending for the interpreter lock).
     """
 
     def __init__(self, executor: Executor, *, window: float = 0.001, max_group: int = 64, max_running: int = 2) -> None:
@@ -297,7 +300,8 @@ class GroupCommit:
         if len(self._pending) >= self._max_group:
             self._flush()
         elif self._timer is None:
-            self._timer = loop.call_later(self._window, self._flush)
+            # idle: at the end of this turn of the loop; else within the window (or when a group ends)
+            self._timer = loop.call_later(self._window if self._running else 0, self._flush)
         return await future
 
     def _flush(self) -> None:

@@ -260,7 +260,9 @@ async def invoke(call: Call) -> web.StreamResponse:
     key = _proxy_key(request, names)
     target = None
     if key:
-        target = await call.db(service.invocation_target, key, trace_id=call.trace_id)
+        target = await service.target_cache.get_or_load(
+            key, trace_id=call.trace_id, ttl=settings.auth_cache_seconds,
+            load=lambda: call.db(service.invocation_target, key, trace_id=call.trace_id))
         if target is None:
             raise ProxyError(404, "No proxy has this key.", title=NOT_FOUND, errors={"key": ["No proxy has this key."]})
     caller = await _caller_for(call, target, names)
@@ -386,6 +388,13 @@ _FIELDS_TEXT = (
 )
 
 
+_CHANGE_APPLIES = (
+    " A change applies to the next invocation through the api process that made it, and within "
+    "`TESSERA_AUTH_CACHE_SECONDS` (2 s by default) through the others (each keeps a proxy it has looked up by key "
+    "as long as an API key)."
+)
+
+
 #: RFC 9745 ``Deprecation`` of the singular ``request_transform`` / ``response_transform`` (October 8, 2025;
 #: no shutdown announced, so no ``Sunset``), sent when a body uses them.
 SINGULAR_DEPRECATION = {"Deprecation": f"@{int(dt.datetime(2025, 10, 8, tzinfo=dt.UTC).timestamp())}"}
@@ -434,7 +443,8 @@ async def get(call: Call):
 
 @api.route("PUT", "/proxies/{id}", permission="proxy:update", body=ProxyRequest, response=ProxyOut,
            tag=MANAGEMENT_TAG, summary="Replace a proxy", errors=(400, 404),
-           description="Replaces every field (omitted ones take their defaults); the key stays. " + _FIELDS_TEXT)
+           description="Replaces every field (omitted ones take their defaults); the key stays. " + _FIELDS_TEXT
+           + _CHANGE_APPLIES)
 async def update(call: Call):
     _deprecated_fields(call)
     return await call.db(service.update_proxy, call.caller, call.uuid_param(what="proxy"), call.body)
@@ -444,14 +454,17 @@ async def update(call: Call):
            response=ProxyOut, tag=MANAGEMENT_TAG, summary="Update a proxy (merge patch)", errors=(400, 404, 415),
            description="Content-Type must be `application/merge-patch+json` (415 otherwise). Objects merge "
            "(`configuration` by key), null removes (a removed field takes its default); the result is validated "
-           "like a PUT body (400 with per-field errors, nothing changed). " + _FIELDS_TEXT)
+           "like a PUT body (400 with per-field errors, nothing changed). " + _FIELDS_TEXT + _CHANGE_APPLIES)
 async def patch(call: Call):
     _deprecated_fields(call)
     return await call.db(service.patch_proxy, call.caller, call.uuid_param(what="proxy"), call.payload)
 
 
 @api.route("DELETE", "/proxies/{id}", permission="proxy:delete", status=204, tag=MANAGEMENT_TAG,
-           summary="Delete a proxy", errors=(404,), description="Its key stops working at once.")
+           summary="Delete a proxy", errors=(404,),
+           description="Its key stops working at once through the api process that deletes it, and within "
+           "`TESSERA_AUTH_CACHE_SECONDS` (2 s by default) through the others (each keeps a proxy it has looked up "
+           "by key as long as an API key).")
 async def delete(call: Call):
     await call.db(service.delete_proxy, call.caller, call.uuid_param(what="proxy"))
 

@@ -93,8 +93,20 @@ def check_destination_base(base: str, *, where: str = "destination") -> str:
     Accepted: ``https://<dns name>[:port][/path]`` with a host of at least two labels, no IP
     literal (IPv4, IPv6 or the numeric shorthands ``127.1`` / ``0x7f000001``), no user info, no query
     string and no fragment, at most :data:`MAX_URL_LENGTH` characters. Raises a 400
-    :class:`~domain.proxy.errors.ProxyError` naming ``where``.
+    :class:`~domain.proxy.errors.ProxyError` naming ``where``. Accepted bases are remembered (a
+    bounded cache: the same few destinations are invoked again and again).
     """
+    if isinstance(base, str):
+        return _checked_base(base, where)
+    return _check_destination_base(base, where=where)
+
+
+@lru_cache(maxsize=1024)
+def _checked_base(base: str, where: str) -> str:
+    return _check_destination_base(base, where=where)  # a refusal raises: never cached
+
+
+def _check_destination_base(base: str, *, where: str) -> str:
     if not isinstance(base, str) or not base.strip():
         raise invalid_request("A destination URL is required.", where=where)
     base = base.strip()

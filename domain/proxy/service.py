@@ -25,13 +25,13 @@ from domain.proxy.models import ProxyRequest, validation_errors
 from domain.proxy.transforms import CodeTransform, dump_transforms, load_transforms
 from domain.proxy.values import SqlValueLoader
 from domain.tenancy import audit
-from domain.tenancy.auth import key_digest
+from domain.tenancy.auth import KeyCache, caller_cache, key_digest
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import effective_permissions
 from domain.tokens.service import merge_patch
 from infra.errors import not_found, validation_problem
 from storage.crypto import get_keyring
-from storage.db import Rows, stage_rows
+from storage.db import Rows, on_commit, stage_rows
 from storage.models import Application, Tenant
 from storage.models_proxy import Proxy
 from storage.types import utcnow
@@ -161,6 +161,7 @@ def list_proxies(session: Session, caller: Caller, *, size: int, after: dict | N
 
 def _update(session: Session, caller: Caller, proxy: Proxy, request: ProxyRequest) -> dict:
     _apply(session, caller, proxy, request)
+    on_commit(session, target_cache.clear)
     proxy.modified_by = caller.application_id
     proxy.modified_at = utcnow()
     session.add(proxy)
@@ -207,6 +208,7 @@ def delete_proxy(session: Session, caller: Caller, proxy_id: object) -> None:
     caller.require("proxy:delete")
     proxy = _get(session, caller, proxy_id, lock=True)
     session.delete(proxy)
+    on_commit(session, target_cache.clear)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="delete")
 
 
@@ -231,6 +233,19 @@ class Target:
     def has_code(self) -> bool:
         """True when a request or response transform is a code transform (run by the reactor runtime)."""
         return any(isinstance(t, CodeTransform) for t in (*self.request_transforms, *self.response_transforms))
+
+    def with_trace(self, trace_id: str | None) -> Target:
+        """This target for one request: its anonymous caller carries the request's ``trace_id``."""
+        if self.anonymous is None:
+            return self
+        return replace(self, anonymous=replace(self.anonymous, trace_id=trace_id))
+
+
+target_cache: KeyCache[Target] = KeyCache(Target.with_trace, cleared_with=caller_cache)
+"""The process's invocation targets by proxy key digest (:func:`invocation_target`'s answers), kept
+``TESSERA_AUTH_CACHE_SECONDS`` like callers: cleared when a proxy is updated or deleted in this
+process, and with the callers when keys, applications or tenants change here; a change made by another
+process is seen within the TTL."""
 
 
 def invocation_target(session: Session, key: str, *, trace_id: str | None = None) -> Target | None:

@@ -310,3 +310,21 @@ def test_json_string_state_follows_escapes():
     text = json.dumps({"a": 'x" {{ a }}', "c": "\\{{ c }}"})[:-1] + ', "b": {{ b }}}'
     assert [(s.expression.ref.id, s.in_json_string) for s in _json_sites(text, "body")] == [
         ("a", True), ("c", True), ("b", False)]
+
+
+def test_expired_tokens_are_unknown_and_the_token_object_is_json(vault):
+    card, gone = _card(vault, metadata={"ref": "order-2"}), _card(vault)
+    with session_scope() as session:
+        from storage.models import Token
+
+        row = session.get(Token, (vault.tenant_id, gone))
+        row.expires_at = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        session.add(row)
+    error = _refused(vault, vault.caller(), f'"{{{{ {card} }}}}{{{{ {gone} }}}}"'.encode())
+    assert error.status == 400 and gone in error.detail and card not in error.detail
+    out = _run(vault, vault.caller(), f'{{{{ token: {card} }}}}'.encode())
+    record = json.loads(out.body)
+    assert record["id"] == card and record["tenant_id"] == str(vault.tenant_id)
+    assert record["metadata"] == {"ref": "order-2"} and record["data"]["number"] == PAN
+    assert dt.datetime.fromisoformat(record["created_at"]) <= dt.datetime.now(dt.UTC)
+    assert record["expires_at"] is None and record["type"] == "card"

@@ -409,3 +409,37 @@ def test_destinations_below_tls_1_2_are_refused(tenant, upstream, destination, t
             assert seen == []
         finally:
             stop()
+
+
+def test_a_change_of_a_proxy_applies_to_the_next_invocation(tenant, proxy_api, upstream):
+    """Invocation targets are kept by key for a while; an update or a delete made here forgets them."""
+    proxy = _proxy(tenant, upstream)
+    anonymous = proxy_api.client()
+    assert tenant.client.post("/proxy/a", {"x": 1}, headers={KEY: proxy["key"]}).status == 201
+    _proxy_error(anonymous.post("/proxy/a", {"x": 1}, headers={KEY: proxy["key"]}), 401)
+    patched = tenant.client.patch(f"/proxies/{proxy['id']}", {"destination_url": upstream.base() + "/v2",
+                                                              "require_auth": False},
+                                  content_type="application/merge-patch+json")
+    assert patched.status == 200, patched
+    assert anonymous.post("/proxy/b", {"x": 2}, headers={KEY: proxy["key"]}).status == 201
+    replaced = tenant.client.put(f"/proxies/{proxy['id']}", {"name": "charges", "destination_url": upstream.base(),
+                                                             "response_transforms": [
+                                                                 {"type": "append_header", "location": "X-Seen",
+                                                                  "value": "yes"}]})
+    assert replaced.status == 200, replaced
+    answer = tenant.client.post("/proxy/c", {"x": 3}, headers={KEY: proxy["key"]})
+    assert answer.status == 201 and answer.headers["X-Seen"] == "yes", answer
+    assert [s.path for s in upstream.received] == ["/v1/a", "/v2/b", "/c"]
+    assert tenant.client.delete(f"/proxies/{proxy['id']}").status == 204
+    _proxy_error(tenant.client.post("/proxy/d", {"x": 4}, headers={KEY: proxy["key"]}), 404)
+    assert len(upstream.received) == 3
+
+
+def test_invocations_reuse_the_connection_to_a_destination(tenant, upstream):
+    proxy = _proxy(tenant, upstream)
+    for n in range(3):
+        assert tenant.client.post(f"/proxy/keep-{n}", {"n": n}, headers={KEY: proxy["key"]}).status == 201
+        assert tenant.client.post(f"/proxy/v1/keep-{n}", {"n": n}, headers={URL: upstream.base()}).status == 201
+    peers = {seen.peer for seen in upstream.received}
+    assert len(upstream.received) == 6 and None not in peers
+    assert len(peers) == 1  # one kept-alive connection, requests one after the other

@@ -17,12 +17,14 @@ from tests.proxy.certificates import DEST, make_certificates
 
 @dataclass
 class Seen:
-    """One request the destination received: method, raw path with query, headers (pairs), body."""
+    """One request the destination received: method, raw path with query, headers (pairs), body, and
+    the sender's address and port (``peer``: the same for requests sent on one kept-alive connection)."""
 
     method: str
     path: str
     headers: list[tuple[str, str]]
     body: bytes
+    peer: tuple | None = None
 
     def header(self, name: str) -> str | None:
         return next((v for k, v in self.headers if k.lower() == name.lower()), None)
@@ -50,7 +52,9 @@ class Upstream:
 
     async def _handle(self, request: web.Request) -> web.Response:
         body = await request.read()
-        self.received.append(Seen(request.method, request.raw_path, list(request.headers.items()), body))
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        self.received.append(Seen(request.method, request.raw_path, list(request.headers.items()), body,
+                                  tuple(peer) if peer else None))
         path = request.path
         if path.endswith("/slow"):
             await asyncio.sleep(self.slow_seconds)
