@@ -11,6 +11,8 @@ from typing import Any
 
 import urllib3
 
+from tests.security.leaks import observe
+
 _HTTP = urllib3.PoolManager(num_pools=4, maxsize=16, retries=False, timeout=urllib3.Timeout(30))
 
 
@@ -58,6 +60,8 @@ class ApiClient:
             all_headers["Content-Type"] = content_type
         all_headers.update(headers or {})
         answer = _HTTP.request(method, self.base_url + path, body=data, headers=all_headers, redirect=False)
+        if answer.status >= 400 and f"{self.prefix}-TRACE-ID" in answer.headers:
+            observe("problem details", answer.data)  # the platform's (the sandbox's own are not scanned)
         return Response(answer.status, answer.headers, answer.data)
 
     def get(self, path: str, **kw) -> Response:
@@ -109,6 +113,8 @@ class WebhookReceiver:
                 body = self.rfile.read(length)
                 if receiver.delay:
                     time.sleep(receiver.delay)
+                if "webhook-signature" in self.headers:
+                    observe("webhook deliveries", body)
                 receiver.received.append(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
                 self.send_response(receiver.status)
                 self.send_header("content-length", "0")
