@@ -98,11 +98,17 @@ class Received:
 
 @dataclass
 class WebhookReceiver:
-    """A real HTTP server on loopback that records POSTs and answers with ``status`` (settable)."""
+    """A real HTTP server on loopback that records POSTs and answers with ``status`` (settable).
+
+    ``hold_next = n``: the next n POSTs are recorded, then their answers wait until ``release`` is
+    set (``held`` is set when one arrives): a sender can be killed while it waits for the answer."""
 
     status: int = 200
     received: list[Received] = field(default_factory=list)
     delay: float = 0.0
+    hold_next: int = 0
+    held: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> WebhookReceiver:
         receiver = self
@@ -116,6 +122,10 @@ class WebhookReceiver:
                 if "webhook-signature" in self.headers:
                     observe("webhook deliveries", body)
                 receiver.received.append(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                if receiver.hold_next > 0:
+                    receiver.hold_next -= 1
+                    receiver.held.set()
+                    receiver.release.wait(120)
                 self.send_response(receiver.status)
                 self.send_header("content-length", "0")
                 self.end_headers()
