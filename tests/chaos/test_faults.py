@@ -162,7 +162,8 @@ def test_a_faulty_provider_ends_each_job_final_with_one_side_effect(faulty, faul
 @pytest.fixture(scope="module")
 def faulty(redis_flushed, s3_server):
     """A platform whose provider calls time out after 2 s (so a slow answer is a timeout)."""
-    with platform("chaos-faults", {"TESSERA_PROVIDER_READ_TIMEOUT_SECONDS": "2", "TESSERA_JOB_LEASE_SECONDS": "8"}) as p:
+    settings = {"TESSERA_PROVIDER_READ_TIMEOUT_SECONDS": "2", "TESSERA_JOB_LEASE_SECONDS": "8"}
+    with platform("chaos-faults", settings) as p:
         p.current = p.start_worker()
         yield p
         assert not p.unfinished_work()
