@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 from sqlalchemy import create_engine, text
 
-from tests.conftest import _drop_database, free_port
+from tests.conftest import TEST_DATABASE_URL, _drop_database, free_port
 from tests.conftest import serve_in_thread as serve
 from tests.helpers import ApiClient, WebhookReceiver, wait_until
 from tests.worker.test_network_token_kill import Processes, own_platform
@@ -160,8 +160,10 @@ def _answers(base_url: str) -> bool:
 
 
 @contextlib.contextmanager
-def platform(tenant_name: str = "chaos", extra_env: dict[str, str] | None = None):
-    """Start :class:`Platform` (api, beat, one worker); everything is stopped and dropped afterwards."""
+def platform(tenant_name: str = "chaos", extra_env: dict[str, str] | None = None, *,
+             database_server: str = TEST_DATABASE_URL):
+    """Start :class:`Platform` (api and beat; workers with :meth:`Platform.start_worker`) on a database
+    of its own on ``database_server``'s server; everything is stopped and dropped afterwards."""
     import json
 
     from sandbox.app import make_app
@@ -173,7 +175,8 @@ def platform(tenant_name: str = "chaos", extra_env: dict[str, str] | None = None
     stop_proxy = serve(proxy.app, proxy_port)
     receiver = WebhookReceiver().start()
     database_url, work_dir, env = own_platform(f"chaos{os.urandom(2).hex()}", f"http://127.0.0.1:{proxy_port}",
-                                               api_port, {**CHAOS_ENV, **(extra_env or {})})
+                                               api_port, {**CHAOS_ENV, **(extra_env or {})},
+                                               database_server=database_server)
     processes = Processes(work_dir, env)
     api_url = f"http://127.0.0.1:{api_port}"
     try:

@@ -80,12 +80,14 @@ class Processes:
                 child.wait(5)
 
 
-def own_platform(name: str, sandbox_url: str, api_port: int, settings: dict[str, str]) -> tuple[str, Path, dict]:
+def own_platform(name: str, sandbox_url: str, api_port: int, settings: dict[str, str], *,
+                 database_server: str = TEST_DATABASE_URL) -> tuple[str, Path, dict]:
     """``(database URL, work dir, environment)`` for the processes of a platform of its own: a migrated
-    database ``<the run's>_<name>``, a Redis key prefix and a master key of its own, ``settings`` on top."""
+    database ``<the run's>_<name>`` (on ``database_server``'s server), a Redis key prefix and a master
+    key of its own, ``settings`` on top."""
     from storage import migrate
 
-    base = make_url(TEST_DATABASE_URL)
+    base = make_url(database_server)
     database_url = str(base.set(database=f"{base.database}_{name}"))
     _recreate_database(database_url)
     migrate.upgrade(database_url)
