@@ -24,6 +24,7 @@ from sqlalchemy import create_engine, text
 from tests.conftest import TEST_DATABASE_URL, _drop_database, free_port
 from tests.conftest import serve_in_thread as serve
 from tests.helpers import ApiClient, WebhookReceiver, wait_until
+from tests.security.leaks import observe, scan_database
 from tests.worker.test_network_token_kill import Processes, own_platform
 
 #: Short timings so a killed job comes back within a minute: the lease a dead worker held runs out, the
@@ -195,6 +196,10 @@ def platform(tenant_name: str = "chaos", extra_env: dict[str, str] | None = None
         proxy.release.set()
         receiver.release.set()
         processes.stop_all()
+        for log in sorted(work_dir.glob("*.log")):  # the processes' own logs go to the secrets scan
+            observe("logs of tessera processes", log.read_bytes())
+        with contextlib.suppress(Exception):  # the database may be gone with a crashed server
+            scan_database(database_url)
         receiver.stop()
         stop_proxy()
         stop_sandbox()
