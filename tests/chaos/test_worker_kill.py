@@ -171,7 +171,7 @@ JOB_KINDS = [
             lambda method, path: method == "POST" and path.startswith("/agentic/") and path.endswith("/enrollments"),
             _enrolled, _enrolled_once),
     JobKind("webhooks.deliver", _deliver, None, _delivered, _delivered_once),
-    JobKind("account_updater.chunk", _update_accounts,
+    JobKind("account_updater.process_chunk", _update_accounts,
             lambda method, path: method == "POST" and path == "/card-network/account-updates",
             _updated, _updated_once),
 ]
@@ -227,3 +227,29 @@ def test_a_worker_killed_mid_job_loses_nothing_and_does_nothing_twice(running):
         print(f"kill round: every kind final {time.monotonic() - started:.1f} s after the jobs started")
     assert all(c == {"kills": ROUNDS, "final": ROUNDS, "once": ROUNDS} for c in COUNTS.values())
     assert set(COUNTS) == {kind.name for kind in JOB_KINDS}
+
+
+#: Modules of job tasks that need no kill round of their own, and why.
+SAME_AS_COVERED = {
+    "tasks.mail": "the same JobTask lease and relay as the kinds above; its side effect is a mail, whose "
+                  "at-least-once sending is tested in tests/admin",
+}
+
+
+def test_every_module_of_jobs_has_a_kind_in_the_kill_list():
+    """Generated from the task registry: each ``tasks`` module that runs recorded jobs (``JobTask``) or
+    webhook deliveries has a :class:`JobKind` here (or a reason in :data:`SAME_AS_COVERED`). A kind that
+    arrives with a new module is named in the skip reason until it gets its ``JobKind``."""
+    from infra.task import JobTask
+    from workers.celery_app import celery_app
+
+    celery_app.loader.import_default_modules()  # the task modules, as a worker imports them
+    modules = {type(task).__module__ if isinstance(task, JobTask) else task.__module__
+               for name, task in celery_app.tasks.items()
+               if isinstance(task, JobTask) or name == "webhooks.deliver"}
+    covered = {celery_app.tasks[kind.name].__module__ if not isinstance(celery_app.tasks[kind.name], JobTask)
+               else type(celery_app.tasks[kind.name]).__module__ for kind in JOB_KINDS}
+    assert covered <= modules and len(covered) == len(JOB_KINDS)  # each kind names a real task
+    missing = sorted(modules - covered - set(SAME_AS_COVERED))
+    if missing:
+        pytest.skip(f"not yet killed mid-job: {missing}; add a JobKind to JOB_KINDS")
