@@ -232,7 +232,7 @@ def test_a_postgresql_restart_under_load_loses_nothing(own_postgres, redis_flush
             wait_until(lambda s=subject: _provisioned(p, s), timeout=120, interval=0.5)
             _provisioned_once(p, subject)
         refused = [s for s in load.statuses if s != 201]
-        assert all(s in (0, 500, 503) for s in refused), refused  # refused while down, never a wrong answer
+        assert all(s in (0, 503) for s in refused), refused  # 503 while it is down (or no answer), never a 500
         assert not p.unfinished_work()
         p.processes.kill(worker)
         print(f"postgresql restart: {len(load.created)} tokens acknowledged and kept, {len(refused)} refused "
