@@ -12,7 +12,7 @@ fail the delivery at once: the receiver would answer the same on every retry (a 
 A message carries about a hundred deliveries: one statement leases them and reads their events,
 webhooks and signing secrets, the POSTs go out concurrently on the worker process's keep-alive pool
 (``infra.http.deliver_many``) and the outcomes are recorded together.
-Fairness: a tenant whose deliveries are slow (a receiver answering in seconds) holds at most
+Fairness: a tenant that is behind on its deliveries (a flood, a slow or hanging receiver) holds at most
 ``TESSERA_WEBHOOK_TENANT_SLOTS`` worker slots; its other deliveries are postponed a little and sent
 again by the relay in batches, so one tenant's flood to a slow receiver does not queue everyone else
 behind it (:func:`postpone_busy_tenants`).
