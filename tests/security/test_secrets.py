@@ -79,3 +79,32 @@ def test_no_secret_leaks_anywhere(api, tenant, receiver):
     logs = "\n".join(f"{test} [{logger}] {kinds}: {line}" for test, logger, kinds, line in CAPTURE.findings[:50])
     assert not LEAKS.findings, f"{len(LEAKS.findings)} secrets seen:\n{report}"
     assert not CAPTURE.findings, f"{len(CAPTURE.findings)} log records hold secrets:\n{logs}"
+
+
+def test_a_logged_traceback_never_shows_the_frames_local_variables():
+    """The console format's rich tracebacks showed every frame's locals: a request body with its card
+    number reached the log of an api whose database went away. Both formats leave locals out."""
+    import io
+    import logging
+    import uuid
+
+    from infra import logs
+
+    for log_format in ("console", "json"):
+        buffer = io.StringIO()
+        handler = logging.StreamHandler(buffer)
+        handler.setFormatter(logs.formatter(log_format))
+        logger = logging.getLogger(f"tessera.test.{uuid.uuid4().hex}")
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+
+        def handle(body: dict):
+            raise RuntimeError("the database went away")
+
+        try:
+            handle({"data": CARD})
+        except RuntimeError:
+            logger.exception("unhandled error")
+        text = buffer.getvalue()
+        assert "the database went away" in text and "handle" in text  # the traceback is there ...
+        assert find_secrets(text) == [], (log_format, find_secrets(text))  # ... without the body
