@@ -15,6 +15,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from app.api import CALLER, http_problem
 from app.context import DB_EXECUTOR, GROUP_COMMIT, JOB_WAITS, RATE_LIMITER, ROUTES, SETTINGS, TRACE_ID
@@ -145,6 +146,11 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         response = problem_response(http_problem(exc), request.path)
+    except (OperationalError, InterfaceError, DisconnectionError):
+        # the database is down or restarting: the request changed nothing; a retry shortly succeeds
+        log.exception("database unavailable", extra={"path": request.path, "method": request.method})
+        response = problem_response(Problem(503, "The database is unavailable; retry shortly.",
+                                            headers={"Retry-After": "2"}), request.path)
     except Exception:
         log.exception("unhandled error", extra={"path": request.path, "method": request.method})
         response = problem_response(Problem(500, "An unexpected error occurred."), request.path)

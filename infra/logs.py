@@ -173,6 +173,14 @@ def _configure_structlog() -> None:
     )
 
 
+def _traceback_without_locals():
+    """The console's traceback format: rich when available, never with the frames' local variables
+    (they hold request bodies, card numbers, keys)."""
+    if structlog.dev.rich is not None:
+        return structlog.dev.RichTracebackFormatter(show_locals=False)
+    return structlog.dev.plain_traceback
+
+
 def formatter(log_format: str, *, colors: bool = False) -> logging.Formatter:
     """The formatter of ``TESSERA_LOG_FORMAT``: ``json`` (one object a line) or ``console``."""
     if log_format == "json":
@@ -189,7 +197,8 @@ def formatter(log_format: str, *, colors: bool = False) -> logging.Formatter:
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             _context_defaults,
             _drop_empty,
-            structlog.dev.ConsoleRenderer(colors=colors, sort_keys=False, timestamp_key="time"),
+            structlog.dev.ConsoleRenderer(colors=colors, sort_keys=False, timestamp_key="time",
+                                          exception_formatter=_traceback_without_locals()),
         ]
     return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*_SHARED, structlog.stdlib.ExtraAdder()], processors=chain, pass_foreign_args=False

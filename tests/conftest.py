@@ -83,9 +83,10 @@ os.environ.update(
     }
 )
 
+pytest.register_assert_rewrite("tests.security.leaks")  # imported by tests.helpers, loaded as a plugin below
 from tests.helpers import ApiClient, WebhookReceiver  # noqa: E402
 
-pytest_plugins = ("celery.contrib.pytest",)
+pytest_plugins = ("celery.contrib.pytest", "tests.security.leaks")
 
 
 def _admin_engine(url: str):

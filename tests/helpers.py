@@ -11,6 +11,8 @@ from typing import Any
 
 import urllib3
 
+from tests.security.leaks import observe
+
 _HTTP = urllib3.PoolManager(num_pools=4, maxsize=16, retries=False, timeout=urllib3.Timeout(30))
 
 
@@ -58,6 +60,8 @@ class ApiClient:
             all_headers["Content-Type"] = content_type
         all_headers.update(headers or {})
         answer = _HTTP.request(method, self.base_url + path, body=data, headers=all_headers, redirect=False)
+        if answer.status >= 400 and f"{self.prefix}-TRACE-ID" in answer.headers:
+            observe("problem details", answer.data)  # the platform's (the sandbox's own are not scanned)
         return Response(answer.status, answer.headers, answer.data)
 
     def get(self, path: str, **kw) -> Response:
@@ -94,11 +98,17 @@ class Received:
 
 @dataclass
 class WebhookReceiver:
-    """A real HTTP server on loopback that records POSTs and answers with ``status`` (settable)."""
+    """A real HTTP server on loopback that records POSTs and answers with ``status`` (settable).
+
+    ``hold_next = n``: the next n POSTs are recorded, then their answers wait until ``release`` is
+    set (``held`` is set when one arrives): a sender can be killed while it waits for the answer."""
 
     status: int = 200
     received: list[Received] = field(default_factory=list)
     delay: float = 0.0
+    hold_next: int = 0
+    held: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> WebhookReceiver:
         receiver = self
@@ -109,7 +119,13 @@ class WebhookReceiver:
                 body = self.rfile.read(length)
                 if receiver.delay:
                     time.sleep(receiver.delay)
+                if "webhook-signature" in self.headers:
+                    observe("webhook deliveries", body)
                 receiver.received.append(Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                if receiver.hold_next > 0:
+                    receiver.hold_next -= 1
+                    receiver.held.set()
+                    receiver.release.wait(120)
                 self.send_response(receiver.status)
                 self.send_header("content-length", "0")
                 self.end_headers()

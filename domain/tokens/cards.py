@@ -10,6 +10,7 @@ sensitive values: error messages describe the rule that failed, never the value.
 from __future__ import annotations
 
 import datetime
+import re
 
 __all__ = [
     "DEFAULT_FINGERPRINT_EXPRESSIONS",
@@ -21,6 +22,7 @@ __all__ = [
     "default_card_mask",
     "last4",
     "luhn_valid",
+    "mask_card_numbers",
     "mask_pan",
     "validate_bank",
     "validate_card",
@@ -155,6 +157,16 @@ def mask_pan(number: str) -> str:
     if size > 4:
         return MASK_CHAR * (size - 4) + number[-4:]
     return MASK_CHAR * size
+
+
+_DIGIT_RUN = re.compile(r"(?<![0-9])[0-9]{13,19}(?![0-9])")
+
+
+def mask_card_numbers(text: str) -> str:
+    """``text`` with every standalone run of 13 to 19 digits that passes the Luhn check masked by
+    :func:`mask_pan` (``4242424242424242`` -> ``424242XXXXXX4242``). For text a client sent that is
+    echoed back (a problem's ``instance`` or a refused value), so no card number is repeated."""
+    return _DIGIT_RUN.sub(lambda m: mask_pan(m.group(0)) if luhn_valid(m.group(0)) else m.group(0), text)
 
 
 def default_card_mask() -> dict[str, str]:

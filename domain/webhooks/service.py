@@ -12,6 +12,10 @@ fail the delivery at once: the receiver would answer the same on every retry (a 
 A message carries about a hundred deliveries: one statement leases them and reads their events,
 webhooks and signing secrets, the POSTs go out concurrently on the worker process's keep-alive pool
 (``infra.http.deliver_many``) and the outcomes are recorded together.
+Fairness: a tenant that is behind on its deliveries (a flood, a slow or hanging receiver) holds at most
+``TESSERA_WEBHOOK_TENANT_SLOTS`` worker slots; its other deliveries are postponed a little and sent
+again by the relay in batches, so one tenant's flood to a slow receiver does not queue everyone else
+behind it (:func:`postpone_busy_tenants`).
 A webhook failing without a single success for ``TESSERA_WEBHOOK_DISABLE_AFTER_SECONDS`` (5 days) is
 disabled and its ``notify_email`` is told. Redirects are never followed; private, loopback and
 link-local destinations are refused at delivery time unless ``TESSERA_ALLOW_PRIVATE_DESTINATIONS``.
@@ -25,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import insert, or_, update
+from sqlalchemy import distinct, func, insert, or_, update
 from sqlmodel import Session, select
 
 from config.settings import Settings
@@ -510,12 +514,64 @@ def disabled_notice(session: Session, webhook_id: uuid.UUID) -> DisabledNotice |
     return DisabledNotice(to=webhook.notify_email, subject=f"Webhook '{webhook.name}' disabled", text=text)
 
 
+def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], settings: Settings, *,
+                          now: dt.datetime | None = None) -> int:
+    """Postpone the due, unleased deliveries of ``delivery_ids`` whose tenant is behind and busy: it has
+    a delivery due more than ``settings.webhook_backlog_seconds`` ago still pending (a flood, or a slow
+    receiver), and already holds ``settings.webhook_tenant_slots`` worker slots (distinct task runs with
+    deliveries in flight). Their ``due_at`` moves ``webhook_postpone_seconds`` ahead; the relay sends
+    them again, batched (about a hundred a message). No attempt is counted. Returns how many were
+    postponed. A tenant that keeps up is never postponed.
+
+    On PostgreSQL the check and the lease that follows it in the same transaction are serialised per
+    tenant (a transaction-level advisory lock), so two workers cannot both take the last slot."""
+    slots = settings.webhook_tenant_slots
+    if slots <= 0 or not delivery_ids:
+        return 0
+    now = now or utcnow()
+    tenants = sorted(set(session.execute(
+        select(WebhookDelivery.tenant_id).where(WebhookDelivery.id.in_(delivery_ids))).scalars()), key=str)
+    if session.get_bind().dialect.name == "postgresql":
+        for tenant_id in tenants:
+            session.execute(select(func.pg_advisory_xact_lock(func.hashtext(str(tenant_id)))))
+    busy = []
+    for tenant_id in tenants:
+        behind = session.execute(select(WebhookDelivery.id).where(
+            WebhookDelivery.status == "pending",
+            WebhookDelivery.due_at < now - dt.timedelta(seconds=settings.webhook_backlog_seconds),
+            WebhookDelivery.tenant_id == tenant_id,
+        ).limit(1)).first()
+        if behind is None:
+            continue
+        held = session.execute(select(func.count(distinct(WebhookDelivery.lease_owner))).where(
+            WebhookDelivery.status == "pending",
+            WebhookDelivery.tenant_id == tenant_id,
+            WebhookDelivery.lease_expires_at > now,
+        )).scalar_one()
+        if held >= slots:
+            busy.append(tenant_id)
+    if not busy:
+        return 0
+    return session.execute(
+        update(WebhookDelivery)
+        .where(
+            WebhookDelivery.id.in_(delivery_ids),
+            WebhookDelivery.tenant_id.in_(busy),
+            WebhookDelivery.status == "pending",
+            or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now),
+        )
+        .values(due_at=now + dt.timedelta(seconds=settings.webhook_postpone_seconds), enqueued_at=None)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+
+
 def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings, session_scope) -> BatchOutcome:
     """Deliver a batch (about a hundred deliveries, one message): lease them and read what they need
     in one statement, POST them concurrently on the process's connection pool, record the outcomes
     in one transaction. Two short transactions; the HTTP calls run outside any."""
     lease_seconds = settings.webhook_timeout_seconds * TOTAL_TIMEOUT_FACTOR + 30
     with session_scope() as session:
+        postponed = postpone_busy_tenants(session, delivery_ids, settings)
         prepared, closed = lease_batch(session, delivery_ids, owner, lease_seconds=lease_seconds)
     results = deliver_many(
         [Request(p.url, p.body, p.headers) for p in prepared],
@@ -524,12 +580,17 @@ def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings,
         per_host=settings.webhook_host_concurrency,
     )
     if not prepared and not closed:
+        if postponed:
+            return BatchOutcome(counts={"postponed": postponed} | (
+                {"skipped": len(delivery_ids) - postponed} if len(delivery_ids) > postponed else {}))
         return BatchOutcome(counts={"skipped": len(delivery_ids)})
     with session_scope() as session:
         outcome = record_outcomes(session, prepared, results, closed, settings)
-    skipped = len(delivery_ids) - len(prepared) - len(closed)
+    skipped = len(delivery_ids) - len(prepared) - len(closed) - postponed
     if skipped:
         outcome.counts["skipped"] = skipped
+    if postponed:
+        outcome.counts["postponed"] = postponed
     return outcome
 
 

@@ -1,8 +1,14 @@
 """Property-based run of the OpenAPI description against the live API (schemathesis): with a management
 key, generated requests for every operation (a bounded number each) find no server error and no answer
-that breaks its documented schema (status, content type, body)."""
+that breaks its documented schema (status, content type, body).
+
+``TESSERA_FUZZ_REQUESTS`` (default: 8 per operation) sets the number of generated requests of the
+whole run, spread over the operations; ``benchmarks/fuzz.py`` runs it with 5,000 or more on demand."""
 
 from __future__ import annotations
+
+import math
+import os
 
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -30,18 +36,25 @@ def test_no_server_error_and_answers_fit_the_description(api):
     failures, calls = [], []
     operations = list(_operations(api, owner.api_key))
     assert len(operations) > 50
-    for operation in operations:
+    wanted = int(os.environ.get("TESSERA_FUZZ_REQUESTS", "0"))
+    examples = max(8, math.ceil(wanted / len(operations)))
+    for _ in range(5):  # more passes of fresh examples until the wanted number went out
+        for operation in operations:
 
-        @settings(max_examples=8, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
-        @given(case=operation.as_strategy())
-        def run(case):
-            calls.append(case.call_and_validate(checks=CHECKS).status_code)
+            @settings(max_examples=examples, deadline=None, derandomize=not wanted, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy())
+            def run(case):
+                calls.append(case.call_and_validate(checks=CHECKS).status_code)
 
-        try:
-            run()
-        except Exception as exc:  # every operation's failure is collected and reported
-            failures.append(f"{operation.label}: {str(exc)[:1500]}")
+            try:
+                run()
+            except Exception as exc:  # every operation's failure is collected and reported
+                failures.append(f"{operation.label}: {str(exc)[:1500]}")
+        if len(calls) >= wanted or failures:
+            break
     assert not failures, "\n\n".join(failures)
     assert len(calls) >= 2 * len(operations)  # generated requests really went out
+    print(f"schemathesis: {len(calls)} requests over {len(operations)} operations")
+    assert len(calls) >= wanted
     assert any(status < 300 for status in calls) and any(400 <= status < 500 for status in calls)

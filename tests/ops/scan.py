@@ -1,4 +1,4 @@
-"""What must never reach a log line: card numbers, CVCs, API keys, webhook signing secrets.
+"""What must never reach a log line: card numbers, CVCs, API keys, webhook signing secrets, private keys.
 
 :func:`find_secrets` names each match (masked, so a failure report does not repeat the secret).
 """
@@ -16,6 +16,8 @@ _GROUPED_PAN = re.compile(r"(?<![0-9A-Za-z.])[2-6][0-9]{3}([ -])[0-9]{4}\1[0-9]{
 _API_KEY = re.compile(r"key_[A-Za-z0-9_-]{40,}")
 # Standard Webhooks signing secrets.
 _WEBHOOK_SECRET = re.compile(r"whsec_[A-Za-z0-9+/=]{16,}")
+# A private key in PEM (RSA, EC, PKCS#8, encrypted or not).
+_PRIVATE_KEY = re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")
 # A verification code next to its name: cvc=123, "cvv": "1234", card_verification_code: 321.
 _CVC = re.compile(
     r"(?i)(?<![A-Za-z])(?:cvc2?|cvv2?|cid|card_?verification_?code|security_?code)(?![A-Za-z])"
@@ -65,6 +67,7 @@ def redact(text: str) -> str:
     text = _GROUPED_PAN.sub(card, _PAN.sub(card, text))
     text = _API_KEY.sub(lambda m: _mask(m.group(0)), text)
     text = _WEBHOOK_SECRET.sub(lambda m: _mask(m.group(0)), text)
+    text = _PRIVATE_KEY.sub("-----BEGIN … PRIVATE KEY-----", text)
     return _CVC.sub(lambda m: m.group(0)[:4] + "…", text)
 
 
@@ -82,4 +85,5 @@ def find_secrets(text: str) -> list[str]:
     found += [f"API key: {_mask(m.group(0))}" for m in _API_KEY.finditer(text)]
     found += [f"webhook secret: {_mask(m.group(0))}" for m in _WEBHOOK_SECRET.finditer(text)]
     found += [f"CVC: {m.group(0)[:4]}…" for m in _CVC.finditer(text)]
+    found += ["private key: PEM" for _ in _PRIVATE_KEY.finditer(text)]
     return found

@@ -80,31 +80,44 @@ class Processes:
                 child.wait(5)
 
 
+def own_platform(name: str, sandbox_url: str, api_port: int, settings: dict[str, str], *,
+                 database_server: str = TEST_DATABASE_URL) -> tuple[str, Path, dict]:
+    """``(database URL, work dir, environment)`` for the processes of a platform of its own: a migrated
+    database ``<the run's>_<name>`` (on ``database_server``'s server), a Redis key prefix and a master
+    key of its own, ``settings`` on top."""
+    from storage import migrate
+
+    base = make_url(database_server)
+    database_url = str(base.set(database=f"{base.database}_{name}"))
+    _recreate_database(database_url)
+    migrate.upgrade(database_url)
+    work_dir = Path(tempfile.mkdtemp(prefix=f"tessera-{name}-"))
+    env = {
+        **os.environ,
+        "TESSERA_DATABASE_URL": database_url,
+        "TESSERA_REDIS_KEY_PREFIX": f"{REDIS_PREFIX}{name}:",
+        "TESSERA_DATA_DIR": str(work_dir),
+        "TESSERA_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
+        "TESSERA_SANDBOX_URL": sandbox_url,
+        "TESSERA_API_PORT": str(api_port),
+        **settings,
+    }
+    return database_url, work_dir, env
+
+
 @pytest.fixture
 def isolated(redis_flushed):
     """``(processes, api base URL, sandbox base URL, database URL)`` of a platform of its own."""
     from sandbox.app import make_app
-    from storage import migrate
 
-    database_url = str(make_url(TEST_DATABASE_URL).set(database=f"{make_url(TEST_DATABASE_URL).database}_kill"))
-    _recreate_database(database_url)
-    migrate.upgrade(database_url)
     sandbox_port, api_port = free_port(), free_port()
     stop_sandbox = serve(lambda: make_app(slow_seconds=SLOW_SECONDS), sandbox_port)
-    work_dir = Path(tempfile.mkdtemp(prefix="tessera-kill-"))
-    env = {
-        **os.environ,
-        "TESSERA_DATABASE_URL": database_url,
-        "TESSERA_REDIS_KEY_PREFIX": f"{REDIS_PREFIX}kill:",
-        "TESSERA_DATA_DIR": str(work_dir),
-        "TESSERA_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
-        "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
-        "TESSERA_API_PORT": str(api_port),
+    database_url, work_dir, env = own_platform("kill", f"http://127.0.0.1:{sandbox_port}", api_port, {
         "TESSERA_JOB_LEASE_SECONDS": str(LEASE_SECONDS),
         "TESSERA_NETWORK_TOKEN_WAIT_SECONDS": "1",
         "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "2",
         "TESSERA_LOG_LEVEL": "WARNING",
-    }
+    })
     processes = Processes(work_dir, env)
     try:
         yield processes, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{sandbox_port}", database_url
