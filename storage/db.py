@@ -26,6 +26,7 @@ from sqlalchemy import Table, create_engine, event, insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session as OrmSession
 from sqlmodel import Session
 
@@ -75,13 +76,32 @@ def get_lease_engine() -> Engine | None:
     """The process's engine for statements whose loss in a database crash is harmless (taking a
     job's lease: lost, the job is taken again with the same idempotency key): PostgreSQL only,
     autocommit (one statement, one round trip) without waiting for the WAL flush
-    (``synchronous_commit=off``). None on SQLite: use :func:`session_scope`."""
+    (``synchronous_commit=off``), no pre-ping (a connection the server closed fails its statement and
+    invalidates the pool: the caller runs it once more, see :func:`execute_once_more_on_disconnect`).
+    None on SQLite: use :func:`session_scope`."""
     settings = get_settings()
     if not settings.effective_database_url.startswith("postgresql"):
         return None
     return create_engine(settings.effective_database_url, pool_size=settings.db_pool_size,
-                         max_overflow=settings.db_pool_size, pool_pre_ping=True, isolation_level="AUTOCOMMIT",
+                         max_overflow=settings.db_pool_size, pool_recycle=3600, isolation_level="AUTOCOMMIT",
                          connect_args={"options": "-c synchronous_commit=off"})
+
+
+def execute_once_more_on_disconnect(engine: Engine, statement):
+    """Run ``statement`` on a connection of ``engine`` (an autocommit engine such as
+    :func:`get_lease_engine`) and return its first row as a mapping (None without rows). When the
+    connection turns out to be closed by the server (a database restart), SQLAlchemy invalidates the
+    pool and the statement runs once more on a fresh connection; any other error is raised. Only for
+    statements that bear running twice (a lease: the second run takes nothing the first one took)."""
+    for attempt in (1, 2):
+        try:
+            with engine.connect() as connection:
+                return connection.execute(statement).mappings().first()
+        except DBAPIError as exc:
+            if attempt == 2 or not exc.connection_invalidated:
+                raise
+            log.info("a pooled connection was closed by the server; running the statement again")
+    return None  # pragma: no cover - the loop returns or raises
 
 
 def reset_engine() -> None:
