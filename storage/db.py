@@ -89,19 +89,36 @@ def get_lease_engine() -> Engine | None:
 
 def execute_once_more_on_disconnect(engine: Engine, statement):
     """Run ``statement`` on a connection of ``engine`` (an autocommit engine such as
-    :func:`get_lease_engine`) and return its first row as a mapping (None without rows). When the
+    :func:`get_lease_engine`) and return its first row as a mapping (None without rows, or when the
+    statement returns none). When the
     connection turns out to be closed by the server (a database restart), SQLAlchemy invalidates the
     pool and the statement runs once more on a fresh connection; any other error is raised. Only for
     statements that bear running twice (a lease: the second run takes nothing the first one took)."""
     for attempt in (1, 2):
         try:
             with engine.connect() as connection:
-                return connection.execute(statement).mappings().first()
+                result = connection.execute(statement)
+                return result.mappings().first() if result.returns_rows else None
         except DBAPIError as exc:
             if attempt == 2 or not exc.connection_invalidated:
                 raise
             log.info("a pooled connection was closed by the server; running the statement again")
     return None  # pragma: no cover - the loop returns or raises
+
+
+def execute_unflushed(statement) -> None:
+    """Run one writing ``statement`` on its own, committed without waiting for the WAL flush: on
+    PostgreSQL on the :func:`get_lease_engine` (one round trip; run once more after a closed
+    connection, so it must bear running twice, e.g. ``INSERT ... ON CONFLICT DO NOTHING``), elsewhere
+    in a :func:`session_scope`. For writes of a job's slow step that its later durable commit (the
+    outcome or the failure, later in the WAL, so flushing it flushes this too) makes durable: a job
+    that never gets there runs again and writes it again."""
+    engine = get_lease_engine()
+    if engine is None:
+        with session_scope() as session:
+            session.execute(statement)
+        return
+    execute_once_more_on_disconnect(engine, statement)
 
 
 def reset_engine() -> None:

@@ -177,8 +177,8 @@ def _view(session: Session, caller: Caller, token: NetworkToken) -> dict:
 def _event(session: Session, token_id: uuid.UUID, tenant_id: uuid.UUID, kind: str, status: str,
            trace_id: str | None) -> None:
     """Emit ``network-token.<kind>`` with ids and status only."""
-    events.emit(session, tenant_id=tenant_id, type=f"network-token.{kind}",
-                data={"network_token": {"id": str(token_id), "status": status}}, trace_id=trace_id)
+    events.emit_event(session, tenant_id=tenant_id, type=f"network-token.{kind}",
+                      data={"network_token": {"id": str(token_id), "status": status}}, trace_id=trace_id)
 
 
 # ---- lookups -------------------------------------------------------------------------------------
