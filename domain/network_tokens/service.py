@@ -70,7 +70,7 @@ from providers.card_network import (
     card_network_for,
 )
 from storage.crypto import get_keyring
-from storage.db import Rows, session_scope, stage_rows
+from storage.db import Rows, read_first, session_scope, stage_rows
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
 from storage.types import TextAsUuid, utcnow
@@ -418,9 +418,10 @@ def provisioning_outcome(session: Session, caller: Caller, started: Started, *, 
     finishing at this moment either is seen (201 / 422) or sees the 202 (``announced``) and emits
     ``network-token.failed`` if it fails.
     """
-    if status == "succeeded":
-        token = _get(session, caller.tenant_id, started.network_token_id)
-        if token.status != "inactive":
+    if status == "succeeded":  # one read outside any transaction, a plain row
+        token = read_first(select(_TOKENS).where(_TOKENS.c.id == started.network_token_id,
+                                                 _TOKENS.c.tenant_id == caller.tenant_id))
+        if token is not None and token.status != "inactive":
             return 201, _view(session, caller, token)
     job = _locked_job(session, started.job_id)
     if job.status in _FAILED:
