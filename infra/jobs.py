@@ -200,6 +200,27 @@ def fail(session: Session, job: Job, *, error: str, result: dict | None = None) 
     _close(session, job, "failed", error=error, result=result)
 
 
+def lock_leased(session: Session, job_id: uuid.UUID) -> None:
+    """Lock job ``job_id``'s row for the rest of ``session``'s transaction (``SELECT ... FOR UPDATE``
+    of its id only, no ORM object): the first lock of a transaction writing the outcome of a job
+    this worker leased (the lock order: the job row, then what the job works on)."""
+    session.execute(select(Job.__table__.c.id).where(Job.__table__.c.id == job_id).with_for_update())
+
+
+def complete_leased(session: Session, job: Job, *, result: dict | None = None) -> None:
+    """:func:`complete` for a job that is not in ``session`` (the detached job of
+    :func:`lease_and_read`, its row locked by :func:`lock_leased`): one ``UPDATE`` without ORM
+    objects; ``job`` gets the same values; the outcome is published once the transaction commits."""
+    values: dict[str, Any] = {"status": "succeeded", "lease_owner": None, "lease_expires_at": None,
+                              "updated_at": utcnow()}
+    if result is not None:
+        values["result"] = result
+    session.execute(update(Job.__table__).where(Job.__table__.c.id == job.id).values(**values))
+    for name, value in values.items():
+        setattr(job, name, value)
+    wait.announce_on_commit(session, job.id, job.status, job.result)
+
+
 def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> float:
     """The delay before retry number ``attempt`` (1-based): exponential with jitter, capped."""
     delay = min(cap, base * 2 ** (attempt - 1))

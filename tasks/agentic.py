@@ -43,6 +43,7 @@ class EnrollRail(_ProviderJob):
     """Enroll one rail of a payment method with its provider (job subject: the rail id)."""
 
     name = ENROLL_TASK
+    apply_to_leased_job = True
 
     def lease_reads(self):
         """See :func:`domain.agentic.enrollment.enrollment_reads`."""
