@@ -166,6 +166,10 @@ class Settings(BaseSettings):
     provider_concurrency: int = 16
     task_time_limit_seconds: int = 120
     worker_concurrency: int | None = None
+    #: Producers also send Celery's ``task-sent`` event (one more Redis publish on the path of every
+    #: recorded job, e.g. 1 ms of a network-token create). Flower works without it: it lists a task
+    #: from its ``task-received`` event on, and its Broker page counts what waits in a queue.
+    task_sent_events: bool = False
 
     # Logging.
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

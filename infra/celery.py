@@ -69,7 +69,7 @@ def configure(app: Celery, settings: Settings) -> None:
         task_soft_time_limit=max(1, settings.task_time_limit_seconds - 10),
         # The SQLAlchemy transport of the embedded default has no fan-out exchange for events.
         worker_send_task_events=not embedded,
-        task_send_sent_event=not embedded,
+        task_send_sent_event=settings.task_sent_events and not embedded,
         task_default_queue="default",
         task_queues=[Queue(name, Exchange(name), routing_key=name) for name in QUEUES],
         task_routes=(_route,),

@@ -30,7 +30,7 @@ from sqlmodel import Session
 
 from infra import wait
 from infra.dispatch import enqueue_after_commit
-from storage.db import get_lease_engine, session_scope
+from storage.db import Rows, execute_once_more_on_disconnect, get_lease_engine, session_scope
 from storage.models import Job
 from storage.types import utcnow
 
@@ -61,8 +61,7 @@ class PermanentError(Exception):
         self.details = details or {}
 
 
-def record(
-    session: Session,
+def new_row(
     *,
     kind: str,
     tenant_id: uuid.UUID | None,
@@ -72,8 +71,9 @@ def record(
     operation_id: str | None = None,
     trace_id: str | None,
     max_attempts: int = 5,
-) -> Job:
-    """Record a job in the caller's transaction; its task ``kind`` is sent with ``job_id`` on commit.
+) -> dict[str, Any]:
+    """The complete row of a new ``queued`` job (every column of :class:`storage.models.Job`, a fresh id,
+    due now): what :func:`record` and :func:`stage` write.
 
     The subject is typed, never encoded in one string: ``subject_type`` names what the job works on
     (``network_token``, ``rail``, ``payment_method``, ``account_updater_job``, ``invitation_link``,
@@ -81,19 +81,38 @@ def record(
     ``pm_...`` id, the network's token reference), ``subject_number`` a part of it (an account updater
     chunk) and ``operation_id`` the operation lease the job belongs to (a payment method's delete).
     """
-    job = Job(
-        kind=kind,
-        tenant_id=tenant_id,
-        subject_type=subject_type,
-        subject_id=str(subject_id),
-        subject_number=subject_number,
-        operation_id=operation_id,
-        trace_id=trace_id,
-        max_attempts=max_attempts,
-    )
+    now = utcnow()
+    return {
+        "id": uuid.uuid4(), "tenant_id": tenant_id, "kind": kind, "subject_type": subject_type,
+        "subject_id": str(subject_id), "subject_number": subject_number, "operation_id": operation_id,
+        "status": "queued", "attempts": 0, "max_attempts": max_attempts, "due_at": now, "enqueued_at": None,
+        "lease_owner": None, "lease_expires_at": None, "last_error": None, "result": None,
+        "trace_id": trace_id, "created_at": now, "updated_at": now,
+    }
+
+
+def record(session: Session, **fields: Any) -> Job:
+    """Record a job in the caller's transaction; its task ``kind`` is sent with ``job_id`` on commit.
+
+    ``fields``: the keyword arguments of :func:`new_row` (``kind``, ``tenant_id``, the subject,
+    ``trace_id``, ``max_attempts``). Returns the job, added to ``session``.
+    """
+    job = Job(**new_row(**fields))
     session.add(job)
-    enqueue_after_commit(session, kind, job_id=str(job.id))
+    enqueue_after_commit(session, job.kind, job_id=str(job.id))
     return job
+
+
+def stage(session: Session, rows: Rows, **fields: Any) -> uuid.UUID:
+    """:func:`record` without an ORM object, for hot paths that write their rows in one statement:
+    the job row (:func:`new_row` of ``fields``) is queued in ``rows`` for :func:`storage.db.stage_rows`
+    / :func:`storage.db.insert_rows` in ``session``'s transaction, and its task is sent with ``job_id``
+    when that transaction commits. Returns the job id. The caller must write ``rows`` before the
+    commit (a message for a job never written is skipped by the worker: nothing is leased)."""
+    row = new_row(**fields)
+    rows.add(Job.__table__, row)
+    enqueue_after_commit(session, row["kind"], job_id=str(row["id"]))
+    return row["id"]
 
 
 def _lease_statement(job_id: uuid.UUID, owner: str, lease_seconds: float):
@@ -143,8 +162,7 @@ def lease_and_read(
     engine = get_lease_engine()
     if engine is not None:
         statement = _lease_statement(job_id, owner, lease_seconds).returning(*Job.__table__.columns, *labelled)
-        with engine.connect() as connection:
-            row = connection.execute(statement).mappings().first()
+        row = execute_once_more_on_disconnect(engine, statement)
         if row is None:
             return None
         job = Job.model_validate({column.name: row[column] for column in Job.__table__.columns})
@@ -180,6 +198,27 @@ def complete(session: Session, job: Job, *, result: dict | None = None) -> None:
 def fail(session: Session, job: Job, *, error: str, result: dict | None = None) -> None:
     """Mark the job failed for good (a permanent error), with its error recorded."""
     _close(session, job, "failed", error=error, result=result)
+
+
+def lock_leased(session: Session, job_id: uuid.UUID) -> None:
+    """Lock job ``job_id``'s row for the rest of ``session``'s transaction (``SELECT ... FOR UPDATE``
+    of its id only, no ORM object): the first lock of a transaction writing the outcome of a job
+    this worker leased (the lock order: the job row, then what the job works on)."""
+    session.execute(select(Job.__table__.c.id).where(Job.__table__.c.id == job_id).with_for_update())
+
+
+def complete_leased(session: Session, job: Job, *, result: dict | None = None) -> None:
+    """:func:`complete` for a job that is not in ``session`` (the detached job of
+    :func:`lease_and_read`, its row locked by :func:`lock_leased`): one ``UPDATE`` without ORM
+    objects; ``job`` gets the same values; the outcome is published once the transaction commits."""
+    values: dict[str, Any] = {"status": "succeeded", "lease_owner": None, "lease_expires_at": None,
+                              "updated_at": utcnow()}
+    if result is not None:
+        values["result"] = result
+    session.execute(update(Job.__table__).where(Job.__table__.c.id == job.id).values(**values))
+    for name, value in values.items():
+        setattr(job, name, value)
+    wait.announce_on_commit(session, job.id, job.status, job.result)
 
 
 def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> float:

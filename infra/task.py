@@ -131,6 +131,11 @@ class JobTask(TesseraTask):
     lease_seconds: float = 120.0
     #: The first retry delay (seconds) of the exponential backoff, when the error names no delay.
     backoff_base: float = 2.0
+    #: True: ``apply`` gets the job as leased, not loaded into its session (it reads the job's
+    #: fields and never adds, refreshes or changes the job itself): the row is locked and completed
+    #: by one statement each, no ORM object (:func:`infra.jobs.lock_leased`,
+    #: :func:`infra.jobs.complete_leased`). False (the default): a locked ORM load of the job.
+    apply_to_leased_job: bool = False
 
     def lease_reads(self) -> dict[str, Any]:
         """What ``perform`` needs, read by the lease statement itself (:func:`infra.jobs.lease_and_read`):
@@ -166,9 +171,12 @@ class JobTask(TesseraTask):
         except PermanentError as exc:
             return self._fail(job, exc)
         with self.session_scope() as session:
-            current = session.get(Job, job.id, with_for_update=True)  # locked first: the lock order of ``apply``
-            result = self.apply(session, current, outcome)
-            jobs.complete(session, current, result=result)
+            if self.apply_to_leased_job:
+                jobs.lock_leased(session, job.id)  # locked first: the lock order of ``apply``
+                jobs.complete_leased(session, job, result=self.apply(session, job, outcome))
+            else:
+                current = session.get(Job, job.id, with_for_update=True)  # locked first, as above
+                jobs.complete(session, current, result=self.apply(session, current, outcome))
         return "succeeded"
 
     def _retry(self, job: Job, exc: TransientError) -> str:

@@ -25,7 +25,8 @@ from typing import TypeVar
 from sqlalchemy import Table, create_engine, event, insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session as OrmSession
 from sqlmodel import Session
 
@@ -75,13 +76,71 @@ def get_lease_engine() -> Engine | None:
     """The process's engine for statements whose loss in a database crash is harmless (taking a
     job's lease: lost, the job is taken again with the same idempotency key): PostgreSQL only,
     autocommit (one statement, one round trip) without waiting for the WAL flush
-    (``synchronous_commit=off``). None on SQLite: use :func:`session_scope`."""
+    (``synchronous_commit=off``), no pre-ping (a connection the server closed fails its statement and
+    invalidates the pool: the caller runs it once more, see :func:`execute_once_more_on_disconnect`).
+    None on SQLite: use :func:`session_scope`."""
     settings = get_settings()
     if not settings.effective_database_url.startswith("postgresql"):
         return None
     return create_engine(settings.effective_database_url, pool_size=settings.db_pool_size,
-                         max_overflow=settings.db_pool_size, pool_pre_ping=True, isolation_level="AUTOCOMMIT",
+                         max_overflow=settings.db_pool_size, pool_recycle=3600, isolation_level="AUTOCOMMIT",
                          connect_args={"options": "-c synchronous_commit=off"})
+
+
+def _once_more_on_disconnect(engine: Engine, run: Callable[[Connection], T]) -> T:
+    """``run(connection)`` on a connection of ``engine``; once more on a fresh connection when the
+    first turned out to be closed by the server (SQLAlchemy then invalidates the pool)."""
+    for attempt in (1, 2):
+        try:
+            with engine.connect() as connection:
+                return run(connection)
+        except DBAPIError as exc:
+            if attempt == 2 or not exc.connection_invalidated:
+                raise
+            log.info("a pooled connection was closed by the server; running the statement again")
+    raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+
+def execute_once_more_on_disconnect(engine: Engine, statement):
+    """Run ``statement`` on a connection of ``engine`` (an autocommit engine such as
+    :func:`get_lease_engine`) and return its first row as a mapping (None without rows, or when the
+    statement returns none). When the connection turns out to be closed by the server (a database
+    restart), SQLAlchemy invalidates the pool and the statement runs once more on a fresh
+    connection; any other error is raised. Only for statements that bear running twice (a lease:
+    the second run takes nothing the first one took)."""
+
+    def run(connection: Connection):
+        result = connection.execute(statement)
+        return result.mappings().first() if result.returns_rows else None
+
+    return _once_more_on_disconnect(engine, run)
+
+
+def read_first(statement):
+    """The first row of the read-only ``statement`` (None without rows), read in one round trip
+    outside any transaction: on PostgreSQL on an autocommit connection of the
+    :func:`get_lease_engine` (no ``BEGIN``, no ``COMMIT``; a read sees what was committed when it
+    runs, as the first statement of a transaction does), elsewhere in a :func:`session_scope`."""
+    engine = get_lease_engine()
+    if engine is None:
+        with session_scope() as session:
+            return session.execute(statement).first()
+    return _once_more_on_disconnect(engine, lambda connection: connection.execute(statement).first())
+
+
+def execute_unflushed(statement) -> None:
+    """Run one writing ``statement`` on its own, committed without waiting for the WAL flush: on
+    PostgreSQL on the :func:`get_lease_engine` (one round trip; run once more after a closed
+    connection, so it must bear running twice, e.g. ``INSERT ... ON CONFLICT DO NOTHING``), elsewhere
+    in a :func:`session_scope`. For writes of a job's slow step that its later durable commit (the
+    outcome or the failure, later in the WAL, so flushing it flushes this too) makes durable: a job
+    that never gets there runs again and writes it again."""
+    engine = get_lease_engine()
+    if engine is None:
+        with session_scope() as session:
+            session.execute(statement)
+        return
+    execute_once_more_on_disconnect(engine, statement)
 
 
 def reset_engine() -> None:

@@ -48,10 +48,15 @@ class EnrollRail(_ProviderJob):
     """Enroll one rail of a payment method with its provider (job subject: the rail id)."""
 
     name = ENROLL_TASK
+    apply_to_leased_job = True
 
-    def perform(self, job):
-        """The provider call (see :func:`domain.agentic.enrollment.perform_enrollment`)."""
-        return enrollment.perform_enrollment(job, get_settings(), session_scope)
+    def lease_reads(self):
+        """See :func:`domain.agentic.enrollment.enrollment_reads`."""
+        return enrollment.enrollment_reads()
+
+    def perform(self, job, read):
+        """The provider call (see :func:`domain.agentic.enrollment.perform_enrollment_read`)."""
+        return enrollment.perform_enrollment_read(job, read, get_settings(), session_scope)
 
     def apply(self, session, job, outcome):
         """Write the outcome (see :func:`domain.agentic.enrollment.apply_enrollment`)."""

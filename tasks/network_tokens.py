@@ -45,6 +45,7 @@ class Provision(NetworkTokenJob):
 
     name = service.PROVISION_TASK
     backoff_base = service.PROVISION_BACKOFF_BASE
+    apply_to_leased_job = True
 
     def lease_reads(self) -> dict[str, Any]:
         """See :func:`domain.network_tokens.service.provisioning_reads`."""

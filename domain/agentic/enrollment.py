@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from config.settings import Settings
 from domain.agentic import allowance_work, leases
@@ -36,6 +37,7 @@ from domain.agentic.payment_methods import (
     POLL_MAX_ATTEMPTS,
     POLL_TASK,
     card_source,
+    checked_card,
     lock,
     mark_deleted,
     merge_card,
@@ -44,13 +46,15 @@ from domain.agentic.payment_methods import (
     release_if_done,
     settle_rail,
 )
+from domain.tenancy.usage import record_token_activity_unflushed
+from domain.tokens.service import live_token_reads, open_token_data
 from infra import jobs
 from infra.errors import Problem
 from infra.jobs import PermanentError, TransientError
 from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed, provider_for
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail
-from storage.types import utcnow
+from storage.types import TextAsUuid, utcnow
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,46 @@ def _target(session: Session, job: Job) -> _Target | Stale:
                    pm.tenant_id, rail.enrollment_id)
 
 
+def _of_rail(column):
+    """``column`` of the job's rail (its subject), as a scalar subquery over the job row."""
+    return (select(column).where(PaymentMethodRail.id == TextAsUuid(Job.subject_id)).correlate(Job)
+            .scalar_subquery())
+
+
+def enrollment_reads() -> dict[str, Any]:
+    """What an enrollment job needs, read by its lease statement (:func:`infra.jobs.lease_and_read`):
+    the rail, its payment method, the tenant's type and the payment method's card token (live or
+    None, see :func:`domain.tokens.service.live_token_reads`); no transaction of its own."""
+    pm_id = _of_rail(PaymentMethodRail.payment_method_id)
+
+    def of_pm(column):
+        return select(column).where(PaymentMethod.id == pm_id).scalar_subquery()
+
+    tenant_id, token_id = of_pm(PaymentMethod.tenant_id), of_pm(PaymentMethod.token_id)
+    reads = {
+        "rail_id": _of_rail(PaymentMethodRail.id), "rail_job_id": _of_rail(PaymentMethodRail.job_id),
+        "provider": _of_rail(PaymentMethodRail.provider), "attempt": _of_rail(PaymentMethodRail.attempt),
+        "enrollment_id": _of_rail(PaymentMethodRail.enrollment_id), "pm_id": of_pm(PaymentMethod.id),
+        "pm_status": of_pm(PaymentMethod.status), "pm_delete_requested_at": of_pm(PaymentMethod.delete_requested_at),
+        "consumer": of_pm(PaymentMethod.consumer), "token_id": token_id, "tenant_id": tenant_id,
+        "tenant_type": select(Tenant.type).where(Tenant.id == tenant_id).scalar_subquery(),
+    }
+    reads.update(live_token_reads(tenant_id, token_id))
+    return reads
+
+
+def _target_read(job: Job, read: dict) -> _Target | Stale:
+    """:func:`_target` from :func:`enrollment_reads`' values."""
+    if read["rail_id"] is None:
+        return Stale("the rail is gone")
+    if read["rail_job_id"] != job.id:
+        return Stale("another job took the rail")
+    if read["pm_id"] is None or read["pm_status"] != "active" or read["pm_delete_requested_at"] is not None:
+        return Stale("the payment method is deleted")
+    return _Target(read["pm_id"], read["rail_id"], read["provider"], read["tenant_type"], read["attempt"],
+                   dict(read["consumer"]), read["token_id"], read["tenant_id"], read["enrollment_id"])
+
+
 def poll_delay(attempt: int) -> float:
     """Seconds before poll number ``attempt + 1``: 0.5, 1, 2, 4 ... capped at 30."""
     return min(30.0, 0.5 * 2 ** max(0, attempt - 1))
@@ -114,9 +158,34 @@ def perform_enrollment(job: Job, settings: Settings, session_scope) -> Enrollmen
             data = card_source(session, target.tenant_id, target.token_id)
         except Problem as problem:
             raise EnrollmentFailed("INVALID_TOKEN", problem.detail or "the card token is not readable") from None
+    return _enroll(job, target, data, settings)
+
+
+def _enroll(job: Job, target: _Target, data: dict, settings: Settings) -> Enrollment:
     card = EnrollmentCard(data["number"], data["expiration_month"], data["expiration_year"], data.get("cvc"))
     provider = _provider(target, settings)
     return provider.enroll(card, target.consumer, attempt=target.attempt, idempotency_key=str(job.id))
+
+
+def perform_enrollment_read(job: Job, read: dict, settings: Settings, session_scope) -> Enrollment | Stale:
+    """:func:`perform_enrollment` with what the lease statement read (:func:`enrollment_reads`): no
+    read transaction; the card token's activity is counted in one statement not waiting for the
+    WAL flush (the job's outcome or failure commit makes it durable). Raises as
+    :func:`perform_enrollment`."""
+    target = _target_read(job, read)
+    if isinstance(target, Stale):
+        return target
+    try:
+        data = None
+        if read["token_type"] is not None:
+            with session_scope() as session:  # the tenant's key is cached: no statement runs
+                data = open_token_data(session, target.tenant_id, target.token_id, read["token_type"],
+                                       read["token_data_ct"], read["token_cvc_expires_at"])
+        data = checked_card(read["token_type"], data)
+    except Problem as problem:
+        raise EnrollmentFailed("INVALID_TOKEN", problem.detail or "the card token is not readable") from None
+    record_token_activity_unflushed(target.tenant_id, [target.token_id])
+    return _enroll(job, target, data, settings)
 
 
 def perform_poll(job: Job, settings: Settings, session_scope) -> Enrollment | Stale:

@@ -247,8 +247,8 @@ def settle_rail(session: Session, pm: PaymentMethod, rail: PaymentMethodRail, *,
         pm.updated_at = now
     if status != "pending" and rail.notify:
         rail.notify = False
-        events.emit(session, tenant_id=pm.tenant_id, type=RAIL_EVENT, data=rail_event_data(pm, rail),
-                    trace_id=trace_id)
+        events.emit_event(session, tenant_id=pm.tenant_id, type=RAIL_EVENT, data=rail_event_data(pm, rail),
+                          trace_id=trace_id)
     session.add(rail)
     session.add(pm)
     return changed
@@ -322,8 +322,17 @@ def card_source(session: Session, tenant_id: uuid.UUID, token_id: str, *, today:
     try:
         token, data = load_token_data(session, tenant_id, token_id)
     except Problem:
-        raise agentic_error("INVALID_TOKEN", "No card token with this id exists in the tenant.") from None
-    if token.type != "card" or not isinstance(data, dict) or not isinstance(data.get("number"), str):
+        token, data = None, None
+    return checked_card(token.type if token is not None else None, data, today=today)
+
+
+def checked_card(kind: str | None, data: Any, *, today: dt.date | None = None) -> dict:
+    """``data`` when it is a card token's readable card data (the rules of :func:`card_source`;
+    ``kind`` is the token's type, None when no live token of the tenant has the id), else 400
+    ``INVALID_TOKEN``."""
+    if kind is None:
+        raise agentic_error("INVALID_TOKEN", "No card token with this id exists in the tenant.")
+    if kind != "card" or not isinstance(data, dict) or not isinstance(data.get("number"), str):
         raise agentic_error("INVALID_TOKEN", "The token is not a card token.")
     month, year = data.get("expiration_month"), data.get("expiration_year")
     if not isinstance(month, int) or not isinstance(year, int):

@@ -70,7 +70,7 @@ from providers.card_network import (
     card_network_for,
 )
 from storage.crypto import get_keyring
-from storage.db import session_scope
+from storage.db import Rows, read_first, session_scope, stage_rows
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
 from storage.types import TextAsUuid, utcnow
@@ -105,6 +105,7 @@ CARD_ART_TTL = dt.timedelta(hours=24)
 _SOURCES = ("data", "token_id", "token_intent_id")
 _DATA_KEYS = ("number", "expiration_month", "expiration_year", "cvc")
 _FAILED = ("failed", "dead")
+_TOKENS = NetworkToken.__table__
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,8 @@ def _view(session: Session, caller: Caller, token: NetworkToken) -> dict:
 def _event(session: Session, token_id: uuid.UUID, tenant_id: uuid.UUID, kind: str, status: str,
            trace_id: str | None) -> None:
     """Emit ``network-token.<kind>`` with ids and status only."""
-    events.emit(session, tenant_id=tenant_id, type=f"network-token.{kind}",
-                data={"network_token": {"id": str(token_id), "status": status}}, trace_id=trace_id)
+    events.emit_event(session, tenant_id=tenant_id, type=f"network-token.{kind}",
+                      data={"network_token": {"id": str(token_id), "status": status}}, trace_id=trace_id)
 
 
 # ---- lookups -------------------------------------------------------------------------------------
@@ -354,34 +355,31 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
     card_network_for(caller)  # a production tenant without a configured network: 422 before anything
     source = _resolve_source(session, caller, request, now)
     card = source.card
+    rows = Rows()  # every row in one statement, no ORM object (``storage.db.insert_rows``)
     if source.intent_id is not None:  # the source's data was read: its own log row
-        audit.record(session, caller, entity_type="token-intent", entity_id=source.intent_id, operation="read")
+        audit.stage(rows, caller, entity_type="token-intent", entity_id=source.intent_id, operation="read")
     elif source.token_id is not None:
-        audit.record(session, caller, entity_type="card", entity_id=source.token_id, operation="read")
-    token = NetworkToken(
-        tenant_id=caller.tenant_id,
-        status="inactive",
-        card=_card_view(card),
-        token_id=source.token_id,
-        token_intent_id=source.intent_id,
-        merchant_id=str(request["merchant_id"]) if request.get("merchant_id") else None,
-        created_by=caller.application_id,
-        created_at=now,
-    )
+        audit.stage(rows, caller, entity_type="card", entity_id=source.token_id, operation="read")
+    token_id = uuid.uuid4()
     provisioning = {key: card[key] for key in _DATA_KEYS if card.get(key) is not None}
     cardholder = _cardholder(request.get("cardholder_info"), card)
     if cardholder:
         provisioning["cardholder"] = cardholder
-    token.source_ct = get_keyring().encrypt(
-        session, caller.tenant_id, SOURCE_PURPOSE, str(token.id), json.dumps(provisioning).encode()
-    )
-    session.add(token)
-    job = jobs.record(session, kind=PROVISION_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
-                      subject_id=str(token.id),
-                      trace_id=caller.trace_id, max_attempts=PROVISION_MAX_ATTEMPTS)
-    token.pending_job_id = job.id
-    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=token.id, operation="create")
-    return Started(token.id, job.id)
+    source_ct = get_keyring().encrypt(session, caller.tenant_id, SOURCE_PURPOSE, str(token_id),
+                                      json.dumps(provisioning).encode())
+    job_id = jobs.stage(session, rows, kind=PROVISION_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
+                        subject_id=str(token_id), trace_id=caller.trace_id, max_attempts=PROVISION_MAX_ATTEMPTS)
+    rows.add(_TOKENS, {
+        "id": token_id, "tenant_id": caller.tenant_id, "status": "inactive", "data_ct": None, "details": None,
+        "card": _card_view(card), "source_ct": source_ct, "par": None, "network_reference": None,
+        "token_id": source.token_id, "token_intent_id": source.intent_id,
+        "merchant_id": str(request["merchant_id"]) if request.get("merchant_id") else None,
+        "pending_job_id": job_id, "announced": False, "card_art": None, "card_art_at": None,
+        "created_by": caller.application_id, "created_at": now, "modified_by": None, "modified_at": None,
+    })
+    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=token_id, operation="create")
+    stage_rows(session, rows)
+    return Started(token_id, job_id)
 
 
 def _locked_job(session: Session, job_id: uuid.UUID) -> Job:
@@ -420,9 +418,10 @@ def provisioning_outcome(session: Session, caller: Caller, started: Started, *, 
     finishing at this moment either is seen (201 / 422) or sees the 202 (``announced``) and emits
     ``network-token.failed`` if it fails.
     """
-    if status == "succeeded":
-        token = _get(session, caller.tenant_id, started.network_token_id)
-        if token.status != "inactive":
+    if status == "succeeded":  # one read outside any transaction, a plain row
+        token = read_first(select(_TOKENS).where(_TOKENS.c.id == started.network_token_id,
+                                                 _TOKENS.c.tenant_id == caller.tenant_id))
+        if token is not None and token.status != "inactive":
             return 201, _view(session, caller, token)
     job = _locked_job(session, started.job_id)
     if job.status in _FAILED:
@@ -503,26 +502,28 @@ def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | No
     result = {"network_token_id": job.subject_id}
     if outcome is None:
         return {**result, "skipped": True}
-    # the job row is locked already (``JobTask``): the lock order is the job row, then the network token
-    token = session.get(NetworkToken, parse_uuid(job.subject_id), with_for_update=True)
-    if token is None or token.tenant_id != job.tenant_id:
-        _record_network_delete(session, job.tenant_id, outcome.reference, job.trace_id)
-        return {**result, "removed": True}
-    if token.status != "inactive":
-        return {**result, "skipped": True}
+    token_id = parse_uuid(job.subject_id)
     data = {"number": outcome.number, "expiration_month": outcome.expiration_month,
             "expiration_year": outcome.expiration_year}
-    token.data_ct = get_keyring().encrypt(session, token.tenant_id, DATA_PURPOSE, str(token.id),
-                                          json.dumps(data).encode())
-    token.details = outcome.details
-    token.par = outcome.par
-    token.network_reference = outcome.reference
-    token.status = outcome.status if outcome.status in ("active", "suspended") else "active"
-    token.source_ct = None
-    token.pending_job_id = None
-    token.modified_at = utcnow()
-    session.add(token)
-    _event(session, token.id, token.tenant_id, "created", token.status, job.trace_id)
+    status = outcome.status if outcome.status in ("active", "suspended") else "active"
+    # One statement: the job row is locked already (``JobTask``), so the lock order is the job row,
+    # then the network token; only an inactive network token of the job's tenant is changed.
+    changed = session.execute(
+        update(_TOKENS)
+        .where(_TOKENS.c.id == token_id, _TOKENS.c.tenant_id == job.tenant_id, _TOKENS.c.status == "inactive")
+        .values(data_ct=get_keyring().encrypt(session, job.tenant_id, DATA_PURPOSE, str(token_id),
+                                              json.dumps(data).encode()),
+                details=outcome.details, par=outcome.par, network_reference=outcome.reference, status=status,
+                source_ct=None, pending_job_id=None, modified_at=utcnow())
+        .returning(_TOKENS.c.id)
+    ).first()
+    if changed is None:
+        found = session.execute(select(_TOKENS.c.tenant_id).where(_TOKENS.c.id == token_id).with_for_update()).first()
+        if found is None or found.tenant_id != job.tenant_id:  # removed meanwhile
+            _record_network_delete(session, job.tenant_id, outcome.reference, job.trace_id)
+            return {**result, "removed": True}
+        return {**result, "skipped": True}
+    _event(session, token_id, job.tenant_id, "created", status, job.trace_id)
     return result
 
 

@@ -19,7 +19,7 @@ from sqlmodel import Session, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
-from storage.db import Rows, insert_statement
+from storage.db import Rows, execute_unflushed, get_engine, insert_statement
 from storage.models import Token
 from storage.models_tenant_admin import TokenActivity
 from storage.types import utcnow
@@ -52,6 +52,18 @@ def record_token_activity(
     statement = insert_statement(session.get_bind().dialect.name, _TABLE, ignore_conflicts=True)
     for start in range(0, len(found), _INSERT_BATCH):
         session.execute(statement.values(found[start : start + _INSERT_BATCH]))
+
+
+def record_token_activity_unflushed(tenant_id: uuid.UUID, token_ids: Iterable[str], *,
+                                    now: dt.datetime | None = None) -> None:
+    """:func:`record_token_activity` outside any transaction, in one statement committed without
+    waiting for the WAL flush (:func:`storage.db.execute_unflushed`): for a job's slow step (a
+    provider call reading a card token), whose outcome or failure commit makes it durable."""
+    rows = Rows()
+    stage_token_activity(rows, tenant_id, token_ids, now=now)
+    found = rows.tables.get((_TABLE, True), [])
+    if found:
+        execute_unflushed(insert_statement(get_engine().dialect.name, _TABLE, ignore_conflicts=True).values(found))
 
 
 def stage_token_activity(

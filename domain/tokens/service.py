@@ -547,10 +547,29 @@ def _seal(session: Session, tenant_id: uuid.UUID, token_id: str, data: Any) -> b
 
 def _open(session: Session, token: Token, now: dt.datetime) -> Any:
     """The plain data of a token; a card's cvc past its retention is left out even before the sweep."""
-    data = json.loads(get_keyring().decrypt(session, token.tenant_id, DATA_PURPOSE, token.id, token.data_ct))
-    if token.cvc_expires_at is not None and token.cvc_expires_at <= now:
-        data = _without_cvc(token.type, data)
+    return open_token_data(session, token.tenant_id, token.id, token.type, token.data_ct, token.cvc_expires_at,
+                           now=now)
+
+
+def open_token_data(session: Session, tenant_id: uuid.UUID, token_id: str, type: str, data_ct: bytes,
+                    cvc_expires_at: dt.datetime | None, *, now: dt.datetime | None = None) -> Any:
+    """The plain data of a token from its stored values (e.g. read by :func:`live_token_reads`): a
+    card's cvc past its retention is left out even before the sweep."""
+    data = json.loads(get_keyring().decrypt(session, tenant_id, DATA_PURPOSE, token_id, data_ct))
+    if cvc_expires_at is not None and cvc_expires_at <= (now or utcnow()):
+        data = _without_cvc(type, data)
     return data
+
+
+def live_token_reads(tenant_id, token_id, *, now: dt.datetime | None = None) -> dict[str, Any]:
+    """What :func:`open_token_data` needs of the live token ``token_id`` of ``tenant_id`` (both SQL
+    expressions, e.g. over a job row), as scalar subqueries for a lease statement
+    (:func:`infra.jobs.lease_and_read`): ``token_type``, ``token_data_ct``, ``token_cvc_expires_at``
+    (each None when the token is missing or expired). Like :func:`load_token_data`, no permission
+    check and no log row; the caller also counts the token's activity."""
+    live = (Token.tenant_id == tenant_id, Token.id == token_id, _live(now or utcnow()))
+    return {f"token_{column.key}": select(column).where(*live).scalar_subquery()
+            for column in (Token.type, Token.data_ct, Token.cvc_expires_at)}
 
 
 def _cvc_expiry(kind: str, data: Any, now: dt.datetime) -> dt.datetime | None:

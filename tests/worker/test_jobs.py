@@ -105,31 +105,35 @@ def test_a_job_whose_worker_died_is_released_and_relayed(worker):
 
 class _States:
     """The Celery states the worker reports for one job's runs (what Flower shows), from the worker's
-    own signals: one entry per run, in order."""
+    own signals: one entry per run, in order. Listening starts when it is made, so make it before
+    recording the job (a fast worker runs it at once) and name the job afterwards (``job_id``)."""
 
-    def __init__(self, job_id):
+    def __init__(self, job_id=None):
         from celery import signals
 
-        self.job_id, self.states = str(job_id), []
+        self.job_id, self._runs = (str(job_id) if job_id is not None else None), []
         self._signals = {signals.task_success: self._success, signals.task_retry: self._retry,
                          signals.task_failure: self._failure}
         for signal, receiver in self._signals.items():
             signal.connect(receiver, weak=False)
 
-    def _mine(self, request) -> bool:
-        return (getattr(request, "kwargs", None) or {}).get("job_id") == self.job_id
+    @property
+    def states(self) -> list[tuple[str, str]]:
+        """``(state, detail)`` of each run of the job, in order."""
+        return [state for job_id, state in list(self._runs) if job_id == self.job_id]
+
+    @staticmethod
+    def _job_id(request):
+        return (getattr(request, "kwargs", None) or {}).get("job_id")
 
     def _success(self, sender=None, result=None, **_):
-        if self._mine(sender.request):
-            self.states.append(("SUCCESS", result))
+        self._runs.append((self._job_id(sender.request), ("SUCCESS", result)))
 
     def _retry(self, request=None, reason=None, **_):
-        if self._mine(request):
-            self.states.append(("RETRY", str(reason)))
+        self._runs.append((self._job_id(request), ("RETRY", str(reason))))
 
     def _failure(self, sender=None, exception=None, **_):
-        if self._mine(sender.request):
-            self.states.append(("FAILURE", str(exception)))
+        self._runs.append((self._job_id(sender.request), ("FAILURE", str(exception))))
 
     def close(self):
         for signal, receiver in self._signals.items():
@@ -137,8 +141,9 @@ class _States:
 
 
 def test_attempts_show_as_retry_then_success_each_run_once(worker):
+    states = _States()
     job = _record("transient:1")
-    states = _States(job.id)
+    states.job_id = str(job.id)
     try:
         _settled(job.id, "succeeded")
         wait_until(lambda: len(states.states) >= 2)
@@ -150,8 +155,9 @@ def test_attempts_show_as_retry_then_success_each_run_once(worker):
 
 
 def test_a_permanent_failure_and_a_dead_letter_show_as_failure(worker):
+    failed, dead = _States(), _States()
     permanent, forever = _record("permanent"), _record("forever", max_attempts=2)
-    failed, dead = _States(permanent.id), _States(forever.id)
+    failed.job_id, dead.job_id = str(permanent.id), str(forever.id)
     try:
         _settled(permanent.id, "failed")
         _settled(forever.id, "dead")

@@ -1,0 +1,155 @@
+"""The statement-level forms of the job protocol on real PostgreSQL: staged job rows, leases that
+survive a closed connection, outcomes written without ORM objects, one-statement events, reads and
+activity rows outside a transaction."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+from sqlalchemy import func, select, text
+
+from domain.tenancy.tenants import create_tenant
+from domain.tenancy.usage import record_token_activity_unflushed
+from domain.webhooks.events import emit_event
+from infra import jobs
+from infra.celery import DELIVER_TASK, celery_app
+from infra.dispatch import take_pending
+from infra.jobs import PermanentError
+from infra.task import JobTask
+from storage.db import Rows, get_lease_engine, read_first, session_scope, stage_rows
+from storage.models import Event, Job, Webhook, WebhookDelivery
+from storage.models_tenant_admin import TokenActivity
+from tests.helpers import wait_until
+
+
+class LeasedJob(JobTask):
+    """Succeeds with its subject as result, or fails for good when the subject is ``permanent``;
+    its outcome is written by statements (``apply_to_leased_job``)."""
+
+    name = "tests.leased_job"
+    lease_seconds = 5
+    apply_to_leased_job = True
+
+    def perform(self, job):
+        if job.subject_id == "permanent":
+            raise PermanentError("DECLINED", "the provider declined")
+        return {"subject": job.subject_id}
+
+    def apply(self, session, job, outcome):
+        assert job not in session  # the leased job, not an ORM load
+        return outcome
+
+
+celery_app.register_task(LeasedJob())
+
+
+def _tenant_id() -> uuid.UUID:
+    with session_scope() as session:
+        return create_tenant(session, name="statements", owner_email=f"o-{uuid.uuid4().hex[:8]}@example.com").tenant_id
+
+
+def _job(job_id) -> Job:
+    with session_scope() as session:
+        return session.get(Job, job_id)
+
+
+def test_a_new_job_row_has_every_column_of_a_job():
+    row = jobs.new_row(kind="tests.leased_job", tenant_id=None, subject_type="script", subject_id=7, trace_id="t")
+    assert set(row) == {column.name for column in Job.__table__.columns}
+    assert (row["status"], row["attempts"], row["max_attempts"], row["subject_id"]) == ("queued", 0, 5, "7")
+
+
+def test_a_staged_job_is_written_with_the_rows_and_its_task_is_sent_on_commit(database):
+    rows = Rows()
+    with session_scope() as session:
+        job_id = jobs.stage(session, rows, kind=LeasedJob.name, tenant_id=None, subject_type="script",
+                            subject_id="staged", trace_id="trace-1", max_attempts=3)
+        stage_rows(session, rows)
+        assert take_pending(session) == [(LeasedJob.name, {"job_id": str(job_id)})]
+    job = _job(job_id)
+    assert (job.kind, job.status, job.attempts, job.max_attempts, job.subject_type, job.subject_id, job.trace_id) == (
+        LeasedJob.name, "queued", 0, 3, "script", "staged", "trace-1")
+    assert job.due_at <= dt.datetime.now(dt.UTC)
+
+
+def test_a_leased_job_outcome_is_written_by_statements(worker):
+    with session_scope() as session:
+        done = jobs.record(session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="ok",
+                           trace_id=None)
+        refused = jobs.record(session, kind=LeasedJob.name, tenant_id=None, subject_type="script",
+                              subject_id="permanent", trace_id=None)
+    job = wait_until(lambda: (found := _job(done.id)).status == "succeeded" and found)
+    assert job.result == {"subject": "ok"}
+    assert (job.attempts, job.lease_owner, job.lease_expires_at) == (1, None, None)
+    failed = wait_until(lambda: (found := _job(refused.id)).status == "failed" and found)
+    assert failed.result == {"code": "DECLINED", "status": 422}
+
+
+def test_a_lease_runs_again_on_a_connection_the_server_closed(database):
+    engine = get_lease_engine()
+    engine.dispose()  # one pooled connection from here on
+    with engine.connect() as connection:
+        closed_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    with session_scope() as session:
+        assert session.execute(text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": closed_pid}).scalar()
+        job = jobs.record(session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="x",
+                          trace_id=None)
+        take_pending(session)  # no worker: the test takes the lease itself
+    leased = jobs.lease_and_read(job.id, "tests:owner", lease_seconds=5, reads={"kind": Job.kind})
+    assert leased is not None
+    assert (leased[0].status, leased[0].lease_owner, leased[1]) == ("running", "tests:owner", {"kind": LeasedJob.name})
+    with engine.connect() as connection:
+        assert connection.exec_driver_sql("SELECT pg_backend_pid()").scalar() != closed_pid
+
+
+def test_read_first_sees_committed_rows_outside_a_transaction(database):
+    with session_scope() as session:
+        job = jobs.record(session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="r",
+                          trace_id=None)
+        take_pending(session)
+    assert tuple(read_first(select(Job.status, Job.subject_id).where(Job.id == job.id))) == ("queued", "r")
+    assert read_first(select(Job.status).where(Job.id == uuid.uuid4())) is None
+
+
+def test_an_event_in_one_statement_is_delivered_to_the_enabled_webhooks_subscribed_to_it(database):
+    tenant_id = _tenant_id()
+    with session_scope() as session:
+        hooks = {name: Webhook(tenant_id=tenant_id, name=name, url=f"https://example.com/{name}", events=events,
+                               status=status)
+                 for name, events, status in (("subscribed", ["network-token.created", "token.created"], "enabled"),
+                                              ("other-type", ["token.created"], "enabled"),
+                                              ("disabled", ["network-token.created"], "disabled"))}
+        session.add_all(hooks.values())
+    with session_scope() as session:
+        event_id = emit_event(session, tenant_id=tenant_id, type="network-token.created",
+                              data={"network_token": {"id": "n1", "status": "active"}}, trace_id="trace-2")
+        sent = take_pending(session)
+    with session_scope() as session:
+        event = session.get(Event, event_id)
+        deliveries = session.exec(select(WebhookDelivery).where(WebhookDelivery.event_id == event_id)).scalars().all()
+    assert (event.type, event.data, event.trace_id) == (
+        "network-token.created", {"network_token": {"id": "n1", "status": "active"}}, "trace-2")
+    assert [(d.webhook_id, d.status, d.attempts, d.tenant_id) for d in deliveries] == [
+        (hooks["subscribed"].id, "pending", 0, tenant_id)]
+    assert sent == [(DELIVER_TASK, {"delivery_ids": [str(deliveries[0].id)]})]
+
+
+def test_an_event_without_a_subscribed_webhook_is_recorded_and_sends_nothing(database):
+    tenant_id = _tenant_id()
+    with session_scope() as session:
+        event_id = emit_event(session, tenant_id=tenant_id, type="network-token.deleted",
+                              data={"network_token": {"id": "n2", "status": "deleted"}}, trace_id=None)
+        assert take_pending(session) == []
+    with session_scope() as session:
+        assert session.get(Event, event_id).type == "network-token.deleted"
+
+
+def test_token_activity_outside_a_transaction_is_counted_once(database):
+    tenant_id = _tenant_id()
+    record_token_activity_unflushed(tenant_id, ["tok_a", "tok_a", "tok_b"])
+    record_token_activity_unflushed(tenant_id, ["tok_a"])
+    with session_scope() as session:
+        count = session.execute(select(func.count()).select_from(TokenActivity)
+                                .where(TokenActivity.tenant_id == tenant_id)).scalar()
+    assert count == 2
