@@ -233,6 +233,14 @@ def test_a_worker_killed_mid_job_loses_nothing_and_does_nothing_twice(running):
 SAME_AS_COVERED = {
     "tasks.mail": "the same JobTask lease and relay as the kinds above; its side effect is a mail, whose "
                   "at-least-once sending is tested in tests/admin",
+    "tasks.reactors": "a reactor run is one attempt by design (customer code is never run twice): "
+                      "tests/worker/test_reactor_kill.py SIGKILLs a worker's process group mid-run and checks "
+                      "the run ends failed (500) and the code ran once; builds repeat an idempotent npm install",
+    "tasks.wallets": "the same JobTask lease and relay as the kinds above; a merchant session is one attempt "
+                     "and reads only, domain registration and removal carry the job id as the gateway's "
+                     "idempotency key",
+    "tasks.documents": "the same JobTask lease and relay as the kinds above; a purge deletes an S3 object "
+                       "and a row, both idempotent, and the documents sweep removes what a dead letter leaves",
 }
 
 
