@@ -258,6 +258,7 @@ def test_every_module_of_jobs_has_a_kind_in_the_kill_list():
     covered = {celery_app.tasks[kind.name].__module__ if not isinstance(celery_app.tasks[kind.name], JobTask)
                else type(celery_app.tasks[kind.name]).__module__ for kind in JOB_KINDS}
     assert covered <= modules and len(covered) == len(JOB_KINDS)  # each kind names a real task
+    modules = {module for module in modules if module.startswith("tasks.")}  # not the tests' own probes
     missing = sorted(modules - covered - set(SAME_AS_COVERED))
     if missing:
         pytest.skip(f"not yet killed mid-job: {missing}; add a JobKind to JOB_KINDS")

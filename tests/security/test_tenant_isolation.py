@@ -23,9 +23,13 @@ from collections.abc import Callable
 import pytest
 
 from tests.admin.support import upload
-from tests.api.test_agentic_support import card_token, created, settled
+from tests.api.test_agentic_support import AMEX, card_token, created, settled
+from tests.api.test_allowances_support import allowance, usd
 from tests.conftest import make_tenant
 from tests.helpers import ApiClient, wait_until
+from tests.reactors.test_api import settled as reactor_settled
+from tests.wallets.issuers import Merchant, key_pem, new_key
+from tests.wallets.test_http import apple_body, register
 
 PARAM = re.compile(r"\{([^}]+)\}")
 #: Paths whose operations end the caller's own tenant or key: never called by tenant B here.
@@ -84,6 +88,63 @@ def _member(client: ApiClient) -> str:
     return client.get("/tenants/self/members").json["data"][0]["id"]
 
 
+def _allowance(client: ApiClient) -> str:
+    return allowance(client, AMEX, "50.00")["id"]  # an spt rail: active at once, so it can mint
+
+
+def _credential(client: ApiClient, collection: str) -> str:
+    answer = client.post(collection, {"rail": "spt", "provider": "psp", "format": "identifier",
+                                      "amount": usd("1.00")})
+    assert answer.status == 201, answer
+    return answer.json["id"]
+
+
+def _reactor(client: ApiClient) -> str:
+    answer = client.post("/reactors", {"name": "isolated", "runtime": {"image": "node22"},
+                                       "code": "module.exports = async (req) => ({ raw: req.args });"})
+    assert answer.status == 201, answer
+    return reactor_settled(client, answer.json["id"], states=("active",))["id"]
+
+
+def _reactor_result(client: ApiClient, collection: str) -> str:
+    reactor_path = collection.rsplit("/results", 1)[0]
+    started = client.post(f"{reactor_path}/react-async", {"args": {"n": 1}})
+    assert started.status == 202, started
+    request_id = started.json["async_reactor_request_id"]
+    wait_until(lambda: client.get(f"{collection}/{request_id}").status == 200, timeout=60, interval=0.3)
+    return request_id
+
+
+_MERCHANTS: dict[int, Merchant] = {}
+
+
+def _merchant_certificate(client: ApiClient) -> str:
+    merchant = _MERCHANTS.setdefault(id(client), Merchant())
+    answer = register(client, merchant)
+    assert answer.status == 201, answer
+    return answer.json["id"]
+
+
+def _wallet_a(client: ApiClient) -> str:
+    if id(client) not in _MERCHANTS:
+        _merchant_certificate(client)
+    answer = client.post("/wallet-a", apple_body(_MERCHANTS[id(client)]))
+    assert answer.status == 201, answer
+    return answer.json["wallet_a"]["id"]
+
+
+def _wallet_b_key(client: ApiClient) -> str:
+    answer = client.post("/wallet-b/merchant-keys", {"private_key": key_pem(new_key()).decode()})
+    assert answer.status == 201, answer
+    return answer.json["id"]
+
+
+def _proxy(client: ApiClient) -> str:
+    answer = client.post("/proxies", {"name": "isolated", "destination_url": "https://example.com/charges"})
+    assert answer.status == 201, answer
+    return answer.json["id"]
+
+
 #: ``collection -> maker(client) -> id`` for resources a request example alone cannot create.
 MAKERS: dict[str, Callable[[ApiClient], str]] = {
     "/tokens": _token,
@@ -94,7 +155,22 @@ MAKERS: dict[str, Callable[[ApiClient], str]] = {
     "/keys": _client_key,  # the documented example's expires_at lies in the past
     "/documents": _document,  # multipart
     "/token-intents": _token_intent,  # the documented example has no card number
+    "/agentic/allowances": _allowance,  # on a payment method of A's
+    "/reactors": _reactor,  # its build must end before it can run
+    "/wallet-a/merchant-certificates": _merchant_certificate,  # a certificate and key of the tests' chain
+    "/wallet-a": _wallet_a,  # a token signed by the tests' chain for A's merchant certificate
+    "/wallet-b/merchant-keys": _wallet_b_key,
+    "/proxies": _proxy,  # the documented example's destination is not HTTPS
 }
+
+#: ``pattern of a nested collection -> maker(client, collection) -> id`` (the parent id is in the path).
+NESTED_MAKERS: dict[str, Callable[[ApiClient, str], str]] = {
+    r"/agentic/allowances/[^/]+/credentials": _credential,
+    r"/reactors/[^/]+/results": _reactor_result,
+}
+
+#: Paths with a parameter that is not a resource id: the proxy's tail is the destination's own path.
+NOT_IDS = ("/proxy/{tail}",)
 
 
 #: Collections whose resources are read elsewhere (an atomic bank is a token).
@@ -145,6 +221,9 @@ class Resources:
         for key, maker in MAKERS.items():
             if key == collection:
                 made = maker(self.client)
+        for pattern, nested in NESTED_MAKERS.items():
+            if re.fullmatch(pattern, collection):
+                made = nested(self.client, collection)
         if made is None and template is not None:
             answer = self.client.post(collection, _example(self.paths[template].get("post")))
             made, tried = _first_id(answer), f" (POST {collection}: {answer!r})"
@@ -232,7 +311,10 @@ def receiver_module():
 
 
 def _id_paths(document: dict) -> list[str]:
-    return [path for path in document["paths"] if "{" in path and path not in SELF]
+    """Paths with an id that some operation answers (a shut-down path answers 410 to everyone)."""
+    return [path for path, operations in document["paths"].items()
+            if "{" in path and path not in SELF and path not in NOT_IDS
+            and any(_answers(operation) for operation in operations.values())]
 
 
 def test_every_id_path_is_covered(matrix):
