@@ -199,6 +199,7 @@ def _arm(p: Platform, kind: JobKind):
     return p.proxy.arm(Fault("hold", kind.provider_call)).hit
 
 
+@pytest.mark.timeout(max(300, 120 + 90 * ROUNDS))  # about a minute a round (a lease to wait out each)
 def test_a_worker_killed_mid_job_loses_nothing_and_does_nothing_twice(running):
     """Each round catches one job of every kind mid-call at once, kills the worker that runs them all,
     and starts another (one lease to wait out per round, whatever the number of kinds)."""
