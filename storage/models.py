@@ -348,11 +348,10 @@ def delivery_status(job_status):
     )
 
 
-#: ``WebhookDelivery.status``: the public status, read from the delivery's job (loaded on access).
+#: ``WebhookDelivery.status``: the public status, read from the delivery's job with the delivery (read-only).
 WebhookDelivery.status = column_property(
     select(delivery_status(Job.__table__.c.status)).where(Job.__table__.c.id == WebhookDelivery.__table__.c.id)
-    .scalar_subquery(),
-    deferred=True,
+    .scalar_subquery()
 )
 
 
