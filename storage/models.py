@@ -351,7 +351,7 @@ def delivery_status(job_status):
 #: ``WebhookDelivery.status``: the public status, read from the delivery's job with the delivery (read-only).
 WebhookDelivery.status = column_property(
     select(delivery_status(Job.__table__.c.status)).where(Job.__table__.c.id == WebhookDelivery.__table__.c.id)
-    .scalar_subquery()
+    .correlate_except(Job.__table__).scalar_subquery()
 )
 
 
