@@ -6,6 +6,9 @@ hook, :func:`storage.db.on_commit`) and are dropped if it rolls back. A lost mes
 after the commit, or the broker was down) is re-sent by the outbox relay (``sweeps.relay_outbox``), so
 a send failure here is logged and otherwise ignored.
 
+Jobs of a batched kind (:data:`BATCH_ARGUMENT`: webhook deliveries) travel as lists of ids, about a
+hundred a message; :func:`enqueue_jobs_after_commit` picks the form by the kind.
+
 A delay rides on the message as a countdown only when it is at most :data:`MAX_COUNTDOWN_SECONDS`;
 longer delays are left to the row's ``due_at`` and the relay (a broker holding countdown messages for
 hours is a broker that loses them on restart, and Redis' visibility timeout would redeliver them).

@@ -287,7 +287,8 @@ _DELIVERIES_WAITING = "kind = 'webhooks.deliver' AND status IN ('queued', 'runni
 
 
 class Job(SQLModel, table=True):
-    """A recorded piece of slow work (provider calls, file processing) run by a Celery task.
+    """A recorded piece of slow work (provider calls, file processing, a webhook delivery: the job with
+    the delivery's id) run by a Celery task.
 
     Written in the same transaction as the change that needs it; the task is sent after commit and
     re-sent by the beat relay while the job is still ``queued`` past ``due_at``. A worker takes the

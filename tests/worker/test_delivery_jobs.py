@@ -208,3 +208,19 @@ def test_the_relay_sends_stranded_deliveries_in_batch_messages(database):
     assert len([kwargs for kwargs in relayed if set(kwargs["delivery_ids"]) & set(map(str, ids))]) <= 3
     with session_scope() as session:  # marked: the next pass does not send them again
         assert session.exec(select(Job.enqueued_at).where(Job.id.in_(ids))).all().count(None) == 0
+
+
+def test_deleting_a_webhook_deletes_its_deliveries_with_their_jobs(database):
+    from domain.tenancy.caller import Caller
+
+    tenant_id, [hook, kept] = _tenant_with_webhooks("https://example.com/gone", "https://example.com/kept")
+    ids, _ = _emit(tenant_id, count=2)
+    caller = Caller(tenant_id=tenant_id, tenant_type="test", application_id=None, application_type=None,
+                    permissions=frozenset())
+    with session_scope() as session:
+        webhooks.delete_webhook(session, caller, hook)
+    with session_scope() as session:
+        left = session.exec(select(WebhookDelivery.webhook_id, Job.subject_id).join(Job, Job.id == WebhookDelivery.id)
+                            .where(Job.id.in_(ids))).all()
+        jobs_left = session.exec(select(Job.id).where(Job.id.in_(ids))).all()
+    assert left == [(kept, str(kept))] * 2 and len(jobs_left) == 2  # no job is left without its delivery
