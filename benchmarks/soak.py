@@ -128,9 +128,10 @@ def lost_work(database_url: str) -> dict[str, int]:
     engine = create_engine(database_url)
     try:
         with engine.connect() as conn:
-            jobs = conn.execute(text("SELECT count(*) FROM jobs WHERE status IN ('queued', 'running')")).scalar_one()
-            deliveries = conn.execute(text("SELECT count(*) FROM webhook_deliveries WHERE status = 'pending'")
-                                      ).scalar_one()
+            jobs = conn.execute(text("SELECT count(*) FROM jobs WHERE status IN ('queued', 'running') "
+                                     "AND kind <> 'webhooks.deliver'")).scalar_one()
+            deliveries = conn.execute(text("SELECT count(*) FROM jobs WHERE status IN ('queued', 'running') "
+                                           "AND kind = 'webhooks.deliver'")).scalar_one()
             events = conn.execute(text("SELECT count(*) FROM webhook_deliveries")).scalar_one()
     finally:
         engine.dispose()

@@ -2,10 +2,12 @@
 
 Platform: a tenant with one webhook subscribed to ``token.created`` that points at a local receiver
 (``benchmarks/receiver.py``), a real ``tessera worker --concurrency 2``; ``--events`` (10,000)
-``token.created`` events are emitted with ``domain.webhooks.events.emit``, ``--batch`` (500) per transaction (the
-delivery tasks go out when each transaction commits). Measured: from the first commit to the arrival
-of the last distinct ``webhook-id`` at the receiver. Checked: the receiver saw exactly ``--events``
-distinct message ids and every delivery row ended ``succeeded``.
+``token.created`` events are emitted with ``domain.webhooks.events.emit``, ``--batch`` (500) per
+transaction (the delivery tasks go out when each transaction commits); the tenant may hold every
+worker slot (``TESSERA_WEBHOOK_TENANT_SLOTS`` = ``--concurrency``: no beat runs to relay postponed
+deliveries). Measured: from the first commit to the arrival of the last distinct ``webhook-id`` at the
+receiver. Checked: the receiver saw exactly ``--events`` distinct message ids and every delivery
+ended ``succeeded``.
 
 Reference: ``benchmarks/noop_app.py`` (same broker, same reliability settings) with its own
 ``celery worker --concurrency 2``; ``--events`` ``apply_async`` calls, timed from the first call until
@@ -86,16 +88,21 @@ def emit_events(tenant_id: uuid.UUID, count: int, batch: int) -> tuple[float, fl
 
 
 def delivery_statuses() -> dict[str, int]:
-    """How many delivery rows are in each status."""
+    """How many deliveries are in each public status (derived from their jobs' statuses)."""
     from sqlalchemy import func
     from sqlmodel import select
 
     from storage.db import session_scope
-    from storage.models import WebhookDelivery
+    from storage.models import DELIVERY_STATUS, Job, WebhookDelivery
 
     with session_scope() as session:
-        rows = session.exec(select(WebhookDelivery.status, func.count()).group_by(WebhookDelivery.status)).all()
-    return dict(rows)
+        rows = session.exec(
+            select(Job.status, func.count()).join(WebhookDelivery, WebhookDelivery.id == Job.id).group_by(Job.status)
+        ).all()
+    statuses: dict[str, int] = {}
+    for job_status, count in rows:
+        statuses[DELIVERY_STATUS[job_status]] = statuses.get(DELIVERY_STATUS[job_status], 0) + count
+    return statuses
 
 
 def settled(expected: int, timeout: float = 60) -> dict[str, int]:
@@ -197,7 +204,10 @@ def report(runs: list[Run], statuses: dict[str, int], expected_rows: int) -> boo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # One tenant floods on purpose; no beat runs, so no relay would send deliveries that fairness
+    # postponed: the tenant may hold every worker slot.
     with common.fresh_platform(args, "tessera-bench-webhooks-", TESSERA_ALLOW_PRIVATE_DESTINATIONS="true",
+                               TESSERA_WEBHOOK_TENANT_SLOTS=str(args.concurrency),
                                BENCH_NOOP_BROKER_URL=args.redis_url) as scratch:
         from benchmarks import noop_app  # reads BENCH_NOOP_BROKER_URL when imported
 

@@ -6,6 +6,9 @@ hook, :func:`storage.db.on_commit`) and are dropped if it rolls back. A lost mes
 after the commit, or the broker was down) is re-sent by the outbox relay (``sweeps.relay_outbox``), so
 a send failure here is logged and otherwise ignored.
 
+Jobs of a batched kind (:data:`BATCH_ARGUMENT`: webhook deliveries) travel as lists of ids, about a
+hundred a message; :func:`enqueue_jobs_after_commit` picks the form by the kind.
+
 A delay rides on the message as a countdown only when it is at most :data:`MAX_COUNTDOWN_SECONDS`;
 longer delays are left to the row's ``due_at`` and the relay (a broker holding countdown messages for
 hours is a broker that loses them on restart, and Redis' visibility timeout would redeliver them).
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session
 
-from infra.celery import celery_app
+from infra.celery import DELIVER_TASK, celery_app
 from storage.db import on_commit, transaction_state
 
 log = logging.getLogger("tessera.dispatch")
@@ -28,6 +31,9 @@ _PENDING = "tessera_enqueue"
 BATCH_SIZE = 100
 #: The longest delay carried by a Celery countdown (seconds); longer ones wait as ``due_at``.
 MAX_COUNTDOWN_SECONDS = 60
+#: Job kinds whose task takes a batch of job ids: kind -> the name of its id list argument. The jobs
+#: of any other kind are sent one message each, with ``job_id``.
+BATCH_ARGUMENT = {DELIVER_TASK: "delivery_ids"}
 _RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 
 
@@ -80,6 +86,21 @@ def enqueue_batch_after_commit(
     countdown = countdown_for(delay)
     if countdown is not False and ids:
         _outgoing(session).batches.setdefault((task_name, key, countdown), []).extend(ids)
+
+
+def enqueue_jobs_after_commit(
+    session: Session, kind: str, job_ids: list[str], *, delay: float | None = None
+) -> None:
+    """Send the task ``kind`` of the jobs ``job_ids`` once ``session`` commits: for a kind of
+    :data:`BATCH_ARGUMENT` in messages of at most :data:`BATCH_SIZE` ids
+    (:func:`enqueue_batch_after_commit`), for any other one message per job with ``job_id``.
+    ``delay`` as in :func:`enqueue_after_commit`."""
+    key = BATCH_ARGUMENT.get(kind)
+    if key is not None:
+        enqueue_batch_after_commit(session, kind, key, job_ids, delay=delay)
+        return
+    for job_id in job_ids:
+        enqueue_after_commit(session, kind, delay=delay, job_id=job_id)
 
 
 def take_pending(session: Session) -> list[tuple[str, dict]]:

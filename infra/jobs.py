@@ -15,6 +15,13 @@ The life of a job::
 * The job id is the provider-side idempotency key: a job run twice asks the provider twice with the
   same key and gets the same answer, so nothing is done twice.
 * A request waits for the outcome with :mod:`infra.wait`: settling a job publishes it after the commit.
+
+Work that comes in many small jobs run together (webhook deliveries: a message carries about a
+hundred) uses the batch forms: :func:`stage_many` writes the rows and sends their ids in batch
+messages (``infra.dispatch.BATCH_ARGUMENT``), :func:`lease_many_statement` takes the due ones in one
+statement (which the caller extends to read what the work needs), :func:`settle_many` and
+:func:`retry_many` settle each distinct outcome with one multi-row ``UPDATE``, and
+:func:`requeue_many` replays them. Nothing waits on these jobs: their outcomes are not published.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from sqlalchemy import ColumnElement, or_, select, update
 from sqlmodel import Session
 
 from infra import wait
-from infra.dispatch import enqueue_after_commit
+from infra.dispatch import enqueue_after_commit, enqueue_jobs_after_commit
 from storage.db import Rows, execute_once_more_on_disconnect, get_lease_engine, session_scope
 from storage.models import Job
 from storage.types import utcnow
@@ -115,17 +122,22 @@ def stage(session: Session, rows: Rows, **fields: Any) -> uuid.UUID:
     return row["id"]
 
 
+def _takeable(now: dt.datetime) -> tuple[ColumnElement, ...]:
+    """The WHERE clause of a job takeable at ``now``: queued or running, due (a second early is
+    fine), and no worker's lease on it still live."""
+    return (
+        Job.status.in_(("queued", "running")),
+        Job.due_at <= now + dt.timedelta(seconds=1),
+        or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
+    )
+
+
 def _lease_statement(job_id: uuid.UUID, owner: str, lease_seconds: float):
     """The UPDATE taking job ``job_id`` for ``owner`` when it is takeable now (counts an attempt)."""
     now = utcnow()
     return (
         update(Job)
-        .where(
-            Job.id == job_id,
-            Job.status.in_(("queued", "running")),
-            Job.due_at <= now + dt.timedelta(seconds=1),
-            or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
-        )
+        .where(Job.id == job_id, *_takeable(now))
         .values(
             status="running",
             lease_owner=owner,
@@ -263,3 +275,119 @@ def requeue(session: Session, job: Job) -> None:
     job.updated_at = utcnow()
     session.add(job)
     enqueue_after_commit(session, job.kind, job_id=str(job.id))
+
+
+# ---- batch forms ---------------------------------------------------------------------------------
+
+
+def stage_many(
+    session: Session,
+    rows: Rows,
+    jobs: list[tuple[uuid.UUID, str]],
+    *,
+    kind: str,
+    tenant_id: uuid.UUID | None,
+    subject_type: str,
+    trace_id: str | None,
+    max_attempts: int,
+    now: dt.datetime | None = None,
+) -> None:
+    """:func:`stage` for many jobs of one kind and tenant: ``jobs`` is ``[(job id, subject id)]``; one
+    ``queued`` row each (as :func:`new_row`, with the given ids, due ``now``) is queued in ``rows``
+    (the caller writes them before the commit, before rows that reference them), and their task is
+    sent when ``session`` commits (:func:`infra.dispatch.enqueue_jobs_after_commit`: batch messages
+    for a batched kind)."""
+    if not jobs:
+        return
+    now = now or utcnow()
+    table = Job.__table__
+    for job_id, subject_id in jobs:
+        rows.add(table, {
+            "id": job_id, "tenant_id": tenant_id, "kind": kind, "subject_type": subject_type,
+            "subject_id": subject_id, "subject_number": None, "operation_id": None, "status": "queued",
+            "attempts": 0, "max_attempts": max_attempts, "due_at": now, "enqueued_at": None, "lease_owner": None,
+            "lease_expires_at": None, "last_error": None, "result": None, "trace_id": trace_id, "created_at": now,
+            "updated_at": now,
+        })
+    enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id, _ in jobs])
+
+
+def lease_many_statement(job_ids: list[uuid.UUID], owner: str, *, lease_seconds: float,
+                         now: dt.datetime | None = None):
+    """The ``UPDATE`` taking, for ``owner``, every job of ``job_ids`` that is takeable now (as
+    :func:`lease`, one statement: a duplicate message or a second worker gets none of them; counts an
+    attempt each). The caller runs it, and may extend it first: ``.where()`` over other tables (an
+    ``UPDATE ... FROM`` on PostgreSQL) and ``.returning()`` of what the work needs."""
+    now = now or utcnow()
+    return (
+        update(Job)
+        .where(Job.id.in_(job_ids), *_takeable(now))
+        .values(
+            status="running",
+            lease_owner=owner,
+            lease_expires_at=now + dt.timedelta(seconds=lease_seconds),
+            attempts=Job.attempts + 1,
+            updated_at=now,
+        )
+        .execution_options(synchronize_session=False)
+    )
+
+
+def settle_many(session: Session, job_ids: list[uuid.UUID], status: str, *, error: str | None = None,
+                now: dt.datetime | None = None) -> None:
+    """Close the jobs ``job_ids`` as ``status`` (``succeeded``, ``failed`` for a permanent error,
+    ``dead`` when their attempts are spent) with one ``UPDATE``, their lease released and ``error``
+    (when given) recorded. Raises ValueError for another status."""
+    if status not in ("succeeded", "failed", "dead"):
+        raise ValueError(f"a job is not settled as {status}")
+    if not job_ids:
+        return
+    now = now or utcnow()
+    values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None, "updated_at": now}
+    if error is not None:
+        values["last_error"] = error[:1000]
+    session.execute(
+        update(Job).where(Job.id.in_(job_ids)).values(**values).execution_options(synchronize_session=False)
+    )
+
+
+def retry_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, delay: float, error: str,
+               now: dt.datetime | None = None) -> None:
+    """Put the jobs ``job_ids`` of ``kind`` back to ``queued``, due in ``delay`` seconds, with one
+    ``UPDATE`` (lease released, ``error`` recorded); their task is sent after the commit as a
+    countdown when the delay is at most a minute, else the relay sends it when it is due
+    (:func:`infra.dispatch.enqueue_jobs_after_commit`)."""
+    if not job_ids:
+        return
+    now = now or utcnow()
+    session.execute(
+        update(Job)
+        .where(Job.id.in_(job_ids))
+        .values(status="queued", lease_owner=None, lease_expires_at=None, last_error=error[:1000],
+                due_at=now + dt.timedelta(seconds=delay), enqueued_at=None, updated_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in job_ids], delay=delay)
+
+
+def requeue_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, fresh_budget: bool,
+                 now: dt.datetime | None = None) -> int:
+    """Queue the jobs ``job_ids`` of ``kind`` again, due now, with one ``UPDATE`` and send their task
+    when ``session`` commits: a settled job (a replay: ``fresh_budget`` gives it its attempts again,
+    as :func:`requeue`) or a waiting one (due now). A job a worker holds a live lease on is left to
+    that worker. Returns how many jobs were queued again."""
+    if not job_ids:
+        return 0
+    now = now or utcnow()
+    values: dict[str, Any] = {"status": "queued", "due_at": now, "enqueued_at": None, "lease_owner": None,
+                              "lease_expires_at": None, "updated_at": now}
+    if fresh_budget:
+        values["attempts"] = 0
+    count = session.execute(
+        update(Job)
+        .where(Job.id.in_(job_ids), or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now))
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in job_ids])
+    return count

@@ -5,11 +5,13 @@ Used by ``tessera jobs`` / ``tessera queues`` (``tessera/cli.py``), ``GET /metri
 
 * Queue depth is read from the broker: Redis ``LLEN`` of each queue's keys (one per priority step,
   under ``TESSERA_REDIS_KEY_PREFIX``), or a passive declare on other transports.
-* The age of the oldest waiting work is read from the database: jobs ``queued`` and webhook
-  deliveries ``pending`` whose ``due_at`` has come and that no worker holds a lease on. Together they
-  are the outbox backlog the beat relay watches.
+* The age of the oldest waiting work is read from the database: jobs ``queued`` whose ``due_at`` has
+  come and that no worker holds a lease on (a webhook delivery's work is a ``webhooks.deliver`` job).
+  They are the outbox backlog the beat relay watches.
 * A job that exhausted its retries is a dead letter (``infra/jobs.py``: status ``dead`` with its last
-  error); :func:`retry` replays it, and replays a webhook delivery that ended ``failed``.
+  error); :func:`retry` replays it. A webhook delivery is shown as a delivery (its public status
+  ``pending``/``succeeded``/``failed``, its attempt log); replaying one that ended ``failed`` (its job
+  failed, dead or cancelled) requeues its job.
 * Heartbeats: each worker and beat write one every :data:`HEARTBEAT_SECONDS` from a thread, the
   outbox relay one after each run; in Redis (``TESSERA_REDIS_URL``, else a Redis
   broker) or, on the embedded defaults, as files in ``heartbeats/`` of the data dir.
@@ -35,9 +37,8 @@ from sqlmodel import Session, select
 from config.settings import Settings
 from infra import jobs
 from infra.celery import DELIVER_TASK, QUEUES, celery_app, queue_of
-from infra.dispatch import enqueue_after_commit
 from storage.db import session_scope
-from storage.models import Job, Webhook, WebhookAttempt, WebhookDelivery
+from storage.models import DELIVERY_JOB_STATUSES, DELIVERY_STATUS, Job, Webhook, WebhookAttempt, WebhookDelivery
 from storage.types import utcnow
 
 #: Seconds between two heartbeats of a worker; one older than three of them means the worker is gone.
@@ -131,44 +132,33 @@ class WaitingWork:
     deliveries: int
 
 
-def _due_unleased(model, status: str, now: dt.datetime):
-    return (
-        model.status == status,
-        model.due_at <= now,
-        or_(model.lease_expires_at.is_(None), model.lease_expires_at < now),
-    )
-
-
 def waiting_work(session: Session | None = None, *, now: dt.datetime | None = None) -> WaitingWork:
-    """Jobs ``queued`` and deliveries ``pending`` that are due and held by no worker, per queue."""
+    """Jobs ``queued`` that are due and held by no worker, per queue; ``deliveries`` counts the
+    webhook deliveries among them, ``jobs`` the others."""
     if session is None:
         with session_scope() as fresh:
             return waiting_work(fresh, now=now)
     now = now or utcnow()
     per_queue: dict[str, Waiting] = {}
-
-    def add(queue: str, count: int, oldest: dt.datetime | None) -> None:
-        if not count or oldest is None:
-            return
-        age = max(0.0, (now - _aware(oldest)).total_seconds())
-        entry = per_queue.setdefault(queue, Waiting(0, 0.0))
-        entry.count += count
-        entry.oldest_age_seconds = max(entry.oldest_age_seconds, age)
-
-    jobs_total = 0
+    jobs_total = deliveries = 0
     rows = session.exec(
         select(Job.kind, func.count(), func.min(Job.due_at))
-        .where(*_due_unleased(Job, "queued", now))
+        .where(Job.status == "queued", Job.due_at <= now,
+               or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now))
         .group_by(Job.kind)
     ).all()
     for kind, count, oldest in rows:
-        jobs_total += count
-        add(queue_of(kind), count, oldest)
-    count, oldest = session.exec(
-        select(func.count(), func.min(WebhookDelivery.due_at)).where(*_due_unleased(WebhookDelivery, "pending", now))
-    ).one()
-    add(queue_of(DELIVER_TASK), count, oldest)
-    return WaitingWork(per_queue, jobs_total, count)
+        if kind == DELIVER_TASK:
+            deliveries += count
+        else:
+            jobs_total += count
+        if not count or oldest is None:
+            continue
+        age = max(0.0, (now - _aware(oldest)).total_seconds())
+        entry = per_queue.setdefault(queue_of(kind), Waiting(0, 0.0))
+        entry.count += count
+        entry.oldest_age_seconds = max(entry.oldest_age_seconds, age)
+    return WaitingWork(per_queue, jobs_total, deliveries)
 
 
 def jobs_by_state(session: Session | None = None) -> dict[tuple[str, str], int]:
@@ -394,31 +384,33 @@ def job_view(job: Job, *, detail: bool = False) -> dict[str, Any]:
 
 
 def delivery_view(
-    delivery: WebhookDelivery, settings: Settings, attempts: list[WebhookAttempt] | None = None
+    delivery: WebhookDelivery, job: Job, attempts: list[WebhookAttempt] | None = None
 ) -> dict[str, Any]:
-    """A webhook delivery as ``tessera jobs`` shows it (kind ``webhooks.deliver``)."""
+    """A webhook delivery as ``tessera jobs`` shows it (kind ``webhooks.deliver``): its job, with the
+    delivery's public status as ``state`` (``job_state`` is the job's own)."""
     view = {
         "id": str(delivery.id),
         "kind": DELIVER_TASK,
-        "state": delivery.status,
+        "state": DELIVERY_STATUS[job.status],
         "queue": queue_of(DELIVER_TASK),
         "tenant_id": str(delivery.tenant_id),
         "subject_type": "webhook",
         "subject_id": str(delivery.webhook_id),
         "subject_number": None,
-        "attempts": delivery.attempts,
-        "max_attempts": len(settings.webhook_retry_delays) + 1,
-        "due_at": _iso(delivery.due_at),
-        "last_error": delivery.last_error,
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "due_at": _iso(job.due_at),
+        "last_error": job.last_error,
         "created_at": _iso(delivery.created_at),
-        "updated_at": _iso(delivery.completed_at or delivery.created_at),
+        "updated_at": _iso(job.updated_at),
     }
     if attempts is not None:
         view.update(
+            job_state=job.status,
             event_id=str(delivery.event_id),
             last_status_code=delivery.last_status_code,
-            lease_owner=delivery.lease_owner,
-            lease_expires_at=_iso(delivery.lease_expires_at),
+            lease_owner=job.lease_owner,
+            lease_expires_at=_iso(job.lease_expires_at),
             attempt_log=[
                 {
                     "number": a.number,
@@ -443,23 +435,27 @@ def list_jobs(
     tenant_id: uuid.UUID | None = None,
     limit: int = 50,
 ) -> list[dict[str, Any]]:
-    """Jobs (or, for kind ``webhooks.deliver``, webhook deliveries), most recently changed first."""
-    if kind == DELIVER_TASK:
-        query = select(WebhookDelivery)
-        if states:
-            query = query.where(WebhookDelivery.status.in_(states))
-        if tenant_id:
-            query = query.where(WebhookDelivery.tenant_id == tenant_id)
-        rows = session.exec(query.order_by(WebhookDelivery.created_at.desc()).limit(limit)).all()
-        return [delivery_view(row, settings) for row in rows]
-    query = select(Job)
+    """Jobs, most recently changed first; for kind ``webhooks.deliver`` shown as webhook deliveries,
+    whose ``states`` may also be the public words (``pending``: queued or running; ``failed``: failed,
+    dead or cancelled)."""
+    where = []
     if states:
-        query = query.where(Job.status.in_(states))
+        wanted = set(states)
+        if kind == DELIVER_TASK:
+            wanted = {job_state for state in states for job_state in DELIVERY_JOB_STATUSES.get(state, (state,))}
+        where.append(Job.status.in_(sorted(wanted)))
     if kind:
-        query = query.where(Job.kind == kind)
+        where.append(Job.kind == kind)
     if tenant_id:
-        query = query.where(Job.tenant_id == tenant_id)
-    rows = session.exec(query.order_by(Job.updated_at.desc(), Job.id).limit(limit)).all()
+        where.append(Job.tenant_id == tenant_id)
+    order = (Job.updated_at.desc(), Job.id)
+    if kind == DELIVER_TASK:
+        rows = session.exec(
+            select(WebhookDelivery, Job).join(Job, Job.id == WebhookDelivery.id).where(*where)
+            .order_by(*order).limit(limit)
+        ).all()
+        return [delivery_view(delivery, job) for delivery, job in rows]
+    rows = session.exec(select(Job).where(*where).order_by(*order).limit(limit)).all()
     return [job_view(row) for row in rows]
 
 
@@ -471,75 +467,83 @@ def parse_id(ref: str) -> uuid.UUID:
         raise NotFound(f"'{ref}' is not a job or delivery id") from None
 
 
-def _find(session: Session, ref: str) -> Job | WebhookDelivery:
+def _find(session: Session, ref: str) -> tuple[Job, WebhookDelivery | None]:
+    """The job of ``ref`` and, for a webhook delivery's job, the delivery; NotFound when none."""
     ident = parse_id(ref)
-    row = session.get(Job, ident) or session.get(WebhookDelivery, ident)
-    if row is None:
+    job = session.get(Job, ident)
+    if job is None:
         raise NotFound(f"no job or webhook delivery has id {ident}")
-    return row
+    return job, session.get(WebhookDelivery, ident) if job.kind == DELIVER_TASK else None
+
+
+def _attempt_log(session: Session, delivery: WebhookDelivery) -> list[WebhookAttempt]:
+    return list(session.exec(
+        select(WebhookAttempt).where(WebhookAttempt.delivery_id == delivery.id)
+        .order_by(WebhookAttempt.attempted_at, WebhookAttempt.number)
+    ).all())
 
 
 def show_job(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     """One job with its attempts, last error and lease (a delivery with its attempt log)."""
-    row = _find(session, ref)
-    if isinstance(row, Job):
-        return job_view(row, detail=True)
-    attempts = session.exec(
-        select(WebhookAttempt).where(WebhookAttempt.delivery_id == row.id).order_by(WebhookAttempt.number)
-    ).all()
-    return delivery_view(row, settings, list(attempts))
+    job, delivery = _find(session, ref)
+    if delivery is None:
+        return job_view(job, detail=True)
+    return delivery_view(delivery, job, _attempt_log(session, delivery))
 
 
 def retry(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
-    """Replay a dead, failed or cancelled job (fresh attempt budget) or a failed webhook delivery
-    (one more attempt, same message id); its task is sent when ``session`` commits."""
-    row = _find(session, ref)
-    if isinstance(row, Job):
-        if row.status not in ("dead", "failed", "cancelled"):
-            raise Refused(f"job {row.id} is {row.status}; only dead, failed or cancelled jobs are retried")
-        jobs.requeue(session, row)
-        return job_view(row, detail=True)
-    if row.status != "failed":
-        raise Refused(f"webhook delivery {row.id} is {row.status}; only failed deliveries are retried")
-    webhook = session.get(Webhook, row.webhook_id)
+    """Replay a dead, failed or cancelled job (fresh attempt budget), a webhook delivery's too (once its
+    webhook is enabled: same message id); its task is sent when ``session`` commits."""
+    job, delivery = _find(session, ref)
+    if job.status not in ("dead", "failed", "cancelled"):
+        if delivery is not None:
+            raise Refused(f"webhook delivery {job.id} is {DELIVERY_STATUS[job.status]}; "
+                          "only failed deliveries are retried")
+        raise Refused(f"job {job.id} is {job.status}; only dead, failed or cancelled jobs are retried")
+    if delivery is None:
+        jobs.requeue(session, job)
+        return job_view(job, detail=True)
+    webhook = session.get(Webhook, delivery.webhook_id)
     if webhook is None or webhook.status != "enabled":
-        raise Refused(f"the webhook of delivery {row.id} is disabled; enable it first (PUT /webhooks/{{id}})")
-    row.status = "pending"
-    row.due_at = utcnow()
-    row.completed_at = None
-    row.enqueued_at = None
-    row.lease_owner = None
-    row.lease_expires_at = None
-    session.add(row)
-    enqueue_after_commit(session, DELIVER_TASK, delivery_ids=[str(row.id)])
-    return delivery_view(row, settings, [])
+        raise Refused(f"the webhook of delivery {job.id} is disabled; enable it first (PUT /webhooks/{{id}})")
+    jobs.requeue_many(session, job.kind, [job.id], fresh_budget=True)
+    delivery.completed_at = None
+    session.add(delivery)
+    session.flush()
+    session.refresh(job)
+    return delivery_view(delivery, job, [])
 
 
 def cancel(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
-    """Cancel a queued job no worker holds (status ``cancelled``) or a pending webhook delivery
-    (closed ``failed``, "cancelled by an operator"); a running one is refused."""
-    row = _find(session, ref)
+    """Cancel a queued job no worker holds (status ``cancelled``; a webhook delivery's job too: the
+    delivery is closed ``failed``, "cancelled by an operator"); a running one is refused."""
+    job, delivery = _find(session, ref)
     now = utcnow()
-    model, waiting = (Job, "queued") if isinstance(row, Job) else (WebhookDelivery, "pending")
     values: dict[str, Any] = {"status": "cancelled", "updated_at": now}
-    if model is WebhookDelivery:
-        values = {"status": "failed", "completed_at": now, "last_error": "cancelled by an operator"}
+    if delivery is not None:
+        values["last_error"] = "cancelled by an operator"
     result = session.execute(
-        update(model)
+        update(Job)
         .where(
-            model.id == row.id,
-            model.status == waiting,
-            or_(model.lease_expires_at.is_(None), model.lease_expires_at < now),
+            Job.id == job.id,
+            Job.status == "queued",
+            or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
         )
         .values(**values)
         .execution_options(synchronize_session=False)
     )
-    session.refresh(row)
+    session.refresh(job)
     if result.rowcount != 1:
-        held = " and a worker holds it" if row.lease_expires_at and _aware(row.lease_expires_at) >= now else ""
-        raise Refused(f"{'job' if model is Job else 'webhook delivery'} {row.id} is {row.status}{held}; "
-                      f"only {waiting} work that no worker holds is cancelled")
-    return job_view(row, detail=True) if model is Job else delivery_view(row, settings, [])
+        held = " and a worker holds it" if job.lease_expires_at and _aware(job.lease_expires_at) >= now else ""
+        if delivery is not None:
+            raise Refused(f"webhook delivery {job.id} is {DELIVERY_STATUS[job.status]}{held}; "
+                          "only pending work that no worker holds is cancelled")
+        raise Refused(f"job {job.id} is {job.status}{held}; only queued work that no worker holds is cancelled")
+    if delivery is None:
+        return job_view(job, detail=True)
+    delivery.completed_at = now
+    session.add(delivery)
+    return delivery_view(delivery, job, [])
 
 
 # ---- readiness -----------------------------------------------------------------------------------

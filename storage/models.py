@@ -10,7 +10,8 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import JSON, Column, ForeignKey, Index, LargeBinary, String, UniqueConstraint
+from sqlalchemy import JSON, Column, ForeignKey, Index, LargeBinary, String, UniqueConstraint, case, select, text
+from sqlalchemy.orm import column_property, object_session
 from sqlmodel import Field, SQLModel
 
 from storage.types import ts_column as _ts
@@ -213,32 +214,52 @@ class Webhook(SQLModel, table=True):
 
 
 class WebhookDelivery(SQLModel, table=True):
-    """One event to one webhook: the unit of delivery, retried until it succeeds or gives up.
+    """One event to one webhook: the public record of a delivery. Its work is the ``webhooks.deliver``
+    :class:`Job` with the same id (status, attempts, ``due_at``, lease, last error live there).
 
-    ``id`` is the Standard Webhooks message id, kept across retries. ``due_at`` is when the next
-    attempt is due; a worker holds ``lease_owner`` until ``lease_expires_at`` while it delivers.
+    ``id`` is the Standard Webhooks message id, kept across retries, and the id of its job (deleting
+    the job deletes the delivery). ``status`` is the public status derived from the job's
+    (:data:`DELIVERY_STATUS`); ``lease_owner`` and ``lease_expires_at`` read and write the job's.
     """
 
     __tablename__ = "webhook_deliveries"
-    __table_args__ = (
-        Index("ix_webhook_deliveries_due", "status", "due_at"),
-        Index("ix_webhook_deliveries_webhook", "webhook_id", "created_at"),
-    )
+    __table_args__ = (Index("ix_webhook_deliveries_webhook", "webhook_id", "created_at"),)
 
-    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    id: uuid.UUID = Field(
+        default_factory=uuid.uuid4, sa_column=Column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    )
     tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False))
     webhook_id: uuid.UUID = Field(sa_column=Column(ForeignKey("webhooks.id", ondelete="CASCADE"), nullable=False))
     event_id: uuid.UUID = Field(sa_column=Column(ForeignKey("events.id", ondelete="CASCADE"), nullable=False))
-    status: str = Field(default="pending", max_length=16)  # pending | succeeded | failed
-    attempts: int = 0
-    due_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
-    enqueued_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
-    lease_owner: str | None = Field(default=None, max_length=200)
-    lease_expires_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     last_status_code: int | None = None
-    last_error: str | None = Field(default=None, max_length=500)
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
     completed_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+
+    @property
+    def job(self) -> Job:
+        """The delivery's job, loaded in the delivery's session (raises when the delivery has none)."""
+        session = object_session(self)
+        if session is None:
+            raise RuntimeError(f"delivery {self.id} is not in a session; read its job with the job's id")
+        return session.get(Job, self.id)
+
+    @property
+    def lease_owner(self) -> str | None:
+        """The worker holding the delivery's job."""
+        return self.job.lease_owner
+
+    @lease_owner.setter
+    def lease_owner(self, value: str | None) -> None:
+        self.job.lease_owner = value
+
+    @property
+    def lease_expires_at(self) -> dt.datetime | None:
+        """When the lease of the delivery's job ends."""
+        return self.job.lease_expires_at
+
+    @lease_expires_at.setter
+    def lease_expires_at(self, value: dt.datetime | None) -> None:
+        self.job.lease_expires_at = value
 
 
 class WebhookAttempt(SQLModel, table=True):
@@ -261,8 +282,13 @@ class WebhookAttempt(SQLModel, table=True):
 # ---- slow work -----------------------------------------------------------------------------------
 
 
+#: The rows of the partial index ``ix_jobs_deliveries_waiting``: webhook deliveries not settled yet.
+_DELIVERIES_WAITING = "kind = 'webhooks.deliver' AND status IN ('queued', 'running')"
+
+
 class Job(SQLModel, table=True):
-    """A recorded piece of slow work (provider calls, file processing) run by a Celery task.
+    """A recorded piece of slow work (provider calls, file processing, a webhook delivery: the job with
+    the delivery's id) run by a Celery task.
 
     Written in the same transaction as the change that needs it; the task is sent after commit and
     re-sent by the beat relay while the job is still ``queued`` past ``due_at``. A worker takes the
@@ -274,6 +300,9 @@ class Job(SQLModel, table=True):
     __table_args__ = (
         Index("ix_jobs_due", "status", "due_at"),
         Index("ix_jobs_subject", "subject_type", "subject_id", "subject_number"),
+        # a tenant's webhook deliveries still to deliver (the fairness checks of domain.webhooks)
+        Index("ix_jobs_deliveries_waiting", "tenant_id", "due_at",
+              postgresql_where=text(_DELIVERIES_WAITING), sqlite_where=text(_DELIVERIES_WAITING)),
     )
 
     id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
@@ -298,6 +327,33 @@ class Job(SQLModel, table=True):
     trace_id: str | None = Field(default=None, max_length=64)
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
     updated_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+
+
+#: The public status of a webhook delivery (the API's words) for each status of its job.
+DELIVERY_STATUS = {
+    "queued": "pending", "running": "pending", "succeeded": "succeeded",
+    "failed": "failed", "dead": "failed", "cancelled": "failed",
+}
+#: The job statuses behind each public delivery status.
+DELIVERY_JOB_STATUSES = {
+    "pending": ("queued", "running"), "succeeded": ("succeeded",), "failed": ("failed", "dead", "cancelled"),
+}
+
+
+def delivery_status(job_status):
+    """The SQL expression of the public delivery status for the SQL expression ``job_status``."""
+    return case(
+        (job_status.in_(DELIVERY_JOB_STATUSES["pending"]), "pending"),
+        (job_status == "succeeded", "succeeded"),
+        else_="failed",
+    )
+
+
+#: ``WebhookDelivery.status``: the public status, read from the delivery's job with the delivery (read-only).
+WebhookDelivery.status = column_property(
+    select(delivery_status(Job.__table__.c.status)).where(Job.__table__.c.id == WebhookDelivery.__table__.c.id)
+    .correlate_except(Job.__table__).scalar_subquery()
+)
 
 
 # ---- audit ---------------------------------------------------------------------------------------

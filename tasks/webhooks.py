@@ -1,9 +1,10 @@
 """Webhook delivery (``webhooks.*`` tasks run on the ``webhooks`` queue).
 
-``webhooks.deliver(delivery_ids)`` delivers a batch of about a hundred deliveries
-(:func:`domain.webhooks.service.deliver_batch`). A batch where a delivery failed ends in Flower as
-RETRY (retries are scheduled) or FAILURE (a delivery failed for good), after its outcomes are
-committed: the message is acknowledged either way and nothing runs twice.
+``webhooks.deliver(delivery_ids)`` delivers a batch of about a hundred deliveries, each the job with
+the delivery's id (:func:`domain.webhooks.service.deliver_batch`). A batch where a delivery failed
+ends in Flower as RETRY (retries are scheduled) or FAILURE (a delivery failed for good, or its job is
+a dead letter), after its outcomes are committed: the message is acknowledged either way and nothing
+runs twice.
 """
 
 from __future__ import annotations
@@ -26,4 +27,5 @@ def deliver(self, delivery_ids: list[str]) -> dict[str, int]:
     outcome = webhooks.deliver_batch([uuid.UUID(i) for i in delivery_ids], self.worker_id(), get_settings(),
                                      self.session_scope)
     metrics.webhook_outcomes(outcome.counts)
-    return self.report(outcome.counts, retrying=outcome.retrying, failed=outcome.failed)
+    return self.report(outcome.counts, retrying=outcome.retrying, failed=outcome.failed - outcome.dead,
+                       dead=outcome.dead)

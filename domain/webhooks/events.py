@@ -1,8 +1,10 @@
 """Events and their fan-out to webhooks (``ARCHITECTURE.md``, step 4 of the spine).
 
-:func:`emit` writes the event row and one delivery row per enabled webhook of the tenant subscribed
-to the type, in the caller's transaction, and sends the delivery task after the commit. Event data
-carries ids and states, never sensitive values.
+:func:`emit` writes the event row and, per enabled webhook of the tenant subscribed to the type, one
+delivery: its ``webhooks.deliver`` job row (``infra.jobs``) and its delivery row with the same id, in
+the caller's transaction (the job and delivery rows of a flush in one statement), and sends the
+delivery task after the commit, about a hundred delivery ids a message. Event data carries ids and
+states, never sensitive values.
 
 :func:`stage_events` is the hot path's form (tokens): it queues the rows without ORM objects and
 writes no event at all when no enabled webhook of the tenant subscribes to the type (events are
@@ -20,16 +22,17 @@ import threading
 import time
 import uuid
 
-from sqlalchemy import bindparam, cast, func, insert, literal
+from sqlalchemy import Text, bindparam, cast, func, insert, inspect, literal
 from sqlalchemy import event as sa_event
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Session, select
 
-from config.settings import get_settings
+from config.settings import Settings, get_settings
+from infra import jobs
 from infra.celery import DELIVER_TASK
-from infra.dispatch import enqueue_batch_after_commit
-from storage.db import Rows, on_commit
-from storage.models import Event, Webhook, WebhookDelivery
+from infra.dispatch import enqueue_jobs_after_commit
+from storage.db import Rows, insert_rows, on_commit
+from storage.models import Event, Job, Webhook, WebhookDelivery
 from storage.types import utcnow
 
 #: Every event type the platform emits or will emit (``GET /webhooks/event-types``).
@@ -51,35 +54,72 @@ EVENT_TYPES: tuple[str, ...] = (
 )
 
 _WEBHOOK_CACHE = "tessera_webhooks"
+#: Where :func:`emit` keeps an event's delivery rows until the flush that writes the event.
+_DELIVERY_ROWS = "tessera_delivery_rows"
 
 
 def emit(session: Session, *, tenant_id: uuid.UUID, type: str, data: dict, trace_id: str | None) -> Event:
     """Record an event and its deliveries; the deliveries are enqueued when the session commits
     (batched across the events of one transaction).
 
-    Raises ValueError for a type not in :data:`EVENT_TYPES`.
+    The event is added to ``session``; its deliveries' job and delivery rows are written right after
+    the flush that writes the event (one statement for every event of the flush). Raises ValueError
+    for a type not in :data:`EVENT_TYPES`.
     """
     if type not in EVENT_TYPES:
         raise ValueError(f"unknown event type {type}")
     event = Event(tenant_id=tenant_id, type=type, data=data, trace_id=trace_id)
-    deliveries = [
-        WebhookDelivery(tenant_id=tenant_id, webhook_id=webhook_id, event_id=event.id)
-        for webhook_id, types in _enabled_webhooks(session, tenant_id)
-        if type in (types or [])
-    ]
+    subscribed = [webhook_id for webhook_id, types in _enabled_webhooks(session, tenant_id) if type in (types or [])]
     session.add(event)
-    if deliveries:
-        session.add_all(deliveries)
-        enqueue_batch_after_commit(session, DELIVER_TASK, "delivery_ids", [str(d.id) for d in deliveries])
+    if subscribed:
+        rows = Rows()
+        _delivery_rows(session, rows, tenant_id=tenant_id, event_id=event.id, webhook_ids=subscribed,
+                       trace_id=trace_id, now=event.created_at)
+        inspect(event).info[_DELIVERY_ROWS] = rows
     return event
+
+
+@sa_event.listens_for(Session, "after_flush")
+def _write_deliveries(session, _context) -> None:
+    """Write the job and delivery rows of the events :func:`emit` added, once their events are."""
+    rows = Rows()
+    for obj in session.new:
+        if isinstance(obj, Event):
+            staged = inspect(obj).info.pop(_DELIVERY_ROWS, None)
+            if staged is not None:
+                rows.merge(staged)
+    if rows:
+        insert_rows(session, rows)
+
+
+def _delivery_rows(
+    session: Session, rows: Rows, *, tenant_id: uuid.UUID, event_id: uuid.UUID, webhook_ids: list[uuid.UUID],
+    trace_id: str | None, now: dt.datetime,
+) -> list[uuid.UUID]:
+    """Queue in ``rows`` one delivery of event ``event_id`` per webhook of ``webhook_ids``: its job row
+    (sent after the commit, batched) and its delivery row, both with one new id; returns the ids."""
+    ids = [uuid.uuid4() for _ in webhook_ids]
+    jobs.stage_many(session, rows, [(i, str(w)) for i, w in zip(ids, webhook_ids, strict=True)], kind=DELIVER_TASK,
+                    tenant_id=tenant_id, subject_type="webhook", trace_id=trace_id,
+                    max_attempts=max_attempts(), now=now)
+    table = WebhookDelivery.__table__
+    for delivery_id, webhook_id in zip(ids, webhook_ids, strict=True):
+        rows.add(table, {"id": delivery_id, "tenant_id": tenant_id, "webhook_id": webhook_id, "event_id": event_id,
+                         "last_status_code": None, "created_at": now, "completed_at": None})
+    return ids
+
+
+def max_attempts(settings: Settings | None = None) -> int:
+    """The attempts of a delivery's job: the first and one per delay of ``TESSERA_WEBHOOK_RETRY_SCHEDULE``."""
+    return len((settings or get_settings()).webhook_retry_delays) + 1
 
 
 def emit_event(session: Session, *, tenant_id: uuid.UUID, type: str, data: dict, trace_id: str | None) -> uuid.UUID:
     """:func:`emit` in one statement and without ORM objects, for paths that emit one event per
-    transaction (a job's outcome): on PostgreSQL the event row and one delivery row per enabled
-    webhook of the tenant subscribed to ``type`` are inserted by one ``INSERT ... WITH`` that reads
-    the webhooks itself (so the deliveries match the webhooks committed when it runs, as with
-    :func:`emit`); the delivery task is sent when the session commits. Elsewhere :func:`emit`.
+    transaction (a job's outcome): on PostgreSQL the event row and, per enabled webhook of the tenant
+    subscribed to ``type``, a delivery's job row and delivery row are inserted by one ``INSERT ... WITH``
+    that reads the webhooks itself (so the deliveries match the webhooks committed when it runs, as
+    with :func:`emit`); the delivery task is sent when the session commits. Elsewhere :func:`emit`.
     Returns the event id. Raises ValueError for a type not in :data:`EVENT_TYPES`."""
     if type not in EVENT_TYPES:
         raise ValueError(f"unknown event type {type}")
@@ -89,34 +129,43 @@ def emit_event(session: Session, *, tenant_id: uuid.UUID, type: str, data: dict,
     event_id, now = uuid.uuid4(), utcnow()
     delivery_ids = connection.execute(_EMIT_ONE, {
         "event_id": event_id, "tenant_id": tenant_id, "type": type, "trace_id": trace_id, "data": data,
-        "now": now, "subscribed": [type],
+        "now": now, "subscribed": [type], "max_attempts": max_attempts(),
     }).scalars().all()
     if delivery_ids:
-        enqueue_batch_after_commit(session, DELIVER_TASK, "delivery_ids", [str(d) for d in delivery_ids])
+        enqueue_jobs_after_commit(session, DELIVER_TASK, [str(d) for d in delivery_ids])
     return event_id
 
 
 def _emit_one_statement():
-    """``INSERT`` the event (CTE) and its deliveries ``SELECT``-ed from the subscribed enabled webhooks
-    (``webhooks.events`` is a JSON array of types), returning the delivery ids."""
+    """``INSERT`` the event (CTE), pick a new delivery id per subscribed enabled webhook
+    (``webhooks.events`` is a JSON array of types), ``INSERT`` their jobs (CTE) and their delivery
+    rows, returning the delivery ids (foreign keys are checked when the statement ends)."""
     events, webhooks, deliveries = Event.__table__, Webhook.__table__, WebhookDelivery.__table__
+    job_table = Job.__table__
+    event_id = bindparam("event_id", type_=events.c.id.type)
+    now = bindparam("now", type_=events.c.created_at.type)
     event = insert(events).values(
-        id=bindparam("event_id", type_=events.c.id.type),
-        tenant_id=bindparam("tenant_id", type_=events.c.tenant_id.type),
+        id=event_id, tenant_id=bindparam("tenant_id", type_=events.c.tenant_id.type),
         type=bindparam("type"), trace_id=bindparam("trace_id"), data=bindparam("data", type_=events.c.data.type),
-        created_at=bindparam("now", type_=events.c.created_at.type),
+        created_at=now,
     ).cte("event")
     chosen = select(
-        func.gen_random_uuid(), webhooks.c.tenant_id, webhooks.c.id, bindparam("event_id", type_=events.c.id.type),
-        literal("pending"), literal(0), bindparam("now", type_=events.c.created_at.type),
-        bindparam("now", type_=events.c.created_at.type),
+        func.gen_random_uuid().label("id"), webhooks.c.tenant_id, webhooks.c.id.label("webhook_id"),
     ).where(
         webhooks.c.tenant_id == bindparam("tenant_id", type_=events.c.tenant_id.type),
         webhooks.c.status == "enabled",
         cast(webhooks.c.events, JSONB).contains(bindparam("subscribed", type_=JSONB)),
-    ).add_cte(event)
-    columns = ("id", "tenant_id", "webhook_id", "event_id", "status", "attempts", "due_at", "created_at")
-    return insert(deliveries).from_select(columns, chosen).returning(deliveries.c.id)
+    ).cte("chosen")
+    job_columns = ("id", "tenant_id", "kind", "subject_type", "subject_id", "status", "attempts", "max_attempts",
+                   "due_at", "created_at", "updated_at", "trace_id")
+    staged = insert(job_table).from_select(job_columns, select(
+        chosen.c.id, chosen.c.tenant_id, literal(DELIVER_TASK), literal("webhook"), cast(chosen.c.webhook_id, Text),
+        literal("queued"), literal(0), bindparam("max_attempts"), now, now, now, bindparam("trace_id"),
+    )).cte("job")
+    columns = ("id", "tenant_id", "webhook_id", "event_id", "created_at")
+    return insert(deliveries).from_select(
+        columns, select(chosen.c.id, chosen.c.tenant_id, chosen.c.webhook_id, event_id, now)
+    ).add_cte(event, staged).returning(deliveries.c.id)
 
 
 _EMIT_ONE = _emit_one_statement()
@@ -162,21 +211,14 @@ def _event_rows(
     subscribed = [webhook_id for webhook_id, types in _enabled_webhooks(session, tenant_id) if type in (types or [])]
     if only_subscribed and not subscribed:
         return 0
-    delivery_ids = []
+    delivery_ids = 0
     for data in datas:
         event_id = uuid.uuid4()
         rows.add(Event.__table__, {"id": event_id, "tenant_id": tenant_id, "type": type, "trace_id": trace_id,
                                    "data": data, "created_at": now})
-        for webhook_id in subscribed:
-            delivery_id = uuid.uuid4()
-            delivery_ids.append(str(delivery_id))
-            rows.add(WebhookDelivery.__table__, {
-                "id": delivery_id, "tenant_id": tenant_id, "webhook_id": webhook_id, "event_id": event_id,
-                "status": "pending", "attempts": 0, "due_at": now, "created_at": now,
-            })
-    if delivery_ids:
-        enqueue_batch_after_commit(session, DELIVER_TASK, "delivery_ids", delivery_ids)
-    return len(delivery_ids)
+        delivery_ids += len(_delivery_rows(session, rows, tenant_id=tenant_id, event_id=event_id,
+                                           webhook_ids=subscribed, trace_id=trace_id, now=now))
+    return delivery_ids
 
 
 def _enabled_webhooks(session: Session, tenant_id: uuid.UUID) -> list[tuple[uuid.UUID, list]]:

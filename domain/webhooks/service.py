@@ -1,13 +1,18 @@
 """Webhooks: subscriptions, signed deliveries with retries, the delivery log.
 
-Delivery (``ARCHITECTURE.md`` step 4): :func:`domain.webhooks.events.emit` writes one delivery row per subscribed
-webhook; the ``webhooks.deliver`` task takes a lease on the row, POSTs the envelope
+Delivery (``ARCHITECTURE.md`` step 4): :func:`domain.webhooks.events.emit` writes one delivery per subscribed
+webhook: a ``webhook_deliveries`` row, the public record (its webhook, event, last status code,
+completion), and the job that does its work, with the same id (``infra/jobs.py``: kind
+``webhooks.deliver``, its status, attempts, ``due_at``, lease and last error; the public status
+``pending``/``succeeded``/``failed`` is derived from the job's, ``storage.models.DELIVERY_STATUS``).
+The ``webhooks.deliver`` task leases the jobs, POSTs the envelope
 ``{event: {id, type, timestamp, tenant_id, trace_id, data}, delivered_at}`` signed with the Standard
 Webhooks scheme (``webhook-id`` is the delivery's message id and stays the same across retries), and
 records the attempt. A 5xx, 408, 409, 425 or 429 answer, a timeout or a connection error is retried
 after the delays of ``TESSERA_WEBHOOK_RETRY_SCHEDULE`` (default 5 s, 30 s, 2 min, 10 min, 30 min, 2 h,
 5 h, 10 h, 10 h); delays up to a minute ride on a Celery countdown, longer ones wait as ``due_at`` for
-the relay. Any other answer (a 3xx: redirects are not followed; another 4xx) and a refused destination
+the relay; once the schedule is spent the job is a dead letter (``dead``; ``tessera jobs retry`` replays
+it). Any other answer (a 3xx: redirects are not followed; another 4xx) and a refused destination
 fail the delivery at once: the receiver would answer the same on every retry (a redeliver tries again).
 A message carries about a hundred deliveries: one statement leases them and reads their events,
 webhooks and signing secrets, the POSTs go out concurrently on the worker process's keep-alive pool
@@ -29,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import distinct, func, insert, or_, update
+from sqlalchemy import delete, distinct, func, insert, or_, update
 from sqlmodel import Session, select
 
 from config.settings import Settings
@@ -39,12 +44,11 @@ from domain.tenancy.tenants import cached_signing_secret
 from domain.webhooks.events import EVENT_TYPES
 from infra import jobs
 from infra.celery import DELIVER_TASK
-from infra.dispatch import enqueue_batch_after_commit
 from infra.errors import not_found, validation_problem
 from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many, validate_destination_url
 from infra.signing import headers as signature_headers
 from storage.keyset import keyset_page
-from storage.models import Event, Tenant, Webhook, WebhookAttempt, WebhookDelivery
+from storage.models import DELIVERY_STATUS, Event, Job, Tenant, Webhook, WebhookAttempt, WebhookDelivery
 from storage.types import utcnow
 
 NOTIFY_TASK = "mail.webhook_disabled"
@@ -156,6 +160,11 @@ def update_webhook(
 def delete_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> None:
     """``DELETE /webhooks/{id}``: the webhook and its delivery log."""
     webhook = get_webhook(session, caller, webhook_id)
+    session.execute(  # the deliveries' jobs; each takes its delivery row and attempts with it
+        delete(Job)
+        .where(Job.kind == DELIVER_TASK, Job.subject_type == "webhook", Job.subject_id == str(webhook.id))
+        .execution_options(synchronize_session=False)
+    )
     session.delete(webhook)
     audit.record(session, caller, entity_type="webhook", entity_id=webhook.id, operation="delete")
 
@@ -168,15 +177,17 @@ def message_id(delivery_id: uuid.UUID) -> str:
     return f"msg_{delivery_id.hex}"
 
 
-def delivery_view(delivery: WebhookDelivery, event_type: str, attempts: list[WebhookAttempt]) -> dict:
-    """A delivery with its attempts (newest attempt last)."""
+def delivery_view(delivery: WebhookDelivery, job_status: str, due_at: dt.datetime, event_type: str,
+                  attempts: list[WebhookAttempt]) -> dict:
+    """A delivery with its attempts (newest attempt last); ``job_status`` and ``due_at`` are its job's."""
+    status = DELIVERY_STATUS[job_status]
     return {
         "id": message_id(delivery.id),
         "webhook_id": delivery.webhook_id,
         "event_id": delivery.event_id,
         "event_type": event_type,
-        "status": delivery.status,
-        "next_attempt_at": delivery.due_at if delivery.status == "pending" else None,
+        "status": status,
+        "next_attempt_at": due_at if status == "pending" else None,
         "created_at": delivery.created_at,
         "completed_at": delivery.completed_at,
         "attempts": [
@@ -207,7 +218,8 @@ def list_deliveries(
     """``GET /webhooks/{id}/deliveries``: newest first, with attempts, and the next position."""
     webhook = get_webhook(session, caller, webhook_id)
     query = (
-        select(WebhookDelivery, Event.type)
+        select(WebhookDelivery, Job.status, Job.due_at, Event.type)
+        .join(Job, Job.id == WebhookDelivery.id)
         .join(Event, Event.id == WebhookDelivery.event_id)
         .where(WebhookDelivery.webhook_id == webhook.id)
     )
@@ -217,11 +229,12 @@ def list_deliveries(
     if rows:
         for attempt in session.exec(
             select(WebhookAttempt)
-            .where(WebhookAttempt.delivery_id.in_([d.id for d, _ in rows]))
-            .order_by(WebhookAttempt.number)
+            .where(WebhookAttempt.delivery_id.in_([row[0].id for row in rows]))
+            .order_by(WebhookAttempt.attempted_at, WebhookAttempt.number)
         ):
             attempts.setdefault(attempt.delivery_id, []).append(attempt)
-    return [delivery_view(d, event_type, attempts.get(d.id, [])) for d, event_type in rows], next_position
+    return [delivery_view(d, job_status, due_at, event_type, attempts.get(d.id, []))
+            for d, job_status, due_at, event_type in rows], next_position
 
 
 def redeliver(session: Session, caller: Caller, webhook_id: uuid.UUID, delivery_ref: str) -> dict:
@@ -231,14 +244,12 @@ def redeliver(session: Session, caller: Caller, webhook_id: uuid.UUID, delivery_
     delivery = session.get(WebhookDelivery, delivery_id) if delivery_id else None
     if delivery is None or delivery.webhook_id != webhook.id:
         raise not_found("delivery")
-    delivery.status = "pending"
-    delivery.due_at = utcnow()
+    jobs.requeue_many(session, DELIVER_TASK, [delivery.id], fresh_budget=False)
     delivery.completed_at = None
     session.add(delivery)
-    enqueue_batch_after_commit(session, DELIVER_TASK, "delivery_ids", [str(delivery.id)])
     event_type = session.get(Event, delivery.event_id).type
     audit.record(session, caller, entity_type="webhook", entity_id=webhook.id, operation="update")
-    return delivery_view(delivery, event_type, [])
+    return delivery_view(delivery, "queued", utcnow(), event_type, [])
 
 
 # ---- delivering ----------------------------------------------------------------------------------
@@ -253,24 +264,29 @@ class Prepared:
     url: str
     body: bytes
     headers: dict[str, str]
+    #: The job's attempts, this one counted (its lease counts it).
     attempt_number: int
+    max_attempts: int
 
 
 @dataclass
 class BatchOutcome:
     """What one batch of deliveries came to: ``counts`` of each outcome (``success``, ``http_error``,
-    ``timeout``, ``connection_error``, ``refused``, ``closed``, ``skipped``), how many were scheduled
-    for a retry and how many failed for good."""
+    ``timeout``, ``connection_error``, ``refused``, ``closed``, ``skipped``, ``postponed``), how many
+    were scheduled for a retry and how many failed for good (``dead`` of them: retries spent)."""
 
     counts: dict[str, int]
     retrying: int = 0
     failed: int = 0
+    #: Of ``failed``: those whose retry schedule is spent (their jobs are dead letters).
+    dead: int = 0
 
 
-#: What an attempt reads with its lease: the delivery, its webhook, its event, its tenant's sealed secret.
+#: What an attempt reads with its lease: its job, its webhook, its event, its tenant's sealed secret.
 _LEASED_COLUMNS = (
-    WebhookDelivery.id,
-    WebhookDelivery.attempts,
+    Job.id,
+    Job.attempts,
+    Job.max_attempts,
     Webhook.id,
     Webhook.url,
     Webhook.status,
@@ -285,49 +301,39 @@ _LEASED_COLUMNS = (
 )
 
 
-def _lease(delivery_ids: list[uuid.UUID], owner: str, now: dt.datetime, lease_seconds: float):
-    return (
-        update(WebhookDelivery)
-        .where(
-            WebhookDelivery.id.in_(delivery_ids),
-            WebhookDelivery.status == "pending",
-            WebhookDelivery.due_at <= now + dt.timedelta(seconds=1),
-            or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now),
-        )
-        .values(lease_owner=owner, lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
-        .execution_options(synchronize_session=False)
-    )
-
-
 def _lease_and_read(session: Session, delivery_ids: list[uuid.UUID], owner: str, lease_seconds: float) -> list:
-    """Lease every due, pending, unleased delivery of ``delivery_ids`` and read each with its webhook,
-    event and tenant: on PostgreSQL one ``UPDATE ... FROM ... RETURNING``; SQLite (the embedded
-    default) returns only the updated table's columns, so there the rows are read by a second query."""
-    statement = _lease(delivery_ids, owner, utcnow(), lease_seconds)
+    """Lease the job of every takeable delivery of ``delivery_ids`` (:func:`infra.jobs.lease_many_statement`)
+    and read each with its webhook, event and tenant: on PostgreSQL one ``UPDATE jobs ... FROM
+    webhook_deliveries, events, webhooks, tenants ... RETURNING``; SQLite (the embedded default)
+    returns only the updated table's columns, so there the rows are read by a second query."""
+    statement = jobs.lease_many_statement(delivery_ids, owner, lease_seconds=lease_seconds)
     if session.get_bind().dialect.name == "postgresql":
         statement = statement.where(
+            WebhookDelivery.id == Job.id,
             Event.id == WebhookDelivery.event_id,
             Webhook.id == WebhookDelivery.webhook_id,
             Tenant.id == WebhookDelivery.tenant_id,
         ).returning(*_LEASED_COLUMNS)
         return session.execute(statement).all()
-    leased = session.execute(statement.returning(WebhookDelivery.id)).scalars().all()
+    leased = session.execute(statement.returning(Job.id)).scalars().all()
     if not leased:
         return []
     return session.execute(
         select(*_LEASED_COLUMNS)
+        .join(WebhookDelivery, WebhookDelivery.id == Job.id)
         .join(Event, Event.id == WebhookDelivery.event_id)
         .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
         .join(Tenant, Tenant.id == WebhookDelivery.tenant_id)
-        .where(WebhookDelivery.id.in_(leased))
+        .where(Job.id.in_(leased))
     ).all()
 
 
 def lease_batch(
     session: Session, delivery_ids: list[uuid.UUID], owner: str, *, lease_seconds: float
 ) -> tuple[list[Prepared], list[uuid.UUID]]:
-    """Lease the deliveries of ``delivery_ids`` that are due (one statement: a duplicate message or a
-    second worker gets none of them) and build their signed requests.
+    """Lease the jobs of the deliveries of ``delivery_ids`` that are due (one statement: a duplicate
+    message or a second worker gets none of them; an attempt is counted on each) and build their
+    signed requests.
 
     Returns ``(prepared, closed)``: ``closed`` are leased deliveries that will never be sent (their
     webhook is disabled or their tenant deleted); :func:`record_outcomes` closes them.
@@ -338,8 +344,8 @@ def lease_batch(
     delivered_at = utcnow().isoformat()
     timestamp = int(time.time())
     prepared, closed = [], []
-    for (delivery_id, attempts, webhook_id, url, webhook_status, event_id, event_type, event_created_at,
-         tenant_id, trace_id, data, secret_ct, tenant_deleted_at) in rows:
+    for (delivery_id, attempts, max_attempts, webhook_id, url, webhook_status, event_id, event_type,
+         event_created_at, tenant_id, trace_id, data, secret_ct, tenant_deleted_at) in rows:
         if webhook_status != "enabled" or tenant_deleted_at is not None:
             closed.append(delivery_id)
             continue
@@ -357,20 +363,20 @@ def lease_batch(
         body = json.dumps(envelope, separators=(",", ":")).encode()
         secret = cached_signing_secret(session, tenant_id, secret_ct)
         signed = signature_headers(secret, message_id(delivery_id), timestamp, body)
-        prepared.append(Prepared(delivery_id, webhook_id, url, body, signed, attempts + 1))
+        prepared.append(Prepared(delivery_id, webhook_id, url, body, signed, attempts, max_attempts))
     return prepared, closed
 
 
 def lease_delivery(session: Session, delivery_id: uuid.UUID, owner: str, *, lease_seconds: float) -> bool:
-    """Take the lease on one due, pending delivery (see :func:`lease_batch`); False when taken."""
-    return session.execute(_lease([delivery_id], owner, utcnow(), lease_seconds)).rowcount == 1
+    """Take the lease on the job of one due delivery (see :func:`lease_batch`); False when taken."""
+    statement = jobs.lease_many_statement([delivery_id], owner, lease_seconds=lease_seconds)
+    return session.execute(statement.where(Job.kind == DELIVER_TASK)).rowcount == 1
 
 
 def _retry_delay(result: DeliveryResult, attempt_number: int, settings: Settings) -> float | None:
-    """Seconds before the next attempt, or None when the delivery fails for good: on success, on a
-    refused destination or an answer that retrying cannot change (a 3xx, or a 4xx other than 408,
-    409, 425, 429: ``DeliveryResult.transient`` is false), or when ``TESSERA_WEBHOOK_RETRY_SCHEDULE``
-    is spent."""
+    """Seconds before the next attempt, or None when there is none: on success, on a refused
+    destination or an answer that retrying cannot change (a 3xx, or a 4xx other than 408, 409, 425,
+    429: ``DeliveryResult.transient`` is false), or when ``TESSERA_WEBHOOK_RETRY_SCHEDULE`` is spent."""
     delays = settings.webhook_retry_delays
     if result.outcome == "success" or not result.transient or attempt_number > len(delays):
         return None
@@ -384,26 +390,24 @@ def record_outcomes(
     closed: list[uuid.UUID],
     settings: Settings,
 ) -> BatchOutcome:
-    """Record a batch of attempts: one multi-row INSERT of the attempt rows and one UPDATE per
-    distinct outcome (in practice one: every delivery succeeded), retries scheduled by ``due_at``
-    and sent after the commit (a countdown up to a minute, the relay beyond).
+    """Record a batch of attempts: one multi-row INSERT of the attempt rows, and per distinct outcome
+    one UPDATE of the jobs (:func:`infra.jobs.settle_many`, :func:`infra.jobs.retry_many`) and one of
+    the delivery rows (last status code, completed time); in practice one of each: every delivery
+    succeeded. Retries are scheduled by ``due_at`` and sent after the commit (a countdown up to a
+    minute, the relay beyond).
 
-    Success closes the delivery and clears its webhook's failing streak. A transient failure
-    schedules the next try from the retry schedule; a permanent one (refused destination, a 3xx or a
-    4xx other than 408/409/425/429) or a spent schedule closes the delivery as failed, without
-    further tries. A webhook failing for longer than the disable period is disabled and its notify
-    address mailed (a recorded ``mail.webhook_disabled`` job).
+    Success closes the delivery (job ``succeeded``) and clears its webhook's failing streak. A
+    transient failure schedules the next try from the retry schedule; a permanent one (refused
+    destination, a 3xx or a 4xx other than 408/409/425/429) fails the job without further tries, and
+    a spent schedule makes it a dead letter (``tessera jobs retry`` replays it). A webhook failing for
+    longer than the disable period is disabled and its notify address mailed (a recorded
+    ``mail.webhook_disabled`` job).
     """
     now = utcnow()
     outcome = BatchOutcome(counts={})
     if closed:
-        session.execute(
-            update(WebhookDelivery)
-            .where(WebhookDelivery.id.in_(closed))
-            .values(status="failed", completed_at=now, lease_owner=None, lease_expires_at=None,
-                    last_error="the webhook is disabled")
-            .execution_options(synchronize_session=False)
-        )
+        jobs.settle_many(session, closed, "failed", error="the webhook is disabled", now=now)
+        _update_deliveries(session, closed, completed_at=now)
         outcome.counts["closed"] = len(closed)
         outcome.failed += len(closed)
     if not prepared:
@@ -427,41 +431,33 @@ def record_outcomes(
     groups: dict[tuple, list[uuid.UUID]] = {}
     succeeded: set[uuid.UUID] = set()
     failing: set[uuid.UUID] = set()
-    retries: dict[float, list[str]] = {}
     for p, r in zip(prepared, results, strict=True):
         outcome.counts[r.outcome] = outcome.counts.get(r.outcome, 0) + 1
         if r.outcome == "success":
             succeeded.add(p.webhook_id)
-            key = ("succeeded", p.attempt_number, r.status_code, None, None)
+            key = ("succeeded", r.status_code, None, None)
         else:
             failing.add(p.webhook_id)
             error = (r.error or f"HTTP {r.status_code}")[:500]
             delay = _retry_delay(r, p.attempt_number, settings)
-            if delay is None:
-                outcome.failed += 1
-                key = ("failed", p.attempt_number, r.status_code, error, None)
-            else:
+            if delay is not None and p.attempt_number < p.max_attempts:
                 outcome.retrying += 1
-                retries.setdefault(delay, []).append(str(p.delivery_id))
-                key = ("pending", p.attempt_number, r.status_code, error, delay)
+                key = ("queued", r.status_code, error, delay)
+            elif r.transient:  # retrying could help, but the schedule is spent: a dead letter
+                outcome.failed += 1
+                outcome.dead += 1
+                key = ("dead", r.status_code, error, None)
+            else:
+                outcome.failed += 1
+                key = ("failed", r.status_code, error, None)
         groups.setdefault(key, []).append(p.delivery_id)
-    for (status, attempts, status_code, error, delay), ids in groups.items():
-        values: dict = {"status": status, "attempts": attempts, "last_status_code": status_code,
-                        "lease_owner": None, "lease_expires_at": None}
-        if status == "pending":
-            values.update(due_at=now + dt.timedelta(seconds=delay), last_error=error, enqueued_at=None)
+    for (status, status_code, error, delay), ids in groups.items():
+        if status == "queued":
+            jobs.retry_many(session, DELIVER_TASK, ids, delay=delay, error=error, now=now)
+            _update_deliveries(session, ids, last_status_code=status_code)
         else:
-            values.update(completed_at=now)
-            if error is not None:
-                values["last_error"] = error
-        session.execute(
-            update(WebhookDelivery)
-            .where(WebhookDelivery.id.in_(ids))
-            .values(**values)
-            .execution_options(synchronize_session=False)
-        )
-    for delay, ids in retries.items():
-        enqueue_batch_after_commit(session, DELIVER_TASK, "delivery_ids", ids, delay=delay)
+            jobs.settle_many(session, ids, status, error=error, now=now)
+            _update_deliveries(session, ids, last_status_code=status_code, completed_at=now)
     cleared = succeeded - failing
     if cleared:
         session.execute(
@@ -475,6 +471,15 @@ def record_outcomes(
         if webhook is not None:
             _note_failure(session, webhook, now, settings)
     return outcome
+
+
+def _update_deliveries(session: Session, ids: list[uuid.UUID], **values) -> None:
+    session.execute(
+        update(WebhookDelivery)
+        .where(WebhookDelivery.id.in_(ids))
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def _note_failure(session: Session, webhook: Webhook, now: dt.datetime, settings: Settings) -> None:
@@ -519,8 +524,8 @@ def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], setti
     """Postpone the due, unleased deliveries of ``delivery_ids`` whose tenant is behind and busy: it has
     a delivery due more than ``settings.webhook_backlog_seconds`` ago still pending (a flood, or a slow
     receiver), and already holds ``settings.webhook_tenant_slots`` worker slots (distinct task runs with
-    deliveries in flight). Their ``due_at`` moves ``webhook_postpone_seconds`` ahead; the relay sends
-    them again, batched (about a hundred a message). No attempt is counted. Returns how many were
+    deliveries in flight). Their jobs' ``due_at`` moves ``webhook_postpone_seconds`` ahead; the relay
+    sends them again, batched (about a hundred a message). No attempt is counted. Returns how many were
     postponed. A tenant that keeps up is never postponed.
 
     On PostgreSQL the check and the lease that follows it in the same transaction are serialised per
@@ -530,37 +535,40 @@ def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], setti
         return 0
     now = now or utcnow()
     tenants = sorted(set(session.execute(
-        select(WebhookDelivery.tenant_id).where(WebhookDelivery.id.in_(delivery_ids))).scalars()), key=str)
+        select(Job.tenant_id).where(Job.id.in_(delivery_ids))).scalars()), key=str)
     if session.get_bind().dialect.name == "postgresql":
         for tenant_id in tenants:
             session.execute(select(func.pg_advisory_xact_lock(func.hashtext(str(tenant_id)))))
+    waiting = (Job.kind == DELIVER_TASK, Job.status.in_(("queued", "running")))  # ix_jobs_deliveries_waiting
     busy = []
     for tenant_id in tenants:
-        behind = session.execute(select(WebhookDelivery.id).where(
-            WebhookDelivery.status == "pending",
-            WebhookDelivery.due_at < now - dt.timedelta(seconds=settings.webhook_backlog_seconds),
-            WebhookDelivery.tenant_id == tenant_id,
+        behind = session.execute(select(Job.id).where(
+            *waiting,
+            Job.tenant_id == tenant_id,
+            Job.due_at < now - dt.timedelta(seconds=settings.webhook_backlog_seconds),
         ).limit(1)).first()
         if behind is None:
             continue
-        held = session.execute(select(func.count(distinct(WebhookDelivery.lease_owner))).where(
-            WebhookDelivery.status == "pending",
-            WebhookDelivery.tenant_id == tenant_id,
-            WebhookDelivery.lease_expires_at > now,
+        held = session.execute(select(func.count(distinct(Job.lease_owner))).where(
+            *waiting,
+            Job.tenant_id == tenant_id,
+            Job.status == "running",
+            Job.lease_expires_at > now,
         )).scalar_one()
         if held >= slots:
             busy.append(tenant_id)
     if not busy:
         return 0
     return session.execute(
-        update(WebhookDelivery)
+        update(Job)
         .where(
-            WebhookDelivery.id.in_(delivery_ids),
-            WebhookDelivery.tenant_id.in_(busy),
-            WebhookDelivery.status == "pending",
-            or_(WebhookDelivery.lease_expires_at.is_(None), WebhookDelivery.lease_expires_at < now),
+            Job.id.in_(delivery_ids),
+            Job.tenant_id.in_(busy),
+            Job.status.in_(("queued", "running")),
+            or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
         )
-        .values(due_at=now + dt.timedelta(seconds=settings.webhook_postpone_seconds), enqueued_at=None)
+        .values(due_at=now + dt.timedelta(seconds=settings.webhook_postpone_seconds), enqueued_at=None,
+                updated_at=now)
         .execution_options(synchronize_session=False)
     ).rowcount
 

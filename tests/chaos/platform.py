@@ -142,14 +142,14 @@ class Platform:
         return time.monotonic() - started
 
     def unfinished_work(self) -> list[dict]:
-        """Jobs and deliveries neither final nor clearly pending: running under a lease that ran out
-        long ago, or queued and due for long without being taken (work the platform lost)."""
+        """Jobs (a webhook delivery's work is a job too) neither final nor clearly pending: running
+        under a lease that ran out long ago, or queued and due for long without being taken (work the
+        platform lost)."""
         return self.sql(
-            "SELECT 'job' AS what, kind, status, id::text FROM jobs WHERE "
+            "SELECT CASE WHEN kind = 'webhooks.deliver' THEN 'delivery' ELSE 'job' END AS what, kind, status, "
+            "id::text FROM jobs WHERE "
             "(status = 'running' AND lease_expires_at < now() - interval '60 seconds') OR "
-            "(status = 'queued' AND due_at < now() - interval '60 seconds') "
-            "UNION ALL SELECT 'delivery', 'webhooks.deliver', status, id::text FROM webhook_deliveries "
-            "WHERE status = 'pending' AND due_at < now() - interval '60 seconds'"
+            "(status = 'queued' AND due_at < now() - interval '60 seconds')"
         )
 
 

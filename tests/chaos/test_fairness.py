@@ -50,8 +50,9 @@ def test_a_tenant_flooding_a_bad_receiver_does_not_delay_another_tenant(kind, re
                 assert hook.status == 201, hook
             flood = [_card(flooder, fresh_visa()) for _ in range(flood_size)]  # queued before any worker runs
             p.start_worker(concurrency=2)
-            wait_until(lambda: p.sql("SELECT count(*) AS n FROM webhook_deliveries WHERE lease_expires_at > now() "
-                                     "AND status = 'pending'")[0]["n"], timeout=60)  # the flood is in flight
+            wait_until(lambda: p.sql("SELECT count(*) AS n FROM webhook_deliveries d JOIN jobs j ON j.id = d.id "
+                                     "WHERE j.lease_expires_at > now() AND j.status = 'running'")[0]["n"],
+                       timeout=60)  # the flood is in flight
 
             started = time.monotonic()
             token_id = _card(other, fresh_visa())
@@ -65,8 +66,10 @@ def test_a_tenant_flooding_a_bad_receiver_does_not_delay_another_tenant(kind, re
             # the flood is not lost, only paced: each of A's deliveries ends, delivered once or failed
             # after its retries (the retry schedule of the test run: 1, 1, 2 s)
             final = "succeeded" if kind == "slow" else "failed"
-            wait_until(lambda: p.sql("SELECT count(*) AS n FROM webhook_deliveries d JOIN webhooks w "
-                                     "ON w.id = d.webhook_id WHERE w.url = :url AND d.status = :final",
+            wait_until(lambda: p.sql("SELECT count(*) AS n FROM webhook_deliveries d JOIN jobs j ON j.id = d.id "
+                                     "JOIN webhooks w ON w.id = d.webhook_id WHERE w.url = :url AND "
+                                     "CASE WHEN j.status IN ('failed', 'dead', 'cancelled') THEN 'failed' "
+                                     "ELSE j.status END = :final",
                                      url=bad.url, final=final)[0]["n"] >= flood_size,
                        timeout=90 + flood_size * delay / 20, interval=1)
             copies = 0

@@ -100,15 +100,22 @@ def _copies(p: Platform, subject: dict) -> list:
     return [r for r in list(p.receiver.received) if subject["id"].encode() in r.body]
 
 
+#: A delivery's public status (from its job) selected as ``status``, ``FROM webhook_deliveries d`` joined
+#: to its job ``j``; the caller adds joins and the WHERE clause.
+DELIVERY_STATUS_SQL = ("SELECT CASE WHEN j.status IN ('queued', 'running') THEN 'pending' "
+                       "WHEN j.status = 'succeeded' THEN 'succeeded' ELSE 'failed' END AS status "
+                       "FROM webhook_deliveries d JOIN jobs j ON j.id = d.id ")
+
+
 def _delivered(p: Platform, subject: dict) -> bool:
-    rows = p.sql("SELECT d.status FROM webhook_deliveries d JOIN events e ON e.id = d.event_id "
-                 "WHERE e.data::text LIKE :id", id=f"%{subject['id']}%")
+    rows = p.sql(DELIVERY_STATUS_SQL + "JOIN events e ON e.id = d.event_id WHERE e.data::text LIKE :id",
+                 id=f"%{subject['id']}%")
     return bool(rows) and all(row["status"] != "pending" for row in rows)
 
 
 def _delivered_once(p: Platform, subject: dict) -> None:
-    rows = p.sql("SELECT d.status FROM webhook_deliveries d JOIN events e ON e.id = d.event_id "
-                 "WHERE e.data::text LIKE :id", id=f"%{subject['id']}%")
+    rows = p.sql(DELIVERY_STATUS_SQL + "JOIN events e ON e.id = d.event_id WHERE e.data::text LIKE :id",
+                 id=f"%{subject['id']}%")
     assert [row["status"] for row in rows] == ["succeeded"], rows  # one delivery row, delivered
     copies = _copies(p, subject)
     # at least once: the killed attempt reached the receiver, the retry is the same message (same id),

@@ -136,9 +136,11 @@ def test_oldest_waiting_work_and_the_outbox_backlog_per_queue(api, tenant):
         event = Event(tenant_id=tenant.id, type="token.created", data={})
         session.add_all([waiting, held, later, webhook, event])
         session.flush()
-        delivery = WebhookDelivery(
-            tenant_id=tenant.id, webhook_id=webhook.id, event_id=event.id, due_at=now - dt.timedelta(seconds=300)
-        )
+        delivery_job = Job(kind="webhooks.deliver", tenant_id=tenant.id, subject_type="webhook",
+                           subject_id=str(webhook.id), status="queued", due_at=now - dt.timedelta(seconds=300))
+        session.add(delivery_job)
+        session.flush()
+        delivery = WebhookDelivery(id=delivery_job.id, tenant_id=tenant.id, webhook_id=webhook.id, event_id=event.id)
         session.add(delivery)
     try:
         samples, text = scrape(api)
@@ -157,6 +159,7 @@ def test_oldest_waiting_work_and_the_outbox_backlog_per_queue(api, tenant):
     finally:
         with session_scope() as session:
             session.delete(session.get(WebhookDelivery, delivery.id))
+            session.delete(session.get(Job, delivery_job.id))
             session.delete(session.get(Event, event.id))
             session.delete(session.get(Webhook, webhook.id))
             for job in (waiting, held, later):

@@ -23,7 +23,7 @@ from sqlmodel import select
 from domain.webhooks.service import message_id
 from infra import logs, ops
 from storage.db import session_scope
-from storage.models import WebhookDelivery
+from storage.models import Job, WebhookDelivery
 from tests.helpers import ApiClient, WebhookReceiver, wait_until
 from tests.ops.scan import find_secrets
 
@@ -54,8 +54,18 @@ def _deliveries(webhook_id: str) -> list[WebhookDelivery]:
         return list(session.exec(query.order_by(WebhookDelivery.created_at)).all())
 
 
+def _job(job_id: uuid.UUID) -> Job:
+    with session_scope() as session:
+        return session.get(Job, job_id)
+
+
 def _leased(webhook_id: str) -> WebhookDelivery | None:
-    return next((d for d in _deliveries(webhook_id) if d.status == "pending" and d.lease_owner), None)
+    with session_scope() as session:
+        query = (select(WebhookDelivery).join(Job, Job.id == WebhookDelivery.id)
+                 .where(WebhookDelivery.webhook_id == uuid.UUID(webhook_id), Job.status == "running",
+                        Job.lease_owner.is_not(None))
+                 .order_by(WebhookDelivery.created_at))
+        return session.exec(query).first()
 
 
 def _accepts(port: int) -> bool:
@@ -138,7 +148,7 @@ def test_sigterm_warm_shutdown_finishes_the_running_task_and_leaves_the_rest_que
     finished = {d.id: d for d in _deliveries(hook.json["id"])}
     assert finished[running.id].status == "succeeded"  # the task in flight finished first
     waiting = [d for d in finished.values() if d.id != running.id]
-    assert len(waiting) == 1 and waiting[0].status == "pending" and waiting[0].attempts == 0
+    assert len(waiting) == 1 and waiting[0].status == "pending" and _job(waiting[0].id).attempts == 0
     assert ops.queue_depths(platform.settings())["webhooks"] == 1  # its message is still in Redis
 
     report = json.loads(platform.run("queues", "--json").stdout)
@@ -198,8 +208,8 @@ def test_work_of_a_worker_killed_mid_task_comes_back(platform, owner, slow_recei
     # The lease runs out (made to now, as tests/worker/test_jobs.py does); beat's relay sends it again.
     with session_scope() as session:
         session.execute(
-            update(WebhookDelivery)
-            .where(WebhookDelivery.id == running.id)
+            update(Job)
+            .where(Job.id == running.id)
             .values(lease_expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1))
         )
     relay = {"TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1"}

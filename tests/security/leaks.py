@@ -67,7 +67,7 @@ def _task_arguments(sender=None, body=None, headers=None, **_kwargs) -> None:
 #: ``(channel, query)``: what the run's database holds that reaches a receiver, a log or a client.
 DATABASE_TEXT = (
     ("event payloads", "SELECT data::text FROM events"),
-    ("delivery errors", "SELECT last_error FROM webhook_deliveries WHERE last_error IS NOT NULL"),
+    ("delivery errors", "SELECT last_error FROM jobs WHERE kind = 'webhooks.deliver' AND last_error IS NOT NULL"),
     ("delivery errors", "SELECT error FROM webhook_attempts WHERE error IS NOT NULL"),
     ("job errors and results", "SELECT coalesce(last_error, '') || ' ' || coalesce(result::text, '') FROM jobs"),
 )

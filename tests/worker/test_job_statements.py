@@ -9,6 +9,7 @@ import uuid
 
 from sqlalchemy import func, select, text
 
+from config.settings import get_settings
 from domain.tenancy.tenants import create_tenant
 from domain.tenancy.usage import record_token_activity_unflushed
 from domain.webhooks.events import emit_event
@@ -128,10 +129,15 @@ def test_an_event_in_one_statement_is_delivered_to_the_enabled_webhooks_subscrib
     with session_scope() as session:
         event = session.get(Event, event_id)
         deliveries = session.exec(select(WebhookDelivery).where(WebhookDelivery.event_id == event_id)).scalars().all()
+        delivery_jobs = [session.get(Job, d.id) for d in deliveries]
     assert (event.type, event.data, event.trace_id) == (
         "network-token.created", {"network_token": {"id": "n1", "status": "active"}}, "trace-2")
-    assert [(d.webhook_id, d.status, d.attempts, d.tenant_id) for d in deliveries] == [
-        (hooks["subscribed"].id, "pending", 0, tenant_id)]
+    assert [(d.webhook_id, d.status, d.tenant_id) for d in deliveries] == [
+        (hooks["subscribed"].id, "pending", tenant_id)]
+    # the delivery's work is the job with its id, written by the same statement
+    assert [(j.kind, j.status, j.attempts, j.max_attempts, j.tenant_id, j.subject_type, j.subject_id, j.trace_id)
+            for j in delivery_jobs] == [(DELIVER_TASK, "queued", 0, len(get_settings().webhook_retry_delays) + 1,
+                                         tenant_id, "webhook", str(hooks["subscribed"].id), "trace-2")]
     assert sent == [(DELIVER_TASK, {"delivery_ids": [str(deliveries[0].id)]})]
 
 

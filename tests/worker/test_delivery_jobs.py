@@ -1,0 +1,226 @@
+"""A webhook delivery's work is a job of the one protocol, on real PostgreSQL: written with its event,
+leased in batches (one worker wins each row), settled failed, dead or succeeded, replayed by the
+operator and re-sent by the relay in batch messages. Messages are taken before they are sent
+(``take_pending``) so no worker interferes: each test drives the deliveries itself."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import uuid
+
+from sqlalchemy import update
+from sqlmodel import select
+
+from config.settings import get_settings
+from domain.tenancy.tenants import create_tenant
+from domain.webhooks import events
+from domain.webhooks import service as webhooks
+from infra import jobs, ops, outbox
+from infra.celery import DELIVER_TASK
+from infra.dispatch import BATCH_SIZE, take_pending
+from infra.http import DeliveryResult
+from storage.db import session_scope
+from storage.models import Job, Webhook, WebhookAttempt, WebhookDelivery
+
+
+def _tenant_with_webhooks(*urls: str) -> tuple[uuid.UUID, list[uuid.UUID]]:
+    with session_scope() as session:
+        tenant_id = create_tenant(session, name="deliveries", owner_email=f"o-{uuid.uuid4().hex[:8]}@example.com"
+                                  ).tenant_id
+    with session_scope() as session:
+        hooks = [Webhook(tenant_id=tenant_id, name=f"h{i}", url=url, events=["token.created"])
+                 for i, url in enumerate(urls)]
+        session.add_all(hooks)
+    return tenant_id, [h.id for h in hooks]
+
+
+def _emit(tenant_id: uuid.UUID, count: int = 1) -> tuple[list[uuid.UUID], list[tuple[str, dict]]]:
+    """``count`` events; returns their delivery ids and the messages the commit would have sent."""
+    with session_scope() as session:
+        emitted = [events.emit(session, tenant_id=tenant_id, type="token.created", data={"n": n}, trace_id="t-1")
+                   for n in range(count)]
+        ids = list(session.exec(select(WebhookDelivery.id).where(
+            WebhookDelivery.event_id.in_([e.id for e in emitted]))).all())
+        sent = take_pending(session)
+    return ids, sent
+
+
+def _job(job_id: uuid.UUID) -> Job:
+    with session_scope() as session:
+        return session.get(Job, job_id)
+
+
+def _delivery(delivery_id: uuid.UUID) -> WebhookDelivery:
+    with session_scope() as session:
+        return session.get(WebhookDelivery, delivery_id)
+
+
+def test_each_delivery_job_is_written_with_its_event_and_sent_in_one_batch_message(database):
+    tenant_id, hooks = _tenant_with_webhooks("https://example.com/a", "https://example.com/b")
+    ids, sent = _emit(tenant_id, count=3)
+    assert len(ids) == 6
+    with session_scope() as session:
+        rows = session.exec(select(WebhookDelivery, Job).join(Job, Job.id == WebhookDelivery.id)
+                            .where(WebhookDelivery.id.in_(ids))).all()
+    assert len(rows) == 6
+    for delivery, job in rows:
+        assert (job.kind, job.status, job.attempts, job.tenant_id, job.subject_type, job.trace_id) == (
+            DELIVER_TASK, "queued", 0, tenant_id, "webhook", "t-1")
+        assert job.subject_id == str(delivery.webhook_id) and delivery.webhook_id in hooks
+        assert job.max_attempts == len(get_settings().webhook_retry_delays) + 1
+        assert delivery.status == "pending" and delivery.completed_at is None
+    assert [task for task, _ in sent] == [DELIVER_TASK]  # one message for the transaction's deliveries
+    assert sorted(sent[0][1]["delivery_ids"]) == sorted(map(str, ids))
+
+
+def test_the_rows_of_stage_events_are_jobs_and_deliveries_too(database):
+    from storage.db import Rows, insert_rows
+
+    tenant_id, hooks = _tenant_with_webhooks("https://example.com/staged")
+    events.subscriptions.clear()
+    with session_scope() as session:
+        rows = Rows()
+        assert events.stage_events(session, rows, tenant_id=tenant_id, type="token.created", datas=[{}, {}],
+                                   trace_id=None) == 2
+        insert_rows(session, rows)
+        sent = take_pending(session)
+    ids = sent[0][1]["delivery_ids"]
+    assert [task for task, _ in sent] == [DELIVER_TASK] and len(ids) == 2
+    for delivery_id in ids:
+        job = _job(uuid.UUID(delivery_id))
+        assert (job.kind, job.status, job.subject_id) == (DELIVER_TASK, "queued", str(hooks[0]))
+        assert _delivery(uuid.UUID(delivery_id)).status == "pending"
+
+
+def test_two_workers_leasing_one_batch_each_win_different_rows_and_count_one_attempt(database):
+    tenant_id, _ = _tenant_with_webhooks("https://example.com/race")
+    ids, _ = _emit(tenant_id, count=80)
+    got: dict[str, list[uuid.UUID]] = {}
+    start = threading.Barrier(2)
+
+    def lease(owner: str) -> None:
+        start.wait()
+        with session_scope() as session:
+            statement = jobs.lease_many_statement(ids, owner, lease_seconds=60).returning(Job.id)
+            got[owner] = list(session.execute(statement).scalars())
+
+    threads = [threading.Thread(target=lease, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not set(got["a"]) & set(got["b"])
+    assert sorted(got["a"] + got["b"]) == sorted(ids)
+    with session_scope() as session:
+        leased = session.exec(select(Job.status, Job.attempts, Job.lease_owner).where(Job.id.in_(ids))).all()
+    assert {(status, attempts) for status, attempts, _ in leased} == {("running", 1)}
+    assert {owner for _, _, owner in leased} <= {"a", "b"}
+    with session_scope() as session:  # a third worker (or a duplicate message) gets none of them
+        assert session.execute(jobs.lease_many_statement(ids, "c", lease_seconds=60)).rowcount == 0
+
+
+def test_a_4xx_answer_fails_the_delivery_after_one_attempt(database, receiver):
+    tenant_id, _ = _tenant_with_webhooks(receiver.url)
+    [delivery_id], _ = _emit(tenant_id)
+    receiver.status = 404
+    assert webhooks.attempt(delivery_id, "w", get_settings(), session_scope) == "http_error"
+    job, delivery = _job(delivery_id), _delivery(delivery_id)
+    assert (job.status, job.attempts, job.last_error, job.lease_owner) == ("failed", 1, "HTTP 404", None)
+    assert (delivery.status, delivery.last_status_code) == ("failed", 404) and delivery.completed_at is not None
+    with session_scope() as session:
+        numbers = session.exec(select(WebhookAttempt.number).where(WebhookAttempt.delivery_id == delivery_id)).all()
+    assert numbers == [1]
+    assert webhooks.attempt(delivery_id, "w", get_settings(), session_scope) == "skipped"  # not retried
+    assert len(receiver.received) == 1
+
+
+def test_a_retry_is_the_job_queued_again_with_its_delay(database, receiver):
+    tenant_id, _ = _tenant_with_webhooks(receiver.url)
+    [delivery_id], _ = _emit(tenant_id)
+    receiver.status = 503
+    settings = get_settings().model_copy(update={"webhook_retry_schedule": "30,30"})
+    with session_scope() as session:
+        prepared, closed = webhooks.lease_batch(session, [delivery_id], "w", lease_seconds=60)
+    assert [p.attempt_number for p in prepared] == [1] and not closed
+    results = [DeliveryResult(outcome="http_error", status_code=503, duration_ms=1, error="HTTP 503",
+                                       transient=True)]
+    with session_scope() as session:
+        outcome = webhooks.record_outcomes(session, prepared, results, closed, settings)
+        sent = take_pending(session)
+    assert (outcome.retrying, outcome.failed, outcome.dead) == (1, 0, 0)
+    assert sent == [(DELIVER_TASK, {"delivery_ids": [str(delivery_id)]})]  # a 30 s countdown
+    job, delivery = _job(delivery_id), _delivery(delivery_id)
+    assert (job.status, job.attempts, job.last_error, job.lease_owner, job.enqueued_at) == (
+        "queued", 1, "HTTP 503", None, None)
+    assert 25 < (job.due_at - dt.datetime.now(dt.UTC)).total_seconds() <= 30
+    assert (delivery.status, delivery.last_status_code, delivery.completed_at) == ("pending", 503, None)
+
+
+def test_a_spent_schedule_is_a_dead_letter_that_the_operator_replays(database, receiver):
+    tenant_id, _ = _tenant_with_webhooks(receiver.url)
+    [delivery_id], _ = _emit(tenant_id)
+    with session_scope() as session:  # every attempt but the last one made
+        session.execute(update(Job).where(Job.id == delivery_id).values(attempts=Job.max_attempts - 1))
+    receiver.status = 503
+    settings = get_settings()
+    outcome = webhooks.deliver_batch([delivery_id], "w", settings, session_scope)
+    assert (outcome.counts, outcome.failed, outcome.dead, outcome.retrying) == ({"http_error": 1}, 1, 1, 0)
+    job = _job(delivery_id)
+    assert (job.status, job.attempts, job.last_error) == ("dead", job.max_attempts, "HTTP 503")
+    assert _delivery(delivery_id).status == "failed"
+    with session_scope() as session:
+        dead = ops.list_jobs(session, settings, states=["dead"], kind=DELIVER_TASK, tenant_id=tenant_id)
+    assert [(row["id"], row["state"]) for row in dead] == [(str(delivery_id), "failed")]
+
+    with session_scope() as session:
+        replayed = ops.retry(session, settings, webhooks.message_id(delivery_id))
+        sent = take_pending(session)
+    assert (replayed["state"], replayed["attempts"]) == ("pending", 0)
+    assert sent == [(DELIVER_TASK, {"delivery_ids": [str(delivery_id)]})]
+    receiver.status = 200
+    assert webhooks.attempt(delivery_id, "w", settings, session_scope) == "success"
+    job, delivery = _job(delivery_id), _delivery(delivery_id)
+    assert (job.status, job.attempts, delivery.status, delivery.last_status_code) == ("succeeded", 1, "succeeded", 200)
+    assert {r.headers["webhook-id"] for r in receiver.received} == {webhooks.message_id(delivery_id)}
+    with session_scope() as session:
+        refused = None
+        try:
+            ops.retry(session, settings, str(delivery_id))
+        except ops.Refused as exc:
+            refused = str(exc)
+    assert refused and "succeeded" in refused
+
+
+def test_the_relay_sends_stranded_deliveries_in_batch_messages(database):
+    tenant_id, _ = _tenant_with_webhooks("https://example.com/stranded")
+    ids, _ = _emit(tenant_id, count=BATCH_SIZE + 5)  # the messages were lost with the process
+    earlier = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id.in_(ids)).values(due_at=earlier))
+    with session_scope() as session:
+        assert outbox.relay(session, grace_seconds=0, batch=100_000) >= len(ids)
+        sent = take_pending(session)
+    relayed = [kwargs for task, kwargs in sent if task == DELIVER_TASK]
+    assert all(set(kwargs) == {"delivery_ids"} and len(kwargs["delivery_ids"]) <= BATCH_SIZE for kwargs in relayed)
+    mine = [i for kwargs in relayed for i in kwargs["delivery_ids"] if uuid.UUID(i) in set(ids)]
+    assert sorted(mine) == sorted(map(str, ids))
+    assert len([kwargs for kwargs in relayed if set(kwargs["delivery_ids"]) & set(map(str, ids))]) <= 3
+    with session_scope() as session:  # marked: the next pass does not send them again
+        assert session.exec(select(Job.enqueued_at).where(Job.id.in_(ids))).all().count(None) == 0
+
+
+def test_deleting_a_webhook_deletes_its_deliveries_with_their_jobs(database):
+    from domain.tenancy.caller import Caller
+
+    tenant_id, [hook, kept] = _tenant_with_webhooks("https://example.com/gone", "https://example.com/kept")
+    ids, _ = _emit(tenant_id, count=2)
+    caller = Caller(tenant_id=tenant_id, tenant_type="test", application_id=None, application_type=None,
+                    permissions=frozenset())
+    with session_scope() as session:
+        webhooks.delete_webhook(session, caller, hook)
+    with session_scope() as session:
+        left = session.exec(select(WebhookDelivery.webhook_id, Job.subject_id).join(Job, Job.id == WebhookDelivery.id)
+                            .where(Job.id.in_(ids))).all()
+        jobs_left = session.exec(select(Job.id).where(Job.id.in_(ids))).all()
+    assert left == [(kept, str(kept))] * 2 and len(jobs_left) == 2  # no job is left without its delivery
