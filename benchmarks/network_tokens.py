@@ -16,6 +16,14 @@ number of client threads each call ``apply_async(...).get()`` of a no-op task in
 Printed: requests per second, p50 and p99 latency of each, and the ratios platform / Celery (what the
 platform adds on top of a Celery round trip: HTTP, authentication, validation, encryption, two
 transactions, the provider call, the outcome message; goal with one client: p50 ratio at most 2.0).
+
+The floor (one client, measured in the same run): the hops a create cannot do without, each timed bare,
+one after the other, p50 of each: a Celery round trip (the reference above), an HTTP request to a
+bare aiohttp handler (``benchmarks/bare_aiohttp.py``), the provider call itself (the platform's
+provider client straight to the sandbox, no Celery, no database) and two durable commits (an
+``INSERT`` and ``COMMIT`` on the benchmark's database: the recording transaction and the outcome's).
+Their sum over the Celery round trip is the ratio a create would have if everything of the platform's
+own (authentication, validation, encryption, SQL, events) cost nothing.
 Run from the repository root::
 
     .venv/bin/python benchmarks/network_tokens.py [--clients 1,16] [--duration 15] [--worker-concurrency 4]
@@ -33,8 +41,10 @@ import argparse
 import asyncio
 import base64
 import datetime as dt
+import json
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from celery import Celery
@@ -47,6 +57,7 @@ ROUNDTRIP_URL = os.environ.get("BENCH_ROUNDTRIP_URL", "redis://127.0.0.1:6379/12
 DEFAULT_DATABASE_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/tessera_bench_network_tokens"
 CARD = {"number": "4242424242424242", "expiration_month": 12, "expiration_year": dt.date.today().year + 3}
 PLATFORM, CELERY = "POST /network-tokens", "Celery apply_async().get()"
+FLOOR_HTTP, FLOOR_PROVIDER, FLOOR_COMMIT = "bare aiohttp POST", "provider call (bare)", "INSERT + durable COMMIT"
 
 
 def make_roundtrip_app(url: str) -> Celery:
@@ -187,6 +198,63 @@ def run_celery(url: str, clients: int, duration: float) -> Measured:
     return result
 
 
+# ---- the floor -----------------------------------------------------------------------------------
+
+
+def _timed(variant: str, duration: float, one) -> Measured:
+    """``one()`` in a closed loop for ``duration`` seconds, each call timed."""
+    result = Measured(variant, 1, 0.0)
+    started = deadline = time.perf_counter()
+    deadline += duration
+    while time.perf_counter() < deadline:
+        begun = time.perf_counter()
+        one()
+        result.latencies.append(time.perf_counter() - begun)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def run_floor(bare_url: str, database_url: str, duration: float) -> list[Measured]:
+    """The bare hops of a create, one client each (see the module text)."""
+    import sqlalchemy
+    import urllib3
+
+    from providers.card_network import CardToProvision, card_network_for
+
+    http = urllib3.PoolManager(retries=False)
+    body = json.dumps({"data": CARD}).encode()
+
+    def post() -> None:
+        answer = http.request("POST", bare_url + "/tokenize", body=body, headers={"Content-Type": "application/json"})
+        assert answer.status == 201
+
+    network = card_network_for("test")
+    card = CardToProvision(CARD["number"], CARD["expiration_month"], CARD["expiration_year"])
+
+    def provide() -> None:
+        network.provision(card, idempotency_key=str(uuid.uuid4()))
+
+    engine = sqlalchemy.create_engine(database_url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql("CREATE TABLE IF NOT EXISTS bench_floor (id uuid PRIMARY KEY, at timestamptz)")
+    connection = engine.raw_connection()
+
+    def commit() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO bench_floor VALUES (%s, now())", (str(uuid.uuid4()),))
+        connection.commit()
+
+    try:
+        for warm in (post, provide, commit):
+            _timed("warm-up", 0.5, warm)
+        return [_timed(FLOOR_HTTP, duration, post), _timed(FLOOR_PROVIDER, duration, provide),
+                _timed(FLOOR_COMMIT, duration, commit)]
+    finally:
+        connection.close()
+        engine.dispose()
+        http.clear()
+
+
 # ---- the run -------------------------------------------------------------------------------------
 
 
@@ -222,7 +290,7 @@ def report(runs: list[Measured]) -> bool:
         "Cores used (CPU seconds per second; postgres and redis count every client of theirs, this machine's "
         "other load included; the platform's worker is 'worker', the reference's 'worker' is its Celery worker)",
         ("variant", "clients", *METERED),
-        [(r.variant, r.clients, *(r.cores.get(name, float("nan")) for name in METERED)) for r in runs],
+        [(r.variant, r.clients, *(r.cores.get(name, float("nan")) for name in METERED)) for r in runs if r.cores],
     )
     rows = []
     for level in sorted({r.clients for r in runs}):
@@ -232,6 +300,20 @@ def report(runs: list[Measured]) -> bool:
                      common.ratio(platform.ms(50), celery.ms(50)), common.ratio(platform.ms(99), celery.ms(99))))
     common.print_table("Platform / bare Celery round trip", ("clients", "throughput ratio", "p50 ratio", "p99 ratio"),
                        rows)
+    floor = {r.variant: r for r in runs if r.variant in (FLOOR_HTTP, FLOOR_PROVIDER, FLOOR_COMMIT)}
+    celery = next((r for r in runs if r.variant == CELERY and r.clients == 1), None)
+    platform = next((r for r in runs if r.variant == PLATFORM and r.clients == 1), None)
+    if len(floor) == 3 and celery is not None and platform is not None:
+        hops = [(CELERY, 1, celery.ms(50)), (FLOOR_HTTP, 1, floor[FLOOR_HTTP].ms(50)),
+                (FLOOR_PROVIDER, 1, floor[FLOOR_PROVIDER].ms(50)), (FLOOR_COMMIT, 2, floor[FLOOR_COMMIT].ms(50))]
+        total = sum(times * ms for _, times, ms in hops)
+        common.print_table(
+            "The floor of one create (one client: the hops it cannot do without, each timed bare, p50)",
+            ("hop", "times", "p50 ms", "ms"),
+            [*((name, times, ms, times * ms) for name, times, ms in hops),
+             ("floor (sum)", "", "", total),
+             ("floor / Celery round trip", "", "", common.ratio(total, celery.ms(50))),
+             ("platform p50 / floor", "", "", common.ratio(platform.ms(50), total))])
     return all(r.errors == 0 and r.latencies for r in runs)
 
 
@@ -253,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
                 common.executable("celery"), "-A", "benchmarks.network_tokens:roundtrip_app", "worker",
                 "--concurrency", str(args.worker_concurrency), "-Q", QUEUE, "--loglevel", "WARNING"],
                 env={"BENCH_ROUNDTRIP_URL": args.redis_url})
-            watched = [sandbox, api, worker, reference]
+            bare_port = common.free_port()
+            bare = children.start("bare-aiohttp", common.python_module("benchmarks.bare_aiohttp", "--port",
+                                                                       str(bare_port)))
+            common.wait_http(f"http://127.0.0.1:{bare_port}/", bare)
+            watched = [sandbox, api, worker, reference, bare]
             platform_cpu = meter({"api": api, "worker": worker, "sandbox": sandbox})
             celery_cpu = meter({"worker": reference})
             print("warming up", flush=True)
@@ -269,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{level} clients: {runs[-1].per_second:,.0f} network tokens/s", flush=True)
                 for child in watched:
                     child.check()
+            if 1 in args.levels:
+                runs.extend(run_floor(f"http://127.0.0.1:{bare_port}", args.database_url, args.duration / 3))
     return 0 if report(runs) else 1
 
 

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import ColumnElement, or_, select, update
+from sqlalchemy import ColumnElement, bindparam, or_, select, update
 from sqlmodel import Session
 
 from infra import wait
@@ -122,29 +122,27 @@ def stage(session: Session, rows: Rows, **fields: Any) -> uuid.UUID:
     return row["id"]
 
 
-def _takeable(now: dt.datetime) -> tuple[ColumnElement, ...]:
-    """The WHERE clause of a job takeable at ``now``: queued or running, due (a second early is
-    fine), and no worker's lease on it still live."""
-    return (
-        Job.status.in_(("queued", "running")),
-        Job.due_at <= now + dt.timedelta(seconds=1),
-        or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
-    )
-
-
 def _lease_statement(job_id: uuid.UUID, owner: str, lease_seconds: float):
     """The UPDATE taking job ``job_id`` for ``owner`` when it is takeable now (counts an attempt)."""
     now = utcnow()
+    return _takeable_update(Job.id == job_id, now, now + dt.timedelta(seconds=1), owner,
+                            now + dt.timedelta(seconds=lease_seconds))
+
+
+def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
+    """``UPDATE jobs`` taking the rows ``which`` selects that are takeable at ``now`` (queued or
+    running, due by ``due_by``, no live lease) for ``owner`` until ``expires``; counts an attempt.
+    The values may be literals or bind parameters."""
     return (
         update(Job)
-        .where(Job.id == job_id, *_takeable(now))
-        .values(
-            status="running",
-            lease_owner=owner,
-            lease_expires_at=now + dt.timedelta(seconds=lease_seconds),
-            attempts=Job.attempts + 1,
-            updated_at=now,
+        .where(
+            which,
+            Job.status.in_(("queued", "running")),
+            Job.due_at <= due_by,
+            or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
         )
+        .values(status="running", lease_owner=owner, lease_expires_at=expires, attempts=Job.attempts + 1,
+                updated_at=now)
         .execution_options(synchronize_session=False)
     )
 
@@ -157,11 +155,39 @@ def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: flo
     return session.get(Job, job_id, populate_existing=True)
 
 
+class PreparedLease:
+    """The lease-and-read statement of one set of ``reads`` (see :func:`lease_and_read`), built once
+    with bind parameters: a task keeps one per process, so a run neither builds the SQL tree nor
+    computes its cache key again."""
+
+    __slots__ = ("labels", "statement")
+
+    def __init__(self, reads: Mapping[str, ColumnElement] | None = None):
+        reads = dict(reads or {})
+        self.labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
+        labelled = [expression.label(self.labels[name]) for name, expression in reads.items()]
+        now = bindparam("lease_now", type_=Job.__table__.c.updated_at.type)
+        self.statement = _takeable_update(
+            Job.id == bindparam("lease_job_id", type_=Job.__table__.c.id.type), now,
+            bindparam("lease_due_by", type_=Job.__table__.c.due_at.type),
+            bindparam("lease_owner_name", type_=Job.__table__.c.lease_owner.type),
+            bindparam("lease_expires", type_=Job.__table__.c.lease_expires_at.type),
+        ).returning(*Job.__table__.columns, *labelled)
+
+    def params(self, job_id: uuid.UUID, owner: str, lease_seconds: float) -> dict[str, Any]:
+        """The bind values taking ``job_id`` for ``owner`` now, for ``lease_seconds``."""
+        now = utcnow()
+        return {"lease_job_id": job_id, "lease_now": now, "lease_due_by": now + dt.timedelta(seconds=1),
+                "lease_owner_name": owner, "lease_expires": now + dt.timedelta(seconds=lease_seconds)}
+
+
 def lease_and_read(
-    job_id: uuid.UUID, owner: str, *, lease_seconds: float, reads: Mapping[str, ColumnElement] | None = None
+    job_id: uuid.UUID, owner: str, *, lease_seconds: float, reads: Mapping[str, ColumnElement] | None = None,
+    prepared: PreparedLease | None = None,
 ) -> tuple[Job, dict[str, Any]] | None:
     """Take the job for ``owner`` like :func:`lease` and read, in the same statement, what its work
-    needs: ``reads`` maps names to scalar SQL expressions over the job row (correlated subqueries).
+    needs: ``reads`` maps names to scalar SQL expressions over the job row (correlated subqueries);
+    ``prepared``, when given, is the :class:`PreparedLease` of those reads (built once, reused).
 
     Returns the detached job and ``{name: value}``; None when the job is not takeable now. On
     PostgreSQL this is one ``UPDATE ... RETURNING`` committed without waiting for the WAL flush (a
@@ -169,16 +195,17 @@ def lease_and_read(
     key); elsewhere :func:`lease` and a SELECT in one transaction.
     """
     reads = dict(reads or {})
-    labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
-    labelled = [expression.label(labels[name]) for name, expression in reads.items()]
     engine = get_lease_engine()
     if engine is not None:
-        statement = _lease_statement(job_id, owner, lease_seconds).returning(*Job.__table__.columns, *labelled)
-        row = execute_once_more_on_disconnect(engine, statement)
+        prepared = prepared or PreparedLease(reads)
+        row = execute_once_more_on_disconnect(engine, prepared.statement,
+                                              prepared.params(job_id, owner, lease_seconds))
         if row is None:
             return None
         job = Job.model_validate({column.name: row[column] for column in Job.__table__.columns})
-        return job, {name: row[labels[name]] for name in reads}
+        return job, {name: row[label] for name, label in prepared.labels.items()}
+    labels = {name: f"read_{index}" for index, name in enumerate(reads)}
+    labelled = [expression.label(labels[name]) for name, expression in reads.items()]
     with session_scope() as session:
         job = lease(session, job_id, owner, lease_seconds=lease_seconds)
         if job is None:
@@ -212,24 +239,37 @@ def fail(session: Session, job: Job, *, error: str, result: dict | None = None) 
     _close(session, job, "failed", error=error, result=result)
 
 
+_JOBS = Job.__table__
+#: Prepared once (bind parameters): a worker neither builds these SQL trees nor their cache keys per job.
+_LOCK_LEASED = select(_JOBS.c.id).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).with_for_update()
+_COMPLETE_LEASED = {
+    with_result: update(_JOBS).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).values(
+        status="succeeded", lease_owner=None, lease_expires_at=None,
+        updated_at=bindparam("now", type_=_JOBS.c.updated_at.type),
+        **({"result": bindparam("result", type_=_JOBS.c.result.type)} if with_result else {}))
+    for with_result in (False, True)
+}
+
+
 def lock_leased(session: Session, job_id: uuid.UUID) -> None:
     """Lock job ``job_id``'s row for the rest of ``session``'s transaction (``SELECT ... FOR UPDATE``
     of its id only, no ORM object): the first lock of a transaction writing the outcome of a job
     this worker leased (the lock order: the job row, then what the job works on)."""
-    session.execute(select(Job.__table__.c.id).where(Job.__table__.c.id == job_id).with_for_update())
+    session.execute(_LOCK_LEASED, {"job_id": job_id})
 
 
 def complete_leased(session: Session, job: Job, *, result: dict | None = None) -> None:
     """:func:`complete` for a job that is not in ``session`` (the detached job of
     :func:`lease_and_read`, its row locked by :func:`lock_leased`): one ``UPDATE`` without ORM
     objects; ``job`` gets the same values; the outcome is published once the transaction commits."""
-    values: dict[str, Any] = {"status": "succeeded", "lease_owner": None, "lease_expires_at": None,
-                              "updated_at": utcnow()}
+    now = utcnow()
+    params: dict[str, Any] = {"job_id": job.id, "now": now}
     if result is not None:
-        values["result"] = result
-    session.execute(update(Job.__table__).where(Job.__table__.c.id == job.id).values(**values))
-    for name, value in values.items():
-        setattr(job, name, value)
+        params["result"] = result
+    session.execute(_COMPLETE_LEASED[result is not None], params)
+    job.status, job.lease_owner, job.lease_expires_at, job.updated_at = "succeeded", None, None, now
+    if result is not None:
+        job.result = result
     wait.announce_on_commit(session, job.id, job.status, job.result)
 
 
@@ -319,18 +359,8 @@ def lease_many_statement(job_ids: list[uuid.UUID], owner: str, *, lease_seconds:
     attempt each). The caller runs it, and may extend it first: ``.where()`` over other tables (an
     ``UPDATE ... FROM`` on PostgreSQL) and ``.returning()`` of what the work needs."""
     now = now or utcnow()
-    return (
-        update(Job)
-        .where(Job.id.in_(job_ids), *_takeable(now))
-        .values(
-            status="running",
-            lease_owner=owner,
-            lease_expires_at=now + dt.timedelta(seconds=lease_seconds),
-            attempts=Job.attempts + 1,
-            updated_at=now,
-        )
-        .execution_options(synchronize_session=False)
-    )
+    return _takeable_update(Job.id.in_(job_ids), now, now + dt.timedelta(seconds=1), owner,
+                            now + dt.timedelta(seconds=lease_seconds))
 
 
 def settle_many(session: Session, job_ids: list[uuid.UUID], status: str, *, error: str | None = None,

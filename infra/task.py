@@ -142,6 +142,14 @@ class JobTask(TesseraTask):
         name -> scalar SQL expression over the job row. Given any, ``perform(job, read)`` gets their values."""
         return {}
 
+    def _lease_reads(self) -> tuple[dict[str, Any], jobs.PreparedLease]:
+        """:meth:`lease_reads` and their prepared lease statement, built on a process's first run."""
+        cached = self.__dict__.get("_prepared_lease")
+        if cached is None:
+            reads = self.lease_reads()
+            cached = self.__dict__["_prepared_lease"] = (reads, jobs.PreparedLease(reads))
+        return cached
+
     def perform(self, job: Job) -> Any:
         """Do the slow part (provider calls) outside any transaction; return what ``apply`` needs."""
         raise NotImplementedError
@@ -158,9 +166,9 @@ class JobTask(TesseraTask):
         """Lease, perform, apply: returns ``succeeded`` or ``skipped`` (not takeable: a duplicate
         message, another worker's lease, not due yet); raises Retry or :class:`AttemptFailed` after
         recording a retry or a failure."""
-        reads = self.lease_reads()
+        reads, prepared = self._lease_reads()
         leased = jobs.lease_and_read(uuid.UUID(job_id), self.worker_id(), lease_seconds=self.lease_seconds,
-                                     reads=reads)
+                                     reads=reads, prepared=prepared)
         if leased is None:
             return "skipped"
         job, read = leased

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Table, create_engine, event, insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -101,16 +101,17 @@ def _once_more_on_disconnect(engine: Engine, run: Callable[[Connection], T]) -> 
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
 
-def execute_once_more_on_disconnect(engine: Engine, statement):
+def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | None = None):
     """Run ``statement`` on a connection of ``engine`` (an autocommit engine such as
     :func:`get_lease_engine`) and return its first row as a mapping (None without rows, or when the
     statement returns none). When the connection turns out to be closed by the server (a database
     restart), SQLAlchemy invalidates the pool and the statement runs once more on a fresh
     connection; any other error is raised. Only for statements that bear running twice (a lease:
-    the second run takes nothing the first one took)."""
+    the second run takes nothing the first one took). ``params``: values of the statement's bind
+    parameters."""
 
     def run(connection: Connection):
-        result = connection.execute(statement)
+        result = connection.execute(statement, params)
         return result.mappings().first() if result.returns_rows else None
 
     return _once_more_on_disconnect(engine, run)
@@ -248,6 +249,12 @@ def insert_statement(dialect_name: str, table: Table, *, ignore_conflicts: bool 
     if dialect_name == "sqlite":
         return sqlite_insert(table).on_conflict_do_nothing()
     return insert(table).prefix_with("IGNORE")  # MySQL-like backends
+
+
+def row_of(instance: Any) -> dict[str, Any]:
+    """The complete row of a model ``instance`` that is not in any session (its Python-side defaults
+    applied at construction), keyed by column name: what :meth:`Rows.add` takes."""
+    return {column.name: getattr(instance, column.name) for column in type(instance).__table__.columns}
 
 
 def insert_rows(session: OrmSession, rows: Rows) -> None:

@@ -203,12 +203,19 @@ def perform_poll(job: Job, settings: Settings, session_scope) -> Enrollment | St
 
 
 def _locked_rail(session: Session, job: Job) -> tuple[PaymentMethod | None, PaymentMethodRail | None]:
-    rail = session.get(PaymentMethodRail, uuid.UUID(job.subject_id))
-    if rail is None:
-        return None, None
-    pm = lock(session, rail.payment_method_id)
-    session.refresh(rail)
-    return pm, rail
+    """The payment method of the job's rail, locked (the lock every writer takes first), and the rail
+    read after the lock: two statements."""
+    rail_id = uuid.UUID(job.subject_id)
+    pm = session.exec(
+        select(PaymentMethod)
+        .where(PaymentMethod.id == select(PaymentMethodRail.payment_method_id)
+               .where(PaymentMethodRail.id == rail_id).scalar_subquery())
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    ).first()
+    if pm is None:
+        return None, session.get(PaymentMethodRail, rail_id)
+    return pm, session.get(PaymentMethodRail, rail_id, populate_existing=True)
 
 
 def _current(pm: PaymentMethod | None, rail: PaymentMethodRail | None, job: Job) -> bool:

@@ -22,11 +22,11 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select
 from sqlmodel import Session
 
 from domain.agentic.errors import agentic_error
-from domain.agentic.sql import insert_if_absent
+from domain.agentic.sql import upsert_when
 from infra.errors import Problem
 from storage.models_agentic import OperationLease
 from storage.types import utcnow
@@ -66,41 +66,34 @@ def acquire(session: Session, *, tenant_id: uuid.UUID, resource_id: str, operati
             seconds: float) -> None:
     """Take the lease on ``resource_id`` for ``owner`` in the caller's transaction.
 
-    Inserts the row (the primary key makes one of two racing callers fail) or takes over an expired
-    one with a conditional update. Raises the ``409 ..._IN_PROGRESS`` problem of the live lease.
+    One statement: inserts the row, or takes over an expired one (``INSERT ... ON CONFLICT DO UPDATE
+    ... WHERE expires_at <= now``); the primary key makes one of two racing callers wait for the
+    other's transaction and then find its live lease. Raises the ``409 ..._IN_PROGRESS`` problem of
+    the live lease.
     """
     now = utcnow()
-    expires = now + dt.timedelta(seconds=seconds)
-    taken = session.execute(
-        update(OperationLease)
-        .where(OperationLease.resource_id == resource_id, OperationLease.expires_at <= now)
-        .values(operation=operation, owner=owner, acquired_at=now, expires_at=expires)
-        .execution_options(synchronize_session=False)
-    ).rowcount
-    if taken == 1:
-        return
-    current = held(session, resource_id, now=now)
-    if current is not None:
-        raise in_progress(current)
-    inserted = insert_if_absent(session, OperationLease, {
+    taken = upsert_when(session, OperationLease, {
         "resource_id": resource_id, "tenant_id": tenant_id, "operation": operation, "owner": owner,
-        "acquired_at": now, "expires_at": expires,
-    })
-    if not inserted:
-        current = held(session, resource_id)
-        if current is None:  # expired between the two statements: extremely unlikely; ask to repeat
-            raise agentic_error("PAYMENT_METHOD_OPERATION_IN_PROGRESS")
-        raise in_progress(current)
+        "acquired_at": now, "expires_at": now + dt.timedelta(seconds=seconds),
+    }, index=["resource_id"], when=OperationLease.__table__.c.expires_at <= now)
+    if taken:
+        return
+    current = held(session, resource_id)
+    if current is None:  # expired between the two statements: extremely unlikely; ask to repeat
+        raise agentic_error(IN_PROGRESS_CODES.get(operation, "PAYMENT_METHOD_OPERATION_IN_PROGRESS"))
+    raise in_progress(current)
 
 
-def release(session: Session, resource_id: str, owner: str) -> bool:
-    """Delete ``owner``'s lease on ``resource_id`` (another owner's is left alone); True when deleted."""
-    result = session.execute(
-        delete(OperationLease)
-        .where(OperationLease.resource_id == resource_id, OperationLease.owner == owner)
-        .execution_options(synchronize_session=False)
-    )
-    return result.rowcount == 1
+def release(session: Session, resource_id: str, owner: str, *, unless=None) -> bool:
+    """Delete ``owner``'s lease on ``resource_id`` (another owner's is left alone); True when deleted.
+
+    ``unless``: an optional SQL condition (for example an ``EXISTS`` of the operation's unfinished
+    jobs) that keeps the lease when true; checked in the same statement."""
+    statement = delete(OperationLease).where(OperationLease.resource_id == resource_id,
+                                             OperationLease.owner == owner)
+    if unless is not None:
+        statement = statement.where(~unless)
+    return session.execute(statement.execution_options(synchronize_session=False)).rowcount == 1
 
 
 def release_expired(session: Session, *, now: dt.datetime | None = None, batch: int = 1000) -> int:

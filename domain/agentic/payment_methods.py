@@ -38,7 +38,7 @@ from domain.webhooks import events
 from infra import jobs
 from infra.errors import Problem
 from providers.agentic import DISPLAY_FIELDS, provider_for
-from storage.db import get_engine
+from storage.db import Rows, get_engine, insert_rows, row_of
 from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
@@ -256,12 +256,12 @@ def settle_rail(session: Session, pm: PaymentMethod, rail: PaymentMethodRail, *,
 
 def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, finished_job: uuid.UUID) -> None:
     """Release operation ``operation_id``'s lease when none of its enrollment jobs but
-    ``finished_job`` is still running (called with the payment method locked)."""
+    ``finished_job`` is still running (called with the payment method locked): one ``DELETE ...
+    WHERE NOT EXISTS`` of such a job."""
     if operation_id is None:
         return
-    busy = session.exec(
-        select(func.count())
-        .select_from(PaymentMethodRail)
+    busy = (
+        select(PaymentMethodRail.id)
         .join(Job, Job.id == PaymentMethodRail.job_id)
         .where(
             PaymentMethodRail.payment_method_id == pm_id,
@@ -270,9 +270,9 @@ def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, f
             Job.id != finished_job,
             Job.status.not_in(jobs.TERMINAL),
         )
-    ).one()
-    if not busy:
-        leases.release(session, pm_id, operation_id)
+        .exists()
+    )
+    leases.release(session, pm_id, operation_id, unless=busy)
 
 
 def job_statuses(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, str]:
@@ -397,28 +397,32 @@ def create_payment_method(
         created_at=now,
         updated_at=now,
     )
-    session.add(pm)
-    session.flush()  # the payment method row first: the rails and lease point at it
-    job_ids = []
+    rows = Rows()  # every row in one statement (``storage.db.insert_rows``), no unit-of-work flush
+    rows.add(PaymentMethod.__table__, row_of(pm))
+    job_ids, errors = [], []
     for position, (rail_name, provider) in enumerate(pairs):
         rail = PaymentMethodRail(tenant_id=caller.tenant_id, payment_method_id=pm.id, position=position,
                                  rail=rail_name, provider=provider, created_at=now, updated_at=now)
         if provider_for(provider, caller.tenant_type, settings) is None:
             rail.status, rail.error_code = "error", "PROVIDER_NOT_CONFIGURED"
-            record_provider_error(session, rail, code="PROVIDER_NOT_CONFIGURED")
+            errors.append(rail)
         else:
-            job = jobs.record(session, kind=ENROLL_TASK, tenant_id=caller.tenant_id, subject_type="rail",
-                              subject_id=str(rail.id),
-                              trace_id=caller.trace_id, max_attempts=ENROLL_MAX_ATTEMPTS)
-            rail.job_id, rail.operation_id, rail.attempt = job.id, owner, "create"
-            job_ids.append(job.id)
-        session.add(rail)
-    if job_ids:
-        leases.acquire(session, tenant_id=caller.tenant_id, resource_id=pm.id, operation=leases.ENROLL,
-                       owner=owner, seconds=settings.operation_lease_seconds)
+            rail.job_id = jobs.stage(session, rows, kind=ENROLL_TASK, tenant_id=caller.tenant_id,
+                                     subject_type="rail", subject_id=str(rail.id), trace_id=caller.trace_id,
+                                     max_attempts=ENROLL_MAX_ATTEMPTS)
+            rail.operation_id, rail.attempt = owner, "create"
+            job_ids.append(rail.job_id)
+        rows.add(PaymentMethodRail.__table__, row_of(rail))
+    if job_ids:  # a new payment method: nobody else can hold its lease yet
+        rows.add(OperationLease.__table__, row_of(OperationLease(
+            resource_id=pm.id, tenant_id=caller.tenant_id, operation=leases.ENROLL, owner=owner, acquired_at=now,
+            expires_at=now + dt.timedelta(seconds=settings.operation_lease_seconds))))
+    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="create")
+    insert_rows(session, rows)
+    for rail in errors:
+        record_provider_error(session, rail, code="PROVIDER_NOT_CONFIGURED")
     if claim is not None:
         idempotency.attach(session, claim, pm.id)
-    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="create")
     return Started(pm.id, tuple(job_ids))
 
 

@@ -1,4 +1,4 @@
-"""A portable ``INSERT ... ON CONFLICT DO NOTHING`` (PostgreSQL and SQLite).
+"""Portable ``INSERT ... ON CONFLICT`` statements (PostgreSQL and SQLite).
 
 Used instead of a SAVEPOINT around an insert that may collide: SQLAlchemy dispatches ``after_commit``
 when a SAVEPOINT is released, which would send the tasks a transaction recorded before its real
@@ -17,4 +17,18 @@ def insert_if_absent(session: Session, model: type[SQLModel], values: dict) -> b
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     statement = insert(model.__table__).values(**values).on_conflict_do_nothing()
+    return session.execute(statement).rowcount == 1
+
+
+def upsert_when(session: Session, model: type[SQLModel], values: dict, *, index: list[str], when) -> bool:
+    """Insert one row of ``model``, or overwrite the row with the same ``index`` columns when the
+    SQL condition ``when`` holds for it (``INSERT ... ON CONFLICT (index) DO UPDATE ... WHERE when``):
+    one statement. True when the row was inserted or overwritten, False when it exists and ``when``
+    is false for it (left unchanged)."""
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = insert(model.__table__).values(**values)
+    statement = statement.on_conflict_do_update(
+        index_elements=index, set_={name: value for name, value in values.items() if name not in index},
+        where=when)
     return session.execute(statement).rowcount == 1
