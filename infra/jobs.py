@@ -340,15 +340,11 @@ def stage_many(
     if not jobs:
         return
     now = now or utcnow()
-    table = Job.__table__
     for job_id, subject_id in jobs:
-        rows.add(table, {
-            "id": job_id, "tenant_id": tenant_id, "kind": kind, "subject_type": subject_type,
-            "subject_id": subject_id, "subject_number": None, "operation_id": None, "status": "queued",
-            "attempts": 0, "max_attempts": max_attempts, "due_at": now, "enqueued_at": None, "lease_owner": None,
-            "lease_expires_at": None, "last_error": None, "result": None, "trace_id": trace_id, "created_at": now,
-            "updated_at": now,
-        })
+        row = new_row(kind=kind, tenant_id=tenant_id, subject_type=subject_type, subject_id=subject_id,
+                      trace_id=trace_id, max_attempts=max_attempts)
+        row.update(id=job_id, due_at=now, created_at=now, updated_at=now)
+        rows.add(Job.__table__, row)
     enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id, _ in jobs])
 
 
