@@ -156,6 +156,24 @@ class WebhookReceiver:
         raise AssertionError(f"no matching webhook within {timeout} s; got {len(self.received)} requests")
 
 
+def race(take, owners=("a", "b"), timeout: float = 30.0) -> dict[str, list]:
+    """Run ``take(owner)`` (a list of what that owner got) in one thread per owner, released together
+    by a barrier; returns ``{owner: what it got}`` once all are done."""
+    got: dict[str, list] = {}
+    start = threading.Barrier(len(owners))
+
+    def run(owner: str) -> None:
+        start.wait()
+        got[owner] = take(owner)
+
+    threads = [threading.Thread(target=run, args=(owner,)) for owner in owners]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    return got
+
+
 def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05):
     """Poll ``predicate()`` until it returns something truthy; return it, or fail after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ from infra import outbox
 from infra.signing import SignatureError, verify
 from storage.db import session_scope
 from storage.models import Webhook, WebhookDelivery
-from tests.helpers import wait_until
+from tests.helpers import race, wait_until
 
 
 def _subscribe(tenant, url: str, events_: list[str] | None = None, **extra) -> dict:
@@ -366,8 +366,6 @@ def test_the_disabled_notice_is_a_recorded_job(tenant, receiver):
 
 
 def test_two_workers_leasing_one_batch_at_once_share_it_without_overlap(tenant, receiver):
-    import threading
-
     _subscribe(tenant, receiver.url)
     with session_scope() as session:
         for _ in range(60):
@@ -375,20 +373,12 @@ def test_two_workers_leasing_one_batch_at_once_share_it_without_overlap(tenant, 
         ids = list(session.exec(select(WebhookDelivery.id).where(WebhookDelivery.tenant_id == tenant.id,
                                                                  WebhookDelivery.status == "pending")).all())
         session.info.clear()  # keep the worker out of it: the two "workers" below race for the rows
-    got: dict[str, list] = {}
-    start = threading.Barrier(2)
-
-    def lease(owner: str) -> None:
-        start.wait()
+    def lease(owner: str) -> list:
         with session_scope() as session:
             prepared, closed = webhooks.lease_batch(session, ids, owner, lease_seconds=60)
-        got[owner] = [p.delivery_id for p in prepared] + closed
+        return [p.delivery_id for p in prepared] + closed
 
-    threads = [threading.Thread(target=lease, args=(name,)) for name in ("a", "b")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    got = race(lease)
     assert not set(got["a"]) & set(got["b"])
     assert sorted(got["a"] + got["b"]) == sorted(ids)
 

@@ -6,7 +6,6 @@ operator and re-sent by the relay in batch messages. Messages are taken before t
 from __future__ import annotations
 
 import datetime as dt
-import threading
 import uuid
 
 from sqlalchemy import update
@@ -22,6 +21,7 @@ from infra.dispatch import BATCH_SIZE, take_pending
 from infra.http import DeliveryResult
 from storage.db import session_scope
 from storage.models import Job, Webhook, WebhookAttempt, WebhookDelivery
+from tests.helpers import race
 
 
 def _tenant_with_webhooks(*urls: str) -> tuple[uuid.UUID, list[uuid.UUID]]:
@@ -96,20 +96,12 @@ def test_the_rows_of_stage_events_are_jobs_and_deliveries_too(database):
 def test_two_workers_leasing_one_batch_each_win_different_rows_and_count_one_attempt(database):
     tenant_id, _ = _tenant_with_webhooks("https://example.com/race")
     ids, _ = _emit(tenant_id, count=80)
-    got: dict[str, list[uuid.UUID]] = {}
-    start = threading.Barrier(2)
-
-    def lease(owner: str) -> None:
-        start.wait()
+    def lease(owner: str) -> list[uuid.UUID]:
         with session_scope() as session:
             statement = jobs.lease_many_statement(ids, owner, lease_seconds=60).returning(Job.id)
-            got[owner] = list(session.execute(statement).scalars())
+            return list(session.execute(statement).scalars())
 
-    threads = [threading.Thread(target=lease, args=(name,)) for name in ("a", "b")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    got = race(lease)
     assert not set(got["a"]) & set(got["b"])
     assert sorted(got["a"] + got["b"]) == sorted(ids)
     with session_scope() as session:
