@@ -11,7 +11,7 @@ import datetime as dt
 import uuid
 
 from sqlalchemy import JSON, Column, ForeignKey, Index, LargeBinary, String, UniqueConstraint, case, select, text
-from sqlalchemy.orm import column_property, object_session
+from sqlalchemy.orm import column_property
 from sqlmodel import Field, SQLModel
 
 from storage.types import ts_column as _ts
@@ -219,7 +219,7 @@ class WebhookDelivery(SQLModel, table=True):
 
     ``id`` is the Standard Webhooks message id, kept across retries, and the id of its job (deleting
     the job deletes the delivery). ``status`` is the public status derived from the job's
-    (:data:`DELIVERY_STATUS`); ``lease_owner`` and ``lease_expires_at`` read and write the job's.
+    (:data:`DELIVERY_STATUS`).
     """
 
     __tablename__ = "webhook_deliveries"
@@ -234,32 +234,6 @@ class WebhookDelivery(SQLModel, table=True):
     last_status_code: int | None = None
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
     completed_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
-
-    @property
-    def job(self) -> Job:
-        """The delivery's job, loaded in the delivery's session (raises when the delivery has none)."""
-        session = object_session(self)
-        if session is None:
-            raise RuntimeError(f"delivery {self.id} is not in a session; read its job with the job's id")
-        return session.get(Job, self.id)
-
-    @property
-    def lease_owner(self) -> str | None:
-        """The worker holding the delivery's job."""
-        return self.job.lease_owner
-
-    @lease_owner.setter
-    def lease_owner(self, value: str | None) -> None:
-        self.job.lease_owner = value
-
-    @property
-    def lease_expires_at(self) -> dt.datetime | None:
-        """When the lease of the delivery's job ends."""
-        return self.job.lease_expires_at
-
-    @lease_expires_at.setter
-    def lease_expires_at(self, value: dt.datetime | None) -> None:
-        self.job.lease_expires_at = value
 
 
 class WebhookAttempt(SQLModel, table=True):

@@ -14,7 +14,7 @@ from domain.webhooks import service as webhooks
 from infra import outbox
 from infra.signing import SignatureError, verify
 from storage.db import session_scope
-from storage.models import Webhook, WebhookDelivery
+from storage.models import Job, Webhook, WebhookDelivery
 from tests.helpers import race, wait_until
 
 
@@ -277,12 +277,10 @@ def test_the_relay_sends_recorded_work_whose_message_was_lost(tenant, receiver):
         session.info.clear()  # the process "died" between commit and send
     with session_scope() as session:
         delivery = session.exec(select(WebhookDelivery).where(WebhookDelivery.event_id == event.id)).one()
+        job = session.get(Job, delivery.id)  # the delivery's work
         # and a worker that took it died holding an expired lease
-        delivery.lease_owner, delivery.lease_expires_at = (
-            "dead-worker",
-            dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1),
-        )
-        session.add(delivery)
+        job.lease_owner, job.lease_expires_at = "dead-worker", dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        session.add(job)
     with session_scope() as session:
         assert outbox.relay(session, grace_seconds=0) >= 1
     receiver.wait_for(lambda r: str(event.id).encode() in r.body)
