@@ -25,8 +25,9 @@ lint: $(BIN)/.installed ## ruff and the import-linter contracts (layers only poi
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-services: ## start PostgreSQL and Redis on loopback when they are not running; install them and Chromium if missing
+services: ## start PostgreSQL and Redis on loopback when they are not running; install them, bubblewrap and Chromium if missing
 	bash scripts/services.sh
+	bash scripts/bubblewrap.sh
 	bash scripts/chromium.sh
 
 migrate: $(BIN)/.installed ## apply the migrations to the configured database

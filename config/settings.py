@@ -156,6 +156,20 @@ class Settings(BaseSettings):
     reactor_advisories: Path | None = None
     reactor_wait_seconds: float = 30.0
     reactor_result_retention_hours: int = 168
+    # The sandbox of customer code (reactors and proxy code transforms, ``infra/node_runtime``):
+    # the bubblewrap executable (a name on PATH or a path), the ``host:port`` pairs customer code may
+    # reach although they are not public (comma-separated; empty by default: tests and local
+    # development name their own receivers here, ``TESSERA_ALLOW_PRIVATE_DESTINATIONS`` does not
+    # apply to customer code), the size of a process's private ``/tmp`` (MiB), and how long an idle
+    # warm process is kept (seconds).
+    reactor_bwrap: str = "bwrap"
+    reactor_egress_allow: str = ""
+    reactor_tmp_mib: int = Field(default=16, ge=1, le=1024)
+    reactor_idle_seconds: float = Field(default=300.0, gt=0)
+    #: Reactor slots of one ``reactors`` worker node: a tenant alone may run this many invocations
+    #: at once; while other tenants wait, each holds at most its share. The node runs twice as many
+    #: threads, so a tenant arriving during another's flood never waits for a slot to end.
+    reactor_slots: int = Field(default=4, ge=1, le=64)
 
     # The async spine.
     outbox_relay_after_seconds: int = 15
@@ -212,6 +226,11 @@ class Settings(BaseSettings):
     def effective_metrics_dir(self) -> Path:
         """The folder of the Prometheus multiprocess files: ``metrics_dir`` or ``metrics/`` in data_dir."""
         return self.metrics_dir or self.data_dir / "metrics"
+
+    @property
+    def reactor_egress_allowlist(self) -> frozenset[str]:
+        """``reactor_egress_allow`` as a set of lower-case ``host:port`` pairs."""
+        return frozenset(part.strip().lower() for part in self.reactor_egress_allow.split(",") if part.strip())
 
     @property
     def webhook_retry_delays(self) -> list[int]:

@@ -903,3 +903,32 @@ def fetch(url: str, *, timeout_s: float, allow_private: bool, max_response_bytes
         ca_certs=ca_certs,
     )
     return result
+
+
+# --------------------------------------------------------------------------
+# Vetted addresses for other transports (the customer code's egress tunnel)
+# --------------------------------------------------------------------------
+
+
+class DestinationRefused(Exception):
+    """A destination that may not be connected to; the message says why (no secret in it)."""
+
+
+def vetted_addresses(host: str, port: int, *, allow_private: bool, timeout_s: float) -> list[str]:
+    """The addresses ``host`` resolves to (an IP literal stands for itself), each checked with the
+    SSRF guard of deliveries and the proxy (:func:`is_public_address`) unless ``allow_private``.
+
+    Raises :class:`DestinationRefused` when any address is not public, the name does not resolve,
+    or resolution takes longer than ``timeout_s`` seconds.
+    """
+    try:
+        addresses = _resolve(host, port, timeout_s)
+    except _DnsTimeout:
+        raise DestinationRefused(f"resolving {host} took longer than {timeout_s:g} s") from None
+    except OSError:
+        raise DestinationRefused(f"{host} does not resolve") from None
+    try:
+        _vet(addresses, allow_private)
+    except _Refused as exc:
+        raise DestinationRefused(str(exc)) from None
+    return addresses

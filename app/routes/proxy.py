@@ -248,7 +248,8 @@ def _code_runner(call: Call, caller: Caller, target: service.Target | None) -> C
     request waiting for its outcome message; None when the proxy has no code transform."""
     if target is None or not target.has_code:
         return None
-    return code_transform_runner(caller, configuration=target.configuration, db=call.db, wait=call.wait_for_jobs)
+    return code_transform_runner(caller, proxy_id=target.proxy_id, configuration=target.configuration, db=call.db,
+                                 wait=call.wait_for_jobs)
 
 
 async def invoke(call: Call) -> web.StreamResponse:

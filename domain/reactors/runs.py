@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 import json
 import time
 import uuid
@@ -57,6 +56,8 @@ RUN_PURPOSE = "reactor-run"
 REACT, ASYNC, TRANSFORM = "react", "async", "transform"
 PENDING, COMPLETED, FAILED = "pending", "completed", "failed"
 INVOCATION_BLOCKED = "Proxy invocation blocked"
+#: The kinds of owner of customer code's processes (``domain.reactors.runtime.owner_prefix``).
+REACTOR_OWNER, PROXY_OWNER = "reactor", "proxy"
 #: The states of a reactor that has a version to run.
 SERVING_STATES = (service.ACTIVE, service.UPDATING, service.OUTDATED)
 
@@ -129,11 +130,12 @@ def start_run(session: Session, caller: Caller, reactor_id: object, *, args: Any
     return _record(session, caller, reactor_id=reactor.id, kind=kind, program=None, request={"args": args})
 
 
-def start_transform(session: Session, caller: Caller, *, code: str, runtime: dict | None, request: dict) -> ReactorRun:
-    """Record a run of a proxy's code transform (``code`` on ``runtime``, the transform's own) on
-    ``request`` (``{args, configuration}``, what the code receives) and its job."""
-    return _record(session, caller, reactor_id=None, kind=TRANSFORM, program={"code": code, "runtime": runtime},
-                   request=request)
+def start_transform(session: Session, caller: Caller, *, proxy_id: object, code: str, runtime: dict | None,
+                    request: dict) -> ReactorRun:
+    """Record a run of a code transform of the proxy ``proxy_id`` (``code`` on ``runtime``, the
+    transform's own) on ``request`` (``{args, configuration}``, what the code receives) and its job."""
+    return _record(session, caller, reactor_id=None, kind=TRANSFORM,
+                   program={"proxy_id": str(proxy_id), "code": code, "runtime": runtime}, request=request)
 
 
 def _record(session: Session, caller: Caller, *, reactor_id: uuid.UUID | None, kind: str, program: dict | None,
@@ -161,10 +163,12 @@ class RunOutcome:
     problem: Problem | None = None
 
 
-def _transform_reactor(program: dict) -> RuntimeReactor:
+def _transform_reactor(tenant_id: uuid.UUID, program: dict) -> RuntimeReactor:
+    """The code transform as the runtime runs it: owned by its tenant and proxy (its processes
+    serve that proxy alone; the version digest covers code and runtime)."""
     runtime = Runtime.model_validate({"image": "node22", **(program.get("runtime") or {})})
-    digest = hashlib.sha256(json.dumps(program, sort_keys=True).encode()).hexdigest()[:24]
-    return RuntimeReactor(f"transform-{digest}", program["code"], runtime)
+    return RuntimeReactor(program.get("proxy_id") or "-", program["code"], runtime, tenant_id=str(tenant_id),
+                          kind=PROXY_OWNER)
 
 
 def perform_run(job: Job) -> RunOutcome | None:
@@ -184,7 +188,7 @@ def perform_run(job: Job) -> RunOutcome | None:
         if run.kind == TRANSFORM:
             program = run.program or {}
             try:
-                reactor = _transform_reactor(program)
+                reactor = _transform_reactor(run.tenant_id, program)
             except ValueError as exc:
                 return RunOutcome(problem=Problem(400, f"The transform's runtime is invalid: {exc}",
                                                   title="Invalid Reactor Configuration"))
@@ -192,7 +196,8 @@ def perform_run(job: Job) -> RunOutcome | None:
             stored = session.get(Reactor, run.reactor_id)
             if stored is None:
                 return RunOutcome(problem=not_found("reactor"))
-            reactor = RuntimeReactor(str(stored.id), stored.code, service.runtime_of(stored))
+            reactor = RuntimeReactor(str(stored.id), stored.code, service.runtime_of(stored),
+                                     tenant_id=str(stored.tenant_id), kind=REACTOR_OWNER)
             invoker = _invoker(tenant, run.caller, trace_id=run.trace_id)
             try:
                 args = detokenize_args(session, invoker, request.get("args"))

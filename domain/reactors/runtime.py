@@ -31,9 +31,9 @@ from config.settings import get_settings
 from domain.tenancy.permissions import modern_names, permission_errors
 from infra.errors import Problem
 from infra.node_runtime import packages
-from infra.node_runtime.pool import NodePool
+from infra.node_runtime.pool import NodePool, retire_everywhere
 from infra.node_runtime.process import CodeLoadError, InvocationTimeout, NodeRuntimeError, Returned
-from infra.node_runtime.sandbox import MemoryLimit, NodeProgram
+from infra.node_runtime.sandbox import MemoryLimit, NodeProgram, SandboxUnavailable, availability
 
 #: Where ``@tessera/reactor`` lives (``NODE_PATH`` of every reactor process).
 REACTOR_MODULES = Path(__file__).resolve().parent / "node_modules"
@@ -111,11 +111,25 @@ class Runtime(BaseModel):
 
 @dataclass(frozen=True)
 class Reactor:
-    """A deployed version of a reactor as the runtime needs it: its id, code and runtime."""
+    """A deployed version of customer code as the runtime needs it: its owner (``tenant_id``, and
+    ``kind`` ``reactor`` or ``proxy`` with that resource's ``id``), code and runtime. Processes are
+    pooled by owner and version (:attr:`key`), never shared between tenants or resources."""
 
     id: str
     code: str
     runtime: Runtime
+    tenant_id: str = "-"
+    kind: str = "reactor"
+
+    @property
+    def owner_prefix(self) -> str:
+        """The start of every pool key of this resource's versions (``<tenant>:<kind>:<id>:``)."""
+        return owner_prefix(self.tenant_id, self.kind, self.id)
+
+    @property
+    def key(self) -> str:
+        """The pool key of this version."""
+        return f"{self.owner_prefix}{self.version}"
 
     @functools.cached_property
     def version(self) -> str:
@@ -125,6 +139,12 @@ class Reactor:
         parts = [self.code, packages.dependency_key(rt.dependencies, rt.resolutions), str(rt.timeout), rt.resources,
                  str(rt.warm_concurrency)]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def owner_prefix(tenant_id: object, kind: str, resource_id: object) -> str:
+    """The start of the pool keys of one tenant's resource (``kind`` ``reactor`` or ``proxy``):
+    what :func:`infra.node_runtime.pool.retire_everywhere` is given when it is updated or deleted."""
+    return f"{tenant_id}:{kind}:{resource_id}:"
 
 
 @dataclass(frozen=True)
@@ -208,9 +228,11 @@ class ReactorRuntime:
     def call(self, reactor: Reactor, request: object) -> object:
         """Run ``reactor``'s function once on ``request`` (any JSON) and return what it returned
         (JSON; None for nothing). Raises the problems of :meth:`invoke` but the last one."""
-        program = self._program(reactor)
         try:
+            program = self._program(reactor)
             outcome = self.pool.invoke(program, request)
+        except SandboxUnavailable as exc:
+            raise sandbox_problem(str(exc)) from None
         except CodeLoadError as exc:
             raise _invalid_code(exc) from None
         except InvocationTimeout as exc:
@@ -231,19 +253,20 @@ class ReactorRuntime:
         Raises :class:`~infra.errors.Problem` 422 when the code is not a valid function."""
         try:
             return self.pool.warm(self._program(reactor))
+        except SandboxUnavailable as exc:
+            raise sandbox_problem(str(exc)) from None
         except CodeLoadError as exc:
             raise _invalid_code(exc) from None
 
     def retire(self, reactor: Reactor) -> None:
-        """End the idle processes of this version (the reactor was updated or deleted)."""
+        """End the processes of this version now (idle) or when their call returns (busy)."""
         with self._lock:
-            program = self._programs.pop((reactor.id, reactor.version), None)
-        if program is not None:
-            self.pool.retire(program.key)
+            self._programs.pop(reactor.key, None)
+        self.pool.retire(reactor.key)
 
     def loads(self, reactor: Reactor) -> int:
         """How many processes loaded this version's code so far."""
-        return self.pool.started[f"{reactor.id}:{reactor.version}"]
+        return self.pool.started[reactor.key]
 
     def close(self) -> None:
         """End every idle process."""
@@ -253,35 +276,51 @@ class ReactorRuntime:
         return packages.install(runtime.dependencies, runtime.resolutions, cache_dir=self.dependencies_dir)
 
     def _program(self, reactor: Reactor) -> NodeProgram:
-        version = reactor.version
-        program = self._programs.get((reactor.id, version))
+        program = self._programs.get(reactor.key)
         if program is not None:
             return program
         installation = self._install(reactor.runtime)
-        workdir = self.root / "code" / version
+        workdir = self.root / "code" / reactor.version
         if not (workdir / "index.js").exists():
             workdir.mkdir(parents=True, exist_ok=True)
             staged = workdir / f".index.js.{os.getpid()}.{threading.get_ident()}"
             staged.write_text(reactor.code)
             staged.rename(workdir / "index.js")
-        link = workdir / "node_modules"
-        if not link.is_symlink():
-            try:
-                link.symlink_to(installation.node_modules, target_is_directory=True)
-            except FileExistsError:
-                pass
         program = NodeProgram(
-            key=f"{reactor.id}:{version}",
+            key=reactor.key,
             entry=workdir / "index.js",
-            workdir=workdir,
             timeout=float(reactor.runtime.timeout),
             memory=RESOURCES[reactor.runtime.resources],
-            readable=(installation.directory,),
+            node_modules=installation.node_modules,
             module_paths=(REACTOR_MODULES,),
             keep_warm=max(1, reactor.runtime.warm_concurrency),
         )
         with self._lock:
-            return self._programs.setdefault((reactor.id, version), program)
+            return self._programs.setdefault(reactor.key, program)
+
+    def forget(self, prefix: str) -> None:
+        """Drop the cached programs of keys starting with ``prefix`` (their processes are retired
+        by the pool)."""
+        with self._lock:
+            for key in [k for k in self._programs if k.startswith(prefix)]:
+                del self._programs[key]
+
+
+SANDBOX_UNAVAILABLE = "Sandbox Unavailable"
+
+
+def sandbox_problem(reason: str) -> Problem:
+    """The 503 answered where customer code cannot be confined (``reason``: what is missing, one
+    line). Customer code never runs unconfined."""
+    return Problem(503, f"Customer code cannot run here: {reason}.", title=SANDBOX_UNAVAILABLE)
+
+
+def require_sandbox() -> None:
+    """Raise :func:`sandbox_problem` unless this host can confine customer code (checked once per
+    process, with ``TESSERA_REACTOR_BWRAP``)."""
+    reason = availability(get_settings().reactor_bwrap)
+    if reason is not None:
+        raise sandbox_problem(reason)
 
 
 def _invalid_code(exc: CodeLoadError) -> Problem:
@@ -321,5 +360,15 @@ def reactor_runtime() -> ReactorRuntime:
         if _default is None or (_default.root, _default.advisories) != (root, advisories):
             if _default is not None:
                 _default.close()
-            _default = ReactorRuntime(root, advisories=advisories)
+            pool = NodePool(bwrap=settings.reactor_bwrap, egress_allow=settings.reactor_egress_allowlist,
+                            tmp_mib=settings.reactor_tmp_mib, idle_seconds=settings.reactor_idle_seconds)
+            _default = ReactorRuntime(root, advisories=advisories, pool=pool)
         return _default
+
+
+def retire_owner(prefix: str) -> int:
+    """End this process's processes of the keys starting with ``prefix`` (:func:`owner_prefix`) and
+    forget their programs; how many keys. Runs in workers, on the broadcast of an update or delete."""
+    if _default is not None:
+        _default.forget(prefix)
+    return retire_everywhere(prefix)

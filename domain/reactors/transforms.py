@@ -50,13 +50,15 @@ async def _db(fn: Callable[..., Any], /, *args, **kwargs) -> Any:
     return await asyncio.to_thread(unit)
 
 
-def code_transform_runner(caller: Caller, *, configuration: dict[str, str] | None = None, db: Db | None = None,
-                          wait: Wait | None = None, timeout: float | None = None) -> CodeRunner:
-    """A :data:`CodeRunner` for one proxy invocation by ``caller``.
+def code_transform_runner(caller: Caller, *, proxy_id: object, configuration: dict[str, str] | None = None,
+                          db: Db | None = None, wait: Wait | None = None, timeout: float | None = None) -> CodeRunner:
+    """A :data:`CodeRunner` for one invocation by ``caller`` of the proxy ``proxy_id``.
 
-    ``configuration``: the proxy's configuration map, given to the code. ``db`` and ``wait``: the
-    request's ``Call.db`` and ``Call.wait_for_jobs`` in the api (woken by the job's outcome message);
-    by default a thread with its own unit of work and a database poll. ``timeout``: seconds to wait
+    ``proxy_id``: the proxy whose transforms run (its processes serve it alone, never another
+    proxy or tenant with the same code). ``configuration``: the proxy's configuration map, given to
+    the code. ``db`` and ``wait``: the request's ``Call.db`` and ``Call.wait_for_jobs`` in the api
+    (woken by the job's outcome message); by default a thread with its own unit of work and a
+    database poll. ``timeout``: seconds to wait
     for the worker (default ``TESSERA_REACTOR_WAIT_SECONDS``, 30). Raises
     :class:`~domain.proxy.errors.ProxyError` as the module says.
     """
@@ -71,8 +73,8 @@ def code_transform_runner(caller: Caller, *, configuration: dict[str, str] | Non
         where = f"{side}_transforms"
         request = {"args": {"body": _body_value(message, where), "headers": dict(message.headers)},
                    "configuration": dict(configuration or {})}
-        started = await db(runs.start_transform, caller, code=transform.code, runtime=transform.runtime,
-                           request=request)
+        started = await db(runs.start_transform, caller, proxy_id=proxy_id, code=transform.code,
+                           runtime=transform.runtime, request=request)
         await wait([started.job_id], timeout=timeout or get_settings().reactor_wait_seconds)
         try:
             status, answer = await db(runs.settled_answer, started.id)

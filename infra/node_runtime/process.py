@@ -5,6 +5,10 @@ writes ``{"ready": true}`` once the code is loaded (or ``{"load_error": ...}`` a
 ``{"id", "payload"}`` line written to it gets one ``{"id", "ok", "value" | "error"}`` line back. The
 parent reads and writes with deadlines (``poll`` on non-blocking pipes), so code that loops forever,
 stops reading or never answers is found out at its timeout and killed.
+
+The process runs inside bubblewrap (:mod:`infra.node_runtime.sandbox`); bwrap tells the host pid of
+the Node.js process on its info descriptor, so the pool can freeze it (``SIGSTOP``) while it is idle
+and thaw it (``SIGCONT``) for its next call: customer code never runs between invocations.
 """
 
 from __future__ import annotations
@@ -56,9 +60,11 @@ class CodeLoadError(NodeRuntimeError):
 
 @dataclass(frozen=True)
 class Returned:
-    """The code's function returned ``value`` (JSON: dict, list, str, number, bool or None)."""
+    """The code's function returned ``value`` (JSON: dict, list, str, number, bool or None).
+    ``timers``: timers the code left running when it answered (the process is then not reused)."""
 
     value: object
+    timers: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class Thrown:
     message: str | None
     errors: object
     marked: bool
+    timers: int = 0
 
 
 Outcome = Returned | Thrown
@@ -82,20 +89,29 @@ class NodeProcess:
     Not thread-safe: the pool hands a process to one caller at a time.
     """
 
-    def __init__(self, program: sandbox.NodeProgram, node: NodeInstallation):
+    def __init__(self, program: sandbox.NodeProgram, node: NodeInstallation, confinement: sandbox.Confinement):
         self.program = program
-        self.popen = subprocess.Popen(  # noqa: S603 - a fixed argv, no shell
-            sandbox.command(program, node),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            cwd=program.workdir,
-            env=sandbox.environment(program),
-            preexec_fn=sandbox.limits(program.memory),
-            # Same session and process group as the worker: the processes end with it, and the
-            # scheduler counts their CPU in the worker's share (no group of their own per process).
-            bufsize=0,
-        )
+        seccomp = sandbox.seccomp_fd()
+        info_read, info_write = os.pipe()
+        try:
+            self.popen = subprocess.Popen(  # noqa: S603 - a fixed argv, no shell
+                sandbox.command(program, node, bwrap=confinement.bwrap, egress_socket=confinement.egress_socket,
+                                seccomp=seccomp, info=info_write, tmp_mib=confinement.tmp_mib),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env={},  # bwrap sets the code's own (``sandbox.environment``) inside
+                preexec_fn=sandbox.limits(program.memory, tmp_mib=confinement.tmp_mib),
+                pass_fds=(seccomp, info_write),
+                bufsize=0,
+            )
+        finally:
+            os.close(seccomp)
+            os.close(info_write)
+        self._info = info_read
+        #: The host pid of the Node.js process (bwrap's ``child-pid``), once known.
+        self.node_pid: int | None = None
+        self.frozen = False
         self._in = self.popen.stdin.fileno()
         self._out = self.popen.stdout.fileno()
         os.set_blocking(self._in, False)
@@ -122,7 +138,9 @@ class NodeProcess:
         Raises :class:`CodeLoadError`, :class:`InvocationTimeout` or :class:`ProcessEnded` (the
         process is killed in each case).
         """
-        frame = self._guarded(self._read_frame, time.monotonic() + self.program.timeout)
+        deadline = time.monotonic() + self.program.timeout
+        self._guarded(self._read_info, deadline)
+        frame = self._guarded(self._read_frame, deadline)
         if frame.get("ready") is True:
             return
         self.kill()
@@ -144,18 +162,38 @@ class NodeProcess:
         if frame.get("id") != self._last_id or not isinstance(frame.get("ok"), bool):
             self.kill()
             raise ProcessEnded("the process broke the protocol")
+        timers = frame.get("timers") if isinstance(frame.get("timers"), int) else 0
         if frame["ok"]:
-            return Returned(frame.get("value"))
+            return Returned(frame.get("value"), timers)
         error = frame.get("error") if isinstance(frame.get("error"), dict) else {}
         return Thrown(
             name=str(error.get("name") or "Error"),
             message=error.get("message") if isinstance(error.get("message"), str) else None,
             errors=error.get("errors"),
             marked=error.get("marked") is True,
+            timers=timers,
         )
 
+    def freeze(self) -> None:
+        """Stop the Node.js process (``SIGSTOP``) until :meth:`thaw`: no code runs while it is idle."""
+        if self.node_pid is not None and not self.frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.node_pid, signal.SIGSTOP)
+            self.frozen = True
+
+    def thaw(self) -> None:
+        """Let a frozen process run again (``SIGCONT``)."""
+        if self.node_pid is not None and self.frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.node_pid, signal.SIGCONT)
+            self.frozen = False
+
     def kill(self) -> None:
-        """End the process at once (SIGKILL) and reap it."""
+        """End the process at once and reap it: SIGKILL to Node.js (frozen or not) while bwrap, its
+        parent, still runs (so the pid cannot have been reused), then to bwrap."""
+        if self.node_pid is not None and self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.node_pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             self.popen.send_signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -163,6 +201,29 @@ class NodeProcess:
         for pipe in (self.popen.stdin, self.popen.stdout):
             with contextlib.suppress(OSError):
                 pipe.close()
+        if self._info is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._info)
+            self._info = None
+
+    def _read_info(self, deadline: float) -> None:
+        """Read bwrap's ``{"child-pid": N}`` (written once the sandbox is made, then closed)."""
+        data = b""
+        poller = select.poll()
+        poller.register(self._info, select.POLLIN)
+        while True:
+            self._wait(poller, deadline)
+            chunk = os.read(self._info, 4096)
+            if not chunk:
+                break
+            data += chunk
+        os.close(self._info)
+        self._info = None
+        try:
+            pid = json.loads(data)["child-pid"]
+        except (ValueError, KeyError, TypeError):
+            raise self._ended() from None
+        self.node_pid = int(pid)
 
     def _guarded(self, step, *args):
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,10 +16,11 @@ import pytest
 from pydantic import ValidationError
 
 import config.settings
-from domain.reactors.runtime import REACTOR_ERRORS, REACTOR_MODULES, RESOURCES, Runtime
+from domain.reactors.runtime import REACTOR_ERRORS, REACTOR_MODULES, RESOURCES, ReactorRuntime, Runtime
 from infra.errors import Problem
 from infra.node_runtime import binary
 from infra.node_runtime.binary import node_installation
+from infra.node_runtime.pool import NodePool
 
 from .conftest import reactor
 
@@ -126,12 +128,14 @@ def test_a_tokenize_block_is_passed_back_for_the_platform(runtime):
                                                         "expiration_year": 2031}}
 
 
+# Inside its PID namespace every process is pid 1: a process is told apart by an id it draws at start.
 LOOP = """
+const ident = require('crypto').randomUUID();
 let calls = 0;
 module.exports = async (req) => {
   calls += 1;
   if (req.args.loop) { while (true) {} }
-  return { raw: { pid: process.pid, calls } };
+  return { raw: { ident, calls } };
 };
 """
 
@@ -139,12 +143,13 @@ module.exports = async (req) => {
 def test_code_that_loops_forever_is_killed_at_its_timeout_and_the_pool_serves_the_next_call(runtime):
     r = reactor(LOOP, timeout=1)
     first = runtime.invoke(r, args={}).raw
+    (node_pid,) = runtime.pool.node_pids(r.key)
     problem = problem_of(runtime, r, args={"loop": True})
     assert problem.status == 500
     assert "timeout of 1 s" in problem.detail
-    assert not psutil.pid_exists(first["pid"]) or psutil.Process(first["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert not psutil.pid_exists(node_pid) or psutil.Process(node_pid).status() == psutil.STATUS_ZOMBIE
     after = runtime.invoke(r, args={}).raw
-    assert after["pid"] != first["pid"]
+    assert after["ident"] != first["ident"]
     assert after["calls"] == 1  # a fresh process loaded the code again
     assert runtime.loads(r) == 2
 
@@ -152,21 +157,23 @@ def test_code_that_loops_forever_is_killed_at_its_timeout_and_the_pool_serves_th
 def test_warm_reuse_loads_the_code_once(runtime):
     r = reactor("""
         globalThis.loaded = (globalThis.loaded || 0) + 1;
+        const ident = require('crypto').randomUUID();
         let calls = 0;
-        module.exports = async () => ({ raw: { loaded: globalThis.loaded, calls: ++calls, pid: process.pid } });
+        module.exports = async () => ({ raw: { loaded: globalThis.loaded, calls: ++calls, ident } });
     """)
     answers = [runtime.invoke(r, args={}).raw for _ in range(5)]
     assert [a["calls"] for a in answers] == [1, 2, 3, 4, 5]
     assert {a["loaded"] for a in answers} == {1}
-    assert len({a["pid"] for a in answers}) == 1
+    assert len({a["ident"] for a in answers}) == 1
     assert runtime.loads(r) == 1
 
 
 def test_warm_concurrency_keeps_that_many_processes_and_extra_calls_fan_out(runtime):
     r = reactor("""
+        const ident = require('crypto').randomUUID();
         module.exports = async (req) => {
           await new Promise((resolve) => setTimeout(resolve, req.args.wait));
-          return { raw: process.pid };
+          return { raw: ident };
         };
     """, warm_concurrency=2)
     assert runtime.warm(r) == 2
@@ -175,7 +182,7 @@ def test_warm_concurrency_keeps_that_many_processes_and_extra_calls_fan_out(runt
         pids = set(executor.map(lambda _: runtime.invoke(r, args={"wait": 300}).raw, range(4)))
     assert len(pids) == 4  # two warm, two cold starts
     assert runtime.loads(r) == 4
-    assert runtime.pool.idle(f"{r.id}:{r.version}") == 2  # the extra ones ended
+    assert runtime.pool.idle(r.key) == 2  # the extra ones ended
 
 
 def test_memory_is_capped_and_the_pool_survives(runtime):
@@ -222,11 +229,12 @@ def test_the_code_cannot_read_the_platform_files_environment_or_start_processes(
     assert raw["cwd"] == raw["dir"]
     assert not [k for k in raw["env"] if k.startswith(("TESSERA_", "AWS_"))]
     assert "s3cr3t" not in json.dumps(raw["env"])
-    assert set(raw["env"]) <= {"NODE_ENV", "TZ", "LANG", "HOME", "NODE_PATH", "NODE_EXTRA_CA_CERTS"}
+    assert set(raw["env"]) <= {"NODE_ENV", "TZ", "LANG", "HOME", "TMPDIR", "PWD", "UV_THREADPOOL_SIZE",
+                               "NODE_PATH", "NODE_EXTRA_CA_CERTS"}
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(raw["env"])
 
 
-def test_outbound_fetch_works(runtime):
+def test_outbound_fetch_reaches_an_allowed_destination_through_the_egress_proxy(tmp_path):
     class Answer(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             body = json.dumps({"path": self.path}).encode()
@@ -241,11 +249,26 @@ def test_outbound_fetch_works(runtime):
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    # A local destination is reachable only when named in the allowlist (TESSERA_REACTOR_EGRESS_ALLOW).
+    allowed = ReactorRuntime(tmp_path, pool=NodePool(egress_allow=frozenset({f"127.0.0.1:{port}"})))
     try:
-        r = reactor("module.exports = async (req) => ({ raw: await (await fetch(req.args.url)).json() });")
-        url = f"http://127.0.0.1:{server.server_address[1]}/charge"
-        assert runtime.invoke(r, args={"url": url}).raw == {"path": "/charge"}
+        r = reactor("""
+            const http = require('http');
+            const viaHttp = (url) => new Promise((resolve, reject) => http.get(url, (res) => {
+              let body = ''; res.on('data', (c) => { body += c; }); res.on('end', () => resolve(JSON.parse(body)));
+            }).on('error', reject));
+            module.exports = async (req) => ({ raw: {
+              fetch: await (await fetch(req.args.url)).json(),
+              http: await viaHttp(req.args.url + '/http'),
+            } });
+        """)
+        url = f"http://127.0.0.1:{port}/charge"
+        assert allowed.invoke(r, args={"url": url}).raw == {"fetch": {"path": "/charge"},
+                                                            "http": {"path": "/charge/http"}}
+        assert allowed.pool.egress.refused == 0
     finally:
+        allowed.close()
         server.shutdown()
         server.server_close()
 
@@ -285,23 +308,39 @@ def test_runtime_defaults_follow_the_spec():
 
 def test_a_process_that_ends_while_idle_is_replaced(runtime):
     r = reactor("""
+        const ident = require('crypto').randomUUID();
+        module.exports = async () => ({ raw: ident });
+    """)
+    first = runtime.invoke(r, args={}).raw
+    (pid,) = runtime.pool.pids(r.key)
+    os.kill(pid, signal.SIGKILL)  # the process dies while idle (frozen)
+    psutil.Process(pid).wait(10)
+    assert runtime.invoke(r, args={}).raw != first
+    assert runtime.loads(r) == 2
+
+
+def test_a_process_that_leaves_a_timer_running_is_not_kept_warm(runtime):
+    r = reactor("""
+        const ident = require('crypto').randomUUID();
         module.exports = async (req) => {
-          if (req.args.exit) setTimeout(() => process.exit(1), 20);
-          return { raw: process.pid };
+          if (req.args.timer) setInterval(() => {}, 10);
+          return { raw: ident };
         };
     """)
-    first = runtime.invoke(r, args={"exit": True}).raw
-    psutil.Process(first).wait(10)
-    assert runtime.invoke(r, args={}).raw != first
+    first = runtime.invoke(r, args={"timer": True}).raw
+    assert runtime.pool.idle(r.key) == 0  # ended rather than kept: its timer would run between invocations
+    second = runtime.invoke(r, args={}).raw
+    assert second != first
+    assert runtime.invoke(r, args={}).raw == second  # no timer left: kept warm
     assert runtime.loads(r) == 2
 
 
 def test_a_retired_version_ends_its_processes(runtime):
     r = reactor(ECHO)
     runtime.invoke(r, args={})
-    (pid,) = runtime.pool.pids(f"{r.id}:{r.version}")
+    (pid,) = runtime.pool.pids(r.key)
     runtime.retire(r)
-    assert not runtime.pool.pids(f"{r.id}:{r.version}")
+    assert not runtime.pool.pids(r.key)
     assert not psutil.pid_exists(pid)
     assert runtime.invoke(r, args={"again": 1}).raw["args"] == {"again": 1}
 
@@ -324,18 +363,19 @@ def test_the_system_node_is_refused_unless_it_is_22(monkeypatch):
 def test_resources_set_the_heap_and_data_limits_of_the_process(runtime, resources):
     r = reactor("""
         const v8 = require('v8');
-        module.exports = async () => ({ raw: { pid: process.pid, heap: v8.getHeapStatistics().heap_size_limit } });
+        module.exports = async () => ({ raw: { heap: v8.getHeapStatistics().heap_size_limit } });
     """, resources=resources)
     raw = runtime.invoke(r, args={}).raw
     memory = RESOURCES[resources]
-    limits = Path(f"/proc/{raw['pid']}/limits").read_text().splitlines()
+    (node_pid,) = runtime.pool.node_pids(r.key)
+    limits = Path(f"/proc/{node_pid}/limits").read_text().splitlines()
     (data,) = [line.split()[3:5] for line in limits if line.startswith("Max data size")]
     assert data == [str(memory.data_mib * 1024 * 1024)] * 2
     assert memory.heap_mib * 1024 * 1024 <= raw["heap"] < (memory.heap_mib + 128) * 1024 * 1024
 
 
 def test_a_forked_child_starts_its_own_processes_and_leaves_the_parents_alone(runtime):
-    r = reactor("module.exports = async () => ({ raw: process.pid });")
+    r = reactor("const ident = require('crypto').randomUUID(); module.exports = async () => ({ raw: ident });")
     parent_node = runtime.invoke(r, args={}).raw
     reader, writer = os.pipe()
     child = os.fork()

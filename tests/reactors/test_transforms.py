@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import uuid
 
 import pytest
 
@@ -25,6 +26,7 @@ def caller(tenant):
 
 
 def run(caller, code: str, message: Message, side: str = "request", **kw) -> Message:
+    kw.setdefault("proxy_id", uuid.uuid4())
     runner = code_transform_runner(caller, **kw)
     return asyncio.run(runner(CodeTransform(type="code", code=code), message, side))
 
@@ -73,7 +75,7 @@ def test_a_critical_advisory_on_a_dependency_blocks_the_invocation(caller, tmp_p
         transform = CodeTransform(type="code", code="module.exports = async () => ({ body: 'ran' });",
                                   runtime={"image": "node22", "dependencies": {"is-number": "7.0.0"}})
         with pytest.raises(ProxyError) as caught:
-            asyncio.run(code_transform_runner(caller)(transform, JSON_REQUEST, "request"))
+            asyncio.run(code_transform_runner(caller, proxy_id=uuid.uuid4())(transform, JSON_REQUEST, "request"))
     finally:
         del os.environ["TESSERA_REACTOR_ADVISORIES"]
         reload_settings()
