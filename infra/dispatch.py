@@ -127,3 +127,22 @@ def send_task(task_name: str, *, countdown: float | None = None, **kwargs) -> bo
         log.warning("could not send task %s; the outbox relay will re-send it", task_name, exc_info=True)
         return False
     return True
+
+
+def broadcast(command: str, **arguments) -> bool:
+    """Send the remote-control ``command`` to every worker now (Celery's broadcast: every worker
+    connected to the broker runs it). False (and a log line) when the broker did not take it, or
+    has no fan-out (the embedded SQLite broker); callers keep a slower path for that case."""
+    if celery_app.conf.broker_url.startswith("sqla+"):
+        return False
+    try:
+        celery_app.control.broadcast(command, arguments=arguments)
+    except Exception:
+        log.warning("could not broadcast %s", command, exc_info=True)
+        return False
+    return True
+
+
+def broadcast_after_commit(session: Session, command: str, **arguments) -> None:
+    """:func:`broadcast` ``command`` once ``session``'s transaction commits (nothing on rollback)."""
+    on_commit(session, lambda: broadcast(command, **arguments))

@@ -15,15 +15,20 @@ Each is a :class:`infra.task.JobTask` running one recorded job:
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 
+from celery.worker.control import control_command
 from sqlmodel import Session
 
 from config.settings import get_settings
 from domain.reactors import runs, service
-from domain.reactors.runtime import reactor_runtime
+from domain.reactors.runtime import reactor_runtime, retire_owner
 from infra.celery import celery_app
+from infra.dispatch import send_task
+from infra.fairness import fair_next
 from infra.jobs import PermanentError, TransientError
+from infra.node_runtime.owners import END_CODE_COMMAND
 from infra.node_runtime.packages import AuditUnavailable, InstallFailed
 from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
@@ -62,11 +67,39 @@ class BuildReactor(JobTask):
 
 
 class RunReactor(JobTask):
-    """``reactors.run``: run one invocation (a ``react``, a ``react-async`` or a code transform)."""
+    """``reactors.run``: run invocations (``react``, ``react-async``, code transforms), fairly.
+
+    A message is a token (:mod:`infra.fairness`): the thread that takes it runs the run the rule
+    picks among all takeable ones (the fewest held slots first, each tenant at most its share of
+    ``TESSERA_REACTOR_SLOTS`` while others wait), then picks again, until no eligible run is left
+    or :data:`RUNS_PER_MESSAGE` ran (then it sends one token on, so nothing waits for the relay).
+    """
 
     name = runs.RUN_TASK
     #: The longest runtime timeout (30 s) twice over, plus a cold start and the dependencies' install.
     lease_seconds = 120.0
+    #: Runs one message may carry a thread through (bounded, so a run's time limit is not outlived).
+    RUNS_PER_MESSAGE = 8
+
+    def run(self, job_id: str) -> str:
+        """Run the fairest eligible runs (not necessarily ``job_id``: see the class text)."""
+        slots = get_settings().reactor_slots
+        outcome = "skipped"
+        started = time.monotonic()
+        for _ in range(self.RUNS_PER_MESSAGE):
+            with session_scope() as session:
+                chosen = fair_next(session, self.name, slots=slots)
+            if chosen is None:
+                return outcome
+            if super().run(str(chosen)) != "skipped":
+                outcome = "succeeded"
+            if time.monotonic() - started > self.lease_seconds / 2:
+                break
+        with session_scope() as session:
+            following = fair_next(session, self.name, slots=slots)
+        if following is not None:
+            send_task(self.name, job_id=str(following))
+        return outcome
 
     def perform(self, job: Job) -> Any:
         """See :func:`domain.reactors.runs.perform_run`."""
@@ -83,6 +116,15 @@ class RunReactor(JobTask):
 
 celery_app.register_task(BuildReactor())
 celery_app.register_task(RunReactor())
+
+
+@control_command(name=END_CODE_COMMAND, args=[("prefix", str)], signature="<prefix>")
+def end_code(state, prefix: str) -> dict:
+    """Remote-control command (:data:`infra.node_runtime.owners.END_CODE_COMMAND`): end this
+    worker's processes of customer code whose key starts with ``prefix`` (a deleted reactor or proxy,
+    or a replaced version); answers how many keys it ended."""
+    return {"ok": f"{retire_owner(prefix)} ended"}
+
 
 
 @celery_app.task(name=runs.PURGE_TASK, base=TesseraTask)

@@ -115,10 +115,11 @@ def _ready(base_url: str, settings, since: float) -> bool:
     except Exception:  # noqa: BLE001 - not ready yet, whatever the reason
         return False
     workers = [name for name, beat in fresh.items() if beat.kind == "worker"]
-    # `tessera worker` is two nodes: the prefork pool and the providers queue's thread pool
+    # `tessera worker` is three nodes: the prefork pool and the providers and reactors thread pools
     return (any(beat.kind == "beat" for beat in fresh.values())
             and any("-providers@" in name for name in workers)
-            and any("-providers@" not in name for name in workers))
+            and any("-reactors@" in name for name in workers)
+            and any("-providers@" not in name and "-reactors@" not in name for name in workers))
 
 
 def _wait_until_ready(

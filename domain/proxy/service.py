@@ -27,9 +27,10 @@ from domain.proxy.values import SqlValueLoader
 from domain.tenancy import audit
 from domain.tenancy.auth import KeyCache, caller_cache, key_digest
 from domain.tenancy.caller import Caller
-from domain.tenancy.permissions import effective_permissions
+from domain.tenancy.permissions import effective_permissions, require_grantable
 from domain.tokens.service import merge_patch
 from infra.errors import not_found, validation_problem
+from infra.node_runtime.owners import PROXY, end_owner_after_commit
 from storage.crypto import get_keyring
 from storage.db import Rows, on_commit, stage_rows
 from storage.models import Application, Tenant
@@ -90,7 +91,19 @@ def _check_application(session: Session, caller: Caller, request: ProxyRequest) 
     return application.id
 
 
+def _check_code_grants(caller: Caller, request: ProxyRequest) -> None:
+    """403 when a code transform's ``runtime.permissions`` names a permission the calling key does
+    not hold (customer code gets no right its creator lacks)."""
+    for side in ("request_transforms", "response_transforms"):
+        for transform in getattr(request, side):
+            granted = (transform.runtime or {}).get("permissions") if isinstance(transform, CodeTransform) else None
+            if isinstance(granted, list):
+                require_grantable(caller.permissions, [str(name) for name in granted], field=side,
+                                  what="a proxy's code transform")
+
+
 def _apply(session: Session, caller: Caller, proxy: Proxy, request: ProxyRequest) -> None:
+    _check_code_grants(caller, request)
     proxy.name = request.name
     proxy.destination_url = request.destination_url
     proxy.request_transforms = dump_transforms(request.request_transforms)
@@ -162,6 +175,7 @@ def list_proxies(session: Session, caller: Caller, *, size: int, after: dict | N
 def _update(session: Session, caller: Caller, proxy: Proxy, request: ProxyRequest) -> dict:
     _apply(session, caller, proxy, request)
     on_commit(session, target_cache.clear)
+    end_owner_after_commit(session, proxy.tenant_id, PROXY, proxy.id)  # its code transforms' processes
     proxy.modified_by = caller.application_id
     proxy.modified_at = utcnow()
     session.add(proxy)
@@ -209,6 +223,7 @@ def delete_proxy(session: Session, caller: Caller, proxy_id: object) -> None:
     proxy = _get(session, caller, proxy_id, lock=True)
     session.delete(proxy)
     on_commit(session, target_cache.clear)
+    end_owner_after_commit(session, proxy.tenant_id, PROXY, proxy.id)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="delete")
 
 

@@ -36,7 +36,7 @@ from domain.proxy.detokenize import INVOKE, detokenize
 from domain.proxy.values import SqlValueLoader
 from domain.reactors import service
 from domain.reactors.runtime import Reactor as RuntimeReactor
-from domain.reactors.runtime import Runtime, reactor_runtime
+from domain.reactors.runtime import Runtime, reactor_runtime, require_sandbox
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import effective_permissions
@@ -44,6 +44,7 @@ from domain.tokens import service as tokens
 from domain.webhooks import events
 from infra import jobs
 from infra.errors import Problem, not_found
+from infra.node_runtime import owners
 from infra.node_runtime.packages import AuditUnavailable, InstallFailed, dependency_key
 from storage.crypto import get_keyring
 from storage.db import session_scope
@@ -56,8 +57,7 @@ RUN_PURPOSE = "reactor-run"
 REACT, ASYNC, TRANSFORM = "react", "async", "transform"
 PENDING, COMPLETED, FAILED = "pending", "completed", "failed"
 INVOCATION_BLOCKED = "Proxy invocation blocked"
-#: The kinds of owner of customer code's processes (``domain.reactors.runtime.owner_prefix``).
-REACTOR_OWNER, PROXY_OWNER = "reactor", "proxy"
+
 #: The states of a reactor that has a version to run.
 SERVING_STATES = (service.ACTIVE, service.UPDATING, service.OUTDATED)
 
@@ -120,10 +120,12 @@ def problem_of(record: dict) -> Problem:
 
 def start_run(session: Session, caller: Caller, reactor_id: object, *, args: Any, kind: str) -> ReactorRun:
     """Record an invocation of the caller's reactor ``reactor_id`` on ``args`` and its job (sent on
-    commit). ``kind`` is :data:`REACT` or :data:`ASYNC`. 403 without ``reactor:invoke``; 404; 409
-    when no version of the reactor serves yet (``creating``, or its creation ``failed``)."""
+    commit). ``kind`` is :data:`REACT` or :data:`ASYNC`. 403 without ``reactor:invoke``; 404; 503
+    where customer code cannot be confined; 409 when no version of the reactor serves yet
+    (``creating``, or its creation ``failed``)."""
     caller.require("reactor:invoke")
     reactor = service.get_reactor(session, caller, reactor_id)
+    require_sandbox()
     if reactor.deployed_at is None or reactor.state not in SERVING_STATES:
         raise Problem(409, f"The reactor has no version to run yet (state {reactor.state}).", title="Conflict")
     audit.record(session, caller, entity_type=service.ENTITY_TYPE, entity_id=reactor.id, operation="invoke")
@@ -133,7 +135,9 @@ def start_run(session: Session, caller: Caller, reactor_id: object, *, args: Any
 def start_transform(session: Session, caller: Caller, *, proxy_id: object, code: str, runtime: dict | None,
                     request: dict) -> ReactorRun:
     """Record a run of a code transform of the proxy ``proxy_id`` (``code`` on ``runtime``, the
-    transform's own) on ``request`` (``{args, configuration}``, what the code receives) and its job."""
+    transform's own) on ``request`` (``{args, configuration}``, what the code receives) and its job.
+    503 where customer code cannot be confined."""
+    require_sandbox()
     return _record(session, caller, reactor_id=None, kind=TRANSFORM,
                    program={"proxy_id": str(proxy_id), "code": code, "runtime": runtime}, request=request)
 
@@ -168,7 +172,7 @@ def _transform_reactor(tenant_id: uuid.UUID, program: dict) -> RuntimeReactor:
     serve that proxy alone; the version digest covers code and runtime)."""
     runtime = Runtime.model_validate({"image": "node22", **(program.get("runtime") or {})})
     return RuntimeReactor(program.get("proxy_id") or "-", program["code"], runtime, tenant_id=str(tenant_id),
-                          kind=PROXY_OWNER)
+                          kind=owners.PROXY)
 
 
 def perform_run(job: Job) -> RunOutcome | None:
@@ -197,7 +201,7 @@ def perform_run(job: Job) -> RunOutcome | None:
             if stored is None:
                 return RunOutcome(problem=not_found("reactor"))
             reactor = RuntimeReactor(str(stored.id), stored.code, service.runtime_of(stored),
-                                     tenant_id=str(stored.tenant_id), kind=REACTOR_OWNER)
+                                     tenant_id=str(stored.tenant_id), kind=owners.REACTOR)
             invoker = _invoker(tenant, run.caller, trace_id=run.trace_id)
             try:
                 args = detokenize_args(session, invoker, request.get("args"))

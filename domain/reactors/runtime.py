@@ -28,9 +28,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from config.settings import get_settings
+from domain.reactors.liveness import dead_keys
 from domain.tenancy.permissions import modern_names, permission_errors
 from infra.errors import Problem
 from infra.node_runtime import packages
+from infra.node_runtime.owners import owner_prefix
 from infra.node_runtime.pool import NodePool, retire_everywhere
 from infra.node_runtime.process import CodeLoadError, InvocationTimeout, NodeRuntimeError, Returned
 from infra.node_runtime.sandbox import MemoryLimit, NodeProgram, SandboxUnavailable, availability
@@ -139,12 +141,6 @@ class Reactor:
         parts = [self.code, packages.dependency_key(rt.dependencies, rt.resolutions), str(rt.timeout), rt.resources,
                  str(rt.warm_concurrency)]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
-
-
-def owner_prefix(tenant_id: object, kind: str, resource_id: object) -> str:
-    """The start of the pool keys of one tenant's resource (``kind`` ``reactor`` or ``proxy``):
-    what :func:`infra.node_runtime.pool.retire_everywhere` is given when it is updated or deleted."""
-    return f"{tenant_id}:{kind}:{resource_id}:"
 
 
 @dataclass(frozen=True)
@@ -346,23 +342,27 @@ def _error_map(errors: object) -> dict[str, list[str]] | None:
 
 
 _default: ReactorRuntime | None = None
+_made_with: tuple | None = None
 _default_lock = threading.Lock()
 
 
 def reactor_runtime() -> ReactorRuntime:
     """The process's runtime: under ``<TESSERA_DATA_DIR>/reactors``, scanning against the advisory
-    file named by ``TESSERA_REACTOR_ADVISORIES`` when that is set, else with ``npm audit``. Made
-    again (the old one closed) when either setting changed since."""
-    global _default
+    file named by ``TESSERA_REACTOR_ADVISORIES`` when that is set, else with ``npm audit``; its pool
+    confined with the ``TESSERA_REACTOR_*`` sandbox settings. Made again (the old one closed) when
+    any of these settings changed since."""
+    global _default, _made_with
     settings = get_settings()
-    root, advisories = settings.data_dir / "reactors", settings.reactor_advisories
+    shape = (settings.data_dir / "reactors", settings.reactor_advisories, settings.reactor_bwrap,
+             settings.reactor_egress_allowlist, settings.reactor_tmp_mib, settings.reactor_idle_seconds)
     with _default_lock:
-        if _default is None or (_default.root, _default.advisories) != (root, advisories):
+        if _default is None or _made_with != shape:
             if _default is not None:
                 _default.close()
             pool = NodePool(bwrap=settings.reactor_bwrap, egress_allow=settings.reactor_egress_allowlist,
-                            tmp_mib=settings.reactor_tmp_mib, idle_seconds=settings.reactor_idle_seconds)
-            _default = ReactorRuntime(root, advisories=advisories, pool=pool)
+                            tmp_mib=settings.reactor_tmp_mib, idle_seconds=settings.reactor_idle_seconds,
+                            owner_check=dead_keys)
+            _default, _made_with = ReactorRuntime(shape[0], advisories=shape[1], pool=pool), shape
         return _default
 
 

@@ -34,12 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import func
 from sqlmodel import Session, select
 
-from domain.reactors.runtime import Build, Runtime
+from domain.reactors.runtime import Build, Runtime, require_sandbox
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
+from domain.tenancy.permissions import require_grantable
 from domain.tokens.service import merge_patch
 from infra import jobs
 from infra.errors import Problem, not_found, validation_problem
+from infra.node_runtime.owners import REACTOR, end_owner_after_commit
 from storage.crypto import get_keyring
 from storage.models import Job
 from storage.models_reactors import Reactor
@@ -190,6 +192,7 @@ def create_reactor(session: Session, caller: Caller, request: ReactorRequest) ->
     """``POST /reactors``: store the reactor ``creating`` and record its build; its object.
     403 without ``reactor:create``."""
     caller.require("reactor:create")
+    _check_grants(caller, request)
     reactor = Reactor(tenant_id=caller.tenant_id, name=request.name, state=CREATING, code=request.code,
                       runtime=_runtime_json(request.runtime), created_by=caller.application_id)
     session.add(reactor)
@@ -244,7 +247,17 @@ def _serves(session: Session, reactor: Reactor, request: ReactorRequest) -> bool
             and configuration_of(session, reactor) == request.configuration)
 
 
+def _check_grants(caller: Caller, request: ReactorRequest) -> None:
+    """403 when ``runtime.permissions`` names a permission the calling key does not hold: the code
+    acts with these rights (its ``tokenize`` answer), so they can be no more than its creator's.
+    Then 503 where customer code cannot be confined (nothing would ever build or run)."""
+    require_grantable(caller.permissions, request.runtime.permissions, field="runtime.permissions",
+                      what="a reactor's code")
+    require_sandbox()
+
+
 def _update(session: Session, caller: Caller, reactor: Reactor, request: ReactorRequest) -> dict:
+    _check_grants(caller, request)
     _settled(session, reactor, "updated")
     reactor.name = request.name
     reactor.modified_by = caller.application_id
@@ -295,6 +308,7 @@ def delete_reactor(session: Session, caller: Caller, reactor_id: object) -> None
     _settled(session, reactor, "deleted")
     session.delete(reactor)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=reactor.id, operation="delete")
+    end_owner_after_commit(session, reactor.tenant_id, REACTOR, reactor.id)
 
 
 # ---- builds (the reactors.build job) --------------------------------------------------------------
@@ -337,6 +351,8 @@ def apply_build(session: Session, job: Job, build: Build | None) -> dict:
         reactor.requested = None
         reactor.requested_configuration_ct = None
         reactor.state = ACTIVE
+        if reactor.deployed_at is not None:  # the previous version's processes end on every worker
+            end_owner_after_commit(session, reactor.tenant_id, REACTOR, reactor.id)
         reactor.deployed_at = utcnow()
     else:
         _refuse(reactor, VULNERABILITIES_DETECTED,

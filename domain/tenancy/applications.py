@@ -15,7 +15,7 @@ from sqlmodel import Session, select
 from domain.tenancy import audit
 from domain.tenancy.auth import caller_cache, new_api_key
 from domain.tenancy.caller import Caller
-from domain.tenancy.permissions import permission_errors
+from domain.tenancy.permissions import permission_errors, require_grantable
 from infra.errors import Problem, not_found, validation_problem
 from storage.db import on_commit
 from storage.models import Application, ApplicationKey
@@ -40,9 +40,7 @@ def _check_permissions(caller: Caller, app_type: str, permissions: list[str]) ->
         ]
     if errors:
         raise validation_problem({"permissions": errors})
-    beyond = sorted(set(permissions) - caller.permissions)
-    if beyond:
-        raise Problem(403, f"The API key cannot grant permissions it does not hold: {', '.join(beyond)}.")
+    require_grantable(caller.permissions, permissions, field="permissions", what="an application")
 
 
 def application_view(application: Application, key: str | None = None) -> dict:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable
 
+from infra.errors import Problem
+
 CLASSIFICATIONS = ("general", "pci", "bank")
 IMPACT_LEVELS = ("low", "moderate", "high")
 _LEVEL_RANK = {level: rank for rank, level in enumerate(IMPACT_LEVELS)}
@@ -92,6 +94,17 @@ def modern_names(requested: Iterable[str]) -> tuple[list[str], list[str]]:
 def effective_permissions(stored: Iterable[str]) -> frozenset[str]:
     """The permissions an application holds, legacy names (if any were stored) mapped to new ones."""
     return frozenset(LEGACY_PERMISSIONS.get(name, name) for name in stored)
+
+
+def require_grantable(held: frozenset[str], requested: Iterable[str], *, field: str, what: str) -> None:
+    """Refuse to give ``what`` (an application's key, a reactor's code) a permission the caller does
+    not hold itself (``held``): 403 naming every missing permission, under ``field`` in ``errors``.
+    A key cannot mint, and code cannot be given, more power than the key that asks."""
+    beyond = sorted(set(LEGACY_PERMISSIONS.get(name, name) for name in requested) - held)
+    if beyond:
+        names = ", ".join(beyond)
+        raise Problem(403, f"The API key cannot give {what} permissions it does not hold: {names}.",
+                      errors={field: [f"'{name}' is not held by the API key" for name in beyond]})
 
 
 def permission_errors(requested: Iterable[str]) -> list[str]:

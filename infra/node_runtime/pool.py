@@ -23,11 +23,13 @@ runs.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import weakref
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from infra.node_runtime import sandbox
@@ -36,7 +38,11 @@ from infra.node_runtime.egress import EgressProxy
 from infra.node_runtime.process import NodeProcess, NodeRuntimeError, Outcome
 from infra.node_runtime.sandbox import NodeProgram
 
+log = logging.getLogger("tessera.node_runtime")
+
 _POOLS: weakref.WeakSet[NodePool] = weakref.WeakSet()
+#: How often (seconds) the reaper asks whether the owners of live processes still exist.
+OWNER_CHECK_SECONDS = 3.0
 
 
 @dataclass
@@ -51,12 +57,16 @@ class NodePool:
     ``node`` defaults to this machine's Node.js 22 (:func:`node_installation`, which raises
     ``NodeNotFound`` when there is none). ``bwrap``: the bubblewrap executable; ``egress_allow``:
     ``host:port`` pairs customer code may reach although not public; ``tmp_mib``: each process's
-    private ``/tmp``; ``idle_seconds``: how long an idle process is kept.
+    private ``/tmp``; ``idle_seconds``: how long an idle process is kept. ``owner_check``: given the
+    keys with processes, the keys whose owner is gone; the reaper asks it every
+    :data:`OWNER_CHECK_SECONDS` and retires those keys.
     """
 
     def __init__(self, *, max_idle: int = 32, node: NodeInstallation | None = None, bwrap: str = "bwrap",
-                 egress_allow: frozenset[str] = frozenset(), tmp_mib: int = 16, idle_seconds: float = 300.0):
+                 egress_allow: frozenset[str] = frozenset(), tmp_mib: int = 16, idle_seconds: float = 300.0,
+                 owner_check: Callable[[set[str]], set[str]] | None = None):
         self.max_idle = max_idle
+        self.owner_check = owner_check
         self.node = node or node_installation()
         self.bwrap = bwrap
         self.egress_allow = egress_allow
@@ -254,10 +264,26 @@ class NodePool:
             self._reaper.start()
 
     def _reap_forever(self) -> None:
-        pause = max(0.5, min(5.0, self.idle_seconds / 2))
+        pause = max(0.5, min(OWNER_CHECK_SECONDS, self.idle_seconds / 2))
         while not self._closed and self._owner == os.getpid():
             time.sleep(pause)
             self.reap()
+            self.check_owners()
+
+    def check_owners(self) -> int:
+        """Retire the keys whose owner ``owner_check`` says is gone; how many. A failing check
+        (the database away) retires nothing and is tried again at the next round."""
+        keys = self.keys()
+        if self.owner_check is None or not keys:
+            return 0
+        try:
+            gone = self.owner_check(keys)
+        except Exception:  # the reaper must outlive a database outage
+            log.warning("the owner check of customer code's processes failed", exc_info=True)
+            return 0
+        for key in gone:
+            self.retire(key)
+        return len(gone)
 
 
 def retire_everywhere(prefix: str) -> int:

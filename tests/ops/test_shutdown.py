@@ -168,9 +168,11 @@ def test_sigterm_warm_shutdown_finishes_the_running_task_and_leaves_the_rest_que
     assert samples.get(("tessera_webhook_deliveries_total", frozenset({("outcome", "success")})), 0) >= 2
     ready = ApiClient(platform.api_url).get("/readyz").json
     assert ready["status"] == "ready", ready
-    # one `tessera worker`: its prefork node and its providers (thread pool) node
-    assert len(ready["workers"]) == 2 and all(w["heartbeat_age_seconds"] < 30 for w in ready["workers"]), ready
-    assert sorted("-providers@" in w["name"] for w in ready["workers"]) == [False, True], ready
+    # one `tessera worker`: its prefork node and its providers and reactors (thread pool) nodes
+    assert len(ready["workers"]) == 3 and all(w["heartbeat_age_seconds"] < 30 for w in ready["workers"]), ready
+    nodes = sorted("providers" if "-providers@" in w["name"] else "reactors" if "-reactors@" in w["name"]
+                   else "prefork" for w in ready["workers"])
+    assert nodes == ["prefork", "providers", "reactors"], ready
 
     second_worker.signal(signal.SIGTERM)
     assert second_worker.popen.wait(30) == 0, second_worker.output()

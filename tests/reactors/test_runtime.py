@@ -21,10 +21,19 @@ from infra.errors import Problem
 from infra.node_runtime import binary
 from infra.node_runtime.binary import node_installation
 from infra.node_runtime.pool import NodePool
+from tests.helpers import wait_until
 
 from .conftest import reactor
 
 ECHO = "module.exports = async (req) => ({ raw: req });"
+
+
+def ended(pid: int) -> bool:
+    """True once ``pid`` is gone (or a zombie waiting to be reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def problem_of(runtime, r, args=None, configuration=None) -> Problem:
@@ -147,7 +156,7 @@ def test_code_that_loops_forever_is_killed_at_its_timeout_and_the_pool_serves_th
     problem = problem_of(runtime, r, args={"loop": True})
     assert problem.status == 500
     assert "timeout of 1 s" in problem.detail
-    assert not psutil.pid_exists(node_pid) or psutil.Process(node_pid).status() == psutil.STATUS_ZOMBIE
+    assert wait_until(lambda: ended(node_pid), timeout=5, interval=0.05)
     after = runtime.invoke(r, args={}).raw
     assert after["ident"] != first["ident"]
     assert after["calls"] == 1  # a fresh process loaded the code again
