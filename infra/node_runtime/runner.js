@@ -62,7 +62,8 @@ function tunnel(host, port, callback) {
     const text = head.subarray(0, end).toString('latin1');
     const status = /^HTTP\/1\.[01] (\d{3})/.exec(text);
     if (!status || status[1] !== '200') {
-      const reason = head.subarray(end + 4).toString('utf8') || text.split('\r\n')[0];
+      const said = head.subarray(end + 4).toString('utf8');
+      const reason = text.split('\r\n')[0] + (said ? ` (${said})` : '');
       const err = new Error(`connection to ${host}:${port} refused by the sandbox: ${reason}`);
       err.code = 'ECONNREFUSED';
       fail(err);

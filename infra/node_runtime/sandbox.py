@@ -249,6 +249,7 @@ def command(program: NodeProgram, node: NodeInstallation, *, bwrap: str, egress_
         str(INSIDE_NODE),
         "--permission",
         f"--allow-fs-read={INSIDE}/",
+        f"--allow-fs-read={INSIDE_TMP}/",
         f"--allow-fs-write={INSIDE_TMP}/",
         "--no-addons",
         "--no-experimental-sqlite",
