@@ -52,6 +52,7 @@ from infra import jobs
 from infra.errors import Problem
 from infra.jobs import PermanentError, TransientError
 from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed, provider_for
+from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail
 from storage.types import TextAsUuid, utcnow
@@ -144,7 +145,7 @@ def _provider(target: _Target, settings: Settings):
     return provider
 
 
-def perform_enrollment(job: Job, settings: Settings, session_scope) -> Enrollment | Stale:
+def perform_enrollment(job: Job, settings: Settings) -> Enrollment | Stale:
     """Enroll the job's rail with its provider (idempotency key: the job id).
 
     Raises :class:`EnrollmentFailed` (a rejection, a read timeout, a card token no longer readable:
@@ -167,7 +168,7 @@ def _enroll(job: Job, target: _Target, data: dict, settings: Settings) -> Enroll
     return provider.enroll(card, target.consumer, attempt=target.attempt, idempotency_key=str(job.id))
 
 
-def perform_enrollment_read(job: Job, read: dict, settings: Settings, session_scope) -> Enrollment | Stale:
+def perform_enrollment_read(job: Job, read: dict, settings: Settings) -> Enrollment | Stale:
     """:func:`perform_enrollment` with what the lease statement read (:func:`enrollment_reads`): no
     read transaction; the card token's activity is counted in one statement not waiting for the
     WAL flush (the job's outcome or failure commit makes it durable). Raises as
@@ -188,7 +189,7 @@ def perform_enrollment_read(job: Job, read: dict, settings: Settings, session_sc
     return _enroll(job, target, data, settings)
 
 
-def perform_poll(job: Job, settings: Settings, session_scope) -> Enrollment | Stale:
+def perform_poll(job: Job, settings: Settings) -> Enrollment | Stale:
     """Ask the provider for the state of a pending enrollment; TransientError while still pending."""
     with session_scope() as session:
         target = _target(session, job)
@@ -296,7 +297,7 @@ def _delete_subject(job: Job) -> tuple[str, str]:
     return job.subject_id or "", job.operation_id or ""
 
 
-def perform_delete(job: Job, settings: Settings, session_scope) -> str | Stale:
+def perform_delete(job: Job, settings: Settings) -> str | Stale:
     """Remove each rail's provider enrollment not removed yet, recording each removal at once.
 
     A failing removal raises (TransientError: retried; PermanentError: the cascade stops, and the
@@ -314,7 +315,7 @@ def perform_delete(job: Job, settings: Settings, session_scope) -> str | Stale:
         todo = [(r.id, r.provider, r.enrollment_id) for r in rails_of(session, pm_id)
                 if r.enrollment_id and r.enrollment_removed_at is None]
         allowance_ids = allowance_work.payment_method_allowances(session, pm_id)
-    allowance_work.cancel_rails(session_scope, settings, allowance_ids, key=str(job.id))
+    allowance_work.cancel_rails(settings, allowance_ids, key=str(job.id))
     for rail_id, provider_name, enrollment_id in todo:
         provider = provider_for(provider_name, tenant_type, settings)
         try:
