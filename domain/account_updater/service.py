@@ -73,8 +73,8 @@ from domain.webhooks.events import emit as emit_event
 from domain.webhooks.events import emit_many
 from infra import jobs
 from infra.dispatch import enqueue_after_commit
-from infra.errors import not_found
 from infra.jobs import PermanentError, TransientError
+from infra.lookup import get_owned
 from providers.account_updates import MAX_ITEMS, AccountUpdatesClient, UpdateItem, UpdateResult, base_url
 from storage import s3
 from storage.crypto import DecryptionError, get_keyring
@@ -313,10 +313,8 @@ def get_job(
 ) -> AccountUpdaterJob:
     """The tenant's job; 404 when missing, another tenant's, or pending past its upload window."""
     now = now or utcnow()
-    job = session.get(AccountUpdaterJob, job_id)
-    if job is None or job.tenant_id != caller.tenant_id or not _visible(job, now):
-        raise not_found("account updater job")
-    return job
+    return get_owned(session, AccountUpdaterJob, job_id, caller.tenant_id, what="account updater job",
+                     where=lambda job: _visible(job, now))
 
 
 def read_job(session: Session, caller: Caller, job_id: uuid.UUID, *, now: dt.datetime | None = None) -> dict:

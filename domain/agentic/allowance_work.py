@@ -37,6 +37,7 @@ from domain.agentic.payment_methods import record_provider_error
 from domain.webhooks import events
 from infra import http
 from infra.jobs import PermanentError, TransientError
+from providers import ProviderNotConfigured
 from providers.agentic import (
     Amount,
     CredentialOutcomeUnknown,
@@ -45,7 +46,7 @@ from providers.agentic import (
     ProviderAllowance,
     ProviderRejection,
     VerificationState,
-    provider_for,
+    require_provider,
 )
 from storage.db import session_scope
 from storage.models import Job, Tenant
@@ -65,10 +66,10 @@ class Stale:
 
 def _provider(name: str, tenant_id: uuid.UUID, session: Session, settings: Settings):
     tenant_type = session.get(Tenant, tenant_id).type
-    provider = provider_for(name, tenant_type, settings)
-    if provider is None:
-        raise ProviderRejection("PROVIDER_NOT_CONFIGURED", f"{name} is not configured")
-    return provider
+    try:
+        return require_provider(name, tenant_type, settings)
+    except ProviderNotConfigured as exc:
+        raise ProviderRejection(exc.code, str(exc)) from None
 
 
 def _code(error: Exception, fallback: str) -> tuple[str, int]:

@@ -51,7 +51,8 @@ from domain.tokens.service import live_token_reads, open_token_data
 from infra import jobs
 from infra.errors import Problem
 from infra.jobs import PermanentError, TransientError
-from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed, provider_for
+from providers import ProviderNotConfigured
+from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed, require_provider
 from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail
@@ -139,10 +140,10 @@ def poll_delay(attempt: int) -> float:
 
 
 def _provider(target: _Target, settings: Settings):
-    provider = provider_for(target.provider, target.tenant_type, settings)
-    if provider is None:
-        raise EnrollmentFailed("PROVIDER_NOT_CONFIGURED", f"{target.provider} is not configured")
-    return provider
+    try:
+        return require_provider(target.provider, target.tenant_type, settings)
+    except ProviderNotConfigured as exc:
+        raise EnrollmentFailed(exc.code, str(exc)) from None
 
 
 def perform_enrollment(job: Job, settings: Settings) -> Enrollment | Stale:
@@ -317,11 +318,8 @@ def perform_delete(job: Job, settings: Settings) -> str | Stale:
         allowance_ids = allowance_work.payment_method_allowances(session, pm_id)
     allowance_work.cancel_rails(settings, allowance_ids, key=str(job.id))
     for rail_id, provider_name, enrollment_id in todo:
-        provider = provider_for(provider_name, tenant_type, settings)
         try:
-            if provider is None:
-                raise PermanentError("PROVIDER_NOT_CONFIGURED", f"{provider_name} is not configured")
-            provider.delete_enrollment(enrollment_id)
+            require_provider(provider_name, tenant_type, settings).delete_enrollment(enrollment_id)
         except (PermanentError, TransientError) as exc:
             exc.rail_id = rail_id
             raise

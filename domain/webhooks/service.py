@@ -46,6 +46,7 @@ from infra import jobs
 from infra.celery import DELIVER_TASK
 from infra.errors import not_found, validation_problem
 from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many, validate_destination_url
+from infra.lookup import get_owned
 from infra.signing import headers as signature_headers
 from storage.db import session_scope
 from storage.keyset import keyset_page
@@ -110,10 +111,7 @@ def create_webhook(
 
 def get_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> Webhook:
     """The tenant's webhook, else 404."""
-    webhook = session.get(Webhook, webhook_id)
-    if webhook is None or webhook.tenant_id != caller.tenant_id:
-        raise not_found("webhook")
-    return webhook
+    return get_owned(session, Webhook, webhook_id, caller.tenant_id, what="webhook")
 
 
 def read_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> dict:
