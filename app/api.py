@@ -36,7 +36,8 @@ from pydantic_core import from_json
 from app.context import DB_EXECUTOR, GROUP_COMMIT, JOB_WAITS, SETTINGS, TRACE_ID
 from domain.tenancy.auth import authenticate, caller_cache
 from domain.tenancy.caller import Caller
-from infra.errors import Problem, not_found, validation_problem
+from infra.errors import Problem, not_found, validation_errors, validation_problem
+from infra.lookup import parse_uuid
 from infra.wait import Outcome, read_outcomes
 from storage.db import session_scope
 
@@ -96,10 +97,10 @@ class Call:
 
     def uuid_param(self, name: str = "id", *, what: str = "entity") -> uuid.UUID:
         """The path parameter ``name`` as a UUID; a malformed one answers 404 like a missing ``what``."""
-        try:
-            return uuid.UUID(self.request.match_info[name])
-        except ValueError:
-            raise not_found(what) from None
+        parsed = parse_uuid(self.request.match_info[name])
+        if parsed is None:
+            raise not_found(what)
+        return parsed
 
     @property
     def settings(self):
@@ -373,7 +374,7 @@ def _parse_query(model: type[BaseModel], request: web.Request) -> BaseModel:
     try:
         parsed = model.model_validate(raw)
     except ValidationError as exc:
-        raise validation_problem(pydantic_errors(exc)) from None
+        raise validation_problem(validation_errors(exc)) from None
     if extras:
         object.__setattr__(parsed, "__query_extra__", extras)
     return parsed
@@ -486,71 +487,7 @@ async def _parse_body(route: Route, request: web.Request) -> tuple[Any, Any]:
     try:
         return payload, route.body_adapter.validate_python(payload)  # type: ignore[union-attr]
     except ValidationError as exc:
-        raise validation_problem(pydantic_errors(exc)) from None
-
-
-def pydantic_errors(exc: ValidationError, prefix: str = "") -> dict[str, list[str]]:
-    """Turn a pydantic ValidationError into the problem's ``errors`` map (field path -> messages)."""
-    errors: dict[str, list[str]] = {}
-    for error in exc.errors(include_url=False):
-        path = prefix
-        for part in error["loc"]:
-            if isinstance(part, int):
-                path += f"[{part}]"
-            else:
-                path = f"{path}.{part}" if path else str(part)
-        errors.setdefault(path or "body", []).append(_message(error))
-    return errors
-
-
-#: pydantic error type -> the message in the domain's voice (``is required``, ``must be a string`` ...),
-#: formatted with the error's context; types not listed keep pydantic's message.
-_MESSAGES = {
-    "missing": "is required",
-    "extra_forbidden": "This property is not allowed.",
-    "string_type": "must be a string",
-    "int_type": "must be an integer",
-    "int_parsing": "must be an integer",
-    "int_from_float": "must be an integer",
-    "float_type": "must be a number",
-    "float_parsing": "must be a number",
-    "bool_type": "must be a boolean",
-    "bool_parsing": "must be a boolean",
-    "dict_type": "must be an object",
-    "model_type": "must be an object",
-    "model_attributes_type": "must be an object",
-    "list_type": "must be an array",
-    "uuid_type": "must be a uuid",
-    "uuid_parsing": "must be a uuid",
-    "datetime_type": "must be an ISO 8601 date-time",
-    "datetime_parsing": "must be an ISO 8601 date-time",
-    "datetime_from_date_parsing": "must be an ISO 8601 date-time",
-    "string_too_short": "must be at least {min_length} characters",
-    "string_too_long": "must be at most {max_length} characters",
-    "too_short": "must have at least {min_length} items",
-    "too_long": "must have at most {max_length} items",
-    "greater_than_equal": "must be at least {ge}",
-    "greater_than": "must be greater than {gt}",
-    "less_than_equal": "must be at most {le}",
-    "less_than": "must be less than {lt}",
-    "string_pattern_mismatch": "must match the pattern {pattern}",
-    "literal_error": "must be one of {expected}",
-    "enum": "must be one of {expected}",
-    "value_error": "{error}",
-}
-
-
-def _message(error: dict) -> str:
-    """One validation message in the platform's voice (the same phrasing as the domain's checks)."""
-    template = _MESSAGES.get(error["type"])
-    if error["type"] in ("string_too_short", "too_short") and (error.get("ctx") or {}).get("min_length") == 1:
-        return "must not be empty"
-    if template is None:
-        return error["msg"]
-    try:
-        return template.format(**(error.get("ctx") or {}))
-    except (KeyError, IndexError):
-        return error["msg"]
+        raise validation_problem(validation_errors(exc)) from None
 
 
 def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -598,6 +535,6 @@ def _to_response(route: Route, result: Any) -> web.StreamResponse:
         body = adapter.dump_json(adapter.validate_python(result), exclude_unset=True, by_alias=True)
     except ValidationError as exc:
         log.error("the answer of %s %s does not fit its response model: %s", route.method, route.path,
-                  pydantic_errors(exc))
+                  validation_errors(exc))
         raise Problem(500, "An unexpected error occurred.") from None
     return web.Response(status=status, body=body, content_type=route.response_content_type)

@@ -307,7 +307,7 @@ def profile_one_chunk(job_id: str) -> None:
     profiler = cProfile.Profile()
     started = time.perf_counter()
     profiler.enable()
-    outcome = au.process_chunk(uuid.UUID(job_id), 0, session_scope)
+    outcome = au.process_chunk(uuid.UUID(job_id), 0)
     profiler.disable()
     perform = time.perf_counter() - started
     with session_scope() as session:

@@ -6,7 +6,11 @@ status the API answers; the error middleware renders it (``app/problems.py``) an
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from http import HTTPStatus
+from typing import Any
+
+from pydantic import ValidationError
 
 VALIDATION_TITLE = "One or more validation errors occurred."
 
@@ -49,6 +53,83 @@ class Problem(Exception):
             payload["errors"] = self.errors
         payload.update(self.extra)
         return payload
+
+
+def validation_errors(
+    exc: ValidationError, *, prefix: str = "", union_tags: Collection[str] = ()
+) -> dict[str, list[str]]:
+    """A pydantic ValidationError as the problem's ``errors`` map (property path -> messages, in the
+    platform's voice: ``is required``, ``must be a string`` ...): the one converter of validation
+    errors, for :func:`validation_problem`.
+
+    ``prefix`` starts every path (``request``); ``union_tags`` are the tags of discriminated unions,
+    which pydantic puts in a location after the union's property or item and which are no property
+    themselves (``request_transforms[0].expression``, not ``request_transforms[0].mask.expression``)."""
+    errors: dict[str, list[str]] = {}
+    for error in exc.errors(include_url=False):
+        path = prefix
+        skipped = False
+        for index, part in enumerate(error["loc"]):
+            if isinstance(part, int):
+                path += f"[{part}]"
+            elif part in union_tags and index > 0 and not skipped:
+                skipped = True  # the union's tag, not a property
+                continue
+            else:
+                path = f"{path}.{part}" if path else str(part)
+            skipped = False
+        errors.setdefault(path or "body", []).append(_message(error))
+    return errors
+
+
+#: pydantic error type -> the message in the domain's voice (``is required``, ``must be a string`` ...),
+#: formatted with the error's context; types not listed keep pydantic's message.
+_MESSAGES = {
+    "missing": "is required",
+    "extra_forbidden": "This property is not allowed.",
+    "string_type": "must be a string",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be a boolean",
+    "bool_parsing": "must be a boolean",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "list_type": "must be an array",
+    "uuid_type": "must be a uuid",
+    "uuid_parsing": "must be a uuid",
+    "datetime_type": "must be an ISO 8601 date-time",
+    "datetime_parsing": "must be an ISO 8601 date-time",
+    "datetime_from_date_parsing": "must be an ISO 8601 date-time",
+    "string_too_short": "must be at least {min_length} characters",
+    "string_too_long": "must be at most {max_length} characters",
+    "too_short": "must have at least {min_length} items",
+    "too_long": "must have at most {max_length} items",
+    "greater_than_equal": "must be at least {ge}",
+    "greater_than": "must be greater than {gt}",
+    "less_than_equal": "must be at most {le}",
+    "less_than": "must be less than {lt}",
+    "string_pattern_mismatch": "must match the pattern {pattern}",
+    "literal_error": "must be one of {expected}",
+    "enum": "must be one of {expected}",
+    "value_error": "{error}",
+}
+
+
+def _message(error: Any) -> str:
+    """One validation message in the platform's voice (the same phrasing as the domain's checks)."""
+    template = _MESSAGES.get(error["type"])
+    if error["type"] in ("string_too_short", "too_short") and (error.get("ctx") or {}).get("min_length") == 1:
+        return "must not be empty"
+    if template is None:
+        return error["msg"]
+    try:
+        return template.format(**(error.get("ctx") or {}))
+    except (KeyError, IndexError):
+        return error["msg"]
 
 
 def validation_problem(errors: dict[str, list[str]], detail: str | None = None) -> Problem:

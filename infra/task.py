@@ -21,7 +21,7 @@ in three hooks::
     class Provision(JobTask):
         name = "network_tokens.provision"
 
-        def perform(self, job):                       # outside any transaction: the provider call,
+        def perform(self, job, inputs):               # outside any transaction: the provider call,
             return adapter.provision(..., idempotency_key=str(job.id))   # may raise Transient/Permanent
 
         def apply(self, session, job, outcome):       # one transaction with the job's completion:
@@ -32,6 +32,14 @@ in three hooks::
             ...
 
     celery_app.register_task(Provision())
+
+``inputs`` is always what the lease statement read for the job: the values of :meth:`JobTask.lease_reads`
+(none by default, so an empty dict). How long the lease lasts is declared as data: ``lease_seconds``
+plus, for a length that follows the settings, ``lease_settings`` (setting name -> factor)::
+
+    class Enroll(JobTask):
+        lease_seconds = 10.0           # one provider call's timeouts plus 10 s
+        lease_settings = {"provider_connect_timeout_seconds": 1, "agentic_provider_timeout_seconds": 1}
 
 The template leases the job (a duplicate message or a second worker does nothing), runs ``perform``
 without holding a transaction, then in one transaction writes the outcome with ``apply`` and
@@ -48,12 +56,15 @@ import logging
 import os
 import socket
 import uuid
-from typing import Any
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 from celery import Task
 from celery.exceptions import Retry
 from sqlmodel import Session
 
+from config.settings import Settings, get_settings
 from infra import jobs
 from infra.jobs import PermanentError, TransientError
 from storage.db import session_scope
@@ -79,31 +90,51 @@ class AttemptFailed(Exception):
 class TesseraTask(Task):
     """Acknowledged late, rejected on worker loss, time-limited; arguments are ids only.
 
-    ``lease_seconds`` (when a task leases rows) also bounds the run (:attr:`time_limit`).
+    The lease (when a task leases rows) also bounds the run (:attr:`time_limit`). Its length is data:
+    ``lease_seconds`` plus each setting of ``lease_settings`` times its factor (:meth:`lease_length`).
     """
 
     abstract = True
     acks_late = True
     reject_on_worker_lost = True
     throws = (AttemptFailed,)
-    #: How long a worker holds what it leased (seconds); None for tasks that lease nothing.
+    #: The fixed part of how long a worker holds what it leased (seconds); None for tasks that lease nothing.
     lease_seconds: float | None = None
+    #: The part that follows the settings: setting name (a number of seconds) -> factor.
+    lease_settings: ClassVar[Mapping[str, float]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a ``lease_settings`` naming no setting, when the class is made rather than at run time."""
+        super().__init_subclass__(**kwargs)
+        unknown = set(cls.lease_settings) - set(Settings.model_fields)
+        if unknown:
+            raise TypeError(f"{cls.__name__}.lease_settings names no setting: {sorted(unknown)}")
 
     @staticmethod
-    def session_scope():
+    def session_scope() -> AbstractContextManager[Session]:
         """A unit of work (:func:`storage.db.session_scope`)."""
         return session_scope()
 
+    def lease_length(self, settings: Settings | None = None) -> float | None:
+        """How long a worker holds what it leased (seconds): ``lease_seconds`` plus each of
+        ``lease_settings`` times its factor, read from ``settings`` (default: the process's); None
+        when the task leases nothing."""
+        if self.lease_seconds is None and not self.lease_settings:
+            return None
+        settings = settings or get_settings()
+        return (self.lease_seconds or 0.0) + sum(
+            getattr(settings, name) * factor for name, factor in self.lease_settings.items())
+
     @property
-    def time_limit(self) -> float | None:  # type: ignore[override]
+    def time_limit(self) -> float | None:
         """The hard time limit of a run (seconds): the lease plus :data:`LEASE_OVERRUN_SECONDS` when
         the task leases (a run outlives its lease by at most that: a second worker that took the
         expired lease meanwhile repeats an idempotent step), else the app's ``task_time_limit``."""
-        lease = self.lease_seconds
+        lease = self.lease_length()
         return None if lease is None else lease + LEASE_OVERRUN_SECONDS
 
     @property
-    def soft_time_limit(self) -> float | None:  # type: ignore[override]
+    def soft_time_limit(self) -> float | None:
         """Ten seconds before the hard limit, so the run can end cleanly."""
         hard = self.time_limit
         return None if hard is None else hard - 10
@@ -128,7 +159,7 @@ class JobTask(TesseraTask):
     """Base class of tasks that run a recorded :class:`storage.models.Job`."""
 
     abstract = True
-    lease_seconds: float = 120.0
+    lease_seconds: float | None = 120.0
     #: The first retry delay (seconds) of the exponential backoff, when the error names no delay.
     backoff_base: float = 2.0
     #: True: ``apply`` gets the job as leased, not loaded into its session (it reads the job's
@@ -139,7 +170,7 @@ class JobTask(TesseraTask):
 
     def lease_reads(self) -> dict[str, Any]:
         """What ``perform`` needs, read by the lease statement itself (:func:`infra.jobs.lease_and_read`):
-        name -> scalar SQL expression over the job row. Given any, ``perform(job, read)`` gets their values."""
+        name -> scalar SQL expression over the job row; ``perform(job, inputs)`` gets their values."""
         return {}
 
     def _lease_reads(self) -> tuple[dict[str, Any], jobs.PreparedLease]:
@@ -150,8 +181,10 @@ class JobTask(TesseraTask):
             cached = self.__dict__["_prepared_lease"] = (reads, jobs.PreparedLease(reads))
         return cached
 
-    def perform(self, job: Job) -> Any:
-        """Do the slow part (provider calls) outside any transaction; return what ``apply`` needs."""
+    def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
+        """Do the slow part (provider calls) outside any transaction; return what ``apply`` needs.
+
+        ``inputs``: what the lease statement read (:meth:`lease_reads`; empty when it reads nothing)."""
         raise NotImplementedError
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
@@ -167,13 +200,13 @@ class JobTask(TesseraTask):
         message, another worker's lease, not due yet); raises Retry or :class:`AttemptFailed` after
         recording a retry or a failure."""
         reads, prepared = self._lease_reads()
-        leased = jobs.lease_and_read(uuid.UUID(job_id), self.worker_id(), lease_seconds=self.lease_seconds,
+        leased = jobs.lease_and_read(uuid.UUID(job_id), self.worker_id(), lease_seconds=self._job_lease(),
                                      reads=reads, prepared=prepared)
         if leased is None:
             return "skipped"
-        job, read = leased
+        job, inputs = leased
         try:
-            outcome = self.perform(job, read) if reads else self.perform(job)
+            outcome = self.perform(job, inputs)
         except TransientError as exc:
             return self._retry(job, exc)
         except PermanentError as exc:
@@ -186,6 +219,12 @@ class JobTask(TesseraTask):
                 current = session.get(Job, job.id, with_for_update=True)  # locked first, as above
                 jobs.complete(session, current, result=self.apply(session, current, outcome))
         return "succeeded"
+
+    def _job_lease(self) -> float:
+        lease = self.lease_length()
+        if lease is None:
+            raise TypeError(f"{self.name} is a job task without a lease length")
+        return lease
 
     def _retry(self, job: Job, exc: TransientError) -> str:
         with self.session_scope() as session:

@@ -98,13 +98,27 @@ def _outcome_of(status: int) -> str:
     return "client_error"
 
 
-def not_configured(provider: str) -> Problem:
-    """The 422 answered when a production tenant needs a provider that has no live configuration."""
-    return Problem(
-        422,
-        f"The {provider} provider is not configured for production tenants on this deployment.",
-        title="Provider not configured",
-    )
+class ProviderNotConfigured(Problem, PermanentError):
+    """The one way an adapter says that its provider has no configuration for a tenant: raised where
+    the adapter would be made. It is the 422 problem ``Provider not configured`` for a request, and
+    the permanent error ``PROVIDER_NOT_CONFIGURED`` (status 422) for a job.
+
+    ``detail`` defaults to ``The <provider> provider is not configured for production tenants on this
+    deployment.``"""
+
+    def __init__(self, provider: str, detail: str | None = None):
+        detail = detail or f"The {provider} provider is not configured for production tenants on this deployment."
+        Exception.__init__(self, detail)  # both bases' attributes are set here: their __init__s do not chain
+        self.provider = provider
+        self.status = 422
+        self.title = "Provider not configured"
+        self.detail = detail
+        self.type = "about:blank"
+        self.errors = None
+        self.headers = {}
+        self.extra = {}
+        self.code = "PROVIDER_NOT_CONFIGURED"
+        self.details = {}
 
 
 def permanent_from_answer(answer: ProviderAnswer, *, default_code: str) -> PermanentError:

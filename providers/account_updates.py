@@ -17,7 +17,7 @@ from typing import Any
 
 from config.settings import Settings, get_settings
 from infra.jobs import PermanentError
-from providers import HttpClient, permanent_from_answer
+from providers import HttpClient, ProviderNotConfigured, permanent_from_answer
 from providers.card_network import PROVIDER_NAME
 
 PATH = "/card-network/account-updates"
@@ -57,14 +57,14 @@ class UpdateResult:
 def base_url(tenant_type: str, settings: Settings | None = None) -> str:
     """The card network's base URL for a tenant of ``tenant_type`` (``test`` -> the sandbox).
 
-    Raises PermanentError ``PROVIDER_NOT_CONFIGURED`` for a production tenant without
+    Raises :class:`providers.ProviderNotConfigured` for a production tenant without
     ``TESSERA_CARD_NETWORK_URL``.
     """
     settings = settings or get_settings()
     if tenant_type == "test":
         return settings.sandbox_url
     if not settings.card_network_url:
-        raise PermanentError("PROVIDER_NOT_CONFIGURED", NOT_CONFIGURED)
+        raise ProviderNotConfigured(PROVIDER_NAME, NOT_CONFIGURED)
     return settings.card_network_url
 
 

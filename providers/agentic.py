@@ -49,7 +49,7 @@ import urllib3
 
 from config.settings import Settings
 from infra.jobs import PermanentError, TransientError
-from providers import HttpClient, ProviderAnswer
+from providers import HttpClient, ProviderAnswer, ProviderNotConfigured
 
 PROVIDERS: tuple[str, ...] = ("vic", "agentpay", "psp")
 """The agentic providers, by the names the API shows."""
@@ -259,10 +259,20 @@ class AgenticProvider(Protocol):
 
 
 def provider_for(name: str, tenant_type: str, settings: Settings) -> AgenticProvider | None:
+    """:func:`require_provider`, or None when the provider is not configured for the tenant (a check
+    made before any work is recorded)."""
+    try:
+        return require_provider(name, tenant_type, settings)
+    except ProviderNotConfigured:
+        return None
+
+
+def require_provider(name: str, tenant_type: str, settings: Settings) -> AgenticProvider:
     """The adapter of provider ``name`` for a tenant of ``tenant_type`` (``test`` or ``production``).
 
-    Test tenants get the sandbox; production tenants the live URL, or None when it is not set.
-    Raises ValueError for an unknown provider name.
+    Test tenants get the sandbox; production tenants the live URL. Raises
+    :class:`providers.ProviderNotConfigured` (``<name> is not configured``) when that is not set,
+    ValueError for an unknown provider name.
     """
     if name not in PROVIDERS:
         raise ValueError(f"unknown agentic provider {name}")
@@ -271,7 +281,7 @@ def provider_for(name: str, tenant_type: str, settings: Settings) -> AgenticProv
     else:
         base_url = getattr(settings, LIVE_URL_SETTINGS[name])
         if not base_url:
-            return None
+            raise ProviderNotConfigured(name, f"{name} is not configured")
     return HttpAgenticProvider(
         name,
         base_url,

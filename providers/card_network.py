@@ -5,7 +5,7 @@ speaks the card-network HTTP contract of ``sandbox/README.md`` ("Card networks: 
 :class:`providers.HttpClient` (timeouts from the ``provider_*_timeout_seconds`` settings, the
 caller's idempotency key on every mutating call). :func:`card_network_for` picks the sandbox for test
 tenants and the live network configured by ``card_network_url`` for production tenants (422
-:func:`providers.not_configured` when there is none).
+:class:`providers.ProviderNotConfigured` when there is none).
 
 Failures are classified for the job template (``infra/task.py``): connection errors, timeouts, 408,
 429 and 5xx are :class:`infra.jobs.TransientError` (retried with backoff); other 4xx answers are
@@ -25,7 +25,7 @@ from typing import Any
 
 from config.settings import Settings, get_settings
 from infra.jobs import PermanentError, TransientError
-from providers import HttpClient, ProviderAnswer, not_configured, permanent_from_answer
+from providers import HttpClient, ProviderAnswer, ProviderNotConfigured, permanent_from_answer
 
 PROVIDER_NAME = "card network"
 SANDBOX_PATH = "/card-network"
@@ -245,7 +245,7 @@ def card_network_for(who: object, settings: Settings | None = None) -> CardNetwo
 
     Test tenants reach the sandbox at ``TESSERA_SANDBOX_URL`` + ``/card-network``; production tenants
     the live network at ``TESSERA_CARD_NETWORK_URL``. Raises the 422 problem of
-    :func:`providers.not_configured` for a production tenant when no live URL is configured.
+    :class:`providers.ProviderNotConfigured` for a production tenant when no live URL is configured.
     """
     settings = settings or get_settings()
     tenant_type = who if isinstance(who, str) else who.tenant_type
@@ -256,5 +256,5 @@ def card_network_for(who: object, settings: Settings | None = None) -> CardNetwo
     if tenant_type == "test":
         return HttpCardNetwork(settings.sandbox_url.rstrip("/") + SANDBOX_PATH, **timeouts)
     if not settings.card_network_url:
-        raise not_configured(PROVIDER_NAME)
+        raise ProviderNotConfigured(PROVIDER_NAME)
     return HttpCardNetwork(settings.card_network_url, **timeouts)

@@ -3,7 +3,7 @@
 :class:`WalletGateway` speaks the contract of ``sandbox/README.md`` ("Wallet session gateway") over
 :class:`providers.HttpClient`. Test tenants reach the sandbox's ``sandbox`` environment
 (``TESSERA_SANDBOX_URL`` + ``/wallet-gateway/sandbox``); production tenants need the live provider's
-registration service, which this deployment does not configure (422 :func:`providers.not_configured`).
+registration service, which this deployment does not configure (422 :class:`providers.ProviderNotConfigured`).
 The merchant id toward the provider is the tenant id.
 
 Failures: connection errors, timeouts, 408, 429 and 5xx are :class:`infra.jobs.TransientError`; a
@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from config.settings import Settings, get_settings
 from infra.jobs import PermanentError, TransientError
-from providers import HttpClient, ProviderAnswer, not_configured
+from providers import HttpClient, ProviderAnswer, ProviderNotConfigured
 
 PROVIDER_NAME = "wallet session gateway"
 SANDBOX_PATH = "/wallet-gateway/sandbox"
@@ -98,4 +98,4 @@ def wallet_gateway_for(tenant_type: str, settings: Settings | None = None) -> Wa
     settings = settings or get_settings()
     if tenant_type == "test":
         return WalletGateway(settings.sandbox_url.rstrip("/") + SANDBOX_PATH, settings)
-    raise not_configured(PROVIDER_NAME)
+    raise ProviderNotConfigured(PROVIDER_NAME)

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Any
 
 from sqlmodel import Session
 
-from config.settings import get_settings
 from domain.account_updater import service
 from infra.celery import celery_app
 from infra.jobs import PermanentError, TransientError
@@ -46,11 +46,9 @@ class _AccountUpdaterJobTask(JobTask):
     """The shared part: the lease follows ``TESSERA_JOB_LEASE_SECONDS``; failures fail the job."""
 
     abstract = True
-
-    @property
-    def lease_seconds(self) -> float:  # type: ignore[override]
-        """``TESSERA_JOB_LEASE_SECONDS``: a chunk takes about a second, far below it."""
-        return get_settings().job_lease_seconds
+    #: ``TESSERA_JOB_LEASE_SECONDS``: a chunk takes about a second, far below it.
+    lease_seconds = 0.0
+    lease_settings = {"job_lease_seconds": 1.0}
 
     @staticmethod
     def job_id(job: Job) -> uuid.UUID:
@@ -66,8 +64,8 @@ class Prepare(_AccountUpdaterJobTask):
 
     name = service.PREPARE_TASK
 
-    def perform(self, job: Job) -> service.Scan:
-        return service.scan_job_file(self.job_id(job), session_scope)
+    def perform(self, job: Job, inputs: dict[str, Any]) -> service.Scan:
+        return service.scan_job_file(self.job_id(job))
 
     def apply(self, session: Session, job: Job, outcome: service.Scan) -> dict:
         return service.apply_scan(session, self.job_id(job), outcome)
@@ -83,8 +81,8 @@ class ProcessChunk(_AccountUpdaterJobTask):
         """The chunk a platform job processes (its subject number)."""
         return job.subject_number
 
-    def perform(self, job: Job) -> service.ChunkOutcome:
-        return service.process_chunk(self.job_id(job), self.chunk_number(job), session_scope)
+    def perform(self, job: Job, inputs: dict[str, Any]) -> service.ChunkOutcome:
+        return service.process_chunk(self.job_id(job), self.chunk_number(job))
 
     def apply(self, session: Session, job: Job, outcome: service.ChunkOutcome) -> dict:
         return service.apply_chunk(session, self.job_id(job), self.chunk_number(job), outcome)
@@ -95,8 +93,8 @@ class Finish(_AccountUpdaterJobTask):
 
     name = service.FINISH_TASK
 
-    def perform(self, job: Job) -> str | None:
-        return service.write_result(self.job_id(job), session_scope)
+    def perform(self, job: Job, inputs: dict[str, Any]) -> str | None:
+        return service.write_result(self.job_id(job))
 
     def apply(self, session: Session, job: Job, outcome: str | None) -> dict:
         if outcome is None:
@@ -114,7 +112,7 @@ def detect(job_id: str) -> str:
     """Look for one pending job's file; start the job when it is there. A lost message is harmless:
     the sweep looks too."""
     try:
-        return service.detect_upload(uuid.UUID(job_id), session_scope)
+        return service.detect_upload(uuid.UUID(job_id))
     except TransientError:
         log.warning("S3 did not answer while looking for the file of job %s", job_id)
         return "unavailable"
@@ -123,7 +121,7 @@ def detect(job_id: str) -> str:
 @celery_app.task(name="account_updater.detect_uploads", base=TesseraTask)
 def detect_uploads() -> int:
     """Beat sweep: start pending jobs whose file has been uploaded."""
-    return service.detect_uploads(session_scope)
+    return service.detect_uploads()
 
 
 @celery_app.task(name="account_updater.remove_expired_jobs", base=TesseraTask)

@@ -24,7 +24,6 @@ from domain.agentic import allowances as allowance_service
 from domain.agentic.payment_methods import DELETE_TASK, ENROLL_TASK, POLL_TASK, purge_provider_errors
 from infra.celery import celery_app
 from infra.task import JobTask, TesseraTask
-from storage.db import session_scope
 from tasks.sweeps import in_batches
 
 log = logging.getLogger("tessera.tasks.agentic")
@@ -36,12 +35,9 @@ class _ProviderJob(JobTask):
     """A job that makes one provider call at a time: its lease covers one call's timeouts."""
 
     abstract = True
-
-    @property
-    def lease_seconds(self) -> float:  # type: ignore[override]
-        """Seconds a worker holds the job: one call's connect and read timeouts plus 10 s."""
-        settings = get_settings()
-        return settings.provider_connect_timeout_seconds + settings.agentic_provider_timeout_seconds + 10.0
+    #: Seconds a worker holds the job: one call's connect and read timeouts plus 10 s.
+    lease_seconds = 10.0
+    lease_settings = {"provider_connect_timeout_seconds": 1.0, "agentic_provider_timeout_seconds": 1.0}
 
 
 class EnrollRail(_ProviderJob):
@@ -54,9 +50,9 @@ class EnrollRail(_ProviderJob):
         """See :func:`domain.agentic.enrollment.enrollment_reads`."""
         return enrollment.enrollment_reads()
 
-    def perform(self, job, read):
+    def perform(self, job, inputs):
         """The provider call (see :func:`domain.agentic.enrollment.perform_enrollment_read`)."""
-        return enrollment.perform_enrollment_read(job, read, get_settings(), session_scope)
+        return enrollment.perform_enrollment_read(job, inputs, get_settings())
 
     def apply(self, session, job, outcome):
         """Write the outcome (see :func:`domain.agentic.enrollment.apply_enrollment`)."""
@@ -72,9 +68,9 @@ class PollRail(_ProviderJob):
 
     name = POLL_TASK
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         """The provider read (see :func:`domain.agentic.enrollment.perform_poll`)."""
-        return enrollment.perform_poll(job, get_settings(), session_scope)
+        return enrollment.perform_poll(job, get_settings())
 
     def apply(self, session, job, outcome):
         """Write the outcome (see :func:`domain.agentic.enrollment.apply_enrollment`)."""
@@ -93,15 +89,12 @@ class DeletePaymentMethod(_ProviderJob):
 
     name = DELETE_TASK
 
-    @property
-    def lease_seconds(self) -> float:  # type: ignore[override]
-        """Seconds a worker holds the job: two calls' timeouts plus 10 s."""
-        settings = get_settings()
-        return 2 * (settings.provider_connect_timeout_seconds + settings.agentic_provider_timeout_seconds) + 10.0
+    #: Seconds a worker holds the job: two calls' timeouts plus 10 s.
+    lease_settings = {"provider_connect_timeout_seconds": 2.0, "agentic_provider_timeout_seconds": 2.0}
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         """The provider removals (see :func:`domain.agentic.enrollment.perform_delete`)."""
-        return enrollment.perform_delete(job, get_settings(), session_scope)
+        return enrollment.perform_delete(job, get_settings())
 
     def apply(self, session, job, outcome):
         """Mark the payment method deleted (see :func:`domain.agentic.enrollment.apply_delete`)."""
@@ -120,15 +113,12 @@ class _AllowanceJob(_ProviderJob):
     abstract = True
     steps: tuple = ()
 
-    @property
-    def lease_seconds(self) -> float:  # type: ignore[override]
-        """Seconds a worker holds the job: two calls' timeouts plus 10 s."""
-        settings = get_settings()
-        return 2 * (settings.provider_connect_timeout_seconds + settings.agentic_provider_timeout_seconds) + 10.0
+    #: Seconds a worker holds the job: two calls' timeouts plus 10 s.
+    lease_settings = {"provider_connect_timeout_seconds": 2.0, "agentic_provider_timeout_seconds": 2.0}
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         """The provider calls, outside any transaction."""
-        return self.steps[0](job, get_settings(), session_scope)
+        return self.steps[0](job, get_settings())
 
     def apply(self, session, job, outcome):
         """Write the outcome with the job's completion."""

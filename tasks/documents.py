@@ -8,6 +8,7 @@ the ``tenant_admin.sweep_documents`` sweep removes whatever a dead letter leaves
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 from sqlmodel import Session
@@ -25,7 +26,7 @@ class PurgeDocument(JobTask):
     name = documents.PURGE_TASK
     lease_seconds = 120.0
 
-    def perform(self, job: Job) -> bool:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> bool:
         """True when the object was removed now; False when the document is not (or no longer) deleted.
 
         Raises :class:`~infra.jobs.TransientError` when S3 refuses or cannot be reached."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlmodel import Session
 
@@ -51,7 +51,7 @@ class MailJob(JobTask):
     def sent(self, session: Session, job: Job) -> None:
         """Note that the mail went out (default: nothing)."""
 
-    def perform(self, job: Job) -> bool:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> bool:
         """Send the mail: SMTP failures become :class:`TransientError` or :class:`PermanentError`."""
         settings = get_settings()
         with self.session_scope() as session:

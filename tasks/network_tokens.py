@@ -13,7 +13,6 @@ from typing import Any
 
 from sqlmodel import Session
 
-from config.settings import get_settings
 from domain.network_tokens import service, token_intents
 from infra.celery import celery_app
 from infra.task import JobTask, TesseraTask
@@ -29,11 +28,8 @@ class NetworkTokenJob(JobTask):
     """Base of the network-token job tasks: the lease follows ``TESSERA_JOB_LEASE_SECONDS``."""
 
     abstract = True
-
-    @property
-    def lease_seconds(self) -> float:  # type: ignore[override]
-        """How long a worker holds the job (seconds)."""
-        return get_settings().job_lease_seconds
+    lease_seconds = 0.0
+    lease_settings = {"job_lease_seconds": 1.0}
 
 
 class Provision(NetworkTokenJob):
@@ -51,9 +47,9 @@ class Provision(NetworkTokenJob):
         """See :func:`domain.network_tokens.service.provisioning_reads`."""
         return service.provisioning_reads()
 
-    def perform(self, job: Job, read: dict) -> Any:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The network's :class:`~providers.card_network.ProvisionedToken` (None: nothing to do)."""
-        found = service.provisioning_input(job, read)
+        found = service.provisioning_input(job, inputs)
         if found is None:
             return None
         network, card = found
@@ -72,7 +68,7 @@ class _Change(NetworkTokenJob):
     abstract = True
     action = ""
 
-    def perform(self, job: Job) -> Any:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The network's status after the change (None: the network token was removed meanwhile)."""
         with session_scope() as session:
             found = service.change_input(session, job)
@@ -110,7 +106,7 @@ class DeleteAtNetwork(NetworkTokenJob):
 
     name = service.DELETE_TASK
 
-    def perform(self, job: Job) -> Any:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The network's status of the token (``deleted``)."""
         with session_scope() as session:
             network, reference = service.delete_input(session, job)
@@ -126,7 +122,7 @@ class CardArt(NetworkTokenJob):
 
     name = service.CARD_ART_TASK
 
-    def perform(self, job: Job) -> Any:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The card art object (None: the network token was removed meanwhile)."""
         with session_scope() as session:
             found = service.network_reference_input(session, job)
@@ -146,7 +142,7 @@ class MakeCryptogram(NetworkTokenJob):
 
     name = service.CRYPTOGRAM_TASK
 
-    def perform(self, job: Job) -> Any:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The sealed cryptogram ``{"sealed", "eci"}`` (None: the network token was removed)."""
         with session_scope() as session:
             found = service.network_reference_input(session, job)

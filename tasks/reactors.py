@@ -44,7 +44,7 @@ class BuildReactor(JobTask):
     lease_seconds = 600.0
     backoff_base = 5.0
 
-    def perform(self, job: Job) -> Any:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The :class:`~domain.reactors.runtime.Build` (None: nothing to build any more)."""
         with session_scope() as session:
             runtime = service.build_input(session, job)
@@ -101,7 +101,7 @@ class RunReactor(JobTask):
             send_task(self.name, job_id=str(following))
         return outcome
 
-    def perform(self, job: Job) -> Any:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """See :func:`domain.reactors.runs.perform_run`."""
         return runs.perform_run(job)
 

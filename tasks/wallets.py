@@ -5,24 +5,19 @@ registration, its removal at the provider, and merchant sessions. Thin shells: t
 
 from __future__ import annotations
 
-from config.settings import get_settings
 from domain.wallets import domains
 from infra.celery import celery_app
 from infra.task import JobTask
-from storage.db import session_scope
 
 
 class _WalletJob(JobTask):
     """A job making at most one fetch and one provider call: its lease covers their timeouts."""
 
     abstract = True
-
-    @property
-    def lease_seconds(self) -> float:  # type: ignore[override]
-        """Seconds a worker holds the job: a fetch and a call plus 10 s."""
-        settings = get_settings()
-        return (settings.webhook_timeout_seconds * 2 + settings.provider_connect_timeout_seconds
-                + settings.provider_read_timeout_seconds + 10.0)
+    #: Seconds a worker holds the job: a fetch and a call plus 10 s.
+    lease_seconds = 10.0
+    lease_settings = {"webhook_timeout_seconds": 2.0, "provider_connect_timeout_seconds": 1.0,
+                      "provider_read_timeout_seconds": 1.0}
 
 
 class RegisterDomain(_WalletJob):
@@ -30,9 +25,9 @@ class RegisterDomain(_WalletJob):
 
     name = domains.REGISTER_TASK
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         """The fetch and the provider call (:func:`domain.wallets.domains.perform_registration`)."""
-        return domains.perform_registration(job, session_scope)
+        return domains.perform_registration(job)
 
     def apply(self, session, job, outcome):
         """Mark the domain verified (:func:`domain.wallets.domains.apply_registration`)."""
@@ -48,9 +43,9 @@ class RemoveDomain(_WalletJob):
 
     name = domains.REMOVE_TASK
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         """The provider call (:func:`domain.wallets.domains.perform_removal`)."""
-        return domains.perform_removal(job, session_scope)
+        return domains.perform_removal(job)
 
     def apply(self, session, job, outcome):
         """Nothing to write."""
@@ -62,9 +57,9 @@ class MerchantSession(_WalletJob):
 
     name = domains.SESSION_TASK
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         """The gateway call (:func:`domain.wallets.domains.perform_session`)."""
-        return domains.perform_session(job, session_scope)
+        return domains.perform_session(job)
 
     def apply(self, session, job, outcome):
         """Seal the answer for the waiting request (:func:`domain.wallets.domains.apply_session`)."""

@@ -24,8 +24,7 @@ def deliver(self, delivery_ids: list[str]) -> dict[str, int]:
 
     Returns the count of each outcome when every delivery succeeded (or was not due).
     """
-    outcome = webhooks.deliver_batch([uuid.UUID(i) for i in delivery_ids], self.worker_id(), get_settings(),
-                                     self.session_scope)
+    outcome = webhooks.deliver_batch([uuid.UUID(i) for i in delivery_ids], self.worker_id(), get_settings())
     metrics.webhook_outcomes(outcome.counts)
     return self.report(outcome.counts, retrying=outcome.retrying, failed=outcome.failed - outcome.dead,
                        dead=outcome.dead)

@@ -29,7 +29,7 @@ from config.settings import get_settings
 from domain.proxy import service
 from domain.proxy.detokenize import MAX_TOKENS
 from domain.proxy.errors import INVALID_REQUEST, ProxyError, invalid_request
-from domain.proxy.models import ProxyRequest, validation_errors
+from domain.proxy.models import TRANSFORM_TAGS, ProxyRequest
 from domain.proxy.rules import ProxyHeaderNames, destination_url, forward_headers, proxy_header_names
 from domain.proxy.transforms import (
     CodeRunner,
@@ -41,7 +41,7 @@ from domain.proxy.transforms import (
 from domain.reactors.transforms import code_transform_runner
 from domain.tenancy.caller import Caller
 from infra import http
-from infra.errors import Problem, validation_problem
+from infra.errors import Problem, validation_errors, validation_problem
 
 api = Api()
 TAG = "Proxy"
@@ -414,7 +414,7 @@ class _ProxyBody:
         try:
             return ProxyRequest.model_validate(payload)
         except ValidationError as exc:
-            raise validation_problem(validation_errors(exc)) from None
+            raise validation_problem(validation_errors(exc, union_tags=TRANSFORM_TAGS)) from None
 
 
 @api.route("POST", "/proxies", permission="proxy:create", body=ProxyRequest, status=201, response=ProxyOut,

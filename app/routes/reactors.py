@@ -8,11 +8,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
-from app.api import Api, Call, pydantic_errors
+from app.api import Api, Call
 from app.pagination import OffsetPage, offset_page, offset_query
 from app.schemas import Audited, RequestModel, ResponseModel
 from domain.reactors import runs, service
-from infra.errors import Problem, validation_problem
+from infra.errors import Problem, validation_errors, validation_problem
 
 api = Api()
 TAG = "Reactors"
@@ -81,7 +81,7 @@ def _parse(payload: Any) -> service.ReactorRequest:
     try:
         return service.ReactorRequest.model_validate(payload)
     except ValidationError as exc:
-        raise validation_problem(pydantic_errors(exc)) from None
+        raise validation_problem(validation_errors(exc)) from None
 
 BUILD_TEXT = (
     "Asynchronous (node22): the answer shows the reactor `creating` (or `updating`) with the version in "

@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ConfigDict, EmailStr, Field, ValidationError
 
-from app.api import FORM, AllOf, Api, Call, parse_json, pydantic_errors
+from app.api import FORM, AllOf, Api, Call, parse_json
 from app.context import SETTINGS
 from app.invitation_pages import NAME_MAX, accepted_page, invitation_page, problem_page, wants_html
 from app.pagination import OffsetPage, offset_page, offset_query
@@ -31,7 +31,7 @@ from app.schemas import Audited, RequestModel, ResponseModel
 from domain.client_keys import service as client_keys
 from domain.documents import service as documents
 from domain.tenancy import invitations, members, usage
-from infra.errors import Problem, validation_problem
+from infra.errors import Problem, validation_errors, validation_problem
 
 TENANT_TAG, MEMBER_TAG, INVITATION_TAG = "Tenants", "Tenant members", "Tenant invitations"
 KEY_TAG, DOCUMENT_TAG = "Client encryption keys", "Documents"
@@ -657,7 +657,7 @@ def _parse_request_part(raw: bytes) -> dict:
     try:
         return DocumentRequest.model_validate(payload).metadata
     except ValidationError as exc:
-        raise validation_problem(pydantic_errors(exc, prefix="request")) from None
+        raise validation_problem(validation_errors(exc, prefix="request")) from None
 
 
 def _check_filename(part) -> None:

@@ -73,11 +73,12 @@ from domain.webhooks.events import emit as emit_event
 from domain.webhooks.events import emit_many
 from infra import jobs
 from infra.dispatch import enqueue_after_commit
-from infra.errors import not_found
 from infra.jobs import PermanentError, TransientError
+from infra.lookup import get_owned
 from providers.account_updates import MAX_ITEMS, AccountUpdatesClient, UpdateItem, UpdateResult, base_url
 from storage import s3
 from storage.crypto import DecryptionError, get_keyring
+from storage.db import session_scope
 from storage.keyset import keyset_page
 from storage.models import AuditLog, Tenant, Token, TokenMetadata
 from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
@@ -312,10 +313,8 @@ def get_job(
 ) -> AccountUpdaterJob:
     """The tenant's job; 404 when missing, another tenant's, or pending past its upload window."""
     now = now or utcnow()
-    job = session.get(AccountUpdaterJob, job_id)
-    if job is None or job.tenant_id != caller.tenant_id or not _visible(job, now):
-        raise not_found("account updater job")
-    return job
+    return get_owned(session, AccountUpdaterJob, job_id, caller.tenant_id, what="account updater job",
+                     where=lambda job: _visible(job, now))
 
 
 def read_job(session: Session, caller: Caller, job_id: uuid.UUID, *, now: dt.datetime | None = None) -> dict:
@@ -387,7 +386,7 @@ def start_processing(session: Session, job_id: uuid.UUID, *, now: dt.datetime | 
     return True
 
 
-def detect_upload(job_id: uuid.UUID, session_scope, *, now: dt.datetime | None = None) -> str:
+def detect_upload(job_id: uuid.UUID, *, now: dt.datetime | None = None) -> str:
     """Look for a pending job's file: ``started`` (found: now processing), ``waiting`` (no file yet) or
     ``skipped`` (not a live pending job). Raises TransientError when S3 cannot answer."""
     now = now or utcnow()
@@ -402,7 +401,7 @@ def detect_upload(job_id: uuid.UUID, session_scope, *, now: dt.datetime | None =
         return "started" if start_processing(session, job_id) else "skipped"
 
 
-def detect_uploads(session_scope, *, batch: int = 200, now: dt.datetime | None = None) -> int:
+def detect_uploads(*, batch: int = 200, now: dt.datetime | None = None) -> int:
     """The beat sweep: HEAD the objects of up to ``batch`` live pending jobs (least recently checked
     first) and start those whose file is there; returns how many started."""
     now = now or utcnow()
@@ -693,7 +692,7 @@ def scan_request(blocks: Iterable[bytes], *, max_bytes: int, chunk_rows: int) ->
     return scan
 
 
-def scan_job_file(job_id: uuid.UUID, session_scope, settings: Settings | None = None) -> Scan:
+def scan_job_file(job_id: uuid.UUID, settings: Settings | None = None) -> Scan:
     """The prepare step's slow part: HEAD then stream the job's request file (:func:`scan_request`).
 
     A file over the size limit is refused from its ``HEAD`` without reading it; a production tenant
@@ -897,7 +896,7 @@ class _Pending:
     year: int | None
 
 
-def process_chunk(job_id: uuid.UUID, number: int, session_scope, *, now: dt.datetime | None = None,
+def process_chunk(job_id: uuid.UUID, number: int, *, now: dt.datetime | None = None,
                   client: AccountUpdatesClient | None = None) -> ChunkOutcome:
     """A chunk's slow part (no transaction held while calling out): read its bytes from S3, load its
     tokens, ask the card network once, build its result rows and its new tokens (sealed under the
@@ -1148,7 +1147,7 @@ def apply_chunk(session: Session, job_id: uuid.UUID, number: int, outcome: Chunk
 # ---- the result file -----------------------------------------------------------------------------
 
 
-def write_result(job_id: uuid.UUID, session_scope) -> str | None:
+def write_result(job_id: uuid.UUID) -> str | None:
     """The final step's slow part: stream the header and every chunk's stored rows, in order, to S3 as a
     multipart upload (parts of :data:`PART_BYTES`, SSE ``AES256``); returns the key (None when the job
     has ended). Memory holds one part. Raises TransientError when S3 fails (the upload is aborted)."""

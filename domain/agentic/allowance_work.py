@@ -37,6 +37,7 @@ from domain.agentic.payment_methods import record_provider_error
 from domain.webhooks import events
 from infra import http
 from infra.jobs import PermanentError, TransientError
+from providers import ProviderNotConfigured
 from providers.agentic import (
     Amount,
     CredentialOutcomeUnknown,
@@ -45,8 +46,9 @@ from providers.agentic import (
     ProviderAllowance,
     ProviderRejection,
     VerificationState,
-    provider_for,
+    require_provider,
 )
+from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential
 from storage.types import utcnow
@@ -64,10 +66,10 @@ class Stale:
 
 def _provider(name: str, tenant_id: uuid.UUID, session: Session, settings: Settings):
     tenant_type = session.get(Tenant, tenant_id).type
-    provider = provider_for(name, tenant_type, settings)
-    if provider is None:
-        raise ProviderRejection("PROVIDER_NOT_CONFIGURED", f"{name} is not configured")
-    return provider
+    try:
+        return require_provider(name, tenant_type, settings)
+    except ProviderNotConfigured as exc:
+        raise ProviderRejection(exc.code, str(exc)) from None
 
 
 def _code(error: Exception, fallback: str) -> tuple[str, int]:
@@ -105,7 +107,7 @@ def _release(session: Session, allowance_id: str, job: Job) -> None:
 # ---- setup ---------------------------------------------------------------------------------------
 
 
-def perform_setup(job: Job, settings: Settings, session_scope) -> ProviderAllowance | Stale:
+def perform_setup(job: Job, settings: Settings) -> ProviderAllowance | Stale:
     """Set up the job's rail at its provider, on the payment method rail's enrollment (key: the job
     id). Raises :class:`ProviderRejection` (``PROVIDER_ALLOWANCE_FAILED`` ...) or TransientError."""
     with session_scope() as session:
@@ -168,7 +170,7 @@ def _live_rails(session: Session, allowance_id: str) -> list[AllowanceRail]:
             if r.provider_allowance_id and r.status != "error" and r.cancelled_at is None]
 
 
-def perform_update(job: Job, settings: Settings, session_scope) -> str | Stale:
+def perform_update(job: Job, settings: Settings) -> str | Stale:
     """Ask each provider holding the allowance to take the pending values (key: the job id); a
     refusal raises :class:`ProviderRejection` ``PROVIDER_ALLOWANCE_UPDATE_FAILED`` with ``rail_id``."""
     with session_scope() as session:
@@ -232,7 +234,7 @@ def update_failed(session: Session, job: Job, error: Exception) -> None:
 # ---- verification --------------------------------------------------------------------------------
 
 
-def perform_verification(job: Job, settings: Settings, session_scope) -> VerificationState | Stale:
+def perform_verification(job: Job, settings: Settings) -> VerificationState | Stale:
     """Start the rail's verification, or submit the code waiting on the rail (key: the job id)."""
     with session_scope() as session:
         rail = session.get(AllowanceRail, uuid.UUID(job.subject_id), populate_existing=True)
@@ -293,7 +295,7 @@ def verification_failed(session: Session, job: Job, error: Exception) -> None:
 # ---- cancellation --------------------------------------------------------------------------------
 
 
-def cancel_rails(session_scope, settings: Settings, allowance_ids: list[str], *, key: str) -> None:
+def cancel_rails(settings: Settings, allowance_ids: list[str], *, key: str) -> None:
     """Cancel at its provider each rail of ``allowance_ids`` not cancelled yet, recording each
     cancellation at once (so a cascade stopped half-way resumes where it stopped). A failure raises
     with ``rail_id`` set. ``key``: the operation's key (a new one per attempt)."""
@@ -313,7 +315,7 @@ def cancel_rails(session_scope, settings: Settings, allowance_ids: list[str], *,
             session.add(rail)
 
 
-def perform_cancel(job: Job, settings: Settings, session_scope) -> str | Stale:
+def perform_cancel(job: Job, settings: Settings) -> str | Stale:
     """The cancellation of one allowance at every provider (see :func:`cancel_rails`)."""
     with session_scope() as session:
         allowance = session.get(Allowance, job.subject_id, populate_existing=True)
@@ -322,7 +324,7 @@ def perform_cancel(job: Job, settings: Settings, session_scope) -> str | Stale:
         lease = leases.held(session, allowance.id)
         if lease is not None and lease.owner != job.operation_id:
             return Stale("another operation holds the allowance")
-    cancel_rails(session_scope, settings, [job.subject_id], key=str(job.id))
+    cancel_rails(settings, [job.subject_id], key=str(job.id))
     return "cancelled"
 
 
@@ -416,7 +418,7 @@ def fetch_key_set(url: str, settings: Settings) -> dict:
     return key_set
 
 
-def perform_mint(job: Job, settings: Settings, session_scope) -> MintedCredential | Stale:
+def perform_mint(job: Job, settings: Settings) -> MintedCredential | Stale:
     """Fetch the key set (mpp), then mint at the provider with the credential id as key. Raises
     :class:`ProviderRejection`, :class:`CredentialOutcomeUnknown`, PermanentError (the key set),
     TransientError (asked again with the same key)."""

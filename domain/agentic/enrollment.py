@@ -51,7 +51,9 @@ from domain.tokens.service import live_token_reads, open_token_data
 from infra import jobs
 from infra.errors import Problem
 from infra.jobs import PermanentError, TransientError
-from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed, provider_for
+from providers import ProviderNotConfigured
+from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed, require_provider
+from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail
 from storage.types import TextAsUuid, utcnow
@@ -138,13 +140,13 @@ def poll_delay(attempt: int) -> float:
 
 
 def _provider(target: _Target, settings: Settings):
-    provider = provider_for(target.provider, target.tenant_type, settings)
-    if provider is None:
-        raise EnrollmentFailed("PROVIDER_NOT_CONFIGURED", f"{target.provider} is not configured")
-    return provider
+    try:
+        return require_provider(target.provider, target.tenant_type, settings)
+    except ProviderNotConfigured as exc:
+        raise EnrollmentFailed(exc.code, str(exc)) from None
 
 
-def perform_enrollment(job: Job, settings: Settings, session_scope) -> Enrollment | Stale:
+def perform_enrollment(job: Job, settings: Settings) -> Enrollment | Stale:
     """Enroll the job's rail with its provider (idempotency key: the job id).
 
     Raises :class:`EnrollmentFailed` (a rejection, a read timeout, a card token no longer readable:
@@ -167,7 +169,7 @@ def _enroll(job: Job, target: _Target, data: dict, settings: Settings) -> Enroll
     return provider.enroll(card, target.consumer, attempt=target.attempt, idempotency_key=str(job.id))
 
 
-def perform_enrollment_read(job: Job, read: dict, settings: Settings, session_scope) -> Enrollment | Stale:
+def perform_enrollment_read(job: Job, read: dict, settings: Settings) -> Enrollment | Stale:
     """:func:`perform_enrollment` with what the lease statement read (:func:`enrollment_reads`): no
     read transaction; the card token's activity is counted in one statement not waiting for the
     WAL flush (the job's outcome or failure commit makes it durable). Raises as
@@ -188,7 +190,7 @@ def perform_enrollment_read(job: Job, read: dict, settings: Settings, session_sc
     return _enroll(job, target, data, settings)
 
 
-def perform_poll(job: Job, settings: Settings, session_scope) -> Enrollment | Stale:
+def perform_poll(job: Job, settings: Settings) -> Enrollment | Stale:
     """Ask the provider for the state of a pending enrollment; TransientError while still pending."""
     with session_scope() as session:
         target = _target(session, job)
@@ -296,7 +298,7 @@ def _delete_subject(job: Job) -> tuple[str, str]:
     return job.subject_id or "", job.operation_id or ""
 
 
-def perform_delete(job: Job, settings: Settings, session_scope) -> str | Stale:
+def perform_delete(job: Job, settings: Settings) -> str | Stale:
     """Remove each rail's provider enrollment not removed yet, recording each removal at once.
 
     A failing removal raises (TransientError: retried; PermanentError: the cascade stops, and the
@@ -314,13 +316,10 @@ def perform_delete(job: Job, settings: Settings, session_scope) -> str | Stale:
         todo = [(r.id, r.provider, r.enrollment_id) for r in rails_of(session, pm_id)
                 if r.enrollment_id and r.enrollment_removed_at is None]
         allowance_ids = allowance_work.payment_method_allowances(session, pm_id)
-    allowance_work.cancel_rails(session_scope, settings, allowance_ids, key=str(job.id))
+    allowance_work.cancel_rails(settings, allowance_ids, key=str(job.id))
     for rail_id, provider_name, enrollment_id in todo:
-        provider = provider_for(provider_name, tenant_type, settings)
         try:
-            if provider is None:
-                raise PermanentError("PROVIDER_NOT_CONFIGURED", f"{provider_name} is not configured")
-            provider.delete_enrollment(enrollment_id)
+            require_provider(provider_name, tenant_type, settings).delete_enrollment(enrollment_id)
         except (PermanentError, TransientError) as exc:
             exc.rail_id = rail_id
             raise

@@ -39,7 +39,8 @@ from sqlmodel import Session, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
-from infra.errors import Problem, not_found, validation_problem
+from infra.errors import Problem, validation_problem
+from infra.lookup import get_owned
 from storage.crypto import DecryptionError, get_keyring
 from storage.models_tenant_admin import ClientEncryptionKey
 from storage.types import utcnow
@@ -122,10 +123,8 @@ def create_key(
 
 def get_key(session: Session, caller: Caller, key_id: uuid.UUID) -> ClientEncryptionKey:
     """The tenant's key (not deleted), else 404."""
-    key = session.get(ClientEncryptionKey, key_id)
-    if key is None or key.tenant_id != caller.tenant_id or key.deleted_at is not None:
-        raise not_found("client encryption key")
-    return key
+    return get_owned(session, ClientEncryptionKey, key_id, caller.tenant_id, what="client encryption key",
+                     where=lambda key: key.deleted_at is None)
 
 
 def read_key(session: Session, caller: Caller, key_id: uuid.UUID) -> dict:

@@ -33,7 +33,7 @@ from sqlmodel import Session, select
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from infra import jobs
-from infra.errors import not_found
+from infra.lookup import get_owned
 from storage import s3
 from storage.crypto import get_keyring, open_sealed, seal
 from storage.models_tenant_admin import Document
@@ -129,10 +129,8 @@ def discard_upload(session: Session, document_id: uuid.UUID) -> None:
 
 def get_document(session: Session, caller: Caller, document_id: uuid.UUID) -> Document:
     """The tenant's ready document, else 404."""
-    document = session.get(Document, document_id)
-    if document is None or document.tenant_id != caller.tenant_id or document.status != "ready":
-        raise not_found("document")
-    return document
+    return get_owned(session, Document, document_id, caller.tenant_id, what="document",
+                     where=lambda document: document.status == "ready")
 
 
 def read_document(session: Session, caller: Caller, document_id: uuid.UUID) -> dict:

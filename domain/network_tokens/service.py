@@ -48,7 +48,6 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlalchemy import ScalarSelect, update
 from sqlmodel import Session, select
 
-from domain.network_tokens.ids import parse_uuid
 from domain.network_tokens.token_intents import load_intent_data
 from domain.tenancy import audit
 from domain.tenancy.auth import system_caller
@@ -60,7 +59,8 @@ from domain.webhooks import events
 from infra import jobs
 from infra.errors import Problem, not_found, validation_problem
 from infra.jobs import PermanentError
-from providers import not_configured
+from infra.lookup import parse_uuid
+from providers import ProviderNotConfigured
 from providers.card_network import (
     PROVIDER_NAME,
     CardNetwork,
@@ -347,7 +347,7 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
     ``request``: ``data`` | ``token_id`` | ``token_intent_id`` (exactly one), ``expiration_month`` +
     ``expiration_year`` (overrides, only with a token or an intent, only together),
     ``cardholder_info`` ``{name?, address?}``, ``merchant_id`` (uuid string or None). 422
-    (:func:`providers.not_configured`) for a production tenant without a live card network;
+    (:class:`providers.ProviderNotConfigured`) for a production tenant without a live card network;
     400 keyed by property for the rules of spec section 4. Writes a ``create`` log row (and a ``read``
     row for a source token or intent). The job's task is sent when the caller's transaction commits.
     """
@@ -404,7 +404,7 @@ def provisioning_problem(job: Job) -> Problem:
         return Problem(422, "The card's network does not issue network tokens.",
                        title="Network not supported", extra={"code": code})
     if code == "provider_not_configured":
-        return not_configured(PROVIDER_NAME)
+        return ProviderNotConfigured(PROVIDER_NAME)
     return Problem(422, f"The card network refused to provision a network token ({code}).",
                    title="Provisioning failed", extra={"code": code})
 
@@ -465,7 +465,7 @@ def _network_for(job: Job, tenant_type: str | None) -> CardNetwork:
         raise PermanentError("tenant_removed", "the tenant no longer exists")
     try:
         return card_network_for(tenant_type)
-    except Problem as exc:
+    except ProviderNotConfigured as exc:
         raise PermanentError("provider_not_configured", str(exc)) from None
 
 

@@ -40,13 +40,13 @@ from sqlalchemy import update
 from sqlmodel import Session, select
 
 from config.settings import get_settings
-from domain.network_tokens.ids import parse_uuid
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tokens.cards import DEFAULT_FINGERPRINT_EXPRESSIONS, default_card_mask, validate_card
 from domain.tokens.expressions import apply_mask, make_context, render
 from domain.tokens.service import create_tokens, parse_token_request, token_view
 from infra.errors import Problem, not_found, validation_problem
+from infra.lookup import parse_uuid
 from storage.crypto import get_keyring
 from storage.models_network_tokens import NetworkToken, TokenIntent
 from storage.types import utcnow

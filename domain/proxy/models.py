@@ -17,14 +17,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from domain.proxy.errors import ProxyError
 from domain.proxy.rules import check_destination_base
 from domain.proxy.transforms import Transform, TransformList
 
 REACTOR_IDS_SHUTDOWN = "March 31, 2023"
-_SINGULAR = ("request_transform", "response_transform")
 MAX_CONFIGURATION_ENTRIES = 100
 
 
@@ -88,22 +87,6 @@ class ProxyRequest(BaseModel):
         return self
 
 
-def validation_errors(exc: ValidationError) -> dict[str, list[str]]:
-    """A pydantic error as the problem's ``errors`` map (``request_transforms[0].expression``:
-    [messages]); the transform type tag pydantic puts in a location is left out."""
-    tags = {"tokenize", "mask", "append_json", "append_text", "append_header", "code"}
-    errors: dict[str, list[str]] = {}
-    for error in exc.errors(include_url=False):
-        path = ""
-        loc = list(error["loc"])
-        for i, part in enumerate(loc):
-            if isinstance(part, int):
-                path += f"[{part}]"
-            elif part in tags and i > 0 and (isinstance(loc[i - 1], int) or loc[i - 1] in _SINGULAR):
-                continue  # the union's tag, not a property
-            else:
-                path = f"{path}.{part}" if path else str(part)
-        message = "This property is not allowed." if error["type"] == "extra_forbidden" else error["msg"]
-        message = message.removeprefix("Value error, ")
-        errors.setdefault(path or "body", []).append(message)
-    return errors
+#: The tags of the transform union, which pydantic puts in an error's location (see
+#: :func:`infra.errors.validation_errors`).
+TRANSFORM_TAGS = frozenset({"tokenize", "mask", "append_json", "append_text", "append_header", "code"})

@@ -21,7 +21,7 @@ from sqlalchemy import func, or_
 from sqlmodel import Session, select
 
 from domain.proxy.detokenize import Detokenized, detokenize
-from domain.proxy.models import ProxyRequest, validation_errors
+from domain.proxy.models import TRANSFORM_TAGS, ProxyRequest
 from domain.proxy.transforms import CodeTransform, dump_transforms, load_transforms
 from domain.proxy.values import SqlValueLoader
 from domain.tenancy import audit
@@ -29,7 +29,8 @@ from domain.tenancy.auth import KeyCache, caller_cache, key_digest
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import effective_permissions, require_grantable
 from domain.tokens.service import merge_patch
-from infra.errors import not_found, validation_problem
+from infra.errors import validation_errors, validation_problem
+from infra.lookup import get_owned
 from infra.node_runtime.owners import PROXY, end_owner_after_commit
 from storage.crypto import get_keyring
 from storage.db import Rows, on_commit, stage_rows
@@ -130,15 +131,7 @@ def create_proxy(session: Session, caller: Caller, request: ProxyRequest) -> dic
 
 
 def _get(session: Session, caller: Caller, proxy_id: object, *, lock: bool = False) -> Proxy:
-    try:
-        parsed = proxy_id if isinstance(proxy_id, uuid.UUID) else uuid.UUID(str(proxy_id))
-    except ValueError:
-        raise not_found("proxy") from None
-    stmt = select(Proxy).where(Proxy.id == parsed, Proxy.tenant_id == caller.tenant_id)
-    proxy = session.exec(stmt.with_for_update() if lock else stmt).first()
-    if proxy is None:
-        raise not_found("proxy")
-    return proxy
+    return get_owned(session, Proxy, proxy_id, caller.tenant_id, what="proxy", lock=lock)
 
 
 def read_proxy(session: Session, caller: Caller, proxy_id: object) -> dict:
@@ -213,7 +206,7 @@ def patch_proxy(session: Session, caller: Caller, proxy_id: object, patch: Any) 
     try:
         request = ProxyRequest.model_validate(merged)
     except ValidationError as exc:
-        raise validation_problem(validation_errors(exc)) from None
+        raise validation_problem(validation_errors(exc, union_tags=TRANSFORM_TAGS)) from None
     return _update(session, caller, proxy, request)
 
 

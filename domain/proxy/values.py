@@ -22,10 +22,10 @@ from sqlmodel import Session, or_, select
 from domain.client_keys.service import decrypt_encrypted_header
 from domain.network_tokens import service as network_tokens
 from domain.network_tokens import token_intents
-from domain.network_tokens.ids import parse_uuid
 from domain.tenancy.usage import record_token_activity, stage_token_activity
 from domain.tokens import service as tokens
 from domain.wallets import service as wallets
+from infra.lookup import parse_uuid
 from storage.crypto import get_keyring
 from storage.db import Rows
 from storage.models import Token

@@ -40,7 +40,8 @@ from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import require_grantable
 from domain.tokens.service import merge_patch
 from infra import jobs
-from infra.errors import Problem, not_found, validation_problem
+from infra.errors import Problem, validation_problem
+from infra.lookup import get_owned
 from infra.node_runtime.owners import REACTOR, end_owner_after_commit
 from storage.crypto import get_keyring
 from storage.models import Job
@@ -156,15 +157,7 @@ def reactor_view(session: Session, reactor: Reactor) -> dict:
 
 def get_reactor(session: Session, caller: Caller, reactor_id: object, *, lock: bool = False) -> Reactor:
     """The caller's tenant's reactor ``reactor_id``; 404 when absent, malformed or another tenant's."""
-    try:
-        parsed = reactor_id if isinstance(reactor_id, uuid.UUID) else uuid.UUID(str(reactor_id))
-    except ValueError:
-        raise not_found("reactor") from None
-    stmt = select(Reactor).where(Reactor.id == parsed, Reactor.tenant_id == caller.tenant_id)
-    reactor = session.exec(stmt.with_for_update() if lock else stmt).first()
-    if reactor is None:
-        raise not_found("reactor")
-    return reactor
+    return get_owned(session, Reactor, reactor_id, caller.tenant_id, what="reactor", lock=lock)
 
 
 def _request_build(session: Session, caller: Caller, reactor: Reactor, request: ReactorRequest) -> None:

@@ -17,6 +17,7 @@ from domain.tenancy.auth import caller_cache, new_api_key
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import permission_errors, require_grantable
 from infra.errors import Problem, not_found, validation_problem
+from infra.lookup import get_owned
 from storage.db import on_commit
 from storage.models import Application, ApplicationKey
 from storage.types import utcnow
@@ -87,10 +88,7 @@ def create_application(session: Session, caller: Caller, *, name: str, type: str
 
 def get_application(session: Session, caller: Caller, application_id: uuid.UUID) -> Application:
     """The tenant's application, else 404."""
-    application = session.get(Application, application_id)
-    if application is None or application.tenant_id != caller.tenant_id:
-        raise not_found("application")
-    return application
+    return get_owned(session, Application, application_id, caller.tenant_id, what="application")
 
 
 def read_application(session: Session, caller: Caller, application_id: uuid.UUID) -> dict:

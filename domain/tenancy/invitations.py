@@ -46,7 +46,8 @@ from domain.tenancy.caller import Caller
 from domain.tenancy.members import member_view
 from domain.tenancy.tenants import get_tenant
 from infra import jobs
-from infra.errors import Problem, not_found
+from infra.errors import Problem
+from infra.lookup import get_owned
 from storage.crypto import get_keyring
 from storage.models import Job, Tenant, TenantMember, User
 from storage.models_tenant_admin import InvitationLink, TenantInvitation
@@ -198,10 +199,7 @@ def get_invitation(
     session: Session, caller: Caller, invitation_id: uuid.UUID, *, lock: bool = False
 ) -> TenantInvitation:
     """The tenant's invitation, else 404."""
-    invitation = session.get(TenantInvitation, invitation_id, with_for_update=lock or None)
-    if invitation is None or invitation.tenant_id != caller.tenant_id:
-        raise not_found("invitation")
-    return invitation
+    return get_owned(session, TenantInvitation, invitation_id, caller.tenant_id, what="invitation", lock=lock)
 
 
 def read_invitation(session: Session, caller: Caller, invitation_id: uuid.UUID) -> dict:

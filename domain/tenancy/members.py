@@ -17,7 +17,8 @@ from sqlmodel import Session, select
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tenancy.tenants import get_tenant
-from infra.errors import Problem, not_found
+from infra.errors import Problem
+from infra.lookup import get_owned
 from storage.models import TenantMember, User
 from storage.types import utcnow
 
@@ -79,9 +80,7 @@ def delete_member(session: Session, caller: Caller, member_id: uuid.UUID) -> Non
 
     404 for an unknown member or another tenant's; 422 for the OWNER member, which cannot be removed.
     """
-    member = session.get(TenantMember, member_id)
-    if member is None or member.tenant_id != caller.tenant_id:
-        raise not_found("member")
+    member = get_owned(session, TenantMember, member_id, caller.tenant_id, what="member")
     if member.role == "OWNER":
         raise Problem(
             422,

@@ -53,6 +53,7 @@ from sqlmodel import Session, select
 
 from config.settings import get_settings
 from domain.tenancy import audit
+from domain.tenancy.auth import system_caller
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import CLASSIFICATIONS, IMPACT_LEVELS, TYPE_CLASSIFICATION, parse_container, read_level
 from domain.tenancy.usage import record_deleted_tokens, record_token_activity, stage_token_activity
@@ -76,7 +77,7 @@ from infra.errors import Problem, forbidden, not_found, validation_problem
 from storage.crypto import get_keyring
 from storage.db import Rows, stage_rows
 from storage.keyset import keyset_page
-from storage.models import Token, TokenMetadata, TokenSearchIndex
+from storage.models import Tenant, Token, TokenMetadata, TokenSearchIndex
 from storage.types import utcnow
 
 TOKEN_TYPES: tuple[str, ...] = ("token", "card", "bank")
@@ -1324,11 +1325,6 @@ def children(session: Session, caller: Caller, parent_id: str, *, ids: Iterable[
 # ---- sweeps (beat) -------------------------------------------------------------------------------
 
 
-def _system_caller(tenant_id: uuid.UUID) -> Caller:
-    return Caller(tenant_id=tenant_id, tenant_type="", application_id=None, application_type=None,
-                  permissions=frozenset(), actor_type="system")
-
-
 def delete_expired_tokens(session: Session, *, now: dt.datetime, batch: int = 500) -> int:
     """Delete up to ``batch`` tokens whose ``expires_at`` is at or before ``now``, with their
     metadata and search index rows, a ``delete`` log row (actor ``system``) and a
@@ -1343,7 +1339,7 @@ def delete_expired_tokens(session: Session, *, now: dt.datetime, batch: int = 50
         by_tenant[token.tenant_id].append(token)
     for tenant_id, tokens in by_tenant.items():
         _delete_rows(session, tenant_id, [t.id for t in tokens])
-        system = _system_caller(tenant_id)
+        system = system_caller(session.get(Tenant, tenant_id))
         staged = Rows()
         for token in tokens:
             _touch(session, staged, system, token, "delete", "deleted")

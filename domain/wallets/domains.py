@@ -47,6 +47,7 @@ from providers.wallet_gateway import (
     wallet_gateway_for,
 )
 from storage.crypto import get_keyring
+from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_wallets import WalletDomain, WalletSession
 from storage.types import utcnow
@@ -177,17 +178,17 @@ def deregister_domain(session: Session, caller: Caller, value: str) -> None:
 # ---- the worker side of domains ------------------------------------------------------------------
 
 
-def _domain_row(job: Job, session_scope) -> tuple[str, str] | None:
+def _domain_row(job: Job) -> tuple[str, str] | None:
     with session_scope() as session:
         row = session.get(WalletDomain, uuid.UUID(job.subject_id))
         return None if row is None else (row.domain, row.environment)
 
 
-def perform_registration(job: Job, session_scope) -> bool:
+def perform_registration(job: Job) -> bool:
     """Fetch the domain's association file, then register the domain with the provider. Returns
     False when the domain was removed meanwhile. Raises PermanentError ``domain_verification_failed``
     (422) when the file is not available, and the gateway's errors."""
-    found = _domain_row(job, session_scope)
+    found = _domain_row(job)
     if found is None:
         return False
     domain, _environment = found
@@ -222,7 +223,7 @@ def registration_failed(session: Session, job: Job) -> None:
         session.delete(row)
 
 
-def perform_removal(job: Job, session_scope) -> None:
+def perform_removal(job: Job) -> None:
     """Tell the provider that domain ``job.subject_id`` was removed, in the environment of the job's
     tenant (a tenant's type never changes, so it is the environment the domain was registered in)."""
     with session_scope() as session:
@@ -288,7 +289,7 @@ def session_outcome(session: Session, caller: Caller, row_id: uuid.UUID, job_id:
     raise Problem(503, "The wallet session service is unavailable; try again.")
 
 
-def perform_session(job: Job, session_scope) -> dict | None:
+def perform_session(job: Job) -> dict | None:
     """Ask the gateway for a merchant session (None when the request was abandoned)."""
     with session_scope() as session:
         row = session.get(WalletSession, uuid.UUID(job.subject_id))

@@ -45,7 +45,6 @@ from sqlmodel import Session, select
 
 from config.settings import get_settings
 from domain.network_tokens import token_intents
-from domain.network_tokens.ids import parse_uuid
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tokens.cards import bin_of, card_brand, default_card_mask
@@ -53,7 +52,8 @@ from domain.tokens.expressions import apply_mask, make_context
 from domain.wallets import wallet_a, wallet_b
 from domain.wallets.errors import MerchantCertificateInvalid, MerchantKeyNotFound
 from domain.wallets.fields import DEFAULT_CLOCK, Authentication, CardData, Clock
-from infra.errors import Problem, not_found, validation_problem
+from infra.errors import Problem, validation_problem
+from infra.lookup import get_owned, parse_uuid
 from storage.crypto import get_keyring
 from storage.models_wallets import WalletMerchantKey, WalletToken
 
@@ -157,10 +157,9 @@ def list_keys(session: Session, caller: Caller, wallet: str) -> list[dict]:
 def delete_key(session: Session, caller: Caller, wallet: str, key_id: object) -> None:
     """Remove a merchant key (404 when missing or another tenant's); tokens sealed for it are refused
     from then on with ``merchant_key_not_found``."""
-    parsed = parse_uuid(key_id)
-    row = session.get(WalletMerchantKey, parsed) if parsed else None
-    if row is None or row.tenant_id != caller.tenant_id or row.wallet != wallet:
-        raise not_found("merchant key" if wallet == WALLET_B else "merchant certificate")
+    row = get_owned(session, WalletMerchantKey, key_id, caller.tenant_id,
+                    what="merchant key" if wallet == WALLET_B else "merchant certificate",
+                    where=lambda key: key.wallet == wallet)
     session.delete(row)
     audit.record(session, caller, entity_type=f"{wallet}-merchant-key", entity_id=row.id, operation="delete")
 
@@ -361,10 +360,8 @@ def read_wallet_a(session: Session, caller: Caller, token_id: object, *, clock: 
     with ``wallet-a:reveal``, else ``data`` masked (``wallet-a:read``). 404 when missing or another
     tenant's. Writes a ``read`` log row."""
     now = (clock or CLOCK)()
-    parsed = parse_uuid(token_id)
-    row = session.get(WalletToken, parsed) if parsed else None
-    if row is None or row.tenant_id != caller.tenant_id or row.wallet != WALLET_A:
-        raise not_found("wallet token")
+    row = get_owned(session, WalletToken, token_id, caller.tenant_id, what="wallet token",
+                    where=lambda token: token.wallet == WALLET_A)
     data = _open(session, row)
     audit.record(session, caller, entity_type=WALLET_A, entity_id=row.id, operation="read")
     if caller.has("wallet-a:reveal"):

@@ -46,7 +46,9 @@ from infra import jobs
 from infra.celery import DELIVER_TASK
 from infra.errors import not_found, validation_problem
 from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many, validate_destination_url
+from infra.lookup import get_owned
 from infra.signing import headers as signature_headers
+from storage.db import session_scope
 from storage.keyset import keyset_page
 from storage.models import DELIVERY_STATUS, Event, Job, Tenant, Webhook, WebhookAttempt, WebhookDelivery
 from storage.types import utcnow
@@ -109,10 +111,7 @@ def create_webhook(
 
 def get_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> Webhook:
     """The tenant's webhook, else 404."""
-    webhook = session.get(Webhook, webhook_id)
-    if webhook is None or webhook.tenant_id != caller.tenant_id:
-        raise not_found("webhook")
-    return webhook
+    return get_owned(session, Webhook, webhook_id, caller.tenant_id, what="webhook")
 
 
 def read_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> dict:
@@ -573,7 +572,7 @@ def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], setti
     ).rowcount
 
 
-def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings, session_scope) -> BatchOutcome:
+def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings) -> BatchOutcome:
     """Deliver a batch (about a hundred deliveries, one message): lease them and read what they need
     in one statement, POST them concurrently on the process's connection pool, record the outcomes
     in one transaction. Two short transactions; the HTTP calls run outside any."""
@@ -602,8 +601,8 @@ def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings,
     return outcome
 
 
-def attempt(delivery_id: uuid.UUID, owner: str, settings: Settings, session_scope) -> str:
+def attempt(delivery_id: uuid.UUID, owner: str, settings: Settings) -> str:
     """Run one attempt of one delivery end to end (:func:`deliver_batch` of one); returns what happened:
     an HTTP outcome, ``closed`` or ``skipped`` (leased by someone else, or not due)."""
-    counts = deliver_batch([delivery_id], owner, settings, session_scope).counts
+    counts = deliver_batch([delivery_id], owner, settings).counts
     return next(iter(counts))

@@ -109,7 +109,7 @@ def test_a_mint_whose_worker_died_before_the_call_is_settled_by_the_sweep(tenant
 def test_a_mint_whose_worker_died_after_the_provider_answered_is_settled_by_the_next_mint(tenant, monkeypatch):
     alw = allowance(tenant.client, AMEX, "50.00")
     job = _reserve_without_worker(tenant, alw["id"], "10.00", monkeypatch)
-    outcome = allowance_work.perform_mint(job, get_settings(), session_scope)  # the provider mints ...
+    outcome = allowance_work.perform_mint(job, get_settings())  # the provider mints ...
     assert outcome.credential["id"].startswith("spt_")  # ... and the worker dies before writing it
     assert admin_count(tenant, alw["id"]) == 1
     _stale_lease(alw["id"])

@@ -264,7 +264,7 @@ def test_private_destinations_are_refused_unless_allowed(tenant, receiver):
         session.info.clear()  # keep the worker out of it: this test delivers by hand
         delivery_id = session.exec(select(WebhookDelivery.id).where(WebhookDelivery.event_id == event.id)).one()
     strict = Settings(allow_private_destinations=False)
-    assert webhooks.attempt(delivery_id, "test", strict, session_scope) == "refused"
+    assert webhooks.attempt(delivery_id, "test", strict) == "refused"
     with session_scope() as session:
         assert session.get(WebhookDelivery, delivery_id).status == "failed"
     assert not [r for r in receiver.received if str(event.id).encode() in r.body]
@@ -298,7 +298,7 @@ def test_a_leased_delivery_is_not_delivered_twice(tenant, receiver):
     settings = get_settings()
     with session_scope() as session:
         assert webhooks.lease_delivery(session, delivery_id, "worker-a", lease_seconds=60)
-    assert webhooks.attempt(delivery_id, "worker-b", settings, session_scope) == "skipped"
+    assert webhooks.attempt(delivery_id, "worker-b", settings) == "skipped"
     assert not [r for r in receiver.received if str(event.id).encode() in r.body]
 
 

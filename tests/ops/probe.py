@@ -24,7 +24,7 @@ class ProbeJob(JobTask):
     name = KIND
     lease_seconds = 5
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         if MODE["value"] == "transient":
             raise TransientError("probe provider answered 503", retry_after=0.2)
         return {"ok": True}

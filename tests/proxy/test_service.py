@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from sqlmodel import select
 
 from domain.proxy import service
-from domain.proxy.models import ProxyRequest, validation_errors
-from infra.errors import Problem
+from domain.proxy.models import TRANSFORM_TAGS, ProxyRequest
+from infra.errors import Problem, validation_errors
 from storage.db import session_scope
 from storage.models import AuditLog
 from storage.models_proxy import Proxy
@@ -57,13 +57,13 @@ def test_deprecated_and_shut_down_fields():
     with pytest.raises(ValidationError) as caught:
         ProxyRequest.model_validate({**BASE, "request_reactor_id": str(uuid.uuid4()), "response_reactor_id": "r",
                                      "destination_url": "http://10.0.0.1", "name": " ", "unknown": 1})
-    errors = validation_errors(caught.value)
+    errors = validation_errors(caught.value, union_tags=TRANSFORM_TAGS)
     assert set(errors) == {"request_reactor_id", "response_reactor_id", "destination_url", "name", "unknown"}
     assert "March 31, 2023" in errors["request_reactor_id"][0]
     with pytest.raises(ValidationError) as caught:
         ProxyRequest.model_validate({**BASE, "request_transforms": [],
                                      "request_transform": {"type": "mask", "matcher": "regex", "expression": "("}})
-    assert list(validation_errors(caught.value)) == ["request_transform.expression"]
+    assert list(validation_errors(caught.value, union_tags=TRANSFORM_TAGS)) == ["request_transform.expression"]
 
 
 def test_application_must_be_the_tenants(vault, other_vault):

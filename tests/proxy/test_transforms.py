@@ -9,7 +9,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from domain.proxy.errors import TRANSFORM_INITIALIZING, ProxyError
-from domain.proxy.models import validation_errors
+from domain.proxy.models import TRANSFORM_TAGS
 from domain.proxy.transforms import (
     DomainTokenizer,
     Message,
@@ -20,7 +20,7 @@ from domain.proxy.transforms import (
     load_transforms,
 )
 from domain.tokens import service as tokens
-from infra.errors import Problem
+from infra.errors import Problem, validation_errors
 from storage.db import session_scope
 
 BODY = {"card": {"number": "4242424242424242", "cvc": "123"}, "items": [{"number": "1"}, {"number": 2}]}
@@ -142,7 +142,7 @@ def test_validation_errors_per_field():
             {"type": "shell"},
             {"type": "append_text", "value": "x", "other": 1},
         ])
-    errors = validation_errors(caught.value)
+    errors = validation_errors(caught.value, union_tags=TRANSFORM_TAGS)
     assert sorted(errors) == [
         "[0].expression", "[1].expression", "[2].location", "[3].location", "[4].value", "[5].token",
         "[6].code", "[7]", "[8].other",

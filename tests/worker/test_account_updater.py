@@ -160,7 +160,7 @@ def prepared_job(tenant_id, numbers: list[str], *, chunk_rows: int) -> uuid.UUID
     with session_scope() as session:
         assert au.start_processing(session, job_id)
         _quiet(session)
-    scan = au.scan_job_file(job_id, session_scope, get_settings().model_copy(
+    scan = au.scan_job_file(job_id, get_settings().model_copy(
         update={"account_updater_chunk_rows": chunk_rows}))
     with session_scope() as session:
         au.apply_scan(session, job_id, scan)
@@ -200,8 +200,8 @@ UPDATES = ["4000000000001018", "4000000000001026", "4242424242424242", "40000000
 def test_a_chunk_performed_twice_and_applied_twice_writes_once(tenant):
     job_id = prepared_job(tenant.id, UPDATES * 2, chunk_rows=4)
     try:
-        first = au.process_chunk(job_id, 0, session_scope)
-        second = au.process_chunk(job_id, 0, session_scope)  # a second worker, after the lease expired
+        first = au.process_chunk(job_id, 0)
+        second = au.process_chunk(job_id, 0)  # a second worker, after the lease expired
         assert [t["id"] for t in first.tokens] == [t["id"] for t in second.tokens]  # the same ids
         assert len(first.tokens) == 2 and first.result_rows == 3
         with session_scope() as session:
@@ -210,7 +210,7 @@ def test_a_chunk_performed_twice_and_applied_twice_writes_once(tenant):
         assert set(applied["seconds"]) == {"read", "load", "network", "build", "lock", "write"}
         with session_scope() as session:
             assert au.apply_chunk(session, job_id, 0, second) == {"skipped": True}
-        assert au.process_chunk(job_id, 0, session_scope).skipped  # a redelivered message after the commit
+        assert au.process_chunk(job_id, 0).skipped  # a redelivered message after the commit
         after = counts(tenant.id, job_id)
         assert after["tokens"] == 2 and after["logs"] == 2 and after["events"] == 2
         assert after["chunks_done"] == 1 and after["rows_done"] == 4 and after["results"] == [3]
@@ -389,7 +389,7 @@ def test_a_worker_sigkilled_mid_chunk_leaves_rows_and_tokens_exactly_once(tenant
 # ---- the embedded database -----------------------------------------------------------------------
 
 
-def test_the_whole_pipeline_runs_on_sqlite(tmp_path, s3_server, sandbox):
+def test_the_whole_pipeline_runs_on_sqlite(tmp_path, s3_server, sandbox, monkeypatch):
     """The embedded default: the portable paths (IN lookups, SQLAlchemy bulk inserts) on a migrated
     SQLite file, each step run twice where a redelivery could run it twice."""
     import contextlib
@@ -419,6 +419,7 @@ def test_the_whole_pipeline_runs_on_sqlite(tmp_path, s3_server, sandbox):
         finally:
             session.close()
 
+    monkeypatch.setattr(au, "session_scope", lite)  # the steps' own units of work use the SQLite file
     try:
         with lite() as session:
             tenant_id = create_tenant(session, name="lite", owner_email="lite@example.com").tenant_id
@@ -426,21 +427,21 @@ def test_the_whole_pipeline_runs_on_sqlite(tmp_path, s3_server, sandbox):
             job_id = au.create_job(session, system_caller(session.get(Tenant, tenant_id)))["id"]
         body = (HEADER + "\n" + "".join(f"{t},{YY},05,\n" for t in [*tokens, "missing"])).encode()
         s3.get_client().put_object(Bucket=au.bucket(), Key=au.request_key(tenant_id, job_id), Body=body)
-        assert au.detect_upload(job_id, lite) == "started"
-        assert au.detect_upload(job_id, lite) == "skipped"
+        assert au.detect_upload(job_id) == "started"
+        assert au.detect_upload(job_id) == "skipped"
         from config.settings import get_settings
 
-        scan = au.scan_job_file(job_id, lite, get_settings().model_copy(update={"account_updater_chunk_rows": 5}))
+        scan = au.scan_job_file(job_id, get_settings().model_copy(update={"account_updater_chunk_rows": 5}))
         assert (scan.rows, len(scan.chunks)) == (13, 3)
         with lite() as session:
             au.apply_scan(session, job_id, scan)
         for number in range(3):
-            outcome = au.process_chunk(job_id, number, lite)
+            outcome = au.process_chunk(job_id, number)
             with lite() as session:
                 assert au.apply_chunk(session, job_id, number, outcome)["rows"] == outcome.rows
             with lite() as session:
                 assert au.apply_chunk(session, job_id, number, outcome) == {"skipped": True}
-        key = au.write_result(job_id, lite)
+        key = au.write_result(job_id)
         with lite() as session:
             assert au.complete_job(session, job_id, key)
             job = session.get(AccountUpdaterJob, job_id)

@@ -116,14 +116,14 @@ def test_a_4xx_answer_fails_the_delivery_after_one_attempt(database, receiver):
     tenant_id, _ = _tenant_with_webhooks(receiver.url)
     [delivery_id], _ = _emit(tenant_id)
     receiver.status = 404
-    assert webhooks.attempt(delivery_id, "w", get_settings(), session_scope) == "http_error"
+    assert webhooks.attempt(delivery_id, "w", get_settings()) == "http_error"
     job, delivery = _job(delivery_id), _delivery(delivery_id)
     assert (job.status, job.attempts, job.last_error, job.lease_owner) == ("failed", 1, "HTTP 404", None)
     assert (delivery.status, delivery.last_status_code) == ("failed", 404) and delivery.completed_at is not None
     with session_scope() as session:
         numbers = session.exec(select(WebhookAttempt.number).where(WebhookAttempt.delivery_id == delivery_id)).all()
     assert numbers == [1]
-    assert webhooks.attempt(delivery_id, "w", get_settings(), session_scope) == "skipped"  # not retried
+    assert webhooks.attempt(delivery_id, "w", get_settings()) == "skipped"  # not retried
     assert len(receiver.received) == 1
 
 
@@ -156,7 +156,7 @@ def test_a_spent_schedule_is_a_dead_letter_that_the_operator_replays(database, r
         session.execute(update(Job).where(Job.id == delivery_id).values(attempts=Job.max_attempts - 1))
     receiver.status = 503
     settings = get_settings()
-    outcome = webhooks.deliver_batch([delivery_id], "w", settings, session_scope)
+    outcome = webhooks.deliver_batch([delivery_id], "w", settings)
     assert (outcome.counts, outcome.failed, outcome.dead, outcome.retrying) == ({"http_error": 1}, 1, 1, 0)
     job = _job(delivery_id)
     assert (job.status, job.attempts, job.last_error) == ("dead", job.max_attempts, "HTTP 503")
@@ -171,7 +171,7 @@ def test_a_spent_schedule_is_a_dead_letter_that_the_operator_replays(database, r
     assert (replayed["state"], replayed["attempts"]) == ("pending", 0)
     assert sent == [(DELIVER_TASK, {"delivery_ids": [str(delivery_id)]})]
     receiver.status = 200
-    assert webhooks.attempt(delivery_id, "w", settings, session_scope) == "success"
+    assert webhooks.attempt(delivery_id, "w", settings) == "success"
     job, delivery = _job(delivery_id), _delivery(delivery_id)
     assert (job.status, job.attempts, delivery.status, delivery.last_status_code) == ("succeeded", 1, "succeeded", 200)
     assert {r.headers["webhook-id"] for r in receiver.received} == {webhooks.message_id(delivery_id)}

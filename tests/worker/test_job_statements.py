@@ -32,7 +32,7 @@ class LeasedJob(JobTask):
     lease_seconds = 5
     apply_to_leased_job = True
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         if job.subject_id == "permanent":
             raise PermanentError("DECLINED", "the provider declined")
         return {"subject": job.subject_id}

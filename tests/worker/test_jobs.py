@@ -21,7 +21,7 @@ class ScriptedJob(JobTask):
     name = "tests.scripted_job"
     lease_seconds = 5
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         mode, _, count = (job.subject_id or "").partition(":")
         if mode == "permanent":
             raise PermanentError("DECLINED", "the provider declined")

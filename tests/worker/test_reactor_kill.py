@@ -71,6 +71,8 @@ def test_a_worker_killed_mid_run_leaves_the_run_failed_and_never_runs_the_code_t
         "TESSERA_API_PORT": str(api_port),
         "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1",
         "TESSERA_LOG_LEVEL": "WARNING",
+        # customer code reaches a local destination only when it is named (the sandbox's egress allowlist)
+        "TESSERA_REACTOR_EGRESS_ALLOW": f"127.0.0.1:{counter.port}",
     }
     advisories = Path(tempfile.mkdtemp(prefix="tessera-advisories-")) / "advisories.json"
     advisories.write_text("[]")

@@ -35,7 +35,7 @@ class WaitedJob(JobTask):
     name = "tests.waited_job"
     lease_seconds = 10
 
-    def perform(self, job):
+    def perform(self, job, inputs):
         mode, _, seconds = (job.subject_id or "").partition(":")
         if mode == "declined":
             raise PermanentError("DECLINED", "the provider declined")
