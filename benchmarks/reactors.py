@@ -1,24 +1,28 @@
-"""Warm reactor invocations per second and their latency, beside a bare Node.js process fed over a pipe.
+"""Warm reactor invocations per second and their latency, and cold starts, beside a bare Node.js
+process fed over a pipe.
 
 Platform: ``domain.reactors.runtime.ReactorRuntime.invoke`` of a trivial reactor
 (``module.exports = async (req) => ({ raw: req.args })``) on a ``node22`` runtime with no
-dependencies: the warm sandboxed process (Node.js 22 from the wheel, ``--permission``, a clean
-environment, ``RLIMIT_DATA``), the request object ``{args, configuration}``, the newline-delimited
-JSON protocol with deadlines, the result checks. Its one process is started and warmed before the
-first round.
+dependencies: the warm process in its sandbox (bubblewrap: user, PID, network, IPC and mount
+namespaces, the seccomp filter; Node.js 22 from the wheel with ``--permission``; a clean
+environment; limits; thawed with SIGCONT before and frozen with SIGSTOP after each call), the
+request object ``{args, configuration}``, the newline-delimited JSON protocol with deadlines, the
+result checks. Its one process is started and warmed before the first round.
 
 Reference: the same function in a bare ``node`` process (same binary, no sandbox flags, no limits)
 that reads one JSON line per call on stdin and writes one JSON line on stdout; this process writes
 the same request object and reads the answer with a blocking ``readline``.
 
 Each round runs the reference, then the platform, for ``--duration`` seconds each, one call at a
-time in a closed loop (after ``--warmup`` seconds unmeasured before the first round). Printed: per
+time in a closed loop (after ``--warmup`` seconds unmeasured before the first round), then
+``--cold`` cold starts of each: a bare ``node`` started and answering its first call, and a reactor
+version never seen before (a new sandbox, the code loaded, the first call answered). Printed: per
 round the calls, calls per second, p50 and p99 latency (nearest rank) and the cores used by this
-process and by the Node.js process; then the medians, the ratio platform / bare of calls per second
-and the difference of the p50 latencies (goal: within +2 ms). No database or Redis is used. Run
-from the repository root::
+process and by the Node.js process; the medians, the ratio platform / bare of calls per second and
+the difference of the p50 latencies (goal: within +2 ms); the cold starts' medians beside bare.
+No database or Redis is used. Run from the repository root::
 
-    .venv/bin/python benchmarks/reactors.py [--duration 10] [--rounds 3] [--warmup 2]
+    .venv/bin/python benchmarks/reactors.py [--duration 10] [--rounds 3] [--warmup 2] [--cold 10]
 """
 
 from __future__ import annotations
@@ -117,14 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=10, help="seconds of calls per round and target")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each target, alternating")
     parser.add_argument("--warmup", type=float, default=2, help="seconds of unmeasured calls per target first")
+    parser.add_argument("--cold", type=int, default=10, help="cold starts per round and target")
     args = parser.parse_args(argv)
+    colds: dict[str, list[float]] = {BARE: [], PLATFORM: []}
 
     with common.scratch_dir("tessera-bench-reactors-") as scratch:
         common.adopt_env({"TESSERA_DATA_DIR": str(scratch / "data"), "TESSERA_LOG_LEVEL": "WARNING"})
         from domain.reactors.runtime import Reactor, ReactorRuntime, Runtime
 
         runtime = ReactorRuntime(scratch / "reactors")
-        reactor = Reactor("bench", f"module.exports = {FUNCTION};", Runtime(image="node22"))
+        reactor = Reactor("bench", f"module.exports = {FUNCTION};", Runtime(image="node22"), tenant_id="bench")
         bare = BareNode(runtime.pool.node.node, scratch)
         payload = {"args": REQUEST_ARGS, "configuration": CONFIGURATION}
         try:
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError("the bare process answered something else")
             if runtime.invoke(reactor, args=REQUEST_ARGS, configuration=CONFIGURATION).raw != REQUEST_ARGS:
                 raise RuntimeError("the reactor answered something else")
-            (platform_pid,) = runtime.pool.pids(f"{reactor.id}:{reactor.version}")
+            (platform_pid,) = runtime.pool.node_pids(reactor.key)
             targets = {
                 BARE: (lambda: bare.call(payload), bare.process.pid),
                 PLATFORM: (lambda: runtime.invoke(reactor, args=REQUEST_ARGS, configuration=CONFIGURATION),
@@ -151,17 +157,44 @@ def main(argv: list[str] | None = None) -> int:
                     meter.start()
                     latencies, seconds = closed_loop(call, args.duration)
                     rounds.append(Round(number, name, latencies, seconds, meter.stop()))
+                for cold in range(args.cold):
+                    colds[BARE].append(cold_bare(runtime.pool.node.node, scratch, payload))
+                    colds[PLATFORM].append(cold_platform(runtime, f"cold-{number}-{cold}"))
             if runtime.loads(reactor) != 1:
                 raise RuntimeError(f"the reactor was loaded {runtime.loads(reactor)} times, not once")
         finally:
             bare.close()
             runtime.close()
-    report(rounds)
+    report(rounds, colds)
     return 0
 
 
-def report(rounds: list[Round]) -> None:
-    """Print the rounds, the medians, the ratio of calls per second and the p50 difference."""
+def cold_bare(node: Path, scratch: Path, payload: dict) -> float:
+    """Seconds from starting a bare ``node`` to its first answer."""
+    began = time.perf_counter()
+    bare = BareNode(node, scratch)
+    try:
+        bare.call(payload)
+        return time.perf_counter() - began
+    finally:
+        bare.close()
+
+
+def cold_platform(runtime, name: str) -> float:
+    """Seconds from the first call of a version never seen (a new sandboxed process) to its answer."""
+    from domain.reactors.runtime import Reactor, Runtime
+
+    reactor = Reactor(name, f"module.exports = {FUNCTION};", Runtime(image="node22"), tenant_id="bench")
+    began = time.perf_counter()
+    runtime.invoke(reactor, args=REQUEST_ARGS, configuration=CONFIGURATION)
+    took = time.perf_counter() - began
+    runtime.retire(reactor)
+    return took
+
+
+def report(rounds: list[Round], colds: dict[str, list[float]]) -> None:
+    """Print the rounds, the medians, the ratio of calls per second and the p50 difference, and
+    the cold starts."""
     common.print_table(
         "Rounds", ["round", "target", "calls", "calls/s", "p50 ms", "p99 ms", "this process cores", "node cores"],
         [[r.number, r.target, len(r.latencies), r.per_second, r.p(50), r.p(99), r.cores["this process"],
@@ -180,6 +213,15 @@ def report(rounds: list[Round]) -> None:
     )
     verdict = "within" if platform[1] - bare[1] <= 2.0 else "NOT within"
     print(f"\nwarm p50 {platform[1]:.3f} ms vs bare pipe {bare[1]:.3f} ms: {verdict} +2 ms")
+    if colds[BARE]:
+        cold_bare_ms = common.median(colds[BARE]) * 1000
+        cold_platform_ms = common.median(colds[PLATFORM]) * 1000
+        common.print_table(
+            "Cold starts (median)", ["target", "starts", "p50 ms", "p99 ms"],
+            [[name, len(values), common.median(values) * 1000, common.percentile(values, 99) * 1000]
+             for name, values in colds.items()])
+        print(f"\ncold start in the sandbox {cold_platform_ms:.1f} ms vs bare node {cold_bare_ms:.1f} ms "
+              f"(+{cold_platform_ms - cold_bare_ms:.1f} ms)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ process gets (a warm shutdown finishes its running calls), and is sent SIGTERM b
 process dies without one. At start, a host that cannot confine customer code (bubblewrap missing,
 namespaces refused) says so in one line: its reactor runs and code transforms answer 503.
 
-With ``-Q``/``--queues`` given, one worker runs exactly as asked (that is how a child is started).
+With ``-Q``/``--queues`` given, one worker runs exactly as asked (that is how a child is started);
+``-X``/``--exclude-queues`` leaves queues out, their thread-pool node too (``-X reactors`` where
+customer code runs in a service of its own, as in ``docker-compose.yml``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ PROVIDERS_QUEUE = "providers"
 REACTORS_QUEUE = "reactors"
 _PR_SET_PDEATHSIG = 1
 _QUEUE_OPTIONS = ("-Q", "--queues")
+_EXCLUDE_OPTIONS = ("-X", "--exclude-queues")
 _HOSTNAME_OPTIONS = ("-n", "--hostname")
 
 
@@ -90,6 +93,8 @@ def run_worker(celery_app, queues: tuple[str, ...], celery_args: list[str]) -> i
     """Run the workers of ``tessera worker``; returns when they stopped."""
     settings = get_settings()
     base = ["worker", "--loglevel", settings.log_level]
+    excluded = (_option(celery_args, _EXCLUDE_OPTIONS) or "").split(",")
+    queues = tuple(name for name in queues if name not in excluded)
     asked = _option(celery_args, _QUEUE_OPTIONS)
     serves_code = REACTORS_QUEUE in (asked.split(",") if asked is not None else queues)
     line = sandbox_line() if serves_code else None

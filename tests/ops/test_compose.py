@@ -39,7 +39,8 @@ def test_every_platform_service_runs_a_real_tessera_subcommand(compose):
         command = service["command"]
         assert command[0] == "tessera", f"{name}: {command}"
         args, extra = parser.parse_known_args(command[1:])  # exits (fails the test) on an unknown command
-        assert args.command == name, f"the {name} service runs `tessera {args.command}`"
+        expected = "worker" if name == "reactors" else name  # customer code: a worker of its own
+        assert args.command == expected, f"the {name} service runs `tessera {args.command}`"
         assert not extra or args.command in ("worker", "beat", "flower"), f"{name}: unknown options {extra}"
     assert services["flower"]["command"][1] == "flower"
 
@@ -120,6 +121,9 @@ def test_the_stores_are_real_servers_with_named_volumes(compose):
         assert services[store]["healthcheck"]["test"], store
     assert "--appendonly" in services["redis"]["command"] and "yes" in services["redis"]["command"]
     for name, service in _platform_services(compose).items():
+        if name == "reactors":  # customer code has no business with files or mail
+            assert not {"s3", "mailpit"} & set(service["depends_on"])
+            continue
         for dependency in ("s3", "mailpit"):
             assert service["depends_on"][dependency]["condition"] == "service_healthy", (name, dependency)
 
@@ -127,3 +131,37 @@ def test_the_stores_are_real_servers_with_named_volumes(compose):
 def test_the_api_runs_several_processes(compose):
     args = build_parser().parse_args(compose["services"]["api"]["command"][1:])
     assert args.workers >= 2
+
+
+def test_customer_code_runs_in_a_service_of_its_own_with_no_route_to_the_stores(compose):
+    services, networks = compose["services"], compose["networks"]
+    reactors = services["reactors"]
+    assert reactors["command"][1:4] == ["worker", "-Q", "reactors"]
+    assert services["worker"]["command"][1:] == ["worker", "-X", "reactors"]  # the platform's worker runs none
+    # the stores sit on internal networks; the reactors service is on the broker's and database's
+    # (the worker needs them: the code inside its sandboxes has no network at all) and on egress
+    assert services["postgres"]["networks"] == ["data"] and services["redis"]["networks"] == ["data"]
+    assert "files" not in reactors["networks"] and "front" not in reactors["networks"]
+    assert set(services["s3"]["networks"]) == {"files", "front"}
+    assert networks["data"]["internal"] is True and networks["files"]["internal"] is True
+    assert "egress" in reactors["networks"] and not networks["egress"].get("internal")
+    assert reactors["cap_drop"] == ["ALL"]
+    assert {"no-new-privileges:true", "seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"} == set(
+        reactors["security_opt"])
+    text = (ROOT / "docker-compose.yml").read_text()
+    for option in ("seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"):
+        assert f"* {option}:" in text, f"{option} is not explained"
+    assert "bubblewrap" in (ROOT / "Dockerfile").read_text()
+
+
+def test_every_secret_is_a_required_variable_without_a_literal_default(compose):
+    text = (ROOT / "docker-compose.yml").read_text()
+    for variable in ("TESSERA_MASTER_KEY", "POSTGRES_PASSWORD", "REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY",
+                     "TESSERA_FLOWER_PASSWORD"):
+        uses = [line for line in text.splitlines() if "${" + variable in line]
+        assert uses, variable
+        assert all("${" + variable + ":?" in line for line in uses), (variable, uses)
+    env = compose["services"]["api"]["environment"]
+    assert "${POSTGRES_PASSWORD:?" in env["TESSERA_DATABASE_URL"] and "tessera:tessera@" not in text
+    assert "${REDIS_PASSWORD:?" in env["TESSERA_BROKER_URL"] and "${REDIS_PASSWORD:?" in env["TESSERA_REDIS_URL"]
+    assert "--requirepass" in compose["services"]["redis"]["command"]
