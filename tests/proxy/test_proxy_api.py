@@ -19,7 +19,7 @@ from config.settings import get_settings
 from storage.db import session_scope
 from storage.models_tenant_admin import TokenActivity
 from tests.conftest import RunningApi, app_with_permissions, free_port, make_tenant, serve_in_thread
-from tests.proxy.certificates import DEST, resolve_names
+from tests.proxy.certificates import DEST, LOCAL, resolve_names
 from tests.proxy.upstream import start_upstream
 
 CARD = {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2030, "cvc": "123"}
@@ -162,6 +162,20 @@ def test_invalid_destinations(tenant, strict_api, upstream):
         error = _proxy_error(strict.get("/proxy/x", headers={URL: upstream.base(name)}), 400)
         assert "not public" in error["detail"]
     assert upstream.received == []
+
+
+def test_a_local_https_server_by_its_one_label_name(tenant, strict_api, upstream):
+    # the machine resolves localhost itself; the test CA (TESSERA_PROXY_CA_BUNDLE) makes its certificate trusted
+    answer = tenant.client.get("/proxy/ping?a=1", headers={URL: upstream.base(LOCAL)})
+    assert answer.status == 201, answer
+    proxy = _proxy(tenant, upstream, name="local", destination_url=upstream.base(LOCAL) + "/v1/")
+    assert proxy["destination_url"] == upstream.base(LOCAL) + "/v1"
+    assert tenant.client.get("/proxy/charges", headers={KEY: proxy["key"]}).status == 201
+    assert [s.path for s in upstream.received] == ["/ping?a=1", "/v1/charges"]
+    # refused on the resolved address where private destinations are not allowed
+    error = _proxy_error(strict_api.client(tenant.api_key).get("/proxy/x", headers={URL: upstream.base(LOCAL)}), 400)
+    assert "127.0.0.1 is not public" in error["detail"]
+    assert len(upstream.received) == 2
 
 
 def test_timeout_is_408(tenant, upstream):
