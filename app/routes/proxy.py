@@ -379,11 +379,14 @@ ListQuery = cursor_query(100, name=(str | None, Field(None, max_length=200, desc
 _FIELDS_TEXT = (
     "Fields: `name` (1-200 characters), `destination_url` (HTTPS, a DNS host, no IP address, no query; trailing "
     "slashes removed), `request_transforms` and `response_transforms` (at most 20 each, run in order; types "
-    "`tokenize`, `mask`, `append_json`, `append_text`, `append_header`, `code`), `configuration` (a map of "
+    "`tokenize`, `mask`, `append_json`, `append_text`, `append_header`, `code`; a new `code` transform needs "
+    "`runtime.image` `node22`: an omitted runtime or image, or `node-svc`, answers 400 since October 5, 2026, and "
+    "code transforms a proxy already stores are kept by a merge patch), `configuration` (a map of "
     "strings, encrypted at rest), `require_auth` (default true; false lets a caller knowing only the key invoke "
     "it), `application` (`{id}`: the application whose permissions apply to callers without an API key). "
     "Deprecated since October 8, 2025 and still accepted: `request_transform` / `response_transform` (one "
-    "transform, stored as a one-item list; not together with the list; the answer carries `Deprecation`). "
+    "transform, stored as a one-item list; not together with the list; the answer carries `Deprecation`; "
+    "`{\"code\": ...}` without a `type` is a code transform, under the same runtime image rule). "
     "Shut down on March 31, 2023: "
     "`request_reactor_id` / `response_reactor_id` answer 400."
 )

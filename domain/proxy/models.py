@@ -8,7 +8,8 @@ Fields: ``name`` (1-200 characters), ``destination_url`` (HTTPS, a DNS host: Pro
 ``application`` (``{"id": <uuid>}``: the application whose permissions apply to callers without a
 key). Deprecated since October 8, 2025 and still accepted: ``request_transform`` /
 ``response_transform`` (one transform; mapped to a one-item list, refused together with the list
-form). Shut down on March 31, 2023 and refused (400): ``request_reactor_id`` /
+form; the older ``{"code": ...}`` without ``type`` is read as a code transform, so it meets the
+runtime image rule like any new code transform). Shut down on March 31, 2023 and refused (400): ``request_reactor_id`` /
 ``response_reactor_id``.
 """
 
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from domain.proxy.errors import ProxyError
 from domain.proxy.rules import check_destination_base
-from domain.proxy.transforms import Transform, TransformList
+from domain.proxy.transforms import RUNTIME_IMAGE_ERROR, Transform, TransformList
 
 REACTOR_IDS_SHUTDOWN = "March 31, 2023"
 _SINGULAR = ("request_transform", "response_transform")
@@ -51,6 +52,17 @@ class ProxyRequest(BaseModel):
     application: ApplicationRef | None = None
     request_reactor_id: Any = None
     response_reactor_id: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _untyped_code(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for side in _SINGULAR:
+            single = data.get(side)
+            if isinstance(single, dict) and "type" not in single and "code" in single:
+                data = {**data, side: {"type": "code", **single}}
+        return data
 
     @field_validator("name")
     @classmethod
@@ -103,6 +115,8 @@ def validation_errors(exc: ValidationError) -> dict[str, list[str]]:
                 continue  # the union's tag, not a property
             else:
                 path = f"{path}.{part}" if path else str(part)
+        if error["type"] == RUNTIME_IMAGE_ERROR:
+            path += ".image"
         message = "This property is not allowed." if error["type"] == "extra_forbidden" else error["msg"]
         message = message.removeprefix("Value error, ")
         errors.setdefault(path or "body", []).append(message)

@@ -22,7 +22,7 @@ from sqlmodel import Session, select
 
 from domain.proxy.detokenize import Detokenized, detokenize
 from domain.proxy.models import ProxyRequest, validation_errors
-from domain.proxy.transforms import CodeTransform, dump_transforms, load_transforms
+from domain.proxy.transforms import KEPT_CODE, CodeTransform, dump_transforms, load_transforms
 from domain.proxy.values import SqlValueLoader
 from domain.tenancy import audit
 from domain.tenancy.auth import KeyCache, caller_cache, key_digest
@@ -175,10 +175,17 @@ def update_proxy(session: Session, caller: Caller, proxy_id: object, request: Pr
     return _update(session, caller, _get(session, caller, proxy_id, lock=True), request)
 
 
+def _stored_code(proxy: Proxy) -> frozenset[str]:
+    return frozenset(t.get("code") for t in (*(proxy.request_transforms or []), *(proxy.response_transforms or []))
+                     if t.get("type") == "code")
+
+
 def patch_proxy(session: Session, caller: Caller, proxy_id: object, patch: Any) -> dict:
     """``PATCH /proxies/{id}`` with an RFC 7396 merge patch over the proxy's fields (``name``,
     ``destination_url``, transforms, ``configuration``, ``require_auth``, ``application``); the
-    result is validated like a PUT body (400 with per-field errors, nothing changed). 403, 404."""
+    result is validated like a PUT body (400 with per-field errors, nothing changed), except that code
+    transforms the proxy already stores are kept as they are (the runtime image rule is for new ones).
+    403, 404."""
     caller.require("proxy:update")
     if not isinstance(patch, dict):
         raise validation_problem({"body": ["A merge patch must be a JSON object."]})
@@ -197,7 +204,7 @@ def patch_proxy(session: Session, caller: Caller, proxy_id: object, patch: Any) 
             current[f"{side}_transforms"] = []  # the deprecated singular form replaces the list
     merged = merge_patch({k: v for k, v in current.items() if v is not None}, patch)
     try:
-        request = ProxyRequest.model_validate(merged)
+        request = ProxyRequest.model_validate(merged, context={KEPT_CODE: _stored_code(proxy)})
     except ValidationError as exc:
         raise validation_problem(validation_errors(exc)) from None
     return _update(session, caller, proxy, request)

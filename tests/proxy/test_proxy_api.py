@@ -17,6 +17,7 @@ from sqlmodel import select
 from app.main import init_app
 from config.settings import get_settings
 from storage.db import session_scope
+from storage.models_proxy import Proxy
 from storage.models_tenant_admin import TokenActivity
 from tests.conftest import RunningApi, app_with_permissions, free_port, make_tenant, serve_in_thread
 from tests.proxy.certificates import DEST, LOCAL, resolve_names
@@ -312,6 +313,39 @@ def test_code_transforms_run_in_a_worker_with_the_proxy_configuration(tenant, up
          "runtime": {"image": "node22"}}])
     error = _proxy_error(tenant.client.post("/proxy", {"a": 1}, headers={KEY: thrower["key"]}), 400)
     assert "no way" in error["detail"]
+
+
+def test_new_code_transforms_need_a_node_runtime_image(tenant, upstream):
+    code = "module.exports = async (req) => req.args;"
+    base = {"name": "code", "destination_url": upstream.base()}
+    for transform, where in (
+        ({"type": "code", "code": code}, "request_transforms[0].runtime.image"),
+        ({"type": "code", "code": code, "runtime": {}}, "request_transforms[0].runtime.image"),
+        ({"type": "code", "code": code, "runtime": {"image": "node-svc"}}, "request_transforms[0].runtime.image"),
+    ):
+        answer = tenant.client.post("/proxies", {**base, "request_transforms": [transform]})
+        assert answer.status == 400, answer
+        assert list(answer.json["errors"]) == [where] and "October 5, 2026" in answer.json["errors"][where][0]
+    # the deprecated singular form without a type is a code transform, under the same rule
+    for side in ("request", "response"):
+        answer = tenant.client.post("/proxies", {**base, f"{side}_transform": {"code": code}})
+        assert answer.status == 400, answer
+        [message] = answer.json["errors"][f"{side}_transform.runtime.image"]
+        assert "Node runtime image is required" in message and "discriminator" not in json.dumps(answer.json)
+    answer = tenant.client.post("/proxies", {**base, "request_transform": {"code": code,
+                                                                           "runtime": {"image": "node22"}}})
+    assert answer.status == 201 and answer.headers["Deprecation"], answer
+    assert answer.json["request_transforms"] == [{"type": "code", "code": code, "runtime": {"image": "node22"}}]
+    # a proxy stored before the rule keeps its code transform through a merge patch of other fields
+    legacy = _proxy(tenant, upstream, name="legacy")
+    with session_scope() as session:
+        session.get(Proxy, uuid.UUID(legacy["id"])).request_transforms = [{"type": "code", "code": code}]
+    patched = tenant.client.patch(f"/proxies/{legacy['id']}", {"name": "renamed"},
+                                  content_type="application/merge-patch+json")
+    assert patched.status == 200 and patched.json["request_transforms"] == [{"type": "code", "code": code}], patched
+    added = tenant.client.patch(f"/proxies/{legacy['id']}", {"response_transforms": [{"type": "code", "code": "x"}]},
+                                content_type="application/merge-patch+json")
+    assert added.status == 400 and list(added.json["errors"]) == ["response_transforms[0].runtime.image"], added
 
 
 def test_proxies_crud_pagination_and_merge_patch(tenant, limited, upstream):
