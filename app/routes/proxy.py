@@ -150,7 +150,10 @@ def _invoke_openapi(names: ProxyHeaderNames, with_tail: bool) -> dict:
     ]
     if with_tail:
         parameters.insert(0, _parameter("tail", "path", "The path appended to the destination (several segments "
-                                        "allowed)."))
+                                        "allowed), forwarded byte for byte. Refused (400, `errors.path`): a segment "
+                                        "that, percent-decoded repeatedly, is `.` or `..` (also with a `;` suffix "
+                                        "such as `..;`) or holds a slash, backslash, line break or NUL (so `%2F`, "
+                                        "`%5C`, `%252e%252e` never reach the destination)."))
     answer = {
         "description": f"The destination's answer (any status), headers and body unchanged, with "
                        f"`{names.destination_status}` carrying its status.",

@@ -138,14 +138,37 @@ def _check_destination_base(base: str, *, where: str) -> str:
     return base.rstrip("/")
 
 
+#: Percent-decoding rounds a path segment may need; one that still changes after them is refused.
+MAX_DECODING_ROUNDS = 4
+
+
+def _fully_decoded(segment: str) -> str | None:
+    """``segment`` percent-decoded until it no longer changes (``%252e`` -> ``%2e`` -> ``.``); None
+    when :data:`MAX_DECODING_ROUNDS` rounds are not enough."""
+    for _ in range(MAX_DECODING_ROUNDS + 1):
+        decoded = unquote(segment)
+        if decoded == segment:
+            return decoded
+        segment = decoded
+    return None
+
+
 def _check_path(path: str) -> None:
+    """Refuse a tail that could climb out of the destination's base path, however a server along
+    the way decodes it: a segment that, percent-decoded repeatedly, is ``.`` or ``..`` (with or
+    without a ``;`` parameter suffix, as Tomcat and others read ``..;``) or holds a slash or a
+    backslash (an encoded separator), CR, LF or NUL."""
     if path and not path.startswith("/"):
         raise invalid_request("The path after /proxy must start with '/'.", where="path")
     for segment in path.split("/"):
-        if unquote(segment) in (".", ".."):
+        decoded = _fully_decoded(segment)
+        if decoded is None:
+            raise invalid_request("The path after /proxy is encoded too many times over.", where="path")
+        if decoded.split(";", 1)[0] in (".", ".."):
             raise invalid_request("The path after /proxy may not hold '.' or '..' segments.", where="path")
-        if any(ch in unquote(segment) for ch in ("\\", "\r", "\n", "\0")):
-            raise invalid_request("The path after /proxy holds a character that is not allowed.", where="path")
+        if any(ch in decoded for ch in ("/", "\\", "\r", "\n", "\0")):
+            raise invalid_request("The path after /proxy holds a character that is not allowed (an encoded "
+                                  "slash or backslash, a line break or NUL).", where="path")
 
 
 def forwarded_query(query: str, key_query: str) -> str:

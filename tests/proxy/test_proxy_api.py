@@ -105,7 +105,7 @@ def test_ephemeral_proxy_forwards_and_detokenizes(tenant, upstream):
     body = {"number": f"{{{{ {card} | json: '$.number' }}}}", "last4": f"{{{{ {card} | json: '$.number' | last4 }}}}",
             "month": f"{{{{ {card} | json: '$.expiration_month' }}}}", "plain": "kept"}
     answer = tenant.client.post(
-        "/proxy/charges/%2Fa?amount=10&currency=eur",
+        "/proxy/charges/%3Aa?amount=10&currency=eur",
         raw=json.dumps(body).replace(f'"{{{{ {card} | json: \'$.expiration_month\' }}}}"',
                                      f"{{{{ {card} | json: '$.expiration_month' }}}}").encode(),
         headers={URL: upstream.base() + "/base//", "Authorization": "Bearer dest-secret",
@@ -116,7 +116,7 @@ def test_ephemeral_proxy_forwards_and_detokenizes(tenant, upstream):
     assert answer.headers[STATUS] == "201" and answer.headers["X-Upstream"] == "yes"
     assert answer.json == {"ok": True}
     [seen] = upstream.received
-    assert seen.method == "POST" and seen.path == "/base/charges/%2Fa?amount=10&currency=eur"
+    assert seen.method == "POST" and seen.path == "/base/charges/%3Aa?amount=10&currency=eur"
     assert seen.json == {"number": CARD["number"], "last4": "4242", "month": 12, "plain": "kept"}
     assert seen.header("Authorization") == "Bearer dest-secret" and seen.header("X-Custom") == "1"
     assert seen.header("Keep-Alive") == "timeout=5" and seen.header("Connection") == "keep-alive"
@@ -177,6 +177,17 @@ def test_a_local_https_server_by_its_one_label_name(tenant, strict_api, upstream
     error = _proxy_error(strict_api.client(tenant.api_key).get("/proxy/x", headers={URL: upstream.base(LOCAL)}), 400)
     assert "127.0.0.1 is not public" in error["detail"]
     assert len(upstream.received) == 2
+
+
+def test_tails_that_climb_out_of_the_base_path_are_refused(tenant, upstream):
+    proxy = _proxy(tenant, upstream, name="base", destination_url=upstream.base() + "/tenant-a/")
+    for tail in ("/%2F..%2F..%2Fadmin", "/..;/x", "/%252e%252e/x", "/v1/%2e%2e/admin", "/a%5Cb"):
+        for headers in ({KEY: proxy["key"]}, {URL: upstream.base() + "/tenant-a"}):
+            error = _proxy_error(tenant.client.get("/proxy" + tail, headers=headers), 400)
+            assert list(error["errors"]) == ["path"], (tail, error)
+    assert upstream.received == []
+    assert tenant.client.get("/proxy/v1/a..b;x=1", headers={KEY: proxy["key"]}).status == 201
+    assert [s.path for s in upstream.received] == ["/tenant-a/v1/a..b;x=1"]
 
 
 def test_timeout_is_408(tenant, upstream):
