@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -479,3 +479,34 @@ async def delete(call: Call):
 for _route in api.routes:
     if _route.body is ProxyRequest:
         _route.body_adapter = _ProxyBody()  # type: ignore[assignment]
+
+
+# ---- POST /detokenize -----------------------------------------------------------------------------
+
+DetokenizeDocument = Annotated[
+    dict[str, Any] | list[Any],
+    Field(description="Any JSON object or array; token expressions in its strings are replaced by token data."),
+]
+
+
+@api.route("POST", "/detokenize", body=DetokenizeDocument, response=DetokenizeDocument, tag=TAG,
+           summary="Detokenize a JSON document", errors=(400, 401, 403),
+           description="Permission, per token read: its use right `token:<classification>:use:proxy` and, since "
+           "the data is answered to the caller, its read right `token:<classification>:read:<impact_level>` at or "
+           "above the token's impact level (403 naming the missing one); a body without expressions needs none.\n\n"
+           "Beyond the spec (a decision of this implementation, for the official client libraries): answers the "
+           "body (a JSON object or array) with the same structure, every token expression in any string of any "
+           "object or array replaced by the token's data, read by the proxy's expression engine: "
+           "`{{ <token_id> }}`, `{{ <token_id> | json: '$.number' }}`, `{{ token: <token_id> | json: "
+           "'$.data.number' }}` and the engine's filters. A string that is one whole expression becomes the "
+           "value itself (an object, a number, a string); an expression inside a longer string is written as "
+           "text. Only token values are read here (network tokens, token intents, wallet tokens and "
+           f"`encrypted` answer 400). At most {MAX_TOKENS} distinct tokens per request, as the proxy (400). A "
+           "card's `cvc` is never answered. Errors are problem objects (not `proxy_error`), keyed `body`. Logged "
+           "like a proxy invocation (a log row with entity type `proxy`, entity id `detokenize`, operation "
+           "`invoke`; never the body), and the tokens count as used this month in the usage report.")
+async def detokenize_document(call: Call):
+    try:
+        return await call.db_grouped(service.detokenize_document, call.caller, call.payload)
+    except ProxyError as error:
+        raise Problem(error.status, error.detail, title=error.title, errors=error.errors) from None

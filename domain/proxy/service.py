@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, or_
 from sqlmodel import Session, select
 
-from domain.proxy.detokenize import Detokenized, detokenize
+from domain.proxy.detokenize import DETOKENIZE_RIGHTS, Detokenized, detokenize, is_whole_expression
 from domain.proxy.models import ProxyRequest, validation_errors
 from domain.proxy.transforms import KEPT_CODE, CodeTransform, dump_transforms, load_transforms
 from domain.proxy.values import SqlValueLoader
@@ -308,6 +308,41 @@ def prepare_invocation(session: Session, caller: Caller, proxy_id: uuid.UUID | N
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=proxy_id or EPHEMERAL, operation="invoke")
     stage_rows(session, rows)
     return detokenized
+
+
+DETOKENIZE = "detokenize"
+"""The ``entity_id`` of ``POST /detokenize``'s log rows (entity type ``proxy``, operation ``invoke``)."""
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as JSON text, except that a string which is one whole expression is written bare
+    (outside quotes), so its value takes its own JSON type (an object, a number) in the answer."""
+    if isinstance(value, str):
+        return value.strip() if is_whole_expression(value) else json.dumps(value, ensure_ascii=False)
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(k, ensure_ascii=False)}:{_json_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_json_text(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+def detokenize_document(session: Session, caller: Caller, document: Any) -> Any:
+    """``POST /detokenize``: ``document`` (any JSON) with every token expression in its strings
+    replaced by the token data, by the proxy's expression engine and limits
+    (:data:`~domain.proxy.detokenize.DETOKENIZE_RIGHTS`: ``{{ <id> }}``, ``{{ <id> | json: '$.number' }}``,
+    ``{{ token: <id> | ... }}``; at most 20 distinct tokens; each token's use right
+    ``token:<classification>:use:proxy`` and its plain read right). A string that is one whole
+    expression becomes the value itself (an object, a number ...); an expression inside a longer
+    string is written as text. Logged like a proxy invocation (entity ``proxy``, id
+    :data:`DETOKENIZE`, operation ``invoke``) and the tokens counted as used this month, in one
+    statement with the group's rows. Raises the engine's ``ProxyError`` problems (nothing written)."""
+    rows = Rows()
+    detokenized = detokenize(caller, SqlValueLoader(session, rows=rows), headers=(),
+                             body=_json_text(document).encode("utf-8"), content_type="application/json",
+                             rights=DETOKENIZE_RIGHTS)
+    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=DETOKENIZE, operation="invoke")
+    stage_rows(session, rows)
+    return json.loads(detokenized.body or b"null")
 
 
 def find_by_key(session: Session, key: str) -> Proxy | None:
