@@ -9,8 +9,8 @@ Fields: ``name`` (1-200 characters), ``destination_url`` (HTTPS, a DNS host: Pro
 key). Deprecated since October 8, 2025 and still accepted: ``request_transform`` /
 ``response_transform`` (one transform; mapped to a one-item list, refused together with the list
 form; the older ``{"code": ...}`` without ``type`` is read as a code transform, so it meets the
-runtime image rule like any new code transform). Shut down on March 31, 2023 and refused (400): ``request_reactor_id`` /
-``response_reactor_id``.
+runtime image rule like any new code transform). Shut down on March 31, 2023 and refused (400):
+``request_reactor_id`` / ``response_reactor_id``.
 """
 
 from __future__ import annotations

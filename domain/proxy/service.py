@@ -21,6 +21,7 @@ from sqlalchemy import func, or_
 from sqlmodel import Session, select
 
 from domain.proxy.detokenize import DETOKENIZE_RIGHTS, Detokenized, detokenize, is_whole_expression
+from domain.proxy.errors import invalid_expression
 from domain.proxy.models import ProxyRequest, validation_errors
 from domain.proxy.transforms import KEPT_CODE, CodeTransform, dump_transforms, load_transforms
 from domain.proxy.values import SqlValueLoader
@@ -341,8 +342,12 @@ def detokenize_document(session: Session, caller: Caller, document: Any) -> Any:
                              body=_json_text(document).encode("utf-8"), content_type="application/json",
                              rights=DETOKENIZE_RIGHTS)
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=DETOKENIZE, operation="invoke")
+    try:
+        answer = json.loads(detokenized.body or b"null")
+    except ValueError:  # an expression that rendered no JSON value where a whole value stood
+        raise invalid_expression("The document's expressions did not render to JSON.", where="body") from None
     stage_rows(session, rows)
-    return json.loads(detokenized.body or b"null")
+    return answer
 
 
 def find_by_key(session: Session, key: str) -> Proxy | None:
