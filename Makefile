@@ -8,20 +8,26 @@ BIN := $(VENV)/bin
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
 
+# The runtime alone for running the platform; the test extra (pytest, ruff, import-linter...) on top for
+# testing and linting.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(BIN)/.installed-test: $(BIN)/.installed
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
-dev: $(BIN)/.installed ## install into .venv and run `tessera dev` (embedded defaults unless TESSERA_* say otherwise)
+dev: $(BIN)/.installed ## install the runtime into .venv and run `tessera dev` (embedded defaults unless TESSERA_* say otherwise)
 	$(BIN)/tessera dev
 
-test: $(BIN)/.installed services ## install, make sure PostgreSQL, Redis (and Chromium) are there, check the layers, run every test
+test: $(BIN)/.installed-test services ## install with the test extra, make sure PostgreSQL, Redis (and Chromium) are there, check the layers, run every test
 	$(BIN)/lint-imports
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-lint: $(BIN)/.installed ## ruff and the import-linter contracts (layers only point down, no circles)
+lint: $(BIN)/.installed-test ## ruff and the import-linter contracts (layers only point down, no circles)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 

@@ -27,6 +27,11 @@ def beat_schedule(settings: Settings) -> dict:
             "schedule": 60.0,
             "options": {"expires": 55},
         },
+        "token-idempotency-keys": {
+            "task": "sweeps.forget_idempotency_keys",
+            "schedule": 300.0,
+            "options": {"expires": 290},
+        },
         "card-verification-codes": {
             "task": "sweeps.purge_card_verification_codes",
             "schedule": 60.0,

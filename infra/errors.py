@@ -6,7 +6,7 @@ status the API answers; the error middleware renders it (``app/problems.py``) an
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -56,7 +56,11 @@ class Problem(Exception):
 
 
 def validation_errors(
-    exc: ValidationError, *, prefix: str = "", union_tags: Collection[str] = ()
+    exc: ValidationError,
+    *,
+    prefix: str = "",
+    union_tags: Collection[str] = (),
+    suffixes: Mapping[str, str] | None = None,
 ) -> dict[str, list[str]]:
     """A pydantic ValidationError as the problem's ``errors`` map (property path -> messages, in the
     platform's voice: ``is required``, ``must be a string`` ...): the one converter of validation
@@ -64,7 +68,9 @@ def validation_errors(
 
     ``prefix`` starts every path (``request``); ``union_tags`` are the tags of discriminated unions,
     which pydantic puts in a location after the union's property or item and which are no property
-    themselves (``request_transforms[0].expression``, not ``request_transforms[0].mask.expression``)."""
+    themselves (``request_transforms[0].expression``, not ``request_transforms[0].mask.expression``).
+    ``suffixes`` maps an error type to what its path ends with (a model validator's error that
+    belongs to one property of the object: ``{"runtime_image": ".image"}``)."""
     errors: dict[str, list[str]] = {}
     for error in exc.errors(include_url=False):
         path = prefix
@@ -78,6 +84,7 @@ def validation_errors(
             else:
                 path = f"{path}.{part}" if path else str(part)
             skipped = False
+        path += (suffixes or {}).get(error["type"], "")
         errors.setdefault(path or "body", []).append(_message(error))
     return errors
 

@@ -383,6 +383,13 @@ def job_view(job: Job, *, detail: bool = False) -> dict[str, Any]:
     return view
 
 
+def delivery_state(job_status: str) -> str:
+    """A webhook delivery's state as an operator reads it: its public status
+    (:data:`~storage.models.DELIVERY_STATUS`), except that one an operator cancelled reads
+    ``cancelled`` (the API shows it ``failed``)."""
+    return "cancelled" if job_status == "cancelled" else DELIVERY_STATUS[job_status]
+
+
 def delivery_view(
     delivery: WebhookDelivery, job: Job, attempts: list[WebhookAttempt] | None = None
 ) -> dict[str, Any]:
@@ -391,7 +398,7 @@ def delivery_view(
     view = {
         "id": str(delivery.id),
         "kind": DELIVER_TASK,
-        "state": DELIVERY_STATUS[job.status],
+        "state": delivery_state(job.status),
         "queue": queue_of(DELIVER_TASK),
         "tenant_id": str(delivery.tenant_id),
         "subject_type": "webhook",
@@ -497,7 +504,7 @@ def retry(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     job, delivery = _find(session, ref)
     if job.status not in ("dead", "failed", "cancelled"):
         if delivery is not None:
-            raise Refused(f"webhook delivery {job.id} is {DELIVERY_STATUS[job.status]}; "
+            raise Refused(f"webhook delivery {job.id} is {delivery_state(job.status)}; "
                           "only failed deliveries are retried")
         raise Refused(f"job {job.id} is {job.status}; only dead, failed or cancelled jobs are retried")
     if delivery is None:
@@ -516,7 +523,8 @@ def retry(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
 
 def cancel(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     """Cancel a queued job no worker holds (status ``cancelled``; a webhook delivery's job too: the
-    delivery is closed ``failed``, "cancelled by an operator"); a running one is refused."""
+    delivery is closed, ``failed`` to the API and ``cancelled`` here, "cancelled by an operator"); a
+    running one is refused."""
     job, delivery = _find(session, ref)
     now = utcnow()
     values: dict[str, Any] = {"status": "cancelled", "updated_at": now}
@@ -536,7 +544,7 @@ def cancel(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     if result.rowcount != 1:
         held = " and a worker holds it" if job.lease_expires_at and _aware(job.lease_expires_at) >= now else ""
         if delivery is not None:
-            raise Refused(f"webhook delivery {job.id} is {DELIVERY_STATUS[job.status]}{held}; "
+            raise Refused(f"webhook delivery {job.id} is {delivery_state(job.status)}{held}; "
                           "only pending work that no worker holds is cancelled")
         raise Refused(f"job {job.id} is {job.status}{held}; only queued work that no worker holds is cancelled")
     if delivery is None:

@@ -173,6 +173,20 @@ class TokenSearchIndex(SQLModel, table=True):
     digest: str = Field(sa_column=Column(String(64), primary_key=True))
 
 
+class TokenIdempotencyKey(SQLModel, table=True):
+    """One ``<prefix>-IDEMPOTENCY-KEY`` of a token creation (``scope``: ``tokens`` or ``tokenize``) and
+    the answer it gave, sealed (``answer_ct``: it may hold token data). Kept at least 24 hours from
+    ``created_at``; an older row is taken over by the next request with its key, and swept."""
+
+    __tablename__ = "token_idempotency_keys"
+
+    tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True))
+    scope: str = Field(sa_column=Column(String(16), primary_key=True))
+    key: str = Field(sa_column=Column(String(255), primary_key=True))
+    answer_ct: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
+    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts(index=True))
+
+
 # ---- events, webhooks ----------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from sqlmodel import Session
 
 from config.settings import get_settings
+from domain.tokens import idempotency
 from domain.tokens import service as tokens
 from infra import outbox
 from infra.celery import celery_app
@@ -51,6 +52,12 @@ def release_stale_leases() -> int:
 def delete_expired_tokens() -> int:
     """Delete tokens past their ``expires_at``."""
     return in_batches(lambda s: tokens.delete_expired_tokens(s, now=utcnow(), batch=500), 500)
+
+
+@celery_app.task(name="sweeps.forget_idempotency_keys", base=TesseraTask)
+def forget_idempotency_keys() -> int:
+    """Delete token creation idempotency keys first used more than 24 hours ago."""
+    return in_batches(lambda s: idempotency.forget_old_keys(s, now=utcnow(), batch=500), 500)
 
 
 @celery_app.task(name="sweeps.purge_card_verification_codes", base=TesseraTask)

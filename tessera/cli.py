@@ -50,9 +50,31 @@ def _api(args: argparse.Namespace) -> int:
     workers = args.workers or settings.api_workers or os.cpu_count() or 1
     if args.reuse_port or args.listen_fd is not None or workers == 1:
         return _serve_api(settings, host, port, reuse_port=args.reuse_port, listen_fd=args.listen_fd)
-    print(f"tessera api listening on http://{host}:{port} ({workers} processes)", flush=True)
     argv = [sys.executable, "-m", "tessera.cli", "api", "--host", host, "--port", str(port), "--reuse-port"]
-    return _supervise([subprocess.Popen(argv) for _ in range(workers)])  # noqa: S603 - our own command
+    children = [subprocess.Popen(argv) for _ in range(workers)]  # noqa: S603 - our own command
+    if _answers(host, port, children):
+        print(f"tessera api listening on http://{host}:{port} ({workers} processes)", flush=True)
+    return _supervise(children)
+
+
+def _answers(host: str, port: int, children: list[subprocess.Popen], timeout: float = 60.0) -> bool:
+    """Wait until the api answers ``GET /healthz`` on ``host:port`` (False when a child ended first
+    or ``timeout`` seconds passed)."""
+    import urllib.error
+    import urllib.request
+
+    local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - a wildcard's loopback
+    url = f"http://{f'[{local}]' if ':' in local else local}:{port}/healthz"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and all(child.poll() is None for child in children):
+        try:
+            with urllib.request.urlopen(url, timeout=1) as answer:
+                if answer.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def _serve_api(settings, host: str, port: int, *, reuse_port: bool, listen_fd: int | None = None) -> int:
@@ -75,14 +97,17 @@ def _serve_api(settings, host: str, port: int, *, reuse_port: bool, listen_fd: i
     listening: dict = {"host": host, "port": port}
     if listen_fd is not None:  # a socket bound by the parent (tessera dev): the port is surely ours
         listening = {"sock": socket.socket(fileno=listen_fd)}
-    if not reuse_port:
-        print(f"tessera api listening on http://{host}:{port}", flush=True)
+
+    def announce(_text: str) -> None:  # called once the site listens and the app answers
+        if not reuse_port:
+            print(f"tessera api listening on http://{host}:{port}", flush=True)
+
     app = init_app(settings)
     app.on_startup.append(_freeze_heap)
     web.run_app(
         app,
         **listening,
-        print=None,
+        print=announce,
         shutdown_timeout=settings.api_shutdown_timeout_seconds,
         access_log=None,
         reuse_port=reuse_port or None,
@@ -406,65 +431,107 @@ def _dev(_args: argparse.Namespace) -> int:
     return run_dev()
 
 
+_SETTINGS_TEXT = "Settings come from TESSERA_* environment variables (config/settings.py)."
+_WORKER_TEXT = f"""Options not listed here pass through to `celery worker` (for example --concurrency N,
+-n NAME, -Q QUEUES, --loglevel DEBUG; see `celery worker --help`). Without -Q this process runs every
+queue but `providers` on a prefork pool and starts a child for `providers` on threads.
+
+Settings that matter: TESSERA_BROKER_URL (default: SQLite in TESSERA_DATA_DIR), TESSERA_DATABASE_URL,
+TESSERA_REDIS_URL, TESSERA_WORKER_CONCURRENCY (prefork processes), TESSERA_PROVIDER_CONCURRENCY
+(provider threads, default 16), TESSERA_TASK_TIME_LIMIT_SECONDS, TESSERA_LOG_LEVEL, TESSERA_LOG_FORMAT.
+{_SETTINGS_TEXT}"""
+_BEAT_TEXT = f"""Options not listed here pass through to `celery beat` (see `celery beat --help`); the
+schedule file is TESSERA_DATA_DIR/celerybeat-schedule. Run one beat per deployment.
+
+Settings that matter: TESSERA_BROKER_URL, TESSERA_DATABASE_URL, TESSERA_DATA_DIR,
+TESSERA_OUTBOX_RELAY_AFTER_SECONDS (how soon unsent work is sent again), TESSERA_LOG_LEVEL.
+{_SETTINGS_TEXT}"""
+_FLOWER_TEXT = f"""Options not listed here pass through to Flower (for example --url_prefix=flower,
+--persistent=True; see `celery flower --help`).
+
+Settings that matter: TESSERA_FLOWER_PASSWORD (required) and TESSERA_FLOWER_USER (default tessera) for
+its basic auth, TESSERA_BROKER_URL (a Redis broker: the embedded SQLite broker carries no task events).
+{_SETTINGS_TEXT}"""
+
+
+def _group(parser: argparse.ArgumentParser, dest: str) -> argparse._SubParsersAction:
+    """Subcommands of ``parser``; the group without one prints its help (the subcommands) and exits 2."""
+    parser.set_defaults(func=_usage(parser))
+    return parser.add_subparsers(dest=dest, title="commands", metavar="COMMAND")
+
+
+def _usage(parser: argparse.ArgumentParser):
+    def run(_args: argparse.Namespace) -> int:
+        parser.print_help(sys.stderr)
+        return 2
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tessera`` command."""
-    parser = argparse.ArgumentParser(prog="tessera", description="Tessera tokenization platform")
+    parser = argparse.ArgumentParser(prog="tessera", description="Tessera tokenization platform. " + _SETTINGS_TEXT)
     parser.add_argument("--version", action="version", version=f"tessera {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = _group(parser, "command")
 
     commands.add_parser("dev", help="run everything locally (embedded defaults unless configured)").set_defaults(
         func=_dev
     )
     api = commands.add_parser("api", help="run the HTTP API")
-    api.add_argument("--host")
-    api.add_argument("--port", type=int)
+    api.add_argument("--host", help="address to listen on (default: TESSERA_API_HOST, 127.0.0.1)")
+    api.add_argument("--port", type=int, help="port to listen on (default: TESSERA_API_PORT, 8080)")
     api.add_argument("--workers", type=int, help="api processes sharing the port (default: TESSERA_API_WORKERS, "
                      "else one per core)")
     api.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
     api.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # a socket bound by tessera dev
     api.set_defaults(func=_api)
-    worker = commands.add_parser("worker", help="run a Celery worker (extra options go to celery worker)")
+    raw = argparse.RawDescriptionHelpFormatter
+    worker = commands.add_parser("worker", help="run a Celery worker (extra options go to celery worker)",
+                                 description="Run the platform's Celery worker.", epilog=_WORKER_TEXT,
+                                 formatter_class=raw)
     worker.set_defaults(func=_worker)
-    beat = commands.add_parser("beat", help="run Celery beat (sweeps and the outbox relay)")
+    beat = commands.add_parser("beat", help="run Celery beat (sweeps and the outbox relay)",
+                               description="Run Celery beat: the sweeps and the outbox relay.", epilog=_BEAT_TEXT,
+                               formatter_class=raw)
     beat.set_defaults(func=_beat)
     commands.add_parser("migrate", help="apply the database migrations").set_defaults(func=_migrate)
     sandbox = commands.add_parser("sandbox", help="run the sandbox providers")
-    sandbox.add_argument("--host")
-    sandbox.add_argument("--port", type=int)
+    sandbox.add_argument("--host", help="address to listen on (default: the host of TESSERA_SANDBOX_URL)")
+    sandbox.add_argument("--port", type=int, help="port to listen on (default: the port of TESSERA_SANDBOX_URL)")
     sandbox.set_defaults(func=_sandbox)
 
-    tenants = commands.add_parser("tenants", help="manage tenants").add_subparsers(
-        dest="tenants_command", required=True
-    )
+    tenants = _group(commands.add_parser("tenants", help="manage tenants"), "tenants_command")
     create = tenants.add_parser("create", help="create a tenant with a management application")
-    create.add_argument("--name", required=True)
-    create.add_argument("--owner-email", required=True)
-    create.add_argument("--type", choices=("test", "production"), default="test")
+    create.add_argument("--name", required=True, help="the tenant's name")
+    create.add_argument("--owner-email", required=True, help="the owner's email address")
+    create.add_argument("--type", choices=("test", "production"), default="test",
+                        help="test (sandbox providers, the default) or production (live providers)")
     create.add_argument("--json", action="store_true", help="print one JSON object")
     create.set_defaults(func=_tenants_create)
     tenant_list = tenants.add_parser("list", help="the live tenants, newest first")
-    tenant_list.add_argument("--limit", type=int, default=100)
+    tenant_list.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
     tenant_list.add_argument("--json", action="store_true", help="print a JSON array")
     tenant_list.set_defaults(func=_tenants_list)
 
     flower = commands.add_parser(
-        "flower", help="run Flower on the platform's Celery app (basic auth: TESSERA_FLOWER_USER/PASSWORD)"
+        "flower", help="run Flower on the platform's Celery app (basic auth: TESSERA_FLOWER_USER/PASSWORD)",
+        description="Run Flower, Celery's monitor, on the platform's Celery app.", epilog=_FLOWER_TEXT,
+        formatter_class=raw,
     )
-    flower.add_argument("--address", default="127.0.0.1")
-    flower.add_argument("--port", type=int, default=5555)
+    flower.add_argument("--address", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    flower.add_argument("--port", type=int, default=5555, help="port to listen on (default 5555)")
     flower.set_defaults(func=_flower)
 
-    jobs = commands.add_parser("jobs", help="inspect, retry and cancel jobs and webhook deliveries").add_subparsers(
-        dest="jobs_command", required=True
-    )
+    jobs = _group(commands.add_parser("jobs", help="inspect, retry and cancel jobs and webhook deliveries"),
+                  "jobs_command")
     listing = jobs.add_parser("list", help="jobs, most recently changed first (webhooks.deliver: deliveries)")
     states = ("queued", "running", "succeeded", "failed", "dead", "cancelled", "pending")
     listing.add_argument("--state", action="append", choices=states, metavar="STATE",
                          help="queued, running, succeeded, failed, dead, cancelled (deliveries: pending, "
-                         "succeeded, failed); repeat for several")
+                         "succeeded, failed, cancelled); repeat for several")
     listing.add_argument("--kind", help="the task name, e.g. network_tokens.provision or webhooks.deliver")
     listing.add_argument("--tenant", help="only this tenant's")
-    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     listing.add_argument("--json", action="store_true", help="print a JSON array")
     listing.set_defaults(func=_jobs_list)
     for operation, text in (
@@ -485,13 +552,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tessera`` command."""
+    """Entry point of the ``tessera`` command. Output cut short by its reader (``tessera jobs list |
+    head``) ends quietly."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.func not in (_worker, _beat, _flower):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.celery_args = extra
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except BrokenPipeError:
+        # the reader left: send what is still buffered nowhere, so the exit does not complain either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

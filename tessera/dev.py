@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -135,26 +136,48 @@ def _wait_until_ready(
     return False
 
 
+def typed_command(cwd: Path | None = None) -> str:
+    """How to type this installation's ``tessera`` command in a shell opened in ``cwd`` (default: the
+    working folder): ``tessera`` when the shell finds this one, else its script's path (relative to
+    ``cwd`` when inside it, e.g. ``.venv/bin/tessera``), else ``<python> -m tessera.cli``."""
+    script = Path(sys.executable).parent / "tessera"  # the environment's bin folder (not resolved)
+    found = shutil.which("tessera")
+    if found and script.exists() and Path(found).resolve() == script.resolve():
+        return "tessera"
+    if script.exists():
+        try:
+            return str(script.relative_to(cwd or Path.cwd()))
+        except ValueError:
+            return str(script)
+    return f"{sys.executable} -m tessera.cli"
+
+
 def banner(settings, base_url: str) -> str:
     """What ``tessera dev`` prints once everything runs: the base URL, the data directory, where
-    mail goes and how to watch the queues."""
+    mail goes and how to watch the queues, its commands as they are typed from the working folder
+    (:func:`typed_command`); the names of the ``TESSERA_*`` settings this run got from its
+    environment, which another shell needs too (names only: values may hold passwords)."""
+    tessera = typed_command()
+    inherited = sorted(name for name in os.environ if name.startswith("TESSERA_"))
     mail = (
         f"sent through {settings.smtp_url.split('@')[-1]}"
         if settings.smtp_url
         else f"written as .eml files to {settings.data_dir / 'mail'}"
     )
     if settings.effective_broker_url.startswith("sqla+"):
-        flower = "Flower needs a Redis broker: set TESSERA_BROKER_URL=redis://... and run tessera flower"
+        flower = f"Flower needs a Redis broker: set TESSERA_BROKER_URL=redis://... and run {tessera} flower"
     else:
-        flower = "TESSERA_FLOWER_PASSWORD=choose-one tessera flower   (then http://127.0.0.1:5555)"
+        flower = f"TESSERA_FLOWER_PASSWORD=choose-one {tessera} flower   (then http://127.0.0.1:5555)"
+    settings_line = (f"  another shell needs the same settings: {', '.join(inherited)}\n" if inherited else "")
     rule = "-" * 78
     return (
         f"\n{rule}\n"
         f"  Tessera is running at {base_url}   (Ctrl-C stops it)\n"
         f"  data:    {settings.data_dir}\n"
         f"  mail:    {mail}\n"
-        f"  queues:  tessera queues; in a browser: {flower}\n"
-        f"  start:   tessera tenants create --name demo --owner-email you@example.com --json\n"
+        f"  queues:  {tessera} queues; in a browser: {flower}\n"
+        f"  start:   {tessera} tenants create --name demo --owner-email you@example.com --json\n"
+        f"{settings_line}"
         f"{rule}\n"
     )
 

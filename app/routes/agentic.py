@@ -26,6 +26,7 @@ from domain.agentic import idempotency, leases
 from domain.agentic import payment_methods as service
 from domain.agentic.consumers import canonical_language_code, normalize_country_code
 from domain.agentic.errors import agentic_error, to_agentic, validation_error
+from domain.tokens.idempotency import key_errors
 from infra.errors import Problem
 
 api = Api()
@@ -406,7 +407,7 @@ async def claim_key(call: Call, scope: str, owner: str, *, wait_seconds: float |
     key = call.request.headers.get(header)
     if key is None:
         return None
-    errors = idempotency.key_errors(key, header)
+    errors = key_errors(key, header)
     if errors:
         raise validation_error(errors)
     return await call.db(

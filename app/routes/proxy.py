@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -29,7 +29,7 @@ from config.settings import get_settings
 from domain.proxy import service
 from domain.proxy.detokenize import MAX_TOKENS
 from domain.proxy.errors import INVALID_REQUEST, ProxyError, invalid_request
-from domain.proxy.models import TRANSFORM_TAGS, ProxyRequest
+from domain.proxy.models import ProxyRequest, request_errors
 from domain.proxy.rules import ProxyHeaderNames, destination_url, forward_headers, proxy_header_names
 from domain.proxy.transforms import (
     CodeRunner,
@@ -41,7 +41,7 @@ from domain.proxy.transforms import (
 from domain.reactors.transforms import code_transform_runner
 from domain.tenancy.caller import Caller
 from infra import http
-from infra.errors import Problem, validation_errors, validation_problem
+from infra.errors import Problem, validation_problem
 
 api = Api()
 TAG = "Proxy"
@@ -150,7 +150,10 @@ def _invoke_openapi(names: ProxyHeaderNames, with_tail: bool) -> dict:
     ]
     if with_tail:
         parameters.insert(0, _parameter("tail", "path", "The path appended to the destination (several segments "
-                                        "allowed)."))
+                                        "allowed), forwarded byte for byte. Refused (400, `errors.path`): a segment "
+                                        "that, percent-decoded repeatedly, is `.` or `..` (also with a `;` suffix "
+                                        "such as `..;`) or holds a slash, backslash, line break or NUL (so `%2F`, "
+                                        "`%5C`, `%252e%252e` never reach the destination)."))
     answer = {
         "description": f"The destination's answer (any status), headers and body unchanged, with "
                        f"`{names.destination_status}` carrying its status.",
@@ -170,8 +173,9 @@ _INVOKE_TEXT = (
     "data.\n\n"
     "Destination: a pre-configured proxy's `destination_url` when its key is sent (`{key}` header or `{query}` "
     "query parameter; `{url}` is then ignored), else the `{url}` header (an ephemeral proxy, refused with 403 when "
-    "the tenant setting `disable_ephemeral_proxy` is 'true'). It must be HTTPS with a DNS host (no IP address) "
-    "and TLS 1.2 or higher; its trailing slashes are removed before the path after `/proxy` and the query string "
+    "the tenant setting `disable_ephemeral_proxy` is 'true'). It must be HTTPS with a DNS host (no IP address; "
+    "a one-label name such as `localhost` is a DNS name) and TLS 1.2 or higher; its trailing slashes are removed "
+    "before the path after `/proxy` and the query string "
     "(without the proxy key parameter) are appended. Names resolving to private, loopback, link-local or "
     "metadata addresses are refused (400) unless the deployment allows private destinations.\n\n"
     "Authentication: `{api_key}`, except for a pre-configured proxy with `require_auth` false called without "
@@ -379,11 +383,14 @@ ListQuery = cursor_query(100, name=(str | None, Field(None, max_length=200, desc
 _FIELDS_TEXT = (
     "Fields: `name` (1-200 characters), `destination_url` (HTTPS, a DNS host, no IP address, no query; trailing "
     "slashes removed), `request_transforms` and `response_transforms` (at most 20 each, run in order; types "
-    "`tokenize`, `mask`, `append_json`, `append_text`, `append_header`, `code`), `configuration` (a map of "
+    "`tokenize`, `mask`, `append_json`, `append_text`, `append_header`, `code`; a new `code` transform needs "
+    "`runtime.image` `node22`: an omitted runtime or image, or `node-svc`, answers 400 since October 5, 2026, and "
+    "code transforms a proxy already stores are kept by a merge patch), `configuration` (a map of "
     "strings, encrypted at rest), `require_auth` (default true; false lets a caller knowing only the key invoke "
     "it), `application` (`{id}`: the application whose permissions apply to callers without an API key). "
     "Deprecated since October 8, 2025 and still accepted: `request_transform` / `response_transform` (one "
-    "transform, stored as a one-item list; not together with the list; the answer carries `Deprecation`). "
+    "transform, stored as a one-item list; not together with the list; the answer carries `Deprecation`; "
+    "`{\"code\": ...}` without a `type` is a code transform, under the same runtime image rule). "
     "Shut down on March 31, 2023: "
     "`request_reactor_id` / `response_reactor_id` answer 400."
 )
@@ -408,13 +415,13 @@ def _deprecated_fields(call: Call) -> None:
 
 class _ProxyBody:
     """Validates a proxy body with the transform-aware error paths of
-    :func:`domain.proxy.models.validation_errors` (``request_transforms[0].location``)."""
+    :func:`domain.proxy.models.request_errors` (``request_transforms[0].location``)."""
 
     def validate_python(self, payload: Any) -> ProxyRequest:
         try:
             return ProxyRequest.model_validate(payload)
         except ValidationError as exc:
-            raise validation_problem(validation_errors(exc, union_tags=TRANSFORM_TAGS)) from None
+            raise validation_problem(request_errors(exc)) from None
 
 
 @api.route("POST", "/proxies", permission="proxy:create", body=ProxyRequest, status=201, response=ProxyOut,
@@ -473,3 +480,34 @@ async def delete(call: Call):
 for _route in api.routes:
     if _route.body is ProxyRequest:
         _route.body_adapter = _ProxyBody()  # type: ignore[assignment]
+
+
+# ---- POST /detokenize -----------------------------------------------------------------------------
+
+DetokenizeDocument = Annotated[
+    dict[str, Any] | list[Any],
+    Field(description="Any JSON object or array; token expressions in its strings are replaced by token data."),
+]
+
+
+@api.route("POST", "/detokenize", body=DetokenizeDocument, response=DetokenizeDocument, tag=TAG,
+           summary="Detokenize a JSON document", errors=(400, 401, 403),
+           description="Permission, per token read: its use right `token:<classification>:use:proxy` and, since "
+           "the data is answered to the caller, its read right `token:<classification>:read:<impact_level>` at or "
+           "above the token's impact level (403 naming the missing one); a body without expressions needs none.\n\n"
+           "Beyond the spec (a decision of this implementation, for the official client libraries): answers the "
+           "body (a JSON object or array) with the same structure, every token expression in any string of any "
+           "object or array replaced by the token's data, read by the proxy's expression engine: "
+           "`{{ <token_id> }}`, `{{ <token_id> | json: '$.number' }}`, `{{ token: <token_id> | json: "
+           "'$.data.number' }}` and the engine's filters. A string that is one whole expression becomes the "
+           "value itself (an object, a number, a string); an expression inside a longer string is written as "
+           "text. Only token values are read here (network tokens, token intents, wallet tokens and "
+           f"`encrypted` answer 400). At most {MAX_TOKENS} distinct tokens per request, as the proxy (400). A "
+           "card's `cvc` is never answered. Errors are problem objects (not `proxy_error`), keyed `body`. Logged "
+           "like a proxy invocation (a log row with entity type `proxy`, entity id `detokenize`, operation "
+           "`invoke`; never the body), and the tokens count as used this month in the usage report.")
+async def detokenize_document(call: Call):
+    try:
+        return await call.db_grouped(service.detokenize_document, call.caller, call.payload)
+    except ProxyError as error:
+        raise Problem(error.status, error.detail, title=error.title, errors=error.errors) from None

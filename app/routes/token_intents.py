@@ -37,7 +37,8 @@ class TokenIntentIn(RequestModel):
     type: Literal["card"] = Field(description="Only `card` for now.")
     data: dict[str, Any] = Field(
         description="number (string of 12-19 digits passing the Luhn check, required), expiration_month and "
-        "expiration_year (integers, together or not at all, not expired), cvc (3-4 digits), name (<= 200)."
+        "expiration_year (integers, together or not at all; an expired card is accepted, as by `POST /tokens`), "
+        "cvc (3-4 digits), name (<= 200)."
     )
 
 
@@ -76,7 +77,8 @@ class TokenIntentOut(ResponseModel):
     errors=(400,),
     description="Holds card data for 24 hours until it becomes a token (`POST /token-intents/{id}/convert`) or "
     "is used as the source of a network token (`POST /network-tokens` with `token_intent_id`). Card data follows "
-    "the card token rules (400 keyed `data.number` ...). " + _OBJECT,
+    "the card token rules (400 keyed `data.number` ...); like a card token, an expired card is accepted (the spec "
+    "sets no expiry rule for either; a decision of this implementation). " + _OBJECT,
 )
 async def create(call: Call):
     """A new intent, expiring in 24 hours."""

@@ -18,7 +18,7 @@ from pydantic import ConfigDict, Field
 from app.api import Api, Call, query_extras
 from app.pagination import CursorPage, OffsetPage, cursor_page, cursor_query, decode_cursor, offset_page, offset_query
 from app.schemas import RequestModel, ResponseModel
-from domain.tokens import service
+from domain.tokens import idempotency, service
 from infra.errors import Problem, validation_problem
 
 api = Api()
@@ -191,6 +191,26 @@ METADATA_PARAMETER = {
 
 # ---- create --------------------------------------------------------------------------------------
 
+IDEMPOTENCY_TEXT = (
+    "\n\nIdempotency (a decision beyond the spec, as the hosted service does for tokens): an optional header "
+    "`<prefix>-IDEMPOTENCY-KEY` (prefix: `TESSERA_HEADER_PREFIX`, default `TS`; 1 to 255 printable ASCII "
+    "characters; 400 otherwise). The key alone defines sameness within the tenant and this endpoint (the body "
+    "is not compared): a repeated key answers the original 201 answer, as it was, and creates nothing. A "
+    "request that fails (400, 403, 409) keeps nothing, so its key may be sent again. Keys are kept at least "
+    "24 hours from their first use; after that a key may start a new creation. Two concurrent requests with "
+    "one key create once: the second waits for the first and answers its answer."
+)
+
+
+def _idempotency_key(call: Call) -> str | None:
+    """The request's ``<prefix>-IDEMPOTENCY-KEY`` (None without one); 400 for a malformed key."""
+    header = call.settings.header("IDEMPOTENCY-KEY")
+    key = call.request.headers.get(header)
+    if key is not None and (errors := idempotency.key_errors(key, header)):
+        raise validation_problem(errors)
+    return key
+
+
 
 @api.route("POST", "/tokenize", body=TokenizeIn, status=201, response=TokenizeOut, tag=TAG,
            summary="Tokenize one or many values", errors=(400, 401, 403, 409),
@@ -207,9 +227,10 @@ METADATA_PARAMETER = {
            "'true'): another live token of the same type and fingerprint is answered instead (still 201, no second "
            "row); under `token_deduplication_behavior` `update_existing` (default) its data (and metadata when "
            "given) is replaced, under `read_existing` it is unchanged. A card's `cvc` is kept one hour for provider "
-           "calls, then dropped. " + READ_RULES)
+           "calls, then dropped. " + READ_RULES + IDEMPOTENCY_TEXT)
 async def tokenize(call: Call):
-    return await call.db_grouped(service.tokenize, call.caller, call.payload)
+    return await call.db_grouped(idempotency.once, call.caller, idempotency.TOKENIZE, _idempotency_key(call),
+                                 service.tokenize, call.payload)
 
 
 @api.route("POST", "/tokens", body=TokenRequest, status=201, response=TokenOut, tag=TAG, summary="Create a token",
@@ -219,9 +240,10 @@ async def tokenize(call: Call):
            "/<classification>/<impact_level>/ and, for card and bank, be of the type's classification. "
            "Unknown properties: 400. An alias `id` already used by a live token of the tenant: 409. Card data: "
            "Luhn and expiry checked. Deduplication and fingerprints as for POST /tokenize (201 with the existing "
-           "token on a hit). " + READ_RULES)
+           "token on a hit). " + READ_RULES + IDEMPOTENCY_TEXT)
 async def create(call: Call):
-    return await call.db_grouped(service.create_token, call.caller, call.payload)
+    return await call.db_grouped(idempotency.once, call.caller, idempotency.TOKENS, _idempotency_key(call),
+                                 service.create_token, call.payload)
 
 
 @api.route("POST", "/connections/psp-forward/tokenize", permission="token:pci:create", body=PspForwardIn,

@@ -38,9 +38,9 @@ from sqlalchemy import delete, update
 from sqlmodel import Session
 
 from domain.agentic.errors import agentic_error
-from domain.agentic.sql import insert_if_absent
 from infra.errors import Problem
 from storage.models_agentic import IdempotencyRecord
+from storage.sql import insert_if_absent
 from storage.types import utcnow
 
 CREATE_PAYMENT_METHOD = "payment-method.create"
@@ -48,7 +48,6 @@ CREATE_ALLOWANCE = "allowance.create"
 MINT_CREDENTIAL = "credential.mint"
 #: scope -> the code every replay of an unknown outcome answers (``CREATE_OUTCOME_UNKNOWN`` otherwise)
 UNKNOWN_CODES = {MINT_CREDENTIAL: "CREDENTIAL_OUTCOME_UNKNOWN"}
-MAX_KEY_LENGTH = 255
 
 
 @dataclass(frozen=True)
@@ -72,15 +71,6 @@ def request_hash(payload: Any) -> str:
     """SHA-256 (hex) of the canonical JSON of ``payload``."""
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def key_errors(key: str, header: str) -> dict[str, list[str]]:
-    """The validation errors of a supplied key (empty when fine)."""
-    if not 1 <= len(key) <= MAX_KEY_LENGTH:
-        return {header: [f"must be 1 to {MAX_KEY_LENGTH} characters"]}
-    if not key.isprintable() or not key.isascii():
-        return {header: ["must be printable ASCII characters"]}
-    return {}
 
 
 def claim(session: Session, *, tenant_id: uuid.UUID, scope: str, key: str, body_hash: str, owner: str,

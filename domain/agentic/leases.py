@@ -26,9 +26,9 @@ from sqlalchemy import delete, select
 from sqlmodel import Session
 
 from domain.agentic.errors import agentic_error
-from domain.agentic.sql import upsert_when
 from infra.errors import Problem
 from storage.models_agentic import OperationLease
+from storage.sql import upsert_when
 from storage.types import utcnow
 
 ENROLL, DELETE = "enroll", "delete"

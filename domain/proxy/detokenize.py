@@ -27,6 +27,10 @@ for the token's containers (the legacy ``token:use`` is already mapped to
 ``token:general:use:proxy``), the ``pci`` right for a token intent (403). All errors are
 ``proxy_error`` (:mod:`domain.proxy.errors`); no detokenized value ever reaches an error message.
 
+What is asked of the caller is a :class:`Rights`: :data:`PROXY_RIGHTS` for a proxied request,
+:data:`DETOKENIZE_RIGHTS` for ``POST /detokenize`` (token values only, where the caller must also
+read each token's data plainly, since the values are answered to it).
+
 Placement, by where the expression stands:
 
 * JSON body: inside a JSON string the text is escaped as JSON string content; outside a string (a
@@ -48,7 +52,7 @@ import json
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote_plus, unquote_plus
 from xml.sax.saxutils import escape as xml_escape
@@ -56,13 +60,14 @@ from xml.sax.saxutils import escape as xml_escape
 from domain.proxy.errors import ProxyError, invalid_expression, invalid_request, missing_right
 from domain.proxy.values import KINDS, NETWORK_TOKEN, TOKEN, TOKEN_INTENT, WALLET_A, WALLET_B, Loaded, ValueLoader
 from domain.tenancy.caller import Caller
-from domain.tenancy.permissions import TYPE_CLASSIFICATION, parse_container
+from domain.tenancy.permissions import IMPACT_LEVELS, TYPE_CLASSIFICATION, parse_container, read_level
 from domain.tokens.expressions import (
     ExpressionError,
     evaluate,
     stringify_filter,
     validate_expression,
 )
+from domain.tokens.service import container_placement
 from infra.errors import Problem
 
 MAX_TOKENS = 20
@@ -99,6 +104,11 @@ class Expression:
     ref: Ref | None
     bare: bool
     source: str
+
+
+def is_whole_expression(text: str) -> bool:
+    """Whether ``text`` (surrounding whitespace aside) is exactly one ``{{ ... }}`` expression."""
+    return _EXPRESSION.fullmatch(text.strip()) is not None
 
 
 def parse_expression(inner: str, *, where: str) -> Expression:
@@ -263,6 +273,25 @@ def body_kind(content_type: str | None) -> str:
 
 
 @dataclass(frozen=True)
+class Rights:
+    """What a detokenization asks of its caller: ``invoke``, the permission any expression needs
+    (None: none beyond the per-value ones); ``kinds``, the kinds of value expressions may read
+    (``encrypted`` among them for the ``<prefix>-ENCRYPTED`` payload); ``plain_read``, whether each
+    token's data must also be readable plainly by the caller (``token:<classification>:read:<level>``
+    at or above the token's impact level)."""
+
+    invoke: str | None
+    kinds: frozenset[str]
+    plain_read: bool = False
+
+
+PROXY_RIGHTS = Rights(INVOKE, frozenset((*KINDS, ENCRYPTED)))
+"""A proxied request: ``proxy:invoke`` and the use right of each value, every kind of value."""
+DETOKENIZE_RIGHTS = Rights(None, frozenset({TOKEN}), plain_read=True)
+"""``POST /detokenize``: token values only, each needing its use right and its plain read right."""
+
+
+@dataclass(frozen=True)
 class Detokenized:
     """The request after detokenization: ``headers`` (pairs, in order), ``body`` (bytes or None),
     ``refs`` (the distinct ids read, for the invocation's log row; never their values)."""
@@ -317,6 +346,7 @@ def detokenize(
     body: bytes | None,
     content_type: str | None,
     encrypted_header: str | None = None,
+    rights: Rights = PROXY_RIGHTS,
 ) -> Detokenized:
     """Replace the expressions of a request's body and headers by the values they read.
 
@@ -326,7 +356,8 @@ def detokenize(
     ``encrypted``. Returns the rewritten headers and body (a body without expressions is returned as
     the same bytes, and nothing is loaded). Raises :class:`~domain.proxy.errors.ProxyError`: 400 for
     a malformed expression, more than :data:`MAX_TOKENS` distinct ids, unknown ids, a missing or
-    unreadable encrypted payload, a render failure; 403 without ``proxy:invoke`` or a use right.
+    unreadable encrypted payload, a render failure, a kind of value ``rights`` does not allow; 403
+    without ``rights.invoke`` (``proxy:invoke``), a use right or (``rights.plain_read``) a read right.
     """
     header_list = list(headers)
     parts: list[tuple[str, int | None, _Part]] = []  # (target, header index, part)
@@ -344,8 +375,12 @@ def detokenize(
     sites = [(part, site) for _, _, part in parts for site in part.sites]
     if not sites:
         return Detokenized(header_list, body, ())
-    if not caller.has(INVOKE):
-        raise missing_right(INVOKE, where=sites[0][0].where)
+    if rights.invoke is not None and not caller.has(rights.invoke):
+        raise missing_right(rights.invoke, where=sites[0][0].where)
+    for part, site in sites:
+        kind = ENCRYPTED if site.expression.ref is None else site.expression.ref.kind
+        if kind not in rights.kinds:
+            raise invalid_expression(f"Only token values can be read here ({kind} cannot).", where=part.where)
     refs = tuple(dict.fromkeys(site.expression.ref for _, site in sites if site.expression.ref is not None))
     if len(refs) > MAX_TOKENS:
         raise invalid_request(
@@ -355,7 +390,7 @@ def detokenize(
     for part, site in sites:
         if site.expression.ref is not None:
             where.setdefault(site.expression.ref, part.where)
-    loaded = _load(caller, loader, refs, where)
+    loaded = _load(caller, loader, refs, where, rights)
     encrypted = None
     if any(site.expression.ref is None for _, site in sites):
         encrypted = _open_encrypted(caller, loader, encrypted_header)
@@ -388,7 +423,8 @@ def detokenize(
     return Detokenized(new_headers, new_body, refs)
 
 
-def _load(caller: Caller, loader: ValueLoader, refs: Sequence[Ref], where: Mapping[Ref, str]) -> dict[Ref, Loaded]:
+def _load(caller: Caller, loader: ValueLoader, refs: Sequence[Ref], where: Mapping[Ref, str],
+          rights: Rights) -> dict[Ref, Loaded]:
     loaded: dict[Ref, Loaded] = {}
     unknown: list[Ref] = []
     for kind in KINDS:
@@ -412,6 +448,13 @@ def _load(caller: Caller, loader: ValueLoader, refs: Sequence[Ref], where: Mappi
         permission = required_permission(item)
         if permission is not None and not caller.has(permission):
             raise missing_right(permission, where=where[ref])
+        if rights.plain_read and item.kind == TOKEN:
+            classification, rank = container_placement(item.containers, item.record.get("type"))
+            if read_level(caller.permissions, classification) < rank:
+                raise missing_right(f"token:{classification}:read:{IMPACT_LEVELS[rank]}", where=where[ref])
+            if isinstance(item.data, dict) and "cvc" in item.data:  # answered to the caller: never a cvc
+                data = {key: value for key, value in item.data.items() if key != "cvc"}
+                loaded[ref] = replace(item, data=data, record={**item.record, "data": data})
     return loaded
 
 
@@ -429,17 +472,21 @@ def _open_encrypted(caller: Caller, loader: ValueLoader, header_value: str | Non
 
 
 __all__ = [
+    "DETOKENIZE_RIGHTS",
     "ENCRYPTED",
     "KINDS",
     "MAX_TOKENS",
     "NETWORK_TOKEN",
+    "PROXY_RIGHTS",
     "TOKEN",
     "TOKEN_INTENT",
     "Detokenized",
     "Expression",
     "Ref",
+    "Rights",
     "body_kind",
     "detokenize",
+    "is_whole_expression",
     "parse_expression",
     "required_permission",
 ]

@@ -8,8 +8,9 @@ Fields: ``name`` (1-200 characters), ``destination_url`` (HTTPS, a DNS host: Pro
 ``application`` (``{"id": <uuid>}``: the application whose permissions apply to callers without a
 key). Deprecated since October 8, 2025 and still accepted: ``request_transform`` /
 ``response_transform`` (one transform; mapped to a one-item list, refused together with the list
-form). Shut down on March 31, 2023 and refused (400): ``request_reactor_id`` /
-``response_reactor_id``.
+form; the older ``{"code": ...}`` without ``type`` is read as a code transform, so it meets the
+runtime image rule like any new code transform). Shut down on March 31, 2023 and refused (400):
+``request_reactor_id`` / ``response_reactor_id``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from domain.proxy.errors import ProxyError
 from domain.proxy.rules import check_destination_base
-from domain.proxy.transforms import Transform, TransformList
+from domain.proxy.transforms import RUNTIME_IMAGE_ERROR, Transform, TransformList
+from infra.errors import validation_errors
 
 REACTOR_IDS_SHUTDOWN = "March 31, 2023"
+_SINGULAR = ("request_transform", "response_transform")
 MAX_CONFIGURATION_ENTRIES = 100
 
 
@@ -50,6 +53,17 @@ class ProxyRequest(BaseModel):
     application: ApplicationRef | None = None
     request_reactor_id: Any = None
     response_reactor_id: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _untyped_code(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for side in _SINGULAR:
+            single = data.get(side)
+            if isinstance(single, dict) and "type" not in single and "code" in single:
+                data = {**data, side: {"type": "code", **single}}
+        return data
 
     @field_validator("name")
     @classmethod
@@ -90,3 +104,12 @@ class ProxyRequest(BaseModel):
 #: The tags of the transform union, which pydantic puts in an error's location (see
 #: :func:`infra.errors.validation_errors`).
 TRANSFORM_TAGS = frozenset({"tokenize", "mask", "append_json", "append_text", "append_header", "code"})
+#: The runtime image rule of a code transform is checked on the whole transform; its error belongs to
+#: ``runtime.image`` (see :func:`infra.errors.validation_errors`).
+TRANSFORM_SUFFIXES = {RUNTIME_IMAGE_ERROR: ".image"}
+
+
+def request_errors(exc: ValidationError) -> dict[str, list[str]]:
+    """A proxy body's validation error as the problem's ``errors`` map (the one converter,
+    :func:`infra.errors.validation_errors`, told the transforms' union tags and the image rule)."""
+    return validation_errors(exc, union_tags=TRANSFORM_TAGS, suffixes=TRANSFORM_SUFFIXES)

@@ -4,7 +4,8 @@
   ``<prefix>-PROXY-URL`` header of an ephemeral proxy, or a pre-configured proxy's
   ``destination_url``), the path after ``/proxy`` and the query string (rule 5).
 * :func:`check_destination_base`: the base's own rules (HTTPS, a DNS host, no IP literal), also used
-  when a pre-configured proxy is stored.
+  when a pre-configured proxy is stored. A one-label host such as ``localhost`` is a DNS name too:
+  whether it may be reached is the SSRF guard's decision on the resolved address.
 * :func:`forward_headers`: the headers sent to the destination (rules 4 and 6).
 
 Header names come from the ``TESSERA_HEADER_PREFIX`` setting (:func:`proxy_header_names`). Whether a
@@ -90,7 +91,8 @@ def _is_ip_literal(host: str) -> bool:
 def check_destination_base(base: str, *, where: str = "destination") -> str:
     """Validate a destination base and return it with trailing slashes removed (Proxy rule 5).
 
-    Accepted: ``https://<dns name>[:port][/path]`` with a host of at least two labels, no IP
+    Accepted: ``https://<dns name>[:port][/path]`` with a syntactically valid host name of one or more
+    labels (``localhost`` included: the outbound client's SSRF guard decides on the resolved address), no IP
     literal (IPv4, IPv6 or the numeric shorthands ``127.1`` / ``0x7f000001``), no user info, no query
     string and no fragment, at most :data:`MAX_URL_LENGTH` characters. Raises a 400
     :class:`~domain.proxy.errors.ProxyError` naming ``where``. Accepted bases are remembered (a
@@ -127,7 +129,7 @@ def _check_destination_base(base: str, *, where: str) -> str:
     labels = host.split(".")
     if _is_ip_literal(host) or "[" in parts.netloc or _NUMERIC_LABEL.fullmatch(labels[-1]):
         raise invalid_request("The destination host must be a DNS name, not an IP address.", where=where)
-    if len(labels) < 2 or not all(_LABEL.fullmatch(label) for label in labels):
+    if not all(_LABEL.fullmatch(label) for label in labels):
         raise invalid_request("The destination host is not a valid DNS name.", where=where)
     if port == 0:
         raise invalid_request("The destination port is not valid.", where=where)
@@ -136,14 +138,37 @@ def _check_destination_base(base: str, *, where: str) -> str:
     return base.rstrip("/")
 
 
+#: Percent-decoding rounds a path segment may need; one that still changes after them is refused.
+MAX_DECODING_ROUNDS = 4
+
+
+def _fully_decoded(segment: str) -> str | None:
+    """``segment`` percent-decoded until it no longer changes (``%252e`` -> ``%2e`` -> ``.``); None
+    when :data:`MAX_DECODING_ROUNDS` rounds are not enough."""
+    for _ in range(MAX_DECODING_ROUNDS + 1):
+        decoded = unquote(segment)
+        if decoded == segment:
+            return decoded
+        segment = decoded
+    return None
+
+
 def _check_path(path: str) -> None:
+    """Refuse a tail that could climb out of the destination's base path, however a server along
+    the way decodes it: a segment that, percent-decoded repeatedly, is ``.`` or ``..`` (with or
+    without a ``;`` parameter suffix, as Tomcat and others read ``..;``) or holds a slash or a
+    backslash (an encoded separator), CR, LF or NUL."""
     if path and not path.startswith("/"):
         raise invalid_request("The path after /proxy must start with '/'.", where="path")
     for segment in path.split("/"):
-        if unquote(segment) in (".", ".."):
+        decoded = _fully_decoded(segment)
+        if decoded is None:
+            raise invalid_request("The path after /proxy is encoded too many times over.", where="path")
+        if decoded.split(";", 1)[0] in (".", ".."):
             raise invalid_request("The path after /proxy may not hold '.' or '..' segments.", where="path")
-        if any(ch in unquote(segment) for ch in ("\\", "\r", "\n", "\0")):
-            raise invalid_request("The path after /proxy holds a character that is not allowed.", where="path")
+        if any(ch in decoded for ch in ("/", "\\", "\r", "\n", "\0")):
+            raise invalid_request("The path after /proxy holds a character that is not allowed (an encoded "
+                                  "slash or backslash, a line break or NUL).", where="path")
 
 
 def forwarded_query(query: str, key_query: str) -> str:

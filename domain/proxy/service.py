@@ -20,16 +20,17 @@ from pydantic import ValidationError
 from sqlalchemy import func, or_
 from sqlmodel import Session, select
 
-from domain.proxy.detokenize import Detokenized, detokenize
-from domain.proxy.models import TRANSFORM_TAGS, ProxyRequest
-from domain.proxy.transforms import CodeTransform, dump_transforms, load_transforms
+from domain.proxy.detokenize import DETOKENIZE_RIGHTS, Detokenized, detokenize, is_whole_expression
+from domain.proxy.errors import invalid_expression
+from domain.proxy.models import ProxyRequest, request_errors
+from domain.proxy.transforms import KEPT_CODE, CodeTransform, dump_transforms, load_transforms
 from domain.proxy.values import SqlValueLoader
 from domain.tenancy import audit
 from domain.tenancy.auth import KeyCache, caller_cache, key_digest
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import effective_permissions, require_grantable
 from domain.tokens.service import merge_patch
-from infra.errors import validation_errors, validation_problem
+from infra.errors import validation_problem
 from infra.lookup import get_owned
 from infra.node_runtime.owners import PROXY, end_owner_after_commit
 from storage.crypto import get_keyring
@@ -182,10 +183,17 @@ def update_proxy(session: Session, caller: Caller, proxy_id: object, request: Pr
     return _update(session, caller, _get(session, caller, proxy_id, lock=True), request)
 
 
+def _stored_code(proxy: Proxy) -> frozenset[str]:
+    return frozenset(t.get("code") for t in (*(proxy.request_transforms or []), *(proxy.response_transforms or []))
+                     if t.get("type") == "code")
+
+
 def patch_proxy(session: Session, caller: Caller, proxy_id: object, patch: Any) -> dict:
     """``PATCH /proxies/{id}`` with an RFC 7396 merge patch over the proxy's fields (``name``,
     ``destination_url``, transforms, ``configuration``, ``require_auth``, ``application``); the
-    result is validated like a PUT body (400 with per-field errors, nothing changed). 403, 404."""
+    result is validated like a PUT body (400 with per-field errors, nothing changed), except that code
+    transforms the proxy already stores are kept as they are (the runtime image rule is for new ones).
+    403, 404."""
     caller.require("proxy:update")
     if not isinstance(patch, dict):
         raise validation_problem({"body": ["A merge patch must be a JSON object."]})
@@ -204,9 +212,9 @@ def patch_proxy(session: Session, caller: Caller, proxy_id: object, patch: Any) 
             current[f"{side}_transforms"] = []  # the deprecated singular form replaces the list
     merged = merge_patch({k: v for k, v in current.items() if v is not None}, patch)
     try:
-        request = ProxyRequest.model_validate(merged)
+        request = ProxyRequest.model_validate(merged, context={KEPT_CODE: _stored_code(proxy)})
     except ValidationError as exc:
-        raise validation_problem(validation_errors(exc, union_tags=TRANSFORM_TAGS)) from None
+        raise validation_problem(request_errors(exc)) from None
     return _update(session, caller, proxy, request)
 
 
@@ -309,6 +317,45 @@ def prepare_invocation(session: Session, caller: Caller, proxy_id: uuid.UUID | N
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=proxy_id or EPHEMERAL, operation="invoke")
     stage_rows(session, rows)
     return detokenized
+
+
+DETOKENIZE = "detokenize"
+"""The ``entity_id`` of ``POST /detokenize``'s log rows (entity type ``proxy``, operation ``invoke``)."""
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as JSON text, except that a string which is one whole expression is written bare
+    (outside quotes), so its value takes its own JSON type (an object, a number) in the answer."""
+    if isinstance(value, str):
+        return value.strip() if is_whole_expression(value) else json.dumps(value, ensure_ascii=False)
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(k, ensure_ascii=False)}:{_json_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_json_text(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+def detokenize_document(session: Session, caller: Caller, document: Any) -> Any:
+    """``POST /detokenize``: ``document`` (any JSON) with every token expression in its strings
+    replaced by the token data, by the proxy's expression engine and limits
+    (:data:`~domain.proxy.detokenize.DETOKENIZE_RIGHTS`: ``{{ <id> }}``, ``{{ <id> | json: '$.number' }}``,
+    ``{{ token: <id> | ... }}``; at most 20 distinct tokens; each token's use right
+    ``token:<classification>:use:proxy`` and its plain read right). A string that is one whole
+    expression becomes the value itself (an object, a number ...); an expression inside a longer
+    string is written as text. Logged like a proxy invocation (entity ``proxy``, id
+    :data:`DETOKENIZE`, operation ``invoke``) and the tokens counted as used this month, in one
+    statement with the group's rows. Raises the engine's ``ProxyError`` problems (nothing written)."""
+    rows = Rows()
+    detokenized = detokenize(caller, SqlValueLoader(session, rows=rows), headers=(),
+                             body=_json_text(document).encode("utf-8"), content_type="application/json",
+                             rights=DETOKENIZE_RIGHTS)
+    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=DETOKENIZE, operation="invoke")
+    try:
+        answer = json.loads(detokenized.body or b"null")
+    except ValueError:  # an expression that rendered no JSON value where a whole value stood
+        raise invalid_expression("The document's expressions did not render to JSON.", where="body") from None
+    stage_rows(session, rows)
+    return answer
 
 
 def find_by_key(session: Session, key: str) -> Proxy | None:

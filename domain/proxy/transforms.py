@@ -14,9 +14,11 @@ shapes are ours, in the API's style (snake_case, ``type`` discriminator, per-fie
   body, making the objects on the way;
 * ``{"type": "append_text", "value": "..."}``: appends text to the body;
 * ``{"type": "append_header", "location": "<Header-Name>", "value": "..."}``: adds a header;
-* ``{"type": "code", "code": "...", "runtime": {...}}``: run by the ``code_runner`` the caller gives
-  (the reactor runtime, in a worker); without one, invoking answers 503 ``Proxy request transform is
-  initializing``.
+* ``{"type": "code", "code": "...", "runtime": {"image": "node22", ...}}``: run by the ``code_runner``
+  the caller gives (the reactor runtime, in a worker); without one, invoking answers 503 ``Proxy
+  request transform is initializing``. A new code transform needs a Node runtime image (section 9:
+  an omitted image or ``node-svc`` answers 400 since October 5, 2026); transforms already stored
+  (:func:`load_transforms`, or those a merge patch keeps: :data:`KEPT_CODE`) are unaffected.
 
 Request transforms apply to the outgoing request; response transforms to the destination's answer,
 only when its status is 2xx. Transforms run in the order given. Tokenizing calls out to a
@@ -35,7 +37,8 @@ from functools import lru_cache
 from typing import Annotated, Any, Literal, Protocol
 
 import jsonpath
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 from sqlmodel import Session
 
 from domain.proxy.errors import TRANSFORM_FAILED, TRANSFORM_INITIALIZING, ProxyError
@@ -153,12 +156,41 @@ class AppendHeaderTransform(_Transform):
         return value
 
 
+RUNTIME_IMAGE_ERROR = "runtime_image"
+"""The pydantic error type of the runtime image rule; its message belongs to ``runtime.image``."""
+NODE_IMAGE = "node22"
+NODE_SVC_SHUTDOWN = "October 5, 2026"
+KEPT_CODE = "kept_code"
+"""Validation context key: the codes of the code transforms a proxy already stores, which a merge
+patch may keep as they are (existing resources are unaffected by the runtime image rule)."""
+STORED = "stored"
+"""Validation context key: true when loading stored transforms (no creation rule applies)."""
+
+
 class CodeTransform(_Transform):
-    """Code run by the reactor runtime; stored as given (``runtime`` as in reactors)."""
+    """Code run by the reactor runtime; stored as given (``runtime`` as in reactors). A new one needs
+    ``runtime.image`` ``node22``: an omitted runtime or image (meaning ``node-svc``) or ``node-svc``
+    itself answers 400 (section 9, since :data:`NODE_SVC_SHUTDOWN`)."""
 
     type: Literal["code"]
     code: str = Field(min_length=1, max_length=MAX_CODE_LENGTH)
-    runtime: dict[str, Any] | None = None
+    runtime: dict[str, Any] | None = Field(None, validate_default=True)
+
+    @field_validator("runtime")
+    @classmethod
+    def _node_image(cls, value: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        context = info.context or {}
+        if context.get(STORED) or info.data.get("code") in context.get(KEPT_CODE, ()):
+            return value
+        image = (value or {}).get("image")
+        if image is None or image == "node-svc":
+            raise PydanticCustomError(
+                RUNTIME_IMAGE_ERROR,
+                "a Node runtime image is required: node-svc is deprecated for new proxy code transforms since "
+                f"{NODE_SVC_SHUTDOWN} (an omitted runtime or image means node-svc); use {NODE_IMAGE}")
+        if image != NODE_IMAGE:
+            raise PydanticCustomError(RUNTIME_IMAGE_ERROR, f"must be {NODE_IMAGE}")
+        return value
 
 
 Transform = Annotated[
@@ -171,8 +203,9 @@ _LIST = TypeAdapter(TransformList)
 
 
 def load_transforms(stored: Sequence[dict]) -> list[Any]:
-    """Stored transform objects (JSON) back as models (they were validated when stored)."""
-    return _LIST.validate_python(list(stored))
+    """Stored transform objects (JSON) back as models (they were validated when stored; rules for new
+    transforms, such as the code transform's runtime image, do not apply)."""
+    return _LIST.validate_python(list(stored), context={STORED: True})
 
 
 def dump_transforms(transforms: Sequence[Any]) -> list[dict]:

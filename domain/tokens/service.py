@@ -437,10 +437,16 @@ def _expiry(value: Any, now: dt.datetime, err) -> dt.datetime | None:
 def placement(token: Token) -> tuple[str, int]:
     """``(classification, impact rank)`` of a stored token: its containers' classification and
     the lowest impact level among them (low 0, moderate 1, high 2)."""
-    parsed = [parse_container(c) for c in token.containers or ()]
+    return container_placement(token.containers or (), token.type)
+
+
+def container_placement(containers: Iterable[str], token_type: str | None) -> tuple[str, int]:
+    """``(classification, impact rank)`` of a token of ``token_type`` in ``containers`` (without
+    containers: the type's classification, high)."""
+    parsed = [parse_container(c) for c in containers]
     parsed = [p for p in parsed if p is not None]
     if not parsed:
-        return TYPE_CLASSIFICATION.get(token.type, "general"), len(IMPACT_LEVELS) - 1
+        return TYPE_CLASSIFICATION.get(str(token_type), "general"), len(IMPACT_LEVELS) - 1
     return parsed[0][0], min(IMPACT_LEVELS.index(level) for _, level in parsed)
 
 

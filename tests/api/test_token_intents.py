@@ -80,14 +80,23 @@ def test_the_fingerprint_matches_a_card_token_of_the_same_number(tenant):
     assert _created(tenant.client, MASTERCARD)["fingerprint"] != token["fingerprint"]
 
 
+def test_an_expired_card_is_accepted_as_tokens_accept_it(tenant):
+    expired = {"number": VISA, "expiration_month": 1, "expiration_year": 2020}
+    token = tenant.client.post("/tokens", {"type": "card", "data": expired})
+    intent = tenant.client.post("/token-intents", {"type": "card", "data": expired})
+    assert token.status == intent.status == 201, (token, intent)
+    assert intent.json["data"]["expiration_month"] == 1 and intent.json["data"]["expiration_year"] == 2020
+    assert intent.json["fingerprint"] == token.json["fingerprint"]
+
+
 def test_validation(tenant):
     wrong_type = tenant.client.post("/token-intents", {"type": "bank", "data": {"number": VISA}})
     assert wrong_type.status == 400 and "type" in wrong_type.json["errors"]
     bad_number = _intent(tenant.client, "4242424242424241")
     assert bad_number.status == 400 and set(bad_number.json["errors"]) == {"data.number"}
-    expired = tenant.client.post("/token-intents", {"type": "card", "data": {"number": VISA, "expiration_month": 1,
-                                                                              "expiration_year": 2020}})
-    assert expired.status == 400 and "data.expiration_year" in expired.json["errors"]
+    impossible = tenant.client.post("/token-intents", {"type": "card", "data": {"number": VISA, "expiration_month": 13,
+                                                                                 "expiration_year": 2020}})
+    assert impossible.status == 400 and set(impossible.json["errors"]) == {"data.expiration_month"}
     extra = tenant.client.post("/token-intents", {"type": "card", "data": {"number": VISA, "pin": "1"}})
     assert extra.status == 400 and "data.pin" in extra.json["errors"]
     assert tenant.client.post("/token-intents", {"type": "card"}).status == 400

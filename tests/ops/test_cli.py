@@ -5,14 +5,17 @@ real worker and beat: one line per unit of work, no periodic no-op lines, no pay
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -212,3 +215,87 @@ def test_dev_prints_its_banner_last_and_then_stays_quiet(tmp_path):
             os.killpg(dev.pid, signal.SIGKILL)
             dev.wait(10)
         out.close()
+
+
+# ---- polish: help, pipes, announcements ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("group", "subcommands"), [
+    ("jobs", ["list", "show", "retry", "cancel"]), ("tenants", ["create", "list"]), (None, ["dev", "jobs"]),
+])
+def test_a_group_without_its_subcommand_lists_the_subcommands(group, subcommands):
+    done = tessera(*([group] if group else []))
+    assert done.returncode == 2 and done.stdout == ""
+    assert "required" not in done.stderr and "COMMAND" in done.stderr
+    assert all(re.search(rf"^\s+{name}\s", done.stderr, re.M) for name in subcommands), done.stderr
+
+
+def test_every_option_has_help_text():
+    from tessera.cli import build_parser
+
+    def options(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from options(sub, [*path, name])
+            elif action.help != argparse.SUPPRESS:
+                yield " ".join(path), action
+
+    missing = [(path, action.dest) for path, action in options(build_parser(), ["tessera"]) if not action.help]
+    assert missing == []
+
+
+@pytest.mark.parametrize(("command", "words"), [
+    ("worker", ["celery worker", "TESSERA_BROKER_URL", "TESSERA_WORKER_CONCURRENCY", "TESSERA_PROVIDER_CONCURRENCY"]),
+    ("beat", ["celery beat", "TESSERA_BROKER_URL", "celerybeat-schedule"]),
+    ("flower", ["pass through to Flower", "TESSERA_FLOWER_PASSWORD", "TESSERA_BROKER_URL"]),
+])
+def test_worker_beat_and_flower_help_say_what_passes_through_and_which_settings_matter(command, words):
+    done = tessera(command, "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "Options not listed here pass through" in text and all(word in text for word in words), text
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(database):
+    code = ("import os, sys\nread, write = os.pipe()\nos.close(read)\nos.dup2(write, 1)\n"
+            "from tessera.cli import main\nsys.exit(main(['tenants', 'list']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_api_says_listening_once_it_answers(platform, workers):
+    process = platform.start("api", "api", "--workers", workers)
+
+    def announced():
+        assert process.alive(), process.output()
+        return "listening" in process.stdout.read_text()
+
+    wait_until(announced, timeout=60, interval=0.05)
+    assert urllib3.request("GET", platform.api_url + "/healthz", timeout=2, retries=False).status == 200
+    processes = "" if workers == "1" else f" ({workers} processes)"
+    assert process.stdout.read_text().strip() == f"tessera api listening on {platform.api_url}{processes}"
+
+
+def test_the_banner_commands_work_as_typed_from_the_project_folder(tmp_path, monkeypatch):
+    from config.settings import get_settings
+    from tessera import dev
+
+    folder = Path(sys.executable).parent.parent.parent  # the project folder holding .venv
+    command = dev.typed_command(folder)
+    assert command == "tessera" or (folder / command).exists() or command.endswith("-m tessera.cli"), command
+    monkeypatch.setenv("TESSERA_API_PORT", "9999")
+    text = dev.banner(get_settings(), "http://127.0.0.1:9999")
+    assert f"{dev.typed_command()} queues" in text and f"{dev.typed_command()} tenants create" in text
+    assert "another shell needs the same settings:" in text and "TESSERA_API_PORT" in text
+    assert "9999" not in text.split("another shell")[1]  # names only, never values
+
+
+def test_a_cancelled_delivery_reads_cancelled():
+    from storage.models import Job, WebhookDelivery
+
+    delivery = WebhookDelivery(id=uuid.uuid4(), tenant_id=uuid.uuid4(), webhook_id=uuid.uuid4(), event_id=uuid.uuid4())
+    job = Job(id=delivery.id, kind="webhooks.deliver", status="cancelled", attempts=0, max_attempts=5)
+    assert ops.delivery_view(delivery, job)["state"] == "cancelled"
+    assert ops.delivery_state("dead") == "failed" and ops.delivery_state("queued") == "pending"

@@ -3,8 +3,9 @@
 
 The destination names (``*.tessera.test``) resolve through :func:`resolve_names`, which patches
 ``socket.getaddrinfo`` for those names only: the machine's resolver knows no two-label name on
-loopback and the proxy refuses single-label hosts (Proxy rule 5), so name resolution is the one
-thing simulated; connections, TLS and HTTP are real.
+loopback, so name resolution is the one thing simulated; connections, TLS and HTTP are real. The
+server certificate also names ``localhost`` (:data:`LOCAL`), which the machine resolves itself: a
+newcomer's local HTTPS server.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ NAMES = {
     "internal.tessera.test": "10.0.0.5",
     "metadata.tessera.test": "169.254.169.254",
 }
+#: A one-label name the machine's own resolver knows (loopback), also named by the certificate.
+LOCAL = "localhost"
 
 
 def resolve_names(monkeypatch=None) -> None:
@@ -49,7 +52,7 @@ def _name(common_name: str) -> x509.Name:
 
 
 def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
-    """A test CA and a server certificate it signs for the names of :data:`NAMES`:
+    """A test CA and a server certificate it signs for the names of :data:`NAMES` and :data:`LOCAL`:
     ``(ca.pem, server.pem, server-key.pem)``."""
     now = dt.datetime.now(dt.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -69,7 +72,7 @@ def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
         x509.CertificateBuilder().subject_name(_name(DEST)).issuer_name(ca.subject)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in NAMES]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in (*NAMES, LOCAL)]), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)

@@ -17,9 +17,10 @@ from sqlmodel import select
 from app.main import init_app
 from config.settings import get_settings
 from storage.db import session_scope
+from storage.models_proxy import Proxy
 from storage.models_tenant_admin import TokenActivity
 from tests.conftest import RunningApi, app_with_permissions, free_port, make_tenant, serve_in_thread
-from tests.proxy.certificates import DEST, resolve_names
+from tests.proxy.certificates import DEST, LOCAL, resolve_names
 from tests.proxy.upstream import start_upstream
 
 CARD = {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2030, "cvc": "123"}
@@ -104,7 +105,7 @@ def test_ephemeral_proxy_forwards_and_detokenizes(tenant, upstream):
     body = {"number": f"{{{{ {card} | json: '$.number' }}}}", "last4": f"{{{{ {card} | json: '$.number' | last4 }}}}",
             "month": f"{{{{ {card} | json: '$.expiration_month' }}}}", "plain": "kept"}
     answer = tenant.client.post(
-        "/proxy/charges/%2Fa?amount=10&currency=eur",
+        "/proxy/charges/%3Aa?amount=10&currency=eur",
         raw=json.dumps(body).replace(f'"{{{{ {card} | json: \'$.expiration_month\' }}}}"',
                                      f"{{{{ {card} | json: '$.expiration_month' }}}}").encode(),
         headers={URL: upstream.base() + "/base//", "Authorization": "Bearer dest-secret",
@@ -115,7 +116,7 @@ def test_ephemeral_proxy_forwards_and_detokenizes(tenant, upstream):
     assert answer.headers[STATUS] == "201" and answer.headers["X-Upstream"] == "yes"
     assert answer.json == {"ok": True}
     [seen] = upstream.received
-    assert seen.method == "POST" and seen.path == "/base/charges/%2Fa?amount=10&currency=eur"
+    assert seen.method == "POST" and seen.path == "/base/charges/%3Aa?amount=10&currency=eur"
     assert seen.json == {"number": CARD["number"], "last4": "4242", "month": 12, "plain": "kept"}
     assert seen.header("Authorization") == "Bearer dest-secret" and seen.header("X-Custom") == "1"
     assert seen.header("Keep-Alive") == "timeout=5" and seen.header("Connection") == "keep-alive"
@@ -162,6 +163,31 @@ def test_invalid_destinations(tenant, strict_api, upstream):
         error = _proxy_error(strict.get("/proxy/x", headers={URL: upstream.base(name)}), 400)
         assert "not public" in error["detail"]
     assert upstream.received == []
+
+
+def test_a_local_https_server_by_its_one_label_name(tenant, strict_api, upstream):
+    # the machine resolves localhost itself; the test CA (TESSERA_PROXY_CA_BUNDLE) makes its certificate trusted
+    answer = tenant.client.get("/proxy/ping?a=1", headers={URL: upstream.base(LOCAL)})
+    assert answer.status == 201, answer
+    proxy = _proxy(tenant, upstream, name="local", destination_url=upstream.base(LOCAL) + "/v1/")
+    assert proxy["destination_url"] == upstream.base(LOCAL) + "/v1"
+    assert tenant.client.get("/proxy/charges", headers={KEY: proxy["key"]}).status == 201
+    assert [s.path for s in upstream.received] == ["/ping?a=1", "/v1/charges"]
+    # refused on the resolved address where private destinations are not allowed
+    error = _proxy_error(strict_api.client(tenant.api_key).get("/proxy/x", headers={URL: upstream.base(LOCAL)}), 400)
+    assert "127.0.0.1 is not public" in error["detail"]
+    assert len(upstream.received) == 2
+
+
+def test_tails_that_climb_out_of_the_base_path_are_refused(tenant, upstream):
+    proxy = _proxy(tenant, upstream, name="base", destination_url=upstream.base() + "/tenant-a/")
+    for tail in ("/%2F..%2F..%2Fadmin", "/..;/x", "/%252e%252e/x", "/v1/%2e%2e/admin", "/a%5Cb"):
+        for headers in ({KEY: proxy["key"]}, {URL: upstream.base() + "/tenant-a"}):
+            error = _proxy_error(tenant.client.get("/proxy" + tail, headers=headers), 400)
+            assert list(error["errors"]) == ["path"], (tail, error)
+    assert upstream.received == []
+    assert tenant.client.get("/proxy/v1/a..b;x=1", headers={KEY: proxy["key"]}).status == 201
+    assert [s.path for s in upstream.received] == ["/tenant-a/v1/a..b;x=1"]
 
 
 def test_timeout_is_408(tenant, upstream):
@@ -298,6 +324,39 @@ def test_code_transforms_run_in_a_worker_with_the_proxy_configuration(tenant, up
          "runtime": {"image": "node22"}}])
     error = _proxy_error(tenant.client.post("/proxy", {"a": 1}, headers={KEY: thrower["key"]}), 400)
     assert "no way" in error["detail"]
+
+
+def test_new_code_transforms_need_a_node_runtime_image(tenant, upstream):
+    code = "module.exports = async (req) => req.args;"
+    base = {"name": "code", "destination_url": upstream.base()}
+    for transform, where in (
+        ({"type": "code", "code": code}, "request_transforms[0].runtime.image"),
+        ({"type": "code", "code": code, "runtime": {}}, "request_transforms[0].runtime.image"),
+        ({"type": "code", "code": code, "runtime": {"image": "node-svc"}}, "request_transforms[0].runtime.image"),
+    ):
+        answer = tenant.client.post("/proxies", {**base, "request_transforms": [transform]})
+        assert answer.status == 400, answer
+        assert list(answer.json["errors"]) == [where] and "October 5, 2026" in answer.json["errors"][where][0]
+    # the deprecated singular form without a type is a code transform, under the same rule
+    for side in ("request", "response"):
+        answer = tenant.client.post("/proxies", {**base, f"{side}_transform": {"code": code}})
+        assert answer.status == 400, answer
+        [message] = answer.json["errors"][f"{side}_transform.runtime.image"]
+        assert "Node runtime image is required" in message and "discriminator" not in json.dumps(answer.json)
+    answer = tenant.client.post("/proxies", {**base, "request_transform": {"code": code,
+                                                                           "runtime": {"image": "node22"}}})
+    assert answer.status == 201 and answer.headers["Deprecation"], answer
+    assert answer.json["request_transforms"] == [{"type": "code", "code": code, "runtime": {"image": "node22"}}]
+    # a proxy stored before the rule keeps its code transform through a merge patch of other fields
+    legacy = _proxy(tenant, upstream, name="legacy")
+    with session_scope() as session:
+        session.get(Proxy, uuid.UUID(legacy["id"])).request_transforms = [{"type": "code", "code": code}]
+    patched = tenant.client.patch(f"/proxies/{legacy['id']}", {"name": "renamed"},
+                                  content_type="application/merge-patch+json")
+    assert patched.status == 200 and patched.json["request_transforms"] == [{"type": "code", "code": code}], patched
+    added = tenant.client.patch(f"/proxies/{legacy['id']}", {"response_transforms": [{"type": "code", "code": "x"}]},
+                                content_type="application/merge-patch+json")
+    assert added.status == 400 and list(added.json["errors"]) == ["response_transforms[0].runtime.image"], added
 
 
 def test_proxies_crud_pagination_and_merge_patch(tenant, limited, upstream):

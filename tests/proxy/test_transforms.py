@@ -138,7 +138,7 @@ def test_validation_errors_per_field():
             {"type": "append_header", "location": "Bad Name", "value": "x"},
             {"type": "append_header", "location": "X-A", "value": "a\r\nb"},
             {"type": "tokenize", "location": "$.a", "token": {"data": 1}},
-            {"type": "code", "code": "x" * 50_001},
+            {"type": "code", "code": "x" * 50_001, "runtime": {"image": "node22"}},
             {"type": "shell"},
             {"type": "append_text", "value": "x", "other": 1},
         ])

@@ -28,7 +28,7 @@ def caller(tenant):
 def run(caller, code: str, message: Message, side: str = "request", **kw) -> Message:
     kw.setdefault("proxy_id", uuid.uuid4())
     runner = code_transform_runner(caller, **kw)
-    return asyncio.run(runner(CodeTransform(type="code", code=code), message, side))
+    return asyncio.run(runner(CodeTransform(type="code", code=code, runtime={"image": "node22"}), message, side))
 
 
 JSON_REQUEST = Message([("Content-Type", "application/json"), ("X-In", "1")], b'{"card": "4242", "n": 2}',

@@ -449,9 +449,8 @@ def test_cancel_stops_the_allowance_and_is_idempotent(sandbox, providers):
     assert (update.code, update.provider_code) == ("PROVIDER_ALLOWANCE_UPDATE_FAILED", "ALLOWANCE_CANCELLED")
 
 
-@pytest.mark.parametrize("provider", ["vic", "psp"])
-def test_the_first_cancellation_fails_for_its_card_and_a_new_attempt_succeeds(sandbox, providers, provider):
-    adapter = providers[provider]
+def test_the_first_cancellation_fails_for_its_card_and_a_new_attempt_succeeds(sandbox, providers):
+    adapter = providers["vic"]
     allowance = set_up(sandbox, adapter, CANCEL_FAILS_ONCE)
 
     first = rejection(lambda: adapter.cancel_allowance(allowance.id, idempotency_key="c1"))
@@ -459,8 +458,19 @@ def test_the_first_cancellation_fails_for_its_card_and_a_new_attempt_succeeds(sa
     adapter.cancel_allowance(allowance.id, idempotency_key="c2")
 
     assert (first.code, first.status) == (replay.code, replay.status) == ("PROVIDER_ALLOWANCE_CANCEL_FAILED", 500)
-    [state] = held(sandbox, provider=provider)
+    [state] = held(sandbox, provider="vic")
     assert (state["status"], state["cancel_attempts"]) == ("cancelled", 2)
+
+
+def test_the_cancel_failing_card_cancels_at_psp_the_first_time(sandbox, providers):
+    # one refusal per allowance: the platform's repeated DELETE then succeeds (SANDBOX.md)
+    adapter = providers["psp"]
+    allowance = set_up(sandbox, adapter, CANCEL_FAILS_ONCE)
+
+    adapter.cancel_allowance(allowance.id, idempotency_key="c1")
+
+    [state] = held(sandbox, provider="psp")
+    assert (state["status"], state["cancel_attempts"]) == ("cancelled", 1)
 
 
 @pytest.mark.parametrize(
