@@ -67,7 +67,12 @@ class Settings(BaseSettings):
     # Secrets at rest: a base64 32-byte master key, else a key file made in data_dir on first start;
     # an AWS KMS key id wraps the tenant data keys instead when set.
     master_key: SecretStr | None = None
+    #: Previous master keys still accepted for unwrapping (comma-separated base64), during a rotation:
+    #: ``tessera keys rewrap`` moves every data key under ``master_key``; then remove them.
+    master_key_previous: SecretStr | None = None
     kms_key_id: str | None = None
+    #: Previous KMS key ids still accepted for unwrapping (comma-separated), during a KMS key change.
+    kms_key_id_previous: str | None = None
     kms_endpoint_url: str | None = None
     aws_region: str = "us-east-1"
 

@@ -37,6 +37,7 @@ from sqlmodel import Session, select
 from config.settings import Settings
 from infra import jobs
 from infra.celery import DELIVER_TASK, QUEUES, celery_app, queue_of
+from storage import key_check
 from storage.db import session_scope
 from storage.models import DELIVERY_JOB_STATUSES, DELIVERY_STATUS, Job, Webhook, WebhookAttempt, WebhookDelivery
 from storage.types import utcnow
@@ -563,6 +564,12 @@ def check_database() -> None:
 
     with session_scope() as session:
         session.exec(text("SELECT 1"))
+
+
+def check_keys() -> None:
+    """Raise unless this process's keys open the database's key check (``storage.key_check``): a
+    process with the wrong master key is not ready, whatever else answers."""
+    key_check.require()
 
 
 def check_broker(settings: Settings) -> None:

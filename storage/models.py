@@ -10,7 +10,19 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import JSON, Column, ForeignKey, Index, LargeBinary, String, UniqueConstraint, case, select, text
+from sqlalchemy import (
+    JSON,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    UniqueConstraint,
+    case,
+    select,
+    text,
+)
 from sqlalchemy.orm import column_property
 from sqlmodel import Field, SQLModel
 
@@ -40,15 +52,77 @@ class Tenant(SQLModel, table=True):
 
 
 class TenantDataKey(SQLModel, table=True):
-    """The tenant's AES-256 data key, wrapped by the master key or by AWS KMS."""
+    """One version of a tenant's AES-256 data key, wrapped by the master key or by AWS KMS.
+
+    ``state``: ``active`` (new values are sealed with it; one per tenant), ``retiring`` (values
+    sealed with it are being re-encrypted; still opens them), ``destroyed`` (its key bytes are
+    gone: ``wrapped_key`` is NULL, ``destroyed_at`` says when). ``wrapped_by`` names the wrapping
+    key (``master:<key check>`` or ``kms:<key id>``), so a rewrap finds the rows still under a
+    previous one.
+    """
 
     __tablename__ = "tenant_data_keys"
+
+    tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True))
+    version: int = Field(default=1, sa_column=Column(Integer, primary_key=True, server_default=text("1")))
+    state: str = Field(default="active", sa_column=Column(String(16), nullable=False, server_default="active"))
+    wrapped_key: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
+    wrapping: str = Field(max_length=16)  # master | kms
+    kms_key_id: str | None = Field(default=None, max_length=2048)
+    wrapped_by: str | None = Field(default=None, max_length=2100)
+    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+    destroyed_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
+
+
+class TenantIndexKey(SQLModel, table=True):
+    """A tenant's derivation key, wrapped like its data keys: fingerprints, search indexes and
+    invitation links are keyed by HKDF from it. It does not rotate with the data key, so a
+    rotation leaves every fingerprint and search index matching without recomputing them (they are
+    one-way digests: no value is readable from them, whatever the data key's age). For a tenant made
+    before data keys had versions it holds the version 1 data key, from which those digests were
+    derived. Deleted with the tenant's data keys when the tenant is shredded."""
+
+    __tablename__ = "tenant_index_keys"
 
     tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True))
     wrapped_key: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     wrapping: str = Field(max_length=16)  # master | kms
     kms_key_id: str | None = Field(default=None, max_length=2048)
+    wrapped_by: str | None = Field(default=None, max_length=2100)
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+
+
+class KeyCheck(SQLModel, table=True):
+    """The wrapping key the database's data keys are under (one row, ``id`` 1): ``wrapped_by`` names
+    it (``master:<key check value>`` or ``kms:<key id>``) and ``check_value`` is a constant sealed
+    by it, which a process's key must open before it serves (``storage.keys``)."""
+
+    __tablename__ = "key_checks"
+
+    id: int = Field(default=1, primary_key=True)
+    wrapping: str = Field(max_length=16)
+    wrapped_by: str = Field(max_length=2100)
+    check_value: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    updated_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+
+
+class KeyRotation(SQLModel, table=True):
+    """A rotation of a tenant's data key to ``version``: the background job re-encrypting every
+    value sealed under older versions (``done`` of ``total`` sealed values), ``running`` until none
+    is left, then ``completed`` (the retiring versions are then destroyed)."""
+
+    __tablename__ = "key_rotations"
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False,
+                                                  index=True))
+    version: int
+    status: str = Field(default="running", max_length=16)  # running | completed
+    done: int = 0
+    total: int = 0
+    job_id: uuid.UUID | None = None
+    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
+    completed_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
 
 
 class User(SQLModel, table=True):

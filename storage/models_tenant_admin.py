@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import JSON, BigInteger, Column, Date, ForeignKey, Index, LargeBinary, String
+from sqlalchemy import JSON, BigInteger, Column, Date, ForeignKey, Index, Integer, LargeBinary, String
 from sqlmodel import Field, SQLModel
 
 from storage.types import ts_column as _ts
@@ -91,8 +91,10 @@ class Document(SQLModel, table=True):
     """An encrypted document (core document section 2): metadata here, content in S3.
 
     The content is cut into plaintext chunks of ``chunk_size`` bytes, each sealed with AES-256-GCM
-    under the tenant's data key; ``chunk_count`` and ``size`` (plaintext bytes) let a reader detect a
-    truncated object. ``upload_id`` is the S3 multipart upload while ``status`` is ``uploading``.
+    under the tenant's data key of version ``key_version``; ``chunk_count`` and ``size`` (plaintext
+    bytes) let a reader detect a truncated object. ``upload_id`` is the S3 multipart upload while
+    ``status`` is ``uploading``. A key rotation writes the content again under the new version, to a
+    new ``object_key``.
     """
 
     __tablename__ = "documents"
@@ -109,6 +111,7 @@ class Document(SQLModel, table=True):
     chunk_count: int = 0
     object_key: str = Field(max_length=1024)
     upload_id: str | None = Field(default=None, max_length=1024)
+    key_version: int = Field(default=1, sa_column=Column(Integer, nullable=False, server_default="1"))
     status: str = Field(default="uploading", max_length=16)  # uploading | ready | deleted
     created_by: uuid.UUID | None = None
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())

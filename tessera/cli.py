@@ -42,8 +42,23 @@ def share_metrics(settings) -> str:
     return folder
 
 
+def _keys_open() -> bool:
+    """The key check (``storage.key_check``): True when this process's keys open the database's;
+    else one line on stderr naming the setting, and False (the caller exits 1)."""
+    from storage.key_check import KeyCheckFailed, require
+
+    try:
+        require()
+    except KeyCheckFailed as exc:
+        print(f"tessera: refusing to start: {exc}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def _api(args: argparse.Namespace) -> int:
     settings = get_settings()
+    if args.listen_fd is None and not args.reuse_port and not _keys_open():
+        return 1
     share_metrics(settings)
     host = args.host or settings.api_host
     port = args.port or settings.api_port
@@ -149,6 +164,8 @@ def _supervise(children: list[subprocess.Popen]) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    if not _keys_open():
+        return 1
     share_metrics(get_settings())
     from infra.logs import configure_logging
     from tessera.worker import run_worker
@@ -162,6 +179,8 @@ def _beat(args: argparse.Namespace) -> int:
     from infra.logs import configure_logging
     from workers.celery_app import celery_app
 
+    if not _keys_open():
+        return 1
     settings = get_settings()
     configure_logging(settings)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -210,6 +229,8 @@ def _tenants_create(args: argparse.Namespace) -> int:
     from domain.tenancy.tenants import create_tenant
     from storage.db import session_scope
 
+    if not _keys_open():
+        return 1
     try:
         with session_scope() as session:
             created = create_tenant(session, name=args.name, owner_email=args.owner_email, type=args.type)
@@ -434,11 +455,14 @@ def _dev(_args: argparse.Namespace) -> int:
 _SETTINGS_TEXT = "Settings come from TESSERA_* environment variables (config/settings.py)."
 _WORKER_TEXT = f"""Options not listed here pass through to `celery worker` (for example --concurrency N,
 -n NAME, -Q QUEUES, --loglevel DEBUG; see `celery worker --help`). Without -Q this process runs every
-queue but `providers` on a prefork pool and starts a child for `providers` on threads.
+queue but `providers` and `reactors` on a prefork pool and starts a child on threads for each of
+those two (-X reactors leaves customer code to a worker of its own).
 
 Settings that matter: TESSERA_BROKER_URL (default: SQLite in TESSERA_DATA_DIR), TESSERA_DATABASE_URL,
 TESSERA_REDIS_URL, TESSERA_WORKER_CONCURRENCY (prefork processes), TESSERA_PROVIDER_CONCURRENCY
-(provider threads, default 16), TESSERA_TASK_TIME_LIMIT_SECONDS, TESSERA_LOG_LEVEL, TESSERA_LOG_FORMAT.
+(provider threads, default 16), TESSERA_REACTOR_SLOTS (reactor runs a lone tenant may hold; twice as
+many threads), TESSERA_REACTOR_EGRESS_ALLOW, TESSERA_MASTER_KEY (checked against the database at start),
+TESSERA_TASK_TIME_LIMIT_SECONDS, TESSERA_LOG_LEVEL, TESSERA_LOG_FORMAT.
 {_SETTINGS_TEXT}"""
 _BEAT_TEXT = f"""Options not listed here pass through to `celery beat` (see `celery beat --help`); the
 schedule file is TESSERA_DATA_DIR/celerybeat-schedule. Run one beat per deployment.

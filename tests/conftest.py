@@ -8,6 +8,8 @@ giving each its own tenant (fixture ``tenant``).
 
 from __future__ import annotations
 
+import base64
+
 import asyncio
 import os
 import socket
@@ -63,6 +65,8 @@ os.environ.update(
         "TESSERA_REDIS_URL": TEST_REDIS_URL,
         "TESSERA_REDIS_KEY_PREFIX": REDIS_PREFIX,
         "TESSERA_DATA_DIR": str(DATA_DIR),
+        # A shared database never gets a key file of its own: the run's processes share this key.
+        "TESSERA_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
         "TESSERA_ALLOW_PRIVATE_DESTINATIONS": "true",
         "TESSERA_RATE_LIMIT_ENABLED": "false",
         "TESSERA_LOG_FORMAT": "console",

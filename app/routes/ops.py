@@ -87,9 +87,10 @@ def _liveness(settings) -> tuple[list[dict], dict]:
     auth=False,
     response=OpsReadyOut,
     tag="Operations",
-    summary="Readiness: database, broker and S3 answer",
+    summary="Readiness: database, keys, broker and S3 answer",
     errors=(503,),
-    description="No API key. 200 when the database, the broker and S3 answer; 503 with `failed` naming the "
+    description="No API key. 200 when the database, the broker and S3 answer and this process's master key "
+    "(or KMS key) opens the database's key check; 503 with `failed` naming the "
     "dependencies that did not. `workers` (live workers by heartbeat) and `beat` (age of its last heartbeat) "
     "are shown for operators and do not change the status.",
 )
@@ -98,6 +99,7 @@ async def readyz(call: Call):
     checks = dict(
         await asyncio.gather(
             _check("database", ops.check_database),
+            _check("keys", ops.check_keys),
             _check("broker", functools.partial(ops.check_broker, settings)),
             _check("s3", functools.partial(ops.check_s3, settings)),
         )

@@ -82,7 +82,9 @@ def document_view(document: Document) -> dict:
 
 
 def begin_upload(session: Session, caller: Caller, *, document_id: uuid.UUID, content_type: str) -> bytes:
-    """Record an ``uploading`` row and return the tenant's data key to seal the chunks with."""
+    """Record an ``uploading`` row and return the tenant's data key to seal the chunks with (its
+    active version, recorded in the row)."""
+    keys = get_keyring().keys(session, caller.tenant_id)
     session.add(
         Document(
             id=document_id,
@@ -90,11 +92,12 @@ def begin_upload(session: Session, caller: Caller, *, document_id: uuid.UUID, co
             content_type=content_type,
             chunk_size=CHUNK_SIZE,
             object_key=object_key(caller.tenant_id, document_id),
+            key_version=keys.version,
             status="uploading",
             created_by=caller.application_id,
         )
     )
-    return get_keyring().keys(session, caller.tenant_id).data_key
+    return keys.data_key
 
 
 def note_upload_id(session: Session, document_id: uuid.UUID, upload_id: str) -> None:
@@ -166,7 +169,7 @@ def open_document(session: Session, caller: Caller, document_id: uuid.UUID) -> S
         size=document.size,
         chunk_count=document.chunk_count,
         chunk_size=document.chunk_size,
-        data_key=get_keyring().keys(session, document.tenant_id).data_key,
+        data_key=get_keyring().data_key(session, document.tenant_id, document.key_version),
     )
 
 

@@ -33,8 +33,6 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, select
@@ -69,8 +67,9 @@ log = logging.getLogger("tessera.invitations")
 
 
 def _link_key(session: Session, tenant_id: uuid.UUID) -> bytes:
-    data_key = get_keyring().keys(session, tenant_id).data_key
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"tessera invitation link v1").derive(data_key)
+    """The tenant's key for link tokens: derived from its derivation key, so links stay valid
+    across data key rotations."""
+    return get_keyring().derived_key(session, tenant_id, b"tessera invitation link v1")
 
 
 def link_token(session: Session, tenant_id: uuid.UUID, link_id: uuid.UUID) -> str:

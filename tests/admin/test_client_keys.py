@@ -95,7 +95,8 @@ def test_the_private_key_is_sealed_at_rest(tenant):
     key = _key(tenant)
     with session_scope() as session:
         row = session.get(ClientEncryptionKey, uuid.UUID(key["key_id"]))
-        assert row.private_key_ct is not None and len(row.private_key_ct) == 1 + 12 + 32 + 16
+        # the envelope: layout byte, data key version, nonce, the 32-byte key sealed, the tag
+        assert row.private_key_ct is not None and len(row.private_key_ct) == 1 + 4 + 12 + 32 + 16
         moved = ClientEncryptionKey(
             tenant_id=row.tenant_id, expires_at=row.expires_at, private_key_ct=row.private_key_ct
         )

@@ -236,7 +236,7 @@ def platform(database, redis_flushed, s3_server, sandbox, tmp_path):
     env.update(
         {
             "TESSERA_REDIS_KEY_PREFIX": f"{REDIS_PREFIX}ops{os.urandom(3).hex()}:",
-            # The run's data dir holds the master key the in-process tenants were sealed with.
+            # The run's TESSERA_MASTER_KEY (inherited) sealed the in-process tenants' keys.
             "TESSERA_METRICS_DIR": str(tmp_path / "metrics"),
             "TESSERA_API_PORT": str(free_port()),
             "TESSERA_LOG_FORMAT": "json",

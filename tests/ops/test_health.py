@@ -15,12 +15,12 @@ def test_healthz_answers_without_a_key(api):
     assert answer.json == {"status": "ok"}
 
 
-def test_readyz_checks_database_broker_and_s3(api):
+def test_readyz_checks_database_keys_broker_and_s3(api):
     answer = api.client().get("/readyz")
     assert answer.status == 200, answer
     body = answer.json
     assert body["status"] == "ready" and body["failed"] == []
-    assert set(body["checks"]) == {"database", "broker", "s3"}
+    assert set(body["checks"]) == {"database", "keys", "broker", "s3"}
     assert all(check["ok"] and check["ms"] >= 0 for check in body["checks"].values())
     assert "workers" in body and "beat" in body
 

@@ -47,6 +47,8 @@ def _no_master_key_env(monkeypatch):
 
 
 def settings_for(data_dir: Path, **overrides) -> Settings:
+    # the embedded default: the only case where a process makes a key file of its own
+    overrides.setdefault("database_url", f"sqlite:///{data_dir / 'tessera.db'}")
     if "kms_key_id" in overrides:  # KMS is moto's server on loopback (see the kms fixture)
         overrides.setdefault("kms_endpoint_url", os.environ["TESSERA_S3_ENDPOINT_URL"])
     return Settings(data_dir=data_dir, **overrides)
@@ -166,7 +168,7 @@ def test_keyring_uses_and_reuses_the_master_key_file(tmp_path, session):
     envelope = first.encrypt(session, tenant, "token-data", "tok_1", CARD)
     assert stat.S_IMODE((data_dir / "master.key").stat().st_mode) == 0o600
 
-    row = session.get(TenantDataKey, tenant)
+    row = session.get(TenantDataKey, (tenant, 1))
     assert row.wrapping == "master" and row.kms_key_id is None
     master = load_master_key(settings_for(data_dir))
     assert len(MasterKeyWrapper(master).unwrap(row.wrapped_key, tenant, None)) == 32
@@ -190,7 +192,7 @@ def test_master_key_from_environment(tmp_path, session, monkeypatch):
     keyring.create_tenant_key(session, tenant)
     session.commit()
     assert not (data_dir / "master.key").exists(), "no key file when the key is given"
-    row = session.get(TenantDataKey, tenant)
+    row = session.get(TenantDataKey, (tenant, 1))
     assert len(MasterKeyWrapper(master).unwrap(row.wrapped_key, tenant, None)) == 32
 
     monkeypatch.setenv("TESSERA_MASTER_KEY", base64.b64encode(os.urandom(16)).decode())
@@ -235,7 +237,7 @@ def test_associated_data_binds_the_tenant_even_under_one_key(keyring, session):
     keyring.create_tenant_key(session, a)
     session.commit()
     # give tenant b the very same data key, as a copied row would
-    keyring._cache[b] = keyring.keys(session, a)
+    keyring._data_keys[(b, 1)] = keyring.data_key(session, a, 1)
     envelope = keyring.encrypt(session, a, "token-data", "tok_1", CARD)
     with pytest.raises(DecryptionError):
         keyring.decrypt(session, b, "token-data", "tok_1", envelope)
@@ -247,7 +249,7 @@ def test_each_tenant_has_its_own_data_key(keyring, session):
     keyring.create_tenant_key(session, b)
     session.commit()
     assert keyring.keys(session, a).data_key != keyring.keys(session, b).data_key
-    rows = [session.get(TenantDataKey, t).wrapped_key for t in (a, b)]
+    rows = [session.get(TenantDataKey, (t, 1)).wrapped_key for t in (a, b)]
     assert keyring.keys(session, a).data_key not in rows[0]
 
 
@@ -317,7 +319,7 @@ def test_kms_wrapped_tenant_keys_round_trip(tmp_path, session, kms):
     keyring.create_tenant_key(session, tenant)
     session.commit()
 
-    row = session.get(TenantDataKey, tenant)
+    row = session.get(TenantDataKey, (tenant, 1))
     assert row.wrapping == "kms"
     assert row.kms_key_id and key_id in row.kms_key_id
     plain = client.decrypt(CiphertextBlob=row.wrapped_key, EncryptionContext={"tenant_id": str(tenant)})
@@ -338,7 +340,7 @@ def test_kms_wrapping_is_bound_to_the_tenant(tmp_path, session, kms):
     keyring.create_tenant_key(session, a)
     session.commit()
     # copy tenant a's wrapped key onto tenant b: KMS refuses it (encryption context)
-    row = session.get(TenantDataKey, a)
+    row = session.get(TenantDataKey, (a, 1))
     session.add(TenantDataKey(tenant_id=b, wrapped_key=row.wrapped_key, wrapping="kms", kms_key_id=row.kms_key_id))
     session.commit()
     with pytest.raises(DecryptionError):
@@ -359,7 +361,7 @@ def test_master_wrapped_keys_still_open_after_moving_to_kms(tmp_path, session, k
     new = new_tenant(session)
     after.create_tenant_key(session, new)
     session.commit()
-    assert session.get(TenantDataKey, new).wrapping == "kms"
+    assert session.get(TenantDataKey, (new, 1)).wrapping == "kms"
 
     # and a KMS-wrapped key cannot be opened by a deployment without KMS
     with pytest.raises(DecryptionError):
