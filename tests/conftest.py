@@ -8,9 +8,8 @@ giving each its own tenant (fixture ``tenant``).
 
 from __future__ import annotations
 
-import base64
-
 import asyncio
+import base64
 import os
 import socket
 import tempfile

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from config.settings import Settings
-from storage.crypto import Keyring, MasterKeyMissing, load_master_key
 from storage import key_check
+from storage.crypto import Keyring, MasterKeyMissing, load_master_key
 from storage.db import session_scope
 from storage.key_check import KeyCheckFailed, verify
 
