@@ -22,10 +22,11 @@ from sqlalchemy import func, or_, select
 from sqlmodel import Session
 
 from storage.models import Job
+from storage.states import JOB_TAKEABLE, JobStatus
 from storage.types import utcnow
 
 #: Statuses of a job that may be taken (its lease, if any, expired).
-_TAKEABLE = ("queued", "running")
+_TAKEABLE = JOB_TAKEABLE
 
 
 def fair_share(slots: int, active_tenants: int) -> int:
@@ -47,7 +48,7 @@ def fair_next(session: Session, kind: str, *, slots: int, now: dt.datetime | Non
     )
     held = dict(session.execute(
         select(Job.tenant_id, func.count())
-        .where(Job.kind == kind, Job.status == "running", Job.lease_expires_at >= now)
+        .where(Job.kind == kind, Job.status == JobStatus.RUNNING, Job.lease_expires_at >= now)
         .group_by(Job.tenant_id)
     ).all())
     waiting = set(session.execute(select(Job.tenant_id).where(*takeable).distinct()).scalars())

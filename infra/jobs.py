@@ -39,9 +39,10 @@ from infra import wait
 from infra.dispatch import enqueue_after_commit, enqueue_jobs_after_commit
 from storage.db import Rows, execute_once_more_on_disconnect, get_lease_engine, session_scope
 from storage.models import Job
+from storage.states import JOB_TAKEABLE, JOB_TERMINAL, JobStatus
 from storage.types import utcnow
 
-TERMINAL = ("succeeded", "failed", "dead", "cancelled")
+TERMINAL = JOB_TERMINAL
 
 
 class TransientError(Exception):
@@ -92,7 +93,7 @@ def new_row(
     return {
         "id": uuid.uuid4(), "tenant_id": tenant_id, "kind": kind, "subject_type": subject_type,
         "subject_id": str(subject_id), "subject_number": subject_number, "operation_id": operation_id,
-        "status": "queued", "attempts": 0, "max_attempts": max_attempts, "due_at": now, "enqueued_at": None,
+        "status": JobStatus.QUEUED, "attempts": 0, "max_attempts": max_attempts, "due_at": now, "enqueued_at": None,
         "lease_owner": None, "lease_expires_at": None, "last_error": None, "result": None,
         "trace_id": trace_id, "created_at": now, "updated_at": now,
     }
@@ -137,11 +138,11 @@ def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
         update(Job)
         .where(
             which,
-            Job.status.in_(("queued", "running")),
+            Job.status.in_(JOB_TAKEABLE),
             Job.due_at <= due_by,
             or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
         )
-        .values(status="running", lease_owner=owner, lease_expires_at=expires, attempts=Job.attempts + 1,
+        .values(status=JobStatus.RUNNING, lease_owner=owner, lease_expires_at=expires, attempts=Job.attempts + 1,
                 updated_at=now)
         .execution_options(synchronize_session=False)
     )
@@ -231,12 +232,12 @@ def _close(session: Session, job: Job, status: str, *, error: str | None = None,
 
 def complete(session: Session, job: Job, *, result: dict | None = None) -> None:
     """Mark the job succeeded (in the transaction that writes its outcome)."""
-    _close(session, job, "succeeded", result=result)
+    _close(session, job, JobStatus.SUCCEEDED, result=result)
 
 
 def fail(session: Session, job: Job, *, error: str, result: dict | None = None) -> None:
     """Mark the job failed for good (a permanent error), with its error recorded."""
-    _close(session, job, "failed", error=error, result=result)
+    _close(session, job, JobStatus.FAILED, error=error, result=result)
 
 
 _JOBS = Job.__table__
@@ -244,7 +245,7 @@ _JOBS = Job.__table__
 _LOCK_LEASED = select(_JOBS.c.id).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).with_for_update()
 _COMPLETE_LEASED = {
     with_result: update(_JOBS).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).values(
-        status="succeeded", lease_owner=None, lease_expires_at=None,
+        status=JobStatus.SUCCEEDED, lease_owner=None, lease_expires_at=None,
         updated_at=bindparam("now", type_=_JOBS.c.updated_at.type),
         **({"result": bindparam("result", type_=_JOBS.c.result.type)} if with_result else {}))
     for with_result in (False, True)
@@ -267,7 +268,7 @@ def complete_leased(session: Session, job: Job, *, result: dict | None = None) -
     if result is not None:
         params["result"] = result
     session.execute(_COMPLETE_LEASED[result is not None], params)
-    job.status, job.lease_owner, job.lease_expires_at, job.updated_at = "succeeded", None, None, now
+    job.status, job.lease_owner, job.lease_expires_at, job.updated_at = JobStatus.SUCCEEDED, None, None, now
     if result is not None:
         job.result = result
     wait.announce_on_commit(session, job.id, job.status, job.result)
@@ -289,10 +290,10 @@ def schedule_retry(
     (:func:`infra.dispatch.enqueue_after_commit`); a longer delay waits as ``due_at`` for the relay.
     """
     if job.attempts >= job.max_attempts:
-        _close(session, job, "dead", error=error)
+        _close(session, job, JobStatus.DEAD, error=error)
         return None
     delay = backoff_seconds(job.attempts, base=backoff_base) if delay is None else delay
-    job.status = "queued"
+    job.status = JobStatus.QUEUED
     job.lease_owner = None
     job.lease_expires_at = None
     job.last_error = error[:1000]
@@ -306,7 +307,7 @@ def schedule_retry(
 
 def requeue(session: Session, job: Job) -> None:
     """Replay a dead or failed job: queued again now with a fresh attempt budget (sent on commit)."""
-    job.status = "queued"
+    job.status = JobStatus.QUEUED
     job.attempts = 0
     job.due_at = utcnow()
     job.enqueued_at = None
@@ -364,7 +365,7 @@ def settle_many(session: Session, job_ids: list[uuid.UUID], status: str, *, erro
     """Close the jobs ``job_ids`` as ``status`` (``succeeded``, ``failed`` for a permanent error,
     ``dead`` when their attempts are spent) with one ``UPDATE``, their lease released and ``error``
     (when given) recorded. Raises ValueError for another status."""
-    if status not in ("succeeded", "failed", "dead"):
+    if status not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.DEAD):
         raise ValueError(f"a job is not settled as {status}")
     if not job_ids:
         return
@@ -389,7 +390,7 @@ def retry_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, delay: 
     session.execute(
         update(Job)
         .where(Job.id.in_(job_ids))
-        .values(status="queued", lease_owner=None, lease_expires_at=None, last_error=error[:1000],
+        .values(status=JobStatus.QUEUED, lease_owner=None, lease_expires_at=None, last_error=error[:1000],
                 due_at=now + dt.timedelta(seconds=delay), enqueued_at=None, updated_at=now)
         .execution_options(synchronize_session=False)
     )
@@ -405,7 +406,7 @@ def requeue_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, fresh
     if not job_ids:
         return 0
     now = now or utcnow()
-    values: dict[str, Any] = {"status": "queued", "due_at": now, "enqueued_at": None, "lease_owner": None,
+    values: dict[str, Any] = {"status": JobStatus.QUEUED, "due_at": now, "enqueued_at": None, "lease_owner": None,
                               "lease_expires_at": None, "updated_at": now}
     if fresh_budget:
         values["attempts"] = 0

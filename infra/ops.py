@@ -39,6 +39,7 @@ from infra import jobs
 from infra.celery import DELIVER_TASK, QUEUES, celery_app, queue_of
 from storage.db import session_scope
 from storage.models import DELIVERY_JOB_STATUSES, DELIVERY_STATUS, Job, Webhook, WebhookAttempt, WebhookDelivery
+from storage.states import JOB_UNSUCCESSFUL, JobStatus, WebhookStatus
 from storage.types import utcnow
 
 #: Seconds between two heartbeats of a worker; one older than three of them means the worker is gone.
@@ -47,9 +48,7 @@ HEARTBEAT_SECONDS = 10.0
 _PRIORITY_STEPS = (0, 3, 6, 9)
 _PRIORITY_SEP = "\x06\x16"
 #: Job states counted by ``tessera_jobs`` (finished ones pile up; dead letters need someone).
-LIVE_JOB_STATES = ("queued", "running", "dead")
-JOB_STATES = ("queued", "running", "succeeded", "failed", "dead", "cancelled")
-DELIVERY_STATES = ("pending", "succeeded", "failed")
+LIVE_JOB_STATES = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.DEAD)
 
 
 class NotFound(LookupError):
@@ -143,7 +142,7 @@ def waiting_work(session: Session | None = None, *, now: dt.datetime | None = No
     jobs_total = deliveries = 0
     rows = session.exec(
         select(Job.kind, func.count(), func.min(Job.due_at))
-        .where(Job.status == "queued", Job.due_at <= now,
+        .where(Job.status == JobStatus.QUEUED, Job.due_at <= now,
                or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now))
         .group_by(Job.kind)
     ).all()
@@ -495,7 +494,7 @@ def retry(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     """Replay a dead, failed or cancelled job (fresh attempt budget), a webhook delivery's too (once its
     webhook is enabled: same message id); its task is sent when ``session`` commits."""
     job, delivery = _find(session, ref)
-    if job.status not in ("dead", "failed", "cancelled"):
+    if job.status not in JOB_UNSUCCESSFUL:
         if delivery is not None:
             raise Refused(f"webhook delivery {job.id} is {DELIVERY_STATUS[job.status]}; "
                           "only failed deliveries are retried")
@@ -504,7 +503,7 @@ def retry(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
         jobs.requeue(session, job)
         return job_view(job, detail=True)
     webhook = session.get(Webhook, delivery.webhook_id)
-    if webhook is None or webhook.status != "enabled":
+    if webhook is None or webhook.status != WebhookStatus.ENABLED:
         raise Refused(f"the webhook of delivery {job.id} is disabled; enable it first (PUT /webhooks/{{id}})")
     jobs.requeue_many(session, job.kind, [job.id], fresh_budget=True)
     delivery.completed_at = None
@@ -519,14 +518,14 @@ def cancel(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     delivery is closed ``failed``, "cancelled by an operator"); a running one is refused."""
     job, delivery = _find(session, ref)
     now = utcnow()
-    values: dict[str, Any] = {"status": "cancelled", "updated_at": now}
+    values: dict[str, Any] = {"status": JobStatus.CANCELLED, "updated_at": now}
     if delivery is not None:
         values["last_error"] = "cancelled by an operator"
     result = session.execute(
         update(Job)
         .where(
             Job.id == job.id,
-            Job.status == "queued",
+            Job.status == JobStatus.QUEUED,
             or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
         )
         .values(**values)

@@ -23,12 +23,13 @@ from sqlmodel import Session, select
 
 from infra.dispatch import enqueue_jobs_after_commit
 from storage.models import Job
+from storage.states import JobStatus
 from storage.types import utcnow
 
 
 def _due_where(now: dt.datetime, grace: dt.timedelta) -> tuple:
     return (
-        Job.status == "queued",
+        Job.status == JobStatus.QUEUED,
         Job.due_at <= now - grace,
         or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
         or_(Job.enqueued_at.is_(None), Job.enqueued_at < now - grace * 4),
@@ -47,7 +48,7 @@ def relay_due(session: Session, *, grace_seconds: float, now: dt.datetime | None
 def stale_leases_exist(session: Session, *, now: dt.datetime | None = None) -> bool:
     """Whether :func:`release_stale_leases` has anything to release (one ``EXISTS`` query)."""
     now = now or utcnow()
-    return bool(session.scalar(select(exists().where(Job.status == "running", Job.lease_expires_at < now))))
+    return bool(session.scalar(select(exists().where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now))))
 
 
 def relay(session: Session, *, now: dt.datetime | None = None, grace_seconds: float, batch: int = 1000) -> int:
@@ -77,12 +78,12 @@ def release_stale_leases(session: Session, *, now: dt.datetime | None = None, ba
     now = now or utcnow()
     jobs = session.exec(
         select(Job)
-        .where(Job.status == "running", Job.lease_expires_at < now)
+        .where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now)
         .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()
     for job in jobs:
-        job.status = "queued"
+        job.status = JobStatus.QUEUED
         job.lease_owner = None
         job.lease_expires_at = None
         job.due_at = now

@@ -43,12 +43,13 @@ from sqlalchemy.orm import Session
 from config.settings import get_settings
 from storage.db import on_commit
 from storage.models import Job
+from storage.states import JOB_TERMINAL
 
 log = logging.getLogger("tessera.wait")
 
 CHANNEL = "tessera:job-outcome:"
 #: A job in one of these states is settled: nothing about it changes any more (``infra.jobs.TERMINAL``).
-SETTLED = frozenset({"succeeded", "failed", "dead", "cancelled"})
+SETTLED = frozenset(JOB_TERMINAL)
 #: The keys of a job result that its outcome message may carry (ids, codes, states; nothing secret).
 SAFE_RESULT_KEYS = ("code", "status", "network_token_id", "rail_status", "skipped", "removed", "stale")
 #: The first interval (seconds) of the database poll when no subscription is live.

@@ -82,6 +82,7 @@ from storage.db import session_scope
 from storage.keyset import keyset_page
 from storage.models import AuditLog, Tenant, Token, TokenMetadata
 from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
+from storage.states import AccountUpdaterStatus, ChunkStatus
 from storage.types import utcnow
 
 log = logging.getLogger("tessera.account_updater")
@@ -251,11 +252,11 @@ def delete_object(key: str) -> None:
 
 
 def _live_pending(job: AccountUpdaterJob, now: dt.datetime) -> bool:
-    return job.status == "pending" and job.expires_at > now
+    return job.status == AccountUpdaterStatus.PENDING and job.expires_at > now
 
 
 def _visible(job: AccountUpdaterJob, now: dt.datetime) -> bool:
-    return job.status != "pending" or job.expires_at > now
+    return job.status != AccountUpdaterStatus.PENDING or job.expires_at > now
 
 
 def job_view(job: AccountUpdaterJob, *, now: dt.datetime | None = None) -> dict:
@@ -275,14 +276,14 @@ def job_view(job: AccountUpdaterJob, *, now: dt.datetime | None = None) -> dict:
         "created_at": job.created_at,
         "errors": list(job.errors or []),
     }
-    if job.status == "pending":
+    if job.status == AccountUpdaterStatus.PENDING:
         remaining = max(1, math.ceil((job.expires_at - now).total_seconds()))
         bucket()
         view["upload_url"] = s3.presigned_url("PUT", job.request_key, expires_in=remaining)
         view["expires_at"] = job.expires_at
     else:
         view["progress"] = {"rows_done": job.rows_done, "rows_total": job.rows_total}
-    if job.status == "completed" and job.result_key:
+    if job.status == AccountUpdaterStatus.COMPLETED and job.result_key:
         bucket()
         view["download_url"] = s3.presigned_url("GET", job.result_key, expires_in=DOWNLOAD_SECONDS)
     return view
@@ -325,7 +326,7 @@ def read_job(session: Session, caller: Caller, job_id: uuid.UUID, *, now: dt.dat
     """
     now = now or utcnow()
     job = get_job(session, caller, job_id, now=now)
-    if job.status == "pending":
+    if job.status == AccountUpdaterStatus.PENDING:
         _request_detection(session, job, now)
     return job_view(job, now=now)
 
@@ -336,7 +337,7 @@ def _request_detection(session: Session, job: AccountUpdaterJob, now: dt.datetim
         update(AccountUpdaterJob)
         .where(
             AccountUpdaterJob.id == job.id,
-            AccountUpdaterJob.status == "pending",
+            AccountUpdaterJob.status == AccountUpdaterStatus.PENDING,
             or_(AccountUpdaterJob.checked_at.is_(None), AccountUpdaterJob.checked_at < before),
         )
         .values(checked_at=now)
@@ -354,7 +355,7 @@ def list_jobs(
     now = now or utcnow()
     query = select(AccountUpdaterJob).where(
         AccountUpdaterJob.tenant_id == caller.tenant_id,
-        or_(AccountUpdaterJob.status != "pending", AccountUpdaterJob.expires_at > now),
+        or_(AccountUpdaterJob.status != AccountUpdaterStatus.PENDING, AccountUpdaterJob.expires_at > now),
     )
     rows, following = keyset_page(session, query, order=(AccountUpdaterJob.created_at, AccountUpdaterJob.id),
                                   size=size, after=after)
@@ -372,10 +373,10 @@ def start_processing(session: Session, job_id: uuid.UUID, *, now: dt.datetime | 
         update(AccountUpdaterJob)
         .where(
             AccountUpdaterJob.id == job_id,
-            AccountUpdaterJob.status == "pending",
+            AccountUpdaterJob.status == AccountUpdaterStatus.PENDING,
             AccountUpdaterJob.expires_at > now,
         )
-        .values(status="processing", started_at=now, modified_at=now)
+        .values(status=AccountUpdaterStatus.PROCESSING, started_at=now, modified_at=now)
         .execution_options(synchronize_session=False)
     ).rowcount
     if not moved:
@@ -408,7 +409,7 @@ def detect_uploads(*, batch: int = 200, now: dt.datetime | None = None) -> int:
     with session_scope() as session:
         rows = session.scalars(
             select(AccountUpdaterJob)
-            .where(AccountUpdaterJob.status == "pending", AccountUpdaterJob.expires_at > now)
+            .where(AccountUpdaterJob.status == AccountUpdaterStatus.PENDING, AccountUpdaterJob.expires_at > now)
             .order_by(AccountUpdaterJob.checked_at.asc().nulls_first(), AccountUpdaterJob.created_at)
             .limit(batch)
             .with_for_update(skip_locked=True)
@@ -468,7 +469,7 @@ def notify_objects(session: Session, notification: Any) -> int:
     pending = session.scalars(
         select(AccountUpdaterJob.id).where(
             AccountUpdaterJob.id.in_(list(wanted)),
-            AccountUpdaterJob.status == "pending",
+            AccountUpdaterJob.status == AccountUpdaterStatus.PENDING,
             AccountUpdaterJob.expires_at > now,
         )
     ).all()
@@ -483,7 +484,7 @@ def remove_expired_jobs(session: Session, *, now: dt.datetime | None = None, bat
     now = now or utcnow()
     rows = session.scalars(
         select(AccountUpdaterJob)
-        .where(AccountUpdaterJob.status == "pending", AccountUpdaterJob.expires_at <= now)
+        .where(AccountUpdaterJob.status == AccountUpdaterStatus.PENDING, AccountUpdaterJob.expires_at <= now)
         .order_by(AccountUpdaterJob.expires_at)
         .limit(batch)
         .with_for_update(skip_locked=True)
@@ -512,9 +513,9 @@ def fail_job(session: Session, job_id: uuid.UUID, errors: list[str], *, now: dt.
     (status failed); False when the job had already ended."""
     now = now or utcnow()
     job = session.get(AccountUpdaterJob, job_id, with_for_update=True, populate_existing=True)
-    if job is None or job.status != "processing":
+    if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return False
-    job.status = "failed"
+    job.status = AccountUpdaterStatus.FAILED
     job.errors = [*list(job.errors or []), *errors][:50]
     job.completed_at = now
     job.modified_at = now
@@ -528,9 +529,9 @@ def complete_job(session: Session, job_id: uuid.UUID, key: str, *, now: dt.datet
     rows and emit ``account-updater.job.completed``; False when the job had already ended."""
     now = now or utcnow()
     job = session.get(AccountUpdaterJob, job_id, with_for_update=True, populate_existing=True)
-    if job is None or job.status != "processing":
+    if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return False
-    job.status = "completed"
+    job.status = AccountUpdaterStatus.COMPLETED
     job.result_key = key
     job.completed_at = now
     job.modified_at = now
@@ -702,7 +703,7 @@ def scan_job_file(job_id: uuid.UUID, settings: Settings | None = None) -> Scan:
     settings = settings or get_settings()
     with session_scope() as session:
         job = session.get(AccountUpdaterJob, job_id)
-        if job is None or job.status != "processing":
+        if job is None or job.status != AccountUpdaterStatus.PROCESSING:
             return Scan(errors=[])
         key = job.request_key
         tenant = session.get(Tenant, job.tenant_id)
@@ -731,7 +732,7 @@ def apply_scan(session: Session, job_id: uuid.UUID, scan: Scan) -> dict:
     """The prepare step's transaction: fail the job with the scan's errors, or record its layout, its
     chunks and one chunk job each (the final step directly for a file without rows)."""
     job = session.get(AccountUpdaterJob, job_id, with_for_update=True, populate_existing=True)
-    if job is None or job.status != "processing":
+    if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return {"skipped": True}
     if scan.errors:
         fail_job(session, job_id, scan.errors)
@@ -910,7 +911,8 @@ def process_chunk(job_id: uuid.UUID, number: int, *, now: dt.datetime | None = N
     with session_scope() as session:
         job = session.get(AccountUpdaterJob, job_id)
         chunk = session.get(AccountUpdaterChunk, (job_id, number))
-        if job is None or chunk is None or job.status != "processing" or chunk.status != "pending":
+        if (job is None or chunk is None or job.status != AccountUpdaterStatus.PROCESSING
+                or chunk.status != ChunkStatus.PENDING):
             return ChunkOutcome(0, b"", 0, [], skipped=True)
         tenant = session.get(Tenant, job.tenant_id)
         tenant_type = tenant.type if tenant else "test"
@@ -1105,14 +1107,14 @@ def apply_chunk(session: Session, job_id: uuid.UUID, number: int, outcome: Chunk
         return {"skipped": True}
     clock = _Clock()
     job = session.get(AccountUpdaterJob, job_id, with_for_update=True, populate_existing=True)
-    if job is None or job.status != "processing":
+    if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return {"skipped": True}
     clock.lap("lock")
     claimed = session.execute(
         update(AccountUpdaterChunk)
         .where(AccountUpdaterChunk.job_id == job_id, AccountUpdaterChunk.number == number,
-               AccountUpdaterChunk.status == "pending")
-        .values(status="done", result=outcome.result, result_rows=outcome.result_rows,
+               AccountUpdaterChunk.status == ChunkStatus.PENDING)
+        .values(status=ChunkStatus.DONE, result=outcome.result, result_rows=outcome.result_rows,
                 new_tokens=len(outcome.tokens), done_at=now)
         .execution_options(synchronize_session=False)
     ).rowcount
@@ -1153,7 +1155,7 @@ def write_result(job_id: uuid.UUID) -> str | None:
     has ended). Memory holds one part. Raises TransientError when S3 fails (the upload is aborted)."""
     with session_scope() as session:
         job = session.get(AccountUpdaterJob, job_id)
-        if job is None or job.status != "processing":
+        if job is None or job.status != AccountUpdaterStatus.PROCESSING:
             return None
         key = result_key(job.tenant_id, job.id)
         chunks = job.chunks_total or 0

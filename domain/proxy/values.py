@@ -30,6 +30,7 @@ from storage.crypto import get_keyring
 from storage.db import Rows
 from storage.models import Token
 from storage.models_network_tokens import NetworkToken, TokenIntent
+from storage.states import NetworkTokenStatus
 from storage.types import utcnow
 
 TOKEN, NETWORK_TOKEN, TOKEN_INTENT = "token", "network_token", "token_intent"
@@ -173,7 +174,7 @@ class SqlValueLoader:
                 else None
             )
             record = plain(network_tokens.network_token_view(row, data, reveal=True))
-            usable = row.status == "active" and data is not None
+            usable = row.status == NetworkTokenStatus.ACTIVE and data is not None
             found[wanted[row.id]] = Loaded(
                 NETWORK_TOKEN, wanted[row.id], record.get("data"), record, (), usable,
                 None if usable else f"The network token {row.id} is {row.status}; it cannot be used.",

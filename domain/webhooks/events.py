@@ -33,6 +33,7 @@ from infra.celery import DELIVER_TASK
 from infra.dispatch import enqueue_jobs_after_commit
 from storage.db import Rows, insert_rows, on_commit
 from storage.models import Event, Job, Webhook, WebhookDelivery
+from storage.states import JobStatus, WebhookStatus
 from storage.types import utcnow
 
 #: Every event type the platform emits or will emit (``GET /webhooks/event-types``).
@@ -153,14 +154,14 @@ def _emit_one_statement():
         func.gen_random_uuid().label("id"), webhooks.c.tenant_id, webhooks.c.id.label("webhook_id"),
     ).where(
         webhooks.c.tenant_id == bindparam("tenant_id", type_=events.c.tenant_id.type),
-        webhooks.c.status == "enabled",
+        webhooks.c.status == WebhookStatus.ENABLED,
         cast(webhooks.c.events, JSONB).contains(bindparam("subscribed", type_=JSONB)),
     ).cte("chosen")
     job_columns = ("id", "tenant_id", "kind", "subject_type", "subject_id", "status", "attempts", "max_attempts",
                    "due_at", "created_at", "updated_at", "trace_id")
     staged = insert(job_table).from_select(job_columns, select(
         chosen.c.id, chosen.c.tenant_id, literal(DELIVER_TASK), literal("webhook"), cast(chosen.c.webhook_id, Text),
-        literal("queued"), literal(0), bindparam("max_attempts"), now, now, now, bindparam("trace_id"),
+        literal(JobStatus.QUEUED.value), literal(0), bindparam("max_attempts"), now, now, now, bindparam("trace_id"),
     )).cte("job")
     columns = ("id", "tenant_id", "webhook_id", "event_id", "created_at")
     return insert(deliveries).from_select(
@@ -226,7 +227,8 @@ def _enabled_webhooks(session: Session, tenant_id: uuid.UUID) -> list[tuple[uuid
     cache = session.info.setdefault(_WEBHOOK_CACHE, {})
     if tenant_id not in cache:
         cache[tenant_id] = session.exec(
-            select(Webhook.id, Webhook.events).where(Webhook.tenant_id == tenant_id, Webhook.status == "enabled")
+            select(Webhook.id, Webhook.events)
+            .where(Webhook.tenant_id == tenant_id, Webhook.status == WebhookStatus.ENABLED)
         ).all()
     return cache[tenant_id]
 
