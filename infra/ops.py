@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, or_, update
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from infra import jobs
 from infra.celery import DELIVER_TASK, QUEUES, celery_app, queue_of
-from storage.db import session_scope
+from storage.db import rowcount, session_scope
 from storage.models import DELIVERY_JOB_STATUSES, DELIVERY_STATUS, Job, Webhook, WebhookAttempt, WebhookDelivery
 from storage.states import JOB_UNSUCCESSFUL, JobStatus, WebhookStatus
 from storage.types import utcnow
@@ -143,7 +143,7 @@ def waiting_work(session: Session | None = None, *, now: dt.datetime | None = No
     rows = session.exec(
         select(Job.kind, func.count(), func.min(Job.due_at))
         .where(Job.status == JobStatus.QUEUED, Job.due_at <= now,
-               or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now))
+               or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now))
         .group_by(Job.kind)
     ).all()
     for kind, count, oldest in rows:
@@ -166,7 +166,8 @@ def jobs_by_state(session: Session | None = None) -> dict[tuple[str, str], int]:
         with session_scope() as fresh:
             return jobs_by_state(fresh)
     rows = session.exec(
-        select(Job.kind, Job.status, func.count()).where(Job.status.in_(LIVE_JOB_STATES)).group_by(Job.kind, Job.status)
+        select(Job.kind, Job.status, func.count())
+        .where(col(Job.status).in_(LIVE_JOB_STATES)).group_by(Job.kind, Job.status)
     ).all()
     return {(kind, status): count for kind, status, count in rows}
 
@@ -442,15 +443,15 @@ def list_jobs(
         wanted = set(states)
         if kind == DELIVER_TASK:
             wanted = {job_state for state in states for job_state in DELIVERY_JOB_STATUSES.get(state, (state,))}
-        where.append(Job.status.in_(sorted(wanted)))
+        where.append(col(Job.status).in_(sorted(wanted)))
     if kind:
-        where.append(Job.kind == kind)
+        where.append(col(Job.kind) == kind)
     if tenant_id:
-        where.append(Job.tenant_id == tenant_id)
-    order = (Job.updated_at.desc(), Job.id)
+        where.append(col(Job.tenant_id) == tenant_id)
+    order = (col(Job.updated_at).desc(), Job.id)
     if kind == DELIVER_TASK:
         rows = session.exec(
-            select(WebhookDelivery, Job).join(Job, Job.id == WebhookDelivery.id).where(*where)
+            select(WebhookDelivery, Job).join(Job, col(Job.id) == WebhookDelivery.id).where(*where)
             .order_by(*order).limit(limit)
         ).all()
         return [delivery_view(delivery, job) for delivery, job in rows]
@@ -478,7 +479,7 @@ def _find(session: Session, ref: str) -> tuple[Job, WebhookDelivery | None]:
 def _attempt_log(session: Session, delivery: WebhookDelivery) -> list[WebhookAttempt]:
     return list(session.exec(
         select(WebhookAttempt).where(WebhookAttempt.delivery_id == delivery.id)
-        .order_by(WebhookAttempt.attempted_at, WebhookAttempt.number)
+        .order_by(col(WebhookAttempt.attempted_at), WebhookAttempt.number)
     ).all())
 
 
@@ -524,15 +525,15 @@ def cancel(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     result = session.execute(
         update(Job)
         .where(
-            Job.id == job.id,
-            Job.status == JobStatus.QUEUED,
-            or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
+            col(Job.id) == job.id,
+            col(Job.status) == JobStatus.QUEUED,
+            or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
         )
         .values(**values)
         .execution_options(synchronize_session=False)
     )
     session.refresh(job)
-    if result.rowcount != 1:
+    if rowcount(result) != 1:
         held = " and a worker holds it" if job.lease_expires_at and _aware(job.lease_expires_at) >= now else ""
         if delivery is not None:
             raise Refused(f"webhook delivery {job.id} is {DELIVERY_STATUS[job.status]}{held}; "

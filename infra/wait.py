@@ -39,6 +39,7 @@ import redis
 import redis.asyncio as aioredis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from sqlmodel import col
 
 from config.settings import get_settings
 from storage.db import on_commit
@@ -318,5 +319,5 @@ class JobWaits:
 
 def read_outcomes(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, Outcome]:
     """The outcomes of the jobs ``job_ids`` as stored (status and the safe part of the result)."""
-    rows = session.execute(select(Job.id, Job.status, Job.result).where(Job.id.in_(job_ids))).all()
+    rows = session.execute(select(Job.id, Job.status, Job.result).where(col(Job.id).in_(job_ids))).all()
     return {row.id: Outcome(row.status, safe_result(row.result)) for row in rows}

@@ -15,7 +15,7 @@ from sqlalchemy.orm import column_property
 from sqlmodel import Field, SQLModel
 
 from storage.states import JOB_TAKEABLE, JOB_UNSUCCESSFUL, DeliveryStatus, JobStatus, WebhookStatus
-from storage.types import state_type
+from storage.types import state_type, table_of
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _created_at
 
@@ -330,8 +330,8 @@ def delivery_status(job_status):
 
 #: ``WebhookDelivery.status``: the public status, read from the delivery's job with the delivery (read-only).
 WebhookDelivery.status = column_property(
-    select(delivery_status(Job.__table__.c.status)).where(Job.__table__.c.id == WebhookDelivery.__table__.c.id)
-    .correlate_except(Job.__table__).scalar_subquery()
+    select(delivery_status(table_of(Job).c.status)).where(table_of(Job).c.id == table_of(WebhookDelivery).c.id)
+    .correlate_except(table_of(Job)).scalar_subquery()
 )
 
 

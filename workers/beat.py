@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from celery.beat import PersistentScheduler
 from sqlalchemy import exists, select
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from config.settings import get_settings
 from infra import ops, outbox
@@ -36,8 +36,8 @@ def _uploads_awaited(session: Session) -> bool:
     now = utcnow()
     return bool(
         session.scalar(
-            select(exists().where(AccountUpdaterJob.status == AccountUpdaterStatus.PENDING,
-                                  AccountUpdaterJob.expires_at > now))
+            select(exists().where(col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+                                  col(AccountUpdaterJob.expires_at) > now))
         )
     )
 

@@ -62,7 +62,7 @@ from urllib.parse import unquote_plus
 
 from botocore.exceptions import BotoCoreError, ClientError
 from sqlalchemy import String, bindparam, func, insert, or_, select, update
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from config.settings import Settings, get_settings
 from domain.tenancy import audit
@@ -78,12 +78,12 @@ from infra.lookup import get_owned
 from providers.account_updates import MAX_ITEMS, AccountUpdatesClient, UpdateItem, UpdateResult, base_url
 from storage import s3
 from storage.crypto import DecryptionError, get_keyring
-from storage.db import session_scope
+from storage.db import rowcount, session_scope
 from storage.keyset import keyset_page
 from storage.models import AuditLog, Tenant, Token, TokenMetadata
 from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
 from storage.states import AccountUpdaterStatus, ChunkStatus
-from storage.types import utcnow
+from storage.types import table_of, utcnow
 
 log = logging.getLogger("tessera.account_updater")
 
@@ -333,16 +333,16 @@ def read_job(session: Session, caller: Caller, job_id: uuid.UUID, *, now: dt.dat
 
 def _request_detection(session: Session, job: AccountUpdaterJob, now: dt.datetime) -> None:
     before = now - dt.timedelta(seconds=DETECT_EVERY_SECONDS)
-    claimed = session.execute(
+    claimed = rowcount(session.execute(
         update(AccountUpdaterJob)
         .where(
-            AccountUpdaterJob.id == job.id,
-            AccountUpdaterJob.status == AccountUpdaterStatus.PENDING,
-            or_(AccountUpdaterJob.checked_at.is_(None), AccountUpdaterJob.checked_at < before),
+            col(AccountUpdaterJob.id) == job.id,
+            col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+            or_(col(AccountUpdaterJob.checked_at).is_(None), col(AccountUpdaterJob.checked_at) < before),
         )
         .values(checked_at=now)
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
     if claimed:
         enqueue_after_commit(session, DETECT_TASK, job_id=str(job.id))
 
@@ -354,8 +354,8 @@ def list_jobs(
     pending jobs left out; returns ``(views, next position or None)``. 400 for a foreign cursor."""
     now = now or utcnow()
     query = select(AccountUpdaterJob).where(
-        AccountUpdaterJob.tenant_id == caller.tenant_id,
-        or_(AccountUpdaterJob.status != AccountUpdaterStatus.PENDING, AccountUpdaterJob.expires_at > now),
+        col(AccountUpdaterJob.tenant_id) == caller.tenant_id,
+        or_(col(AccountUpdaterJob.status) != AccountUpdaterStatus.PENDING, col(AccountUpdaterJob.expires_at) > now),
     )
     rows, following = keyset_page(session, query, order=(AccountUpdaterJob.created_at, AccountUpdaterJob.id),
                                   size=size, after=after)
@@ -369,16 +369,16 @@ def start_processing(session: Session, job_id: uuid.UUID, *, now: dt.datetime | 
     """Move a live pending job to ``processing`` and record its prepare step (one winner); False when the
     job is not pending any more or its upload window has closed."""
     now = now or utcnow()
-    moved = session.execute(
+    moved = rowcount(session.execute(
         update(AccountUpdaterJob)
         .where(
-            AccountUpdaterJob.id == job_id,
-            AccountUpdaterJob.status == AccountUpdaterStatus.PENDING,
-            AccountUpdaterJob.expires_at > now,
+            col(AccountUpdaterJob.id) == job_id,
+            col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+            col(AccountUpdaterJob.expires_at) > now,
         )
         .values(status=AccountUpdaterStatus.PROCESSING, started_at=now, modified_at=now)
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
     if not moved:
         return False
     job = session.get(AccountUpdaterJob, job_id, populate_existing=True)
@@ -409,8 +409,9 @@ def detect_uploads(*, batch: int = 200, now: dt.datetime | None = None) -> int:
     with session_scope() as session:
         rows = session.scalars(
             select(AccountUpdaterJob)
-            .where(AccountUpdaterJob.status == AccountUpdaterStatus.PENDING, AccountUpdaterJob.expires_at > now)
-            .order_by(AccountUpdaterJob.checked_at.asc().nulls_first(), AccountUpdaterJob.created_at)
+            .where(col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+                   col(AccountUpdaterJob.expires_at) > now)
+            .order_by(col(AccountUpdaterJob.checked_at).asc().nulls_first(), AccountUpdaterJob.created_at)
             .limit(batch)
             .with_for_update(skip_locked=True)
         ).all()
@@ -468,7 +469,7 @@ def notify_objects(session: Session, notification: Any) -> int:
     now = utcnow()
     pending = session.scalars(
         select(AccountUpdaterJob.id).where(
-            AccountUpdaterJob.id.in_(list(wanted)),
+            col(AccountUpdaterJob.id).in_(list(wanted)),
             AccountUpdaterJob.status == AccountUpdaterStatus.PENDING,
             AccountUpdaterJob.expires_at > now,
         )
@@ -484,8 +485,8 @@ def remove_expired_jobs(session: Session, *, now: dt.datetime | None = None, bat
     now = now or utcnow()
     rows = session.scalars(
         select(AccountUpdaterJob)
-        .where(AccountUpdaterJob.status == AccountUpdaterStatus.PENDING, AccountUpdaterJob.expires_at <= now)
-        .order_by(AccountUpdaterJob.expires_at)
+        .where(col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING, col(AccountUpdaterJob.expires_at) <= now)
+        .order_by(col(AccountUpdaterJob.expires_at))
         .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()
@@ -537,7 +538,7 @@ def complete_job(session: Session, job_id: uuid.UUID, key: str, *, now: dt.datet
     job.modified_at = now
     session.add(job)
     session.execute(
-        update(AccountUpdaterChunk).where(AccountUpdaterChunk.job_id == job_id).values(result=None)
+        update(AccountUpdaterChunk).where(col(AccountUpdaterChunk.job_id) == job_id).values(result=None)
     )
     _emit_outcome(session, job)
     return True
@@ -846,9 +847,9 @@ def tokens_by_ids(session: Session, tenant_id: uuid.UUID, ids: list[str], *colum
         ids_array = bindparam("token_ids", ids, type_=ARRAY(String))
         wanted = func.unnest(ids_array).table_valued("id").render_derived(name="wanted")
         return select(*columns).select_from(wanted).join(
-            Token, (Token.tenant_id == tenant_id) & (Token.id == wanted.c.id)
+            Token, (col(Token.tenant_id) == tenant_id) & (col(Token.id) == wanted.c.id)
         )
-    return select(*columns).where(Token.tenant_id == tenant_id, Token.id.in_(ids))
+    return select(*columns).where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(ids))
 
 
 def load_cards(session: Session, tenant_id: uuid.UUID, ids: Iterable[str], now: dt.datetime) -> dict[str, _Card]:
@@ -1110,23 +1111,23 @@ def apply_chunk(session: Session, job_id: uuid.UUID, number: int, outcome: Chunk
     if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return {"skipped": True}
     clock.lap("lock")
-    claimed = session.execute(
+    claimed = rowcount(session.execute(
         update(AccountUpdaterChunk)
-        .where(AccountUpdaterChunk.job_id == job_id, AccountUpdaterChunk.number == number,
-               AccountUpdaterChunk.status == ChunkStatus.PENDING)
+        .where(col(AccountUpdaterChunk.job_id) == job_id, col(AccountUpdaterChunk.number) == number,
+               col(AccountUpdaterChunk.status) == ChunkStatus.PENDING)
         .values(status=ChunkStatus.DONE, result=outcome.result, result_rows=outcome.result_rows,
                 new_tokens=len(outcome.tokens), done_at=now)
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
     if not claimed:
         return {"skipped": True}
     tokens = outcome.tokens
-    bulk_insert(session, Token.__table__, tokens, ignore_conflicts=True)
-    bulk_insert(session, TokenMetadata.__table__, ignore_conflicts=True, rows=[
+    bulk_insert(session, table_of(Token), tokens, ignore_conflicts=True)
+    bulk_insert(session, table_of(TokenMetadata), ignore_conflicts=True, rows=[
         {"tenant_id": t["tenant_id"], "token_id": t["id"], "key": k, "value": v}
         for t in tokens for k, v in t["metadata"].items()
     ])
-    bulk_insert(session, AuditLog.__table__, [
+    bulk_insert(session, table_of(AuditLog), [
         {"id": uuid.uuid4(), "tenant_id": job.tenant_id, "actor_id": job.created_by, "actor_type": "application",
          "entity_type": "card", "entity_id": t["id"], "operation": "create", "message": "Card created",
          "created_at": now}

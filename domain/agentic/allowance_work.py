@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from decimal import Decimal
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.agentic import allowances as service
@@ -302,7 +302,7 @@ def cancel_rails(settings: Settings, allowance_ids: list[str], *, key: str) -> N
     with ``rail_id`` set. ``key``: the operation's key (a new one per attempt)."""
     with session_scope() as session:
         todo = [(r.id, _provider(r.provider, r.tenant_id, session, settings), r.provider_allowance_id)
-                for r in session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id.in_(allowance_ids)))
+                for r in session.exec(select(AllowanceRail).where(col(AllowanceRail.allowance_id).in_(allowance_ids)))
                 if r.provider_allowance_id and r.cancelled_at is None]
     for rail_id, provider, provider_allowance_id in todo:
         try:
@@ -361,7 +361,7 @@ def payment_method_allowances(session: Session, pm_id: str) -> list[str]:
     """The ids of the payment method's live allowances (the delete cascade's: cancelled and expired
     ones are left as they are)."""
     return list(session.exec(select(Allowance.id).where(Allowance.payment_method_id == pm_id,
-                                                        Allowance.status.in_(service.LIVE))).all())
+                                                        col(Allowance.status).in_(service.LIVE))).all())
 
 
 def busy_allowance(session: Session, pm_id: str) -> leases.OperationLease | None:

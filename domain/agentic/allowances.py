@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from babel.numbers import get_currency_precision, list_currencies
 from sqlalchemy import delete, update
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.agentic import idempotency, leases
@@ -190,7 +190,7 @@ def rails_of(session: Session, allowance_id: str) -> list[AllowanceRail]:
     """The rails of an allowance, in their order (fresh from the database)."""
     return list(session.exec(
         select(AllowanceRail).where(AllowanceRail.allowance_id == allowance_id)
-        .order_by(AllowanceRail.position).execution_options(populate_existing=True)
+        .order_by(col(AllowanceRail.position)).execution_options(populate_existing=True)
     ).all())
 
 
@@ -259,8 +259,8 @@ def settle_stale(session: Session, allowance: Allowance) -> bool:
     if lease is not None and lease.operation == leases.MINT and lease.owner == allowance.reserved_by:
         return False
     if allowance.reserved_by:
-        session.execute(delete(PaymentCredential).where(PaymentCredential.id == allowance.reserved_by,
-                                                        PaymentCredential.state == CredentialState.MINTING)
+        session.execute(delete(PaymentCredential).where(col(PaymentCredential.id) == allowance.reserved_by,
+                                                        col(PaymentCredential.state) == CredentialState.MINTING)
                         .execution_options(synchronize_session=False))
         if lease is not None:
             leases.release(session, allowance.id, lease.owner)
@@ -449,7 +449,7 @@ def list_allowances(session: Session, caller: Caller, *, size: int, after: dict 
     now = utcnow()
     if status == AllowanceStatus.EXPIRED:
         query = query.where((Allowance.status == AllowanceStatus.EXPIRED)
-                            | (Allowance.status.in_(LIVE) & (Allowance.expires_at <= now)))
+                            | (col(Allowance.status).in_(LIVE) & (col(Allowance.expires_at) <= now)))
     elif status in LIVE:
         query = query.where(Allowance.status == status, Allowance.expires_at > now)
     elif status is not None:
@@ -458,7 +458,8 @@ def list_allowances(session: Session, caller: Caller, *, size: int, after: dict 
                                       after=after)
     rails: dict[str, list[AllowanceRail]] = {}
     if rows:
-        for rail in session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id.in_([a.id for a in rows]))):
+        wanted = [a.id for a in rows]
+        for rail in session.exec(select(AllowanceRail).where(col(AllowanceRail.allowance_id).in_(wanted))):
             rails.setdefault(rail.allowance_id, []).append(rail)
     return [allowance_view(a, rails.get(a.id, [])) for a in rows], next_position
 
@@ -808,7 +809,7 @@ def expire_allowances(session: Session, *, batch: int = 1000, now: dt.datetime |
     """The beat sweep: live allowances past ``expires_at`` become ``expired`` (terminal; the event is
     emitted); returns how many."""
     now = now or utcnow()
-    rows = session.exec(select(Allowance).where(Allowance.status.in_(LIVE), Allowance.expires_at <= now)
+    rows = session.exec(select(Allowance).where(col(Allowance.status).in_(LIVE), col(Allowance.expires_at) <= now)
                         .limit(batch).with_for_update(skip_locked=True)).all()
     for row in rows:
         set_status(session, row, AllowanceStatus.EXPIRED)
@@ -819,10 +820,10 @@ def purge_undelivered(session: Session, *, batch: int = 1000, now: dt.datetime |
     """The beat sweep: sealed credential values their request never took (it timed out or died) are
     destroyed after :data:`UNDELIVERED_SECONDS`; returns how many."""
     cutoff = (now or utcnow()) - dt.timedelta(seconds=UNDELIVERED_SECONDS)
-    ids = session.exec(select(PaymentCredential.id).where(PaymentCredential.sealed.is_not(None),
-                                                          PaymentCredential.created_at < cutoff)
+    ids = session.exec(select(PaymentCredential.id).where(col(PaymentCredential.sealed).is_not(None),
+                                                          col(PaymentCredential.created_at) < cutoff)
                        .limit(batch).with_for_update(skip_locked=True)).all()
     if ids:
-        session.execute(update(PaymentCredential).where(PaymentCredential.id.in_(ids)).values(sealed=None)
+        session.execute(update(PaymentCredential).where(col(PaymentCredential.id).in_(ids)).values(sealed=None)
                         .execution_options(synchronize_session=False))
     return len(ids)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, update
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from domain.agentic.errors import agentic_error
 from domain.agentic.sql import insert_if_absent
@@ -121,8 +121,8 @@ def _settle_abandoned(session: Session, record: IdempotencyRecord, now: dt.datet
     state = IdempotencyState.SUCCEEDED if record.resource_id else IdempotencyState.UNKNOWN
     session.execute(
         update(IdempotencyRecord)
-        .where(IdempotencyRecord.tenant_id == record.tenant_id, IdempotencyRecord.scope == record.scope,
-               IdempotencyRecord.key == record.key, IdempotencyRecord.state == IdempotencyState.RUNNING)
+        .where(col(IdempotencyRecord.tenant_id) == record.tenant_id, col(IdempotencyRecord.scope) == record.scope,
+               col(IdempotencyRecord.key) == record.key, col(IdempotencyRecord.state) == IdempotencyState.RUNNING)
         .values(state=state, completed_at=now)
         .execution_options(synchronize_session=False)
     )
@@ -179,8 +179,9 @@ def settle_resource(session: Session, *, tenant_id: uuid.UUID, scope: str, resou
         values.update(status_code=problem.status, problem=problem.body())
     session.execute(
         update(IdempotencyRecord)
-        .where(IdempotencyRecord.tenant_id == tenant_id, IdempotencyRecord.scope == scope,
-               IdempotencyRecord.resource_id == resource_id, IdempotencyRecord.state == IdempotencyState.RUNNING)
+        .where(col(IdempotencyRecord.tenant_id) == tenant_id, col(IdempotencyRecord.scope) == scope,
+               col(IdempotencyRecord.resource_id) == resource_id,
+               col(IdempotencyRecord.state) == IdempotencyState.RUNNING)
         .values(**values).execution_options(synchronize_session=False)
     )
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete
-from sqlmodel import Session, func, select
+from sqlmodel import Session, col, func, select
 
 from config.settings import Settings
 from domain.agentic import idempotency, leases
@@ -44,7 +44,7 @@ from storage.models import Job
 from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
 from storage.models_allowances import Allowance
 from storage.states import ALLOWANCE_LIVE, JOB_FAILED, JOB_UNSUCCESSFUL, PaymentMethodStatus, RailStatus
-from storage.types import utcnow
+from storage.types import table_of, utcnow
 
 SOURCE_TYPE = "svc_card_token"
 RAIL_EVENT = "agentic.payment-method.rail.retried"
@@ -138,7 +138,7 @@ def rails_of(session: Session, pm_id: str) -> list[PaymentMethodRail]:
     """The rails of a payment method, in their order."""
     return list(session.exec(
         select(PaymentMethodRail).where(PaymentMethodRail.payment_method_id == pm_id)
-        .order_by(PaymentMethodRail.position).execution_options(populate_existing=True)
+        .order_by(col(PaymentMethodRail.position)).execution_options(populate_existing=True)
     ).all())
 
 
@@ -263,13 +263,13 @@ def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, f
         return
     busy = (
         select(PaymentMethodRail.id)
-        .join(Job, Job.id == PaymentMethodRail.job_id)
+        .join(Job, col(Job.id) == PaymentMethodRail.job_id)
         .where(
             PaymentMethodRail.payment_method_id == pm_id,
             PaymentMethodRail.operation_id == operation_id,
             Job.kind == ENROLL_TASK,
             Job.id != finished_job,
-            Job.status.not_in(jobs.TERMINAL),
+            col(Job.status).not_in(jobs.TERMINAL),
         )
         .exists()
     )
@@ -280,7 +280,7 @@ def job_statuses(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, 
     """The status of each job."""
     if not job_ids:
         return {}
-    rows = session.exec(select(Job.id, Job.status).where(Job.id.in_(job_ids))).all()
+    rows = session.exec(select(Job.id, Job.status).where(col(Job.id).in_(job_ids))).all()
     return dict(rows)
 
 
@@ -399,7 +399,7 @@ def create_payment_method(
         updated_at=now,
     )
     rows = Rows()  # every row in one statement (``storage.db.insert_rows``), no unit-of-work flush
-    rows.add(PaymentMethod.__table__, row_of(pm))
+    rows.add(table_of(PaymentMethod), row_of(pm))
     job_ids, errors = [], []
     for position, (rail_name, provider) in enumerate(pairs):
         rail = PaymentMethodRail(tenant_id=caller.tenant_id, payment_method_id=pm.id, position=position,
@@ -413,9 +413,9 @@ def create_payment_method(
                                      max_attempts=ENROLL_MAX_ATTEMPTS)
             rail.operation_id, rail.attempt = owner, "create"
             job_ids.append(rail.job_id)
-        rows.add(PaymentMethodRail.__table__, row_of(rail))
+        rows.add(table_of(PaymentMethodRail), row_of(rail))
     if job_ids:  # a new payment method: nobody else can hold its lease yet
-        rows.add(OperationLease.__table__, row_of(OperationLease(
+        rows.add(table_of(OperationLease), row_of(OperationLease(
             resource_id=pm.id, tenant_id=caller.tenant_id, operation=leases.ENROLL, owner=owner, acquired_at=now,
             expires_at=now + dt.timedelta(seconds=settings.operation_lease_seconds))))
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="create")
@@ -503,7 +503,7 @@ def list_payment_methods(session: Session, caller: Caller, *, size: int, after: 
     rails: dict[str, list[PaymentMethodRail]] = {}
     if rows:
         for rail in session.exec(select(PaymentMethodRail).where(
-                PaymentMethodRail.payment_method_id.in_([pm.id for pm in rows]))):
+                col(PaymentMethodRail.payment_method_id).in_([pm.id for pm in rows]))):
             rails.setdefault(rail.payment_method_id, []).append(rail)
     return [payment_method_view(pm, rails.get(pm.id, [])) for pm in rows], next_position
 
@@ -534,7 +534,7 @@ def purge_provider_errors(session: Session, *, retention_days: int, now: dt.date
     ids = session.exec(select(ProviderError.id).where(ProviderError.occurred_at < cutoff).limit(batch)
                        .with_for_update(skip_locked=True)).all()
     if ids:
-        session.execute(delete(ProviderError).where(ProviderError.id.in_(ids))
+        session.execute(delete(ProviderError).where(col(ProviderError.id).in_(ids))
                         .execution_options(synchronize_session=False))
     return len(ids)
 
@@ -596,7 +596,7 @@ def retry_failure(session: Session, pm_id: str, rail: str, provider: str, code: 
     latest = session.exec(
         select(ProviderError).where(ProviderError.payment_method_id == pm_id, ProviderError.rail == rail,
                                     ProviderError.provider == provider)
-        .order_by(ProviderError.occurred_at.desc()).limit(1)
+        .order_by(col(ProviderError.occurred_at).desc()).limit(1)
     ).first()
     extra = None
     if latest is not None and latest.code == code and latest.provider_correlation_id:
@@ -664,7 +664,7 @@ def _allowance_busy(session: Session, pm_id: str) -> bool:
     """True when a live operation lease holds one of the payment method's allowances."""
     return session.exec(
         select(func.count()).select_from(OperationLease)
-        .join(Allowance, Allowance.id == OperationLease.resource_id)
+        .join(Allowance, col(Allowance.id) == OperationLease.resource_id)
         .where(Allowance.payment_method_id == pm_id, OperationLease.expires_at > utcnow())
     ).one() > 0
 
@@ -673,7 +673,7 @@ def _allowances_to_cancel(session: Session, pm_id: str) -> bool:
     """True when the payment method backs a live allowance (the cascade cancels it)."""
     return session.exec(
         select(func.count()).select_from(Allowance)
-        .where(Allowance.payment_method_id == pm_id, Allowance.status.in_(ALLOWANCE_LIVE))
+        .where(col(Allowance.payment_method_id) == pm_id, col(Allowance.status).in_(ALLOWANCE_LIVE))
     ).one() > 0
 
 

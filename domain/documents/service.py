@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from botocore.exceptions import ClientError
 from sqlalchemy import and_, or_
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
@@ -362,11 +362,11 @@ def sweep_documents(session: Session, *, now: dt.datetime | None = None, batch: 
         select(Document)
         .where(
             or_(
-                Document.status == DocumentStatus.DELETED,
-                and_(Document.status == DocumentStatus.UPLOADING, Document.created_at < stale),
+                col(Document.status) == DocumentStatus.DELETED,
+                and_(col(Document.status) == DocumentStatus.UPLOADING, col(Document.created_at) < stale),
             )
         )
-        .order_by(Document.created_at)
+        .order_by(col(Document.created_at))
         .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()

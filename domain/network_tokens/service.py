@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlalchemy import ScalarSelect, update
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.network_tokens.token_intents import load_intent_data
 from domain.tenancy import audit
@@ -74,7 +74,7 @@ from storage.db import Rows, read_first, session_scope, stage_rows
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
 from storage.states import JOB_FAILED, JobStatus, NetworkTokenStatus
-from storage.types import TextAsUuid, utcnow
+from storage.types import TextAsUuid, table_of, utcnow
 
 PROVISION_TASK = "network_tokens.provision"
 CARD_ART_TASK = "network_tokens.card_art"
@@ -105,7 +105,7 @@ CARD_ART_TTL = dt.timedelta(hours=24)
 
 _SOURCES = ("data", "token_id", "token_intent_id")
 _DATA_KEYS = ("number", "expiration_month", "expiration_year", "cvc")
-_TOKENS = NetworkToken.__table__
+_TOKENS = table_of(NetworkToken)
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def _removed_by_failure(session: Session, tenant_id: uuid.UUID, token_id: object
     if parsed is not None:
         job = session.exec(
             select(Job).where(Job.kind == PROVISION_TASK, Job.subject_id == str(parsed), Job.tenant_id == tenant_id,
-                              Job.status.in_(JOB_FAILED))
+                              col(Job.status).in_(JOB_FAILED))
         ).first()
     if job is None:
         return not_found("network token")
@@ -655,7 +655,7 @@ def delete_network_token(session: Session, caller: Caller, token_id: object) -> 
         _record_network_delete(session, caller.tenant_id, token.network_reference, caller.trace_id)
     if token.pending_job_id is not None:
         session.execute(
-            update(Job).where(Job.id == token.pending_job_id, Job.status == JobStatus.QUEUED)
+            update(Job).where(col(Job.id) == token.pending_job_id, col(Job.status) == JobStatus.QUEUED)
             .values(status=JobStatus.CANCELLED, updated_at=utcnow()).execution_options(synchronize_session=False)
         )
     session.delete(token)
@@ -692,7 +692,7 @@ def card_art_start(session: Session, caller: Caller, token_id: object, *,
 
 def _cancel_if_queued(session: Session, job_id: uuid.UUID) -> None:
     session.execute(
-        update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+        update(Job).where(col(Job.id) == job_id, col(Job.status) == JobStatus.QUEUED)
         .values(status=JobStatus.CANCELLED, updated_at=utcnow()).execution_options(synchronize_session=False)
     )
 

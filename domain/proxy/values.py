@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import bindparam
 from sqlalchemy import inspect as sa_inspect
-from sqlmodel import Session, or_, select
+from sqlmodel import Session, col, or_, select
 
 from domain.client_keys.service import decrypt_encrypted_header
 from domain.network_tokens import service as network_tokens
@@ -164,7 +164,7 @@ class SqlValueLoader:
         if not wanted:
             return {}
         rows = self.session.exec(
-            select(NetworkToken).where(NetworkToken.tenant_id == tenant_id, NetworkToken.id.in_(list(wanted)))
+            select(NetworkToken).where(col(NetworkToken.tenant_id) == tenant_id, col(NetworkToken.id).in_(list(wanted)))
         ).all()
         found = {}
         for row in rows:
@@ -187,7 +187,8 @@ class SqlValueLoader:
             return {}
         rows = self.session.exec(
             select(TokenIntent).where(
-                TokenIntent.tenant_id == tenant_id, TokenIntent.id.in_(list(wanted)), TokenIntent.expires_at > self.now
+                col(TokenIntent.tenant_id) == tenant_id, col(TokenIntent.id).in_(list(wanted)),
+                col(TokenIntent.expires_at) > self.now
             )
         ).all()
         found = {}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.proxy.detokenize import INVOKE, detokenize
 from domain.proxy.values import SqlValueLoader
@@ -364,9 +364,10 @@ def purge_results(session: Session, *, before: dt.datetime, batch: int = 500) ->
     before ``before``; rows locked by a concurrent sweep are skipped. Returns how many; call again
     while it returns ``batch``. A result asked for afterwards answers 404."""
     ids = session.exec(
-        select(ReactorRun.id).where(ReactorRun.status != ReactorRunStatus.PENDING, ReactorRun.completed_at < before)
+        select(ReactorRun.id)
+        .where(col(ReactorRun.status) != ReactorRunStatus.PENDING, col(ReactorRun.completed_at) < before)
         .limit(batch).with_for_update(skip_locked=True)
     ).all()
     if ids:
-        session.exec(delete(ReactorRun).where(ReactorRun.id.in_(ids)))
+        session.exec(delete(ReactorRun).where(col(ReactorRun.id).in_(ids)))
     return len(ids)

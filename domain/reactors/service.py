@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import func
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.reactors.runtime import Build, Runtime, require_sandbox
 from domain.tenancy import audit
@@ -211,13 +211,13 @@ def list_reactors(session: Session, caller: Caller, *, ids: list[uuid.UUID], nam
     caller.require("reactor:read")
     query = select(Reactor).where(Reactor.tenant_id == caller.tenant_id)
     if ids:
-        query = query.where(Reactor.id.in_(ids))
+        query = query.where(col(Reactor.id).in_(ids))
     if name:
         escaped = name.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         pattern = escaped.replace("*", "%") if "*" in name else f"%{escaped}%"
         query = query.where(func.lower(Reactor.name).like(pattern, escape="\\"))
     total = session.exec(select(func.count()).select_from(query.subquery())).one()
-    rows = session.exec(query.order_by(Reactor.created_at, Reactor.id).offset((page - 1) * size).limit(size)).all()
+    rows = session.exec(query.order_by(col(Reactor.created_at), Reactor.id).offset((page - 1) * size).limit(size)).all()
     return [reactor_view(session, r) for r in rows], total
 
 

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.tenancy import audit
@@ -161,7 +161,7 @@ def create_invitation(
     get_tenant(session, caller.tenant_id)
     member = session.exec(
         select(TenantMember.id)
-        .join(User, User.id == TenantMember.user_id)
+        .join(User, col(User.id) == TenantMember.user_id)
         .where(TenantMember.tenant_id == caller.tenant_id, User.email == email)
     ).first()
     if member is not None:
@@ -218,7 +218,7 @@ def list_invitations(session: Session, caller: Caller, *, page: int, size: int) 
     rows = session.exec(
         select(TenantInvitation)
         .where(where)
-        .order_by(TenantInvitation.created_at, TenantInvitation.id)
+        .order_by(col(TenantInvitation.created_at), TenantInvitation.id)
         .offset((page - 1) * size)
         .limit(size)
     ).all()
@@ -378,7 +378,7 @@ def expire_invitations(session: Session, *, now: dt.datetime | None = None, batc
     rows = session.exec(
         select(TenantInvitation)
         .where(TenantInvitation.status == InvitationStatus.PENDING, TenantInvitation.expires_at <= now)
-        .order_by(TenantInvitation.expires_at)
+        .order_by(col(TenantInvitation.expires_at))
         .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()

@@ -33,7 +33,7 @@ import re
 import uuid
 from collections.abc import Sequence
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import get_settings
 from domain.tenancy import audit
@@ -85,7 +85,7 @@ def normalize_domain(value: str) -> str | None:
 def _domains_view(session: Session, tenant_id: uuid.UUID, environment: str) -> dict:
     rows = session.exec(
         select(WalletDomain).where(WalletDomain.tenant_id == tenant_id, WalletDomain.environment == environment)
-        .order_by(WalletDomain.created_at, WalletDomain.domain)
+        .order_by(col(WalletDomain.created_at), WalletDomain.domain)
     ).all()
     return {"domains": [{"domain": row.domain, "status": row.status} for row in rows]}
 
@@ -153,7 +153,7 @@ def registration_outcome(session: Session, caller: Caller, job_ids: Sequence[uui
     """The answer after the wait: 422 naming each domain whose file was not available, 502 when the
     provider could not be reached, else ``{domains: [...]}`` (pending ones included)."""
     failures, unreachable = [], False
-    for job in session.exec(select(Job).where(Job.id.in_(list(job_ids)))).all():
+    for job in session.exec(select(Job).where(col(Job.id).in_(list(job_ids)))).all():
         if job.status == JobStatus.FAILED:
             failures.append((job.last_error or "").split(": ", 1)[-1])
         elif job.status == JobStatus.DEAD:

@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 
 from sqlalchemy import delete, distinct, func, insert, or_, update
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.tenancy import audit
@@ -48,7 +48,7 @@ from infra.errors import not_found, validation_problem
 from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many, validate_destination_url
 from infra.lookup import get_owned
 from infra.signing import headers as signature_headers
-from storage.db import session_scope
+from storage.db import rowcount, session_scope
 from storage.keyset import keyset_page
 from storage.models import DELIVERY_STATUS, Event, Job, Tenant, Webhook, WebhookAttempt, WebhookDelivery
 from storage.states import JOB_TAKEABLE, DeliveryStatus, JobStatus, WebhookStatus
@@ -162,7 +162,8 @@ def delete_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> N
     webhook = get_webhook(session, caller, webhook_id)
     session.execute(  # the deliveries' jobs; each takes its delivery row and attempts with it
         delete(Job)
-        .where(Job.kind == DELIVER_TASK, Job.subject_type == "webhook", Job.subject_id == str(webhook.id))
+        .where(col(Job.kind) == DELIVER_TASK, col(Job.subject_type) == "webhook",
+               col(Job.subject_id) == str(webhook.id))
         .execution_options(synchronize_session=False)
     )
     session.delete(webhook)
@@ -219,8 +220,8 @@ def list_deliveries(
     webhook = get_webhook(session, caller, webhook_id)
     query = (
         select(WebhookDelivery, Job.status, Job.due_at, Event.type)
-        .join(Job, Job.id == WebhookDelivery.id)
-        .join(Event, Event.id == WebhookDelivery.event_id)
+        .join(Job, col(Job.id) == WebhookDelivery.id)
+        .join(Event, col(Event.id) == WebhookDelivery.event_id)
         .where(WebhookDelivery.webhook_id == webhook.id)
     )
     rows, next_position = keyset_page(session, query, order=(WebhookDelivery.created_at, WebhookDelivery.id),
@@ -229,8 +230,8 @@ def list_deliveries(
     if rows:
         for attempt in session.exec(
             select(WebhookAttempt)
-            .where(WebhookAttempt.delivery_id.in_([row[0].id for row in rows]))
-            .order_by(WebhookAttempt.attempted_at, WebhookAttempt.number)
+            .where(col(WebhookAttempt.delivery_id).in_([row[0].id for row in rows]))
+            .order_by(col(WebhookAttempt.attempted_at), WebhookAttempt.number)
         ):
             attempts.setdefault(attempt.delivery_id, []).append(attempt)
     return [delivery_view(d, job_status, due_at, event_type, attempts.get(d.id, []))
@@ -324,7 +325,7 @@ def _lease_and_read(session: Session, delivery_ids: list[uuid.UUID], owner: str,
         .join(Event, Event.id == WebhookDelivery.event_id)
         .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
         .join(Tenant, Tenant.id == WebhookDelivery.tenant_id)
-        .where(Job.id.in_(leased))
+        .where(col(Job.id).in_(leased))
     ).all()
 
 
@@ -370,7 +371,7 @@ def lease_batch(
 def lease_delivery(session: Session, delivery_id: uuid.UUID, owner: str, *, lease_seconds: float) -> bool:
     """Take the lease on the job of one due delivery (see :func:`lease_batch`); False when taken."""
     statement = jobs.lease_many_statement([delivery_id], owner, lease_seconds=lease_seconds)
-    return session.execute(statement.where(Job.kind == DELIVER_TASK)).rowcount == 1
+    return rowcount(session.execute(statement.where(Job.kind == DELIVER_TASK))) == 1
 
 
 def _retry_delay(result: DeliveryResult, attempt_number: int, settings: Settings) -> float | None:
@@ -462,7 +463,7 @@ def record_outcomes(
     if cleared:
         session.execute(
             update(Webhook)
-            .where(Webhook.id.in_(cleared), Webhook.failing_since.is_not(None))
+            .where(col(Webhook.id).in_(cleared), col(Webhook.failing_since).is_not(None))
             .values(failing_since=None)
             .execution_options(synchronize_session=False)
         )
@@ -476,7 +477,7 @@ def record_outcomes(
 def _update_deliveries(session: Session, ids: list[uuid.UUID], **values) -> None:
     session.execute(
         update(WebhookDelivery)
-        .where(WebhookDelivery.id.in_(ids))
+        .where(col(WebhookDelivery.id).in_(ids))
         .values(**values)
         .execution_options(synchronize_session=False)
     )
@@ -535,11 +536,11 @@ def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], setti
         return 0
     now = now or utcnow()
     tenants = sorted(set(session.execute(
-        select(Job.tenant_id).where(Job.id.in_(delivery_ids))).scalars()), key=str)
+        select(Job.tenant_id).where(col(Job.id).in_(delivery_ids))).scalars()), key=str)
     if session.get_bind().dialect.name == "postgresql":
         for tenant_id in tenants:
             session.execute(select(func.pg_advisory_xact_lock(func.hashtext(str(tenant_id)))))
-    waiting = (Job.kind == DELIVER_TASK, Job.status.in_(JOB_TAKEABLE))  # ix_jobs_deliveries_waiting
+    waiting = (col(Job.kind) == DELIVER_TASK, col(Job.status).in_(JOB_TAKEABLE))  # ix_jobs_deliveries_waiting
     busy = []
     for tenant_id in tenants:
         behind = session.execute(select(Job.id).where(
@@ -553,24 +554,24 @@ def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], setti
             *waiting,
             Job.tenant_id == tenant_id,
             Job.status == JobStatus.RUNNING,
-            Job.lease_expires_at > now,
+            col(Job.lease_expires_at) > now,
         )).scalar_one()
         if held >= slots:
             busy.append(tenant_id)
     if not busy:
         return 0
-    return session.execute(
+    return rowcount(session.execute(
         update(Job)
         .where(
-            Job.id.in_(delivery_ids),
-            Job.tenant_id.in_(busy),
-            Job.status.in_(JOB_TAKEABLE),
-            or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
+            col(Job.id).in_(delivery_ids),
+            col(Job.tenant_id).in_(busy),
+            col(Job.status).in_(JOB_TAKEABLE),
+            or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
         )
         .values(due_at=now + dt.timedelta(seconds=settings.webhook_postpone_seconds), enqueued_at=None,
                 updated_at=now)
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
 
 
 def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings) -> BatchOutcome:
