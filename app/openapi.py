@@ -18,6 +18,7 @@ from app.api import AllOf, AnyOf, Route
 from config import __version__
 from config.settings import Settings
 from domain.webhooks.events import EVENT_TYPES
+from storage.states import RailStatus
 
 _PATH_PARAM = re.compile(r"{(\w+)}")
 _REF = "#/components/schemas/{model}"
@@ -132,8 +133,9 @@ def example_of(schema: dict, components: dict, depth: int = 0) -> Any:
     operation an example in the description."""
     if depth > 8:
         return None
-    if "$ref" in schema:
-        return example_of(components.get(schema["$ref"].rsplit("/", 1)[-1], {}), components, depth + 1)
+    if "$ref" in schema:  # a named enum is a leaf: it costs no depth
+        target = components.get(schema["$ref"].rsplit("/", 1)[-1], {})
+        return example_of(target, components, depth + (0 if "enum" in target else 1))
     for key in ("example", "const"):
         if key in schema:
             return schema[key]
@@ -356,7 +358,7 @@ _EVENT_DATA: dict[str, dict] = {
         "properties": {"payment_method": _ids(), "rail": {
             "type": "object", "required": ["rail", "provider", "status", "provider_ids"],
             "properties": {"rail": {"enum": ["agentic-token", "spt"]}, "provider": {"enum": ["vic", "agentpay", "psp"]},
-                           "status": {"enum": ["enabled", "pending", "error"]},
+                           "status": {"enum": [status.value for status in RailStatus]},
                            "provider_ids": {"type": "object", "additionalProperties": {"type": "string"}},
                            "error": {"type": "object", "properties": {"code": {"type": "string"}}}}}}},
     "agentic.allowance.updated": {"type": "object", "required": ["allowance"], "properties": {"allowance": _ids()}},

@@ -19,13 +19,14 @@ import datetime as dt
 import uuid
 
 from sqlalchemy import func, or_, select
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from storage.models import Job
+from storage.states import JOB_TAKEABLE, JobStatus
 from storage.types import utcnow
 
 #: Statuses of a job that may be taken (its lease, if any, expired).
-_TAKEABLE = ("queued", "running")
+_TAKEABLE = JOB_TAKEABLE
 
 
 def fair_share(slots: int, active_tenants: int) -> int:
@@ -41,13 +42,13 @@ def fair_next(session: Session, kind: str, *, slots: int, now: dt.datetime | Non
     now = now or utcnow()
     takeable = (
         Job.kind == kind,
-        Job.status.in_(_TAKEABLE),
+        col(Job.status).in_(_TAKEABLE),
         Job.due_at <= now + dt.timedelta(seconds=1),
-        or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
+        or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
     )
     held = dict(session.execute(
         select(Job.tenant_id, func.count())
-        .where(Job.kind == kind, Job.status == "running", Job.lease_expires_at >= now)
+        .where(col(Job.kind) == kind, col(Job.status) == JobStatus.RUNNING, col(Job.lease_expires_at) >= now)
         .group_by(Job.tenant_id)
     ).all())
     waiting = set(session.execute(select(Job.tenant_id).where(*takeable).distinct()).scalars())
@@ -58,6 +59,7 @@ def fair_next(session: Session, kind: str, *, slots: int, now: dt.datetime | Non
         return None
     tenant = eligible[0][2]
     return session.execute(
-        select(Job.id).where(*takeable, Job.tenant_id == tenant if tenant is not None else Job.tenant_id.is_(None))
+        select(Job.id)
+        .where(*takeable, col(Job.tenant_id) == tenant if tenant is not None else col(Job.tenant_id).is_(None))
         .order_by(Job.due_at, Job.created_at).limit(1)
     ).scalar()

@@ -33,15 +33,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import ColumnElement, bindparam, or_, select, update
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from infra import wait
 from infra.dispatch import enqueue_after_commit, enqueue_jobs_after_commit
-from storage.db import Rows, execute_once_more_on_disconnect, get_lease_engine, session_scope
+from storage.db import Rows, execute_once_more_on_disconnect, get_lease_engine, rowcount, session_scope
 from storage.models import Job
-from storage.types import utcnow
+from storage.states import JOB_TAKEABLE, JOB_TERMINAL, JobStatus
+from storage.types import table_of, utcnow
 
-TERMINAL = ("succeeded", "failed", "dead", "cancelled")
+TERMINAL = JOB_TERMINAL
 
 
 class TransientError(Exception):
@@ -92,7 +93,7 @@ def new_row(
     return {
         "id": uuid.uuid4(), "tenant_id": tenant_id, "kind": kind, "subject_type": subject_type,
         "subject_id": str(subject_id), "subject_number": subject_number, "operation_id": operation_id,
-        "status": "queued", "attempts": 0, "max_attempts": max_attempts, "due_at": now, "enqueued_at": None,
+        "status": JobStatus.QUEUED, "attempts": 0, "max_attempts": max_attempts, "due_at": now, "enqueued_at": None,
         "lease_owner": None, "lease_expires_at": None, "last_error": None, "result": None,
         "trace_id": trace_id, "created_at": now, "updated_at": now,
     }
@@ -117,7 +118,7 @@ def stage(session: Session, rows: Rows, **fields: Any) -> uuid.UUID:
     when that transaction commits. Returns the job id. The caller must write ``rows`` before the
     commit (a message for a job never written is skipped by the worker: nothing is leased)."""
     row = new_row(**fields)
-    rows.add(Job.__table__, row)
+    rows.add(table_of(Job), row)
     enqueue_after_commit(session, row["kind"], job_id=str(row["id"]))
     return row["id"]
 
@@ -125,7 +126,7 @@ def stage(session: Session, rows: Rows, **fields: Any) -> uuid.UUID:
 def _lease_statement(job_id: uuid.UUID, owner: str, lease_seconds: float):
     """The UPDATE taking job ``job_id`` for ``owner`` when it is takeable now (counts an attempt)."""
     now = utcnow()
-    return _takeable_update(Job.id == job_id, now, now + dt.timedelta(seconds=1), owner,
+    return _takeable_update(col(Job.id) == job_id, now, now + dt.timedelta(seconds=1), owner,
                             now + dt.timedelta(seconds=lease_seconds))
 
 
@@ -137,11 +138,11 @@ def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
         update(Job)
         .where(
             which,
-            Job.status.in_(("queued", "running")),
+            col(Job.status).in_(JOB_TAKEABLE),
             Job.due_at <= due_by,
-            or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
+            or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
         )
-        .values(status="running", lease_owner=owner, lease_expires_at=expires, attempts=Job.attempts + 1,
+        .values(status=JobStatus.RUNNING, lease_owner=owner, lease_expires_at=expires, attempts=Job.attempts + 1,
                 updated_at=now)
         .execution_options(synchronize_session=False)
     )
@@ -150,7 +151,7 @@ def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
 def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: float) -> Job | None:
     """Take the job for ``owner`` (one worker wins); counts an attempt. None when not takeable now."""
     result = session.execute(_lease_statement(job_id, owner, lease_seconds))
-    if result.rowcount != 1:
+    if rowcount(result) != 1:
         return None
     return session.get(Job, job_id, populate_existing=True)
 
@@ -166,13 +167,13 @@ class PreparedLease:
         reads = dict(reads or {})
         self.labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
         labelled = [expression.label(self.labels[name]) for name, expression in reads.items()]
-        now = bindparam("lease_now", type_=Job.__table__.c.updated_at.type)
+        now = bindparam("lease_now", type_=table_of(Job).c.updated_at.type)
         self.statement = _takeable_update(
-            Job.id == bindparam("lease_job_id", type_=Job.__table__.c.id.type), now,
-            bindparam("lease_due_by", type_=Job.__table__.c.due_at.type),
-            bindparam("lease_owner_name", type_=Job.__table__.c.lease_owner.type),
-            bindparam("lease_expires", type_=Job.__table__.c.lease_expires_at.type),
-        ).returning(*Job.__table__.columns, *labelled)
+            col(Job.id) == bindparam("lease_job_id", type_=table_of(Job).c.id.type), now,
+            bindparam("lease_due_by", type_=table_of(Job).c.due_at.type),
+            bindparam("lease_owner_name", type_=table_of(Job).c.lease_owner.type),
+            bindparam("lease_expires", type_=table_of(Job).c.lease_expires_at.type),
+        ).returning(*table_of(Job).columns, *labelled)
 
     def params(self, job_id: uuid.UUID, owner: str, lease_seconds: float) -> dict[str, Any]:
         """The bind values taking ``job_id`` for ``owner`` now, for ``lease_seconds``."""
@@ -202,7 +203,7 @@ def lease_and_read(
                                               prepared.params(job_id, owner, lease_seconds))
         if row is None:
             return None
-        job = Job.model_validate({column.name: row[column] for column in Job.__table__.columns})
+        job = Job.model_validate({column.name: row[column] for column in table_of(Job).columns})
         return job, {name: row[label] for name, label in prepared.labels.items()}
     labels = {name: f"read_{index}" for index, name in enumerate(reads)}
     labelled = [expression.label(labels[name]) for name, expression in reads.items()]
@@ -210,7 +211,7 @@ def lease_and_read(
         job = lease(session, job_id, owner, lease_seconds=lease_seconds)
         if job is None:
             return None
-        values = session.execute(select(*labelled).where(Job.id == job_id)).mappings().one() if labelled else {}
+        values = session.execute(select(*labelled).where(col(Job.id) == job_id)).mappings().one() if labelled else {}
         session.expunge(job)
     return job, {name: values[labels[name]] for name in reads}
 
@@ -231,20 +232,20 @@ def _close(session: Session, job: Job, status: str, *, error: str | None = None,
 
 def complete(session: Session, job: Job, *, result: dict | None = None) -> None:
     """Mark the job succeeded (in the transaction that writes its outcome)."""
-    _close(session, job, "succeeded", result=result)
+    _close(session, job, JobStatus.SUCCEEDED, result=result)
 
 
 def fail(session: Session, job: Job, *, error: str, result: dict | None = None) -> None:
     """Mark the job failed for good (a permanent error), with its error recorded."""
-    _close(session, job, "failed", error=error, result=result)
+    _close(session, job, JobStatus.FAILED, error=error, result=result)
 
 
-_JOBS = Job.__table__
+_JOBS = table_of(Job)
 #: Prepared once (bind parameters): a worker neither builds these SQL trees nor their cache keys per job.
 _LOCK_LEASED = select(_JOBS.c.id).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).with_for_update()
 _COMPLETE_LEASED = {
     with_result: update(_JOBS).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).values(
-        status="succeeded", lease_owner=None, lease_expires_at=None,
+        status=JobStatus.SUCCEEDED, lease_owner=None, lease_expires_at=None,
         updated_at=bindparam("now", type_=_JOBS.c.updated_at.type),
         **({"result": bindparam("result", type_=_JOBS.c.result.type)} if with_result else {}))
     for with_result in (False, True)
@@ -267,7 +268,7 @@ def complete_leased(session: Session, job: Job, *, result: dict | None = None) -
     if result is not None:
         params["result"] = result
     session.execute(_COMPLETE_LEASED[result is not None], params)
-    job.status, job.lease_owner, job.lease_expires_at, job.updated_at = "succeeded", None, None, now
+    job.status, job.lease_owner, job.lease_expires_at, job.updated_at = JobStatus.SUCCEEDED, None, None, now
     if result is not None:
         job.result = result
     wait.announce_on_commit(session, job.id, job.status, job.result)
@@ -289,10 +290,10 @@ def schedule_retry(
     (:func:`infra.dispatch.enqueue_after_commit`); a longer delay waits as ``due_at`` for the relay.
     """
     if job.attempts >= job.max_attempts:
-        _close(session, job, "dead", error=error)
+        _close(session, job, JobStatus.DEAD, error=error)
         return None
     delay = backoff_seconds(job.attempts, base=backoff_base) if delay is None else delay
-    job.status = "queued"
+    job.status = JobStatus.QUEUED
     job.lease_owner = None
     job.lease_expires_at = None
     job.last_error = error[:1000]
@@ -306,7 +307,7 @@ def schedule_retry(
 
 def requeue(session: Session, job: Job) -> None:
     """Replay a dead or failed job: queued again now with a fresh attempt budget (sent on commit)."""
-    job.status = "queued"
+    job.status = JobStatus.QUEUED
     job.attempts = 0
     job.due_at = utcnow()
     job.enqueued_at = None
@@ -344,7 +345,7 @@ def stage_many(
         row = new_row(kind=kind, tenant_id=tenant_id, subject_type=subject_type, subject_id=subject_id,
                       trace_id=trace_id, max_attempts=max_attempts)
         row.update(id=job_id, due_at=now, created_at=now, updated_at=now)
-        rows.add(Job.__table__, row)
+        rows.add(table_of(Job), row)
     enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id, _ in jobs])
 
 
@@ -355,7 +356,7 @@ def lease_many_statement(job_ids: list[uuid.UUID], owner: str, *, lease_seconds:
     attempt each). The caller runs it, and may extend it first: ``.where()`` over other tables (an
     ``UPDATE ... FROM`` on PostgreSQL) and ``.returning()`` of what the work needs."""
     now = now or utcnow()
-    return _takeable_update(Job.id.in_(job_ids), now, now + dt.timedelta(seconds=1), owner,
+    return _takeable_update(col(Job.id).in_(job_ids), now, now + dt.timedelta(seconds=1), owner,
                             now + dt.timedelta(seconds=lease_seconds))
 
 
@@ -364,7 +365,7 @@ def settle_many(session: Session, job_ids: list[uuid.UUID], status: str, *, erro
     """Close the jobs ``job_ids`` as ``status`` (``succeeded``, ``failed`` for a permanent error,
     ``dead`` when their attempts are spent) with one ``UPDATE``, their lease released and ``error``
     (when given) recorded. Raises ValueError for another status."""
-    if status not in ("succeeded", "failed", "dead"):
+    if status not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.DEAD):
         raise ValueError(f"a job is not settled as {status}")
     if not job_ids:
         return
@@ -373,7 +374,7 @@ def settle_many(session: Session, job_ids: list[uuid.UUID], status: str, *, erro
     if error is not None:
         values["last_error"] = error[:1000]
     session.execute(
-        update(Job).where(Job.id.in_(job_ids)).values(**values).execution_options(synchronize_session=False)
+        update(Job).where(col(Job.id).in_(job_ids)).values(**values).execution_options(synchronize_session=False)
     )
 
 
@@ -388,8 +389,8 @@ def retry_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, delay: 
     now = now or utcnow()
     session.execute(
         update(Job)
-        .where(Job.id.in_(job_ids))
-        .values(status="queued", lease_owner=None, lease_expires_at=None, last_error=error[:1000],
+        .where(col(Job.id).in_(job_ids))
+        .values(status=JobStatus.QUEUED, lease_owner=None, lease_expires_at=None, last_error=error[:1000],
                 due_at=now + dt.timedelta(seconds=delay), enqueued_at=None, updated_at=now)
         .execution_options(synchronize_session=False)
     )
@@ -405,15 +406,15 @@ def requeue_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, fresh
     if not job_ids:
         return 0
     now = now or utcnow()
-    values: dict[str, Any] = {"status": "queued", "due_at": now, "enqueued_at": None, "lease_owner": None,
+    values: dict[str, Any] = {"status": JobStatus.QUEUED, "due_at": now, "enqueued_at": None, "lease_owner": None,
                               "lease_expires_at": None, "updated_at": now}
     if fresh_budget:
         values["attempts"] = 0
-    count = session.execute(
+    count = rowcount(session.execute(
         update(Job)
-        .where(Job.id.in_(job_ids), or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now))
+        .where(col(Job.id).in_(job_ids), or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now))
         .values(**values)
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
     enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in job_ids])
     return count

@@ -32,14 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, or_, update
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from infra import jobs
 from infra.celery import DELIVER_TASK, QUEUES, celery_app, queue_of
 from storage import key_check
-from storage.db import session_scope
+from storage.db import rowcount, session_scope
 from storage.models import DELIVERY_JOB_STATUSES, DELIVERY_STATUS, Job, Webhook, WebhookAttempt, WebhookDelivery
+from storage.states import JOB_UNSUCCESSFUL, JobStatus, WebhookStatus
 from storage.types import utcnow
 
 #: Seconds between two heartbeats of a worker; one older than three of them means the worker is gone.
@@ -48,9 +49,7 @@ HEARTBEAT_SECONDS = 10.0
 _PRIORITY_STEPS = (0, 3, 6, 9)
 _PRIORITY_SEP = "\x06\x16"
 #: Job states counted by ``tessera_jobs`` (finished ones pile up; dead letters need someone).
-LIVE_JOB_STATES = ("queued", "running", "dead")
-JOB_STATES = ("queued", "running", "succeeded", "failed", "dead", "cancelled")
-DELIVERY_STATES = ("pending", "succeeded", "failed")
+LIVE_JOB_STATES = (JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.DEAD)
 
 
 class NotFound(LookupError):
@@ -144,8 +143,8 @@ def waiting_work(session: Session | None = None, *, now: dt.datetime | None = No
     jobs_total = deliveries = 0
     rows = session.exec(
         select(Job.kind, func.count(), func.min(Job.due_at))
-        .where(Job.status == "queued", Job.due_at <= now,
-               or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now))
+        .where(Job.status == JobStatus.QUEUED, Job.due_at <= now,
+               or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now))
         .group_by(Job.kind)
     ).all()
     for kind, count, oldest in rows:
@@ -168,7 +167,8 @@ def jobs_by_state(session: Session | None = None) -> dict[tuple[str, str], int]:
         with session_scope() as fresh:
             return jobs_by_state(fresh)
     rows = session.exec(
-        select(Job.kind, Job.status, func.count()).where(Job.status.in_(LIVE_JOB_STATES)).group_by(Job.kind, Job.status)
+        select(Job.kind, Job.status, func.count())
+        .where(col(Job.status).in_(LIVE_JOB_STATES)).group_by(Job.kind, Job.status)
     ).all()
     return {(kind, status): count for kind, status, count in rows}
 
@@ -451,15 +451,15 @@ def list_jobs(
         wanted = set(states)
         if kind == DELIVER_TASK:
             wanted = {job_state for state in states for job_state in DELIVERY_JOB_STATUSES.get(state, (state,))}
-        where.append(Job.status.in_(sorted(wanted)))
+        where.append(col(Job.status).in_(sorted(wanted)))
     if kind:
-        where.append(Job.kind == kind)
+        where.append(col(Job.kind) == kind)
     if tenant_id:
-        where.append(Job.tenant_id == tenant_id)
-    order = (Job.updated_at.desc(), Job.id)
+        where.append(col(Job.tenant_id) == tenant_id)
+    order = (col(Job.updated_at).desc(), Job.id)
     if kind == DELIVER_TASK:
         rows = session.exec(
-            select(WebhookDelivery, Job).join(Job, Job.id == WebhookDelivery.id).where(*where)
+            select(WebhookDelivery, Job).join(Job, col(Job.id) == WebhookDelivery.id).where(*where)
             .order_by(*order).limit(limit)
         ).all()
         return [delivery_view(delivery, job) for delivery, job in rows]
@@ -487,7 +487,7 @@ def _find(session: Session, ref: str) -> tuple[Job, WebhookDelivery | None]:
 def _attempt_log(session: Session, delivery: WebhookDelivery) -> list[WebhookAttempt]:
     return list(session.exec(
         select(WebhookAttempt).where(WebhookAttempt.delivery_id == delivery.id)
-        .order_by(WebhookAttempt.attempted_at, WebhookAttempt.number)
+        .order_by(col(WebhookAttempt.attempted_at), WebhookAttempt.number)
     ).all())
 
 
@@ -503,7 +503,7 @@ def retry(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     """Replay a dead, failed or cancelled job (fresh attempt budget), a webhook delivery's too (once its
     webhook is enabled: same message id); its task is sent when ``session`` commits."""
     job, delivery = _find(session, ref)
-    if job.status not in ("dead", "failed", "cancelled"):
+    if job.status not in JOB_UNSUCCESSFUL:
         if delivery is not None:
             raise Refused(f"webhook delivery {job.id} is {delivery_state(job.status)}; "
                           "only failed deliveries are retried")
@@ -512,7 +512,7 @@ def retry(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
         jobs.requeue(session, job)
         return job_view(job, detail=True)
     webhook = session.get(Webhook, delivery.webhook_id)
-    if webhook is None or webhook.status != "enabled":
+    if webhook is None or webhook.status != WebhookStatus.ENABLED:
         raise Refused(f"the webhook of delivery {job.id} is disabled; enable it first (PUT /webhooks/{{id}})")
     jobs.requeue_many(session, job.kind, [job.id], fresh_budget=True)
     delivery.completed_at = None
@@ -528,21 +528,21 @@ def cancel(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     running one is refused."""
     job, delivery = _find(session, ref)
     now = utcnow()
-    values: dict[str, Any] = {"status": "cancelled", "updated_at": now}
+    values: dict[str, Any] = {"status": JobStatus.CANCELLED, "updated_at": now}
     if delivery is not None:
         values["last_error"] = "cancelled by an operator"
     result = session.execute(
         update(Job)
         .where(
-            Job.id == job.id,
-            Job.status == "queued",
-            or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
+            col(Job.id) == job.id,
+            col(Job.status) == JobStatus.QUEUED,
+            or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
         )
         .values(**values)
         .execution_options(synchronize_session=False)
     )
     session.refresh(job)
-    if result.rowcount != 1:
+    if rowcount(result) != 1:
         held = " and a worker holds it" if job.lease_expires_at and _aware(job.lease_expires_at) >= now else ""
         if delivery is not None:
             raise Refused(f"webhook delivery {job.id} is {delivery_state(job.status)}{held}; "

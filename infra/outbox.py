@@ -19,19 +19,20 @@ from __future__ import annotations
 import datetime as dt
 
 from sqlalchemy import exists, or_
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from infra.dispatch import enqueue_jobs_after_commit
 from storage.models import Job
-from storage.types import utcnow
+from storage.states import JobStatus
+from storage.types import table_of, utcnow
 
 
 def _due_where(now: dt.datetime, grace: dt.timedelta) -> tuple:
     return (
-        Job.status == "queued",
+        Job.status == JobStatus.QUEUED,
         Job.due_at <= now - grace,
-        or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
-        or_(Job.enqueued_at.is_(None), Job.enqueued_at < now - grace * 4),
+        or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
+        or_(col(Job.enqueued_at).is_(None), col(Job.enqueued_at) < now - grace * 4),
     )
 
 
@@ -47,14 +48,15 @@ def relay_due(session: Session, *, grace_seconds: float, now: dt.datetime | None
 def stale_leases_exist(session: Session, *, now: dt.datetime | None = None) -> bool:
     """Whether :func:`release_stale_leases` has anything to release (one ``EXISTS`` query)."""
     now = now or utcnow()
-    return bool(session.scalar(select(exists().where(Job.status == "running", Job.lease_expires_at < now))))
+    running_past_lease = exists().where(col(Job.status) == JobStatus.RUNNING, col(Job.lease_expires_at) < now)
+    return bool(session.scalar(select(running_past_lease)))
 
 
 def relay(session: Session, *, now: dt.datetime | None = None, grace_seconds: float, batch: int = 1000) -> int:
     """Re-send the tasks of up to ``batch`` stranded jobs (oldest due first); returns how many jobs."""
     now = now or utcnow()
     grace = dt.timedelta(seconds=grace_seconds)
-    table = Job.__table__
+    table = table_of(Job)
     rows = session.execute(
         select(table.c.id, table.c.kind).where(*_due_where(now, grace)).order_by(table.c.due_at).limit(batch)
         .with_for_update(skip_locked=True)
@@ -77,12 +79,12 @@ def release_stale_leases(session: Session, *, now: dt.datetime | None = None, ba
     now = now or utcnow()
     jobs = session.exec(
         select(Job)
-        .where(Job.status == "running", Job.lease_expires_at < now)
+        .where(col(Job.status) == JobStatus.RUNNING, col(Job.lease_expires_at) < now)
         .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()
     for job in jobs:
-        job.status = "queued"
+        job.status = JobStatus.QUEUED
         job.lease_owner = None
         job.lease_expires_at = None
         job.due_at = now

@@ -39,16 +39,18 @@ import redis
 import redis.asyncio as aioredis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from sqlmodel import col
 
 from config.settings import get_settings
 from storage.db import on_commit
 from storage.models import Job
+from storage.states import JOB_TERMINAL
 
 log = logging.getLogger("tessera.wait")
 
 CHANNEL = "tessera:job-outcome:"
 #: A job in one of these states is settled: nothing about it changes any more (``infra.jobs.TERMINAL``).
-SETTLED = frozenset({"succeeded", "failed", "dead", "cancelled"})
+SETTLED = frozenset(JOB_TERMINAL)
 #: The keys of a job result that its outcome message may carry (ids, codes, states; nothing secret).
 SAFE_RESULT_KEYS = ("code", "status", "network_token_id", "rail_status", "skipped", "removed", "stale")
 #: The first interval (seconds) of the database poll when no subscription is live.
@@ -317,5 +319,5 @@ class JobWaits:
 
 def read_outcomes(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, Outcome]:
     """The outcomes of the jobs ``job_ids`` as stored (status and the safe part of the result)."""
-    rows = session.execute(select(Job.id, Job.status, Job.result).where(Job.id.in_(job_ids))).all()
+    rows = session.execute(select(Job.id, Job.status, Job.result).where(col(Job.id).in_(job_ids))).all()
     return {row.id: Outcome(row.status, safe_result(row.result)) for row in rows}

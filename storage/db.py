@@ -20,17 +20,18 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import Table, create_engine, event, insert
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, CursorResult, Engine, Result
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session as OrmSession
 from sqlmodel import Session
 
 from config.settings import get_settings
+from storage.types import table_of
 
 log = logging.getLogger("tessera.db")
 
@@ -254,7 +255,7 @@ def insert_statement(dialect_name: str, table: Table, *, ignore_conflicts: bool 
 def row_of(instance: Any) -> dict[str, Any]:
     """The complete row of a model ``instance`` that is not in any session (its Python-side defaults
     applied at construction), keyed by column name: what :meth:`Rows.add` takes."""
-    return {column.name: getattr(instance, column.name) for column in type(instance).__table__.columns}
+    return {column.name: getattr(instance, column.name) for column in table_of(type(instance)).columns}
 
 
 def insert_rows(session: OrmSession, rows: Rows) -> None:
@@ -429,3 +430,9 @@ def _settle(group: list, done: asyncio.Future) -> None:
             future.set_result(value)
         else:
             future.set_exception(value)
+
+
+def rowcount(result: Result[Any]) -> int:
+    """The rows an ``UPDATE`` or ``DELETE`` run by ``Session.execute`` changed (the session types its
+    answer as a ``Result``; for those statements it is a ``CursorResult``, which counts them)."""
+    return cast(CursorResult[Any], result).rowcount

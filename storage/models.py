@@ -26,6 +26,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import column_property
 from sqlmodel import Field, SQLModel
 
+from storage.states import JOB_TAKEABLE, JOB_UNSUCCESSFUL, DeliveryStatus, JobStatus, WebhookStatus
+from storage.types import state_type, table_of
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _created_at
 
@@ -292,7 +294,7 @@ class Webhook(SQLModel, table=True):
     url: str = Field(max_length=2048)
     notify_email: str | None = Field(default=None, max_length=320)
     events: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
-    status: str = Field(default="enabled", max_length=16)
+    status: WebhookStatus = Field(default=WebhookStatus.ENABLED, sa_type=state_type())
     failing_since: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     disabled_reason: str | None = Field(default=None, max_length=500)
     created_by: uuid.UUID | None = None
@@ -377,7 +379,7 @@ class Job(SQLModel, table=True):
     subject_id: str | None = Field(default=None, max_length=400)
     subject_number: int | None = None
     operation_id: str | None = Field(default=None, max_length=64)
-    status: str = Field(default="queued", max_length=16)  # queued|running|succeeded|failed|dead|cancelled
+    status: JobStatus = Field(default=JobStatus.QUEUED, sa_type=state_type())
     attempts: int = 0
     max_attempts: int = 5
     due_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
@@ -392,29 +394,32 @@ class Job(SQLModel, table=True):
 
 
 #: The public status of a webhook delivery (the API's words) for each status of its job.
-DELIVERY_STATUS = {
-    "queued": "pending", "running": "pending", "succeeded": "succeeded",
-    "failed": "failed", "dead": "failed", "cancelled": "failed",
+DELIVERY_STATUS: dict[str, DeliveryStatus] = {
+    JobStatus.QUEUED: DeliveryStatus.PENDING, JobStatus.RUNNING: DeliveryStatus.PENDING,
+    JobStatus.SUCCEEDED: DeliveryStatus.SUCCEEDED,
+    JobStatus.FAILED: DeliveryStatus.FAILED, JobStatus.DEAD: DeliveryStatus.FAILED,
+    JobStatus.CANCELLED: DeliveryStatus.FAILED,
 }
 #: The job statuses behind each public delivery status.
-DELIVERY_JOB_STATUSES = {
-    "pending": ("queued", "running"), "succeeded": ("succeeded",), "failed": ("failed", "dead", "cancelled"),
+DELIVERY_JOB_STATUSES: dict[str, tuple[JobStatus, ...]] = {
+    DeliveryStatus.PENDING: JOB_TAKEABLE, DeliveryStatus.SUCCEEDED: (JobStatus.SUCCEEDED,),
+    DeliveryStatus.FAILED: JOB_UNSUCCESSFUL,
 }
 
 
 def delivery_status(job_status):
     """The SQL expression of the public delivery status for the SQL expression ``job_status``."""
     return case(
-        (job_status.in_(DELIVERY_JOB_STATUSES["pending"]), "pending"),
-        (job_status == "succeeded", "succeeded"),
-        else_="failed",
+        (job_status.in_(DELIVERY_JOB_STATUSES[DeliveryStatus.PENDING]), DeliveryStatus.PENDING.value),
+        (job_status == JobStatus.SUCCEEDED, DeliveryStatus.SUCCEEDED.value),
+        else_=DeliveryStatus.FAILED.value,
     )
 
 
 #: ``WebhookDelivery.status``: the public status, read from the delivery's job with the delivery (read-only).
 WebhookDelivery.status = column_property(
-    select(delivery_status(Job.__table__.c.status)).where(Job.__table__.c.id == WebhookDelivery.__table__.c.id)
-    .correlate_except(Job.__table__).scalar_subquery()
+    select(delivery_status(table_of(Job).c.status)).where(table_of(Job).c.id == table_of(WebhookDelivery).c.id)
+    .correlate_except(table_of(Job)).scalar_subquery()
 )
 
 

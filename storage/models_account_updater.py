@@ -19,6 +19,8 @@ import uuid
 from sqlalchemy import JSON, Column, ForeignKey, Index, LargeBinary, String
 from sqlmodel import Field, SQLModel
 
+from storage.states import AccountUpdaterStatus, ChunkStatus
+from storage.types import state_type
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _created_at
 
@@ -39,7 +41,7 @@ class AccountUpdaterJob(SQLModel, table=True):
 
     id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
     tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False))
-    status: str = Field(default="pending", max_length=16)  # pending | processing | completed | failed
+    status: AccountUpdaterStatus = Field(default=AccountUpdaterStatus.PENDING, sa_type=state_type())
     request_key: str = Field(max_length=1024)
     result_key: str | None = Field(default=None, max_length=1024)
     request_etag: str | None = Field(default=None, max_length=200)
@@ -79,7 +81,7 @@ class AccountUpdaterChunk(SQLModel, table=True):
     end_byte: int
     first_row: int
     row_count: int
-    status: str = Field(default="pending", max_length=16)  # pending | done
+    status: ChunkStatus = Field(default=ChunkStatus.PENDING, sa_type=state_type())
     result: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
     result_rows: int = 0
     new_tokens: int = 0

@@ -20,6 +20,8 @@ import uuid
 from sqlalchemy import JSON, Column, ForeignKey, Index, String, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
+from storage.states import IdempotencyState, PaymentMethodStatus, RailStatus
+from storage.types import state_type
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _now
 
@@ -44,7 +46,7 @@ class PaymentMethod(SQLModel, table=True):
 
     id: str = Field(sa_column=Column(String(40), primary_key=True))
     tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False))
-    status: str = Field(default="active", max_length=16)  # active | deleted
+    status: PaymentMethodStatus = Field(default=PaymentMethodStatus.ACTIVE, sa_type=state_type())
     source: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     token_id: str = Field(sa_column=Column(String(400), nullable=False))
     consumer: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
@@ -85,7 +87,7 @@ class PaymentMethodRail(SQLModel, table=True):
     position: int = 0
     rail: str = Field(max_length=32)  # agentic-token | spt
     provider: str = Field(max_length=32)  # vic | agentpay | psp
-    status: str = Field(default="pending", max_length=16)  # enabled | pending | error
+    status: RailStatus = Field(default=RailStatus.PENDING, sa_type=state_type())
     error_code: str | None = Field(default=None, max_length=64)
     provider_ids: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     enrollment_id: str | None = Field(default=None, max_length=255)
@@ -142,7 +144,7 @@ class IdempotencyRecord(SQLModel, table=True):
     scope: str = Field(sa_column=Column(String(64), primary_key=True))
     key: str = Field(sa_column=Column(String(255), primary_key=True))
     request_hash: str = Field(max_length=64)
-    state: str = Field(default="running", max_length=16)
+    state: IdempotencyState = Field(default=IdempotencyState.RUNNING, sa_type=state_type())
     owner: str | None = Field(default=None, max_length=64)
     expires_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     resource_id: str | None = Field(default=None, max_length=40)

@@ -20,6 +20,8 @@ from decimal import Decimal
 from sqlalchemy import JSON, CheckConstraint, Column, ForeignKey, Index, LargeBinary, Numeric, String, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
+from storage.states import AllowanceRailStatus, AllowanceStatus, CredentialState
+from storage.types import state_type
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _now
 
@@ -58,7 +60,7 @@ class Allowance(SQLModel, table=True):
     payment_method_id: str = Field(
         sa_column=Column(String(40), ForeignKey("agentic_payment_methods.id", ondelete="CASCADE"), nullable=False)
     )
-    status: str = Field(default="pending_verification", max_length=24)
+    status: AllowanceStatus = Field(default=AllowanceStatus.PENDING_VERIFICATION, sa_type=state_type(24))
     currency: str = Field(sa_column=Column(String(3), nullable=False))
     amount: Decimal = Field(sa_column=_money())
     amount_available: Decimal = Field(sa_column=_money())
@@ -99,7 +101,7 @@ class AllowanceRail(SQLModel, table=True):
     position: int = 0
     rail: str = Field(max_length=32)
     provider: str = Field(max_length=32)
-    status: str = Field(default="setting_up", max_length=16)
+    status: AllowanceRailStatus = Field(default=AllowanceRailStatus.SETTING_UP, sa_type=state_type())
     error_code: str | None = Field(default=None, max_length=64)
     provider_ids: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     enrollment_id: str | None = Field(default=None, max_length=255)
@@ -133,7 +135,7 @@ class PaymentCredential(SQLModel, table=True):
     format: str = Field(max_length=16)
     currency: str = Field(sa_column=Column(String(3), nullable=False))
     amount: Decimal = Field(sa_column=_money())
-    state: str = Field(default="minting", max_length=16)
+    state: CredentialState = Field(default=CredentialState.MINTING, sa_type=state_type())
     mpp: dict | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     provider_credential_id: str | None = Field(default=None, max_length=255)
     sealed: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))

@@ -14,6 +14,8 @@ import uuid
 from sqlalchemy import JSON, Column, ForeignKey, Index, LargeBinary, String
 from sqlmodel import Field, SQLModel
 
+from storage.states import NetworkTokenStatus
+from storage.types import state_type
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _created_at
 
@@ -48,7 +50,7 @@ class NetworkToken(SQLModel, table=True):
     tenant_id: uuid.UUID = Field(
         sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
     )
-    status: str = Field(default="inactive", max_length=16)  # inactive | active | suspended
+    status: NetworkTokenStatus = Field(default=NetworkTokenStatus.INACTIVE, sa_type=state_type())
     data_ct: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
     details: dict | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     card: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))

@@ -20,6 +20,8 @@ import uuid
 from sqlalchemy import JSON, Column, ForeignKey, Index, LargeBinary, Text
 from sqlmodel import Field, SQLModel
 
+from storage.states import ReactorRunStatus, ReactorState
+from storage.types import state_type
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _created_at
 
@@ -36,7 +38,7 @@ class Reactor(SQLModel, table=True):
         sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
     )
     name: str = Field(max_length=200)
-    state: str = Field(max_length=16)
+    state: ReactorState = Field(sa_type=state_type())
     code: str = Field(sa_column=Column(Text, nullable=False))
     runtime: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     configuration_ct: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
@@ -68,7 +70,7 @@ class ReactorRun(SQLModel, table=True):
     program: dict | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     caller: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     job_id: uuid.UUID | None = None
-    status: str = Field(default="pending", max_length=16)
+    status: ReactorRunStatus = Field(default=ReactorRunStatus.PENDING, sa_type=state_type())
     request_ct: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
     result_ct: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
     error_status: int | None = None

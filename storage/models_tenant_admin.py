@@ -21,6 +21,8 @@ import uuid
 from sqlalchemy import JSON, BigInteger, Column, Date, ForeignKey, Index, Integer, LargeBinary, String
 from sqlmodel import Field, SQLModel
 
+from storage.states import DocumentStatus, InvitationLinkStatus, InvitationStatus
+from storage.types import state_type
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _created_at
 
@@ -38,7 +40,7 @@ class TenantInvitation(SQLModel, table=True):
     tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False))
     email: str = Field(max_length=320)
     role: str = Field(max_length=16)  # ADMIN | READ_ONLY
-    status: str = Field(default="PENDING", max_length=16)  # PENDING | EXPIRED
+    status: InvitationStatus = Field(default=InvitationStatus.PENDING, sa_type=state_type())
     expires_at: dt.datetime = Field(sa_column=_ts())
     created_by: uuid.UUID | None = None
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
@@ -61,7 +63,7 @@ class InvitationLink(SQLModel, table=True):
     )
     invitation_id: uuid.UUID = Field(index=True)
     token_digest: str = Field(sa_column=Column(String(64), nullable=False, unique=True))
-    status: str = Field(default="active", max_length=16)  # active | superseded | revoked | used
+    status: InvitationLinkStatus = Field(default=InvitationLinkStatus.ACTIVE, sa_type=state_type())
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
     mailed_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     used_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
@@ -112,7 +114,7 @@ class Document(SQLModel, table=True):
     object_key: str = Field(max_length=1024)
     upload_id: str | None = Field(default=None, max_length=1024)
     key_version: int = Field(default=1, sa_column=Column(Integer, nullable=False, server_default="1"))
-    status: str = Field(default="uploading", max_length=16)  # uploading | ready | deleted
+    status: DocumentStatus = Field(default=DocumentStatus.UPLOADING, sa_type=state_type())
     created_by: uuid.UUID | None = None
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
     deleted_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))

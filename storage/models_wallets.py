@@ -26,6 +26,8 @@ import uuid
 from sqlalchemy import JSON, Column, ForeignKey, Index, LargeBinary, String, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
+from storage.states import WalletDomainStatus
+from storage.types import state_type
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _created_at
 
@@ -103,7 +105,7 @@ class WalletDomain(SQLModel, table=True):
     )
     environment: str = Field(max_length=16)
     domain: str = Field(sa_column=Column(String(253), nullable=False))
-    status: str = Field(default="pending", max_length=16)  # pending, verified
+    status: WalletDomainStatus = Field(default=WalletDomainStatus.PENDING, sa_type=state_type())
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
 
 

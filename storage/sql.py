@@ -11,13 +11,16 @@ from __future__ import annotations
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session, SQLModel
 
+from storage.db import rowcount
+from storage.types import table_of
+
 
 def insert_if_absent(session: Session, model: type[SQLModel], values: dict) -> bool:
     """Insert one row of ``model`` unless its primary key (or a unique key) exists; True when inserted."""
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    statement = insert(model.__table__).values(**values).on_conflict_do_nothing()
-    return session.execute(statement).rowcount == 1
+    statement = insert(table_of(model)).values(**values).on_conflict_do_nothing()
+    return rowcount(session.execute(statement)) == 1
 
 
 def upsert_when(session: Session, model: type[SQLModel], values: dict, *, index: list[str], when) -> bool:
@@ -27,8 +30,8 @@ def upsert_when(session: Session, model: type[SQLModel], values: dict, *, index:
     is false for it (left unchanged)."""
     dialect = session.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    statement = insert(model.__table__).values(**values)
+    statement = insert(table_of(model)).values(**values)
     statement = statement.on_conflict_do_update(
         index_elements=index, set_={name: value for name, value in values.items() if name not in index},
         where=when)
-    return session.execute(statement).rowcount == 1
+    return rowcount(session.execute(statement)) == 1

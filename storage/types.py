@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import Column, DateTime, Uuid
+from sqlalchemy import Column, DateTime, Table, Uuid
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import TypeDecorator
+from sqlmodel import AutoString, SQLModel
 
 
 def utcnow() -> dt.datetime:
@@ -64,3 +65,14 @@ def _text_as_uuid(element: TextAsUuid, compiler, **kw) -> str:
 @compiles(TextAsUuid, "sqlite")
 def _text_as_uuid_sqlite(element: TextAsUuid, compiler, **kw) -> str:
     return f"lower(replace({compiler.process(next(iter(element.clauses)), **kw)}, '-', ''))"
+
+
+def state_type(length: int = 16) -> AutoString:
+    """The column type of a state field annotated with a ``StrEnum`` of :mod:`storage.states`: plain
+    ``VARCHAR(length)`` (SQLModel would otherwise make a database enum type of it)."""
+    return AutoString(length=length)
+
+
+def table_of(model: type[SQLModel]) -> Table:
+    """The Core table of a SQLModel table class, typed (SQLModel sets ``__table__`` without declaring it)."""
+    return model.__table__  # type: ignore[attr-defined]  # set by SQLModel's metaclass on table=True classes

@@ -18,12 +18,13 @@ from collections.abc import Callable
 
 from celery.beat import PersistentScheduler
 from sqlalchemy import exists, select
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from config.settings import get_settings
 from infra import ops, outbox
 from storage.db import session_scope
 from storage.models_account_updater import AccountUpdaterJob
+from storage.states import AccountUpdaterStatus
 from storage.types import utcnow
 
 log = logging.getLogger("tessera.beat")
@@ -35,7 +36,8 @@ def _uploads_awaited(session: Session) -> bool:
     now = utcnow()
     return bool(
         session.scalar(
-            select(exists().where(AccountUpdaterJob.status == "pending", AccountUpdaterJob.expires_at > now))
+            select(exists().where(col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+                                  col(AccountUpdaterJob.expires_at) > now))
         )
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -13,6 +13,7 @@ from app.api import Api, Call
 from app.pagination import CursorPage, cursor_page, cursor_query, decode_cursor
 from app.schemas import ResponseModel
 from domain.account_updater import service
+from storage.states import AccountUpdaterStatus
 
 api = Api()
 #: An S3 event (``{"Records": [...]}``) or an SNS envelope carrying one; any JSON object is taken (a
@@ -33,7 +34,7 @@ class JobOut(ResponseModel):
 
     id: uuid.UUID
     tenant_id: uuid.UUID
-    status: Literal["pending", "processing", "completed", "failed"]
+    status: AccountUpdaterStatus
     created_by: uuid.UUID | None = Field(None, description="The application that created the job.")
     created_at: dt.datetime
     errors: list[str] = Field(description="Messages from processing (why a job failed).")

@@ -28,6 +28,7 @@ from domain.agentic.consumers import canonical_language_code, normalize_country_
 from domain.agentic.errors import agentic_error, to_agentic, validation_error
 from domain.tokens.idempotency import key_errors
 from infra.errors import Problem
+from storage.states import PaymentMethodStatus, RailStatus
 
 api = Api()
 log = logging.getLogger("tessera.api.agentic")
@@ -168,7 +169,7 @@ class RailOut(ResponseModel):
 
     rail: Literal["agentic-token", "spt"]
     provider: Literal["vic", "agentpay", "psp"]
-    status: Literal["enabled", "pending", "error"]
+    status: RailStatus
     error: RailErrorOut | None = Field(None, description="Only when status is error.")
     provider_ids: dict[str, str] = Field(description="Informational; the key set is not a stable contract.")
 
@@ -187,7 +188,7 @@ class PaymentMethodOut(ResponseModel):
 
     id: str = Field(description="`pm_` + 32 hex characters.")
     source: dict[str, Any]
-    status: Literal["active", "deleted"]
+    status: PaymentMethodStatus
     consumer: ConsumerOut
     card: CardOut | None
     rails: list[RailOut]

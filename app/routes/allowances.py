@@ -30,6 +30,7 @@ from domain.agentic import idempotency, leases
 from domain.agentic.errors import agentic_error, validation_error
 from domain.agentic.payment_methods import VALID_PAIRS
 from infra.errors import Problem
+from storage.states import AllowanceStatus, PublicAllowanceRailStatus
 
 api = Api()
 
@@ -104,7 +105,7 @@ class AllowanceListQuery(BaseModel):
     size: int = Field(20, ge=1, le=100, description="Items per page, 1 to 100.")
     start: str | None = Field(None, description="The opaque cursor from pagination.next.")
     payment_method_id: str | None = Field(None, max_length=40)
-    status: Literal["pending_verification", "active", "cancelled", "expired"] | None = None
+    status: AllowanceStatus | None = None
 
 
 class MoneyOut(ResponseModel):
@@ -119,7 +120,7 @@ class AllowanceRailOut(ResponseModel):
 
     rail: Rail
     provider: Provider
-    status: Literal["active", "inactive", "error"]
+    status: PublicAllowanceRailStatus
     error: RailErrorOut | None = Field(None, description="Only when status is error.")
     provider_ids: dict[str, str] = Field(description="Informational; the key set is not a stable contract.")
 
@@ -129,7 +130,7 @@ class AllowanceOut(ResponseModel):
 
     id: str = Field(description="`alw_` + 32 hex characters.")
     payment_method_id: str
-    status: Literal["pending_verification", "active", "cancelled", "expired"]
+    status: AllowanceStatus
     amount: MoneyOut
     amount_available: MoneyOut
     amount_reserved: MoneyOut

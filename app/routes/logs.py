@@ -6,7 +6,7 @@ import datetime as dt
 import uuid
 
 from pydantic import Field
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from app.api import Api, Call
 from app.pagination import CursorPage, cursor_page, cursor_query, decode_cursor
@@ -56,9 +56,9 @@ def list_logs(session: Session, caller: Caller, query, position: dict | None) ->
     if query.entity_id:
         stmt = stmt.where(AuditLog.entity_id == query.entity_id)
     if query.start_date:
-        stmt = stmt.where(AuditLog.created_at >= _aware(query.start_date))
+        stmt = stmt.where(col(AuditLog.created_at) >= _aware(query.start_date))
     if query.end_date:
-        stmt = stmt.where(AuditLog.created_at < _aware(query.end_date))
+        stmt = stmt.where(col(AuditLog.created_at) < _aware(query.end_date))
     rows, next_position = keyset_page(session, stmt, order=(AuditLog.created_at, AuditLog.id), size=query.size,
                                       after=position)
     data = [

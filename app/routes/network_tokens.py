@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field
 
 from app.api import AnyOf, Api, Call
 from app.schemas import RequestModel, ResponseModel
 from domain.network_tokens import service
+from storage.states import NetworkTokenStatus
 
 api = Api()
 TAG = "Network tokens"
@@ -176,7 +177,7 @@ class NetworkTokenOut(ResponseModel):
     data: NetworkTokenData | None = None
     network_token: NetworkTokenDetails | None = None
     card: CardOut
-    status: Literal["active", "inactive", "suspended"]
+    status: NetworkTokenStatus
     par: str | None = None
     token_id: str | None = None
     token_intent_id: uuid.UUID | None = None

@@ -13,6 +13,7 @@ from app.pagination import OffsetPage, offset_page, offset_query
 from app.schemas import Audited, RequestModel, ResponseModel
 from domain.reactors import runs, service
 from infra.errors import Problem, validation_errors, validation_problem
+from storage.states import ReactorRunStatus, ReactorState
 
 api = Api()
 TAG = "Reactors"
@@ -59,7 +60,7 @@ class ReactorOut(Audited):
     id: uuid.UUID
     tenant_id: uuid.UUID
     name: str
-    state: Literal["creating", "updating", "active", "failed", "outdated"]
+    state: ReactorState
     code: str
     configuration: dict[str, str]
     runtime: RuntimeOut
@@ -192,7 +193,7 @@ async def react(call: Call):
     run = await call.db(runs.start_run, call.caller, call.params["id"], args=call.body.args, kind=runs.REACT)
     await call.wait_for_jobs([run.job_id], timeout=call.settings.reactor_wait_seconds)
     status, answer = await call.db(runs.settled_answer, run.id)
-    if status == runs.PENDING:
+    if status == ReactorRunStatus.PENDING:
         raise Problem(504, "The reactor did not answer within the synchronous wait; its result will be at "
                            f"GET /reactors/{run.reactor_id}/results/{run.id}.", title="Reactor Timeout",
                       extra={"request_id": str(run.id)})

@@ -32,6 +32,7 @@ from domain.client_keys import service as client_keys
 from domain.documents import service as documents
 from domain.tenancy import invitations, members, usage
 from infra.errors import Problem, validation_errors, validation_problem
+from storage.states import InvitationStatus
 
 TENANT_TAG, MEMBER_TAG, INVITATION_TAG = "Tenants", "Tenant members", "Tenant invitations"
 KEY_TAG, DOCUMENT_TAG = "Client encryption keys", "Documents"
@@ -131,7 +132,7 @@ class InvitationOut(Audited):
     tenant_id: uuid.UUID
     email: str
     role: Literal["ADMIN", "READ_ONLY"]
-    status: Literal["PENDING", "EXPIRED"]
+    status: InvitationStatus
     expires_at: dt.datetime
 
 

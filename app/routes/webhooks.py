@@ -14,6 +14,7 @@ from app.schemas import Audited, Name, RequestModel, ResponseModel
 from domain.tenancy.tenants import webhook_signing_secret
 from domain.webhooks import service
 from domain.webhooks.events import EVENT_TYPES
+from storage.states import DeliveryStatus, WebhookStatus
 
 api = Api()
 TAG = "Webhooks"
@@ -32,13 +33,13 @@ class WebhookIn(RequestModel):
 
 
 class WebhookUpdate(WebhookIn):
-    status: Literal["enabled", "disabled"] | None = None
+    status: WebhookStatus | None = None
 
 
 class WebhookOut(Audited):
     id: uuid.UUID
     tenant_id: uuid.UUID
-    status: Literal["enabled", "disabled"]
+    status: WebhookStatus
     name: str
     url: str
     notify_email: str | None
@@ -63,7 +64,7 @@ class DeliveryOut(ResponseModel):
     webhook_id: uuid.UUID
     event_id: uuid.UUID
     event_type: str
-    status: Literal["pending", "succeeded", "failed"]
+    status: DeliveryStatus
     next_attempt_at: dt.datetime | None
     created_at: dt.datetime
     completed_at: dt.datetime | None

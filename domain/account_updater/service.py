@@ -62,7 +62,7 @@ from urllib.parse import unquote_plus
 
 from botocore.exceptions import BotoCoreError, ClientError
 from sqlalchemy import String, bindparam, func, insert, or_, select, update
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from config.settings import Settings, get_settings
 from domain.tenancy import audit
@@ -78,11 +78,12 @@ from infra.lookup import get_owned
 from providers.account_updates import MAX_ITEMS, AccountUpdatesClient, UpdateItem, UpdateResult, base_url
 from storage import s3
 from storage.crypto import DecryptionError, get_keyring
-from storage.db import session_scope
+from storage.db import rowcount, session_scope
 from storage.keyset import keyset_page
 from storage.models import AuditLog, Tenant, Token, TokenMetadata
 from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
-from storage.types import utcnow
+from storage.states import AccountUpdaterStatus, ChunkStatus
+from storage.types import table_of, utcnow
 
 log = logging.getLogger("tessera.account_updater")
 
@@ -251,11 +252,11 @@ def delete_object(key: str) -> None:
 
 
 def _live_pending(job: AccountUpdaterJob, now: dt.datetime) -> bool:
-    return job.status == "pending" and job.expires_at > now
+    return job.status == AccountUpdaterStatus.PENDING and job.expires_at > now
 
 
 def _visible(job: AccountUpdaterJob, now: dt.datetime) -> bool:
-    return job.status != "pending" or job.expires_at > now
+    return job.status != AccountUpdaterStatus.PENDING or job.expires_at > now
 
 
 def job_view(job: AccountUpdaterJob, *, now: dt.datetime | None = None) -> dict:
@@ -275,14 +276,14 @@ def job_view(job: AccountUpdaterJob, *, now: dt.datetime | None = None) -> dict:
         "created_at": job.created_at,
         "errors": list(job.errors or []),
     }
-    if job.status == "pending":
+    if job.status == AccountUpdaterStatus.PENDING:
         remaining = max(1, math.ceil((job.expires_at - now).total_seconds()))
         bucket()
         view["upload_url"] = s3.presigned_url("PUT", job.request_key, expires_in=remaining)
         view["expires_at"] = job.expires_at
     else:
         view["progress"] = {"rows_done": job.rows_done, "rows_total": job.rows_total}
-    if job.status == "completed" and job.result_key:
+    if job.status == AccountUpdaterStatus.COMPLETED and job.result_key:
         bucket()
         view["download_url"] = s3.presigned_url("GET", job.result_key, expires_in=DOWNLOAD_SECONDS)
     return view
@@ -325,23 +326,23 @@ def read_job(session: Session, caller: Caller, job_id: uuid.UUID, *, now: dt.dat
     """
     now = now or utcnow()
     job = get_job(session, caller, job_id, now=now)
-    if job.status == "pending":
+    if job.status == AccountUpdaterStatus.PENDING:
         _request_detection(session, job, now)
     return job_view(job, now=now)
 
 
 def _request_detection(session: Session, job: AccountUpdaterJob, now: dt.datetime) -> None:
     before = now - dt.timedelta(seconds=DETECT_EVERY_SECONDS)
-    claimed = session.execute(
+    claimed = rowcount(session.execute(
         update(AccountUpdaterJob)
         .where(
-            AccountUpdaterJob.id == job.id,
-            AccountUpdaterJob.status == "pending",
-            or_(AccountUpdaterJob.checked_at.is_(None), AccountUpdaterJob.checked_at < before),
+            col(AccountUpdaterJob.id) == job.id,
+            col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+            or_(col(AccountUpdaterJob.checked_at).is_(None), col(AccountUpdaterJob.checked_at) < before),
         )
         .values(checked_at=now)
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
     if claimed:
         enqueue_after_commit(session, DETECT_TASK, job_id=str(job.id))
 
@@ -353,8 +354,8 @@ def list_jobs(
     pending jobs left out; returns ``(views, next position or None)``. 400 for a foreign cursor."""
     now = now or utcnow()
     query = select(AccountUpdaterJob).where(
-        AccountUpdaterJob.tenant_id == caller.tenant_id,
-        or_(AccountUpdaterJob.status != "pending", AccountUpdaterJob.expires_at > now),
+        col(AccountUpdaterJob.tenant_id) == caller.tenant_id,
+        or_(col(AccountUpdaterJob.status) != AccountUpdaterStatus.PENDING, col(AccountUpdaterJob.expires_at) > now),
     )
     rows, following = keyset_page(session, query, order=(AccountUpdaterJob.created_at, AccountUpdaterJob.id),
                                   size=size, after=after)
@@ -368,16 +369,16 @@ def start_processing(session: Session, job_id: uuid.UUID, *, now: dt.datetime | 
     """Move a live pending job to ``processing`` and record its prepare step (one winner); False when the
     job is not pending any more or its upload window has closed."""
     now = now or utcnow()
-    moved = session.execute(
+    moved = rowcount(session.execute(
         update(AccountUpdaterJob)
         .where(
-            AccountUpdaterJob.id == job_id,
-            AccountUpdaterJob.status == "pending",
-            AccountUpdaterJob.expires_at > now,
+            col(AccountUpdaterJob.id) == job_id,
+            col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+            col(AccountUpdaterJob.expires_at) > now,
         )
-        .values(status="processing", started_at=now, modified_at=now)
+        .values(status=AccountUpdaterStatus.PROCESSING, started_at=now, modified_at=now)
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
     if not moved:
         return False
     job = session.get(AccountUpdaterJob, job_id, populate_existing=True)
@@ -408,8 +409,9 @@ def detect_uploads(*, batch: int = 200, now: dt.datetime | None = None) -> int:
     with session_scope() as session:
         rows = session.scalars(
             select(AccountUpdaterJob)
-            .where(AccountUpdaterJob.status == "pending", AccountUpdaterJob.expires_at > now)
-            .order_by(AccountUpdaterJob.checked_at.asc().nulls_first(), AccountUpdaterJob.created_at)
+            .where(col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+                   col(AccountUpdaterJob.expires_at) > now)
+            .order_by(col(AccountUpdaterJob.checked_at).asc().nulls_first(), AccountUpdaterJob.created_at)
             .limit(batch)
             .with_for_update(skip_locked=True)
         ).all()
@@ -467,8 +469,8 @@ def notify_objects(session: Session, notification: Any) -> int:
     now = utcnow()
     pending = session.scalars(
         select(AccountUpdaterJob.id).where(
-            AccountUpdaterJob.id.in_(list(wanted)),
-            AccountUpdaterJob.status == "pending",
+            col(AccountUpdaterJob.id).in_(list(wanted)),
+            AccountUpdaterJob.status == AccountUpdaterStatus.PENDING,
             AccountUpdaterJob.expires_at > now,
         )
     ).all()
@@ -483,8 +485,8 @@ def remove_expired_jobs(session: Session, *, now: dt.datetime | None = None, bat
     now = now or utcnow()
     rows = session.scalars(
         select(AccountUpdaterJob)
-        .where(AccountUpdaterJob.status == "pending", AccountUpdaterJob.expires_at <= now)
-        .order_by(AccountUpdaterJob.expires_at)
+        .where(col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING, col(AccountUpdaterJob.expires_at) <= now)
+        .order_by(col(AccountUpdaterJob.expires_at))
         .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()
@@ -512,9 +514,9 @@ def fail_job(session: Session, job_id: uuid.UUID, errors: list[str], *, now: dt.
     (status failed); False when the job had already ended."""
     now = now or utcnow()
     job = session.get(AccountUpdaterJob, job_id, with_for_update=True, populate_existing=True)
-    if job is None or job.status != "processing":
+    if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return False
-    job.status = "failed"
+    job.status = AccountUpdaterStatus.FAILED
     job.errors = [*list(job.errors or []), *errors][:50]
     job.completed_at = now
     job.modified_at = now
@@ -528,15 +530,15 @@ def complete_job(session: Session, job_id: uuid.UUID, key: str, *, now: dt.datet
     rows and emit ``account-updater.job.completed``; False when the job had already ended."""
     now = now or utcnow()
     job = session.get(AccountUpdaterJob, job_id, with_for_update=True, populate_existing=True)
-    if job is None or job.status != "processing":
+    if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return False
-    job.status = "completed"
+    job.status = AccountUpdaterStatus.COMPLETED
     job.result_key = key
     job.completed_at = now
     job.modified_at = now
     session.add(job)
     session.execute(
-        update(AccountUpdaterChunk).where(AccountUpdaterChunk.job_id == job_id).values(result=None)
+        update(AccountUpdaterChunk).where(col(AccountUpdaterChunk.job_id) == job_id).values(result=None)
     )
     _emit_outcome(session, job)
     return True
@@ -702,7 +704,7 @@ def scan_job_file(job_id: uuid.UUID, settings: Settings | None = None) -> Scan:
     settings = settings or get_settings()
     with session_scope() as session:
         job = session.get(AccountUpdaterJob, job_id)
-        if job is None or job.status != "processing":
+        if job is None or job.status != AccountUpdaterStatus.PROCESSING:
             return Scan(errors=[])
         key = job.request_key
         tenant = session.get(Tenant, job.tenant_id)
@@ -731,7 +733,7 @@ def apply_scan(session: Session, job_id: uuid.UUID, scan: Scan) -> dict:
     """The prepare step's transaction: fail the job with the scan's errors, or record its layout, its
     chunks and one chunk job each (the final step directly for a file without rows)."""
     job = session.get(AccountUpdaterJob, job_id, with_for_update=True, populate_existing=True)
-    if job is None or job.status != "processing":
+    if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return {"skipped": True}
     if scan.errors:
         fail_job(session, job_id, scan.errors)
@@ -845,9 +847,9 @@ def tokens_by_ids(session: Session, tenant_id: uuid.UUID, ids: list[str], *colum
         ids_array = bindparam("token_ids", ids, type_=ARRAY(String))
         wanted = func.unnest(ids_array).table_valued("id").render_derived(name="wanted")
         return select(*columns).select_from(wanted).join(
-            Token, (Token.tenant_id == tenant_id) & (Token.id == wanted.c.id)
+            Token, (col(Token.tenant_id) == tenant_id) & (col(Token.id) == wanted.c.id)
         )
-    return select(*columns).where(Token.tenant_id == tenant_id, Token.id.in_(ids))
+    return select(*columns).where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(ids))
 
 
 def load_cards(session: Session, tenant_id: uuid.UUID, ids: Iterable[str], now: dt.datetime) -> dict[str, _Card]:
@@ -910,7 +912,8 @@ def process_chunk(job_id: uuid.UUID, number: int, *, now: dt.datetime | None = N
     with session_scope() as session:
         job = session.get(AccountUpdaterJob, job_id)
         chunk = session.get(AccountUpdaterChunk, (job_id, number))
-        if job is None or chunk is None or job.status != "processing" or chunk.status != "pending":
+        if (job is None or chunk is None or job.status != AccountUpdaterStatus.PROCESSING
+                or chunk.status != ChunkStatus.PENDING):
             return ChunkOutcome(0, b"", 0, [], skipped=True)
         tenant = session.get(Tenant, job.tenant_id)
         tenant_type = tenant.type if tenant else "test"
@@ -1105,26 +1108,26 @@ def apply_chunk(session: Session, job_id: uuid.UUID, number: int, outcome: Chunk
         return {"skipped": True}
     clock = _Clock()
     job = session.get(AccountUpdaterJob, job_id, with_for_update=True, populate_existing=True)
-    if job is None or job.status != "processing":
+    if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return {"skipped": True}
     clock.lap("lock")
-    claimed = session.execute(
+    claimed = rowcount(session.execute(
         update(AccountUpdaterChunk)
-        .where(AccountUpdaterChunk.job_id == job_id, AccountUpdaterChunk.number == number,
-               AccountUpdaterChunk.status == "pending")
-        .values(status="done", result=outcome.result, result_rows=outcome.result_rows,
+        .where(col(AccountUpdaterChunk.job_id) == job_id, col(AccountUpdaterChunk.number) == number,
+               col(AccountUpdaterChunk.status) == ChunkStatus.PENDING)
+        .values(status=ChunkStatus.DONE, result=outcome.result, result_rows=outcome.result_rows,
                 new_tokens=len(outcome.tokens), done_at=now)
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
     if not claimed:
         return {"skipped": True}
     tokens = outcome.tokens
-    bulk_insert(session, Token.__table__, tokens, ignore_conflicts=True)
-    bulk_insert(session, TokenMetadata.__table__, ignore_conflicts=True, rows=[
+    bulk_insert(session, table_of(Token), tokens, ignore_conflicts=True)
+    bulk_insert(session, table_of(TokenMetadata), ignore_conflicts=True, rows=[
         {"tenant_id": t["tenant_id"], "token_id": t["id"], "key": k, "value": v}
         for t in tokens for k, v in t["metadata"].items()
     ])
-    bulk_insert(session, AuditLog.__table__, [
+    bulk_insert(session, table_of(AuditLog), [
         {"id": uuid.uuid4(), "tenant_id": job.tenant_id, "actor_id": job.created_by, "actor_type": "application",
          "entity_type": "card", "entity_id": t["id"], "operation": "create", "message": "Card created",
          "created_at": now}
@@ -1153,7 +1156,7 @@ def write_result(job_id: uuid.UUID) -> str | None:
     has ended). Memory holds one part. Raises TransientError when S3 fails (the upload is aborted)."""
     with session_scope() as session:
         job = session.get(AccountUpdaterJob, job_id)
-        if job is None or job.status != "processing":
+        if job is None or job.status != AccountUpdaterStatus.PROCESSING:
             return None
         key = result_key(job.tenant_id, job.id)
         chunks = job.chunks_total or 0

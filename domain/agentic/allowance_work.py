@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from decimal import Decimal
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.agentic import allowances as service
@@ -51,6 +51,7 @@ from providers.agentic import (
 from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential
+from storage.states import AllowanceRailStatus, AllowanceStatus, CredentialState, IdempotencyState
 from storage.types import utcnow
 
 #: How much of a merchant's key set is read (bytes).
@@ -112,7 +113,7 @@ def perform_setup(job: Job, settings: Settings) -> ProviderAllowance | Stale:
     id). Raises :class:`ProviderRejection` (``PROVIDER_ALLOWANCE_FAILED`` ...) or TransientError."""
     with session_scope() as session:
         rail = session.get(AllowanceRail, uuid.UUID(job.subject_id), populate_existing=True)
-        if rail is None or rail.job_id != job.id or rail.status != "setting_up":
+        if rail is None or rail.job_id != job.id or rail.status != AllowanceRailStatus.SETTING_UP:
             return Stale("the rail is set up already")
         allowance = session.get(Allowance, rail.allowance_id, populate_existing=True)
         provider = _provider(rail.provider, rail.tenant_id, session, settings)
@@ -122,7 +123,7 @@ def perform_setup(job: Job, settings: Settings) -> ProviderAllowance | Stale:
 
 def _setup_done(session: Session, allowance: Allowance, job: Job) -> None:
     """The last setup job of an allowance sets its status and releases the ``setup`` lease."""
-    if not any(r.status == "setting_up" for r in service.rails_of(session, allowance.id)):
+    if not any(r.status == AllowanceRailStatus.SETTING_UP for r in service.rails_of(session, allowance.id)):
         service.recompute_status(session, allowance, trace_id=job.trace_id)
         _release(session, allowance.id, job)
 
@@ -132,12 +133,12 @@ def apply_setup(session: Session, job: Job, outcome: ProviderAllowance | Stale) 
     allowance, rail = _locked_rail(session, job)
     if allowance is None or rail is None:
         return {"stale": "the allowance is gone"}
-    if isinstance(outcome, Stale) or rail.job_id != job.id or rail.status != "setting_up":
+    if isinstance(outcome, Stale) or rail.job_id != job.id or rail.status != AllowanceRailStatus.SETTING_UP:
         _setup_done(session, allowance, job)
         return {"stale": outcome.reason if isinstance(outcome, Stale) else "overtaken"}
     rail.provider_allowance_id = outcome.id
     rail.provider_ids = dict(outcome.provider_ids)
-    rail.status = "inactive" if outcome.status == "inactive" else "active"
+    rail.status = AllowanceRailStatus.INACTIVE if outcome.status == "inactive" else AllowanceRailStatus.ACTIVE
     rail.updated_at = utcnow()
     session.add(rail)
     service.touch(session, allowance)
@@ -152,10 +153,10 @@ def setup_failed(session: Session, job: Job, error: Exception) -> None:
     allowance, rail = _locked_rail(session, job)
     if allowance is None or rail is None:
         return
-    if rail.job_id == job.id and rail.status == "setting_up":
+    if rail.job_id == job.id and rail.status == AllowanceRailStatus.SETTING_UP:
         code, _status = _code(error, "PROVIDER_ALLOWANCE_FAILED")
         record_provider_error(session, rail, code=code, operation="allowance", **_details(error))
-        rail.status, rail.error_code, rail.updated_at = "error", code, utcnow()
+        rail.status, rail.error_code, rail.updated_at = AllowanceRailStatus.ERROR, code, utcnow()
         session.add(rail)
         service.touch(session, allowance)
         session.flush()
@@ -167,7 +168,7 @@ def setup_failed(session: Session, job: Job, error: Exception) -> None:
 
 def _live_rails(session: Session, allowance_id: str) -> list[AllowanceRail]:
     return [r for r in service.rails_of(session, allowance_id)
-            if r.provider_allowance_id and r.status != "error" and r.cancelled_at is None]
+            if r.provider_allowance_id and r.status != AllowanceRailStatus.ERROR and r.cancelled_at is None]
 
 
 def perform_update(job: Job, settings: Settings) -> str | Stale:
@@ -259,7 +260,7 @@ def apply_verification(session: Session, job: Job, outcome: VerificationState | 
         if not isinstance(outcome, Stale):
             rail.verification = outcome.status
             if outcome.status == "verified":
-                rail.status = "active"
+                rail.status = AllowanceRailStatus.ACTIVE
                 rail.updated_at = utcnow()
                 service.touch(session, allowance)
         session.add(rail)
@@ -301,7 +302,7 @@ def cancel_rails(settings: Settings, allowance_ids: list[str], *, key: str) -> N
     with ``rail_id`` set. ``key``: the operation's key (a new one per attempt)."""
     with session_scope() as session:
         todo = [(r.id, _provider(r.provider, r.tenant_id, session, settings), r.provider_allowance_id)
-                for r in session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id.in_(allowance_ids)))
+                for r in session.exec(select(AllowanceRail).where(col(AllowanceRail.allowance_id).in_(allowance_ids)))
                 if r.provider_allowance_id and r.cancelled_at is None]
     for rail_id, provider, provider_allowance_id in todo:
         try:
@@ -319,7 +320,7 @@ def perform_cancel(job: Job, settings: Settings) -> str | Stale:
     """The cancellation of one allowance at every provider (see :func:`cancel_rails`)."""
     with session_scope() as session:
         allowance = session.get(Allowance, job.subject_id, populate_existing=True)
-        if allowance is None or allowance.status == "cancelled":
+        if allowance is None or allowance.status == AllowanceStatus.CANCELLED:
             return Stale("nothing to cancel")
         lease = leases.held(session, allowance.id)
         if lease is not None and lease.owner != job.operation_id:
@@ -360,7 +361,7 @@ def payment_method_allowances(session: Session, pm_id: str) -> list[str]:
     """The ids of the payment method's live allowances (the delete cascade's: cancelled and expired
     ones are left as they are)."""
     return list(session.exec(select(Allowance.id).where(Allowance.payment_method_id == pm_id,
-                                                        Allowance.status.in_(service.LIVE))).all())
+                                                        col(Allowance.status).in_(service.LIVE))).all())
 
 
 def busy_allowance(session: Session, pm_id: str) -> leases.OperationLease | None:
@@ -380,8 +381,8 @@ def cancel_payment_method_allowances(session: Session, pm_id: str, *, trace_id: 
         if allowance is None:
             continue
         service.settle_stale(session, allowance)
-        if service.effective_status(allowance) == "expired":  # expiry is terminal: it stays expired
-            service.set_status(session, allowance, "expired", trace_id=trace_id)
+        if service.effective_status(allowance) == AllowanceStatus.EXPIRED:  # expiry is terminal: it stays expired
+            service.set_status(session, allowance, AllowanceStatus.EXPIRED, trace_id=trace_id)
         else:
             service.mark_cancelled(session, allowance, trace_id=trace_id)
 
@@ -424,7 +425,7 @@ def perform_mint(job: Job, settings: Settings) -> MintedCredential | Stale:
     TransientError (asked again with the same key)."""
     with session_scope() as session:
         row = session.get(PaymentCredential, job.subject_id, populate_existing=True)
-        if row is None or row.state != "minting":
+        if row is None or row.state != CredentialState.MINTING:
             return Stale("the mint is settled")
         allowance = session.get(Allowance, row.allowance_id)
         rail = session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == row.allowance_id,
@@ -453,7 +454,7 @@ def apply_mint(session: Session, job: Job, outcome: MintedCredential | Stale) ->
     """reserved -> spent and the credential recorded (``issued``, its value sealed for the request),
     its event emitted, the mint lease released: one transaction."""
     allowance, row = _locked_mint(session, job)
-    if isinstance(outcome, Stale) or allowance is None or row is None or row.state != "minting":
+    if isinstance(outcome, Stale) or allowance is None or row is None or row.state != CredentialState.MINTING:
         return {"stale": outcome.reason if isinstance(outcome, Stale) else "settled"}
     minted = outcome
     if allowance.reserved_by == row.id:
@@ -461,14 +462,14 @@ def apply_mint(session: Session, job: Job, outcome: MintedCredential | Stale) ->
         allowance.amount_spent += row.amount
         allowance.reserved_by = None
         service.touch(session, allowance)
-    row.state = "issued"
+    row.state = CredentialState.ISSUED
     row.provider_credential_id = minted.id
     row.expires_at = minted.expires_at
     service.seal_credential(session, row, minted.credential)
     session.add(row)
     leases.release(session, allowance.id, row.id)
     idempotency.settle_resource(session, tenant_id=row.tenant_id, scope=idempotency.MINT_CREDENTIAL,
-                                resource_id=row.id, state="succeeded")
+                                resource_id=row.id, state=IdempotencyState.SUCCEEDED)
     events.emit(session, tenant_id=row.tenant_id, type=service.CREDENTIAL_EVENT,
                 data={"credential": {"id": row.id}, "allowance": {"id": allowance.id,
                                                                   "status": service.effective_status(allowance)}},
@@ -482,7 +483,7 @@ def mint_failed(session: Session, job: Job, error: Exception) -> None:
     Either way no credential record remains, a provider error object is recorded (with the
     credential id) and the mint lease is released."""
     allowance, row = _locked_mint(session, job)
-    if allowance is None or row is None or row.state != "minting":
+    if allowance is None or row is None or row.state != CredentialState.MINTING:
         return
     unknown = isinstance(error, CredentialOutcomeUnknown) or isinstance(error, TransientError)
     if allowance.reserved_by == row.id:
@@ -501,7 +502,8 @@ def mint_failed(session: Session, job: Job, error: Exception) -> None:
         code = "CREDENTIAL_OUTCOME_UNKNOWN"
     problem = None if unknown else service.failure_problem({"code": code}, "PROVIDER_CREDENTIALS_FAILED")
     idempotency.settle_resource(session, tenant_id=row.tenant_id, scope=idempotency.MINT_CREDENTIAL,
-                                resource_id=row.id, state="unknown" if unknown else "failed", problem=problem)
+                                resource_id=row.id,
+                                state=IdempotencyState.UNKNOWN if unknown else IdempotencyState.FAILED, problem=problem)
     if code in CATALOGUE and code != "VALIDATION_ERROR":
         rail = session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == row.allowance_id,
                                                         AllowanceRail.rail == row.rail,

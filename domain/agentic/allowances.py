@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from babel.numbers import get_currency_precision, list_currencies
 from sqlalchemy import delete, update
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.agentic import idempotency, leases
@@ -47,6 +47,16 @@ from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import PaymentMethod, ProviderError
 from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential
+from storage.states import (
+    ALLOWANCE_LIVE,
+    JOB_UNSUCCESSFUL,
+    AllowanceRailStatus,
+    AllowanceStatus,
+    CredentialState,
+    JobStatus,
+    PaymentMethodStatus,
+    RailStatus,
+)
 from storage.types import utcnow
 
 ENTITY_TYPE = "allowance"
@@ -71,7 +81,7 @@ MAX_INTEGER_DIGITS = 15
 UNDELIVERED_SECONDS = 600
 SEALED_PURPOSE = "agentic-payment-credential"
 OTP_PURPOSE = "agentic-allowance-otp"
-LIVE = ("pending_verification", "active")
+LIVE = ALLOWANCE_LIVE
 CURRENCIES = frozenset(c for c in list_currencies() if c.isalpha() and len(c) == 3)
 
 
@@ -118,11 +128,11 @@ def money(value: Decimal, currency: str) -> dict[str, str]:
 # ---- views ---------------------------------------------------------------------------------------
 
 
-def effective_status(allowance: Allowance, now: dt.datetime | None = None) -> str:
+def effective_status(allowance: Allowance, now: dt.datetime | None = None) -> AllowanceStatus:
     """The status a client sees: a live allowance past ``expires_at`` is ``expired`` even before the
     expiry sweep writes it."""
     if allowance.status in LIVE and allowance.expires_at <= (now or utcnow()):
-        return "expired"
+        return AllowanceStatus.EXPIRED
     return allowance.status
 
 
@@ -132,10 +142,10 @@ def rail_view(rail: AllowanceRail) -> dict:
     view: dict[str, Any] = {
         "rail": rail.rail,
         "provider": rail.provider,
-        "status": "inactive" if rail.status == "setting_up" else rail.status,
+        "status": AllowanceRailStatus.INACTIVE if rail.status == AllowanceRailStatus.SETTING_UP else rail.status,
         "provider_ids": dict(rail.provider_ids or {}),
     }
-    if rail.status == "error":
+    if rail.status == AllowanceRailStatus.ERROR:
         view["error"] = {"code": rail.error_code or "PROVIDER_ALLOWANCE_FAILED"}
     return view
 
@@ -180,7 +190,7 @@ def rails_of(session: Session, allowance_id: str) -> list[AllowanceRail]:
     """The rails of an allowance, in their order (fresh from the database)."""
     return list(session.exec(
         select(AllowanceRail).where(AllowanceRail.allowance_id == allowance_id)
-        .order_by(AllowanceRail.position).execution_options(populate_existing=True)
+        .order_by(col(AllowanceRail.position)).execution_options(populate_existing=True)
     ).all())
 
 
@@ -217,7 +227,7 @@ def touch(session: Session, allowance: Allowance) -> None:
     session.add(allowance)
 
 
-def set_status(session: Session, allowance: Allowance, status: str, *, trace_id: str | None = None) -> None:
+def set_status(session: Session, allowance: Allowance, status: AllowanceStatus, *, trace_id: str | None = None) -> None:
     """Set the status; a change moves updated_at and emits ``agentic.allowance.updated``
     (``{allowance: {id, status}}``)."""
     if allowance.status == status:
@@ -233,8 +243,10 @@ def recompute_status(session: Session, allowance: Allowance, *, trace_id: str | 
     verification, else ``active`` (rails in error do not hold it back)."""
     if allowance.status not in LIVE:
         return
-    waiting = any(r.status in ("setting_up", "inactive") for r in rails_of(session, allowance.id))
-    set_status(session, allowance, "pending_verification" if waiting else "active", trace_id=trace_id)
+    waiting = any(r.status in (AllowanceRailStatus.SETTING_UP, AllowanceRailStatus.INACTIVE)
+                  for r in rails_of(session, allowance.id))
+    set_status(session, allowance, AllowanceStatus.PENDING_VERIFICATION if waiting else AllowanceStatus.ACTIVE,
+               trace_id=trace_id)
 
 
 def settle_stale(session: Session, allowance: Allowance) -> bool:
@@ -247,8 +259,8 @@ def settle_stale(session: Session, allowance: Allowance) -> bool:
     if lease is not None and lease.operation == leases.MINT and lease.owner == allowance.reserved_by:
         return False
     if allowance.reserved_by:
-        session.execute(delete(PaymentCredential).where(PaymentCredential.id == allowance.reserved_by,
-                                                        PaymentCredential.state == "minting")
+        session.execute(delete(PaymentCredential).where(col(PaymentCredential.id) == allowance.reserved_by,
+                                                        col(PaymentCredential.state) == CredentialState.MINTING)
                         .execution_options(synchronize_session=False))
         if lease is not None:
             leases.release(session, allowance.id, lease.owner)
@@ -272,9 +284,9 @@ def _not_busy(session: Session, allowance: Allowance) -> None:
 def _usable(allowance: Allowance) -> None:
     """400 ``ALLOWANCE_CANCELLED`` (also while a cancellation runs or stopped half-way) or
     ``ALLOWANCE_EXPIRED``."""
-    if allowance.status == "cancelled" or allowance.delete_requested_at is not None:
+    if allowance.status == AllowanceStatus.CANCELLED or allowance.delete_requested_at is not None:
         raise agentic_error("ALLOWANCE_CANCELLED")
-    if effective_status(allowance) == "expired":
+    if effective_status(allowance) == AllowanceStatus.EXPIRED:
         raise agentic_error("ALLOWANCE_EXPIRED")
 
 
@@ -287,7 +299,7 @@ def _rail(session: Session, allowance: Allowance, rail: str, provider: str) -> A
 
 def _payment_method_alive(session: Session, allowance: Allowance) -> None:
     pm = session.get(PaymentMethod, allowance.payment_method_id, populate_existing=True)
-    if pm is None or pm.status == "deleted" or pm.delete_requested_at is not None:
+    if pm is None or pm.status == PaymentMethodStatus.DELETED or pm.delete_requested_at is not None:
         raise agentic_error("PAYMENT_METHOD_DELETED", "The payment method behind this allowance is deleted.")
 
 
@@ -355,9 +367,9 @@ def create_allowance(session: Session, caller: Caller, request: CreateRequest, *
     enabled payment method rail and one setup job per rail under a ``setup`` lease.
     """
     pm = pm_service.find(session, caller.tenant_id, request.payment_method_id, lock=True)
-    if pm.status == "deleted" or pm.delete_requested_at is not None:
+    if pm.status == PaymentMethodStatus.DELETED or pm.delete_requested_at is not None:
         raise agentic_error("PAYMENT_METHOD_DELETED")
-    enabled = [r for r in pm_service.rails_of(session, pm.id) if r.status == "enabled"]
+    enabled = [r for r in pm_service.rails_of(session, pm.id) if r.status == RailStatus.ENABLED]
     if not enabled:
         raise agentic_error("NO_ACTIVE_RAILS")
     now = utcnow()
@@ -367,7 +379,7 @@ def create_allowance(session: Session, caller: Caller, request: CreateRequest, *
         raise validation_error({"expires_at": errors})
     allowance = Allowance(
         id=pm_service.new_id("alw_"), tenant_id=caller.tenant_id, payment_method_id=pm.id,
-        status="pending_verification", currency=request.currency, amount=request.amount,
+        status=AllowanceStatus.PENDING_VERIFICATION, currency=request.currency, amount=request.amount,
         amount_available=request.amount, amount_reserved=Decimal(0), amount_spent=Decimal(0),
         description=request.description, expires_at=expires_at,
         idempotency_key=claim.key if claim else None, created_by=caller.application_id, created_at=now,
@@ -381,7 +393,7 @@ def create_allowance(session: Session, caller: Caller, request: CreateRequest, *
                              rail=pm_rail.rail, provider=pm_rail.provider, enrollment_id=pm_rail.enrollment_id,
                              created_at=now, updated_at=now)
         if provider_for(pm_rail.provider, caller.tenant_type, settings) is None:
-            rail.status, rail.error_code = "error", "PROVIDER_NOT_CONFIGURED"
+            rail.status, rail.error_code = AllowanceRailStatus.ERROR, "PROVIDER_NOT_CONFIGURED"
             pm_service.record_provider_error(session, rail, code="PROVIDER_NOT_CONFIGURED", operation="allowance")
         else:
             job = _record_job(session, caller, SETUP_TASK, "allowance_rail", str(rail.id), owner)
@@ -428,16 +440,16 @@ def read_allowance(session: Session, caller: Caller, allowance_id: str) -> dict:
 
 
 def list_allowances(session: Session, caller: Caller, *, size: int, after: dict | None,
-                    payment_method_id: str | None, status: str | None) -> tuple[list[dict], dict | None]:
+                    payment_method_id: str | None, status: AllowanceStatus | None) -> tuple[list[dict], dict | None]:
     """``GET /agentic/allowances``: newest first (created_at, id), filtered by payment method and
     status (as stored; ``expired`` also matches live allowances past their expiry)."""
     query = select(Allowance).where(Allowance.tenant_id == caller.tenant_id)
     if payment_method_id is not None:
         query = query.where(Allowance.payment_method_id == payment_method_id)
     now = utcnow()
-    if status == "expired":
-        query = query.where((Allowance.status == "expired")
-                            | (Allowance.status.in_(LIVE) & (Allowance.expires_at <= now)))
+    if status == AllowanceStatus.EXPIRED:
+        query = query.where((Allowance.status == AllowanceStatus.EXPIRED)
+                            | (col(Allowance.status).in_(LIVE) & (col(Allowance.expires_at) <= now)))
     elif status in LIVE:
         query = query.where(Allowance.status == status, Allowance.expires_at > now)
     elif status is not None:
@@ -446,7 +458,8 @@ def list_allowances(session: Session, caller: Caller, *, size: int, after: dict 
                                       after=after)
     rails: dict[str, list[AllowanceRail]] = {}
     if rows:
-        for rail in session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id.in_([a.id for a in rows]))):
+        wanted = [a.id for a in rows]
+        for rail in session.exec(select(AllowanceRail).where(col(AllowanceRail.allowance_id).in_(wanted))):
             rails.setdefault(rail.allowance_id, []).append(rail)
     return [allowance_view(a, rails.get(a.id, [])) for a in rows], next_position
 
@@ -467,7 +480,7 @@ def read_credential(session: Session, caller: Caller, allowance_id: str, credent
     ``ALLOWANCE_NOT_FOUND`` or ``PAYMENT_CREDENTIAL_NOT_FOUND`` (also for a mint that did not issue)."""
     read_allowance(session, caller, allowance_id)
     row = session.get(PaymentCredential, credential_id)
-    if row is None or row.allowance_id != allowance_id or row.state != "issued":
+    if row is None or row.allowance_id != allowance_id or row.state != CredentialState.ISSUED:
         raise agentic_error("PAYMENT_CREDENTIAL_NOT_FOUND")
     return credential_view(row)
 
@@ -527,7 +540,7 @@ def finish_update(session: Session, caller: Caller, allowance_id: str, job_ids: 
     allowance = find(session, caller.tenant_id, allowance_id)
     for job_id in job_ids:
         status, result = job_state(session, job_id)
-        if status in ("failed", "dead", "cancelled"):
+        if status in JOB_UNSUCCESSFUL:
             raise failure_problem(result, "PROVIDER_ALLOWANCE_UPDATE_FAILED")
         if status not in jobs.TERMINAL:
             raise agentic_error("ALLOWANCE_UPDATE_IN_PROGRESS")
@@ -555,9 +568,9 @@ def start_verification(session: Session, caller: Caller, allowance_id: str, *, r
     target = _rail(session, allowance, rail, provider)
     if target.rail == "spt":
         raise agentic_error("VERIFICATION_NOT_REQUIRED")
-    if target.status == "error":
+    if target.status == AllowanceRailStatus.ERROR:
         raise agentic_error("RAIL_NOT_ACTIVE", "The rail's setup failed at its provider; it cannot be verified.")
-    if action == "start" and target.status == "active":
+    if action == "start" and target.status == AllowanceRailStatus.ACTIVE:
         raise agentic_error("VERIFICATION_STATE_INVALID", "The rail is verified already.")
     if action == "submit_otp" and target.verification != "otp_sent":
         raise agentic_error("VERIFICATION_STATE_INVALID", "No code is awaited: start the verification first.")
@@ -580,7 +593,7 @@ def finish_verification(session: Session, caller: Caller, allowance_id: str, *, 
     ``VERIFICATION_NOT_SUPPORTED`` ...), or 409 ``ALLOWANCE_VERIFICATION_IN_PROGRESS``."""
     allowance = find(session, caller.tenant_id, allowance_id)
     status, result = job_state(session, job_id)
-    if status in ("failed", "dead", "cancelled"):
+    if status in JOB_UNSUCCESSFUL:
         raise failure_problem(result, "PROVIDER_VERIFICATION_FAILED")
     if status not in jobs.TERMINAL:
         raise agentic_error("ALLOWANCE_VERIFICATION_IN_PROGRESS")
@@ -602,7 +615,7 @@ def start_cancel(session: Session, caller: Caller, allowance_id: str, *, setting
     lease; without, the allowance is cancelled at once.
     """
     allowance = find(session, caller.tenant_id, allowance_id)
-    if allowance.status == "cancelled" or effective_status(allowance) == "expired":
+    if allowance.status == AllowanceStatus.CANCELLED or effective_status(allowance) == AllowanceStatus.EXPIRED:
         return Recorded(allowance.id)
     _not_busy(session, allowance)
     allowance.delete_requested_at = allowance.delete_requested_at or utcnow()
@@ -620,16 +633,16 @@ def start_cancel(session: Session, caller: Caller, allowance_id: str, *, setting
 def mark_cancelled(session: Session, allowance: Allowance, *, trace_id: str | None = None) -> None:
     """The cancellation is complete: ``cancelled`` (its event emitted; the amounts stay as they are)."""
     allowance.delete_requested_at = allowance.delete_requested_at or utcnow()
-    set_status(session, allowance, "cancelled", trace_id=trace_id)
+    set_status(session, allowance, AllowanceStatus.CANCELLED, trace_id=trace_id)
 
 
 def finish_cancel(session: Session, caller: Caller, allowance_id: str, job_ids: tuple[uuid.UUID, ...]) -> None:
     """After the bounded wait: None (204) when cancelled; 500 ``PROVIDER_ALLOWANCE_CANCEL_FAILED``
     when it stopped; 409 ``ALLOWANCE_DELETE_IN_PROGRESS`` while it runs."""
     allowance = find(session, caller.tenant_id, allowance_id)
-    if allowance.status == "cancelled":
+    if allowance.status == AllowanceStatus.CANCELLED:
         return None
-    if any(job_state(session, j)[0] in ("failed", "dead", "cancelled") for j in job_ids):
+    if any(job_state(session, j)[0] in JOB_UNSUCCESSFUL for j in job_ids):
         raise agentic_error("PROVIDER_ALLOWANCE_CANCEL_FAILED",
                             "The cancellation stopped at a provider; repeat the same DELETE to resume it.")
     raise agentic_error("ALLOWANCE_DELETE_IN_PROGRESS")
@@ -697,7 +710,7 @@ def start_mint(session: Session, caller: Caller, allowance_id: str, request: Min
     _usable(allowance)
     _payment_method_alive(session, allowance)
     target = _rail(session, allowance, request.rail, request.provider)
-    if target.status != "active":
+    if target.status != AllowanceRailStatus.ACTIVE:
         raise agentic_error("RAIL_NOT_ACTIVE")
     if request.currency != allowance.currency:
         raise validation_error({"amount.currency": [f"must be the allowance's currency, {allowance.currency}"]})
@@ -742,7 +755,7 @@ def finish_mint(session: Session, caller: Caller, credential_id: str, job_id: uu
     while the mint runs. Problems are returned, not raised, so that the key's settling commits."""
     row = session.get(PaymentCredential, credential_id, with_for_update=True, populate_existing=True)
     status, result = job_state(session, job_id)
-    if row is not None and row.state == "issued":
+    if row is not None and row.state == CredentialState.ISSUED:
         value = None
         if row.sealed is not None:
             value = json.loads(get_keyring().decrypt(session, row.tenant_id, SEALED_PURPOSE, row.id, row.sealed))
@@ -753,8 +766,8 @@ def finish_mint(session: Session, caller: Caller, credential_id: str, job_id: uu
         if value is None:
             return agentic_error("CREDENTIAL_PAYLOAD_UNAVAILABLE")
         return credential_view(row, value)
-    if status in ("failed", "dead", "cancelled"):
-        if result.get("code") == "CREDENTIAL_OUTCOME_UNKNOWN" or status == "dead":
+    if status in JOB_UNSUCCESSFUL:
+        if result.get("code") == "CREDENTIAL_OUTCOME_UNKNOWN" or status == JobStatus.DEAD:
             if claim is not None:
                 idempotency.unknown(session, claim)
             return agentic_error("CREDENTIAL_OUTCOME_UNKNOWN")
@@ -796,10 +809,10 @@ def expire_allowances(session: Session, *, batch: int = 1000, now: dt.datetime |
     """The beat sweep: live allowances past ``expires_at`` become ``expired`` (terminal; the event is
     emitted); returns how many."""
     now = now or utcnow()
-    rows = session.exec(select(Allowance).where(Allowance.status.in_(LIVE), Allowance.expires_at <= now)
+    rows = session.exec(select(Allowance).where(col(Allowance.status).in_(LIVE), col(Allowance.expires_at) <= now)
                         .limit(batch).with_for_update(skip_locked=True)).all()
     for row in rows:
-        set_status(session, row, "expired")
+        set_status(session, row, AllowanceStatus.EXPIRED)
     return len(rows)
 
 
@@ -807,10 +820,10 @@ def purge_undelivered(session: Session, *, batch: int = 1000, now: dt.datetime |
     """The beat sweep: sealed credential values their request never took (it timed out or died) are
     destroyed after :data:`UNDELIVERED_SECONDS`; returns how many."""
     cutoff = (now or utcnow()) - dt.timedelta(seconds=UNDELIVERED_SECONDS)
-    ids = session.exec(select(PaymentCredential.id).where(PaymentCredential.sealed.is_not(None),
-                                                          PaymentCredential.created_at < cutoff)
+    ids = session.exec(select(PaymentCredential.id).where(col(PaymentCredential.sealed).is_not(None),
+                                                          col(PaymentCredential.created_at) < cutoff)
                        .limit(batch).with_for_update(skip_locked=True)).all()
     if ids:
-        session.execute(update(PaymentCredential).where(PaymentCredential.id.in_(ids)).values(sealed=None)
+        session.execute(update(PaymentCredential).where(col(PaymentCredential.id).in_(ids)).values(sealed=None)
                         .execution_options(synchronize_session=False))
     return len(ids)

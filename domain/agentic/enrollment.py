@@ -56,6 +56,7 @@ from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, Enrollme
 from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail
+from storage.states import PaymentMethodStatus, RailStatus
 from storage.types import TextAsUuid, utcnow
 
 
@@ -87,7 +88,7 @@ def _target(session: Session, job: Job) -> _Target | Stale:
     if rail.job_id != job.id:
         return Stale("another job took the rail")
     pm = session.get(PaymentMethod, rail.payment_method_id, populate_existing=True)
-    if pm is None or pm.status != "active" or pm.delete_requested_at is not None:
+    if pm is None or pm.status != PaymentMethodStatus.ACTIVE or pm.delete_requested_at is not None:
         return Stale("the payment method is deleted")
     tenant = session.get(Tenant, pm.tenant_id)
     return _Target(pm.id, rail.id, rail.provider, tenant.type, rail.attempt, dict(pm.consumer), pm.token_id,
@@ -128,7 +129,8 @@ def _target_read(job: Job, read: dict) -> _Target | Stale:
         return Stale("the rail is gone")
     if read["rail_job_id"] != job.id:
         return Stale("another job took the rail")
-    if read["pm_id"] is None or read["pm_status"] != "active" or read["pm_delete_requested_at"] is not None:
+    if (read["pm_id"] is None or read["pm_status"] != PaymentMethodStatus.ACTIVE
+            or read["pm_delete_requested_at"] is not None):
         return Stale("the payment method is deleted")
     return _Target(read["pm_id"], read["rail_id"], read["provider"], read["tenant_type"], read["attempt"],
                    dict(read["consumer"]), read["token_id"], read["tenant_id"], read["enrollment_id"])
@@ -222,7 +224,7 @@ def _locked_rail(session: Session, job: Job) -> tuple[PaymentMethod | None, Paym
 
 def _current(pm: PaymentMethod | None, rail: PaymentMethodRail | None, job: Job) -> bool:
     return (
-        pm is not None and rail is not None and rail.job_id == job.id and pm.status == "active"
+        pm is not None and rail is not None and rail.job_id == job.id and pm.status == PaymentMethodStatus.ACTIVE
         and pm.delete_requested_at is None
     )
 
@@ -250,11 +252,12 @@ def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) ->
                            subject_id=str(rail.id),
                            trace_id=job.trace_id, max_attempts=POLL_MAX_ATTEMPTS)
         rail.job_id = poll.id
-        settle_rail(session, pm, rail, status="pending", provider_ids=outcome.provider_ids)
+        settle_rail(session, pm, rail, status=RailStatus.PENDING, provider_ids=outcome.provider_ids)
         rail.notify = True  # pending at the provider: its settling is delivered as the event
         session.add(rail)
     else:
-        settle_rail(session, pm, rail, status="enabled", provider_ids=outcome.provider_ids, trace_id=job.trace_id)
+        settle_rail(session, pm, rail, status=RailStatus.ENABLED, provider_ids=outcome.provider_ids,
+                    trace_id=job.trace_id)
     release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
     return {"rail_status": outcome.status, "enrollment_id": outcome.id}
 
@@ -286,7 +289,7 @@ def enrollment_failed(session: Session, job: Job, error: Exception) -> None:
         detail = f"The provider did not answer in time ({error}); retry the rail."
     record_provider_error(session, rail, code=code, provider_code=provider_code, correlation_id=correlation,
                           detail=detail)
-    settle_rail(session, pm, rail, status="error", error_code=code, trace_id=job.trace_id)
+    settle_rail(session, pm, rail, status=RailStatus.ERROR, error_code=code, trace_id=job.trace_id)
     release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
 
 
@@ -307,7 +310,7 @@ def perform_delete(job: Job, settings: Settings) -> str | Stale:
     pm_id, owner = _delete_subject(job)
     with session_scope() as session:
         pm = session.get(PaymentMethod, pm_id, populate_existing=True)
-        if pm is None or pm.status == "deleted" or pm.delete_requested_at is None:
+        if pm is None or pm.status == PaymentMethodStatus.DELETED or pm.delete_requested_at is None:
             return Stale("nothing to delete")
         lease = leases.held(session, pm_id)
         if lease is not None and lease.owner != owner:
@@ -335,7 +338,7 @@ def apply_delete(session: Session, job: Job, outcome: str | Stale) -> dict:
     """The cascade is complete: the payment method is deleted and the delete lease released."""
     pm_id, owner = _delete_subject(job)
     pm = lock(session, pm_id)
-    if pm is not None and not isinstance(outcome, Stale) and pm.status == "active":
+    if pm is not None and not isinstance(outcome, Stale) and pm.status == PaymentMethodStatus.ACTIVE:
         allowance_work.cancel_payment_method_allowances(session, pm_id, trace_id=job.trace_id)
         mark_deleted(session, pm)
     leases.release(session, pm_id, owner)

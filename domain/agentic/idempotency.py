@@ -35,12 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, update
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from domain.agentic.errors import agentic_error
 from infra.errors import Problem
 from storage.models_agentic import IdempotencyRecord
 from storage.sql import insert_if_absent
+from storage.states import IdempotencyState
 from storage.types import utcnow
 
 CREATE_PAYMENT_METHOD = "payment-method.create"
@@ -84,7 +85,8 @@ def claim(session: Session, *, tenant_id: uuid.UUID, scope: str, key: str, body_
     """
     now = utcnow()
     if insert_if_absent(session, IdempotencyRecord, {
-        "tenant_id": tenant_id, "scope": scope, "key": key, "request_hash": body_hash, "state": "running",
+        "tenant_id": tenant_id, "scope": scope, "key": key, "request_hash": body_hash,
+        "state": IdempotencyState.RUNNING,
         "owner": owner, "expires_at": now + dt.timedelta(seconds=seconds), "created_at": now,
     }):
         return Claim(tenant_id, scope, key, owner)
@@ -93,24 +95,24 @@ def claim(session: Session, *, tenant_id: uuid.UUID, scope: str, key: str, body_
         raise agentic_error("IDEMPOTENCY_IN_PROGRESS")
     if record.request_hash != body_hash:
         raise agentic_error("IDEMPOTENCY_CONFLICT")
-    if record.state == "running" and record.expires_at is not None and record.expires_at <= now:
+    if record.state == IdempotencyState.RUNNING and record.expires_at is not None and record.expires_at <= now:
         _settle_abandoned(session, record, now)
-    if record.state == "running":
+    if record.state == IdempotencyState.RUNNING:
         raise agentic_error("IDEMPOTENCY_IN_PROGRESS")
-    if record.state == "succeeded" and record.resource_id:
+    if record.state == IdempotencyState.SUCCEEDED and record.resource_id:
         return Replay(record.resource_id)
-    if record.state == "failed" and record.problem:
+    if record.state == IdempotencyState.FAILED and record.problem:
         raise stored_problem(record.problem, record.status_code)
     raise agentic_error(UNKNOWN_CODES.get(scope, "CREATE_OUTCOME_UNKNOWN"))
 
 
 def _settle_abandoned(session: Session, record: IdempotencyRecord, now: dt.datetime) -> None:
     """A running record past its expiry: its holder died. Succeeded if its resource was committed."""
-    state = "succeeded" if record.resource_id else "unknown"
+    state = IdempotencyState.SUCCEEDED if record.resource_id else IdempotencyState.UNKNOWN
     session.execute(
         update(IdempotencyRecord)
-        .where(IdempotencyRecord.tenant_id == record.tenant_id, IdempotencyRecord.scope == record.scope,
-               IdempotencyRecord.key == record.key, IdempotencyRecord.state == "running")
+        .where(col(IdempotencyRecord.tenant_id) == record.tenant_id, col(IdempotencyRecord.scope) == record.scope,
+               col(IdempotencyRecord.key) == record.key, col(IdempotencyRecord.state) == IdempotencyState.RUNNING)
         .values(state=state, completed_at=now)
         .execution_options(synchronize_session=False)
     )
@@ -123,7 +125,7 @@ def _where(claim_: Claim):
         IdempotencyRecord.scope == claim_.scope,
         IdempotencyRecord.key == claim_.key,
         IdempotencyRecord.owner == claim_.owner,
-        IdempotencyRecord.state == "running",
+        IdempotencyRecord.state == IdempotencyState.RUNNING,
     )
 
 
@@ -135,7 +137,8 @@ def attach(session: Session, claim_: Claim, resource_id: str) -> None:
 
 def succeed(session: Session, claim_: Claim) -> None:
     """The operation answered its resource: later requests with the key replay it."""
-    session.execute(update(IdempotencyRecord).where(*_where(claim_)).values(state="succeeded", completed_at=utcnow())
+    session.execute(update(IdempotencyRecord).where(*_where(claim_))
+                    .values(state=IdempotencyState.SUCCEEDED, completed_at=utcnow())
                     .execution_options(synchronize_session=False))
 
 
@@ -143,18 +146,20 @@ def fail(session: Session, claim_: Claim, problem: Problem) -> None:
     """A conclusive failure (nothing was created): later requests replay ``problem``."""
     session.execute(
         update(IdempotencyRecord).where(*_where(claim_))
-        .values(state="failed", status_code=problem.status, problem=problem.body(), completed_at=utcnow())
+        .values(state=IdempotencyState.FAILED, status_code=problem.status, problem=problem.body(),
+                completed_at=utcnow())
         .execution_options(synchronize_session=False)
     )
 
 
 def unknown(session: Session, claim_: Claim) -> None:
     """The outcome cannot be told (the commit's answer was lost): the key is terminal."""
-    session.execute(update(IdempotencyRecord).where(*_where(claim_)).values(state="unknown", completed_at=utcnow())
+    session.execute(update(IdempotencyRecord).where(*_where(claim_))
+                    .values(state=IdempotencyState.UNKNOWN, completed_at=utcnow())
                     .execution_options(synchronize_session=False))
 
 
-def settle_resource(session: Session, *, tenant_id: uuid.UUID, scope: str, resource_id: str, state: str,
+def settle_resource(session: Session, *, tenant_id: uuid.UUID, scope: str, resource_id: str, state: IdempotencyState,
                     problem: Problem | None = None) -> None:
     """A worker learned the outcome of the operation that makes ``resource_id``: a running record
     naming it is settled (``state`` ``succeeded``, ``unknown``, or ``failed`` with ``problem``), so a
@@ -164,8 +169,9 @@ def settle_resource(session: Session, *, tenant_id: uuid.UUID, scope: str, resou
         values.update(status_code=problem.status, problem=problem.body())
     session.execute(
         update(IdempotencyRecord)
-        .where(IdempotencyRecord.tenant_id == tenant_id, IdempotencyRecord.scope == scope,
-               IdempotencyRecord.resource_id == resource_id, IdempotencyRecord.state == "running")
+        .where(col(IdempotencyRecord.tenant_id) == tenant_id, col(IdempotencyRecord.scope) == scope,
+               col(IdempotencyRecord.resource_id) == resource_id,
+               col(IdempotencyRecord.state) == IdempotencyState.RUNNING)
         .values(**values).execution_options(synchronize_session=False)
     )
 

@@ -23,13 +23,14 @@ import datetime as dt
 import uuid
 
 from sqlalchemy import delete, select
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from domain.agentic.errors import agentic_error
 from infra.errors import Problem
+from storage.db import rowcount
 from storage.models_agentic import OperationLease
 from storage.sql import upsert_when
-from storage.types import utcnow
+from storage.types import table_of, utcnow
 
 ENROLL, DELETE = "enroll", "delete"
 #: The operations on an allowance: its rails' setup, an update, a verification, a cancellation, a mint.
@@ -75,7 +76,7 @@ def acquire(session: Session, *, tenant_id: uuid.UUID, resource_id: str, operati
     taken = upsert_when(session, OperationLease, {
         "resource_id": resource_id, "tenant_id": tenant_id, "operation": operation, "owner": owner,
         "acquired_at": now, "expires_at": now + dt.timedelta(seconds=seconds),
-    }, index=["resource_id"], when=OperationLease.__table__.c.expires_at <= now)
+    }, index=["resource_id"], when=table_of(OperationLease).c.expires_at <= now)
     if taken:
         return
     current = held(session, resource_id)
@@ -89,11 +90,11 @@ def release(session: Session, resource_id: str, owner: str, *, unless=None) -> b
 
     ``unless``: an optional SQL condition (for example an ``EXISTS`` of the operation's unfinished
     jobs) that keeps the lease when true; checked in the same statement."""
-    statement = delete(OperationLease).where(OperationLease.resource_id == resource_id,
-                                             OperationLease.owner == owner)
+    statement = delete(OperationLease).where(col(OperationLease.resource_id) == resource_id,
+                                             col(OperationLease.owner) == owner)
     if unless is not None:
         statement = statement.where(~unless)
-    return session.execute(statement.execution_options(synchronize_session=False)).rowcount == 1
+    return rowcount(session.execute(statement.execution_options(synchronize_session=False))) == 1
 
 
 def release_expired(session: Session, *, now: dt.datetime | None = None, batch: int = 1000) -> int:
@@ -109,7 +110,7 @@ def release_expired(session: Session, *, now: dt.datetime | None = None, batch: 
         return 0
     session.execute(
         delete(OperationLease)
-        .where(OperationLease.resource_id.in_(ids), OperationLease.expires_at <= now)
+        .where(col(OperationLease.resource_id).in_(ids), col(OperationLease.expires_at) <= now)
         .execution_options(synchronize_session=False)
     )
     return len(ids)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete
-from sqlmodel import Session, func, select
+from sqlmodel import Session, col, func, select
 
 from config.settings import Settings
 from domain.agentic import idempotency, leases
@@ -43,7 +43,8 @@ from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
 from storage.models_allowances import Allowance
-from storage.types import utcnow
+from storage.states import ALLOWANCE_LIVE, JOB_FAILED, JOB_UNSUCCESSFUL, PaymentMethodStatus, RailStatus
+from storage.types import table_of, utcnow
 
 SOURCE_TYPE = "svc_card_token"
 RAIL_EVENT = "agentic.payment-method.rail.retried"
@@ -92,7 +93,7 @@ def rail_view(rail: PaymentMethodRail) -> dict:
         "status": rail.status,
         "provider_ids": dict(rail.provider_ids or {}),
     }
-    if rail.status == "error":
+    if rail.status == RailStatus.ERROR:
         view["error"] = {"code": rail.error_code or "PROVIDER_ENROLLMENT_FAILED"}
     return view
 
@@ -137,7 +138,7 @@ def rails_of(session: Session, pm_id: str) -> list[PaymentMethodRail]:
     """The rails of a payment method, in their order."""
     return list(session.exec(
         select(PaymentMethodRail).where(PaymentMethodRail.payment_method_id == pm_id)
-        .order_by(PaymentMethodRail.position).execution_options(populate_existing=True)
+        .order_by(col(PaymentMethodRail.position)).execution_options(populate_existing=True)
     ).all())
 
 
@@ -230,14 +231,14 @@ def rail_event_data(pm: PaymentMethod, rail: PaymentMethodRail) -> dict:
     return {"payment_method": {"id": pm.id, "status": pm.status}, "rail": rail_view(rail)}
 
 
-def settle_rail(session: Session, pm: PaymentMethod, rail: PaymentMethodRail, *, status: str,
+def settle_rail(session: Session, pm: PaymentMethod, rail: PaymentMethodRail, *, status: RailStatus,
                 error_code: str | None = None, provider_ids: dict | None = None,
                 trace_id: str | None = None) -> bool:
     """Set a rail's visible state; True when it changed (then the payment method's updated_at
     moves). A rail that was shown ``pending`` emits its event when it leaves pending."""
     before = rail_view(rail)
     rail.status = status
-    rail.error_code = error_code if status == "error" else None
+    rail.error_code = error_code if status == RailStatus.ERROR else None
     if provider_ids is not None:
         rail.provider_ids = dict(provider_ids)
     changed = rail_view(rail) != before
@@ -245,7 +246,7 @@ def settle_rail(session: Session, pm: PaymentMethod, rail: PaymentMethodRail, *,
     if changed:
         rail.updated_at = now
         pm.updated_at = now
-    if status != "pending" and rail.notify:
+    if status != RailStatus.PENDING and rail.notify:
         rail.notify = False
         events.emit_event(session, tenant_id=pm.tenant_id, type=RAIL_EVENT, data=rail_event_data(pm, rail),
                           trace_id=trace_id)
@@ -262,13 +263,13 @@ def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, f
         return
     busy = (
         select(PaymentMethodRail.id)
-        .join(Job, Job.id == PaymentMethodRail.job_id)
+        .join(Job, col(Job.id) == PaymentMethodRail.job_id)
         .where(
             PaymentMethodRail.payment_method_id == pm_id,
             PaymentMethodRail.operation_id == operation_id,
             Job.kind == ENROLL_TASK,
             Job.id != finished_job,
-            Job.status.not_in(jobs.TERMINAL),
+            col(Job.status).not_in(jobs.TERMINAL),
         )
         .exists()
     )
@@ -279,7 +280,7 @@ def job_statuses(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, 
     """The status of each job."""
     if not job_ids:
         return {}
-    rows = session.exec(select(Job.id, Job.status).where(Job.id.in_(job_ids))).all()
+    rows = session.exec(select(Job.id, Job.status).where(col(Job.id).in_(job_ids))).all()
     return dict(rows)
 
 
@@ -398,13 +399,13 @@ def create_payment_method(
         updated_at=now,
     )
     rows = Rows()  # every row in one statement (``storage.db.insert_rows``), no unit-of-work flush
-    rows.add(PaymentMethod.__table__, row_of(pm))
+    rows.add(table_of(PaymentMethod), row_of(pm))
     job_ids, errors = [], []
     for position, (rail_name, provider) in enumerate(pairs):
         rail = PaymentMethodRail(tenant_id=caller.tenant_id, payment_method_id=pm.id, position=position,
                                  rail=rail_name, provider=provider, created_at=now, updated_at=now)
         if provider_for(provider, caller.tenant_type, settings) is None:
-            rail.status, rail.error_code = "error", "PROVIDER_NOT_CONFIGURED"
+            rail.status, rail.error_code = RailStatus.ERROR, "PROVIDER_NOT_CONFIGURED"
             errors.append(rail)
         else:
             rail.job_id = jobs.stage(session, rows, kind=ENROLL_TASK, tenant_id=caller.tenant_id,
@@ -412,9 +413,9 @@ def create_payment_method(
                                      max_attempts=ENROLL_MAX_ATTEMPTS)
             rail.operation_id, rail.attempt = owner, "create"
             job_ids.append(rail.job_id)
-        rows.add(PaymentMethodRail.__table__, row_of(rail))
+        rows.add(table_of(PaymentMethodRail), row_of(rail))
     if job_ids:  # a new payment method: nobody else can hold its lease yet
-        rows.add(OperationLease.__table__, row_of(OperationLease(
+        rows.add(table_of(OperationLease), row_of(OperationLease(
             resource_id=pm.id, tenant_id=caller.tenant_id, operation=leases.ENROLL, owner=owner, acquired_at=now,
             expires_at=now + dt.timedelta(seconds=settings.operation_lease_seconds))))
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="create")
@@ -465,7 +466,7 @@ def finish_create(session: Session, caller: Caller, pm_id: str, *, claim: idempo
         raise agentic_error("INTERNAL_ERROR")
     rails = rails_of(session, pm_id)
     for rail in rails:
-        if rail.status == "pending" and not rail.notify:
+        if rail.status == RailStatus.PENDING and not rail.notify:
             rail.notify = True
             session.add(rail)
     if claim is not None:
@@ -502,7 +503,7 @@ def list_payment_methods(session: Session, caller: Caller, *, size: int, after: 
     rails: dict[str, list[PaymentMethodRail]] = {}
     if rows:
         for rail in session.exec(select(PaymentMethodRail).where(
-                PaymentMethodRail.payment_method_id.in_([pm.id for pm in rows]))):
+                col(PaymentMethodRail.payment_method_id).in_([pm.id for pm in rows]))):
             rails.setdefault(rail.payment_method_id, []).append(rail)
     return [payment_method_view(pm, rails.get(pm.id, [])) for pm in rows], next_position
 
@@ -533,7 +534,7 @@ def purge_provider_errors(session: Session, *, retention_days: int, now: dt.date
     ids = session.exec(select(ProviderError.id).where(ProviderError.occurred_at < cutoff).limit(batch)
                        .with_for_update(skip_locked=True)).all()
     if ids:
-        session.execute(delete(ProviderError).where(ProviderError.id.in_(ids))
+        session.execute(delete(ProviderError).where(col(ProviderError.id).in_(ids))
                         .execution_options(synchronize_session=False))
     return len(ids)
 
@@ -562,7 +563,7 @@ def start_retry(session: Session, caller: Caller, pm_id: str, *, rail: str, prov
     configuration returns ``Started(failure="PROVIDER_NOT_CONFIGURED")`` after recording its error.
     """
     pm = find(session, caller.tenant_id, pm_id, lock=True)
-    if pm.status == "deleted":
+    if pm.status == PaymentMethodStatus.DELETED:
         raise agentic_error("PAYMENT_METHOD_DELETED")
     target = next((r for r in rails_of(session, pm.id) if r.rail == rail and r.provider == provider), None)
     if target is None:
@@ -570,11 +571,11 @@ def start_retry(session: Session, caller: Caller, pm_id: str, *, rail: str, prov
     blocked = _blocked(session, pm)
     if blocked is not None:
         raise blocked
-    if target.status == "enabled":
+    if target.status == RailStatus.ENABLED:
         raise validation_error({"rail": ["The rail is enabled; only a rail in error or pending can be retried."]})
     if provider_for(provider, caller.tenant_type, settings) is None:
         record_provider_error(session, target, code="PROVIDER_NOT_CONFIGURED")
-        settle_rail(session, pm, target, status="error", error_code="PROVIDER_NOT_CONFIGURED",
+        settle_rail(session, pm, target, status=RailStatus.ERROR, error_code="PROVIDER_NOT_CONFIGURED",
                     trace_id=caller.trace_id)
         return Started(pm.id, (), failure="PROVIDER_NOT_CONFIGURED")
     card_source(session, caller.tenant_id, pm.token_id)
@@ -595,7 +596,7 @@ def retry_failure(session: Session, pm_id: str, rail: str, provider: str, code: 
     latest = session.exec(
         select(ProviderError).where(ProviderError.payment_method_id == pm_id, ProviderError.rail == rail,
                                     ProviderError.provider == provider)
-        .order_by(ProviderError.occurred_at.desc()).limit(1)
+        .order_by(col(ProviderError.occurred_at).desc()).limit(1)
     ).first()
     extra = None
     if latest is not None and latest.code == code and latest.provider_correlation_id:
@@ -615,10 +616,10 @@ def finish_retry(session: Session, caller: Caller, pm_id: str, *, rail: str, pro
     target = next(r for r in rails if r.rail == rail and r.provider == provider)
     job = session.get(Job, job_id, populate_existing=True)
     if target.job_id == job_id and job is not None and job.status not in jobs.TERMINAL:
-        settle_rail(session, pm, target, status="pending", provider_ids=target.provider_ids)
+        settle_rail(session, pm, target, status=RailStatus.PENDING, provider_ids=target.provider_ids)
         target.notify = True
         session.add(target)
-    elif job is not None and job.status in ("failed", "dead") and target.status == "error":
+    elif job is not None and job.status in JOB_FAILED and target.status == RailStatus.ERROR:
         return retry_failure(session, pm_id, rail, provider, target.error_code or "PROVIDER_ENROLLMENT_FAILED")
     return payment_method_view(pm, rails)
 
@@ -635,7 +636,7 @@ def start_delete(session: Session, caller: Caller, pm_id: str, *, settings: Sett
     remove, a delete job under a ``delete`` lease; without, the payment method is deleted at once.
     """
     pm = find(session, caller.tenant_id, pm_id, lock=True)
-    if pm.status == "deleted":
+    if pm.status == PaymentMethodStatus.DELETED:
         return Started(pm.id, ())
     lease = leases.held(session, pm.id)
     if lease is not None:
@@ -663,7 +664,7 @@ def _allowance_busy(session: Session, pm_id: str) -> bool:
     """True when a live operation lease holds one of the payment method's allowances."""
     return session.exec(
         select(func.count()).select_from(OperationLease)
-        .join(Allowance, Allowance.id == OperationLease.resource_id)
+        .join(Allowance, col(Allowance.id) == OperationLease.resource_id)
         .where(Allowance.payment_method_id == pm_id, OperationLease.expires_at > utcnow())
     ).one() > 0
 
@@ -672,14 +673,14 @@ def _allowances_to_cancel(session: Session, pm_id: str) -> bool:
     """True when the payment method backs a live allowance (the cascade cancels it)."""
     return session.exec(
         select(func.count()).select_from(Allowance)
-        .where(Allowance.payment_method_id == pm_id, Allowance.status.in_(("pending_verification", "active")))
+        .where(col(Allowance.payment_method_id) == pm_id, col(Allowance.status).in_(ALLOWANCE_LIVE))
     ).one() > 0
 
 
 def mark_deleted(session: Session, pm: PaymentMethod) -> None:
     """The cascade is complete: the payment method is deleted (updated_at moves once, now)."""
     now = utcnow()
-    pm.status = "deleted"
+    pm.status = PaymentMethodStatus.DELETED
     pm.deleted_at = now
     pm.updated_at = now
     session.add(pm)
@@ -689,10 +690,10 @@ def finish_delete(session: Session, caller: Caller, pm_id: str, job_ids: tuple[u
     """After the bounded wait: None (204) when deleted; else 500 ``PROVIDER_ALLOWANCE_CANCEL_FAILED``
     when the cascade stopped, or 409 ``PAYMENT_METHOD_DELETE_IN_PROGRESS`` while it runs."""
     pm = find(session, caller.tenant_id, pm_id)
-    if pm.status == "deleted":
+    if pm.status == PaymentMethodStatus.DELETED:
         return None
     statuses = job_statuses(session, list(job_ids))
-    if any(status in ("failed", "dead", "cancelled") for status in statuses.values()):
+    if any(status in JOB_UNSUCCESSFUL for status in statuses.values()):
         raise agentic_error("PROVIDER_ALLOWANCE_CANCEL_FAILED",
                             "The delete stopped during its cascade; repeat the same DELETE to resume it.")
     raise agentic_error("PAYMENT_METHOD_DELETE_IN_PROGRESS")

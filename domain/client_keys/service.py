@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from joserfc import jwe
 from joserfc.errors import JoseError
 from joserfc.jwk import OKPKey
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
@@ -138,8 +138,8 @@ def list_keys(session: Session, caller: Caller) -> list[dict]:
     """``GET /keys``: every key of the tenant that was not deleted (expired ones too), oldest first."""
     rows = session.exec(
         select(ClientEncryptionKey)
-        .where(ClientEncryptionKey.tenant_id == caller.tenant_id, ClientEncryptionKey.deleted_at.is_(None))
-        .order_by(ClientEncryptionKey.created_at, ClientEncryptionKey.id)
+        .where(col(ClientEncryptionKey.tenant_id) == caller.tenant_id, col(ClientEncryptionKey.deleted_at).is_(None))
+        .order_by(col(ClientEncryptionKey.created_at), ClientEncryptionKey.id)
     ).all()
     return [key_view(key) for key in rows]
 
@@ -160,8 +160,8 @@ def destroy_expired_keys(session: Session, *, now: dt.datetime | None = None, ba
     now = now or utcnow()
     rows = session.exec(
         select(ClientEncryptionKey)
-        .where(ClientEncryptionKey.expires_at <= now, ClientEncryptionKey.private_key_ct.is_not(None))
-        .order_by(ClientEncryptionKey.expires_at)
+        .where(col(ClientEncryptionKey.expires_at) <= now, col(ClientEncryptionKey.private_key_ct).is_not(None))
+        .order_by(col(ClientEncryptionKey.expires_at))
         .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()

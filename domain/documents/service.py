@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from botocore.exceptions import ClientError
 from sqlalchemy import and_, or_
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
@@ -37,6 +37,7 @@ from infra.lookup import get_owned
 from storage import s3
 from storage.crypto import get_keyring, open_sealed, seal
 from storage.models_tenant_admin import Document
+from storage.states import DocumentStatus
 from storage.types import utcnow
 
 log = logging.getLogger("tessera.documents")
@@ -93,7 +94,7 @@ def begin_upload(session: Session, caller: Caller, *, document_id: uuid.UUID, co
             chunk_size=CHUNK_SIZE,
             object_key=object_key(caller.tenant_id, document_id),
             key_version=keys.version,
-            status="uploading",
+            status=DocumentStatus.UPLOADING,
             created_by=caller.application_id,
         )
     )
@@ -117,7 +118,7 @@ def finish_upload(
     document.chunk_count = chunk_count
     document.meta = metadata
     document.upload_id = None
-    document.status = "ready"
+    document.status = DocumentStatus.READY
     session.add(document)
     audit.record(session, caller, entity_type=DOCUMENT, entity_id=document.id, operation="create")
     return document_view(document)
@@ -126,14 +127,14 @@ def finish_upload(
 def discard_upload(session: Session, document_id: uuid.UUID) -> None:
     """Forget a failed upload's row (its S3 object or multipart upload was already removed)."""
     document = session.get(Document, document_id)
-    if document is not None and document.status == "uploading":
+    if document is not None and document.status == DocumentStatus.UPLOADING:
         session.delete(document)
 
 
 def get_document(session: Session, caller: Caller, document_id: uuid.UUID) -> Document:
     """The tenant's ready document, else 404."""
     return get_owned(session, Document, document_id, caller.tenant_id, what="document",
-                     where=lambda document: document.status == "ready")
+                     where=lambda document: document.status == DocumentStatus.READY)
 
 
 def read_document(session: Session, caller: Caller, document_id: uuid.UUID) -> dict:
@@ -176,7 +177,7 @@ def open_document(session: Session, caller: Caller, document_id: uuid.UUID) -> S
 def delete_document(session: Session, caller: Caller, document_id: uuid.UUID) -> None:
     """``DELETE /documents/{id}``: gone at once; the S3 object is removed after the commit."""
     document = get_document(session, caller, document_id)
-    document.status = "deleted"
+    document.status = DocumentStatus.DELETED
     document.deleted_at = utcnow()
     session.add(document)
     jobs.record(session, kind=PURGE_TASK, tenant_id=document.tenant_id, subject_type="document",
@@ -339,7 +340,7 @@ def deleted_document_object(session: Session, document_id: uuid.UUID) -> tuple[s
     or already purged (the ``documents.purge`` job's read)."""
     row = session.exec(
         select(Document.object_key, Document.upload_id).where(Document.id == document_id,
-                                                              Document.status == "deleted")
+                                                              Document.status == DocumentStatus.DELETED)
     ).first()
     return None if row is None else (row[0], row[1])
 
@@ -348,7 +349,7 @@ def remove_deleted_document(session: Session, document_id: uuid.UUID) -> bool:
     """Delete deleted document ``document_id``'s row once its S3 object is gone; False when
     there was none (purged already by the sweep)."""
     document = session.exec(
-        select(Document).where(Document.id == document_id, Document.status == "deleted").with_for_update()
+        select(Document).where(Document.id == document_id, Document.status == DocumentStatus.DELETED).with_for_update()
     ).first()
     if document is None:
         return False
@@ -364,11 +365,11 @@ def sweep_documents(session: Session, *, now: dt.datetime | None = None, batch: 
         select(Document)
         .where(
             or_(
-                Document.status == "deleted",
-                and_(Document.status == "uploading", Document.created_at < stale),
+                col(Document.status) == DocumentStatus.DELETED,
+                and_(col(Document.status) == DocumentStatus.UPLOADING, col(Document.created_at) < stale),
             )
         )
-        .order_by(Document.created_at)
+        .order_by(col(Document.created_at))
         .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()

@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from sqlalchemy import ScalarSelect, update
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.network_tokens.token_intents import load_intent_data
 from domain.tenancy import audit
@@ -73,7 +73,8 @@ from storage.crypto import get_keyring
 from storage.db import Rows, read_first, session_scope, stage_rows
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
-from storage.types import TextAsUuid, utcnow
+from storage.states import JOB_FAILED, JobStatus, NetworkTokenStatus
+from storage.types import TextAsUuid, table_of, utcnow
 
 PROVISION_TASK = "network_tokens.provision"
 CARD_ART_TASK = "network_tokens.card_art"
@@ -104,8 +105,7 @@ CARD_ART_TTL = dt.timedelta(hours=24)
 
 _SOURCES = ("data", "token_id", "token_intent_id")
 _DATA_KEYS = ("number", "expiration_month", "expiration_year", "cvc")
-_FAILED = ("failed", "dead")
-_TOKENS = NetworkToken.__table__
+_TOKENS = table_of(NetworkToken)
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def _removed_by_failure(session: Session, tenant_id: uuid.UUID, token_id: object
     if parsed is not None:
         job = session.exec(
             select(Job).where(Job.kind == PROVISION_TASK, Job.subject_id == str(parsed), Job.tenant_id == tenant_id,
-                              Job.status.in_(_FAILED))
+                              col(Job.status).in_(JOB_FAILED))
         ).first()
     if job is None:
         return not_found("network token")
@@ -237,7 +237,7 @@ def proxy_value(session: Session, tenant_id: uuid.UUID, network_token_id: object
     for one that cannot be used for transactions (``inactive`` or ``suspended``).
     """
     token = _get(session, tenant_id, network_token_id)
-    if token.status != "active":
+    if token.status != NetworkTokenStatus.ACTIVE:
         raise Problem(422, f"The network token {token.id} is {token.status}; it cannot be used.",
                       title="Network token not usable")
     return network_token_view(token, _open_data(session, token), reveal=True)
@@ -370,7 +370,8 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
     job_id = jobs.stage(session, rows, kind=PROVISION_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
                         subject_id=str(token_id), trace_id=caller.trace_id, max_attempts=PROVISION_MAX_ATTEMPTS)
     rows.add(_TOKENS, {
-        "id": token_id, "tenant_id": caller.tenant_id, "status": "inactive", "data_ct": None, "details": None,
+        "id": token_id, "tenant_id": caller.tenant_id, "status": NetworkTokenStatus.INACTIVE, "data_ct": None,
+        "details": None,
         "card": _card_view(card), "source_ct": source_ct, "par": None, "network_reference": None,
         "token_id": source.token_id, "token_intent_id": source.intent_id,
         "merchant_id": str(request["merchant_id"]) if request.get("merchant_id") else None,
@@ -394,7 +395,7 @@ def _locked_job(session: Session, job_id: uuid.UUID) -> Job:
 def provisioning_problem(job: Job) -> Problem:
     """The problem answered for a provisioning job that failed for good (or became a dead letter)."""
     code = (job.result or {}).get("code")
-    if job.status == "dead" or code is None:
+    if job.status == JobStatus.DEAD or code is None:
         return Problem(502, "The card network could not be reached; no network token was provisioned.",
                        title="Card network unavailable", extra={"code": "network_unavailable"})
     if code == "card_not_eligible":
@@ -418,16 +419,16 @@ def provisioning_outcome(session: Session, caller: Caller, started: Started, *, 
     finishing at this moment either is seen (201 / 422) or sees the 202 (``announced``) and emits
     ``network-token.failed`` if it fails.
     """
-    if status == "succeeded":  # one read outside any transaction, a plain row
+    if status == JobStatus.SUCCEEDED:  # one read outside any transaction, a plain row
         token = read_first(select(_TOKENS).where(_TOKENS.c.id == started.network_token_id,
                                                  _TOKENS.c.tenant_id == caller.tenant_id))
-        if token is not None and token.status != "inactive":
+        if token is not None and token.status != NetworkTokenStatus.INACTIVE:
             return 201, _view(session, caller, token)
     job = _locked_job(session, started.job_id)
-    if job.status in _FAILED:
+    if job.status in JOB_FAILED:
         raise provisioning_problem(job)
     token = _get(session, caller.tenant_id, started.network_token_id, lock=True)
-    if job.status == "succeeded" and token.status != "inactive":
+    if job.status == JobStatus.SUCCEEDED and token.status != NetworkTokenStatus.INACTIVE:
         return 201, _view(session, caller, token)
     token.announced = True
     session.add(token)
@@ -473,7 +474,8 @@ def provisioning_input(job: Job, read: dict) -> tuple[CardNetwork, CardToProvisi
     """What the provisioning job sends (``read``: :func:`provisioning_reads`' values): the adapter and
     the card. None when there is nothing to do (the network token was removed, or is no longer
     inactive). Raises PermanentError ``tenant_removed`` / ``provider_not_configured``."""
-    if read["token_tenant_id"] != job.tenant_id or read["status"] != "inactive" or read["source_ct"] is None:
+    if (read["token_tenant_id"] != job.tenant_id or read["status"] != NetworkTokenStatus.INACTIVE
+            or read["source_ct"] is None):
         return None
     with session_scope() as session:  # the tenant's key is cached: no statement runs
         source = json.loads(get_keyring().decrypt(session, job.tenant_id, SOURCE_PURPOSE, str(job.subject_id),
@@ -505,12 +507,14 @@ def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | No
     token_id = parse_uuid(job.subject_id)
     data = {"number": outcome.number, "expiration_month": outcome.expiration_month,
             "expiration_year": outcome.expiration_year}
-    status = outcome.status if outcome.status in ("active", "suspended") else "active"
+    status = (outcome.status if outcome.status in (NetworkTokenStatus.ACTIVE, NetworkTokenStatus.SUSPENDED)
+              else NetworkTokenStatus.ACTIVE)
     # One statement: the job row is locked already (``JobTask``), so the lock order is the job row,
     # then the network token; only an inactive network token of the job's tenant is changed.
     changed = session.execute(
         update(_TOKENS)
-        .where(_TOKENS.c.id == token_id, _TOKENS.c.tenant_id == job.tenant_id, _TOKENS.c.status == "inactive")
+        .where(_TOKENS.c.id == token_id, _TOKENS.c.tenant_id == job.tenant_id,
+               _TOKENS.c.status == NetworkTokenStatus.INACTIVE)
         .values(data_ct=get_keyring().encrypt(session, job.tenant_id, DATA_PURPOSE, str(token_id),
                                               json.dumps(data).encode()),
                 details=outcome.details, par=outcome.par, network_reference=outcome.reference, status=status,
@@ -534,7 +538,7 @@ def provisioning_failed(session: Session, job: Job, error: Exception) -> None:
     token = session.exec(
         select(NetworkToken).where(NetworkToken.id == parse_uuid(job.subject_id)).with_for_update()
     ).first()
-    if token is None or token.tenant_id != job.tenant_id or token.status != "inactive":
+    if token is None or token.tenant_id != job.tenant_id or token.status != NetworkTokenStatus.INACTIVE:
         return
     announced = token.announced
     session.delete(token)
@@ -547,7 +551,8 @@ def provisioning_failed(session: Session, job: Job, error: Exception) -> None:
 
 # ---- suspend, resume -----------------------------------------------------------------------------
 
-_CHANGES = {"suspend": ("active", "suspended", SUSPEND_TASK), "resume": ("suspended", "active", RESUME_TASK)}
+_CHANGES = {"suspend": (NetworkTokenStatus.ACTIVE, NetworkTokenStatus.SUSPENDED, SUSPEND_TASK),
+            "resume": (NetworkTokenStatus.SUSPENDED, NetworkTokenStatus.ACTIVE, RESUME_TASK)}
 _CHANGE_EVENTS = {"suspend": "suspended", "resume": "resumed"}
 
 
@@ -582,7 +587,7 @@ def _change_problem(job: Job) -> Problem:
     if code == "token_deleted":
         return Problem(409, "The card network has deleted this network token; delete it here too.",
                        title="Conflict", extra={"code": code})
-    if job.status == "dead" or code is None:
+    if job.status == JobStatus.DEAD or code is None:
         return Problem(502, "The card network could not be reached; nothing was changed.",
                        title="Card network unavailable", extra={"code": "network_unavailable"})
     return Problem(502, f"The card network refused the change ({code}); nothing was changed.",
@@ -593,10 +598,10 @@ def change_outcome(session: Session, caller: Caller, started: Started) -> tuple[
     """After the bounded wait: ``(200, changed object)``, ``(202, object as it is)`` while the network
     has not confirmed yet, or a raised problem when the network refused (409 ``token_deleted``, 502)."""
     job = session.get(Job, started.job_id, populate_existing=True)
-    if job.status in _FAILED:
+    if job.status in JOB_FAILED:
         raise _change_problem(job)
     token = _get(session, caller.tenant_id, started.network_token_id)
-    return (200 if job.status == "succeeded" else 202), _view(session, caller, token)
+    return (200 if job.status == JobStatus.SUCCEEDED else 202), _view(session, caller, token)
 
 
 def change_input(session: Session, job: Job) -> tuple[CardNetwork, str] | None:
@@ -650,8 +655,8 @@ def delete_network_token(session: Session, caller: Caller, token_id: object) -> 
         _record_network_delete(session, caller.tenant_id, token.network_reference, caller.trace_id)
     if token.pending_job_id is not None:
         session.execute(
-            update(Job).where(Job.id == token.pending_job_id, Job.status == "queued")
-            .values(status="cancelled", updated_at=utcnow()).execution_options(synchronize_session=False)
+            update(Job).where(col(Job.id) == token.pending_job_id, col(Job.status) == JobStatus.QUEUED)
+            .values(status=JobStatus.CANCELLED, updated_at=utcnow()).execution_options(synchronize_session=False)
         )
     session.delete(token)
     _event(session, token.id, token.tenant_id, "deleted", "deleted", caller.trace_id)
@@ -674,7 +679,7 @@ def card_art_start(session: Session, caller: Caller, token_id: object, *,
     now = now or utcnow()
     token = _get(session, caller.tenant_id, token_id)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=token.id, operation="read")
-    if token.status == "inactive" or token.network_reference is None:
+    if token.status == NetworkTokenStatus.INACTIVE or token.network_reference is None:
         raise Problem(409, "The network token is not provisioned yet: its card art cannot be had.",
                       title="Card art unavailable")
     if token.card_art is not None and token.card_art_at is not None and now - token.card_art_at < CARD_ART_TTL:
@@ -687,8 +692,8 @@ def card_art_start(session: Session, caller: Caller, token_id: object, *,
 
 def _cancel_if_queued(session: Session, job_id: uuid.UUID) -> None:
     session.execute(
-        update(Job).where(Job.id == job_id, Job.status == "queued")
-        .values(status="cancelled", updated_at=utcnow()).execution_options(synchronize_session=False)
+        update(Job).where(col(Job.id) == job_id, col(Job.status) == JobStatus.QUEUED)
+        .values(status=JobStatus.CANCELLED, updated_at=utcnow()).execution_options(synchronize_session=False)
     )
 
 
@@ -696,11 +701,11 @@ def card_art_outcome(session: Session, caller: Caller, started: Started) -> dict
     """After the bounded wait: the account object, or a problem (502 the network failed, 504 it did
     not answer in time; the job is then cancelled unless it is running)."""
     job = session.get(Job, started.job_id, populate_existing=True)
-    if job.status == "succeeded":
+    if job.status == JobStatus.SUCCEEDED:
         token = _get(session, caller.tenant_id, started.network_token_id)
         if token.card_art is not None:
             return {"card_art": token.card_art}
-    if job.status in _FAILED or job.status == "succeeded":
+    if job.status in JOB_FAILED or job.status == JobStatus.SUCCEEDED:
         raise Problem(502, "The card network did not give the card art.", title="Card art unavailable",
                       extra={"code": (job.result or {}).get("code") or "network_unavailable"})
     _cancel_if_queued(session, job.id)
@@ -764,7 +769,7 @@ def cryptogram_start(session: Session, caller: Caller, token_id: object, reply_k
     sealed to ``reply_key`` (base64 X25519 public key of the waiting request). 404 as
     :func:`read_network_token`; 409 unless the network token is active. Writes a ``cryptogram`` log row."""
     token = _get(session, caller.tenant_id, token_id)
-    if token.status != "active" or token.network_reference is None:
+    if token.status != NetworkTokenStatus.ACTIVE or token.network_reference is None:
         raise Problem(409, f"Only an active network token has cryptograms; this one is {token.status}.",
                       title="Conflict", extra={"status_now": token.status})
     job = jobs.record(session, kind=CRYPTOGRAM_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
@@ -780,12 +785,12 @@ def cryptogram_outcome(session: Session, started: Started) -> dict:
     this transaction), or a problem: 409 when the network says the token is not active, 502 when it
     failed, 504 when it did not answer in time (the job is then cancelled unless running)."""
     job = _locked_job(session, started.job_id)
-    if job.status == "succeeded" and (job.result or {}).get("sealed"):
+    if job.status == JobStatus.SUCCEEDED and (job.result or {}).get("sealed"):
         sealed = dict(job.result)
         job.result = {"eci": sealed.get("eci"), "delivered": True}
         session.add(job)
         return sealed
-    if job.status in _FAILED or job.status == "succeeded":
+    if job.status in JOB_FAILED or job.status == JobStatus.SUCCEEDED:
         code = (job.result or {}).get("code")
         if code == "token_not_active":
             raise Problem(409, "The card network says the network token is not active.", title="Conflict",

@@ -37,7 +37,7 @@ import uuid
 from typing import Any
 
 from sqlalchemy import update
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import get_settings
 from domain.tenancy import audit
@@ -202,8 +202,8 @@ def convert_intent(session: Session, caller: Caller, intent_id: object, options:
     session.add(intent)
     session.execute(
         update(NetworkToken)
-        .where(NetworkToken.tenant_id == caller.tenant_id, NetworkToken.token_intent_id == intent.id,
-               NetworkToken.token_id.is_(None))
+        .where(col(NetworkToken.tenant_id) == caller.tenant_id, col(NetworkToken.token_intent_id) == intent.id,
+               col(NetworkToken.token_id).is_(None))
         .values(token_id=created.token.id)
         .execution_options(synchronize_session=False)
     )
@@ -218,7 +218,7 @@ def delete_expired_intents(session: Session, *, now: dt.datetime, batch: int = 5
     """Delete up to ``batch`` intents past ``expires_at`` (rows locked elsewhere skipped); returns how
     many. Call again while it returns ``batch``."""
     rows = session.exec(
-        select(TokenIntent).where(TokenIntent.expires_at <= now).order_by(TokenIntent.expires_at)
+        select(TokenIntent).where(col(TokenIntent.expires_at) <= now).order_by(col(TokenIntent.expires_at))
         .limit(batch).with_for_update(skip_locked=True)
     ).all()
     for intent in rows:
@@ -229,8 +229,8 @@ def delete_expired_intents(session: Session, *, now: dt.datetime, batch: int = 5
 def purge_intent_verification_codes(session: Session, *, now: dt.datetime, batch: int = 500) -> int:
     """Reseal up to ``batch`` intents whose ``cvc_expires_at`` has passed without their ``cvc``."""
     rows = session.exec(
-        select(TokenIntent).where(TokenIntent.cvc_expires_at.is_not(None), TokenIntent.cvc_expires_at <= now)
-        .order_by(TokenIntent.cvc_expires_at).limit(batch).with_for_update(skip_locked=True)
+        select(TokenIntent).where(col(TokenIntent.cvc_expires_at).is_not(None), col(TokenIntent.cvc_expires_at) <= now)
+        .order_by(col(TokenIntent.cvc_expires_at)).limit(batch).with_for_update(skip_locked=True)
     ).all()
     for intent in rows:
         intent.data_ct = _seal(session, intent.tenant_id, intent.id, _open(session, intent, now))

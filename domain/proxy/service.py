@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import func, or_
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.proxy.detokenize import DETOKENIZE_RIGHTS, Detokenized, detokenize, is_whole_expression
 from domain.proxy.errors import invalid_expression
@@ -158,8 +158,8 @@ def list_proxies(session: Session, caller: Caller, *, size: int, after: dict | N
             at, last = dt.datetime.fromisoformat(after["t"]), uuid.UUID(str(after["id"]))
         except (KeyError, TypeError, ValueError):
             raise validation_problem({"start": ["This is not a cursor returned by this endpoint."]}) from None
-        stmt = stmt.where(or_(Proxy.created_at < at, (Proxy.created_at == at) & (Proxy.id < last)))
-    rows = session.exec(stmt.order_by(Proxy.created_at.desc(), Proxy.id.desc()).limit(size + 1)).all()
+        stmt = stmt.where(or_(col(Proxy.created_at) < at, (col(Proxy.created_at) == at) & (col(Proxy.id) < last)))
+    rows = session.exec(stmt.order_by(col(Proxy.created_at).desc(), col(Proxy.id).desc()).limit(size + 1)).all()
     more = len(rows) > size
     rows = rows[:size]
     following = {"t": rows[-1].created_at.isoformat(), "id": str(rows[-1].id)} if more else None

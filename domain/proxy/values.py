@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import bindparam
 from sqlalchemy import inspect as sa_inspect
-from sqlmodel import Session, or_, select
+from sqlmodel import Session, col, or_, select
 
 from domain.client_keys.service import decrypt_encrypted_header
 from domain.network_tokens import service as network_tokens
@@ -30,6 +30,7 @@ from storage.crypto import get_keyring
 from storage.db import Rows
 from storage.models import Token
 from storage.models_network_tokens import NetworkToken, TokenIntent
+from storage.states import NetworkTokenStatus
 from storage.types import utcnow
 
 TOKEN, NETWORK_TOKEN, TOKEN_INTENT = "token", "network_token", "token_intent"
@@ -163,7 +164,7 @@ class SqlValueLoader:
         if not wanted:
             return {}
         rows = self.session.exec(
-            select(NetworkToken).where(NetworkToken.tenant_id == tenant_id, NetworkToken.id.in_(list(wanted)))
+            select(NetworkToken).where(col(NetworkToken.tenant_id) == tenant_id, col(NetworkToken.id).in_(list(wanted)))
         ).all()
         found = {}
         for row in rows:
@@ -173,7 +174,7 @@ class SqlValueLoader:
                 else None
             )
             record = plain(network_tokens.network_token_view(row, data, reveal=True))
-            usable = row.status == "active" and data is not None
+            usable = row.status == NetworkTokenStatus.ACTIVE and data is not None
             found[wanted[row.id]] = Loaded(
                 NETWORK_TOKEN, wanted[row.id], record.get("data"), record, (), usable,
                 None if usable else f"The network token {row.id} is {row.status}; it cannot be used.",
@@ -186,7 +187,8 @@ class SqlValueLoader:
             return {}
         rows = self.session.exec(
             select(TokenIntent).where(
-                TokenIntent.tenant_id == tenant_id, TokenIntent.id.in_(list(wanted)), TokenIntent.expires_at > self.now
+                col(TokenIntent.tenant_id) == tenant_id, col(TokenIntent.id).in_(list(wanted)),
+                col(TokenIntent.expires_at) > self.now
             )
         ).all()
         found = {}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.proxy.detokenize import INVOKE, detokenize
 from domain.proxy.values import SqlValueLoader
@@ -50,16 +50,16 @@ from storage.crypto import get_keyring
 from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_reactors import Reactor, ReactorRun
+from storage.states import ReactorRunStatus, ReactorState
 from storage.types import utcnow
 
 RUN_TASK = "reactors.run"
 RUN_PURPOSE = "reactor-run"
 REACT, ASYNC, TRANSFORM = "react", "async", "transform"
-PENDING, COMPLETED, FAILED = "pending", "completed", "failed"
 INVOCATION_BLOCKED = "Proxy invocation blocked"
 
 #: The states of a reactor that has a version to run.
-SERVING_STATES = (service.ACTIVE, service.UPDATING, service.OUTDATED)
+SERVING_STATES = (ReactorState.ACTIVE, ReactorState.UPDATING, ReactorState.OUTDATED)
 
 
 # ---- sealing and the invoker ---------------------------------------------------------------------
@@ -181,7 +181,7 @@ def perform_run(job: Job) -> RunOutcome | None:
     code again: it answers the 500 of an interrupted invocation."""
     with session_scope() as session:
         run = session.get(ReactorRun, uuid.UUID(job.subject_id))
-        if run is None or run.status != PENDING:
+        if run is None or run.status != ReactorRunStatus.PENDING:
             return None
         if job.attempts > 1:
             return RunOutcome(problem=Problem(
@@ -265,7 +265,7 @@ def apply_run(session: Session, job: Job, outcome: RunOutcome | None) -> dict:
     transform's value) or the problem is sealed in the run; ``react-async`` runs emit their event.
     The job result: ``{"status": <HTTP status of the answer>}``."""
     run = session.get(ReactorRun, uuid.UUID(job.subject_id), with_for_update=True) if outcome else None
-    if run is None or run.status != PENDING:
+    if run is None or run.status != ReactorRunStatus.PENDING:
         return {"skipped": True}
     problem = outcome.problem
     answer: Any = None
@@ -293,7 +293,7 @@ def _code_caller(session: Session, run: ReactorRun) -> Caller:
 
 
 def _settle(session: Session, run: ReactorRun, *, answer: Any, problem: Problem | None) -> None:
-    run.status = FAILED if problem else COMPLETED
+    run.status = ReactorRunStatus.FAILED if problem else ReactorRunStatus.COMPLETED
     run.error_status = problem.status if problem else None
     run.result_ct = _seal(session, run.tenant_id, run.id, {"problem": problem_record(problem)} if problem else answer)
     run.completed_at = utcnow()
@@ -309,7 +309,7 @@ def _settle(session: Session, run: ReactorRun, *, answer: Any, problem: Problem 
 def run_failed(session: Session, job: Job, error: Exception) -> None:
     """The run's job failed for good: the run ends ``failed`` with a 500."""
     run = session.get(ReactorRun, uuid.UUID(job.subject_id), with_for_update=True)
-    if run is not None and run.status == PENDING:
+    if run is not None and run.status == ReactorRunStatus.PENDING:
         _settle(session, run, answer=None, problem=Problem(500, "The invocation could not be run.",
                                                            title="Reactor Runtime Error"))
 
@@ -320,10 +320,10 @@ def run_failed(session: Session, job: Job, error: Exception) -> None:
 def run_answer(session: Session, run: ReactorRun) -> Any:
     """A settled run's answer: ``{tokens?, raw}`` (``{"value"}`` for a transform); raises the
     :class:`Problem` it ended in. None while pending."""
-    if run.status == PENDING or run.result_ct is None:
+    if run.status == ReactorRunStatus.PENDING or run.result_ct is None:
         return None
     stored = _open(session, run, run.result_ct)
-    if run.status == FAILED:
+    if run.status == ReactorRunStatus.FAILED:
         raise problem_of(stored["problem"])
     return stored
 
@@ -338,7 +338,8 @@ def read_result(session: Session, caller: Caller, reactor_id: object, request_id
         run = session.get(ReactorRun, uuid.UUID(str(request_id)))
     except ValueError:
         run = None
-    if run is None or run.reactor_id != reactor.id or run.tenant_id != caller.tenant_id or run.status == PENDING:
+    if (run is None or run.reactor_id != reactor.id or run.tenant_id != caller.tenant_id
+            or run.status == ReactorRunStatus.PENDING):
         raise Problem(404, "No result exists for this request id (yet): an invocation answers here once it "
                            "has ended.")
     return run_answer(session, run)
@@ -363,9 +364,10 @@ def purge_results(session: Session, *, before: dt.datetime, batch: int = 500) ->
     before ``before``; rows locked by a concurrent sweep are skipped. Returns how many; call again
     while it returns ``batch``. A result asked for afterwards answers 404."""
     ids = session.exec(
-        select(ReactorRun.id).where(ReactorRun.status != PENDING, ReactorRun.completed_at < before)
+        select(ReactorRun.id)
+        .where(col(ReactorRun.status) != ReactorRunStatus.PENDING, col(ReactorRun.completed_at) < before)
         .limit(batch).with_for_update(skip_locked=True)
     ).all()
     if ids:
-        session.exec(delete(ReactorRun).where(ReactorRun.id.in_(ids)))
+        session.exec(delete(ReactorRun).where(col(ReactorRun.id).in_(ids)))
     return len(ids)

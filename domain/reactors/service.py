@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import func
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.reactors.runtime import Build, Runtime, require_sandbox
 from domain.tenancy import audit
@@ -46,6 +46,7 @@ from infra.node_runtime.owners import REACTOR, end_owner_after_commit
 from storage.crypto import get_keyring
 from storage.models import Job
 from storage.models_reactors import Reactor
+from storage.states import ReactorState
 from storage.types import utcnow
 
 ENTITY_TYPE = "reactor"
@@ -55,9 +56,8 @@ MAX_CODE_LENGTH = 50_000
 """Longest reactor code, in characters (section 8)."""
 MAX_CONFIGURATION_ENTRIES = 100
 
-CREATING, UPDATING, ACTIVE, FAILED, OUTDATED = "creating", "updating", "active", "failed", "outdated"
 #: The states in which a reactor may be updated or deleted (no build is running).
-SETTLED_STATES = (ACTIVE, FAILED, OUTDATED)
+SETTLED_STATES = (ReactorState.ACTIVE, ReactorState.FAILED, ReactorState.OUTDATED)
 VULNERABILITIES_DETECTED = "vulnerabilities_detected"
 BUILD_FAILED = "build_failed"
 
@@ -165,12 +165,12 @@ def _request_build(session: Session, caller: Caller, reactor: Reactor, request: 
     reactor.requested = {"reactor": {"code": request.code, "runtime": _runtime_json(request.runtime)}}
     reactor.requested_configuration_ct = _seal(session, reactor.tenant_id, reactor.id, request.configuration)
     if reactor.deployed_at is None:
-        reactor.state = CREATING
+        reactor.state = ReactorState.CREATING
         reactor.code = request.code
         reactor.runtime = _runtime_json(request.runtime)
         reactor.configuration_ct = reactor.requested_configuration_ct
     else:
-        reactor.state = UPDATING
+        reactor.state = ReactorState.UPDATING
     session.add(reactor)
     session.flush()
     job = jobs.record(session, kind=BUILD_TASK, tenant_id=reactor.tenant_id, subject_type="reactor",
@@ -186,7 +186,7 @@ def create_reactor(session: Session, caller: Caller, request: ReactorRequest) ->
     403 without ``reactor:create``."""
     caller.require("reactor:create")
     _check_grants(caller, request)
-    reactor = Reactor(tenant_id=caller.tenant_id, name=request.name, state=CREATING, code=request.code,
+    reactor = Reactor(tenant_id=caller.tenant_id, name=request.name, state=ReactorState.CREATING, code=request.code,
                       runtime=_runtime_json(request.runtime), created_by=caller.application_id)
     session.add(reactor)
     session.flush()
@@ -211,13 +211,13 @@ def list_reactors(session: Session, caller: Caller, *, ids: list[uuid.UUID], nam
     caller.require("reactor:read")
     query = select(Reactor).where(Reactor.tenant_id == caller.tenant_id)
     if ids:
-        query = query.where(Reactor.id.in_(ids))
+        query = query.where(col(Reactor.id).in_(ids))
     if name:
         escaped = name.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         pattern = escaped.replace("*", "%") if "*" in name else f"%{escaped}%"
         query = query.where(func.lower(Reactor.name).like(pattern, escape="\\"))
     total = session.exec(select(func.count()).select_from(query.subquery())).one()
-    rows = session.exec(query.order_by(Reactor.created_at, Reactor.id).offset((page - 1) * size).limit(size)).all()
+    rows = session.exec(query.order_by(col(Reactor.created_at), Reactor.id).offset((page - 1) * size).limit(size)).all()
     return [reactor_view(session, r) for r in rows], total
 
 
@@ -256,7 +256,7 @@ def _update(session: Session, caller: Caller, reactor: Reactor, request: Reactor
     reactor.modified_by = caller.application_id
     reactor.modified_at = utcnow()
     if _serves(session, reactor, request):  # a rename, or back to the serving version: nothing to build
-        reactor.state = ACTIVE
+        reactor.state = ReactorState.ACTIVE
         reactor.requested = None
         reactor.requested_configuration_ct = None
         reactor.build_job_id = None
@@ -324,7 +324,7 @@ def _locked_subject(session: Session, job: Job) -> Reactor | None:
 
 
 def _refuse(reactor: Reactor, error_code: str, message: str, details: dict | None) -> None:
-    reactor.state = OUTDATED if reactor.deployed_at is not None else FAILED
+    reactor.state = ReactorState.OUTDATED if reactor.deployed_at is not None else ReactorState.FAILED
     reactor.requested = {**(reactor.requested or {}), "error_code": error_code, "error_message": message,
                          "error_details": details}
 
@@ -343,7 +343,7 @@ def apply_build(session: Session, job: Job, build: Build | None) -> dict:
         reactor.configuration_ct = reactor.requested_configuration_ct
         reactor.requested = None
         reactor.requested_configuration_ct = None
-        reactor.state = ACTIVE
+        reactor.state = ReactorState.ACTIVE
         if reactor.deployed_at is not None:  # the previous version's processes end on every worker
             end_owner_after_commit(session, reactor.tenant_id, REACTOR, reactor.id)
         reactor.deployed_at = utcnow()

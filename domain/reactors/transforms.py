@@ -32,6 +32,7 @@ from domain.tenancy.caller import Caller
 from infra.errors import Problem
 from infra.wait import JobWaits, Outcome, read_outcomes
 from storage.db import session_scope
+from storage.states import ReactorRunStatus
 
 CodeRunner = Callable[[CodeTransform, Message, str], Awaitable[Message]]
 """Runs one code transform on a message; the third argument is ``"request"`` or ``"response"``."""
@@ -83,7 +84,7 @@ def code_transform_runner(caller: Caller, *, proxy_id: object, configuration: di
             detail = problem.detail or problem.title
             raise ProxyError(problem.status, detail, title=title,
                              errors={where: [detail], **(problem.errors or {})}) from None
-        if status == runs.PENDING:
+        if status == ReactorRunStatus.PENDING:
             raise ProxyError(503, "The code transform's runtime is initializing; retry shortly.",
                              title=TRANSFORM_INITIALIZING, errors={where: ["runtime initializing"]})
         return _message(message, answer.get("value"), where)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 
 from sqlalchemy import func
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.tenancy import audit
 from domain.tenancy.auth import caller_cache, new_api_key
@@ -104,10 +104,10 @@ def list_applications(
     """``GET /applications``: one page (oldest first) and the total count."""
     query = select(Application).where(Application.tenant_id == caller.tenant_id)
     if ids:
-        query = query.where(Application.id.in_(ids))
+        query = query.where(col(Application.id).in_(ids))
     total = session.exec(select(func.count()).select_from(query.subquery())).one()
     rows = session.exec(
-        query.order_by(Application.created_at, Application.id).offset((page - 1) * size).limit(size)
+        query.order_by(col(Application.created_at), Application.id).offset((page - 1) * size).limit(size)
     ).all()
     return [application_view(a) for a in rows], total
 
@@ -162,7 +162,7 @@ def list_keys(session: Session, caller: Caller, application_id: uuid.UUID) -> li
     rows = session.exec(
         select(ApplicationKey)
         .where(ApplicationKey.application_id == application.id)
-        .order_by(ApplicationKey.created_at)
+        .order_by(col(ApplicationKey.created_at))
     ).all()
     return [key_view(row) for row in rows]
 

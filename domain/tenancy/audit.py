@@ -12,7 +12,7 @@ from sqlmodel import Session
 from domain.tenancy.caller import Caller
 from storage.db import Rows
 from storage.models import AuditLog
-from storage.types import utcnow
+from storage.types import table_of, utcnow
 
 #: Entity types shown by ``GET /logs/entity-types``: system value -> display name.
 ENTITY_TYPES: dict[str, str] = {
@@ -62,7 +62,7 @@ def stage(rows: Rows, caller: Caller, *, entity_type: str, entity_id: object, op
     rows.add(_TABLE, _row(caller, entity_type, entity_id, operation))
 
 
-_TABLE = AuditLog.__table__
+_TABLE = table_of(AuditLog)
 
 
 def _row(caller: Caller, entity_type: str, entity_id: object, operation: str) -> dict:

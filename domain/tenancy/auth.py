@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import KNOWN_PERMISSIONS, effective_permissions
@@ -44,9 +44,9 @@ def authenticate(session: Session, key: str, *, trace_id: str | None = None) -> 
     digest = key_digest(key)
     row = session.exec(
         select(ApplicationKey, Application, Tenant)
-        .join(Application, Application.id == ApplicationKey.application_id)
-        .join(Tenant, Tenant.id == ApplicationKey.tenant_id)
-        .where(ApplicationKey.key_digest == digest, Tenant.deleted_at.is_(None))
+        .join(Application, col(Application.id) == ApplicationKey.application_id)
+        .join(Tenant, col(Tenant.id) == ApplicationKey.tenant_id)
+        .where(col(ApplicationKey.key_digest) == digest, col(Tenant.deleted_at).is_(None))
     ).first()
     if row is None:
         return None

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import func
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.tenancy import audit
@@ -49,6 +49,7 @@ from infra.lookup import get_owned
 from storage.crypto import get_keyring
 from storage.models import Job, Tenant, TenantMember, User
 from storage.models_tenant_admin import InvitationLink, TenantInvitation
+from storage.states import InvitationLinkStatus, InvitationStatus
 from storage.types import utcnow
 
 INVITATION = "tenant_invitation"
@@ -95,10 +96,10 @@ def accept_url(settings: Settings, token: str) -> str:
 # ---- views ---------------------------------------------------------------------------------------
 
 
-def effective_status(invitation: TenantInvitation, now: dt.datetime) -> str:
+def effective_status(invitation: TenantInvitation, now: dt.datetime) -> InvitationStatus:
     """``EXPIRED`` for a PENDING invitation past ``expires_at`` even before the sweep has run."""
-    if invitation.status == "PENDING" and invitation.expires_at <= now:
-        return "EXPIRED"
+    if invitation.status == InvitationStatus.PENDING and invitation.expires_at <= now:
+        return InvitationStatus.EXPIRED
     return invitation.status
 
 
@@ -124,9 +125,10 @@ def invitation_view(invitation: TenantInvitation, now: dt.datetime) -> dict:
 def _issue_link(session: Session, invitation: TenantInvitation, trace_id: str | None) -> InvitationLink:
     """Supersede the invitation's active links, make a new one and record its mail job."""
     for link in session.exec(
-        select(InvitationLink).where(InvitationLink.invitation_id == invitation.id, InvitationLink.status == "active")
+        select(InvitationLink).where(InvitationLink.invitation_id == invitation.id,
+                                     InvitationLink.status == InvitationLinkStatus.ACTIVE)
     ):
-        link.status = "superseded"
+        link.status = InvitationLinkStatus.SUPERSEDED
         session.add(link)
     link = InvitationLink(tenant_id=invitation.tenant_id, invitation_id=invitation.id, token_digest="")
     link.token_digest = token_digest(link_token(session, invitation.tenant_id, link.id))
@@ -158,7 +160,7 @@ def create_invitation(
     get_tenant(session, caller.tenant_id)
     member = session.exec(
         select(TenantMember.id)
-        .join(User, User.id == TenantMember.user_id)
+        .join(User, col(User.id) == TenantMember.user_id)
         .where(TenantMember.tenant_id == caller.tenant_id, User.email == email)
     ).first()
     if member is not None:
@@ -167,7 +169,7 @@ def create_invitation(
         select(TenantInvitation.id).where(
             TenantInvitation.tenant_id == caller.tenant_id,
             TenantInvitation.email == email,
-            TenantInvitation.status == "PENDING",
+            TenantInvitation.status == InvitationStatus.PENDING,
             TenantInvitation.expires_at > now,
         )
     ).first()
@@ -182,7 +184,7 @@ def create_invitation(
         tenant_id=caller.tenant_id,
         email=email,
         role=role,
-        status="PENDING",
+        status=InvitationStatus.PENDING,
         expires_at=now + dt.timedelta(hours=ttl_hours),
         created_by=caller.application_id,
         created_at=now,
@@ -215,7 +217,7 @@ def list_invitations(session: Session, caller: Caller, *, page: int, size: int) 
     rows = session.exec(
         select(TenantInvitation)
         .where(where)
-        .order_by(TenantInvitation.created_at, TenantInvitation.id)
+        .order_by(col(TenantInvitation.created_at), TenantInvitation.id)
         .offset((page - 1) * size)
         .limit(size)
     ).all()
@@ -230,7 +232,7 @@ def resend_invitation(
     earlier links invalid, a new mail sent after the commit."""
     now = now or utcnow()
     invitation = get_invitation(session, caller, invitation_id, lock=True)
-    invitation.status = "PENDING"
+    invitation.status = InvitationStatus.PENDING
     invitation.expires_at = now + dt.timedelta(hours=ttl_hours)
     invitation.modified_by = caller.application_id
     invitation.modified_at = now
@@ -244,9 +246,10 @@ def delete_invitation(session: Session, caller: Caller, invitation_id: uuid.UUID
     """``DELETE /tenants/self/invitations/{id}``: the invitation is removed and every link of it revoked."""
     invitation = get_invitation(session, caller, invitation_id, lock=True)
     for link in session.exec(
-        select(InvitationLink).where(InvitationLink.invitation_id == invitation.id, InvitationLink.status == "active")
+        select(InvitationLink).where(InvitationLink.invitation_id == invitation.id,
+                                     InvitationLink.status == InvitationLinkStatus.ACTIVE)
     ):
-        link.status = "revoked"
+        link.status = InvitationLinkStatus.REVOKED
         session.add(link)
     session.delete(invitation)
     audit.record(session, caller, entity_type=INVITATION, entity_id=invitation.id, operation="delete")
@@ -270,18 +273,19 @@ def _usable_link(
         link = session.exec(query.with_for_update() if lock else query).first()
     if link is None:
         raise Problem(404, "This invitation link is not valid: check that it was copied whole.")
-    if link.status == "used":
+    if link.status == InvitationLinkStatus.USED:
         raise _gone("invitation_already_accepted", "This invitation was already accepted; a link works once.")
-    if link.status == "superseded":
+    if link.status == InvitationLinkStatus.SUPERSEDED:
         raise _gone(
             "invitation_link_superseded",
             "The invitation was sent again: this link was replaced; use the link in the latest mail.",
         )
     invitation = session.get(TenantInvitation, link.invitation_id, with_for_update=lock or None)
     tenant = session.get(Tenant, link.tenant_id)
-    if link.status == "revoked" or invitation is None or tenant is None or tenant.deleted_at is not None:
+    if (link.status == InvitationLinkStatus.REVOKED or invitation is None or tenant is None
+            or tenant.deleted_at is not None):
         raise _gone("invitation_withdrawn", "The invitation was withdrawn.")
-    if effective_status(invitation, now) == "EXPIRED":
+    if effective_status(invitation, now) == InvitationStatus.EXPIRED:
         raise _gone(
             "invitation_expired",
             f"The invitation expired at {invitation.expires_at.isoformat()}; ask the tenant to send it again.",
@@ -338,7 +342,7 @@ def accept_invitation(
         tenant_id=tenant.id, user_id=user.id, role=invitation.role, created_by=user.id, created_at=now
     )
     session.add(member)
-    link.status = "used"
+    link.status = InvitationLinkStatus.USED
     link.used_at = now
     session.add(link)
     session.delete(invitation)
@@ -372,14 +376,14 @@ def expire_invitations(session: Session, *, now: dt.datetime | None = None, batc
     now = now or utcnow()
     rows = session.exec(
         select(TenantInvitation)
-        .where(TenantInvitation.status == "PENDING", TenantInvitation.expires_at <= now)
-        .order_by(TenantInvitation.expires_at)
+        .where(TenantInvitation.status == InvitationStatus.PENDING, TenantInvitation.expires_at <= now)
+        .order_by(col(TenantInvitation.expires_at))
         .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()
     callers: dict[uuid.UUID, Caller] = {}
     for invitation in rows:
-        invitation.status = "EXPIRED"
+        invitation.status = InvitationStatus.EXPIRED
         invitation.modified_by = None
         invitation.modified_at = now
         session.add(invitation)
@@ -408,13 +412,13 @@ def prepare_mail(session: Session, link_id: uuid.UUID, settings: Settings, *, no
     its invitation expired): a resend or a delete stops mails that were not sent yet."""
     now = now or utcnow()
     link = session.get(InvitationLink, link_id)
-    if link is None or link.status != "active":
+    if link is None or link.status != InvitationLinkStatus.ACTIVE:
         return None
     invitation = session.get(TenantInvitation, link.invitation_id)
     tenant = session.get(Tenant, link.tenant_id)
     if invitation is None or tenant is None or tenant.deleted_at is not None:
         return None
-    if effective_status(invitation, now) != "PENDING":
+    if effective_status(invitation, now) != InvitationStatus.PENDING:
         return None
     token = link_token(session, tenant.id, link.id)
     url = accept_url(settings, token)

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 
 from sqlalchemy import func
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
@@ -62,13 +62,13 @@ def list_members(
     """``GET /tenants/self/members``: one page (oldest first) and the total, filtered by ``user_ids``."""
     where = [TenantMember.tenant_id == caller.tenant_id]
     if user_ids:
-        where.append(TenantMember.user_id.in_(list(user_ids)))
+        where.append(col(TenantMember.user_id).in_(list(user_ids)))
     total = session.exec(select(func.count()).select_from(TenantMember).where(*where)).one()
     rows = session.exec(
         select(TenantMember, User)
-        .join(User, User.id == TenantMember.user_id)
+        .join(User, col(User.id) == TenantMember.user_id)
         .where(*where)
-        .order_by(TenantMember.created_at, TenantMember.id)
+        .order_by(col(TenantMember.created_at), TenantMember.id)
         .offset((page - 1) * size)
         .limit(size)
     ).all()
@@ -101,7 +101,7 @@ def _owner_email(session: Session, tenant_id: uuid.UUID, owner_id: uuid.UUID | N
             return owner.email
     row = session.exec(
         select(User.email)
-        .join(TenantMember, TenantMember.user_id == User.id)
+        .join(TenantMember, col(TenantMember.user_id) == User.id)
         .where(TenantMember.tenant_id == tenant_id, TenantMember.role == "OWNER")
     ).first()
     return row

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from pydantic import EmailStr, TypeAdapter, ValidationError
-from sqlmodel import Session, func, select
+from sqlmodel import Session, col, func, select
 
 from domain.tenancy import audit
 from domain.tenancy.auth import caller_cache, new_api_key
@@ -98,9 +98,9 @@ def list_tenants(session: Session, *, limit: int = 100) -> list[dict]:
     )
     rows = session.exec(
         select(Tenant, User.email, members)
-        .join(User, User.id == Tenant.owner_id, isouter=True)
-        .where(Tenant.deleted_at.is_(None))
-        .order_by(Tenant.created_at.desc(), Tenant.id.desc())
+        .join(User, col(User.id) == Tenant.owner_id, isouter=True)
+        .where(col(Tenant.deleted_at).is_(None))
+        .order_by(col(Tenant.created_at).desc(), col(Tenant.id).desc())
         .limit(limit)
     ).all()
     return [

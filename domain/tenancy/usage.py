@@ -15,16 +15,16 @@ import uuid
 from collections.abc import Iterable
 
 from sqlalchemy import func, or_, union
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from storage.db import Rows, execute_unflushed, get_engine, insert_statement
 from storage.models import Token
 from storage.models_tenant_admin import TokenActivity
-from storage.types import utcnow
+from storage.types import table_of, utcnow
 
-_TABLE = TokenActivity.__table__
+_TABLE = table_of(TokenActivity)
 #: Rows per INSERT statement (keeps the statement's bound parameters well under backend limits).
 _INSERT_BATCH = 500
 
@@ -106,7 +106,8 @@ def usage_report(session: Session, caller: Caller, *, included: int, now: dt.dat
     now = now or utcnow()
     rows = session.exec(
         select(Token.type, func.count(), func.max(Token.created_at))
-        .where(Token.tenant_id == caller.tenant_id, or_(Token.expires_at.is_(None), Token.expires_at > now))
+        .where(col(Token.tenant_id) == caller.tenant_id,
+               or_(col(Token.expires_at).is_(None), col(Token.expires_at) > now))
         .group_by(Token.type)
         .order_by(Token.type)
     ).all()

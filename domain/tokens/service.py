@@ -49,7 +49,7 @@ from typing import Any
 
 from sqlalchemy import delete, func, or_
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import get_settings
 from domain.tenancy import audit
@@ -78,7 +78,7 @@ from storage.crypto import get_keyring
 from storage.db import Rows, stage_rows
 from storage.keyset import keyset_page
 from storage.models import Tenant, Token, TokenMetadata, TokenSearchIndex
-from storage.types import utcnow
+from storage.types import table_of, utcnow
 
 TOKEN_TYPES: tuple[str, ...] = ("token", "card", "bank")
 #: Properties of a token request object (the ``privacy`` attribute was shut down: accepted, ignored).
@@ -544,7 +544,7 @@ def _present(session: Session, caller: Caller, tokens: Iterable[Token], now: dt.
 
 
 def _live(now: dt.datetime):
-    return or_(Token.expires_at.is_(None), Token.expires_at > now)
+    return or_(col(Token.expires_at).is_(None), col(Token.expires_at) > now)
 
 
 def _seal(session: Session, tenant_id: uuid.UUID, token_id: str, data: Any) -> bytes:
@@ -643,7 +643,7 @@ def _stage_new_token(session: Session, rows: Rows, token: NewToken) -> None:
         rows.add(_INDEXES, {"tenant_id": token.tenant_id, "token_id": token.id, "digest": digest})
 
 
-_TOKENS, _METADATA, _INDEXES = Token.__table__, TokenMetadata.__table__, TokenSearchIndex.__table__
+_TOKENS, _METADATA, _INDEXES = table_of(Token), table_of(TokenMetadata), table_of(TokenSearchIndex)
 
 
 def _delete_rows(session: Session, tenant_id: uuid.UUID, token_ids: list[str]) -> None:
@@ -652,7 +652,8 @@ def _delete_rows(session: Session, tenant_id: uuid.UUID, token_ids: list[str]) -
     for table, column in ((TokenMetadata, TokenMetadata.token_id), (TokenSearchIndex, TokenSearchIndex.token_id)):
         session.execute(delete(table).where(table.tenant_id == tenant_id, column.in_(token_ids)))
     gone = session.execute(
-        delete(Token).where(Token.tenant_id == tenant_id, Token.id.in_(token_ids)).returning(Token.id, Token.created_at)
+        delete(Token).where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(token_ids))
+        .returning(col(Token.id), col(Token.created_at))
     ).all()
     record_deleted_tokens(session, tenant_id, gone)
 
@@ -739,7 +740,8 @@ def _check_references(session: Session, tenant_id: uuid.UUID, requests: list[Tok
             aliases[request.id] = request
     if aliases:
         taken = session.exec(
-            select(Token.id, Token.expires_at).where(Token.tenant_id == tenant_id, Token.id.in_(list(aliases)))
+            select(Token.id, Token.expires_at)
+            .where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(list(aliases)))
         ).all()
         live = [token_id for token_id, expires_at in taken if expires_at is None or expires_at > now]
         if live:
@@ -749,7 +751,7 @@ def _check_references(session: Session, tenant_id: uuid.UUID, requests: list[Tok
     parents = {r.parent_id for r in requests if r.parent_id is not None}
     if parents:
         found = set(session.exec(
-            select(Token.id).where(Token.tenant_id == tenant_id, Token.id.in_(list(parents)), _live(now))
+            select(Token.id).where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(list(parents)), _live(now))
         ).all())
         for request in requests:
             if request.parent_id is not None and request.parent_id not in found:
@@ -765,8 +767,8 @@ def _dedup_candidates(session: Session, caller: Caller, requests: list[TokenRequ
         return {}
     rows = session.exec(
         select(Token)
-        .where(Token.tenant_id == caller.tenant_id, Token.fingerprint.in_(list(wanted)), _live(now))
-        .order_by(Token.created_at, Token.id)
+        .where(col(Token.tenant_id) == caller.tenant_id, col(Token.fingerprint).in_(list(wanted)), _live(now))
+        .order_by(col(Token.created_at), Token.id)
     ).all()
     found: dict[tuple[str, str, str], Token] = {}
     for token in rows:
@@ -1106,7 +1108,7 @@ def _descendants(session: Session, tenant_id: uuid.UUID, root: Token) -> list[To
     frontier = [root.id]
     while frontier:
         rows = session.exec(
-            select(Token).where(Token.tenant_id == tenant_id, Token.parent_id.in_(frontier))
+            select(Token).where(col(Token.tenant_id) == tenant_id, col(Token.parent_id).in_(frontier))
         ).all()
         frontier = [t.id for t in rows if t.id not in found]
         found.update((t.id, t) for t in rows)
@@ -1149,9 +1151,10 @@ def _cursor_page(session: Session, caller: Caller, stmt, *, size: int, position:
 
 def _with_metadata(stmt, tenant_id: uuid.UUID, pairs: Iterable[tuple[str, str]]):
     for key, value in pairs:
-        stmt = stmt.where(Token.id.in_(
+        stmt = stmt.where(col(Token.id).in_(
             select(TokenMetadata.token_id).where(
-                TokenMetadata.tenant_id == tenant_id, TokenMetadata.key == key, TokenMetadata.value == value
+                col(TokenMetadata.tenant_id) == tenant_id, col(TokenMetadata.key) == key,
+                col(TokenMetadata.value) == value,
             )
         ))
     return stmt
@@ -1171,7 +1174,7 @@ def list_tokens(session: Session, caller: Caller, *, types: Iterable[str] = (),
     stmt = _read_select()
     types = list(types)
     if types:
-        stmt = stmt.where(Token.type.in_(types))
+        stmt = stmt.where(col(Token.type).in_(types))
     if metadata is not None:
         stmt = _with_metadata(stmt, caller.tenant_id, [metadata])
     return _cursor_page(session, caller, stmt, size=size, position=position, now=now)
@@ -1295,9 +1298,9 @@ def search_tokens(session: Session, caller: Caller, query: str, *, size: int = 2
         stmt = stmt.where(Token.id == parsed.id)
     if parsed.data is not None:
         digest = get_keyring().blind_index(session, caller.tenant_id, parsed.data)
-        stmt = stmt.where(Token.id.in_(
+        stmt = stmt.where(col(Token.id).in_(
             select(TokenSearchIndex.token_id).where(
-                TokenSearchIndex.tenant_id == caller.tenant_id, TokenSearchIndex.digest == digest
+                col(TokenSearchIndex.tenant_id) == caller.tenant_id, col(TokenSearchIndex.digest) == digest
             )
         ))
     stmt = _with_metadata(stmt, caller.tenant_id, parsed.metadata)
@@ -1317,12 +1320,12 @@ def children(session: Session, caller: Caller, parent_id: str, *, ids: Iterable[
     conditions = [Token.tenant_id == caller.tenant_id, Token.parent_id == parent.id, _live(now)]
     ids, types = list(ids), list(types)
     if ids:
-        conditions.append(Token.id.in_(ids))
+        conditions.append(col(Token.id).in_(ids))
     if types:
-        conditions.append(Token.type.in_(types))
+        conditions.append(col(Token.type).in_(types))
     total = session.exec(select(func.count()).select_from(Token).where(*conditions)).one()
     rows = session.exec(
-        _read_select().where(*conditions).order_by(Token.created_at.desc(), Token.id.desc())
+        _read_select().where(*conditions).order_by(col(Token.created_at).desc(), col(Token.id).desc())
         .offset((page - 1) * size).limit(size)
     ).all()
     return _present(session, caller, rows, now), total
@@ -1337,8 +1340,8 @@ def delete_expired_tokens(session: Session, *, now: dt.datetime, batch: int = 50
     ``token.deleted`` event each. Rows locked by a concurrent sweep are skipped (``SKIP LOCKED`` on
     PostgreSQL). Returns how many were deleted; call again while it returns ``batch``."""
     rows = session.exec(
-        select(Token).where(Token.expires_at.is_not(None), Token.expires_at <= now)
-        .order_by(Token.expires_at).limit(batch).with_for_update(skip_locked=True)
+        select(Token).where(col(Token.expires_at).is_not(None), col(Token.expires_at) <= now)
+        .order_by(col(Token.expires_at)).limit(batch).with_for_update(skip_locked=True)
     ).all()
     by_tenant: dict[uuid.UUID, list[Token]] = defaultdict(list)
     for token in rows:
@@ -1358,8 +1361,8 @@ def purge_card_verification_codes(session: Session, *, now: dt.datetime, batch: 
     their ``cvc`` (the code is kept only for provider calls within ``cvc_retention_seconds``).
     Skips rows locked elsewhere (``SKIP LOCKED``). Returns how many tokens were rewritten."""
     rows = session.exec(
-        select(Token).where(Token.cvc_expires_at.is_not(None), Token.cvc_expires_at <= now)
-        .order_by(Token.cvc_expires_at).limit(batch).with_for_update(skip_locked=True)
+        select(Token).where(col(Token.cvc_expires_at).is_not(None), col(Token.cvc_expires_at) <= now)
+        .order_by(col(Token.cvc_expires_at)).limit(batch).with_for_update(skip_locked=True)
     ).all()
     for token in rows:
         data = _open(session, token, now)

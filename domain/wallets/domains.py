@@ -33,7 +33,7 @@ import re
 import uuid
 from collections.abc import Sequence
 
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import get_settings
 from domain.tenancy import audit
@@ -50,6 +50,7 @@ from storage.crypto import get_keyring
 from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_wallets import WalletDomain, WalletSession
+from storage.states import JobStatus, WalletDomainStatus
 from storage.types import utcnow
 
 MAX_DOMAINS = 99
@@ -84,7 +85,7 @@ def normalize_domain(value: str) -> str | None:
 def _domains_view(session: Session, tenant_id: uuid.UUID, environment: str) -> dict:
     rows = session.exec(
         select(WalletDomain).where(WalletDomain.tenant_id == tenant_id, WalletDomain.environment == environment)
-        .order_by(WalletDomain.created_at, WalletDomain.domain)
+        .order_by(col(WalletDomain.created_at), WalletDomain.domain)
     ).all()
     return {"domains": [{"domain": row.domain, "status": row.status} for row in rows]}
 
@@ -152,10 +153,10 @@ def registration_outcome(session: Session, caller: Caller, job_ids: Sequence[uui
     """The answer after the wait: 422 naming each domain whose file was not available, 502 when the
     provider could not be reached, else ``{domains: [...]}`` (pending ones included)."""
     failures, unreachable = [], False
-    for job in session.exec(select(Job).where(Job.id.in_(list(job_ids)))).all():
-        if job.status == "failed":
+    for job in session.exec(select(Job).where(col(Job.id).in_(list(job_ids)))).all():
+        if job.status == JobStatus.FAILED:
             failures.append((job.last_error or "").split(": ", 1)[-1])
-        elif job.status == "dead":
+        elif job.status == JobStatus.DEAD:
             unreachable = True
     if failures:
         raise Problem(422, " ".join(failures), title="Domain verification failed")
@@ -211,7 +212,7 @@ def apply_registration(session: Session, job: Job, registered: bool) -> dict:
     """Mark the domain verified."""
     row = session.get(WalletDomain, uuid.UUID(job.subject_id))
     if registered and row is not None:
-        row.status = "verified"
+        row.status = WalletDomainStatus.VERIFIED
         session.add(row)
     return {}
 
@@ -219,7 +220,7 @@ def apply_registration(session: Session, job: Job, registered: bool) -> dict:
 def registration_failed(session: Session, job: Job) -> None:
     """Forget a domain that could not be registered."""
     row = session.get(WalletDomain, uuid.UUID(job.subject_id))
-    if row is not None and row.status == "pending":
+    if row is not None and row.status == WalletDomainStatus.PENDING:
         session.delete(row)
 
 
@@ -252,7 +253,7 @@ def start_session(session: Session, caller: Caller, *, display_name: str, domain
     name = normalize_domain(domain)
     registered = name is not None and session.exec(select(WalletDomain).where(
         WalletDomain.tenant_id == caller.tenant_id, WalletDomain.environment == environment,
-        WalletDomain.domain == name, WalletDomain.status == "verified")).first()
+        WalletDomain.domain == name, WalletDomain.status == WalletDomainStatus.VERIFIED)).first()
     if not registered:
         raise Problem(422, f"The domain {domain[:253]} is not registered for this tenant in the {environment} "
                       "environment; register it with POST /wallet-a/domain-registration.", title="Session refused")
@@ -279,11 +280,11 @@ def session_outcome(session: Session, caller: Caller, row_id: uuid.UUID, job_id:
     job = session.get(Job, job_id)
     if row is not None:
         session.delete(row)
-    if job is not None and job.status == "succeeded" and row is not None and row.session_ct is not None:
+    if job is not None and job.status == JobStatus.SUCCEEDED and row is not None and row.session_ct is not None:
         audit.record(session, caller, entity_type="wallet-a-session", entity_id=row_id, operation="create")
         return json.loads(get_keyring().decrypt(session, caller.tenant_id, SESSION_PURPOSE, str(row_id),
                                                 row.session_ct))
-    if job is not None and job.status == "failed":
+    if job is not None and job.status == JobStatus.FAILED:
         message = (job.last_error or "").split(": ", 1)[-1]
         raise Problem(422, f"The wallet provider rejected the request: {message}", title="Session refused")
     raise Problem(503, "The wallet session service is unavailable; try again.")

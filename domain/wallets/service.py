@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import get_settings
 from domain.network_tokens import token_intents
@@ -149,7 +149,7 @@ def list_keys(session: Session, caller: Caller, wallet: str) -> list[dict]:
     rows = session.exec(
         select(WalletMerchantKey)
         .where(WalletMerchantKey.tenant_id == caller.tenant_id, WalletMerchantKey.wallet == wallet)
-        .order_by(WalletMerchantKey.created_at, WalletMerchantKey.id)
+        .order_by(col(WalletMerchantKey.created_at), WalletMerchantKey.id)
     ).all()
     return [key_view(row) for row in rows]
 
@@ -384,7 +384,7 @@ def load_for_proxy(session: Session, tenant_id: uuid.UUID, wallet: str, ids: Seq
         return {}
     rows = session.exec(
         select(WalletToken).where(WalletToken.tenant_id == tenant_id, WalletToken.wallet == wallet,
-                                  WalletToken.id.in_(list(wanted)))
+                                  col(WalletToken.id).in_(list(wanted)))
     ).all()
     found = {}
     for row in rows:

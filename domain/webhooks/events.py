@@ -33,7 +33,8 @@ from infra.celery import DELIVER_TASK
 from infra.dispatch import enqueue_jobs_after_commit
 from storage.db import Rows, insert_rows, on_commit
 from storage.models import Event, Job, Webhook, WebhookDelivery
-from storage.types import utcnow
+from storage.states import JobStatus, WebhookStatus
+from storage.types import table_of, utcnow
 
 #: Every event type the platform emits or will emit (``GET /webhooks/event-types``).
 EVENT_TYPES: tuple[str, ...] = (
@@ -102,7 +103,7 @@ def _delivery_rows(
     jobs.stage_many(session, rows, [(i, str(w)) for i, w in zip(ids, webhook_ids, strict=True)], kind=DELIVER_TASK,
                     tenant_id=tenant_id, subject_type="webhook", trace_id=trace_id,
                     max_attempts=max_attempts(), now=now)
-    table = WebhookDelivery.__table__
+    table = table_of(WebhookDelivery)
     for delivery_id, webhook_id in zip(ids, webhook_ids, strict=True):
         rows.add(table, {"id": delivery_id, "tenant_id": tenant_id, "webhook_id": webhook_id, "event_id": event_id,
                          "last_status_code": None, "created_at": now, "completed_at": None})
@@ -140,8 +141,8 @@ def _emit_one_statement():
     """``INSERT`` the event (CTE), pick a new delivery id per subscribed enabled webhook
     (``webhooks.events`` is a JSON array of types), ``INSERT`` their jobs (CTE) and their delivery
     rows, returning the delivery ids (foreign keys are checked when the statement ends)."""
-    events, webhooks, deliveries = Event.__table__, Webhook.__table__, WebhookDelivery.__table__
-    job_table = Job.__table__
+    events, webhooks, deliveries = table_of(Event), table_of(Webhook), table_of(WebhookDelivery)
+    job_table = table_of(Job)
     event_id = bindparam("event_id", type_=events.c.id.type)
     now = bindparam("now", type_=events.c.created_at.type)
     event = insert(events).values(
@@ -153,14 +154,14 @@ def _emit_one_statement():
         func.gen_random_uuid().label("id"), webhooks.c.tenant_id, webhooks.c.id.label("webhook_id"),
     ).where(
         webhooks.c.tenant_id == bindparam("tenant_id", type_=events.c.tenant_id.type),
-        webhooks.c.status == "enabled",
+        webhooks.c.status == WebhookStatus.ENABLED,
         cast(webhooks.c.events, JSONB).contains(bindparam("subscribed", type_=JSONB)),
     ).cte("chosen")
     job_columns = ("id", "tenant_id", "kind", "subject_type", "subject_id", "status", "attempts", "max_attempts",
                    "due_at", "created_at", "updated_at", "trace_id")
     staged = insert(job_table).from_select(job_columns, select(
         chosen.c.id, chosen.c.tenant_id, literal(DELIVER_TASK), literal("webhook"), cast(chosen.c.webhook_id, Text),
-        literal("queued"), literal(0), bindparam("max_attempts"), now, now, now, bindparam("trace_id"),
+        literal(JobStatus.QUEUED.value), literal(0), bindparam("max_attempts"), now, now, now, bindparam("trace_id"),
     )).cte("job")
     columns = ("id", "tenant_id", "webhook_id", "event_id", "created_at")
     return insert(deliveries).from_select(
@@ -214,7 +215,7 @@ def _event_rows(
     delivery_ids = 0
     for data in datas:
         event_id = uuid.uuid4()
-        rows.add(Event.__table__, {"id": event_id, "tenant_id": tenant_id, "type": type, "trace_id": trace_id,
+        rows.add(table_of(Event), {"id": event_id, "tenant_id": tenant_id, "type": type, "trace_id": trace_id,
                                    "data": data, "created_at": now})
         delivery_ids += len(_delivery_rows(session, rows, tenant_id=tenant_id, event_id=event_id,
                                            webhook_ids=subscribed, trace_id=trace_id, now=now))
@@ -226,7 +227,8 @@ def _enabled_webhooks(session: Session, tenant_id: uuid.UUID) -> list[tuple[uuid
     cache = session.info.setdefault(_WEBHOOK_CACHE, {})
     if tenant_id not in cache:
         cache[tenant_id] = session.exec(
-            select(Webhook.id, Webhook.events).where(Webhook.tenant_id == tenant_id, Webhook.status == "enabled")
+            select(Webhook.id, Webhook.events)
+            .where(Webhook.tenant_id == tenant_id, Webhook.status == WebhookStatus.ENABLED)
         ).all()
     return cache[tenant_id]
 

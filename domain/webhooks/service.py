@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 
 from sqlalchemy import delete, distinct, func, insert, or_, update
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.tenancy import audit
@@ -48,9 +48,10 @@ from infra.errors import not_found, validation_problem
 from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many, validate_destination_url
 from infra.lookup import get_owned
 from infra.signing import headers as signature_headers
-from storage.db import session_scope
+from storage.db import rowcount, session_scope
 from storage.keyset import keyset_page
 from storage.models import DELIVERY_STATUS, Event, Job, Tenant, Webhook, WebhookAttempt, WebhookDelivery
+from storage.states import JOB_TAKEABLE, DeliveryStatus, JobStatus, WebhookStatus
 from storage.types import utcnow
 
 NOTIFY_TASK = "mail.webhook_disabled"
@@ -138,7 +139,7 @@ def update_webhook(
     url: str,
     notify_email: str | None,
     events: list[str],
-    status: str | None,
+    status: WebhookStatus | None,
 ) -> dict:
     """``PUT /webhooks/{id}``: replace the subscription; ``status`` enables or disables it."""
     check_subscription(url, events)
@@ -148,7 +149,7 @@ def update_webhook(
     if status is not None and status != webhook.status:
         webhook.status = status
         webhook.failing_since = None
-        webhook.disabled_reason = None if status == "enabled" else "disabled by the tenant"
+        webhook.disabled_reason = None if status == WebhookStatus.ENABLED else "disabled by the tenant"
     webhook.modified_by = caller.application_id
     webhook.modified_at = utcnow()
     session.add(webhook)
@@ -161,7 +162,8 @@ def delete_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> N
     webhook = get_webhook(session, caller, webhook_id)
     session.execute(  # the deliveries' jobs; each takes its delivery row and attempts with it
         delete(Job)
-        .where(Job.kind == DELIVER_TASK, Job.subject_type == "webhook", Job.subject_id == str(webhook.id))
+        .where(col(Job.kind) == DELIVER_TASK, col(Job.subject_type) == "webhook",
+               col(Job.subject_id) == str(webhook.id))
         .execution_options(synchronize_session=False)
     )
     session.delete(webhook)
@@ -186,7 +188,7 @@ def delivery_view(delivery: WebhookDelivery, job_status: str, due_at: dt.datetim
         "event_id": delivery.event_id,
         "event_type": event_type,
         "status": status,
-        "next_attempt_at": due_at if status == "pending" else None,
+        "next_attempt_at": due_at if status == DeliveryStatus.PENDING else None,
         "created_at": delivery.created_at,
         "completed_at": delivery.completed_at,
         "attempts": [
@@ -218,8 +220,8 @@ def list_deliveries(
     webhook = get_webhook(session, caller, webhook_id)
     query = (
         select(WebhookDelivery, Job.status, Job.due_at, Event.type)
-        .join(Job, Job.id == WebhookDelivery.id)
-        .join(Event, Event.id == WebhookDelivery.event_id)
+        .join(Job, col(Job.id) == WebhookDelivery.id)
+        .join(Event, col(Event.id) == WebhookDelivery.event_id)
         .where(WebhookDelivery.webhook_id == webhook.id)
     )
     rows, next_position = keyset_page(session, query, order=(WebhookDelivery.created_at, WebhookDelivery.id),
@@ -228,8 +230,8 @@ def list_deliveries(
     if rows:
         for attempt in session.exec(
             select(WebhookAttempt)
-            .where(WebhookAttempt.delivery_id.in_([row[0].id for row in rows]))
-            .order_by(WebhookAttempt.attempted_at, WebhookAttempt.number)
+            .where(col(WebhookAttempt.delivery_id).in_([row[0].id for row in rows]))
+            .order_by(col(WebhookAttempt.attempted_at), WebhookAttempt.number)
         ):
             attempts.setdefault(attempt.delivery_id, []).append(attempt)
     return [delivery_view(d, job_status, due_at, event_type, attempts.get(d.id, []))
@@ -248,7 +250,7 @@ def redeliver(session: Session, caller: Caller, webhook_id: uuid.UUID, delivery_
     session.add(delivery)
     event_type = session.get(Event, delivery.event_id).type
     audit.record(session, caller, entity_type="webhook", entity_id=webhook.id, operation="update")
-    return delivery_view(delivery, "queued", utcnow(), event_type, [])
+    return delivery_view(delivery, JobStatus.QUEUED, utcnow(), event_type, [])
 
 
 # ---- delivering ----------------------------------------------------------------------------------
@@ -323,7 +325,7 @@ def _lease_and_read(session: Session, delivery_ids: list[uuid.UUID], owner: str,
         .join(Event, Event.id == WebhookDelivery.event_id)
         .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
         .join(Tenant, Tenant.id == WebhookDelivery.tenant_id)
-        .where(Job.id.in_(leased))
+        .where(col(Job.id).in_(leased))
     ).all()
 
 
@@ -345,7 +347,7 @@ def lease_batch(
     prepared, closed = [], []
     for (delivery_id, attempts, max_attempts, webhook_id, url, webhook_status, event_id, event_type,
          event_created_at, tenant_id, trace_id, data, secret_ct, tenant_deleted_at) in rows:
-        if webhook_status != "enabled" or tenant_deleted_at is not None:
+        if webhook_status != WebhookStatus.ENABLED or tenant_deleted_at is not None:
             closed.append(delivery_id)
             continue
         envelope = {
@@ -369,7 +371,7 @@ def lease_batch(
 def lease_delivery(session: Session, delivery_id: uuid.UUID, owner: str, *, lease_seconds: float) -> bool:
     """Take the lease on the job of one due delivery (see :func:`lease_batch`); False when taken."""
     statement = jobs.lease_many_statement([delivery_id], owner, lease_seconds=lease_seconds)
-    return session.execute(statement.where(Job.kind == DELIVER_TASK)).rowcount == 1
+    return rowcount(session.execute(statement.where(Job.kind == DELIVER_TASK))) == 1
 
 
 def _retry_delay(result: DeliveryResult, attempt_number: int, settings: Settings) -> float | None:
@@ -405,7 +407,7 @@ def record_outcomes(
     now = utcnow()
     outcome = BatchOutcome(counts={})
     if closed:
-        jobs.settle_many(session, closed, "failed", error="the webhook is disabled", now=now)
+        jobs.settle_many(session, closed, JobStatus.FAILED, error="the webhook is disabled", now=now)
         _update_deliveries(session, closed, completed_at=now)
         outcome.counts["closed"] = len(closed)
         outcome.failed += len(closed)
@@ -434,24 +436,24 @@ def record_outcomes(
         outcome.counts[r.outcome] = outcome.counts.get(r.outcome, 0) + 1
         if r.outcome == "success":
             succeeded.add(p.webhook_id)
-            key = ("succeeded", r.status_code, None, None)
+            key = (JobStatus.SUCCEEDED, r.status_code, None, None)
         else:
             failing.add(p.webhook_id)
             error = (r.error or f"HTTP {r.status_code}")[:500]
             delay = _retry_delay(r, p.attempt_number, settings)
             if delay is not None and p.attempt_number < p.max_attempts:
                 outcome.retrying += 1
-                key = ("queued", r.status_code, error, delay)
+                key = (JobStatus.QUEUED, r.status_code, error, delay)
             elif r.transient:  # retrying could help, but the schedule is spent: a dead letter
                 outcome.failed += 1
                 outcome.dead += 1
-                key = ("dead", r.status_code, error, None)
+                key = (JobStatus.DEAD, r.status_code, error, None)
             else:
                 outcome.failed += 1
-                key = ("failed", r.status_code, error, None)
+                key = (JobStatus.FAILED, r.status_code, error, None)
         groups.setdefault(key, []).append(p.delivery_id)
     for (status, status_code, error, delay), ids in groups.items():
-        if status == "queued":
+        if status == JobStatus.QUEUED:
             jobs.retry_many(session, DELIVER_TASK, ids, delay=delay, error=error, now=now)
             _update_deliveries(session, ids, last_status_code=status_code)
         else:
@@ -461,7 +463,7 @@ def record_outcomes(
     if cleared:
         session.execute(
             update(Webhook)
-            .where(Webhook.id.in_(cleared), Webhook.failing_since.is_not(None))
+            .where(col(Webhook.id).in_(cleared), col(Webhook.failing_since).is_not(None))
             .values(failing_since=None)
             .execution_options(synchronize_session=False)
         )
@@ -475,7 +477,7 @@ def record_outcomes(
 def _update_deliveries(session: Session, ids: list[uuid.UUID], **values) -> None:
     session.execute(
         update(WebhookDelivery)
-        .where(WebhookDelivery.id.in_(ids))
+        .where(col(WebhookDelivery.id).in_(ids))
         .values(**values)
         .execution_options(synchronize_session=False)
     )
@@ -484,8 +486,8 @@ def _update_deliveries(session: Session, ids: list[uuid.UUID], **values) -> None
 def _note_failure(session: Session, webhook: Webhook, now: dt.datetime, settings: Settings) -> None:
     webhook.failing_since = webhook.failing_since or now
     failing_for = (now - webhook.failing_since).total_seconds()
-    if webhook.status == "enabled" and failing_for >= settings.webhook_disable_after_seconds:
-        webhook.status = "disabled"
+    if webhook.status == WebhookStatus.ENABLED and failing_for >= settings.webhook_disable_after_seconds:
+        webhook.status = WebhookStatus.DISABLED
         webhook.disabled_reason = f"deliveries failed for {int(failing_for)} s without a success"
         webhook.modified_at = now
         if webhook.notify_email:
@@ -508,7 +510,7 @@ def disabled_notice(session: Session, webhook_id: uuid.UUID) -> DisabledNotice |
     """The ``mail.webhook_disabled`` job's mail, or None when there is nothing to tell any more
     (the webhook is gone, enabled again, or has no ``notify_email``)."""
     webhook = session.get(Webhook, webhook_id)
-    if webhook is None or not webhook.notify_email or webhook.status != "disabled":
+    if webhook is None or not webhook.notify_email or webhook.status != WebhookStatus.DISABLED:
         return None
     text = (
         f"Your Tessera webhook '{webhook.name}' ({webhook.id}) delivering to {webhook.url} was disabled: "
@@ -534,11 +536,11 @@ def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], setti
         return 0
     now = now or utcnow()
     tenants = sorted(set(session.execute(
-        select(Job.tenant_id).where(Job.id.in_(delivery_ids))).scalars()), key=str)
+        select(Job.tenant_id).where(col(Job.id).in_(delivery_ids))).scalars()), key=str)
     if session.get_bind().dialect.name == "postgresql":
         for tenant_id in tenants:
             session.execute(select(func.pg_advisory_xact_lock(func.hashtext(str(tenant_id)))))
-    waiting = (Job.kind == DELIVER_TASK, Job.status.in_(("queued", "running")))  # ix_jobs_deliveries_waiting
+    waiting = (col(Job.kind) == DELIVER_TASK, col(Job.status).in_(JOB_TAKEABLE))  # ix_jobs_deliveries_waiting
     busy = []
     for tenant_id in tenants:
         behind = session.execute(select(Job.id).where(
@@ -551,25 +553,25 @@ def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], setti
         held = session.execute(select(func.count(distinct(Job.lease_owner))).where(
             *waiting,
             Job.tenant_id == tenant_id,
-            Job.status == "running",
-            Job.lease_expires_at > now,
+            Job.status == JobStatus.RUNNING,
+            col(Job.lease_expires_at) > now,
         )).scalar_one()
         if held >= slots:
             busy.append(tenant_id)
     if not busy:
         return 0
-    return session.execute(
+    return rowcount(session.execute(
         update(Job)
         .where(
-            Job.id.in_(delivery_ids),
-            Job.tenant_id.in_(busy),
-            Job.status.in_(("queued", "running")),
-            or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < now),
+            col(Job.id).in_(delivery_ids),
+            col(Job.tenant_id).in_(busy),
+            col(Job.status).in_(JOB_TAKEABLE),
+            or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
         )
         .values(due_at=now + dt.timedelta(seconds=settings.webhook_postpone_seconds), enqueued_at=None,
                 updated_at=now)
         .execution_options(synchronize_session=False)
-    ).rowcount
+    ))
 
 
 def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings) -> BatchOutcome:
