@@ -32,6 +32,7 @@ QUEUE_OF_MODULE = {
     "account_updater": "files",
     "documents": "files",
     "wallets": "providers",
+    "enrichments": "providers",
     "reactors": "reactors",
 }
 #: The queue of beat's periodic tasks.
