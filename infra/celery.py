@@ -41,6 +41,12 @@ SWEEPS_QUEUE = "sweeps"
 QUEUES = ("default", *sorted(set(QUEUE_OF_MODULE.values())))
 
 
+#: Periodic tasks whose runs send no task events: beat runs them every few seconds or minutes, and
+#: their runs would fill Flower's history (bounded) with sweeps that found nothing. The worker side
+#: (``workers/celery_app.py``) fills it from beat's schedule; the tasks' log lines stay.
+QUIET_TASKS: set[str] = set()
+
+
 def queue_of(task_name: str) -> str:
     """The queue task ``task_name`` is routed to (:data:`QUEUE_OF_MODULE`; ``default`` otherwise)."""
     return QUEUE_OF_MODULE.get(task_name.split(".", 1)[0], "default")

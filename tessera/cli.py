@@ -272,11 +272,10 @@ def _flower(args: argparse.Namespace) -> int:
         print("error: TESSERA_FLOWER_USER may not hold ':' or ',', nor TESSERA_FLOWER_PASSWORD ','", file=sys.stderr)
         return 2
     if settings.effective_broker_url.startswith("sqla+"):
-        print(
-            "tessera flower: the embedded SQLite broker sends no task events; point TESSERA_BROKER_URL at Redis",
-            file=sys.stderr,
-            flush=True,
-        )
+        print("error: the embedded SQLite broker carries no task events, so Flower would show none; set "
+              "TESSERA_BROKER_URL=redis://... (in the environment or ./.env) for tessera dev, worker and flower alike",
+              file=sys.stderr, flush=True)
+        return 2
     # Flower reads FLOWER_* options from the environment: the password stays out of the process list.
     os.environ["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # Flower serves its own /metrics from memory
