@@ -1,9 +1,10 @@
 """The one settings class of the platform.
 
-Every setting is read from an environment variable ``TESSERA_<NAME>`` (pydantic-settings). README.md
-lists each with its default. Services left unset fall back, each on its own, to the embedded defaults
-kept in ``TESSERA_DATA_DIR``: a SQLite database, the kombu SQLAlchemy transport on SQLite, an
-in-process rate limiter, mail written to files.
+Every setting is read from an environment variable ``TESSERA_<NAME>`` or, when the environment does
+not set it, from a ``.env`` file in the working folder (:data:`ENV_FILE`, lines ``TESSERA_<NAME>=value``;
+pydantic-settings). README.md lists each with its default. Services left unset fall back, each on
+its own, to the embedded defaults kept in ``TESSERA_DATA_DIR``: a SQLite database, the kombu
+SQLAlchemy transport on SQLite, an in-process rate limiter, mail written to files.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -20,10 +22,25 @@ def _default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "tessera"
 
 
+#: The settings file read from the working folder (the environment wins over it).
+ENV_FILE = ".env"
+
+
+def _without_password(url: str) -> str:
+    """``url`` with the password of its user part replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
 class Settings(BaseSettings):
     """Process-wide configuration; instantiate through :func:`get_settings`."""
 
-    model_config = SettingsConfigDict(env_prefix="TESSERA_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="TESSERA_", extra="ignore", frozen=True, env_file=ENV_FILE,
+                                      env_file_encoding="utf-8")
 
     # Where the embedded defaults live (SQLite files, master key file, mail sink).
     data_dir: Path = Field(default_factory=_default_data_dir)
@@ -222,6 +239,13 @@ class Settings(BaseSettings):
         """The Celery broker URL: the configured one or kombu's SQLAlchemy transport on SQLite."""
         return self.broker_url or f"sqla+sqlite:///{self.data_dir / 'broker.db'}"
 
+    def services_line(self) -> str:
+        """One line naming the database and the broker these settings reach (passwords hidden) and
+        where the settings came from: what every command that reads state says first."""
+        source = f"the environment and {Path(ENV_FILE).resolve()}" if Path(ENV_FILE).is_file() else "the environment"
+        return (f"database {_without_password(self.effective_database_url)}, "
+                f"broker {_without_password(self.effective_broker_url)} (settings from {source})")
+
     @property
     def uses_embedded_database(self) -> bool:
         """True when the database is the embedded SQLite file."""
@@ -249,7 +273,7 @@ class Settings(BaseSettings):
 
 @functools.cache
 def get_settings() -> Settings:
-    """The process's settings, read once from the environment."""
+    """The process's settings, read once from the environment and ``./.env``."""
     return Settings()
 
 

@@ -32,12 +32,19 @@ QUEUE_OF_MODULE = {
     "account_updater": "files",
     "documents": "files",
     "wallets": "providers",
+    "enrichments": "providers",
     "reactors": "reactors",
 }
 #: The queue of beat's periodic tasks.
 SWEEPS_QUEUE = "sweeps"
 #: Queues of the platform: the table's, and ``default`` for a name outside it.
 QUEUES = ("default", *sorted(set(QUEUE_OF_MODULE.values())))
+
+
+#: Periodic tasks whose runs send no task events: beat runs them every few seconds or minutes, and
+#: their runs would fill Flower's history (bounded) with sweeps that found nothing. The worker side
+#: (``workers/celery_app.py``) fills it from beat's schedule; the tasks' log lines stay.
+QUIET_TASKS: set[str] = set()
 
 
 def queue_of(task_name: str) -> str:

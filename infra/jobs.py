@@ -318,6 +318,14 @@ def requeue(session: Session, job: Job) -> None:
     enqueue_after_commit(session, job.kind, job_id=str(job.id))
 
 
+def cancel_if_queued(session: Session, job_id: uuid.UUID) -> None:
+    """Cancel a job nobody took yet (its waiting request gave up); a running job runs to its end."""
+    session.execute(
+        update(Job).where(col(Job.id) == job_id, col(Job.status) == JobStatus.QUEUED)
+        .values(status=JobStatus.CANCELLED, updated_at=utcnow()).execution_options(synchronize_session=False)
+    )
+
+
 # ---- batch forms ---------------------------------------------------------------------------------
 
 

@@ -66,6 +66,7 @@ from sqlmodel import Session
 
 from config.settings import Settings, get_settings
 from infra import jobs
+from infra.celery import QUIET_TASKS
 from infra.jobs import PermanentError, TransientError
 from storage.db import session_scope
 from storage.models import Job
@@ -87,6 +88,11 @@ class AttemptFailed(Exception):
         self.outcome = outcome
 
 
+class RetryReason(Exception):
+    """Why an attempt is retried (its error, the attempt count and when it runs again): carried by the
+    :class:`celery.exceptions.Retry` a task raises, so the worker's ``task-retried`` event names it."""
+
+
 class TesseraTask(Task):
     """Acknowledged late, rejected on worker loss, time-limited; arguments are ids only.
 
@@ -98,6 +104,12 @@ class TesseraTask(Task):
     acks_late = True
     reject_on_worker_lost = True
     throws = (AttemptFailed,)
+
+    @property
+    def send_events(self) -> bool:
+        """Whether the worker sends this task's events (Flower): not for beat's periodic sweeps
+        (:data:`infra.celery.QUIET_TASKS`)."""
+        return self.name not in QUIET_TASKS
     #: The fixed part of how long a worker holds what it leased (seconds); None for tasks that lease nothing.
     lease_seconds: float | None = None
     #: The part that follows the settings: setting name (a number of seconds) -> factor.
@@ -151,7 +163,9 @@ class TesseraTask(Task):
             what = "dead letter" if dead else "failed"
             raise AttemptFailed(error or f"{failed + dead} {what}", outcome="dead" if dead else "failed")
         if retrying:
-            raise Retry(error or f"{retrying} to retry", when=retry_in)
+            reason = error or f"{retrying} to retry"
+            # ``exc`` is what the worker's task-retried event (Flower's "Exception") shows.
+            raise Retry(reason, exc=RetryReason(reason), when=retry_in)
         return result
 
 
@@ -236,7 +250,8 @@ class JobTask(TesseraTask):
                 self.on_job_failure(session, current, exc)
         if delay is None:
             return self.report("dead", dead=1, error=f"dead letter after {job.attempts} attempts: {exc}")
-        return self.report("retrying", retrying=1, error=str(exc), retry_in=delay)
+        return self.report("retrying", retrying=1, retry_in=delay,
+                           error=f"attempt {job.attempts} of {job.max_attempts} failed: {exc}; again in {delay:.0f} s")
 
     def _fail(self, job: Job, exc: PermanentError) -> str:
         with self.session_scope() as session:

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from sandbox import account_updater, agentic, allowances, card_network, wallet_gateway
+from sandbox import account_updater, agentic, allowances, bank_verification, card_network, wallet_gateway
 from sandbox.cards import CardFilter
 from sandbox.replies import error_middleware
 from sandbox.state import SANDBOX, Sandbox, Settings, sandbox_of
@@ -48,7 +48,7 @@ def make_app(
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[SANDBOX] = Sandbox(Settings(slow_seconds, hang_seconds, pending_seconds))
-    for part in (card_network, account_updater, agentic, allowances, wallet_gateway):
+    for part in (card_network, account_updater, agentic, allowances, wallet_gateway, bank_verification):
         part.setup(app)
     app.add_routes(routes)
     app.cleanup_ctx.append(_callback_client)

@@ -4,9 +4,10 @@ Each is a :class:`infra.task.JobTask` running one recorded job:
 
 * ``reactors.build`` installs a requested version's pinned dependencies (npm, ``--ignore-scripts``,
   cached by dependency set) and scans them (:meth:`domain.reactors.runtime.ReactorRuntime.build`),
-  then :func:`domain.reactors.service.apply_build` makes it serve or refuses it. npm failing to
-  install is permanent (``build_failed``); a scan that could not be made is retried, then
-  ``build_failed``.
+  and loads the code once in a sandboxed process, then :func:`domain.reactors.service.apply_build`
+  makes it serve or refuses it (``invalid_code`` when the code does not load). npm failing to
+  install and a registry refusing the scan (a 4xx) are permanent (``build_failed`` at once); a scan
+  that could not be made otherwise is retried, then ``build_failed``.
 * ``reactors.run`` runs one invocation's code in this worker's warm Node.js processes
   (:mod:`domain.reactors.runs`); one attempt only: a run whose worker died is not run again.
 * ``reactors.purge_results`` is the beat sweep of old invocations (on the ``sweeps`` queue).
@@ -29,7 +30,8 @@ from infra.dispatch import send_task
 from infra.fairness import fair_next
 from infra.jobs import PermanentError, TransientError
 from infra.node_runtime.owners import END_CODE_COMMAND
-from infra.node_runtime.packages import AuditUnavailable, InstallFailed
+from infra.node_runtime.packages import AuditRefused, AuditUnavailable, InstallFailed
+from infra.node_runtime.sandbox import SandboxUnavailable
 from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
 from storage.models import Job
@@ -47,15 +49,19 @@ class BuildReactor(JobTask):
     def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The :class:`~domain.reactors.runtime.Build` (None: nothing to build any more)."""
         with session_scope() as session:
-            runtime = service.build_input(session, job)
-        if runtime is None:
+            version = service.build_input(session, job)
+        if version is None:
             return None
         try:
-            return reactor_runtime().build(runtime)
+            return reactor_runtime().build(version.runtime, version=version)
         except InstallFailed as exc:
             raise PermanentError(service.BUILD_FAILED, str(exc)) from None
+        except AuditRefused as exc:
+            raise PermanentError(service.BUILD_FAILED, service.audit_refused_message(exc)) from None
         except AuditUnavailable as exc:
             raise TransientError(f"the vulnerability scan could not be made: {exc}") from None
+        except SandboxUnavailable as exc:
+            raise TransientError(f"the code cannot be loaded in a sandbox on this worker: {exc}") from None
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
         """See :func:`domain.reactors.service.apply_build`."""

@@ -14,7 +14,9 @@
     tessera queues [--json] [--timeout S]
     tessera --version
 
-Every command reads the same ``TESSERA_*`` settings (``config/settings.py``).
+Every command reads the same ``TESSERA_*`` settings (``config/settings.py``: the environment, then
+``./.env``); each one that reads state (migrate, tenants, jobs, queues) says first, on stderr, which
+database and broker it looked at.
 """
 
 from __future__ import annotations
@@ -291,11 +293,10 @@ def _flower(args: argparse.Namespace) -> int:
         print("error: TESSERA_FLOWER_USER may not hold ':' or ',', nor TESSERA_FLOWER_PASSWORD ','", file=sys.stderr)
         return 2
     if settings.effective_broker_url.startswith("sqla+"):
-        print(
-            "tessera flower: the embedded SQLite broker sends no task events; point TESSERA_BROKER_URL at Redis",
-            file=sys.stderr,
-            flush=True,
-        )
+        print("error: the embedded SQLite broker carries no task events, so Flower would show none; set "
+              "TESSERA_BROKER_URL=redis://... (in the environment or ./.env) for tessera dev, worker and flower alike",
+              file=sys.stderr, flush=True)
+        return 2
     # Flower reads FLOWER_* options from the environment: the password stays out of the process list.
     os.environ["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # Flower serves its own /metrics from memory
@@ -452,7 +453,8 @@ def _dev(_args: argparse.Namespace) -> int:
     return run_dev()
 
 
-_SETTINGS_TEXT = "Settings come from TESSERA_* environment variables (config/settings.py)."
+_SETTINGS_TEXT = ("Settings come from TESSERA_* environment variables, or from a .env file in the working folder "
+                  "for those the environment does not set (config/settings.py).")
 _WORKER_TEXT = f"""Options not listed here pass through to `celery worker` (for example --concurrency N,
 -n NAME, -Q QUEUES, --loglevel DEBUG; see `celery worker --help`). Without -Q this process runs every
 queue but `providers` and `reactors` on a prefork pool and starts a child on threads for each of
@@ -518,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Run Celery beat: the sweeps and the outbox relay.", epilog=_BEAT_TEXT,
                                formatter_class=raw)
     beat.set_defaults(func=_beat)
-    commands.add_parser("migrate", help="apply the database migrations").set_defaults(func=_migrate)
+    commands.add_parser("migrate", help="apply the database migrations").set_defaults(func=_migrate, reads_state=True)
     sandbox = commands.add_parser("sandbox", help="run the sandbox providers")
     sandbox.add_argument("--host", help="address to listen on (default: the host of TESSERA_SANDBOX_URL)")
     sandbox.add_argument("--port", type=int, help="port to listen on (default: the port of TESSERA_SANDBOX_URL)")
@@ -531,11 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--type", choices=("test", "production"), default="test",
                         help="test (sandbox providers, the default) or production (live providers)")
     create.add_argument("--json", action="store_true", help="print one JSON object")
-    create.set_defaults(func=_tenants_create)
+    create.set_defaults(func=_tenants_create, reads_state=True)
     tenant_list = tenants.add_parser("list", help="the live tenants, newest first")
     tenant_list.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
     tenant_list.add_argument("--json", action="store_true", help="print a JSON array")
-    tenant_list.set_defaults(func=_tenants_list)
+    tenant_list.set_defaults(func=_tenants_list, reads_state=True)
 
     flower = commands.add_parser(
         "flower", help="run Flower on the platform's Celery app (basic auth: TESSERA_FLOWER_USER/PASSWORD)",
@@ -557,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--tenant", help="only this tenant's")
     listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     listing.add_argument("--json", action="store_true", help="print a JSON array")
-    listing.set_defaults(func=_jobs_list)
+    listing.set_defaults(func=_jobs_list, reads_state=True)
     for operation, text in (
         ("show", "one job with its attempts and last error (a delivery with its attempt log)"),
         ("retry", "replay a dead, failed or cancelled job, or a failed webhook delivery"),
@@ -566,12 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
         one = jobs.add_parser(operation, help=text)
         one.add_argument("id", help="a job id or a webhook delivery id (msg_... accepted)")
         one.add_argument("--json", action="store_true", help="print one JSON object")
-        one.set_defaults(func=_jobs_one(operation))
+        one.set_defaults(func=_jobs_one(operation), reads_state=True)
 
     queues = commands.add_parser("queues", help="queue depth, oldest waiting work, consumers, workers and beat")
     queues.add_argument("--json", action="store_true", help="print one JSON object")
     queues.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for workers to answer")
-    queues.set_defaults(func=_queues)
+    queues.set_defaults(func=_queues, reads_state=True)
     return parser
 
 
@@ -583,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.func not in (_worker, _beat, _flower):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.celery_args = extra
+    if getattr(args, "reads_state", False):
+        print(f"tessera: {get_settings().services_line()}", file=sys.stderr, flush=True)
     try:
         return args.func(args) or 0
     except BrokenPipeError:

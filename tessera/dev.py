@@ -168,7 +168,8 @@ def banner(settings, base_url: str) -> str:
         flower = f"Flower needs a Redis broker: set TESSERA_BROKER_URL=redis://... and run {tessera} flower"
     else:
         flower = f"TESSERA_FLOWER_PASSWORD=choose-one {tessera} flower   (then http://127.0.0.1:5555)"
-    settings_line = (f"  another shell needs the same settings: {', '.join(inherited)}\n" if inherited else "")
+    settings_line = (f"  another shell needs the same settings: {', '.join(inherited)}\n"
+                     "  (or put them in ./.env, which every command run from this folder reads)\n" if inherited else "")
     rule = "-" * 78
     return (
         f"\n{rule}\n"

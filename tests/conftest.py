@@ -1,7 +1,8 @@
 """Shared fixtures: real PostgreSQL and Redis, a real Celery worker, the API over real HTTP.
 
-Each run creates and migrates its own database (``TESSERA_TEST_DATABASE_URL``, default
-``tessera_test_<pid>`` on the local PostgreSQL) and drops it at the end; it uses Redis database 15
+Each run creates and migrates its own database beside the one ``TESSERA_TEST_DATABASE_URL`` names
+(``<name>_<pid>``; the named database itself is never dropped; default ``tessera_test_<pid>`` on the
+local PostgreSQL) and drops it at the end; it uses Redis database 15
 (``TESSERA_TEST_REDIS_URL``) under a key prefix of its own, removed at the end. Tests are isolated by
 giving each its own tenant (fixture ``tenant``).
 """
@@ -25,15 +26,24 @@ RUN_ID = f"{os.getpid()}"
 TEST_URL_FILE = Path(__file__).resolve().parents[1] / ".tessera-test-database-url"
 
 
-def _test_database_url() -> str:
-    """``TESSERA_TEST_DATABASE_URL`` as given; else the role ``scripts/services.sh`` made (password
-    authentication), else user postgres on loopback; these two on a database of this run's own."""
+def _given_database_url() -> str:
+    """The database the tests are pointed at: ``TESSERA_TEST_DATABASE_URL`` (for example a PostgreSQL in
+    a container, with its password); else the role ``scripts/services.sh`` made (password
+    authentication); else user postgres on loopback. It is never dropped nor written to."""
     if os.environ.get("TESSERA_TEST_DATABASE_URL"):
         return os.environ["TESSERA_TEST_DATABASE_URL"]
-    base = "postgresql+psycopg2://postgres@127.0.0.1:5432/tessera_test"
     if TEST_URL_FILE.is_file() and TEST_URL_FILE.read_text().strip():
-        base = TEST_URL_FILE.read_text().strip()
-    return f"{base}_{RUN_ID}"
+        return TEST_URL_FILE.read_text().strip()
+    return "postgresql+psycopg2://postgres@127.0.0.1:5432/tessera_test"
+
+
+def _test_database_url() -> str:
+    """A fresh database of this run's own beside the given one (same server and login, its name plus
+    ``_<pid>``), created and dropped by the run."""
+    from sqlalchemy.engine import make_url
+
+    given = make_url(_given_database_url())
+    return given.set(database=f"{given.database or 'tessera_test'}_{RUN_ID}").render_as_string(hide_password=False)
 
 
 TEST_DATABASE_URL = _test_database_url()
@@ -93,9 +103,20 @@ pytest_plugins = ("celery.contrib.pytest", "tests.security.leaks")
 
 
 def _admin_engine(url: str):
+    """An engine for CREATE and DROP DATABASE of ``url``'s database: on the given database when it
+    exists (a container's login may reach no other), else on ``postgres``."""
     from sqlalchemy import create_engine
     from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
 
+    given = make_url(_given_database_url())
+    if given.database and given.database != make_url(url).database:
+        engine = create_engine(given, isolation_level="AUTOCOMMIT")
+        try:
+            engine.connect().close()
+            return engine
+        except OperationalError:
+            engine.dispose()
     return create_engine(make_url(url).set(database="postgres"), isolation_level="AUTOCOMMIT")
 
 

@@ -14,7 +14,7 @@ from celery import signals
 from beat_schedule import beat_schedule
 from config.settings import get_settings
 from infra import logs
-from infra.celery import QUEUES, celery_app
+from infra.celery import QUEUES, QUIET_TASKS, celery_app
 from storage.db import reset_engine
 from workers import signals as _signals  # noqa: F401  (connects the worker signals)
 
@@ -24,6 +24,9 @@ celery_app.conf.beat_schedule = beat_schedule(get_settings())
 celery_app.conf.beat_scheduler = "workers.beat:Scheduler"  # gated sweeps: the relay idles without backlog
 # Scheduled sweeps that found nothing to do write no line (infra/logs.py: one line per unit of work).
 logs.quiet_periodic(entry["task"] for entry in celery_app.conf.beat_schedule.values())
+# ... and send no task events, so they do not fill Flower's history (infra.celery.QUIET_TASKS); beat,
+# which sends nothing but them, sends no task-sent events either (workers/signals.py).
+QUIET_TASKS.update(entry["task"] for entry in celery_app.conf.beat_schedule.values())
 app = celery_app  # `celery -A workers.celery_app` finds `app`
 
 

@@ -62,8 +62,11 @@ def start_heartbeat(name: str) -> threading.Thread:
 
 
 @signals.beat_init.connect
-def _beat_started(**_kwargs) -> None:
-    """Beat is alive while its process runs, whether or not a scheduled task is due."""
+def _beat_started(sender=None, **_kwargs) -> None:
+    """Beat is alive while its process runs, whether or not a scheduled task is due. Beat sends only
+    the periodic sweeps, whose runs Flower does not list: no task-sent events from here."""
+    if sender is not None:
+        sender.app.conf.task_send_sent_event = False
     start_heartbeat("beat")
 
 

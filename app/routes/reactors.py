@@ -50,8 +50,12 @@ class PendingReactorOut(ResponseModel):
 
 class RequestedOut(ResponseModel):
     reactor: PendingReactorOut
-    error_code: str | None = Field(None, description="`vulnerabilities_detected`, or `build_failed` when npm could "
-                                   "not install the dependencies or no vulnerability scan could be made.")
+    error_code: str | None = Field(None, description="`vulnerabilities_detected`; `invalid_code` (a decision beyond "
+                                   "the spec) when the code does not load (a syntax error, a failing `require`, no "
+                                   "exported function), `error_message` saying why and on which line; or "
+                                   "`build_failed` when npm could not install the dependencies or no vulnerability "
+                                   "scan could be made (a registry that refuses the scan with a 4xx fails the build "
+                                   "at once, naming the `TESSERA_REACTOR_ADVISORIES` setting).")
     error_message: str | None = None
     error_details: ErrorDetailsOut | None = None
 
@@ -89,7 +93,10 @@ BUILD_TEXT = (
     "`requested`; a build job installs the pinned dependencies (npm, scripts disabled) and scans them for known "
     "vulnerabilities, then the reactor is `active`, or `failed` (create) / `outdated` (update: the previous "
     "version keeps serving) with `requested.error_code` `vulnerabilities_detected` and "
-    "`requested.error_details.vulnerabilities` when a HIGH or CRITICAL advisory applies. Update and delete answer "
+    "`requested.error_details.vulnerabilities` when a HIGH or CRITICAL advisory applies. The build then loads the "
+    "code once in the sandbox: code that does not load is refused the same way with `requested.error_code` "
+    "`invalid_code` (a decision beyond the spec: a syntax error fails the build rather than every invocation). "
+    "Update and delete answer "
     "409 while a build runs (`creating`, `updating`). An update of a reactor whose creation failed is a new "
     "creation (`creating`). The name applies at once."
 )
@@ -168,7 +175,9 @@ INVOKE_ERRORS = (
     "Errors (section 7), in the problem format: 400 (`BadRequestError`, `InvalidReactorConfigurationError` thrown "
     "by the code, or arguments that do not detokenize), 401 (`AuthenticationError`, `AuthorizationError`), 402 "
     "(`InvalidPaymentMethodError`), 422 (code that is not a valid function), 429 (`RateLimitError`), 500 (any "
-    "other thrown value, `VendorError`, the runtime timeout, a process that ran out of memory). 409 while no "
+    "other thrown value, `VendorError`, the runtime timeout, a process that ran out of memory). Of any other "
+    "thrown value the `detail` gives the name and the first line of the message (at most 500 characters), each "
+    "string of the request it quotes replaced by `[redacted]` (a decision beyond the spec). 409 while no "
     "version serves (`creating`, or a creation that `failed`). A `tokenize` block in the code's answer is "
     "tokenized with the permissions granted to the code (`runtime.permissions`)."
 )

@@ -690,13 +690,6 @@ def card_art_start(session: Session, caller: Caller, token_id: object, *,
     return Started(token.id, job.id)
 
 
-def _cancel_if_queued(session: Session, job_id: uuid.UUID) -> None:
-    session.execute(
-        update(Job).where(col(Job.id) == job_id, col(Job.status) == JobStatus.QUEUED)
-        .values(status=JobStatus.CANCELLED, updated_at=utcnow()).execution_options(synchronize_session=False)
-    )
-
-
 def card_art_outcome(session: Session, caller: Caller, started: Started) -> dict:
     """After the bounded wait: the account object, or a problem (502 the network failed, 504 it did
     not answer in time; the job is then cancelled unless it is running)."""
@@ -708,7 +701,7 @@ def card_art_outcome(session: Session, caller: Caller, started: Started) -> dict
     if job.status in JOB_FAILED or job.status == JobStatus.SUCCEEDED:
         raise Problem(502, "The card network did not give the card art.", title="Card art unavailable",
                       extra={"code": (job.result or {}).get("code") or "network_unavailable"})
-    _cancel_if_queued(session, job.id)
+    jobs.cancel_if_queued(session, job.id)
     raise Problem(504, "The card network did not answer in time; retry.", title="Card art unavailable",
                   extra={"code": "network_timeout"})
 
@@ -797,7 +790,7 @@ def cryptogram_outcome(session: Session, started: Started) -> dict:
                           extra={"code": code})
         raise Problem(502, "The card network did not give a cryptogram.", title="Card network error",
                       extra={"code": code or "network_unavailable"})
-    _cancel_if_queued(session, job.id)
+    jobs.cancel_if_queued(session, job.id)
     raise Problem(504, "The card network did not answer in time; retry.", title="Cryptogram unavailable",
                   extra={"code": "network_timeout"})
 

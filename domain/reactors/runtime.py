@@ -21,7 +21,7 @@ import functools
 import hashlib
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -155,13 +155,15 @@ class ReactorResponse:
 
 @dataclass(frozen=True)
 class Build:
-    """A build's outcome: ``state`` ``ok`` or ``vulnerabilities_detected`` (a HIGH or CRITICAL
-    advisory applies; section 2: create ends ``failed``, update ``outdated``); ``vulnerabilities``
-    lists every finding, any severity; ``dependency_key`` names the installed set."""
+    """A build's outcome: ``state`` ``ok``, ``vulnerabilities_detected`` (a HIGH or CRITICAL
+    advisory applies; section 2: create ends ``failed``, update ``outdated``) or ``invalid_code``
+    (the code did not load in the sandbox: ``message`` says why, with the line of a syntax error);
+    ``vulnerabilities`` lists every finding, any severity; ``dependency_key`` names the installed set."""
 
-    state: Literal["ok", "vulnerabilities_detected"]
+    state: Literal["ok", "vulnerabilities_detected", "invalid_code"]
     dependency_key: str
     vulnerabilities: list[packages.Vulnerability] = field(default_factory=list)
+    message: str | None = None
 
     def error_details(self) -> dict:
         """The Requested object's ``error_details``: ``{"vulnerabilities": [{name, version,
@@ -190,20 +192,33 @@ class ReactorRuntime:
     def dependencies_dir(self) -> Path:
         return self.root / "dependencies"
 
-    def build(self, runtime: Runtime) -> Build:
-        """Install ``runtime``'s dependencies (cached by set) and scan them.
+    def build(self, runtime: Runtime, *, version: Reactor | None = None) -> Build:
+        """Install ``runtime``'s dependencies (cached by set) and scan them; then, when the scan
+        passes and ``version`` is given (the code on that runtime), load the code once in a sandboxed
+        process and end it: code that does not load (a syntax error, a failing ``require``, no
+        exported function, no load within the timeout) builds ``invalid_code``.
 
-        Raises ``packages.InstallFailed`` (npm could not install them) and
-        ``packages.AuditUnavailable`` (``npm audit`` gave no report: the build must not pass
-        unscanned, so it is retried or failed by the caller).
+        Raises ``packages.InstallFailed`` (npm could not install them), ``packages.AuditUnavailable``
+        (``npm audit`` gave no report: the build must not pass unscanned, so it is retried or failed
+        by the caller; ``packages.AuditRefused`` when the registry refused the request) and
+        ``SandboxUnavailable`` (the code cannot be confined on this host).
         """
         installation = self._install(runtime)
         if self.advisories is not None:
             found = packages.scan_with_advisories(installation, packages.load_advisories(self.advisories))
         else:
             found = packages.npm_audit(installation, registry=self.audit_registry)
-        state = "vulnerabilities_detected" if packages.blocking(found) else "ok"
-        return Build(state, installation.key, found)
+        if packages.blocking(found):
+            return Build("vulnerabilities_detected", installation.key, found)
+        if version is not None:
+            try:
+                self.pool.load(replace(self._program(version), key=f"{version.key}:build"))
+            except CodeLoadError as exc:
+                return Build("invalid_code", installation.key, found, message=_invalid_code(exc).detail)
+            except InvocationTimeout as exc:
+                return Build("invalid_code", installation.key, found,
+                             message=f"The reactor code did not load within its timeout of {exc.timeout:g} s.")
+        return Build("ok", installation.key, found)
 
     def invoke(self, reactor: Reactor, *, args: object, configuration: dict[str, str] | None = None) -> ReactorResponse:
         """Run ``reactor`` once on the request object ``{args, configuration}``.
@@ -242,7 +257,7 @@ class ReactorRuntime:
         if outcome.marked and outcome.name in REACTOR_ERRORS:
             status, title = REACTOR_ERRORS[outcome.name]
             raise Problem(status, outcome.message or title, title=title, errors=_error_map(outcome.errors))
-        raise Problem(500, f"The reactor code threw an unhandled {outcome.name}.", title="Reactor Runtime Error")
+        raise Problem(500, unhandled_detail(outcome.name, outcome.message), title="Reactor Runtime Error")
 
     def warm(self, reactor: Reactor) -> int:
         """Start the reactor's warm processes (``max(1, warm_concurrency)``); how many are idle.
@@ -322,9 +337,25 @@ def require_sandbox() -> None:
 def _invalid_code(exc: CodeLoadError) -> Problem:
     """The 422 of code that does not load or exports no function (section 7). Only the first line
     of Node.js's message is kept: the rest (a require stack) names the platform's folders."""
-    first_line = (exc.message.splitlines() or [""])[0]
-    return Problem(422, f"The reactor code is not a valid function ({exc.kind}: {exc.name}: {first_line}).",
+    first_line = (exc.message.splitlines() or [""])[0][:MAX_MESSAGE]
+    where = f" at line {exc.line}" if exc.line is not None else ""
+    return Problem(422, f"The reactor code is not a valid function ({exc.kind}{where}: {exc.name}: {first_line}).",
                    title="Invalid Reactor Code")
+
+
+#: The longest error name and message quoted in a problem's detail (characters).
+MAX_NAME, MAX_MESSAGE = 100, 500
+
+
+def unhandled_detail(name: str, message: str | None) -> str:
+    """The detail of a 500 for an error the code threw that is not one of :data:`REACTOR_ERRORS`:
+    its name and the first line of its message, each bounded (the runner already replaced any
+    string of the request the message quoted)."""
+    name = name[:MAX_NAME]
+    first_line = ((message or "").splitlines() or [""])[0][:MAX_MESSAGE].strip()
+    if not first_line:
+        return f"The reactor code threw an unhandled {name}."
+    return f"The reactor code threw an unhandled {name}: {first_line}"
 
 
 def _error_map(errors: object) -> dict[str, list[str]] | None:

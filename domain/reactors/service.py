@@ -35,6 +35,7 @@ from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from domain.reactors.runtime import Build, Runtime, require_sandbox
+from domain.reactors.runtime import Reactor as RuntimeReactor
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import require_grantable
@@ -43,6 +44,7 @@ from infra import jobs
 from infra.errors import Problem, validation_problem
 from infra.lookup import get_owned
 from infra.node_runtime.owners import REACTOR, end_owner_after_commit
+from infra.node_runtime.packages import AuditRefused
 from storage.crypto import get_keyring
 from storage.models import Job
 from storage.models_reactors import Reactor
@@ -60,6 +62,8 @@ MAX_CONFIGURATION_ENTRIES = 100
 SETTLED_STATES = (ReactorState.ACTIVE, ReactorState.FAILED, ReactorState.OUTDATED)
 VULNERABILITIES_DETECTED = "vulnerabilities_detected"
 BUILD_FAILED = "build_failed"
+#: ``requested.error_code`` of a version whose code did not load in the sandbox at its build (ours).
+INVALID_CODE = "invalid_code"
 
 
 class ApplicationRef(BaseModel):
@@ -307,13 +311,22 @@ def delete_reactor(session: Session, caller: Caller, reactor_id: object) -> None
 # ---- builds (the reactors.build job) --------------------------------------------------------------
 
 
-def build_input(session: Session, job: Job) -> Runtime | None:
-    """The runtime the build job ``job`` installs and scans; None when there is nothing to build
-    (the reactor was deleted, or another build replaced this one)."""
+def build_input(session: Session, job: Job) -> RuntimeReactor | None:
+    """The version the build job ``job`` installs, scans and loads (its code and runtime); None
+    when there is nothing to build (the reactor was deleted, or another build replaced this one)."""
     reactor = session.get(Reactor, uuid.UUID(job.subject_id))
     if reactor is None or reactor.build_job_id != job.id or reactor.requested is None:
         return None
-    return Runtime.model_validate(reactor.requested["reactor"]["runtime"])
+    pending = reactor.requested["reactor"]
+    return RuntimeReactor(id=str(reactor.id), code=pending["code"], runtime=Runtime.model_validate(pending["runtime"]),
+                          tenant_id=str(reactor.tenant_id), kind=REACTOR)
+
+
+def audit_refused_message(error: AuditRefused) -> str:
+    """Why a build failed when the registry refused the vulnerability scan, and what to set."""
+    return (f"The vulnerability scan was refused by the npm registry (HTTP {error.status}: {str(error)[:300]}); "
+            "it has no advisory service for this platform. Set TESSERA_REACTOR_ADVISORIES to a JSON file of "
+            "advisories to scan against instead, or use a registry that answers npm audit.")
 
 
 def _locked_subject(session: Session, job: Job) -> Reactor | None:
@@ -331,8 +344,8 @@ def _refuse(reactor: Reactor, error_code: str, message: str, details: dict | Non
 
 def apply_build(session: Session, job: Job, build: Build | None) -> dict:
     """Write a build's outcome: the requested version serves (``active``), or it is refused with
-    ``vulnerabilities_detected`` (``failed`` on create, ``outdated`` on update: the previous version
-    keeps serving). The job result: ``{"status": <state>}``."""
+    ``vulnerabilities_detected`` or ``invalid_code`` (``failed`` on create, ``outdated`` on update:
+    the previous version keeps serving). The job result: ``{"status": <state>}``."""
     reactor = _locked_subject(session, job) if build is not None else None
     if reactor is None:
         return {"skipped": True}
@@ -347,6 +360,8 @@ def apply_build(session: Session, job: Job, build: Build | None) -> dict:
         if reactor.deployed_at is not None:  # the previous version's processes end on every worker
             end_owner_after_commit(session, reactor.tenant_id, REACTOR, reactor.id)
         reactor.deployed_at = utcnow()
+    elif build.state == INVALID_CODE:
+        _refuse(reactor, INVALID_CODE, build.message or "The reactor code does not load.", None)
     else:
         _refuse(reactor, VULNERABILITIES_DETECTED,
                 "The dependencies have HIGH or CRITICAL vulnerabilities; remediate them (pin fixed versions "

@@ -49,6 +49,7 @@ _PAST = {
     "delete": "deleted",
     "cryptogram": "cryptogram generated",
     "invoke": "invoked",
+    "use": "used",
 }
 
 

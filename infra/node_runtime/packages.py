@@ -59,6 +59,20 @@ class AuditUnavailable(RuntimeError):
     """
 
 
+class AuditRefused(AuditUnavailable):
+    """The registry answered ``npm audit`` with a 4xx (it has no advisory service, or refuses this
+    client): asking again gives the same answer, so the build fails at once. ``status`` is the
+    registry's HTTP status."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+#: 4xx answers worth asking again (a timeout, a rate limit): not a refusal.
+_TRANSIENT_4XX = frozenset({408, 425, 429})
+
+
 def dependency_errors(field: str, pins: object) -> dict[str, list[str]]:
     """Per-field errors of a dependency or resolution map (``{}`` when valid).
 
@@ -322,7 +336,8 @@ def npm_audit(installation: Installation, *, node: NodeInstallation | None = Non
     version" entries are covered by the ``dependency_path`` of the advisory they derive from); the
     ``id`` is the advisory's GHSA identifier when its URL names one, else npm's advisory number.
     ``registry``: the registry whose advisory service is asked (default: npm's configured one).
-    Raises :class:`AuditUnavailable` when npm gives no report.
+    Raises :class:`AuditUnavailable` when npm gives no report, :class:`AuditRefused` when the
+    registry answered with a 4xx that asking again will not change.
     """
     lock = installation.lockfile()
     if not installed_packages(lock):
@@ -337,7 +352,11 @@ def npm_audit(installation: Installation, *, node: NodeInstallation | None = Non
     except ValueError:
         raise AuditUnavailable(_tail(completed.stderr)) from None
     if not isinstance(report, dict) or "vulnerabilities" not in report:
-        raise AuditUnavailable(str(report.get("message") if isinstance(report, dict) else report)[:500])
+        message = str(report.get("message") if isinstance(report, dict) else report)[:500]
+        status = report.get("statusCode") if isinstance(report, dict) else None
+        if isinstance(status, int) and 400 <= status < 500 and status not in _TRANSIENT_4XX:
+            raise AuditRefused(message, status)
+        raise AuditUnavailable(message)
     return audit_report_vulnerabilities(report, lock)
 
 

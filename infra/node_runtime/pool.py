@@ -110,6 +110,14 @@ class NodePool:
             self._checkin(program, process, reusable=True)
         return self.idle(program.key)
 
+    def load(self, program: NodeProgram) -> None:
+        """Start one process of ``program``, let it load the code, and end it (a build's check that
+        the code can run at all). Raises like :meth:`invoke` when the code does not load or does not
+        load within ``program.timeout`` seconds."""
+        if self._owner != os.getpid():
+            self._forget_inherited()
+        self._start(program).kill()
+
     # ---- what runs -------------------------------------------------------------------------------
 
     def idle(self, key: str) -> int:

@@ -51,11 +51,12 @@ class ProcessEnded(NodeRuntimeError):
 
 class CodeLoadError(NodeRuntimeError):
     """The code does not load (``kind`` ``syntax`` or ``load``) or exports no function
-    (``kind`` ``not_a_function``); ``name`` and ``message`` are those of the error Node.js raised."""
+    (``kind`` ``not_a_function``); ``name`` and ``message`` are those of the error Node.js raised,
+    ``line`` the line of the code a syntax error is on (None when unknown)."""
 
-    def __init__(self, kind: str, name: str, message: str):
+    def __init__(self, kind: str, name: str, message: str, line: int | None = None):
         super().__init__(f"{kind}: {name}: {message}")
-        self.kind, self.name, self.message = kind, name, message
+        self.kind, self.name, self.message, self.line = kind, name, message, line
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,9 @@ class Returned:
 @dataclass(frozen=True)
 class Thrown:
     """The code's function threw. ``marked`` errors are instances of the classes the platform ships
-    (their ``message`` and ``errors`` are meant for the caller); of any other thrown value only the
-    ``name`` is known, its message being withheld (it may quote the data the code was given)."""
+    (their ``message`` and ``errors`` are meant for the caller); of any other thrown value the
+    ``name`` and the first line of its message are known (at most 500 characters, every string of
+    the request it quoted replaced by ``[redacted]``: ``runner.js``)."""
 
     name: str
     message: str | None
@@ -146,7 +148,9 @@ class NodeProcess:
         self.kill()
         error = frame.get("load_error")
         if isinstance(error, dict):
-            raise CodeLoadError(str(error.get("kind")), str(error.get("name")), str(error.get("message")))
+            line = error.get("line")
+            raise CodeLoadError(str(error.get("kind")), str(error.get("name")), str(error.get("message")),
+                                line if isinstance(line, int) else None)
         raise ProcessEnded("the process broke the protocol at start")
 
     def call(self, payload: object) -> Outcome:

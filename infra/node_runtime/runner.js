@@ -8,11 +8,14 @@
 //   {"id": n, "ok": false, "error": {"name", "message", "errors", "marked"}, "timers": k}
 // "timers" counts the timers the code left running when it answered: the process is then ended
 // rather than kept warm (code must not run between invocations).
-// The first line written is {"ready": true}, or {"load_error": {"kind", "name", "message"}} when the
-// code does not load or does not export a function (the process then exits).
+// The first line written is {"ready": true}, or {"load_error": {"kind", "name", "message", "line"}} when
+// the code does not load or does not export a function (the process then exits; "line": where a syntax
+// error is, else null).
 // An error carrying Symbol.for('tessera.error') (the classes of a module the platform ships) is
 // "marked": its message and errors are the code's answer to the caller. Of any other thrown value
-// only the name is passed on, since its message may quote the data the code was given.
+// the name and the first line of its message (at most MAX_MESSAGE characters) are passed on, so a
+// developer can act on it; every string of the request (and every number of 4 digits or more) the
+// message quotes is replaced by [redacted] first, since it may quote the data the code was given.
 // The customer's console output goes to stderr, never into the protocol.
 //
 // Egress: the process has no network but its own loopback. fetch and the http/https modules'
@@ -142,12 +145,41 @@ function send(message) {
   write(line + '\n');
 }
 
-function describe(err) {
+const MAX_MESSAGE = 500;
+const MIN_SECRET = 4;
+
+function secrets(value, found = new Set()) {
+  if (typeof value === 'string') {
+    if (value.length >= MIN_SECRET) found.add(value);
+  } else if (typeof value === 'number' || typeof value === 'bigint') {
+    const text = String(value);
+    if (text.length >= MIN_SECRET) found.add(text);
+  } else if (value !== null && typeof value === 'object') {
+    for (const item of Object.values(value)) secrets(item, found);
+  }
+  return found;
+}
+
+function unmarkedMessage(err, payload) {
+  let text;
+  try {
+    text = err !== null && typeof err === 'object' ? err.message : err;
+    text = text === undefined || text === null ? '' : String(text);
+  } catch (e) {
+    return '';
+  }
+  const longestFirst = [...secrets(payload)].sort((a, b) => b.length - a.length);
+  for (const secret of longestFirst) text = text.split(secret).join('[redacted]');
+  text = text.split(/\r?\n|\r/, 1)[0] || '';
+  return text.length > MAX_MESSAGE ? `${text.slice(0, MAX_MESSAGE - 1)}\u2026` : text;
+}
+
+function describe(err, payload) {
   if (err !== null && typeof err === 'object' && err[MARK] === true) {
     return { name: String(err.name), message: String(err.message), errors: err.errors ?? null, marked: true };
   }
   const name = err !== null && typeof err === 'object' && typeof err.name === 'string' ? err.name : typeof err;
-  return { name, message: null, errors: null, marked: false };
+  return { name, message: unmarkedMessage(err, payload), errors: null, marked: false };
 }
 
 let handler;
@@ -162,7 +194,10 @@ try {
   }
 } catch (err) {
   const kind = err instanceof SyntaxError ? 'syntax' : 'load';
-  send({ load_error: { kind, name: err && err.name ? String(err.name) : typeof err, message: err && err.message ? String(err.message) : '' } });
+  // A syntax error's stack starts with "<file>:<line>": the line is kept, the file (ours) is not.
+  const at = kind === 'syntax' && typeof err.stack === 'string' ? /^[^\n]*:(\d+)\n/.exec(err.stack) : null;
+  send({ load_error: { kind, name: err && err.name ? String(err.name) : typeof err, message: err && err.message ? String(err.message) : '',
+    line: at ? Number(at[1]) : null } });
   process.exit(3);
 }
 
@@ -171,7 +206,7 @@ async function run(id, payload) {
     const value = await handler(payload);
     send({ id, ok: true, value: value === undefined ? null : value, timers: timers() });
   } catch (err) {
-    send({ id, ok: false, error: describe(err), timers: timers() });
+    send({ id, ok: false, error: describe(err, payload), timers: timers() });
   }
 }
 

@@ -47,7 +47,8 @@ def test_tenants_create_refuses_a_malformed_owner_email_in_one_line(database):
         done = tessera("tenants", "create", "--name", name, "--owner-email", address)
         assert done.returncode == 2, done
         assert done.stdout == ""
-        [line] = done.stderr.splitlines()
+        services, line = done.stderr.splitlines()  # which database and broker, then one line of refusal
+        assert services.startswith("tessera: database ") and " broker " in services, services
         assert line.startswith("error: owner email") and repr(address) in line, line
     listed = json.loads(tessera("tenants", "list", "--json").stdout)
     assert name not in {row["name"] for row in listed}  # nothing was created
@@ -77,7 +78,8 @@ def test_migrate_names_a_missing_database_and_how_to_create_it(database):
     env = {**os.environ, "TESSERA_DATABASE_URL": missing.render_as_string(hide_password=False)}
     done = tessera("migrate", env=env)
     assert done.returncode == 1
-    [line] = done.stderr.splitlines()  # one line, no traceback
+    services, line = done.stderr.splitlines()  # the database looked at, then one line, no traceback
+    assert services.startswith(f"tessera: database {missing.render_as_string(hide_password=True)}, broker ")
     assert f'database "{missing.database}" does not exist' in line
     assert f"createdb -h {missing.host} -p {missing.port}" in line and missing.database in line
 
@@ -86,7 +88,9 @@ def test_migrate_names_an_unreachable_database_without_its_password():
     url = f"postgresql+psycopg2://tessera:s3cret-pw@127.0.0.1:{free_port()}/tessera"
     done = tessera("migrate", env={**os.environ, "TESSERA_DATABASE_URL": url})
     assert done.returncode == 1
-    [line] = done.stderr.splitlines()
+    services, line = done.stderr.splitlines()
+    assert services.startswith("tessera: database postgresql+psycopg2://tessera:***@127.0.0.1:"), services
+    assert "s3cret-pw" not in services
     assert line.startswith('error: cannot reach database "tessera"') and "s3cret-pw" not in line, line
 
 
@@ -261,7 +265,9 @@ def test_output_cut_short_by_its_reader_ends_quietly(database):
     code = ("import os, sys\nread, write = os.pipe()\nos.close(read)\nos.dup2(write, 1)\n"
             "from tessera.cli import main\nsys.exit(main(['tenants', 'list']))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert (done.returncode, done.stderr) == (0, "")
+    assert done.returncode == 0
+    assert [line.split(",")[0] for line in done.stderr.splitlines()] == [
+        f"tessera: database {make_url(os.environ['TESSERA_DATABASE_URL']).render_as_string(hide_password=True)}"]
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
@@ -299,3 +305,37 @@ def test_a_cancelled_delivery_reads_cancelled():
     job = Job(id=delivery.id, kind="webhooks.deliver", status="cancelled", attempts=0, max_attempts=5)
     assert ops.delivery_view(delivery, job)["state"] == "cancelled"
     assert ops.delivery_state("dead") == "failed" and ops.delivery_state("queued") == "pending"
+
+
+def test_settings_come_from_a_dot_env_file_in_the_working_folder_and_each_command_names_what_it_reads(
+        database, tmp_path):
+    """``tenants list`` run in a folder whose ``.env`` names the database, with no TESSERA_DATABASE_URL in
+    the environment, reaches that database and says so first (the environment still wins over .env)."""
+    name = f"dotenv-{uuid.uuid4().hex[:8]}"
+    assert tessera("tenants", "create", "--name", name, "--owner-email", f"{name}@example.com").returncode == 0
+    (tmp_path / ".env").write_text(f"# the settings of this folder\nTESSERA_DATABASE_URL={database}\n"
+                                   "TESSERA_BROKER_URL=redis://127.0.0.1:6399/3\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TESSERA_DATABASE_URL", "TESSERA_BROKER_URL")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([*TESSERA, "tenants", "list"], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert name in done.stdout
+    shown = make_url(database).render_as_string(hide_password=True)
+    assert done.stderr.splitlines()[0] == (f"tessera: database {shown}, broker redis://127.0.0.1:6399/3 (settings "
+                                           f"from the environment and {tmp_path / '.env'})")
+    env["TESSERA_BROKER_URL"] = "redis://127.0.0.1:6398/4"
+    again = subprocess.run([*TESSERA, "queues", "--json", "--timeout", "0.1"], capture_output=True, text=True,
+                           timeout=60, env=env, cwd=tmp_path)
+    assert again.stderr.splitlines()[0].startswith(f"tessera: database {shown}, broker redis://127.0.0.1:6398/4 ")
+
+
+def test_the_settings_class_reads_dot_env_below_the_environment(tmp_path, monkeypatch):
+    from config.settings import Settings
+
+    (tmp_path / ".env").write_text("TESSERA_API_PORT=9123\nTESSERA_HEADER_PREFIX=zz\nOTHER=ignored\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TESSERA_API_PORT", raising=False)
+    monkeypatch.setenv("TESSERA_HEADER_PREFIX", "YY")
+    settings = Settings()
+    assert (settings.api_port, settings.header_prefix) == (9123, "YY")

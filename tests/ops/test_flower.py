@@ -90,6 +90,15 @@ def test_flower_refuses_to_start_without_a_password():
     assert "TESSERA_FLOWER_PASSWORD" in done.stderr
 
 
+def test_flower_on_the_embedded_broker_refuses_in_one_line_naming_the_setting(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TESSERA_BROKER_URL"}
+    env.update(TESSERA_FLOWER_PASSWORD=PASSWORD, TESSERA_DATA_DIR=str(tmp_path))
+    done = subprocess.run([*TESSERA, "flower"], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    assert line.startswith("error: the embedded SQLite broker carries no task events") and "TESSERA_BROKER_URL" in line
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason=SKIP_REASON)
 def test_flower_shows_a_tessera_task_succeeded_with_ids_for_arguments(flower, tenant, receiver, tmp_path):
     base, headers = flower

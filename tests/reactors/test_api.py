@@ -264,13 +264,52 @@ def test_thrown_error_classes_answer_their_status(tenant, name, status):
     assert answer.json["errors"] == {"args.x": ["bad"]}
 
 
-def test_code_that_is_not_a_function_answers_422_and_an_unhandled_error_500(tenant):
-    assert react(tenant.client, active(tenant.client, "module.exports = 42;")["id"]).status == 422
-    assert react(tenant.client, active(tenant.client, "module.exports = async (")["id"]).status == 422
-    throwing = active(tenant.client, "module.exports = async (r) => { throw new Error(r.args.n); };")
-    thrown = react(tenant.client, throwing["id"], {"n": "4242424242424242"})
+def test_code_that_does_not_load_fails_its_build_and_an_unhandled_error_answers_500_with_its_message(tenant):
+    """Replaces the test that such code became active and answered 422 at each invocation: the build
+    now loads the code once in the sandbox and refuses it (``invalid_code``), and an unhandled error's
+    name and message reach the caller, without the request data it quotes."""
+    c = tenant.client
+    for code, why in [("module.exports = 42;", "not_a_function"),
+                      ("module.exports = async (", "syntax at line 1: SyntaxError")]:
+        created = c.post("/reactors", body(code))
+        assert created.status == 201, created
+        failed = settled(c, created.json["id"])
+        assert (failed["state"], failed["requested"]["error_code"]) == ("failed", "invalid_code"), failed
+        assert why in failed["requested"]["error_message"]
+        assert react(c, failed["id"]).status == 409
+    serving = active(c)
+    assert c.put(f"/reactors/{serving['id']}", body("module.exports = async (")).status == 200
+    outdated = settled(c, serving["id"])
+    assert (outdated["state"], outdated["requested"]["error_code"]) == ("outdated", "invalid_code")
+    assert react(c, serving["id"], {"still": 1}).json["raw"]["args"] == {"still": 1}
+
+    throwing = active(c, "module.exports = async (r) => { throw new Error('no brand for ' + r.args.n); };")
+    thrown = react(c, throwing["id"], {"n": "4242424242424242"})
     assert thrown.status == 500
+    assert thrown.json["detail"] == "The reactor code threw an unhandled Error: no brand for [redacted]"
     assert "4242424242424242" not in thrown.raw.decode()
+
+
+def test_a_scan_the_registry_refuses_fails_the_build_at_once_naming_the_setting(tenant, monkeypatch):
+    import tasks.reactors
+    from infra.node_runtime.packages import AuditRefused
+
+    class Refusing:
+        def build(self, runtime, **_):
+            raise AuditRefused("405 Method Not Allowed - POST https://registry.example/-/npm/v1/security/audits/quick",
+                               405)
+
+    monkeypatch.setattr(tasks.reactors, "reactor_runtime", Refusing)
+    created = tenant.client.post("/reactors", body())
+    assert created.status == 201, created
+    failed = settled(tenant.client, created.json["id"], deadline=30)
+    assert (failed["state"], failed["requested"]["error_code"]) == ("failed", "build_failed"), failed
+    assert "TESSERA_REACTOR_ADVISORIES" in failed["requested"]["error_message"]
+    assert "HTTP 405" in failed["requested"]["error_message"]
+    with session_scope() as session:
+        build = session.exec(select(Job).where(Job.kind == "reactors.build",
+                                               Job.subject_id == created.json["id"])).one()
+        assert build.attempts == 1
 
 
 def test_a_reactor_looping_forever_is_killed_at_its_timeout_and_the_worker_goes_on(tenant):

@@ -115,5 +115,7 @@ def test_npm_audit_with_a_moderate_advisory_builds_ok(tmp_path, service):
 def test_an_advisory_service_that_does_not_answer_fails_the_scan(tmp_path, service):
     service.refuse = True
     rt = ReactorRuntime(tmp_path, audit_registry=service.url)
-    with pytest.raises(packages.AuditUnavailable):
+    with pytest.raises(packages.AuditUnavailable) as caught:
         rt.build(Runtime(image="node22", dependencies={"is-odd": "3.0.1"}))
+    assert isinstance(caught.value, packages.AuditRefused)  # a 4xx: asking again will not help
+    assert caught.value.status == 405

@@ -114,3 +114,30 @@ def test_the_process_runtime_scans_against_tessera_reactor_advisories(monkeypatc
         rt.close()
         monkeypatch.delenv("TESSERA_REACTOR_ADVISORIES")
         reload_settings()
+
+
+def test_code_with_a_syntax_error_fails_the_build_naming_the_line(scanned):
+    broken = reactor("const a = 1;\nmodule.exports = async (req) => { return req.args.;\n};")
+    build = scanned.build(broken.runtime, version=broken)
+    assert build.state == "invalid_code"
+    assert build.message.startswith("The reactor code is not a valid function (syntax at line 2: SyntaxError: ")
+    assert str(scanned.root) not in build.message
+    assert scanned.loads(broken) == 0  # the check's process is not one of the version's warm ones
+
+
+@pytest.mark.parametrize("code, part", [
+    ("module.exports = 42;", "not_a_function"),
+    ("throw new Error('no config');", "load: Error: no config"),
+    ("const x = require('not-installed'); module.exports = async () => x;", "Cannot find module 'not-installed'"),
+])
+def test_code_that_does_not_load_fails_the_build(scanned, code, part):
+    version = reactor(code)
+    build = scanned.build(version.runtime, version=version)
+    assert (build.state, part in build.message) == ("invalid_code", True), build
+
+
+def test_code_that_loads_builds_ok_and_the_check_leaves_no_process(scanned):
+    version = reactor("module.exports = async () => ({ raw: 1 });")
+    assert scanned.build(version.runtime, version=version).state == "ok"
+    assert scanned.pool.idle(version.key) == 0
+    assert scanned.invoke(version, args={}).raw == 1

@@ -84,12 +84,28 @@ def test_statuses_are_those_of_section_7():
     assert {status for status, _ in REACTOR_ERRORS.values()} == {400, 401, 402, 429, 500}
 
 
-def test_an_unhandled_error_is_500_without_its_message(runtime):
-    r = reactor("module.exports = async (req) => { throw new TypeError('card ' + req.args.number); };")
-    problem = problem_of(runtime, r, args={"number": "4242424242424242"})
+def test_an_unhandled_error_is_500_with_its_name_and_message_but_not_the_request_data(runtime):
+    """Replaces the test that an unhandled error's message was withheld: a developer cannot act on
+    "threw an unhandled TypeError" alone, so the name and the first line of the message now reach the
+    caller (bounded), while any string of the request the message quotes is still kept out."""
+    r = reactor("""module.exports = async (req) => {
+        throw new TypeError('card ' + req.args.number + ' has no brand: ' + req.configuration.KEY + '\\nsecond line');
+    };""")
+    problem = problem_of(runtime, r, args={"number": "4242424242424242"}, configuration={"KEY": "sk_test_1"})
     assert problem.status == 500
-    assert "TypeError" in problem.detail
+    assert problem.title == "Reactor Runtime Error"
+    assert problem.detail == "The reactor code threw an unhandled TypeError: card [redacted] has no brand: [redacted]"
     assert "4242424242424242" not in json.dumps(problem.body())
+    assert "sk_test_1" not in json.dumps(problem.body())
+
+
+def test_an_unhandled_message_is_bounded_and_a_thrown_string_is_named(runtime):
+    long = reactor("module.exports = async () => { throw new RangeError('x'.repeat(5000)); };")
+    detail = problem_of(runtime, long).detail
+    assert detail.startswith("The reactor code threw an unhandled RangeError: xxx")
+    assert len(detail) < 600
+    text = reactor("module.exports = async () => { throw 'plain text'; };")
+    assert problem_of(runtime, text).detail == "The reactor code threw an unhandled string: plain text"
 
 
 def test_an_error_named_like_a_class_but_not_from_the_module_is_unhandled(runtime):

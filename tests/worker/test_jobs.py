@@ -247,3 +247,37 @@ def test_two_workers_racing_for_one_job_one_wins(database):
     assert _job(job.id).lease_owner == won[0] and _job(job.id).attempts == 1
     with session_scope() as session:
         session.get(Job, job.id).status = "cancelled"
+
+
+def test_a_retrying_task_names_its_reason_and_attempt_in_the_retry_event(worker):
+    """Flower's "Exception" of a retried task is the ``exc`` of its Retry: the error, the attempt and
+    when it runs again (not ``None``)."""
+    from celery import signals
+
+    seen = []
+
+    def retried(request=None, reason=None, **_):
+        if (getattr(request, "kwargs", None) or {}).get("job_id") == str(job.id):
+            seen.append(reason)
+
+    signals.task_retry.connect(retried, weak=False)
+    try:
+        job = _record("transient:1")
+        _settled(job.id, "succeeded")
+        wait_until(lambda: seen)
+    finally:
+        signals.task_retry.disconnect(retried)
+    [reason] = seen
+    assert repr(reason.exc) == repr(reason.exc.__class__(str(reason)))  # the event's text is the reason
+    assert str(reason.exc).startswith("attempt 1 of 5 failed: provider answered 503; again in ")
+
+
+def test_beat_sweeps_send_no_task_events_and_other_tasks_do():
+    import workers.celery_app  # noqa: F401  (the worker side fills the quiet set from beat's schedule)
+    from beat_schedule import beat_schedule
+    from config.settings import get_settings
+
+    periodic = {entry["task"] for entry in beat_schedule(get_settings()).values()}
+    assert periodic and all(celery_app.tasks[name].send_events is False for name in periodic)
+    assert celery_app.tasks["network_tokens.provision"].send_events is True
+    assert celery_app.tasks[ScriptedJob.name].send_events is True
