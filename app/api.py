@@ -39,6 +39,7 @@ from domain.tenancy.caller import Caller
 from infra.errors import Problem, not_found, validation_errors, validation_problem
 from infra.lookup import parse_uuid
 from infra.wait import Outcome, read_outcomes
+from storage.crypto import KeyUnavailable
 from storage.db import session_scope
 
 
@@ -280,6 +281,8 @@ async def _dispatch(route: Route, request: web.Request) -> web.StreamResponse:
         if exc.status < 400:
             raise
         raise route.problems(http_problem(exc)) from None
+    except KeyUnavailable:
+        raise route.problems(Problem(503, "The key service is unavailable; retry shortly.")) from None
     except Exception:
         log.exception("unhandled error", extra={"path": request.path, "method": request.method})
         raise route.problems(Problem(500, "An unexpected error occurred.")) from None

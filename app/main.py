@@ -44,6 +44,7 @@ from config.settings import Settings, get_settings
 from infra import http, logs, metrics
 from infra.errors import Problem
 from infra.wait import JobWaits
+from storage.crypto import KeyUnavailable
 from storage.db import GroupCommit
 
 log = logging.getLogger("tessera.api")
@@ -153,6 +154,11 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         log.exception("database unavailable", extra={"path": request.path, "method": request.method})
         response = problem_response(Problem(503, "The database is unavailable; retry shortly.",
                                             headers={"Retry-After": "2"}), request.path)
+    except KeyUnavailable:
+        # the key service (AWS KMS) is down: nothing was sealed or changed; a retry shortly succeeds
+        log.exception("key service unavailable", extra={"path": request.path, "method": request.method})
+        response = problem_response(Problem(503, "The key service is unavailable; retry shortly.",
+                                            headers={"Retry-After": "5"}), request.path)
     except Exception:
         log.exception("unhandled error", extra={"path": request.path, "method": request.method})
         response = problem_response(Problem(500, "An unexpected error occurred."), request.path)

@@ -34,6 +34,7 @@ QUEUE_OF_MODULE = {
     "wallets": "providers",
     "enrichments": "providers",
     "reactors": "reactors",
+    "keys": "files",
 }
 #: The queue of beat's periodic tasks.
 SWEEPS_QUEUE = "sweeps"

@@ -45,8 +45,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from sqlalchemy import select
-from sqlmodel import Session
+from sqlalchemy import delete, select, update
+from sqlmodel import Session, col
 
 from config.settings import Settings, get_settings
 from storage.models import TenantDataKey, TenantIndexKey
@@ -399,6 +399,15 @@ class Keyring:
         if row is not None and row.state != DESTROYED:
             row.state, row.wrapped_key, row.destroyed_at = DESTROYED, None, utcnow()
             session.add(row)
+        self.forget(tenant_id)
+
+    def shred(self, session: Session, tenant_id: uuid.UUID) -> None:
+        """Destroy every key of a tenant in the caller's transaction: each data key version's bytes
+        deleted (rows say ``destroyed``), the derivation key row deleted. Nothing of the tenant can
+        be opened again, from any copy of the database."""
+        session.execute(update(TenantDataKey).where(col(TenantDataKey.tenant_id) == tenant_id).values(
+            wrapped_key=None, state=DESTROYED, destroyed_at=utcnow()))
+        session.execute(delete(TenantIndexKey).where(col(TenantIndexKey.tenant_id) == tenant_id))
         self.forget(tenant_id)
 
     def forget(self, tenant_id: uuid.UUID) -> None:

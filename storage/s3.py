@@ -75,3 +75,21 @@ def reset_client() -> None:
     get_client.cache_clear()
     get_presigning_client.cache_clear()
     _bucket_ready.clear()
+
+
+#: The first segment of every key under which a tenant's objects live (``<prefix>/<tenant id>/...``):
+#: documents and account-updater files.
+TENANT_PREFIXES = ("documents", "account-updater")
+
+
+def delete_prefixes(prefixes: list[str]) -> int:
+    """Delete every object whose key starts with one of ``prefixes`` (1,000 a request); how many."""
+    client, name = get_client(), bucket()
+    removed = 0
+    for prefix in prefixes:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=name, Prefix=prefix):
+            keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
+                removed += len(keys)
+    return removed

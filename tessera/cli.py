@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 from config import __version__
 from config.settings import get_settings
@@ -447,6 +448,98 @@ def _queues(args: argparse.Namespace) -> int:
     return failed
 
 
+def _keys_status(args: argparse.Namespace) -> int:
+    from domain.keys import service
+    from storage.crypto import KeyUnavailable
+    from storage.db import session_scope
+
+    try:
+        with session_scope() as session:
+            report = (service.tenant_status(session, uuid.UUID(args.tenant)) if args.tenant
+                      else service.status(session))
+    except (LookupError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report))
+    elif args.tenant:
+        print(f"tenant {report['tenant_id']}: active version {report['active_version']}")
+        for version in report["versions"]:
+            print(f"  v{version['version']}  {version['state']:<9}  {version['values']} values")
+        rotation = report["rotation"]
+        if rotation:
+            print(f"  rotation to v{rotation['version']}: {rotation['status']}, {rotation['done']} of "
+                  f"{rotation['total']} values")
+    else:
+        print(f"wrapping: {report['wrapping']} ({report['wrapped_by']}); key check: {report['key_check']}; "
+              f"wrapped keys under a previous key: {report['data_keys_under_previous']}")
+    return 0 if report.get("key_check", "ok") == "ok" else 1
+
+
+def _keys_rewrap(args: argparse.Namespace) -> int:
+    from domain.keys import service
+    from storage.db import session_scope
+
+    if not _keys_open():
+        return 1
+    with session_scope() as session:
+        left = service.under_previous(session)
+        job_id = service.start_rewrap(session)
+    print(f"rewrap started (job {job_id}): {left} wrapped keys to move under the current key", flush=True)
+    if not args.wait:
+        return 0
+    while True:
+        with session_scope() as session:
+            report = service.status(session)
+            settled = report["data_keys_under_previous"] == 0 and session.exec(
+                service.rewrap_settled(job_id)).first() is None
+        print(f"  {report['data_keys_under_previous']} left", flush=True)
+        if settled:
+            print("rewrap completed: every wrapped key and the key check are under the current key", flush=True)
+            return 0
+        time.sleep(1.0)
+
+
+def _keys_rotate(args: argparse.Namespace) -> int:
+    from domain.keys import service
+    from storage.db import session_scope
+
+    if not _keys_open():
+        return 1
+    if bool(args.all) == bool(args.tenant):
+        print("error: give --tenant TENANT_ID or --all", file=sys.stderr)
+        return 2
+    rotations = []
+    try:
+        with session_scope() as session:
+            tenants = service.tenants_with_keys(session) if args.all else [uuid.UUID(args.tenant)]
+        for tenant_id in tenants:
+            with session_scope() as session:
+                rotation = service.start_rotation(session, tenant_id)
+                rotations.append((tenant_id, rotation.version, rotation.total))
+    except (LookupError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for tenant_id, version, total in rotations:
+        print(f"tenant {tenant_id}: data key version {version} active; re-encrypting {total} values", flush=True)
+    if not args.wait:
+        return 0
+    pending = {tenant_id for tenant_id, _, _ in rotations}
+    while pending:
+        time.sleep(1.0)
+        for tenant_id in sorted(pending):
+            with session_scope() as session:
+                rotation = service.tenant_status(session, tenant_id)["rotation"]
+            print(f"  tenant {tenant_id}: {rotation['done']} of {rotation['total']} ({rotation['status']})", flush=True)
+            if rotation["status"] == service.COMPLETED:
+                pending.discard(tenant_id)
+    print("rotation completed: the retiring versions are destroyed", flush=True)
+    return 0
+
+
 def _dev(_args: argparse.Namespace) -> int:
     from tessera.dev import run_dev
 
@@ -569,6 +662,23 @@ def build_parser() -> argparse.ArgumentParser:
         one.add_argument("id", help="a job id or a webhook delivery id (msg_... accepted)")
         one.add_argument("--json", action="store_true", help="print one JSON object")
         one.set_defaults(func=_jobs_one(operation), reads_state=True)
+
+    keys = _group(commands.add_parser("keys", help="key status, rotation and rewrap"), "keys_command")
+    key_status = keys.add_parser("status", help="the wrapping key, the key check and keys under a previous key; "
+                                 "with --tenant, a tenant's data key versions and rotation")
+    key_status.add_argument("--tenant", help="a tenant id: its versions, their values and its rotation")
+    key_status.add_argument("--json", action="store_true", help="print one JSON object")
+    key_status.set_defaults(func=_keys_status, reads_state=True)
+    rewrap = keys.add_parser("rewrap", help="move every wrapped key under TESSERA_MASTER_KEY (or TESSERA_KMS_KEY_ID) "
+                             "as a job; the _PREVIOUS keys open the others meanwhile")
+    rewrap.add_argument("--wait", action="store_true", help="wait for the end, printing progress")
+    rewrap.set_defaults(func=_keys_rewrap, reads_state=True)
+    rotate = keys.add_parser("rotate", help="make a tenant's next data key version and re-encrypt every value "
+                             "sealed under older ones as a job; then destroy them")
+    rotate.add_argument("--tenant", help="the tenant id")
+    rotate.add_argument("--all", action="store_true", help="every tenant")
+    rotate.add_argument("--wait", action="store_true", help="wait for the end, printing progress")
+    rotate.set_defaults(func=_keys_rotate, reads_state=True)
 
     queues = commands.add_parser("queues", help="queue depth, oldest waiting work, consumers, workers and beat")
     queues.add_argument("--json", action="store_true", help="print one JSON object")

@@ -277,6 +277,24 @@ def remove_object(key: str, upload_id: str | None) -> None:
         raise
 
 
+def copy_sealed(source: Source, *, data_key: bytes, key: str) -> None:
+    """Write a document's content again, sealed under ``data_key``, to the object ``key`` (a key
+    rotation); chunk by chunk, at most one part in memory. Raises :class:`CorruptDocument` when the
+    stored content does not open; the partial copy is then removed."""
+    reader = SealedReader(source)
+    writer = SealedWriter(tenant_id=source.tenant_id, document_id=source.document_id, data_key=data_key, key=key)
+    reader.open()
+    try:
+        while (chunk := reader.next_chunk()) is not None:
+            writer.write(chunk)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        reader.close()
+
+
 class CorruptDocument(Exception):
     """The stored content does not match its row or does not authenticate."""
 

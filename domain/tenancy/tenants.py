@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -12,12 +13,15 @@ from domain.tenancy import audit
 from domain.tenancy.auth import caller_cache, new_api_key
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import ALL_PERMISSIONS
+from infra import jobs
 from infra.errors import not_found, validation_problem
 from infra.signing import generate_secret
 from storage.crypto import get_keyring
 from storage.db import on_commit
 from storage.models import Application, ApplicationKey, Tenant, TenantMember, User
 from storage.types import utcnow
+
+log = logging.getLogger("tessera.tenants")
 
 TENANT_TYPES = ("test", "production")
 _EMAIL = TypeAdapter(EmailStr)
@@ -175,8 +179,15 @@ def update_tenant(session: Session, caller: Caller, *, name: str, settings: dict
     return tenant_view(tenant)
 
 
+#: The job that purges a shredded tenant's rows and stored objects (``tasks/keys.py``).
+PURGE_TASK = "keys.purge_tenant"
+
+
 def delete_tenant(session: Session, caller: Caller) -> None:
-    """``DELETE /tenants/self``: the tenant and every key of it stop working at once."""
+    """``DELETE /tenants/self``: the tenant and every key of it stop working at once, and the tenant is
+    crypto-shredded: in this same transaction its data keys are destroyed (key bytes deleted, not
+    only flagged: from the commit on its ciphertext is unreadable, in backups too); then a job
+    purges its rows and S3 objects. Audit rows (``tenant`` and ``key``) record both."""
     on_commit(session, caller_cache.clear)
     tenant = get_tenant(session, caller.tenant_id)
     tenant.deleted_at = utcnow()
@@ -184,6 +195,11 @@ def delete_tenant(session: Session, caller: Caller) -> None:
     tenant.modified_at = tenant.deleted_at
     session.add(tenant)
     audit.record(session, caller, entity_type="tenant", entity_id=tenant.id, operation="delete")
+    get_keyring().shred(session, tenant.id)
+    audit.record(session, caller, entity_type="key", entity_id="all", operation="delete")
+    jobs.record(session, kind=PURGE_TASK, tenant_id=None, subject_type="tenant", subject_id=str(tenant.id),
+                trace_id=caller.trace_id, max_attempts=10)
+    log.info("tenant %s shredded: its data keys are destroyed; its rows and files are purged next", tenant.id)
 
 
 def webhook_signing_secret(session: Session, tenant_id: uuid.UUID) -> str:

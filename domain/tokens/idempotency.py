@@ -36,7 +36,7 @@ MAX_KEY_LENGTH = 255
 RETENTION = dt.timedelta(hours=24)
 TOKENS = "tokens"
 TOKENIZE = "tokenize"
-_PURPOSE = "token-idempotency-answer"
+ANSWER_PURPOSE = "token-idempotency-answer"
 
 
 def key_errors(key: str, header: str) -> dict[str, list[str]]:
@@ -66,11 +66,11 @@ def once(session: Session, caller: Caller, scope: str, key: str | None, create: 
     aad = f"{scope}:{key}"
     if not taken:
         sealed = session.execute(select(TokenIdempotencyKey.answer_ct).where(*where)).scalar_one()
-        return json.loads(keyring.decrypt(session, caller.tenant_id, _PURPOSE, aad, sealed))
+        return json.loads(keyring.decrypt(session, caller.tenant_id, ANSWER_PURPOSE, aad, sealed))
     answer = create(session, caller, *args, **kwargs)
     plain = json.dumps(to_jsonable_python(answer), separators=(",", ":"), ensure_ascii=False).encode()
     row = session.get(TokenIdempotencyKey, (caller.tenant_id, scope, key), populate_existing=True)
-    row.answer_ct = keyring.encrypt(session, caller.tenant_id, _PURPOSE, aad, plain)
+    row.answer_ct = keyring.encrypt(session, caller.tenant_id, ANSWER_PURPOSE, aad, plain)
     session.add(row)
     session.flush()
     return answer

@@ -1,0 +1,118 @@
+"""Columns of sealed values, as a key rotation reads and rewrites them (``domain/keys``).
+
+A :class:`SealedColumn` names a table's column of envelopes (``storage.crypto``), the purpose they
+are sealed for, the SQL expression of the resource id bound into each (usually the row's id) and the
+column of its tenant. The statements here are plain SQLAlchemy: the same on PostgreSQL and SQLite.
+An envelope's first five bytes name its data key version (``0x02`` + 4 bytes; the first layout,
+``0x01``, is version 1), so a rotation finds the values still under an older version in SQL.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import ColumnElement, Table, and_, func, literal, select, update, values
+from sqlalchemy.sql.elements import ColumnClause
+from sqlmodel import Session
+
+#: The leading bytes of an envelope of each data key version (:func:`version_head`).
+_V1, _V2 = b"\x01", b"\x02"
+
+
+def version_head(version: int) -> bytes:
+    """The first five bytes of an envelope sealed under ``version`` with today's layout."""
+    return _V2 + version.to_bytes(4, "big")
+
+
+def version_of_head(head: bytes) -> int:
+    """The version named by an envelope's first bytes (1 for the first layout)."""
+    return int.from_bytes(head[1:5], "big") if head[:1] == _V2 else 1
+
+
+@dataclass(frozen=True)
+class SealedColumn:
+    """One column of sealed values: ``table``'s ``column`` holds envelopes sealed for ``purpose``,
+    bound to the resource id ``resource(table)`` (an SQL expression, a string) of tenant
+    ``tenant`` (a column name)."""
+
+    table: Table
+    column: str
+    purpose: str
+    resource: str = "id"
+    tenant: str = "tenant_id"
+    #: The resource id built from several columns, joined by ``:`` (instead of ``resource``).
+    resource_parts: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.table.name}.{self.column}"
+
+    def resource_of(self, row: Any) -> str:
+        """The resource id of a row read by :func:`stale_rows`."""
+        if self.resource_parts:
+            return ":".join(str(getattr(row, part)) for part in self.resource_parts)
+        return str(getattr(row, self.resource))
+
+    @property
+    def _key(self) -> list[ColumnElement]:
+        return [self.table.c[name] for name in (c.name for c in self.table.primary_key.columns)]
+
+
+def _stale(spec: SealedColumn, tenant_id: uuid.UUID, version: int) -> list[ColumnElement]:
+    column = spec.table.c[spec.column]
+    return [spec.table.c[spec.tenant] == tenant_id, column.is_not(None),
+            func.substr(column, 1, 5) != literal(version_head(version))]
+
+
+def count_stale(session: Session, spec: SealedColumn, tenant_id: uuid.UUID, version: int) -> int:
+    """How many values of a tenant in this column are not sealed under ``version``."""
+    return session.execute(select(func.count()).select_from(spec.table).where(*_stale(spec, tenant_id, version))
+                           ).scalar_one()
+
+
+def count_by_version(session: Session, spec: SealedColumn, tenant_id: uuid.UUID) -> dict[int, int]:
+    """The tenant's values in this column by the data key version that sealed them."""
+    column = spec.table.c[spec.column]
+    head = func.substr(column, 1, 5)
+    rows = session.execute(select(head, func.count()).where(spec.table.c[spec.tenant] == tenant_id,
+                                                            column.is_not(None)).group_by(head)).all()
+    counted: dict[int, int] = {}
+    for found, number in rows:
+        version = version_of_head(bytes(found))
+        counted[version] = counted.get(version, 0) + number
+    return counted
+
+
+def stale_rows(session: Session, spec: SealedColumn, tenant_id: uuid.UUID, version: int, limit: int) -> Sequence[Any]:
+    """Up to ``limit`` rows of the tenant whose value is not sealed under ``version``, locked (rows
+    another transaction holds are skipped): their key columns, the value (``sealed``) and the
+    resource id's columns."""
+    columns = {c.name: c for c in spec._key}
+    for name in (*spec.resource_parts, spec.resource, spec.tenant):
+        if name in spec.table.c:
+            columns.setdefault(name, spec.table.c[name])
+    statement = (select(*columns.values(), spec.table.c[spec.column].label("sealed"))
+                 .where(*_stale(spec, tenant_id, version)).limit(limit).with_for_update(skip_locked=True))
+    return session.execute(statement).all()
+
+
+def write_resealed(session: Session, spec: SealedColumn, rows: Sequence[Any], sealed: Sequence[bytes]) -> int:
+    """Write each row's new value in one statement (``UPDATE ... FROM (VALUES ...)``), each only
+    where the value is still the one read (a concurrent write wins). Returns how many changed."""
+    if not rows:
+        return 0
+    key = spec._key
+    key_names = [c.name for c in key]
+    given = values(*[ColumnClause(f"k_{name}", c.type) for name, c in zip(key_names, key, strict=True)],
+                   ColumnClause("old", spec.table.c[spec.column].type),
+                   ColumnClause("new", spec.table.c[spec.column].type), name="resealed").data(
+        [(*(getattr(row, name) for name in key_names), row.sealed, new) for row, new in zip(rows, sealed, strict=True)])
+    column = spec.table.c[spec.column]
+    statement = (update(spec.table)
+                 .where(and_(*(c == given.c[f"k_{name}"] for name, c in zip(key_names, key, strict=True))),
+                        column == given.c.old)
+                 .values({spec.column: given.c.new}))
+    return session.execute(statement).rowcount
