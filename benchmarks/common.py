@@ -9,6 +9,7 @@ does), and imports the platform inside functions.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -54,6 +55,8 @@ def platform_env(database_url: str, redis_url: str, data_dir: Path, **extra: str
     """The ``TESSERA_*`` variables of a benchmark run: its database, Redis as broker and limiter store,
     no rate limits, quiet logs, a private data dir; ``extra`` adds or overrides variables."""
     return {
+        # a shared database never gets a key file of its own: every process of the run shares this key
+        "TESSERA_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
         "TESSERA_DATABASE_URL": database_url,
         "TESSERA_BROKER_URL": redis_url,
         "TESSERA_REDIS_URL": redis_url,

@@ -2,7 +2,7 @@
 
     tessera dev                      migrations, then api, worker, beat, sandbox (and S3) as children
     tessera api [--host H] [--port P] [--workers N]
-    tessera worker [celery worker options]   prefork pool, and the providers queue on threads
+    tessera worker [celery worker options]   prefork pool, and the providers and reactors queues on threads
     tessera beat [celery beat options]
     tessera migrate
     tessera tenants create --name NAME --owner-email EMAIL [--type test|production] [--json]
@@ -12,6 +12,9 @@
     tessera jobs list [--state S]... [--kind K] [--tenant ID] [--limit N] [--json]
     tessera jobs show|retry|cancel ID [--json]
     tessera queues [--json] [--timeout S]
+    tessera keys status [--tenant ID] [--json]
+    tessera keys rewrap [--wait]
+    tessera keys rotate --tenant ID | --all [--wait]
     tessera --version
 
 Every command reads the same ``TESSERA_*`` settings (``config/settings.py``: the environment, then

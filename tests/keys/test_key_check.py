@@ -5,6 +5,7 @@ a shared database never gets a key file of its own, and a previous key is accept
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -69,3 +70,14 @@ def test_readyz_fails_when_the_key_does_not_open_the_database(api, monkeypatch):
     answer = api.client().get("/readyz")
     assert answer.status == 503, answer
     assert "keys" in answer.json["failed"] and answer.json["checks"]["keys"]["error"] == "KeyCheckFailed"
+
+
+def test_keys_status_prints_the_contract(database):
+    done = subprocess.run([*TESSERA, "keys", "status", "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["wrapping"] == "master" and report["key_check"] == "ok"
+    assert isinstance(report["data_keys_under_previous"], int)
+    wrong = subprocess.run([*TESSERA, "keys", "status", "--json"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "TESSERA_MASTER_KEY": _key()})
+    assert wrong.returncode == 1 and json.loads(wrong.stdout)["key_check"] == "mismatch"
