@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             loader = threading.Thread(target=lambda: during.extend(tokenize_load(base, tenant.api_key, args.clients,
                                                                                  stop)))
             meter_rss = [0]
-            tree = common.process_tree(worker.popen.pid)
+            tree = common.process_tree(worker.pid)
 
             def sample() -> None:
                 while not stop.is_set():

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, func, literal, select, update, values
+from sqlalchemy import ColumnElement, Table, and_, func, literal, select, tuple_, update, values
 from sqlalchemy.sql.elements import ColumnClause
 from sqlmodel import Session
 
@@ -86,17 +86,29 @@ def count_by_version(session: Session, spec: SealedColumn, tenant_id: uuid.UUID)
     return counted
 
 
-def stale_rows(session: Session, spec: SealedColumn, tenant_id: uuid.UUID, version: int, limit: int) -> Sequence[Any]:
-    """Up to ``limit`` rows of the tenant whose value is not sealed under ``version``, locked (rows
-    another transaction holds are skipped): their key columns, the value (``sealed``) and the
-    resource id's columns."""
-    columns = {c.name: c for c in spec._key}
+def stale_rows(session: Session, spec: SealedColumn, tenant_id: uuid.UUID, version: int, limit: int,
+               after: tuple | None = None) -> Sequence[Any]:
+    """Up to ``limit`` rows of the tenant whose value is not sealed under ``version``, in primary key
+    order after the key ``after`` (a keyset: each chunk reads only its own rows, however far the
+    rotation got), locked (rows another transaction holds are skipped): their key columns (``key``
+    is the tuple to pass as the next ``after``), the value (``sealed``) and the resource id's columns."""
+    key = spec._key
+    columns = {c.name: c for c in key}
     for name in (*spec.resource_parts, spec.resource, spec.tenant):
         if name in spec.table.c:
             columns.setdefault(name, spec.table.c[name])
-    statement = (select(*columns.values(), spec.table.c[spec.column].label("sealed"))
-                 .where(*_stale(spec, tenant_id, version)).limit(limit).with_for_update(skip_locked=True))
+    statement = select(*columns.values(), spec.table.c[spec.column].label("sealed")).where(
+        *_stale(spec, tenant_id, version))
+    if after is not None:
+        bound = tuple_(*(literal(value, c.type) for value, c in zip(after, key, strict=True)))
+        statement = statement.where(tuple_(*key) > bound)
+    statement = statement.order_by(*key).limit(limit).with_for_update(skip_locked=True)
     return session.execute(statement).all()
+
+
+def key_of(spec: SealedColumn, row: Any) -> tuple:
+    """The primary key of a row read by :func:`stale_rows` (the ``after`` of the next chunk)."""
+    return tuple(getattr(row, c.name) for c in spec._key)
 
 
 def write_resealed(session: Session, spec: SealedColumn, rows: Sequence[Any], sealed: Sequence[bytes]) -> int:

@@ -45,7 +45,7 @@ from storage.crypto import ACTIVE_VERSION_TTL, RETIRING, get_keyring
 from storage.db import session_scope
 from storage.models import Job, KeyRotation, Tenant, TenantDataKey, TenantIndexKey
 from storage.models_tenant_admin import Document
-from storage.sealed import count_by_version, count_stale, stale_rows, write_resealed
+from storage.sealed import count_by_version, count_stale, key_of, stale_rows, write_resealed
 from storage.states import JOB_TERMINAL, DocumentStatus
 from storage.types import utcnow
 
@@ -133,19 +133,20 @@ def rotate_pass(job: Any, *, budget_seconds: float) -> PassOutcome | None:
     while time.monotonic() < deadline:
         done = 0
         for spec in SEALED:
-            with session_scope() as session:
-                rows = stale_rows(session, spec, tenant_id, version, CHUNK)
-                if not rows:
-                    continue
-                fresh = [keyring.reseal(session, tenant_id, spec.purpose, spec.resource_of(row), row.sealed, version)
-                         for row in rows]
-                changed = write_resealed(session, spec, rows, fresh)
-                session.execute(update(KeyRotation).where(col(KeyRotation.id) == rotation.id)
-                                .values(done=col(KeyRotation.done) + changed))
-            done += changed
-            time.sleep(PAUSE_SECONDS)
-            if time.monotonic() >= deadline:
-                break
+            after: tuple | None = None  # a keyset through the column: each chunk reads its own rows only
+            while time.monotonic() < deadline:
+                with session_scope() as session:
+                    rows = stale_rows(session, spec, tenant_id, version, CHUNK, after)
+                    if not rows:
+                        break
+                    fresh = [keyring.reseal(session, tenant_id, spec.purpose, spec.resource_of(row), row.sealed,
+                                            version) for row in rows]
+                    changed = write_resealed(session, spec, rows, fresh)
+                    session.execute(update(KeyRotation).where(col(KeyRotation.id) == rotation.id)
+                                    .values(done=col(KeyRotation.done) + changed))
+                after = key_of(spec, rows[-1])
+                done += changed
+                time.sleep(PAUSE_SECONDS)
         done += _rotate_documents(tenant_id, version, rotation.id, deadline)
         resealed += done
         if done == 0:
