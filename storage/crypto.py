@@ -72,12 +72,18 @@ class KeyUnavailable(Exception):
     the operation may be tried again (the api answers 503)."""
 
 
+@functools.lru_cache(maxsize=4096)
+def _cipher(key: bytes) -> AESGCM:
+    """The AES-GCM object of a key, made once per process (its key schedule is not recomputed per value)."""
+    return AESGCM(key)
+
+
 def seal(key: bytes, plaintext: bytes, aad: bytes, version: int | None = None) -> bytes:
     """Encrypt ``plaintext`` with AES-256-GCM under ``key`` (32 bytes), binding ``aad``; the envelope
     names ``version`` (the tenant's data key version) when given."""
     nonce = os.urandom(_NONCE_BYTES)
     head = _V1 if version is None else _V2 + version.to_bytes(4, "big")
-    return head + nonce + AESGCM(key).encrypt(nonce, plaintext, aad)
+    return head + nonce + _cipher(key).encrypt(nonce, plaintext, aad)
 
 
 def envelope_version(envelope: bytes) -> int:
@@ -97,7 +103,7 @@ def open_sealed(key: bytes, envelope: bytes, aad: bytes) -> bytes:
         raise DecryptionError("malformed envelope")
     nonce, body = envelope[head : head + _NONCE_BYTES], envelope[head + _NONCE_BYTES :]
     try:
-        return AESGCM(key).decrypt(nonce, body, aad)
+        return _cipher(key).decrypt(nonce, body, aad)
     except InvalidTag as exc:
         raise DecryptionError("ciphertext does not authenticate") from exc
 
@@ -411,7 +417,9 @@ class Keyring:
         self.forget(tenant_id)
 
     def forget(self, tenant_id: uuid.UUID) -> None:
-        """Drop this process's cached keys of a tenant (its versions changed or were destroyed)."""
+        """Drop this process's cached keys of a tenant (its versions changed or were destroyed), and
+        the cipher objects of every key (they hold key schedules)."""
+        _cipher.cache_clear()
         with self._lock:
             for cached in [k for k in self._data_keys if k[0] == tenant_id]:
                 del self._data_keys[cached]

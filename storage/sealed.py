@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Table, and_, func, literal, select, tuple_, update, values
-from sqlalchemy.sql.elements import ColumnClause
+from sqlalchemy import ColumnElement, Table, func, literal, select, text, tuple_
 from sqlmodel import Session
 
 #: The leading bytes of an envelope of each data key version (:func:`version_head`).
@@ -111,20 +110,54 @@ def key_of(spec: SealedColumn, row: Any) -> tuple:
     return tuple(getattr(row, c.name) for c in spec._key)
 
 
+def _pg_type(column: ColumnElement) -> str:
+    """The PostgreSQL element type of a key column's array (``uuid``, ``text``, ``bigint``...)."""
+    name = type(column.type).__name__.lower()
+    return "uuid" if "uuid" in name else "bigint" if "int" in name else "text"
+
+
+def _resealing_statement(spec: SealedColumn, dialect: str):
+    """The one statement of :func:`write_resealed` for ``spec`` (its SQL built once per process):
+    on PostgreSQL an ``UPDATE ... FROM unnest(arrays)`` taking the whole chunk as array parameters;
+    elsewhere the single-row form run once per row (executemany). The rows were read
+    ``FOR UPDATE`` in the same transaction, so no other writer changed them since."""
+    cached = _STATEMENTS.get((spec.name, dialect))
+    if cached is not None:
+        return cached
+    names = [c.name for c in spec._key]
+    column = spec.column
+    if dialect == "postgresql":
+        arrays = ", ".join([*(f"CAST(:k_{n} AS {_pg_type(spec.table.c[n])}[])" for n in names),
+                            "CAST(:new AS bytea[])"])
+        columns = ", ".join([*(f"k_{n}" for n in names), "new"])
+        matches = " AND ".join(f't."{n}" = v.k_{n}' for n in names)
+        # identifiers from the platform's own table metadata; every value is a bound parameter
+        sql = (f'UPDATE "{spec.table.name}" AS t SET "{column}" = v.new '  # noqa: S608
+               f"FROM unnest({arrays}) AS v({columns}) WHERE {matches}")
+    else:
+        matches = " AND ".join(f'"{n}" = :k_{n}' for n in names)
+        sql = f'UPDATE "{spec.table.name}" SET "{column}" = :new WHERE {matches}'  # noqa: S608
+    statement = text(sql)
+    _STATEMENTS[(spec.name, dialect)] = statement
+    return statement
+
+
+_STATEMENTS: dict[tuple[str, str], Any] = {}
+
+
 def write_resealed(session: Session, spec: SealedColumn, rows: Sequence[Any], sealed: Sequence[bytes]) -> int:
-    """Write each row's new value in one statement (``UPDATE ... FROM (VALUES ...)``), each only
-    where the value is still the one read (a concurrent write wins). Returns how many changed."""
+    """Write each row's new value (the rows read by :func:`stale_rows` in the caller's transaction,
+    locked since): on PostgreSQL in one statement for the whole chunk. Returns how many changed."""
     if not rows:
         return 0
-    key = spec._key
-    key_names = [c.name for c in key]
-    given = values(*[ColumnClause(f"k_{name}", c.type) for name, c in zip(key_names, key, strict=True)],
-                   ColumnClause("old", spec.table.c[spec.column].type),
-                   ColumnClause("new", spec.table.c[spec.column].type), name="resealed").data(
-        [(*(getattr(row, name) for name in key_names), row.sealed, new) for row, new in zip(rows, sealed, strict=True)])
-    column = spec.table.c[spec.column]
-    statement = (update(spec.table)
-                 .where(and_(*(c == given.c[f"k_{name}"] for name, c in zip(key_names, key, strict=True))),
-                        column == given.c.old)
-                 .values({spec.column: given.c.new}))
-    return session.execute(statement).rowcount
+    names = [c.name for c in spec._key]
+    dialect = session.get_bind().dialect.name
+    statement = _resealing_statement(spec, dialect)
+    if dialect == "postgresql":
+        params: dict[str, Any] = {f"k_{n}": [str(getattr(row, n)) if isinstance(getattr(row, n), uuid.UUID)
+                                             else getattr(row, n) for row in rows] for n in names}
+        params["new"] = list(sealed)
+        return session.execute(statement, params).rowcount
+    each = [{**{f"k_{n}": getattr(row, n) for n in names}, "new": new}
+            for row, new in zip(rows, sealed, strict=True)]
+    return sum(session.execute(statement, one).rowcount for one in each)

@@ -56,8 +56,8 @@ REWRAP_TASK = "keys.rewrap"
 ENTITY_TYPE = "key"
 RUNNING, COMPLETED = "running", "completed"
 #: Values re-sealed per transaction, and the pause between two chunks (seconds): the tenant's own
-#: requests wait at most one chunk's time for a row, and the database keeps room for them.
-CHUNK = 1000
+#: requests wait at most one chunk's time (a few tens of milliseconds) for a row, and the database keeps room for them.
+CHUNK = 2000
 PAUSE_SECONDS = 0.002
 #: Wrapped keys rewrapped per transaction.
 REWRAP_CHUNK = 200
