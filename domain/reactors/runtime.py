@@ -183,7 +183,7 @@ class ReactorRuntime:
         self.advisories = advisories
         self.audit_registry = audit_registry
         self.pool = pool or NodePool()
-        self._programs: dict[tuple[str, str], NodeProgram] = {}
+        self._programs: dict[str, NodeProgram] = {}
         self._lock = threading.Lock()
 
     @property
@@ -202,7 +202,9 @@ class ReactorRuntime:
             found = packages.scan_with_advisories(installation, packages.load_advisories(self.advisories))
         else:
             found = packages.npm_audit(installation, registry=self.audit_registry)
-        state = "vulnerabilities_detected" if packages.blocking(found) else "ok"
+        state: Literal["ok", "vulnerabilities_detected"] = (
+            "vulnerabilities_detected" if packages.blocking(found) else "ok"
+        )
         return Build(state, installation.key, found)
 
     def invoke(self, reactor: Reactor, *, args: object, configuration: dict[str, str] | None = None) -> ReactorResponse:
