@@ -6,17 +6,19 @@ rather than piled up; every sweep works in batches and is safe to run twice or o
 
 from __future__ import annotations
 
+from typing import Any
+
 from config.settings import Settings
 
 
-def beat_schedule(settings: Settings) -> dict:
+def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     """The schedule dict for ``app.conf.beat_schedule``: every entry runs on the ``sweeps`` queue.
 
     The relay, the stale-lease release and the look for account updater uploads are gated by beat's
     scheduler (``workers/beat.py``): sent only when a cheap query finds work for them.
     """
     relay_every = max(1.0, settings.outbox_relay_after_seconds / 3)
-    entries = {
+    entries: dict[str, dict[str, Any]] = {
         "outbox-relay": {
             "task": "sweeps.relay_outbox",
             "schedule": relay_every,

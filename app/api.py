@@ -91,6 +91,13 @@ class Call:
     #: Headers the handler adds to its (successful) answer.
     headers: dict[str, str] = field(default_factory=dict)
 
+    def require_caller(self) -> Caller:
+        """The caller of a route declared with authentication (the default); a route declared with
+        ``auth=False`` has none, so asking for it there is a programming error."""
+        if self.caller is None:
+            raise RuntimeError(f"{self.request.method} {self.request.path} has no authenticated caller")
+        return self.caller
+
     @property
     def params(self):
         """The path parameters."""
@@ -151,7 +158,8 @@ class Route:
     path: str
     handler: Callable[[Call], Awaitable[Any]]
     permission: Permission
-    body: type[BaseModel] | object | None
+    #: A model class or any type form pydantic validates (a union of models ...); None: no body.
+    body: Any
     query: type[BaseModel] | None
     response: Any
     status: int
@@ -175,7 +183,7 @@ class Route:
         kinds = self.request_content_type
         self.request_content_types: tuple[str, ...] = (kinds,) if isinstance(kinds, str) else kinds
         # adapters are built once, here, never per request
-        self.body_adapter = TypeAdapter(self.body) if self.body is not None else None
+        self.body_adapter: TypeAdapter[Any] | None = TypeAdapter(self.body) if self.body is not None else None
         json_answer = self.response is not None and self.status != 204 and self.response_content_type.endswith("json")
         self.response_adapter = TypeAdapter(self.response) if json_answer else None
 
@@ -197,7 +205,7 @@ class Api:
         summary: str,
         tag: str,
         permission: Permission = None,
-        body: type[BaseModel] | object | None = None,
+        body: Any = None,
         query: type[BaseModel] | None = None,
         response: Any = None,
         status: int = 200,

@@ -13,6 +13,7 @@ from http import HTTPStatus
 from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
+from pydantic.json_schema import JsonSchemaMode
 
 from app.api import AllOf, AnyOf, Route
 from config import __version__
@@ -95,7 +96,7 @@ class _Schemas:
     def __init__(self) -> None:
         self.components: dict[str, Any] = {"Problem": PROBLEM_SCHEMA}
 
-    def _add(self, annotation: Any, mode: str, suffix: str) -> dict:
+    def _add(self, annotation: Any, mode: JsonSchemaMode, suffix: str) -> dict:
         schema = TypeAdapter(annotation).json_schema(ref_template=_REF, mode=mode)
         for name, definition in schema.pop("$defs", {}).items():
             self.components.setdefault(name, definition)

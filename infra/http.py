@@ -38,9 +38,9 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypedDict
 from urllib.parse import SplitResult, urlsplit
 
 import aiohttp
@@ -314,6 +314,13 @@ class _DnsTimeout(Exception):
     """Internal: name resolution took longer than the budget."""
 
 
+class _Lookup(TypedDict, total=False):
+    """What the resolver thread hands back: getaddrinfo's answer or the exception it raised."""
+
+    result: Sequence[tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[Any, ...]]]
+    error: BaseException
+
+
 def _resolve(host: str, port: int, timeout_s: float) -> list[str]:
     """Resolve ``host`` to a de-duplicated list of IP strings (order kept).
 
@@ -325,7 +332,7 @@ def _resolve(host: str, port: int, timeout_s: float) -> list[str]:
         return [host]
     except ValueError:
         pass
-    box: dict[str, object] = {}
+    box: _Lookup = {}
 
     def run() -> None:
         try:
@@ -339,9 +346,9 @@ def _resolve(host: str, port: int, timeout_s: float) -> list[str]:
     if worker.is_alive():
         raise _DnsTimeout()
     if "error" in box:
-        raise box["error"]  # type: ignore[misc]
+        raise box["error"]
     seen: list[str] = []
-    for family, _type, _proto, _canon, sockaddr in box["result"]:  # type: ignore[union-attr]
+    for family, _type, _proto, _canon, sockaddr in box["result"]:
         if family not in (socket.AF_INET, socket.AF_INET6):
             continue
         addr = str(sockaddr[0])

@@ -208,15 +208,17 @@ def lease_and_read(
     labels = {name: f"read_{index}" for index, name in enumerate(reads)}
     labelled = [expression.label(labels[name]) for name, expression in reads.items()]
     with session_scope() as session:
-        job = lease(session, job_id, owner, lease_seconds=lease_seconds)
-        if job is None:
+        taken = lease(session, job_id, owner, lease_seconds=lease_seconds)
+        if taken is None:
             return None
         values = session.execute(select(*labelled).where(col(Job.id) == job_id)).mappings().one() if labelled else {}
-        session.expunge(job)
-    return job, {name: values[labels[name]] for name in reads}
+        session.expunge(taken)
+    return taken, {name: values[labels[name]] for name in reads}
 
 
-def _close(session: Session, job: Job, status: str, *, error: str | None = None, result: dict | None = None) -> None:
+def _close(
+    session: Session, job: Job, status: JobStatus, *, error: str | None = None, result: dict | None = None
+) -> None:
     """Settle the job; its outcome is published to a waiting request once the transaction commits."""
     job.status = status
     job.lease_owner = None

@@ -21,10 +21,11 @@ import contextlib
 import contextvars
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 from config.settings import Settings
 
@@ -84,7 +85,7 @@ def get_logger(name: str) -> structlog.stdlib.BoundLogger:
 # ---- processors ----------------------------------------------------------------------------------
 
 
-def _add_lazy(_logger, _method, event: dict) -> dict:
+def _add_lazy(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     lazy = _LAZY.get()
     if lazy is not None:
         try:
@@ -97,18 +98,18 @@ def _add_lazy(_logger, _method, event: dict) -> dict:
     return event
 
 
-def _context_defaults(_logger, _method, event: dict) -> dict:
+def _context_defaults(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     for key in CONTEXT_FIELDS:
         value = event.get(key)
         event[key] = None if value is None else str(value)
     return event
 
 
-def _drop_empty(_logger, _method, event: dict) -> dict:
+def _drop_empty(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     return {k: v for k, v in event.items() if v is not None and not (k == "data" and _is_celery(event))}
 
 
-def _is_celery(event: dict) -> bool:
+def _is_celery(event: Mapping[str, Any]) -> bool:
     return str(event.get("logger", "")).startswith("celery")
 
 
@@ -145,13 +146,13 @@ class QuietCelery(logging.Filter):
 _FIRST = ("time", "level", "logger", "message", *CONTEXT_FIELDS)
 
 
-def _ordered(_logger, _method, event: dict) -> dict:
+def _ordered(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
     ordered = {key: event.pop(key) for key in _FIRST if key in event}
     ordered.update(event)
     return ordered
 
 
-_SHARED = [
+_SHARED: list[Processor] = [
     structlog.contextvars.merge_contextvars,
     _add_lazy,
     structlog.stdlib.add_log_level,
@@ -183,6 +184,7 @@ def _traceback_without_locals():
 
 def formatter(log_format: str, *, colors: bool = False) -> logging.Formatter:
     """The formatter of ``TESSERA_LOG_FORMAT``: ``json`` (one object a line) or ``console``."""
+    chain: list[Processor]
     if log_format == "json":
         chain = [
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,

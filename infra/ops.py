@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, or_, update
+from sqlalchemy import ColumnElement, func, or_, update
 from sqlmodel import Session, col, select
 
 from config.settings import Settings
@@ -357,7 +357,7 @@ def _iso(value: dt.datetime | None) -> str | None:
 
 def job_view(job: Job, *, detail: bool = False) -> dict[str, Any]:
     """A job as ``tessera jobs`` shows it."""
-    view = {
+    view: dict[str, Any] = {
         "id": str(job.id),
         "kind": job.kind,
         "state": job.status,
@@ -396,7 +396,7 @@ def delivery_view(
 ) -> dict[str, Any]:
     """A webhook delivery as ``tessera jobs`` shows it (kind ``webhooks.deliver``): its job, with the
     delivery's public status as ``state`` (``job_state`` is the job's own)."""
-    view = {
+    view: dict[str, Any] = {
         "id": str(delivery.id),
         "kind": DELIVER_TASK,
         "state": delivery_state(job.status),
@@ -446,7 +446,7 @@ def list_jobs(
     """Jobs, most recently changed first; for kind ``webhooks.deliver`` shown as webhook deliveries,
     whose ``states`` may also be the public words (``pending``: queued or running; ``failed``: failed,
     dead or cancelled)."""
-    where = []
+    where: list[ColumnElement[bool]] = []
     if states:
         wanted = set(states)
         if kind == DELIVER_TASK:
@@ -456,13 +456,13 @@ def list_jobs(
         where.append(col(Job.kind) == kind)
     if tenant_id:
         where.append(col(Job.tenant_id) == tenant_id)
-    order = (col(Job.updated_at).desc(), Job.id)
+    order = (col(Job.updated_at).desc(), col(Job.id))
     if kind == DELIVER_TASK:
-        rows = session.exec(
+        pairs = session.exec(
             select(WebhookDelivery, Job).join(Job, col(Job.id) == WebhookDelivery.id).where(*where)
             .order_by(*order).limit(limit)
         ).all()
-        return [delivery_view(delivery, job) for delivery, job in rows]
+        return [delivery_view(delivery, job) for delivery, job in pairs]
     rows = session.exec(select(Job).where(*where).order_by(*order).limit(limit)).all()
     return [job_view(row) for row in rows]
 
@@ -487,7 +487,7 @@ def _find(session: Session, ref: str) -> tuple[Job, WebhookDelivery | None]:
 def _attempt_log(session: Session, delivery: WebhookDelivery) -> list[WebhookAttempt]:
     return list(session.exec(
         select(WebhookAttempt).where(WebhookAttempt.delivery_id == delivery.id)
-        .order_by(col(WebhookAttempt.attempted_at), WebhookAttempt.number)
+        .order_by(col(WebhookAttempt.attempted_at), col(WebhookAttempt.number))
     ).all())
 
 
@@ -563,7 +563,7 @@ def check_database() -> None:
     from sqlalchemy import text
 
     with session_scope() as session:
-        session.exec(text("SELECT 1"))
+        session.execute(text("SELECT 1"))
 
 
 def check_keys() -> None:

@@ -230,7 +230,7 @@ class JobTask(TesseraTask):
                 jobs.lock_leased(session, job.id)  # locked first: the lock order of ``apply``
                 jobs.complete_leased(session, job, result=self.apply(session, job, outcome))
             else:
-                current = session.get(Job, job.id, with_for_update=True)  # locked first, as above
+                current = _held(session, job.id, lock=True)  # locked first, as above
                 jobs.complete(session, current, result=self.apply(session, current, outcome))
         return "succeeded"
 
@@ -242,7 +242,7 @@ class JobTask(TesseraTask):
 
     def _retry(self, job: Job, exc: TransientError) -> str:
         with self.session_scope() as session:
-            current = session.get(Job, job.id)
+            current = _held(session, job.id)
             delay = jobs.schedule_retry(session, current, error=str(exc), delay=exc.retry_after,
                                         backoff_base=self.backoff_base)
             if delay is None:
@@ -255,7 +255,16 @@ class JobTask(TesseraTask):
 
     def _fail(self, job: Job, exc: PermanentError) -> str:
         with self.session_scope() as session:
-            current = session.get(Job, job.id)
+            current = _held(session, job.id)
             jobs.fail(session, current, error=f"{exc.code}: {exc}", result={"code": exc.code, "status": exc.status})
             self.on_job_failure(session, current, exc)
         return self.report("failed", failed=1, error=f"{exc.code}: {exc}")
+
+
+def _held(session: Session, job_id: uuid.UUID, *, lock: bool = False) -> Job:
+    """The job this worker holds the lease of, re-read in ``session`` (locked ``FOR UPDATE`` when
+    ``lock``); a leased job is never deleted, so its absence is a broken invariant."""
+    job = session.get(Job, job_id, with_for_update=lock)
+    if job is None:
+        raise LookupError(f"job {job_id} vanished while leased")
+    return job

@@ -162,7 +162,7 @@ class JobWaits:
         self._subscribed = asyncio.Event()
         self._live_since: float | None = None
         self._reader: asyncio.Task | None = None
-        self._client = None
+        self._client: aioredis.Redis | None = None
         #: Counters for operators and tests: messages delivered to a waiter, database reads made.
         self.notified = 0
         self.polls = 0
@@ -183,7 +183,7 @@ class JobWaits:
         if not self.redis_url:
             return
         self._client = aioredis.Redis.from_url(self.redis_url, client_name=self.client_name)
-        self._reader = asyncio.create_task(self._read(), name="tessera-job-waits")
+        self._reader = asyncio.create_task(self._read(self._client), name="tessera-job-waits")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._subscribed.wait(), ready_timeout)
 
@@ -198,9 +198,9 @@ class JobWaits:
             await self._client.aclose()
             self._client = None
 
-    async def _read(self) -> None:
+    async def _read(self, client: aioredis.Redis) -> None:
         while True:
-            pubsub = self._client.pubsub()
+            pubsub = client.pubsub()
             try:
                 await pubsub.psubscribe(self.pattern)
                 while True:
@@ -319,5 +319,7 @@ class JobWaits:
 
 def read_outcomes(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, Outcome]:
     """The outcomes of the jobs ``job_ids`` as stored (status and the safe part of the result)."""
-    rows = session.execute(select(Job.id, Job.status, Job.result).where(col(Job.id).in_(job_ids))).all()
+    rows = session.execute(
+        select(col(Job.id), col(Job.status), col(Job.result)).where(col(Job.id).in_(job_ids))
+    ).all()
     return {row.id: Outcome(row.status, safe_result(row.result)) for row in rows}

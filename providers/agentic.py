@@ -466,7 +466,8 @@ def _time(value: Any) -> datetime.datetime:
 
 
 def _allowance(body: Any) -> ProviderAllowance:
-    ids = body.get("provider_ids") if isinstance(body.get("provider_ids"), dict) else {}
+    raw_ids = body.get("provider_ids")
+    ids = raw_ids if isinstance(raw_ids, dict) else {}
     if body["status"] not in ("inactive", "active", "cancelled", "expired") or not isinstance(body["id"], str):
         raise ValueError("not an allowance")
     return ProviderAllowance(
@@ -504,7 +505,8 @@ def _enrollment(body: Any) -> Enrollment:
         "enabled", "pending"
     ):
         raise EnrollmentFailed(UNCLASSIFIED, "the provider answered an enrollment the platform cannot read")
-    ids = body.get("provider_ids") if isinstance(body.get("provider_ids"), dict) else {}
+    raw_ids = body.get("provider_ids")
+    ids = raw_ids if isinstance(raw_ids, dict) else {}
     return Enrollment(
         id=body["id"],
         status=body["status"],

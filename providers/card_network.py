@@ -21,7 +21,7 @@ The class is meant to be extended: the account-updater batch call joins it as on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from config.settings import Settings, get_settings
 from infra.jobs import PermanentError, TransientError
@@ -33,6 +33,14 @@ SANDBOX_PATH = "/card-network"
 
 # The network's own 4xx statuses -> the status the platform answers with (others: 422).
 _STATUS_OF_ANSWER = {404: 404, 409: 409}
+
+
+
+class HasTenantType(Protocol):
+    """A caller or tenant: anything that says whether it is a ``test`` or ``production`` tenant."""
+
+    @property
+    def tenant_type(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -239,7 +247,7 @@ def _provisioned(answer: Any) -> ProvisionedToken:
     )
 
 
-def card_network_for(who: object, settings: Settings | None = None) -> CardNetwork:
+def card_network_for(who: str | HasTenantType, settings: Settings | None = None) -> CardNetwork:
     """The card network adapter for a caller (anything with a ``tenant_type``) or a tenant type (``test`` |
     ``production``).
 

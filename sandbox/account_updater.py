@@ -86,6 +86,7 @@ def _items(body: dict[str, Any]) -> list[Any]:
     errors = optional_type_errors({"merchant_id": (body.get("merchant_id"), str)})
     if not isinstance(items, list) or len(items) > MAX_ITEMS:
         errors["items"] = f"must be an array of at most {MAX_ITEMS} rows"
+        items = []
     if body.get("tenant_type", "test") != "test":
         errors["tenant_type"] = "the sandbox serves test tenants only"
     require_valid(errors)
@@ -101,7 +102,7 @@ def _result(item: dict[str, Any], default_merchant_id: object, this_month: tuple
         merchant_id = default_merchant_id
     if merchant_id not in SANDBOX_MERCHANT_IDS:
         return {"ref": ref, "code": "ERR_INVALID_CONFIG"}
-    if not is_pan(pan):
+    if not (isinstance(pan, str) and is_pan(pan)):
         return {"ref": ref, "code": "ERR_INVALID_PAN"}
     if not _valid_expiration(month, year, this_month):
         return {"ref": ref, "code": "ERR_INVALID_EXP_DATE"}
@@ -111,7 +112,7 @@ def _result(item: dict[str, Any], default_merchant_id: object, this_month: tuple
     result = {"ref": ref, "code": update.code, "new_pan": update.new_pan or pan}
     if month is None and update.years:
         year, month = this_month
-    if month is not None:
+    if isinstance(month, int) and isinstance(year, int):  # both, or neither (``_valid_expiration``)
         result["new_expiration_month"] = month
         result["new_expiration_year"] = year + update.years
     return result

@@ -222,6 +222,8 @@ def _consumer_errors(consumer: dict[str, Any]) -> dict[str, str]:
 
 def _is_http_url(value: object) -> bool:
     """True for a string holding an absolute ``http`` or ``https`` URL with a host."""
+    if not isinstance(value, str):
+        return False
     try:
         url = URL(value)
     except (TypeError, ValueError):

@@ -138,7 +138,9 @@ def _amount(raw: object, path: str, errors: dict[str, str]) -> Amount | None:
     if not (isinstance(currency, str) and _CURRENCY.fullmatch(currency)):
         errors[f"{path}.currency"] = "must be an ISO 4217 code such as USD"
         valid = False
-    return Amount(Decimal(value), currency) if valid else None
+    if not (valid and isinstance(value, str) and isinstance(currency, str)):
+        return None
+    return Amount(Decimal(value), currency)
 
 
 def _expiry(raw: object, errors: dict[str, str]) -> datetime.datetime | None:
@@ -319,6 +321,7 @@ async def create_allowance(request: web.Request) -> web.Response:
     amount = _amount(body.get("amount"), "amount", errors)
     expires_at = _expiry(body.get("expires_at"), errors)
     require_valid(errors)
+    assert amount is not None and expires_at is not None, "a malformed amount or expiry is in errors"
     ask = SetupRequest(enrollment, amount, expires_at, body.get("description"))
     operation = partial(_set_up, request.app, provider, ask)
     return await respond_idempotently(request, ("allowance.create", provider), operation)
@@ -506,6 +509,7 @@ async def mint_credential(request: web.Request) -> web.Response:
     amount = _amount(body.get("amount"), "amount", errors)
     key_set, challenge = _mpp_fields(body, errors)
     require_valid(errors)
+    assert amount is not None, "a malformed amount is in errors"
     ask = MintRequest(body["format"], amount, key_set, challenge)
     operation = partial(_mint, request.app[SANDBOX], request.app[ALLOWANCES], allowance, ask)
     return await respond_idempotently(request, ("credential.mint", provider, allowance.id), operation)
@@ -603,11 +607,16 @@ def _seal(minted: MintedCredential, inner: dict[str, Any], ask: MintRequest) -> 
     return jwe.encrypt_compact(header, json.dumps(claims).encode(), key)
 
 
+_RECIPIENT_KINDS: dict[tuple[str, str], type[OKPKey] | type[ECKey]] = {
+    ("OKP", "X25519"): OKPKey, ("EC", "P-256"): ECKey,
+}
+
+
 def _recipient_key(key_set: dict[str, Any]) -> OKPKey | ECKey | None:
     """The first key of ``key_set`` usable for ``ECDH-ES``: OKP X25519 or EC P-256, ``use`` absent or
     ``enc``; keys that do not import are skipped."""
     for entry in key_set.get("keys", []):
-        kind = {("OKP", "X25519"): OKPKey, ("EC", "P-256"): ECKey}.get((entry.get("kty"), entry.get("crv")))
+        kind = _RECIPIENT_KINDS.get((entry.get("kty"), entry.get("crv")))
         if kind is None or entry.get("use", "enc") != "enc":
             continue
         try:

@@ -16,7 +16,7 @@ import hmac
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from domain.tokens.cards import card_brand
 from sandbox.replies import require_valid
@@ -201,7 +201,7 @@ def _is_digits(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     """True for integers other than booleans."""
     return isinstance(value, int) and not isinstance(value, bool)
 

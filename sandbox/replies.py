@@ -61,7 +61,7 @@ def require_valid(errors: dict[str, str]) -> None:
         raise invalid_request(errors)
 
 
-_TYPE_NAMES = {dict: "an object", str: "a string", list: "an array"}
+_TYPE_NAMES: dict[type, str] = {dict: "an object", str: "a string", list: "an array"}
 
 
 def optional_type_errors(fields: dict[str, tuple[object, type]]) -> dict[str, str]:

@@ -190,7 +190,8 @@ class Sandbox:
     async def reset(self) -> None:
         """Cancel background work, then forget keys, counts and every registered part's state."""
         await self.background.cancel_all()
-        for part in (self.idempotency, self.requests, *self._parts):
+        parts: list[Clearable] = [self.idempotency, self.requests, *self._parts]
+        for part in parts:
             part.clear()
 
 

@@ -148,8 +148,9 @@ def execute_unflushed(statement) -> None:
 def reset_engine() -> None:
     """Dispose of the process's engines (after a fork, or when tests change the settings)."""
     for cached in (get_engine, get_lease_engine):
-        if cached.cache_info().currsize and cached() is not None:
-            cached().dispose()
+        engine = cached() if cached.cache_info().currsize else None
+        if engine is not None:
+            engine.dispose()
         cached.cache_clear()
 
 
@@ -171,7 +172,7 @@ _ON_COMMIT = "tessera_on_commit"
 _STATE_KEYS = "tessera_transaction_state"
 
 
-def on_commit(session: OrmSession, callback: Callable[[], None]) -> None:
+def on_commit(session: OrmSession, callback: Callable[[], object]) -> None:
     """Run ``callback()`` once ``session``'s transaction commits (dropped if it rolls back).
 
     The platform's one after-commit hook: ``infra.dispatch`` sends recorded work's messages with it.

@@ -79,6 +79,8 @@ class ProcessChunk(_AccountUpdaterJobTask):
     @staticmethod
     def chunk_number(job: Job) -> int:
         """The chunk a platform job processes (its subject number)."""
+        if job.subject_number is None:
+            raise ValueError(f"account-updater chunk job {job.id} has no chunk number")
         return job.subject_number
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> service.ChunkOutcome:

@@ -9,6 +9,7 @@ beat sweep of expired token intents.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from sqlmodel import Session
@@ -169,6 +170,6 @@ def expire_token_intents() -> int:
     """
     now = utcnow()
     return sum(
-        in_batches(lambda session, step=step: step(session, now=now, batch=SWEEP_BATCH), SWEEP_BATCH)
+        in_batches(partial(step, now=now, batch=SWEEP_BATCH), SWEEP_BATCH)
         for step in (token_intents.delete_expired_intents, token_intents.purge_intent_verification_codes)
     )

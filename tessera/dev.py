@@ -227,9 +227,10 @@ def run_dev() -> int:
         started = time.time()
         s3_log = (settings.data_dir / "s3-server.log").open("ab")  # moto's line per S3 request: not the console
         for name, command in _commands(env, fd).items():
-            output = {"stdout": s3_log, "stderr": subprocess.STDOUT} if name == "s3" else {}
+            s3 = name == "s3"
             children[name] = subprocess.Popen(  # noqa: S603 - our own interpreter
-                command, env=env, pass_fds=(fd,) if name == "api" else (), **output
+                command, env=env, pass_fds=(fd,) if name == "api" else (),
+                stdout=s3_log if s3 else None, stderr=subprocess.STDOUT if s3 else None,
             )
         s3_log.close()
         api_socket.close()  # the api process holds it now

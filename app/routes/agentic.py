@@ -412,7 +412,7 @@ async def claim_key(call: Call, scope: str, owner: str, *, wait_seconds: float |
     if errors:
         raise validation_error(errors)
     return await call.db(
-        idempotency.claim, tenant_id=call.caller.tenant_id, scope=scope, key=key,
+        idempotency.claim, tenant_id=call.require_caller().tenant_id, scope=scope, key=key,
         body_hash=idempotency.request_hash(call.payload), owner=owner,
         seconds=(wait_seconds or call.settings.agentic_wait_seconds) + CLAIM_MARGIN_SECONDS,
     )

@@ -58,6 +58,7 @@ async def healthz(call: Call):
 async def _check(name: str, fn) -> tuple[str, dict]:
     loop = asyncio.get_running_loop()
     started = time.monotonic()
+    result: dict[str, bool | str | int]
     try:
         await asyncio.wait_for(loop.run_in_executor(None, fn), CHECK_TIMEOUT_SECONDS)
         result = {"ok": True}

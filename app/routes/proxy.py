@@ -302,6 +302,7 @@ async def invoke(call: Call) -> web.StreamResponse:
         )
     except http.ForwardError as error:
         raise _forward_problem(error, timeout_s) from None
+    answer_body: bytes | None
     headers, answer_body = answer.headers, answer.body
     if target is not None and target.response_transforms and 200 <= answer.status < 300:
         answer_type = next((value for name, value in headers if name.lower() == "content-type"), None)

@@ -79,9 +79,10 @@ async def _document_limiter(app: web.Application):
 async def _limit_documents(call: Call) -> None:
     limit = call.settings.rate_limit_documents_per_minute
     limiter = call.request.app.get(DOCUMENT_LIMITER)
-    if limiter is None or limit <= 0 or call.caller.application_id is None:
+    application_id = call.require_caller().application_id
+    if limiter is None or limit <= 0 or application_id is None:
         return
-    wait = await limiter.hit(str(call.caller.application_id), [Rule(DOCUMENT_RULE, limit)])
+    wait = await limiter.hit(str(application_id), [Rule(DOCUMENT_RULE, limit)])
     if wait:
         raise Problem(
             429,
@@ -693,23 +694,27 @@ class _Upload:
 
     async def begin(self, content_type: str) -> None:
         """Record the ``uploading`` row and open a sealed writer for it."""
-        self.document_id = uuid.uuid4()
+        caller = self.call.require_caller()
+        document_id = self.document_id = uuid.uuid4()
         data_key = await self.call.db(
-            documents.begin_upload, self.call.caller, document_id=self.document_id, content_type=content_type
+            documents.begin_upload, caller, document_id=document_id, content_type=content_type
         )
         self.writer = await _blocking(
             lambda: documents.SealedWriter(
-                tenant_id=self.call.caller.tenant_id,
-                document_id=self.document_id,
+                tenant_id=caller.tenant_id,
+                document_id=document_id,
                 data_key=data_key,
-                key=documents.object_key(self.call.caller.tenant_id, self.document_id),
+                key=documents.object_key(caller.tenant_id, document_id),
             )
         )
 
     async def write(self, chunk: bytes) -> None:
         """Seal and upload one chunk; note the multipart upload id once it exists."""
-        if await _blocking(self.writer.write, chunk):
-            await self.call.db(documents.note_upload_id, self.document_id, self.writer.upload_id)
+        writer = self.writer
+        if writer is None:
+            raise RuntimeError("a chunk written before the upload began")
+        if await _blocking(writer.write, chunk):
+            await self.call.db(documents.note_upload_id, self.document_id, writer.upload_id)
 
     async def stream(self, part, max_bytes: int) -> None:
         """Read the file part in pieces, sealing and uploading each full chunk as it fills."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Awaitable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import ConfigDict, Field
 
@@ -65,13 +65,17 @@ class TokenOut(ResponseModel):
     expires_at: dt.datetime | None = None
 
 
-class TokenOptions(RequestModel):
+MetadataValue = TypeVar("MetadataValue", str, str | None)
+
+
+class TokenOptions(RequestModel, Generic[MetadataValue]):
     """The options of a token request (every field optional). The domain checks what a type cannot
-    express (containers, expressions, aliases in use ...) and answers 400 keyed by path."""
+    express (containers, expressions, aliases in use ...) and answers 400 keyed by path. Metadata
+    values are strings; in a merge patch they may also be null (the key is removed)."""
 
     id: str | None = Field(None, pattern=r"^[A-Za-z0-9\-_.:]{1,400}$",
                            description="An alias; an id already used in the tenant answers 409.")
-    metadata: dict[str, str] | None = Field(None, description="At most 100 pairs; key <= 255, value <= 1024.")
+    metadata: dict[str, MetadataValue] | None = Field(None, description="At most 100 pairs; key <= 255, value <= 1024.")
     mask: Any = Field(None, description="Expressions mirroring the data; default for card: first six and last "
                       "four of the number and the expiration; for bank: the account number's last four.")
     containers: list[str] | None = Field(None, description="Default /<classification>/high/.")
@@ -83,7 +87,7 @@ class TokenOptions(RequestModel):
     parent_id: str | None = Field(None, description="An existing token of the tenant.")
 
 
-class TokenRequest(TokenOptions):
+class TokenRequest(TokenOptions[str]):
     """The token request object (core document, "Token"). ``data`` by type: card ``{number,
     expiration_month, expiration_year, cvc, name}`` (Luhn and the form of the expiration checked, not
     its date; a numeric ``cvc`` is taken as its digits), bank ``{routing_number, account_number}``,
@@ -100,7 +104,7 @@ class TokenRequest(TokenOptions):
     privacy: Any = Field(None, description="Shut down on February 1, 2023: accepted and ignored.")
 
 
-class TokenPatch(TokenOptions):
+class TokenPatch(TokenOptions[str | None]):
     """An RFC 7396 merge patch of a token: objects merge, null removes. ``id``, ``type`` and
     ``parent_id`` cannot change (400)."""
 
@@ -110,7 +114,7 @@ class TokenPatch(TokenOptions):
     privacy: Any = Field(None, description="Ignored.")
 
 
-class ConvertIn(TokenOptions):
+class ConvertIn(TokenOptions[str]):
     """Options of the token made from a token intent; ``type`` and ``data`` come from the intent (400)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})

@@ -144,7 +144,7 @@ async def event_types(call: Call):
     description="The secret that signs every delivery of the tenant (Standard Webhooks).",
 )
 async def signing_key(call: Call):
-    return {"key": await call.db(webhook_signing_secret, call.caller.tenant_id)}
+    return {"key": await call.db(webhook_signing_secret, call.require_caller().tenant_id)}
 
 
 @api.route(

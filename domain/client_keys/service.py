@@ -139,7 +139,7 @@ def list_keys(session: Session, caller: Caller) -> list[dict]:
     rows = session.exec(
         select(ClientEncryptionKey)
         .where(col(ClientEncryptionKey.tenant_id) == caller.tenant_id, col(ClientEncryptionKey.deleted_at).is_(None))
-        .order_by(col(ClientEncryptionKey.created_at), ClientEncryptionKey.id)
+        .order_by(col(ClientEncryptionKey.created_at), col(ClientEncryptionKey.id))
     ).all()
     return [key_view(key) for key in rows]
 
@@ -329,6 +329,7 @@ def decrypt_jwe(
             field=field,
             code="decryption_failed",
         ) from None
+    assert plaintext is not None, "decrypt_compact sets the plaintext of what it decrypts"
     try:
         return json.loads(plaintext)
     except (ValueError, UnicodeDecodeError):

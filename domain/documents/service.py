@@ -25,6 +25,7 @@ import datetime as dt
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
 
 from botocore.exceptions import ClientError
 from sqlalchemy import and_, or_
@@ -114,6 +115,8 @@ def finish_upload(
 ) -> dict:
     """Mark the upload ``ready`` with its size, chunk count and metadata; returns the document object."""
     document = session.get(Document, document_id)
+    if document is None:
+        raise LookupError(f"the uploading document {document_id} is gone")
     document.size = size
     document.chunk_count = chunk_count
     document.meta = metadata
@@ -299,12 +302,20 @@ class CorruptDocument(Exception):
     """The stored content does not match its row or does not authenticate."""
 
 
+class _Body(Protocol):
+    """The streaming body of an S3 GET (botocore's ``StreamingBody``)."""
+
+    def read(self, amt: int | None = None) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
 class SealedReader:
     """Reads a document's sealed chunks from S3 and opens them one at a time."""
 
     def __init__(self, source: Source):
         self.source = source
-        self._body = None
+        self._body: _Body | None = None
         self._index = 0
 
     def open(self) -> None:
@@ -315,14 +326,17 @@ class SealedReader:
     def next_chunk(self) -> bytes | None:
         """The next plaintext chunk; None after the last. Raises :class:`CorruptDocument`."""
         src = self.source
+        body = self._body
+        if body is None:
+            raise RuntimeError("a chunk read before the S3 GET was opened")
         if self._index >= src.chunk_count:
-            if self._body.read(1):
+            if body.read(1):
                 raise CorruptDocument("the object is longer than its chunks")
-            self._body.close()
+            body.close()
             return None
         last = self._index == src.chunk_count - 1
         plain_len = src.size - src.chunk_size * (src.chunk_count - 1) if last else src.chunk_size
-        sealed = self._body.read(plain_len + SEAL_OVERHEAD)
+        sealed = body.read(plain_len + SEAL_OVERHEAD)
         if len(sealed) != plain_len + SEAL_OVERHEAD:
             raise CorruptDocument("the object is shorter than its chunks")
         try:

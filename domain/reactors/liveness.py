@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 
-from sqlmodel import select
+from sqlmodel import col, select
 
 from infra.node_runtime import owners
 from storage.db import session_scope
@@ -40,6 +40,6 @@ def dead_keys(keys: Iterable[str]) -> set[str]:
         for kind, model in ((owners.REACTOR, Reactor), (owners.PROXY, Proxy)):
             ids = [resource for (k, _tenant, resource) in wanted if k == kind]
             if ids:
-                rows = session.exec(select(model.tenant_id, model.id).where(model.id.in_(ids))).all()
+                rows = session.exec(select(col(model.tenant_id), col(model.id)).where(col(model.id).in_(ids))).all()
                 alive |= {(kind, tenant, resource) for tenant, resource in rows}
     return {key for owner, owned in wanted.items() if owner not in alive for key in owned}

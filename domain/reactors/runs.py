@@ -38,6 +38,7 @@ from domain.reactors import service
 from domain.reactors.runtime import Reactor as RuntimeReactor
 from domain.reactors.runtime import Runtime, reactor_runtime, require_sandbox
 from domain.tenancy import audit
+from domain.tenancy.auth import row_tenant
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import effective_permissions
 from domain.tokens import service as tokens
@@ -187,7 +188,7 @@ def perform_run(job: Job) -> RunOutcome | None:
             return RunOutcome(problem=Problem(
                 500, "The invocation was interrupted (its worker stopped) and was not run again.",
                 title="Reactor Runtime Error"))
-        tenant = session.get(Tenant, run.tenant_id)
+        tenant = row_tenant(session, run.tenant_id)
         request = _open(session, run, run.request_ct)
         if run.kind == TRANSFORM:
             program = run.program or {}
@@ -265,7 +266,7 @@ def apply_run(session: Session, job: Job, outcome: RunOutcome | None) -> dict:
     transform's value) or the problem is sealed in the run; ``react-async`` runs emit their event.
     The job result: ``{"status": <HTTP status of the answer>}``."""
     run = session.get(ReactorRun, uuid.UUID(job.subject_id), with_for_update=True) if outcome else None
-    if run is None or run.status != ReactorRunStatus.PENDING:
+    if outcome is None or run is None or run.status != ReactorRunStatus.PENDING:
         return {"skipped": True}
     problem = outcome.problem
     answer: Any = None
@@ -289,7 +290,7 @@ def _code_caller(session: Session, run: ReactorRun) -> Caller:
     permissions granted to the code (``runtime.permissions``)."""
     reactor = session.get(Reactor, run.reactor_id)
     granted = effective_permissions(service.runtime_of(reactor).permissions) if reactor else frozenset()
-    return _invoker(session.get(Tenant, run.tenant_id), run.caller, trace_id=run.trace_id, permissions=granted)
+    return _invoker(row_tenant(session, run.tenant_id), run.caller, trace_id=run.trace_id, permissions=granted)
 
 
 def _settle(session: Session, run: ReactorRun, *, answer: Any, problem: Problem | None) -> None:

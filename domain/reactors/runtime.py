@@ -185,7 +185,7 @@ class ReactorRuntime:
         self.advisories = advisories
         self.audit_registry = audit_registry
         self.pool = pool or NodePool()
-        self._programs: dict[tuple[str, str], NodeProgram] = {}
+        self._programs: dict[str, NodeProgram] = {}
         self._lock = threading.Lock()
 
     @property

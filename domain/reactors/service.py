@@ -221,7 +221,9 @@ def list_reactors(session: Session, caller: Caller, *, ids: list[uuid.UUID], nam
         pattern = escaped.replace("*", "%") if "*" in name else f"%{escaped}%"
         query = query.where(func.lower(Reactor.name).like(pattern, escape="\\"))
     total = session.exec(select(func.count()).select_from(query.subquery())).one()
-    rows = session.exec(query.order_by(col(Reactor.created_at), Reactor.id).offset((page - 1) * size).limit(size)).all()
+    rows = session.exec(
+        query.order_by(col(Reactor.created_at), col(Reactor.id)).offset((page - 1) * size).limit(size)
+    ).all()
     return [reactor_view(session, r) for r in rows], total
 
 
@@ -347,9 +349,11 @@ def apply_build(session: Session, job: Job, build: Build | None) -> dict:
     ``vulnerabilities_detected`` or ``invalid_code`` (``failed`` on create, ``outdated`` on update:
     the previous version keeps serving). The job result: ``{"status": <state>}``."""
     reactor = _locked_subject(session, job) if build is not None else None
-    if reactor is None:
+    if build is None or reactor is None:
         return {"skipped": True}
     if build.state == "ok":
+        if reactor.requested is None:
+            raise LookupError(f"reactor {reactor.id} is building without a requested version")
         pending = reactor.requested["reactor"]
         reactor.code = pending["code"]
         reactor.runtime = pending["runtime"]

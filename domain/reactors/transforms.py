@@ -123,6 +123,8 @@ def _message(message: Message, value: Any, where: str) -> Message:
         given = value["headers"]
         pairs = given.items() if isinstance(given, dict) else given if isinstance(given, list) else None
         try:
+            if pairs is None:
+                raise TypeError("headers are neither an object nor a list of pairs")
             headers = [(str(name), str(item)) for name, item in pairs]
         except (TypeError, ValueError):
             detail = "A code transform's headers must be an object of names to values."

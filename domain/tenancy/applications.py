@@ -107,7 +107,7 @@ def list_applications(
         query = query.where(col(Application.id).in_(ids))
     total = session.exec(select(func.count()).select_from(query.subquery())).one()
     rows = session.exec(
-        query.order_by(col(Application.created_at), Application.id).offset((page - 1) * size).limit(size)
+        query.order_by(col(Application.created_at), col(Application.id)).offset((page - 1) * size).limit(size)
     ).all()
     return [application_view(a) for a in rows], total
 

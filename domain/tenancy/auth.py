@@ -14,6 +14,7 @@ import hmac
 import secrets
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -62,6 +63,15 @@ def authenticate(session: Session, key: str, *, trace_id: str | None = None) -> 
         tenant_settings=dict(tenant.settings or {}),
         trace_id=trace_id,
     )
+
+
+def row_tenant(session: Session, tenant_id: uuid.UUID) -> Tenant:
+    """The tenant a stored row belongs to, deleted or not. Rows name their tenant by foreign key and
+    tenants are only marked deleted, never removed, so an absent one is a broken invariant (LookupError)."""
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise LookupError(f"tenant {tenant_id} does not exist")
+    return tenant
 
 
 def system_caller(tenant: Tenant, *, trace_id: str | None = None) -> Caller:

@@ -39,7 +39,7 @@ from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.tenancy import audit
-from domain.tenancy.auth import system_caller
+from domain.tenancy.auth import row_tenant, system_caller
 from domain.tenancy.caller import Caller
 from domain.tenancy.members import member_view
 from domain.tenancy.tenants import get_tenant
@@ -217,7 +217,7 @@ def list_invitations(session: Session, caller: Caller, *, page: int, size: int) 
     rows = session.exec(
         select(TenantInvitation)
         .where(where)
-        .order_by(col(TenantInvitation.created_at), TenantInvitation.id)
+        .order_by(col(TenantInvitation.created_at), col(TenantInvitation.id))
         .offset((page - 1) * size)
         .limit(size)
     ).all()
@@ -389,7 +389,7 @@ def expire_invitations(session: Session, *, now: dt.datetime | None = None, batc
         session.add(invitation)
         caller = callers.get(invitation.tenant_id)
         if caller is None:
-            caller = callers[invitation.tenant_id] = system_caller(session.get(Tenant, invitation.tenant_id))
+            caller = callers[invitation.tenant_id] = system_caller(row_tenant(session, invitation.tenant_id))
         audit.record(session, caller, entity_type=INVITATION, entity_id=invitation.id, operation="update")
     return len(rows)
 
@@ -432,15 +432,15 @@ def prepare_mail(session: Session, link_id: uuid.UUID, settings: Settings, *, no
         f'{{"token": "{token}", "first_name": "...", "last_name": "..."}}\n\n'
         f"If you did not expect this invitation, ignore this mail.\n"
     )
-    name, role, link = html.escape(tenant.name), html.escape(invitation.role), html.escape(url, quote=True)
+    name, role, link_html = html.escape(tenant.name), html.escape(invitation.role), html.escape(url, quote=True)
     page = "\n".join(  # one element a line: mail lines stay far below RFC 5322's 998 characters
         [
             f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Invitation to {name}</title></head>',
             f"<body><p>You are invited to join the Tessera tenant <strong>{name}</strong> with the role "
             f"<strong>{role}</strong>.</p>",
-            f'<p><a href="{link}">See the invitation and accept it</a> (the link works once).</p>',
+            f'<p><a href="{link_html}">See the invitation and accept it</a> (the link works once).</p>',
             f"<p>The link expires at {expires}.</p>",
-            f"<p>If the link does not open, copy this address into your browser:<br>{link}</p>",
+            f"<p>If the link does not open, copy this address into your browser:<br>{link_html}</p>",
             "<p>If you did not expect this invitation, ignore this mail.</p></body></html>",
         ]
     )

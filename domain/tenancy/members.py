@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from sqlalchemy import func
+from sqlalchemy import ColumnElement, func
 from sqlmodel import Session, col, select
 
 from domain.tenancy import audit
@@ -60,7 +60,7 @@ def list_members(
     session: Session, caller: Caller, *, user_ids: Sequence[uuid.UUID], page: int, size: int
 ) -> tuple[list[dict], int]:
     """``GET /tenants/self/members``: one page (oldest first) and the total, filtered by ``user_ids``."""
-    where = [TenantMember.tenant_id == caller.tenant_id]
+    where: list[ColumnElement[bool]] = [col(TenantMember.tenant_id) == caller.tenant_id]
     if user_ids:
         where.append(col(TenantMember.user_id).in_(list(user_ids)))
     total = session.exec(select(func.count()).select_from(TenantMember).where(*where)).one()
@@ -68,7 +68,7 @@ def list_members(
         select(TenantMember, User)
         .join(User, col(User.id) == TenantMember.user_id)
         .where(*where)
-        .order_by(col(TenantMember.created_at), TenantMember.id)
+        .order_by(col(TenantMember.created_at), col(TenantMember.id))
         .offset((page - 1) * size)
         .limit(size)
     ).all()

@@ -205,6 +205,8 @@ def delete_tenant(session: Session, caller: Caller) -> None:
 def webhook_signing_secret(session: Session, tenant_id: uuid.UUID) -> str:
     """The tenant's Standard Webhooks secret (``whsec_...``), decrypted."""
     tenant = get_tenant(session, tenant_id)
+    if tenant.webhook_secret_ct is None:
+        raise LookupError(f"tenant {tenant.id} has no webhook signing secret")
     return cached_signing_secret(session, tenant.id, tenant.webhook_secret_ct)
 
 

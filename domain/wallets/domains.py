@@ -229,6 +229,8 @@ def perform_removal(job: Job) -> None:
     tenant (a tenant's type never changes, so it is the environment the domain was registered in)."""
     with session_scope() as session:
         tenant_type = session.exec(select(Tenant.type).where(Tenant.id == job.tenant_id)).one()
+    if job.subject_id is None:
+        raise ValueError(f"domain removal job {job.id} names no domain")
     gateway = wallet_gateway_for(tenant_type)
     gateway.remove_domain(str(job.tenant_id), job.subject_id, idempotency_key=str(job.id))
 
@@ -251,10 +253,9 @@ def start_session(session: Session, caller: Caller, *, display_name: str, domain
         raise Problem(422, f"The merchant is not enrolled in the {targeted} environment that validation_url "
                       f"targets; this tenant works with the {environment} environment.", title="Session refused")
     name = normalize_domain(domain)
-    registered = name is not None and session.exec(select(WalletDomain).where(
+    if name is None or not session.exec(select(WalletDomain).where(
         WalletDomain.tenant_id == caller.tenant_id, WalletDomain.environment == environment,
-        WalletDomain.domain == name, WalletDomain.status == WalletDomainStatus.VERIFIED)).first()
-    if not registered:
+        WalletDomain.domain == name, WalletDomain.status == WalletDomainStatus.VERIFIED)).first():
         raise Problem(422, f"The domain {domain[:253]} is not registered for this tenant in the {environment} "
                       "environment; register it with POST /wallet-a/domain-registration.", title="Session refused")
     if environment == "production":

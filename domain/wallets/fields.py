@@ -13,9 +13,11 @@ import datetime as dt
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from cryptography.hazmat.primitives.serialization import load_der_public_key
 
 from domain.wallets.errors import MalformedToken, PaymentDataInvalid, WalletTokenError
@@ -32,6 +34,16 @@ def obj(value: object, path: str, error: type[WalletTokenError] = MalformedToken
     if not isinstance(value, dict):
         raise error(f"{path} must be an object")
     return value
+
+
+@overload
+def text(container: dict, key: str, path: str, error: type[WalletTokenError] = MalformedToken,
+         *, optional: Literal[False] = False) -> str: ...
+
+
+@overload
+def text(container: dict, key: str, path: str, error: type[WalletTokenError] = MalformedToken,
+         *, optional: bool) -> str | None: ...
 
 
 def text(container: dict, key: str, path: str, error: type[WalletTokenError] = MalformedToken,
@@ -82,6 +94,7 @@ def load_json(raw: str | bytes, path: str, error: type[WalletTokenError] = Malfo
 def p256_public_key(der_or_point: bytes, path: str) -> ec.EllipticCurvePublicKey:
     """A P-256 public key from DER SubjectPublicKeyInfo or an uncompressed X9.62 point, else
     :class:`MalformedToken`. Other curves and key types are refused."""
+    key: PublicKeyTypes
     try:
         if der_or_point[:1] == b"\x04":
             key = ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP256R1(), der_or_point)

@@ -149,7 +149,7 @@ def list_keys(session: Session, caller: Caller, wallet: str) -> list[dict]:
     rows = session.exec(
         select(WalletMerchantKey)
         .where(WalletMerchantKey.tenant_id == caller.tenant_id, WalletMerchantKey.wallet == wallet)
-        .order_by(col(WalletMerchantKey.created_at), WalletMerchantKey.id)
+        .order_by(col(WalletMerchantKey.created_at), col(WalletMerchantKey.id))
     ).all()
     return [key_view(row) for row in rows]
 

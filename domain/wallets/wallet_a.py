@@ -168,9 +168,12 @@ def merchant_id_hash(certificate: x509.Certificate) -> bytes:
     """The 32-byte merchant id hash of extension 1.2.840.113635.100.6.32 of a payment processing
     certificate (a DER UTF8String of 64 hex digits), else :class:`MerchantCertificateInvalid`."""
     try:
-        raw = certificate.extensions.get_extension_for_oid(MERCHANT_ID_OID).value.value
+        extension = certificate.extensions.get_extension_for_oid(MERCHANT_ID_OID).value
     except (x509.ExtensionNotFound, ValueError):
         raise MerchantCertificateInvalid("certificate has no readable merchant id extension") from None
+    if not isinstance(extension, x509.UnrecognizedExtension):  # cryptography does not know this OID
+        raise MerchantCertificateInvalid("certificate has no readable merchant id extension")
+    raw = extension.value
     try:
         decoded = bytes.fromhex(_extension_text(raw))
     except ValueError:

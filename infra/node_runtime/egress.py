@@ -198,6 +198,6 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
                         return
                     continue
                 selector.unregister(source)
-                open_reads.discard(source)  # type: ignore[arg-type]
+                open_reads.discard(source)
                 with contextlib.suppress(OSError):
                     target.shutdown(socket.SHUT_WR)

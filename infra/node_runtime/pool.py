@@ -172,10 +172,12 @@ class NodePool:
         gone: list[NodeProcess] = []
         with self._lock:
             for key in list(self._idle):
-                keep = []
+                keep: list[_Idle] = []
                 for entry in self._idle[key]:
-                    stale = now - entry.since > self.idle_seconds or not entry.process.alive
-                    (gone if stale else keep).append(entry.process if stale else entry)
+                    if now - entry.since > self.idle_seconds or not entry.process.alive:
+                        gone.append(entry.process)
+                    else:
+                        keep.append(entry)
                 if keep:
                     self._idle[key] = keep
                 else:

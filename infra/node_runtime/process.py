@@ -110,10 +110,11 @@ class NodeProcess:
         finally:
             os.close(seccomp)
             os.close(info_write)
-        self._info = info_read
+        self._info: int | None = info_read
         #: The host pid of the Node.js process (bwrap's ``child-pid``), once known.
         self.node_pid: int | None = None
         self.frozen = False
+        assert self.popen.stdin is not None and self.popen.stdout is not None, "Popen made with stdin=stdout=PIPE"
         self._in = self.popen.stdin.fileno()
         self._out = self.popen.stdout.fileno()
         os.set_blocking(self._in, False)
@@ -203,6 +204,8 @@ class NodeProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)
         for pipe in (self.popen.stdin, self.popen.stdout):
+            if pipe is None:
+                continue
             with contextlib.suppress(OSError):
                 pipe.close()
         if self._info is not None:
@@ -212,16 +215,19 @@ class NodeProcess:
 
     def _read_info(self, deadline: float) -> None:
         """Read bwrap's ``{"child-pid": N}`` (written once the sandbox is made, then closed)."""
+        info = self._info
+        if info is None:
+            raise RuntimeError("bwrap's info pipe was already read")
         data = b""
         poller = select.poll()
-        poller.register(self._info, select.POLLIN)
+        poller.register(info, select.POLLIN)
         while True:
             self._wait(poller, deadline)
-            chunk = os.read(self._info, 4096)
+            chunk = os.read(info, 4096)
             if not chunk:
                 break
             data += chunk
-        os.close(self._info)
+        os.close(info)
         self._info = None
         try:
             pid = json.loads(data)["child-pid"]
