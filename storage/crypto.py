@@ -313,9 +313,9 @@ class Keyring:
                 kms = self._kms(key_id.strip())
                 found.setdefault(kms.wrapped_by, kms)
         if isinstance(self.current, KmsWrapper):  # moving from the master key to KMS
-            key = existing_master_key(self._settings)
-            if key is not None:
-                master = MasterKeyWrapper(key)
+            existing = existing_master_key(self._settings)
+            if existing is not None:
+                master = MasterKeyWrapper(existing)
                 found.setdefault(master.wrapped_by, master)
         return found
 
@@ -379,7 +379,7 @@ class Keyring:
     def add_version(self, session: Session, tenant_id: uuid.UUID) -> int:
         """Make the tenant's next data key version, active; the active one becomes ``retiring``
         (in the caller's transaction, which should hold the tenant's key rows locked). Returns it."""
-        rows = session.execute(select(TenantDataKey).where(TenantDataKey.tenant_id == tenant_id)
+        rows = session.execute(select(TenantDataKey).where(col(TenantDataKey.tenant_id) == tenant_id)
                                .with_for_update()).scalars().all()
         if not rows:
             raise LookupError(f"no data key for tenant {tenant_id}")
@@ -432,8 +432,8 @@ class Keyring:
         known = self._active.get(tenant_id)
         if known is not None and known[1] > time.monotonic():
             return known[0]
-        version = session.execute(select(TenantDataKey.version).where(
-            TenantDataKey.tenant_id == tenant_id, TenantDataKey.state == ACTIVE)).scalar()
+        version = session.execute(select(col(TenantDataKey.version)).where(
+            col(TenantDataKey.tenant_id) == tenant_id, col(TenantDataKey.state) == ACTIVE)).scalar()
         if version is None:
             raise LookupError(f"no data key for tenant {tenant_id}")
         with self._lock:

@@ -20,7 +20,7 @@ import uuid
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from storage.crypto import DecryptionError, Keyring, KeyUnavailable, MasterKeyMissing, Wrapper, get_keyring
 from storage.db import session_scope
@@ -52,8 +52,9 @@ def _record(session: Session, wrapper: Wrapper) -> None:
 def _adopt_unnamed(session: Session, keyring: Keyring) -> None:
     """A database from before keys were named: open one stored key (refusing the wrong key) and
     name every unnamed row of that kind by the key that opened it (one master key was all there was)."""
-    for model in (TenantDataKey, TenantIndexKey):
-        row = session.execute(select(model).where(model.wrapped_by.is_(None), model.wrapped_key.is_not(None))
+    models: tuple[type[TenantDataKey] | type[TenantIndexKey], ...] = (TenantDataKey, TenantIndexKey)
+    for model in models:
+        row = session.execute(select(model).where(col(model.wrapped_by).is_(None), col(model.wrapped_key).is_not(None))
                               .limit(1)).scalars().first()
         if row is None:
             continue
@@ -63,7 +64,7 @@ def _adopt_unnamed(session: Session, keyring: Keyring) -> None:
             raise KeyCheckFailed(
                 f"{_setting(keyring.current.wrapped_by)} does not open the data keys already in this database: set "
                 "the key the database was made with") from None
-        session.execute(update(model).where(model.wrapped_by.is_(None), model.wrapping == opener.name)
+        session.execute(update(model).where(col(model.wrapped_by).is_(None), col(model.wrapping) == opener.name)
                         .values(wrapped_by=opener.wrapped_by))
 
 
@@ -116,7 +117,7 @@ def move_to_current(session: Session, keyring: Keyring | None = None) -> None:
     keyring = keyring or get_keyring()
     current = keyring.current
     wrapped, _ = current.wrap(CHECK_PLAINTEXT, CHECK_TENANT)
-    session.execute(update(KeyCheck).where(KeyCheck.id == 1).values(
+    session.execute(update(KeyCheck).where(col(KeyCheck.id) == 1).values(
         wrapping=current.name, wrapped_by=current.wrapped_by, check_value=wrapped, updated_at=utcnow()))
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, Table, func, literal, select, text, tuple_
 from sqlmodel import Session
 
+from storage.db import rowcount
+
 #: The leading bytes of an envelope of each data key version (:func:`version_head`).
 _V1, _V2 = b"\x01", b"\x02"
 
@@ -157,7 +159,7 @@ def write_resealed(session: Session, spec: SealedColumn, rows: Sequence[Any], se
         params: dict[str, Any] = {f"k_{n}": [str(getattr(row, n)) if isinstance(getattr(row, n), uuid.UUID)
                                              else getattr(row, n) for row in rows] for n in names}
         params["new"] = list(sealed)
-        return session.execute(statement, params).rowcount
+        return rowcount(session.execute(statement, params))
     each = [{**{f"k_{n}": getattr(row, n) for n in names}, "new": new}
             for row, new in zip(rows, sealed, strict=True)]
-    return sum(session.execute(statement, one).rowcount for one in each)
+    return sum(rowcount(session.execute(statement, one)) for one in each)

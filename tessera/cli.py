@@ -111,8 +111,8 @@ def _serve_api(settings, host: str, port: int, *, reuse_port: bool, listen_fd: i
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on the platforms it supports
-        uvloop = None
-    if uvloop is not None:
+        pass
+    else:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     configure_logging(settings)
     listening: dict = {"host": host, "port": port}

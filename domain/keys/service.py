@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import delete, func, or_, update
 from sqlmodel import Session, col, select
@@ -41,8 +41,8 @@ from domain.tenancy import audit
 from domain.tenancy.auth import system_caller
 from infra import jobs
 from storage import key_check, s3
-from storage.crypto import ACTIVE_VERSION_TTL, RETIRING, get_keyring
-from storage.db import session_scope
+from storage.crypto import ACTIVE_VERSION_TTL, RETIRING, Keyring, Wrapper, get_keyring
+from storage.db import rowcount, session_scope
 from storage.models import Job, KeyRotation, Tenant, TenantDataKey, TenantIndexKey
 from storage.models_tenant_admin import Document
 from storage.sealed import count_by_version, count_stale, key_of, stale_rows, write_resealed
@@ -182,9 +182,9 @@ def _rotate_documents(tenant_id: uuid.UUID, version: int, rotation_id: uuid.UUID
             old_object, moved_to = document.object_key, f"{documents.object_key(tenant_id, document.id)}.v{version}"
         documents.copy_sealed(source, data_key=new_key, key=moved_to)
         with session_scope() as session:
-            changed = session.execute(update(Document).where(
+            changed = rowcount(session.execute(update(Document).where(
                 col(Document.id) == source.document_id, col(Document.object_key) == old_object
-            ).values(object_key=moved_to, key_version=version)).rowcount
+            ).values(object_key=moved_to, key_version=version)))
             session.execute(update(KeyRotation).where(col(KeyRotation.id) == rotation_id)
                             .values(done=col(KeyRotation.done) + changed))
         documents.remove_object(old_object if changed else moved_to, None)
@@ -254,7 +254,11 @@ def tenants_with_keys(session: Session) -> list[uuid.UUID]:
 # ---- rewrap ---------------------------------------------------------------------------------------
 
 
-def _not_current(model: Any, current: str):
+#: The tables of wrapped keys.
+WRAPPED: tuple[type[TenantDataKey] | type[TenantIndexKey], ...] = (TenantDataKey, TenantIndexKey)
+
+
+def _not_current(model: type[TenantDataKey] | type[TenantIndexKey], current: str):
     return (col(model.wrapped_key).is_not(None),
             or_(col(model.wrapped_by).is_(None), col(model.wrapped_by) != current))
 
@@ -264,7 +268,7 @@ def under_previous(session: Session) -> int:
     wrapping key."""
     current = get_keyring().current.wrapped_by
     return sum(session.exec(select(func.count()).select_from(model).where(*_not_current(model, current))).one()
-               for model in (TenantDataKey, TenantIndexKey))
+               for model in WRAPPED)
 
 
 def status(session: Session) -> dict:
@@ -298,29 +302,37 @@ def rewrap_pass(*, budget_seconds: float) -> PassOutcome:
     deadline = time.monotonic() + budget_seconds
     done = 0
     while time.monotonic() < deadline:
-        moved = 0
-        for model in (TenantDataKey, TenantIndexKey):
-            with session_scope() as session:
-                rows = session.exec(select(model).where(*_not_current(model, current.wrapped_by))
-                                    .limit(REWRAP_CHUNK).with_for_update(skip_locked=True)).all()
-                tenants = set()
-                for row in rows:
-                    plain, _ = keyring.unwrap(row.tenant_id, row.wrapped_key, row.wrapping, row.kms_key_id,
-                                              row.wrapped_by)
-                    wrapped, kms_key_id = current.wrap(plain, row.tenant_id)
-                    row.wrapped_key, row.wrapping, row.kms_key_id, row.wrapped_by = (
-                        wrapped, current.name, kms_key_id, current.wrapped_by)
-                    session.add(row)
-                    tenants.add(row.tenant_id)
-                for tenant_id in tenants:
-                    _audit(session, tenant_id, "wrapping", "update")
-                moved += len(rows)
+        moved = _rewrap_chunk(TenantDataKey, keyring, current) + _rewrap_chunk(TenantIndexKey, keyring, current)
         done += moved
         if moved == 0:
             break
     with session_scope() as session:
         remaining = under_previous(session) > 0
     return PassOutcome(done, remaining)
+
+
+_Wrapped = TypeVar("_Wrapped", TenantDataKey, TenantIndexKey)
+
+
+def _rewrap_chunk(model: type[_Wrapped], keyring: Keyring, current: Wrapper) -> int:
+    """Rewrap up to :data:`REWRAP_CHUNK` rows of ``model`` not under ``current`` (rows another
+    transaction holds are skipped); audit rows for their tenants. Returns how many."""
+    with session_scope() as session:
+        rows = session.exec(select(model).where(*_not_current(model, current.wrapped_by))
+                            .limit(REWRAP_CHUNK).with_for_update(skip_locked=True)).all()
+        tenants = set()
+        for row in rows:
+            if row.wrapped_key is None:
+                continue
+            plain, _ = keyring.unwrap(row.tenant_id, row.wrapped_key, row.wrapping, row.kms_key_id, row.wrapped_by)
+            wrapped, kms_key_id = current.wrap(plain, row.tenant_id)
+            row.wrapped_key, row.wrapping, row.kms_key_id, row.wrapped_by = (
+                wrapped, current.name, kms_key_id, current.wrapped_by)
+            session.add(row)
+            tenants.add(row.tenant_id)
+        for tenant_id in tenants:
+            _audit(session, tenant_id, "wrapping", "update")
+        return len(rows)
 
 
 def settle_rewrap(session: Session, job: Any, outcome: PassOutcome) -> dict:
