@@ -7,7 +7,11 @@ metrics volume."""
 
 from __future__ import annotations
 
+import base64
 import json
+import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -15,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from config.settings import Settings
+from config.settings import FILE_SETTINGS, Settings, file_variable
 from tessera.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,10 +51,12 @@ def test_every_platform_service_runs_a_real_tessera_subcommand(compose):
 
 def test_every_tessera_variable_is_a_setting(compose):
     known = {f"TESSERA_{name.upper()}" for name in Settings.model_fields}
+    from_file = {file_variable(name): f"TESSERA_{name.upper()}" for name in FILE_SETTINGS}
     seen = set()
     for name, service in compose["services"].items():
         for variable in service.get("environment") or {}:
             if variable.startswith("TESSERA_"):
+                variable = from_file.get(variable, variable)  # TESSERA_<NAME>_FILE sets TESSERA_<NAME>
                 assert variable in known, f"{name} sets {variable}, which is no setting"
                 seen.add(variable)
     assert {"TESSERA_DATABASE_URL", "TESSERA_BROKER_URL", "TESSERA_FLOWER_PASSWORD", "TESSERA_METRICS_DIR"} <= seen
@@ -154,14 +160,67 @@ def test_customer_code_runs_in_a_service_of_its_own_with_no_route_to_the_stores(
     assert "bubblewrap" in (ROOT / "Dockerfile").read_text()
 
 
-def test_every_secret_is_a_required_variable_without_a_literal_default(compose):
+SEALED_ROLES = ("api", "worker", "reactors", "beat")
+
+
+def test_every_secret_is_a_file_given_only_to_the_services_that_need_it(compose):
     text = (ROOT / "docker-compose.yml").read_text()
+    # no secret in the environment or on a command line, no literal password or default
     for variable in ("TESSERA_MASTER_KEY", "POSTGRES_PASSWORD", "REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY",
-                     "TESSERA_FLOWER_PASSWORD"):
-        uses = [line for line in text.splitlines() if "${" + variable in line]
-        assert uses, variable
-        assert all("${" + variable + ":?" in line for line in uses), (variable, uses)
-    env = compose["services"]["api"]["environment"]
-    assert "${POSTGRES_PASSWORD:?" in env["TESSERA_DATABASE_URL"] and "tessera:tessera@" not in text
-    assert "${REDIS_PASSWORD:?" in env["TESSERA_BROKER_URL"] and "${REDIS_PASSWORD:?" in env["TESSERA_REDIS_URL"]
-    assert "--requirepass" in compose["services"]["redis"]["command"]
+                     "TESSERA_FLOWER_PASSWORD", "MINIO_ROOT_PASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"):
+        assert not re.search(rf"\b{variable}\s*:", text), variable
+        assert "${" + variable not in text, variable
+    assert "tessera:tessera@" not in text and "--requirepass" not in text
+    secrets = compose["secrets"]
+    for name, secret in secrets.items():
+        assert set(secret) == {"file"} and secret["file"] == f"./secrets/{name}", name
+    services = compose["services"]
+
+    def given(service: str) -> set[str]:
+        return set(services[service].get("secrets") or ())
+
+    for role in SEALED_ROLES:
+        assert {"master_key", "database_url", "broker_url", "redis_url"} <= given(role), role
+        env = services[role]["environment"]
+        assert env["TESSERA_MASTER_KEY_FILE"] == "/run/secrets/master_key", role
+    for role in ("sandbox", "flower", "migrate", "postgres", "redis", "s3", "mailpit"):
+        assert "master_key" not in given(role), f"{role} gets the master key"
+        assert "TESSERA_MASTER_KEY_FILE" not in (services[role].get("environment") or {}), role
+    assert given("sandbox") == set() and given("flower") == {"broker_url", "flower_password"}
+    assert given("migrate") == {"database_url"} and "aws_credentials" not in given("reactors")
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres_password"
+    assert services["s3"]["environment"]["MINIO_ROOT_PASSWORD_FILE"] == "/run/secrets/s3_secret_key"
+    assert services["redis"]["command"][1] == "/run/secrets/redis.conf"
+    # every file a service reads from /run/secrets is a secret that service is given
+    for name, service in services.items():
+        mentioned = set(re.findall(r"/run/secrets/([\w.]+)", json.dumps(service)))
+        assert mentioned <= given(name), (name, mentioned - given(name))
+        assert given(name) <= set(secrets), name
+
+
+def test_the_secrets_script_writes_every_secret_once(compose, tmp_path):
+    folder = tmp_path / "secrets"
+    subprocess.run(["sh", str(ROOT / "scripts" / "make-secrets.sh"), str(folder)], check=True, capture_output=True)
+    assert {p.name for p in folder.iterdir()} == set(compose["secrets"])
+    assert folder.stat().st_mode & 0o077 == 0  # only the operator on the host
+    key = (folder / "master_key").read_text()
+    assert len(base64.b64decode(key.strip(), validate=True)) == 32
+    password = (folder / "postgres_password").read_text().strip()
+    assert f":{password}@postgres:5432/" in (folder / "database_url").read_text()
+    redis = (folder / "redis_password").read_text().strip()
+    assert (folder / "redis.conf").read_text() == f"requirepass {redis}\n"
+    assert f"redis://:{redis}@redis:6379/0" == (folder / "broker_url").read_text().strip()
+    credentials = (folder / "aws_credentials").read_text()
+    assert (folder / "s3_secret_key").read_text().strip() in credentials and "[default]" in credentials
+    # run again: nothing is replaced (a new master key over the same database opens nothing)
+    result = subprocess.run(["sh", str(ROOT / "scripts" / "make-secrets.sh"), str(folder)], check=True,
+                            capture_output=True, text=True)
+    assert (folder / "master_key").read_text() == key and "wrote" not in result.stdout
+    # the platform reads them as written
+    env = {file_variable(n): str(folder / n) for n in ("master_key", "database_url", "broker_url", "redis_url")}
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         "from config.settings import Settings; s = Settings(); "
+         "print(len(s.master_key.get_secret_value()), s.database_url.split('@')[1], s.broker_url.split('@')[1])"],
+        cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True)
+    assert probe.stdout.split() == ["44", "postgres:5432/tessera", "redis:6379/0"], probe.stderr
