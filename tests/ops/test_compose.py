@@ -116,11 +116,14 @@ def test_the_stores_are_real_servers_with_named_volumes(compose):
     env = services["api"]["environment"]
     assert "moto" not in services["s3"]["image"]
     assert env["TESSERA_S3_ENDPOINT_URL"] == "http://s3:9000"
-    # Pre-signed URLs are signed for an address reachable from outside the compose network.
+    # Pre-signed URLs are signed for an address reachable from outside the compose network: the S3
+    # server's name on the TLS proxy.
     public = env["TESSERA_S3_PUBLIC_ENDPOINT_URL"]
-    assert "localhost:9000" in public and "9000:9000" in services["s3"]["ports"]
-    assert env["TESSERA_SMTP_URL"] == "smtp://mailpit:1025" and "mailpit" in services["mailpit"]["image"]
-    assert "8025:8025" in services["mailpit"]["ports"]  # its web UI
+    assert public == "${TESSERA_S3_PUBLIC_ENDPOINT_URL:-https://s3.localhost}"
+    assert services["s3"]["ports"] == ["127.0.0.1:9000:9000"]
+    # Mail goes where the operator says (no default to a catcher); Mailpit is the dev profile's.
+    assert env["TESSERA_SMTP_URL"].startswith("${TESSERA_SMTP_URL:?") and "mailpit" in services["mailpit"]["image"]
+    assert "127.0.0.1:8025:8025" in services["mailpit"]["ports"]  # its web UI
     for store, folder in (("postgres", "/var/lib/postgresql/data"), ("redis", "/data"), ("s3", "/data")):
         mounts = [m.split(":") for m in services[store]["volumes"]]
         assert any(path == folder and volume in compose["volumes"] for volume, path in mounts), store
@@ -130,8 +133,8 @@ def test_the_stores_are_real_servers_with_named_volumes(compose):
         if name == "reactors":  # customer code has no business with files or mail
             assert not {"s3", "mailpit"} & set(service["depends_on"])
             continue
-        for dependency in ("s3", "mailpit"):
-            assert service["depends_on"][dependency]["condition"] == "service_healthy", (name, dependency)
+        assert service["depends_on"]["s3"]["condition"] == "service_healthy", name
+        assert "mailpit" not in service["depends_on"], f"{name} needs the dev profile's Mailpit"
 
 
 def test_the_api_runs_several_processes(compose):
@@ -224,3 +227,46 @@ def test_the_secrets_script_writes_every_secret_once(compose, tmp_path):
          "print(len(s.master_key.get_secret_value()), s.database_url.split('@')[1], s.broker_url.split('@')[1])"],
         cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True)
     assert probe.stdout.split() == ["44", "postgres:5432/tessera", "redis:6379/0"], probe.stderr
+
+
+def _published(service: dict) -> list[str]:
+    return [str(port) for port in service.get("ports") or ()]
+
+
+def test_only_the_tls_proxy_publishes_beyond_loopback(compose):
+    for name, service in compose["services"].items():
+        if name == "proxy":
+            continue
+        for port in _published(service):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+    assert set(_published(compose["services"]["proxy"])) >= {"80:80", "443:443"}
+
+
+def test_mailpit_and_the_minio_console_only_in_the_dev_profile(compose):
+    services = compose["services"]
+    for name in ("mailpit", "s3-console"):
+        assert services[name]["profiles"] == ["dev"], name
+    assert not any("9001" in port for port in _published(services["s3"]))
+    assert services["s3-console"]["ports"] == ["127.0.0.1:9001:9001"]
+    for name, service in services.items():
+        if name not in ("mailpit", "s3-console"):
+            assert "profiles" not in service, f"{name} would not start by default"
+
+
+def test_the_tls_proxy_fronts_the_api_flower_and_s3(compose):
+    proxy = compose["services"]["proxy"]
+    assert re.fullmatch(r"caddy:\d+\.\d+\.\d+", proxy["image"]), proxy["image"]  # an exact version
+    mount = next(v for v in proxy["volumes"] if v.endswith(":/etc/caddy/Caddyfile:ro"))
+    caddyfile = (ROOT / mount.split(":")[0]).read_text()
+    sites = dict(re.findall(r"^\{\$(\w+_DOMAIN):[\w.]+\} \{\n(?:.*\n)*?\treverse_proxy (\S+)\n", caddyfile,
+                            re.M))
+    assert sites == {"API_DOMAIN": "api:8080", "FLOWER_DOMAIN": "flower:5555",
+                     "S3_DOMAIN": "s3:9000"}, sites
+    assert set(sites) <= set(proxy["environment"])
+    assert "ACME" in caddyfile and "tls /certs/" in caddyfile  # the certificate source is documented
+    assert "caddy_data:/data" in proxy["volumes"] and "caddy_data" in compose["volumes"]
+    for upstream in ("api", "flower", "s3"):
+        assert "front" in compose["services"][upstream]["networks"], upstream
+    assert "front" in proxy["networks"]
+    env = compose["services"]["api"]["environment"]
+    assert env["TESSERA_PUBLIC_BASE_URL"] == "${TESSERA_PUBLIC_BASE_URL:-https://localhost}"
