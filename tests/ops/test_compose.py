@@ -270,3 +270,32 @@ def test_the_tls_proxy_fronts_the_api_flower_and_s3(compose):
     assert "front" in proxy["networks"]
     env = compose["services"]["api"]["environment"]
     assert env["TESSERA_PUBLIC_BASE_URL"] == "${TESSERA_PUBLIC_BASE_URL:-https://localhost}"
+
+
+def test_every_long_running_service_has_a_healthcheck_that_means_something(compose):
+    services = compose["services"]
+    for name, service in services.items():
+        if name == "migrate":  # one-shot: the others wait for it to complete
+            assert service["restart"] == "no"
+            continue
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+    # the api's is readiness (database, key check, broker, S3), not mere liveness
+    assert any("/readyz" in part for part in services["api"]["healthcheck"]["test"])
+    parser = build_parser()
+    for name, role in (("worker", "worker"), ("reactors", "worker"), ("beat", "beat")):
+        test = services[name]["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "tessera"], name
+        args = parser.parse_args(test[2:])
+        assert (args.command, args.role) == ("alive", role), name
+    assert any("/healthcheck" in part for part in services["flower"]["healthcheck"]["test"])
+    assert any("/health'" in part for part in services["sandbox"]["healthcheck"]["test"])
+    for name in ("api", "worker", "reactors"):  # they start children: an init reaps them
+        assert services[name]["init"] is True, name
+
+
+def test_no_literal_secret_in_any_environment(compose):
+    for name, service in compose["services"].items():
+        for variable, value in (service.get("environment") or {}).items():
+            if re.search(r"PASSWORD|SECRET|_KEY\b|_KEY_|TOKEN|CREDENTIALS", variable):
+                assert variable.endswith("_FILE") and str(value).startswith("/run/secrets/"), (name, variable)
+            assert not re.search(r"://[^/@\s]*:[^/@\s$]+@", str(value)), f"{name}: {variable} carries a password"
