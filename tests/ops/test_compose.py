@@ -139,7 +139,8 @@ def test_the_stores_are_real_servers_with_named_volumes(compose):
 
 def test_the_api_runs_several_processes(compose):
     args = build_parser().parse_args(compose["services"]["api"]["command"][1:])
-    assert args.workers >= 2
+    workers = args.workers or int(compose["services"]["api"]["environment"]["TESSERA_API_WORKERS"].split(":-")[1][:-1])
+    assert workers >= 2
 
 
 def test_customer_code_runs_in_a_service_of_its_own_with_no_route_to_the_stores(compose):
@@ -296,6 +297,40 @@ def test_every_long_running_service_has_a_healthcheck_that_means_something(compo
 def test_no_literal_secret_in_any_environment(compose):
     for name, service in compose["services"].items():
         for variable, value in (service.get("environment") or {}).items():
-            if re.search(r"PASSWORD|SECRET|_KEY\b|_KEY_|TOKEN|CREDENTIALS", variable):
+            if re.search(r"PASSWORD|SECRET|_KEY\b|_KEY_(?!ID)|TOKEN|CREDENTIALS", variable):
                 assert variable.endswith("_FILE") and str(value).startswith("/run/secrets/"), (name, variable)
             assert not re.search(r"://[^/@\s]*:[^/@\s$]+@", str(value)), f"{name}: {variable} carries a password"
+
+
+def _variables_read(compose: dict) -> set[str]:
+    """Every variable docker-compose.yml reads: interpolated (``${NAME...}``) or passed through (a
+    service's environment entry without a value)."""
+    text = "\n".join(line for line in (ROOT / "docker-compose.yml").read_text().splitlines()
+                     if not line.lstrip().startswith("#"))
+    names = set(re.findall(r"\$\{(\w+)", text))
+    for service in compose["services"].values():
+        names |= {name for name, value in (service.get("environment") or {}).items() if value is None}
+    return names
+
+
+def test_every_variable_compose_reads_is_in_env_example(compose):
+    example = (ROOT / ".env.example").read_text()
+    listed = set(re.findall(r"^#? ?(\w+)=", example, re.M))
+    read = _variables_read(compose)
+    assert read - listed == set(), "missing from .env.example"
+    assert listed - read - {"COMPOSE_PROFILES"} == set(), "listed in .env.example but never read"
+    # what an operator must be able to set without editing the file
+    assert {"TESSERA_SMTP_URL", "TESSERA_PUBLIC_BASE_URL", "TESSERA_CARD_NETWORK_URL", "TESSERA_VIC_URL",
+            "TESSERA_AGENTPAY_URL", "TESSERA_PSP_URL", "TESSERA_KMS_KEY_ID", "TESSERA_API_WORKERS",
+            "TESSERA_WORKER_CONCURRENCY", "TESSERA_S3_PUBLIC_ENDPOINT_URL"} <= read
+    for name in read & set(re.findall(r"^(\w+)=", example, re.M)):
+        assert not re.search(r"PASSWORD|SECRET", name), name  # secrets are files, never in .env
+    known = {f"TESSERA_{name.upper()}" for name in Settings.model_fields}
+    assert {name for name in read if name.startswith("TESSERA_")} <= known
+
+
+def test_the_api_processes_default_to_several(compose):
+    env = compose["services"]["api"]["environment"]
+    default = re.fullmatch(r"\$\{TESSERA_API_WORKERS:-(\d+)\}", env["TESSERA_API_WORKERS"])
+    assert default and int(default.group(1)) >= 2
+    assert "--workers" not in compose["services"]["api"]["command"]  # the variable decides
