@@ -334,3 +334,37 @@ def test_the_api_processes_default_to_several(compose):
     default = re.fullmatch(r"\$\{TESSERA_API_WORKERS:-(\d+)\}", env["TESSERA_API_WORKERS"])
     assert default and int(default.group(1)) >= 2
     assert "--workers" not in compose["services"]["api"]["command"]  # the variable decides
+
+
+def test_the_image_is_reproducible_and_slim():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    [base] = re.findall(r"^FROM (\S+)", dockerfile, re.M)
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+", base) or "@sha256:" in base, base  # an exact version
+    # dependencies from the lock file, hashes checked, before any code is copied
+    lock = (ROOT / "requirements.lock").read_text()
+    install = dockerfile.index("--require-hashes -r requirements.lock")
+    assert dockerfile.index("COPY requirements.lock") < install < dockerfile.index("COPY app app")
+    assert "pip install --no-cache-dir --no-deps ." in dockerfile
+    locked = {m.lower().replace("_", "-") for m in re.findall(r"^([A-Za-z0-9_.-]+)==", lock, re.M)}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"]:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
+        assert name in locked or ";" in requirement, f"{name} is not locked"
+    assert "--hash=sha256:" in lock
+    # moto, Flask and the test tools stay out of the runtime image
+    for name in ("moto", "flask", "pytest", "cfn-lint", "sympy", "ruff", "hypothesis"):
+        assert name not in locked, f"{name} is in the runtime lock"
+    assert not any(r.startswith("moto") for r in project["dependencies"])
+    assert any(r.startswith("moto") for r in project["optional-dependencies"]["dev"])
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "secrets", ".env", "tests"} <= set(ignored)
+    # the tessera user has a home, npm a writable cache
+    assert "--create-home" in dockerfile and "npm_config_cache=/home/tessera/.npm" in dockerfile
+    assert "HOME=/home/tessera" in dockerfile and "USER tessera" in dockerfile
+
+
+def test_the_metrics_folder_is_a_tmpfs_owned_by_the_image_user(compose):
+    options = compose["volumes"]["metrics"]["driver_opts"]
+    assert options["type"] == "tmpfs"
+    uid = re.search(r"--uid (\d+)", (ROOT / "Dockerfile").read_text()).group(1)
+    assert f"uid={uid}" in options["o"]
