@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
 
-# The runtime alone for running the platform; the test extra (pytest, ruff, import-linter...) on top for
+# The runtime alone for running the platform (moto on top for `tessera dev`); the test extra (pytest, ruff, import-linter...) on top for
 # testing and linting.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,16 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# `tessera dev` also runs moto's S3 server when TESSERA_S3_ENDPOINT_URL is unset: the dev extra.
+$(BIN)/.installed-dev: $(BIN)/.installed
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
 $(BIN)/.installed-test: $(BIN)/.installed
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
-dev: $(BIN)/.installed ## install the runtime into .venv and run `tessera dev` (embedded defaults unless TESSERA_* say otherwise)
+dev: $(BIN)/.installed-dev ## install the runtime and moto (the dev extra) into .venv and run `tessera dev` (embedded defaults unless TESSERA_* say otherwise)
 	$(BIN)/tessera dev
 
 test: $(BIN)/.installed-test services ## install with the test extra, make sure PostgreSQL, Redis (and Chromium) are there, check the layers, run every test

@@ -2,7 +2,9 @@
 
 Every setting is read from an environment variable ``TESSERA_<NAME>`` or, when the environment does
 not set it, from a ``.env`` file in the working folder (:data:`ENV_FILE`, lines ``TESSERA_<NAME>=value``;
-pydantic-settings). README.md lists each with its default. Services left unset fall back, each on
+pydantic-settings). README.md lists each with its default. Each secret (:data:`FILE_SETTINGS`) may
+instead be read from a file named by ``TESSERA_<NAME>_FILE`` (Docker secrets: ``/run/secrets/...``):
+the file's content, without its trailing newline, is the value. Services left unset fall back, each on
 its own, to the embedded defaults kept in ``TESSERA_DATA_DIR``: a SQLite database, the kombu
 SQLAlchemy transport on SQLite, an in-process rate limiter, mail written to files.
 """
@@ -10,12 +12,14 @@ SQLAlchemy transport on SQLite, an in-process rate limiter, mail written to file
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
 def _default_data_dir() -> Path:
@@ -34,6 +38,40 @@ def _without_password(url: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+#: The settings that may come from a file named by ``TESSERA_<NAME>_FILE``: the secrets, and the
+#: service URLs that carry passwords.
+FILE_SETTINGS = ("master_key", "master_key_previous", "flower_password", "database_url", "broker_url", "redis_url",
+                 "smtp_url")
+
+
+def file_variable(name: str) -> str:
+    """The environment variable naming the file a setting is read from: ``TESSERA_<NAME>_FILE``."""
+    return f"TESSERA_{name.upper()}_FILE"
+
+
+class _SettingFiles(PydanticBaseSettingsSource):
+    """``TESSERA_<NAME>_FILE`` for each of :data:`FILE_SETTINGS`: the value is the named file's content
+    (trailing newline dropped). Setting both ``TESSERA_<NAME>`` and ``TESSERA_<NAME>_FILE`` is refused."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[object, str, bool]:
+        return None, field_name, False  # every value comes from __call__
+
+    def __call__(self) -> dict[str, object]:
+        values: dict[str, object] = {}
+        for name in FILE_SETTINGS:
+            variable = file_variable(name)
+            path = os.environ.get(variable)
+            if not path:
+                continue
+            if os.environ.get(f"TESSERA_{name.upper()}"):
+                raise ValueError(f"both TESSERA_{name.upper()} and {variable} are set: keep one")
+            try:
+                values[name] = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+            except OSError as exc:
+                raise ValueError(f"{variable}: cannot read {path}: {exc.strerror}") from None
+        return values
 
 
 class Settings(BaseSettings):
@@ -219,6 +257,18 @@ class Settings(BaseSettings):
     flower_password: SecretStr | None = None
     metrics_dir: Path | None = None
     api_shutdown_timeout_seconds: float = 30.0
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """The environment, then the files ``TESSERA_<NAME>_FILE`` name, then ``./.env``."""
+        return init_settings, env_settings, _SettingFiles(settings_cls), dotenv_settings, file_secret_settings
 
     @field_validator("header_prefix")
     @classmethod

@@ -414,6 +414,33 @@ def _age(seconds: float | None) -> str | None:
     return f"{seconds / 3600:.1f}h"
 
 
+def _alive(args: argparse.Namespace) -> int:
+    """Liveness of this host's worker or beat by its heartbeats (a container's healthcheck): exit 0
+    when every worker heartbeat recorded from this host is alive (at least one), or beat's is; else 1
+    with one line saying what is missing."""
+    from infra import ops
+
+    host = socket.gethostname()
+    try:
+        beats = ops.heartbeats(get_settings())
+    except Exception as exc:  # noqa: BLE001 - the check fails, saying why
+        print(f"not alive: heartbeats unreadable ({type(exc).__name__}: {exc})"[:300], file=sys.stderr, flush=True)
+        return 1
+    if args.role == "beat":
+        beat = beats.get("beat")
+        ok = bool(beat and beat.host == host and beat.alive())
+        problem = "no beat heartbeat from this host" if not (beat and beat.host == host) else \
+            f"beat's last heartbeat is {beat.age():.0f}s old"
+    else:
+        mine = [b for b in beats.values() if b.kind == "worker" and b.host == host]
+        stale = sorted(b.name for b in mine if not b.alive())
+        ok = bool(mine) and not stale
+        problem = f"stale heartbeats: {', '.join(stale)}" if stale else "no worker heartbeat from this host"
+    if not ok:
+        print(f"not alive: {problem}", file=sys.stderr, flush=True)
+    return 0 if ok else 1
+
+
 def _queues(args: argparse.Namespace) -> int:
     from infra import ops
 
@@ -687,6 +714,11 @@ def build_parser() -> argparse.ArgumentParser:
     queues.add_argument("--json", action="store_true", help="print one JSON object")
     queues.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for workers to answer")
     queues.set_defaults(func=_queues, reads_state=True)
+
+    alive = commands.add_parser("alive", help="exit 0 when this host's worker or beat heartbeats are alive "
+                                "(a container healthcheck)")
+    alive.add_argument("role", choices=("worker", "beat"))
+    alive.set_defaults(func=_alive)
     return parser
 
 

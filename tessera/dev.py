@@ -23,6 +23,7 @@ this run only.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import shutil
 import signal
@@ -207,6 +208,11 @@ def run_dev() -> int:
         api_socket = bind_api_socket(settings.api_host, settings.api_port)
     except PortTaken as exc:
         print(f"tessera dev: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if not settings.s3_endpoint_url and importlib.util.find_spec("moto") is None:
+        print("tessera dev: moto's S3 server stands in for S3 when TESSERA_S3_ENDPOINT_URL is unset, and moto is not "
+              "installed: pip install -e '.[dev]' (make dev does), or set TESSERA_S3_ENDPOINT_URL",
+              file=sys.stderr, flush=True)
         return 1
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     print(f"tessera dev: data in {settings.data_dir}", flush=True)

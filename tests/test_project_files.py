@@ -21,10 +21,14 @@ def _recipe(makefile: str, target: str) -> tuple[list[str], list[str]]:
 def test_make_dev_installs_the_runtime_and_make_test_the_test_extra():
     makefile = (ROOT / "Makefile").read_text()
     dev, _ = _recipe(makefile, "dev")
-    [stamp] = [p for p in dev if p.startswith("$(BIN)/")]
+    [dev_stamp] = [p for p in dev if p.startswith("$(BIN)/")]
+    runtime, dev_install = _recipe(makefile, dev_stamp)
+    # the dev extra (moto's S3 server for `tessera dev`) on top of the runtime, never the test extra
+    assert any(line.endswith('pip install -q -e ".[dev]"') for line in dev_install), dev_install
+    [stamp] = [p for p in runtime if p.startswith("$(BIN)/")]
     _, install = _recipe(makefile, stamp)
     assert any(line.endswith("pip install -q -e .") for line in install), install
-    assert not any("[test]" in line for line in install)
+    assert not any("[test]" in line for line in install + dev_install)
     for target in ("test", "lint"):
         prerequisites, _ = _recipe(makefile, target)
         [test_stamp] = [p for p in prerequisites if p.startswith("$(BIN)/")]
