@@ -28,7 +28,8 @@ $(BIN)/.installed-test: $(BIN)/.installed
 dev: $(BIN)/.installed-dev ## install the runtime and moto (the dev extra) into .venv and run `tessera dev` (embedded defaults unless TESSERA_* say otherwise)
 	$(BIN)/tessera dev
 
-test: $(BIN)/.installed-test services ## install with the test extra, make sure PostgreSQL, Redis (and Chromium) are there, check the layers, run every test
+test: $(BIN)/.installed-test services ## install with the test extra, make sure PostgreSQL, Redis, bubblewrap (and Chromium) are there, lint, check the layers, run every test
+	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/pytest $(PYTEST_ARGS)
 
