@@ -16,6 +16,7 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import JsonSchemaMode
 
 from app.api import AllOf, AnyOf, Route
+from app.examples import REQUEST_EXAMPLES, RESPONSE_EXAMPLES
 from config import __version__
 from config.settings import Settings
 from domain.webhooks.events import EVENT_TYPES
@@ -27,7 +28,8 @@ _REF = "#/components/schemas/{model}"
 PROBLEM_SCHEMA = {
     "type": "object",
     "description": "RFC 7807 problem (application/problem+json). Outside `/agentic/` `type` is `about:blank`; under "
-    "it `type` is a stable code of the agentic error catalogue (spec 001 section 7) and `title` the first failing "
+    "it `type` is a stable code of the agentic error catalogue "
+    "(`VALIDATION_ERROR`, `INVALID_TOKEN`, `PROVIDER_ENROLLMENT_FAILED` ...) and `title` the first failing "
     "field for VALIDATION_ERROR. Members beyond the standard ones appear where the operation says so.",
     "properties": {
         "type": {"type": "string", "description": "`about:blank`, or an agentic catalogue code."},
@@ -126,17 +128,57 @@ _FORMAT_EXAMPLES = {
     "binary": "...",
 }
 _PATTERN_CANDIDATES = ("01", "2031", "abc", "alias-1", "/pci/high/", "general", "x")
+_EXAMPLE_ID = "3fa85f64-5717-4562-b3fc-2c963f66afa6"
+#: Realistic strings by property name (exact name first, then its last ``_`` part), for schemas that
+#: give no format, enum or example of their own.
+_NAMED_EXAMPLES = {
+    "id": _EXAMPLE_ID, "email": "user@example.com", "notify_email": "ops@example.com", "name": "Acme",
+    "display_name": "Acme shop", "first_name": "Ada", "last_name": "Lovelace", "last4": "4242", "bin": "42424242",
+    "brand": "visa", "funding": "credit", "currency": "USD", "value": "50.00", "domain": "shop.example.com",
+    "url": "https://example.com/hooks/tessera", "destination_url": "https://api.example.com/charges",
+    "upload_url": "https://s3.example.com/tessera/account-updater/request.csv?X-Amz-Signature=...",
+    "download_url": "https://s3.example.com/tessera/account-updater/response.csv?X-Amz-Signature=...",
+    "content_type": "application/pdf", "cryptogram": "AgAAAAAABk4DWZ4C28yUQAAAAAA=", "eci": "05",
+    "key": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "public_key": "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE...",
+    "public_key_hash": "hX3G2vYzFl1kq0c8iK6Zs6Hc1fE3oCj1bEXAMPLE4=", "fingerprint": "EYzjMr7H9k4uTgqrQ8pA1Bf9cH3",
+    "status": "active", "type": "card", "role": "ADMIN", "code": "PROVIDER_ENROLLMENT_FAILED",
+    "title": "Provider enrollment failed", "detail": "The provider refused the enrollment.", "provider": "vic",
+    "operation": "enroll", "event_type": "token.created", "entity_type": "token", "action": "create",
+    "description": "Groceries for the week", "ip_address": "203.0.113.7", "country_code": "US",
+    "language_code": "en", "token": "c3e1f8a4b2d94e0f9a7b6c5d4e3f2a1b", "number": "4242 XXXX XXXX 4242",
+    "mask": "{{ data.number | reveal_last: 4 }}", "background_color": "#1a1f71", "height": "64",
+    "image": "node22", "ingest_source": "wallet-a", "error": "The destination did not answer.",
+    "message": "The destination did not answer.", "check": "database", "routing_number": "021000021",
+    "account_number": "XXXXXXXXX0001", "network_reference": "DNITHE302035112345678",
+    "merchant_id": "merchant.com.example.shop", "container": "/pci/high/", "search_index": "{{ data.number }}",
+    "event": "token.created", "enrollment_id": "enr_7fQ2mK9x", "brand_name": "Acme",
+}
 
 
-def example_of(schema: dict, components: dict, depth: int = 0) -> Any:
+def _named_example(name: str | None) -> str | None:
+    """A realistic string for a property called ``name`` (``token_id`` -> an id), or None."""
+    if not name:
+        return None
+    if name in _NAMED_EXAMPLES:
+        return _NAMED_EXAMPLES[name]
+    last = name.rsplit("_", 1)[-1]
+    if last in ("id", "ids"):
+        return _EXAMPLE_ID
+    if last in ("at", "date"):
+        return _FORMAT_EXAMPLES["date-time"]
+    return _NAMED_EXAMPLES.get(last)
+
+
+def example_of(schema: dict, components: dict, depth: int = 0, name: str | None = None) -> Any:
     """A value that fits ``schema`` (a JSON schema of this description), built from its defaults,
-    examples, enums, formats and required properties; None where nothing fits. Used to give every
+    examples, enums, formats and required properties, and for plain strings from the property's
+    ``name`` (``email``, ``*_id``, ``currency`` ...); None where nothing fits. Used to give every
     operation an example in the description."""
     if depth > 8:
         return None
     if "$ref" in schema:  # a named enum is a leaf: it costs no depth
         target = components.get(schema["$ref"].rsplit("/", 1)[-1], {})
-        return example_of(target, components, depth + (0 if "enum" in target else 1))
+        return example_of(target, components, depth + (0 if "enum" in target else 1), name)
     for key in ("example", "const"):
         if key in schema:
             return schema[key]
@@ -149,16 +191,16 @@ def example_of(schema: dict, components: dict, depth: int = 0) -> Any:
     for key in ("anyOf", "oneOf", "allOf"):
         options = [option for option in schema.get(key, []) if option.get("type") != "null"]
         if options:
-            return example_of(options[0], components, depth + 1)
+            return example_of(options[0], components, depth + 1, name)
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
     if kind == "object" or "properties" in schema:
         properties = schema.get("properties", {})
         required = schema.get("required", list(properties)[:3])
-        return {name: example_of(properties[name], components, depth + 1) for name in required if name in properties}
+        return {key: example_of(properties[key], components, depth + 1, key) for key in required if key in properties}
     if kind == "array":
-        item = example_of(schema.get("items", {}), components, depth + 1)
+        item = example_of(schema.get("items", {}), components, depth + 1, name[:-1] if name else None)
         return [] if item is None else [item]
     if kind == "integer":
         return max(int(schema.get("minimum", 1)), 1) if "maximum" not in schema else int(schema.get("minimum", 1))
@@ -172,8 +214,12 @@ def example_of(schema: dict, components: dict, depth: int = 0) -> Any:
         pattern = schema.get("pattern")
         if pattern:
             return next((c for c in _PATTERN_CANDIDATES if re.search(pattern, c)), None)
-        length = max(int(schema.get("minLength", 0)), min(6, int(schema.get("maxLength", 6))))
-        return "string"[:length].ljust(length, "s")
+        named = _named_example(name)
+        if named is not None and len(named) <= int(schema.get("maxLength", len(named))):
+            return named
+        text = name.replace("_", " ") if name else "text"
+        length = max(int(schema.get("minLength", 0)), min(len(text), int(schema.get("maxLength", len(text)))))
+        return text[:length].ljust(length, "x")
     return None
 
 
@@ -269,15 +315,21 @@ def _operation(route: Route, schemas: _Schemas, settings: Settings) -> dict:
     return operation
 
 
+_EXAMPLES = {"request": REQUEST_EXAMPLES, "response": RESPONSE_EXAMPLES}
+
+
 def _add_examples(operation: dict, route: Route, components: dict) -> None:
     """Give the operation's request body, its success answer and its first problem an example (the
-    route's own ``examples`` when it declares them, else one built from the schema)."""
+    route's own ``examples`` when it declares them, else ``app.examples``' one, else one built from the
+    schema)."""
     for key, where in (("request", operation.get("requestBody")),
                        ("response", operation["responses"].get(str(route.status)))):
-        for media in ((where or {}).get("content") or {}).values():
+        for kind, media in ((where or {}).get("content") or {}).items():
             if key in route.examples:
                 media["example"] = route.examples[key]
-            elif "example" not in media:
+            elif f"{route.method} {route.path}" in (table := _EXAMPLES[key]):
+                media["example"] = table[f"{route.method} {route.path}"]
+            elif "example" not in media and ("json" in kind or "form" in kind):
                 value = example_of(media.get("schema", {}), components)
                 if value is not None:
                     media["example"] = value
@@ -331,8 +383,7 @@ def _webhooks() -> dict:
 _WEBHOOK_TEXT = (
     "POSTed to each enabled webhook subscribed to the type, signed per Standard Webhooks (the headers below; "
     "the signing key is GET /webhooks/signing-key). At least once: deduplicate on `webhook-id`. Event data carries "
-    "ids and states only, never token data. `reactor.invocation.*` are reserved: the reference does not show their "
-    "payload; the platform states `{reactor: {id}, invocation: {id, status}}`."
+    "ids and states only, never token data. `reactor.invocation.*` carry `{reactor: {id}, invocation: {id, status}}`."
 )
 _SIGNATURE_HEADERS = (
     ("webhook-id", "The message id, the same on every retry of a message."),

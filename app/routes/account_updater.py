@@ -23,14 +23,14 @@ TAG = "Account updater"
 
 
 class ProgressOut(ResponseModel):
-    """How far processing has come (ours: the reference does not show progress)."""
+    """How far processing has come (this implementation's addition)."""
 
     rows_done: int = Field(description="Data rows of the request file processed so far.")
     rows_total: int | None = Field(description="Data rows in the request file; null until the file has been read.")
 
 
 class JobOut(ResponseModel):
-    """The account updater job (second document: Account updater job) plus `progress`."""
+    """The account updater job, with `progress`."""
 
     id: uuid.UUID
     tenant_id: uuid.UUID
@@ -41,7 +41,7 @@ class JobOut(ResponseModel):
     upload_url: str | None = Field(None, description="Only while pending: a pre-signed S3 PUT URL, valid until "
                                    "expires_at.")
     expires_at: dt.datetime | None = Field(None, description="Only while pending: the end of the upload window.")
-    progress: ProgressOut | None = Field(None, description="From processing on (not shown by the reference: ours).")
+    progress: ProgressOut | None = Field(None, description="From processing on (this implementation's addition).")
     download_url: str | None = Field(None, description="Only when completed: a pre-signed S3 GET URL of the result "
                                      "file, valid one hour from the read that returned it.")
 
@@ -138,7 +138,7 @@ async def get(call: Call):
     errors=(400, 415),
     body=S3Notification,
     request_content_type=("application/json", "text/plain"),
-    description="Not in the reference: ours. Point the bucket's event notifications (ObjectCreated) here through "
+    description="This implementation's addition. Point the bucket's event notifications (ObjectCreated) here through "
     "a bridge that POSTs JSON (`application/json` or `text/plain`), e.g. an SNS HTTP subscription (the "
     "`Notification` envelope is opened; a `SubscriptionConfirmation` is logged with its SubscribeURL for an "
     "operator to confirm), EventBridge API destinations or a MinIO webhook target; the body is the S3 event "

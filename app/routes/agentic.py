@@ -331,7 +331,7 @@ _CREATE_TEXT = _ERROR_FORM + (
 )
 
 _EVENT_TEXT = (
-    "Event `agentic.payment-method.rail.retried` (our design; the reference does not show it): emitted when a "
+    "Event `agentic.payment-method.rail.retried` (this implementation's design): emitted when a "
     "rail that was shown `pending` (by this answer or because the provider reported it pending) settles, "
     "whether it came from a create or a retry; data `{payment_method: {id, status}, rail: {rail, provider, "
     "status, provider_ids, error?: {code}}}` in the standard delivery envelope."
@@ -580,7 +580,7 @@ async def delete(call: Call):
 
 _AGENTS_TEXT = (
     "Deprecated, still available, no removal date: every answer carries `Deprecation: {deprecation}` "
-    "(RFC 9745; the reference gives no date, the platform states January 1, 2026) and no `Sunset`. New "
+    "(RFC 9745; deprecated since January 1, 2026) and no `Sunset`. New "
     "integrations use payment methods. Problems use the agentic form; 404 AGENT_NOT_FOUND."
 ).format(deprecation=DEPRECATION["Deprecation"])
 

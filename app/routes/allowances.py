@@ -197,8 +197,8 @@ def _allowance_id(call: Call) -> str:
 
 
 _CONTRACT = (
-    "The allowance contract is the platform's (the reference names these endpoints only through its error "
-    "catalogue): an allowance `alw_...` {id, payment_method_id, status (`pending_verification` until every rail "
+    "The allowance contract is this implementation's design: an allowance `alw_...` "
+    "{id, payment_method_id, status (`pending_verification` until every rail "
     "that needs verification is verified, `active`, `cancelled`, `expired`: terminal, also shown once "
     "`expires_at` passed), amount, amount_available, amount_reserved, amount_spent (each `{value: \"25.00\", "
     "currency: \"USD\"}`: exact decimal strings with the currency's minor unit digits, never numbers; "

@@ -51,7 +51,8 @@ class ApplicationKeyOut(ResponseModel):
 #: RFC 9745: a grant naming a legacy permission is answered with this header.
 LEGACY_DEPRECATION = {"Deprecation": f"@{int(LEGACY_SHUTDOWN_DATE.timestamp())}"}
 GRANT_TEXT = (
-    "Legacy permission names (section 5.4: `token:create`, `token:read`, `token:decrypt`, `token:update`, "
+    "Legacy permission names (shut down on January 3, 2022: `token:create`, `token:read`, "
+    "`token:decrypt`, `token:update`, "
     "`token:delete`, `token:use` and their `card:` and `bank:` forms) are taken and mapped to their granular "
     "replacements (`token:create` -> `token:general:create`, `card:read` -> `token:pci:read:low`, `bank:decrypt` "
     "-> `token:bank:read:high`, `token:use` -> `token:general:use:proxy` ...); the new names are stored and "

@@ -40,7 +40,7 @@ class BankAccountVerifyOut(ResponseModel):
     tag=TAG,
     summary="Verify a bank token's account",
     errors=(400, 401, 403, 404, 422, 502, 504),
-    description="A decision beyond the spec, as the hosted service offers it: asks a bank account verification "
+    description="A decision of this implementation, as the hosted service offers it: asks a bank account verification "
     "provider whether the account of a `bank` token takes debits and answers `{status}` (`enabled`, `disabled` or "
     "`error`). Permission `token:bank:use:proxy` (the hosted service's `token:use`, for the bank classification). "
     "The provider is called by a worker (the job id is its idempotency key, up to 3 attempts); this request waits "

@@ -32,7 +32,7 @@ _MASKING = (
     "(`XXXXXXXXXXXX7892`) unless the key holds `network-token:reveal`; with both read and reveal, reveal wins."
 )
 _OBJECT = (
-    "Not shown by the spec, designed here: `data` and `network_token` are null while the status is "
+    "This implementation's design: `data` and `network_token` are null while the status is "
     "`inactive`; `card` is `{brand, bin (first six digits), last4, expiration_month, expiration_year}`; "
     "`token_id` / `token_intent_id` are null unless the network token was made from a token / a token intent "
     "(a token intent later converted to a token adds `token_id`, keeping `token_intent_id`); `_extras` is "
@@ -55,14 +55,15 @@ when the worker finishes, with the event `network-token.created`. Poll `GET /net
 subscribe to the event.
 * **422** when the network refuses: a problem with `code` `card_not_eligible` (title "Card not eligible") or \
 `network_not_supported` (title "Network not supported"); no network token remains (the `inactive` record is \
-removed, decision beyond the spec). When the refusal comes after a 202, the record is removed the same way, the \
+removed, a decision of this implementation). When the refusal comes after a 202, the record is removed the same \
+way, the \
 event `network-token.failed` is emitted and `GET /network-tokens/{{id}}` answers 404 naming the failure.
 * **422** "Provider not configured" for a production tenant when the deployment has no live card network \
 (`TESSERA_CARD_NETWORK_URL`).
 * **502** when the network could not be reached after every retry (a dead letter).
 
 Transient network failures (timeouts, 5xx) are retried with backoff (1, 2, 4, 8, 16 s; six attempts). \
-Not shown by the spec, designed here: `merchant_id` is passed to the network as given; the platform has no \
+This implementation's design: `merchant_id` is passed to the network as given; the platform has no \
 tenant merchant configuration yet, so without it the network's own default applies. Using `data` requires the \
 caller to be PCI DSS compliant; that is a contractual matter the platform does not check (any key holding \
 `network-token:create` may send it). `cardholder_info.name` defaults to the source card's `name`. A `token_id` \
@@ -252,7 +253,7 @@ async def create(call: Call):
     summary="Get a network token",
     errors=(404,),
     description=f"{_MASKING} {_OBJECT} A network token removed because its provisioning failed answers 404 "
-    "with a `code` naming the failure (decision beyond the spec); another tenant's answers a plain 404.",
+    "with a `code` naming the failure (a decision of this implementation); another tenant's answers a plain 404.",
 )
 async def get(call: Call):
     """The network token by the read rules."""
@@ -270,7 +271,7 @@ async def get(call: Call):
     description="The card art the network issued for this network token: `background_color`, `logo` and "
     "`card_image` (each image `{url, description, height, width}`); availability varies by network and any of "
     "them may be null. Card art is fetched by a worker on the first call and then answered from storage for "
-    "24 hours (decision beyond the spec); creating a network token never waits for it. Errors: 404 when the "
+    "24 hours (a decision of this implementation); creating a network token never waits for it. Errors: 404 when the "
     "network token does not exist; 409 while it is `inactive` (no art exists yet); 502 when the network "
     f"refused or failed; 504 when it did not answer within the wait. {_WAIT}",
 )
@@ -296,7 +297,7 @@ async def account(call: Call):
     "by this request and the sealed value is wiped once read. Only an `active` network token has cryptograms "
     "(409 otherwise, also when the network says it is not active); 502 when the network failed; 504 when it did "
     "not answer within the wait. Long and short cryptograms: the network's default form is returned (the "
-    f"selection is not shown by the spec). {_WAIT}",
+    f"selection is this implementation's design). {_WAIT}",
 )
 async def cryptogram(call: Call):
     """A cryptogram sealed by the worker to this request's one-time key, opened here."""
@@ -310,7 +311,7 @@ async def cryptogram(call: Call):
 _CHANGE_TEXT = (
     "No body. The network is told by a worker and the state changes when it confirms: **200** with the network "
     "token in its new state when that happens within the wait, else **202** with the network token as it still "
-    "is (decision beyond the spec); the change and its event (`{event}`) follow when the network confirms. "
+    "is (a decision of this implementation); the change and its event (`{event}`) follow when the network confirms. "
     "409 when the network token is not `{required}` (also `inactive`) or another suspend/resume of it is under "
     "way, or when the network has deleted it; 502 when the network refused or could not be reached (nothing "
     f"changed). {_MASKING}"
@@ -365,7 +366,8 @@ async def _change(call: Call, action: str):
     summary="Delete a network token",
     errors=(404,),
     description="From any state: the network token is removed at once (204, event `network-token.deleted`) and "
-    "the network is told by a worker, retried until it confirms (decision beyond the spec: the answer does not "
+    "the network is told by a worker, retried until it confirms "
+    "(a decision of this implementation: the answer does not "
     "wait for the network). Deleting an `inactive` network token cancels its provisioning; if the network "
     "issues the token anyway, it is deleted there as soon as it answers.",
 )

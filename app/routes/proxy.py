@@ -60,7 +60,7 @@ EPHEMERAL_DISABLED = "Ephemeral proxies are disabled"
 
 def as_proxy_error(problem: Problem) -> Problem:
     """Every problem of an invocation as ``{"proxy_error": {errors, title, status, detail}}``
-    (core document section 7), its headers (``Retry-After``, ``Allow``) kept."""
+    (the proxy's error form), its headers (``Retry-After``, ``Allow``) kept."""
     if isinstance(problem, ProxyError):
         return problem
     wrapped = ProxyError(problem.status, problem.detail or problem.title, title=problem.title,
@@ -95,7 +95,7 @@ class ProxyErrorBody(BaseModel):
 
 
 class ProxyErrorOut(BaseModel):
-    """The body of every failure of the proxy itself (core document section 7)."""
+    """The body of every failure of the proxy itself: ``{"proxy_error": {errors, title, status, detail}}``."""
 
     model_config = ConfigDict(extra="forbid")
     proxy_error: ProxyErrorBody
@@ -181,7 +181,7 @@ _INVOKE_TEXT = (
     "Authentication: `{api_key}`, except for a pre-configured proxy with `require_auth` false called without "
     "one: its `application`'s permissions then apply (none without an application). A key of another tenant "
     "than the proxy's answers 404.\n\n"
-    "Detokenization (rules 1, 7, 8): `{{{{ <token_id> }}}}`, `{{{{ <token_id> | json: \"$.number\" }}}}`, "
+    "Detokenization: `{{{{ <token_id> }}}}`, `{{{{ <token_id> | json: \"$.number\" }}}}`, "
     "`{{{{ token: <id> | json: \"$.data.number\" }}}}`, `{{{{ network_token: <id> | json: \"$.data.number\" }}}}`, "
     "`{{{{ token_intent: <id> | ... }}}}`, `{{{{ encrypted | json: \"$.data.number\" }}}}` (with `{encrypted}`); "
     "filters such as last4, reveal_last, card_bin, card_exp, json, to_string, to_number, pad_left, pad_right, "
@@ -496,7 +496,7 @@ DetokenizeDocument = Annotated[
            description="Permission, per token read: its use right `token:<classification>:use:proxy` and, since "
            "the data is answered to the caller, its read right `token:<classification>:read:<impact_level>` at or "
            "above the token's impact level (403 naming the missing one); a body without expressions needs none.\n\n"
-           "Beyond the spec (a decision of this implementation, for the official client libraries): answers the "
+           "A decision of this implementation, for the official client libraries: answers the "
            "body (a JSON object or array) with the same structure, every token expression in any string of any "
            "object or array replaced by the token's data, read by the proxy's expression engine: "
            "`{{ <token_id> }}`, `{{ <token_id> | json: '$.number' }}`, `{{ token: <token_id> | json: "

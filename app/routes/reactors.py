@@ -50,8 +50,9 @@ class PendingReactorOut(ResponseModel):
 
 class RequestedOut(ResponseModel):
     reactor: PendingReactorOut
-    error_code: str | None = Field(None, description="`vulnerabilities_detected`; `invalid_code` (a decision beyond "
-                                   "the spec) when the code does not load (a syntax error, a failing `require`, no "
+    error_code: str | None = Field(None, description="`vulnerabilities_detected`; `invalid_code` (a decision of this "
+                                   "implementation) when the code does not load (a syntax error, a failing "
+                                   "`require`, no "
                                    "exported function), `error_message` saying why and on which line; or "
                                    "`build_failed` when npm could not install the dependencies or no vulnerability "
                                    "scan could be made (a registry that refuses the scan with a 4xx fails the build "
@@ -95,7 +96,7 @@ BUILD_TEXT = (
     "version keeps serving) with `requested.error_code` `vulnerabilities_detected` and "
     "`requested.error_details.vulnerabilities` when a HIGH or CRITICAL advisory applies. The build then loads the "
     "code once in the sandbox: code that does not load is refused the same way with `requested.error_code` "
-    "`invalid_code` (a decision beyond the spec: a syntax error fails the build rather than every invocation). "
+    "`invalid_code` (a decision of this implementation: a syntax error fails the build rather than every invocation). "
     "Update and delete answer "
     "409 while a build runs (`creating`, `updating`). An update of a reactor whose creation failed is a new "
     "creation (`creating`). The name applies at once."
@@ -172,12 +173,12 @@ class AsyncReactOut(ResponseModel):
 
 
 INVOKE_ERRORS = (
-    "Errors (section 7), in the problem format: 400 (`BadRequestError`, `InvalidReactorConfigurationError` thrown "
+    "Errors, in the problem format: 400 (`BadRequestError`, `InvalidReactorConfigurationError` thrown "
     "by the code, or arguments that do not detokenize), 401 (`AuthenticationError`, `AuthorizationError`), 402 "
     "(`InvalidPaymentMethodError`), 422 (code that is not a valid function), 429 (`RateLimitError`), 500 (any "
     "other thrown value, `VendorError`, the runtime timeout, a process that ran out of memory). Of any other "
     "thrown value the `detail` gives the name and the first line of the message (at most 500 characters), each "
-    "string of the request it quotes replaced by `[redacted]` (a decision beyond the spec). 409 while no "
+    "string of the request it quotes replaced by `[redacted]` (a decision of this implementation). 409 while no "
     "version serves (`creating`, or a creation that `failed`). A `tokenize` block in the code's answer is "
     "tokenized with the permissions granted to the code (`runtime.permissions`)."
 )
@@ -193,7 +194,8 @@ def _refuse_callback(call: Call) -> None:
 @api.route("POST", "/reactors/{id}/react", permission="reactor:invoke", body=ReactIn, body_optional=True,
            response=ReactorResponseOut, tag=TAG, summary="Invoke a reactor and wait for its answer",
            errors=(400, 401, 402, 403, 404, 409, 413, 422, 429, 500, 504),
-           description="Runs the code in a worker and waits for its answer up to 30 seconds (section 8); the body "
+           description="Runs the code in a worker and waits for its answer up to 30 seconds "
+           "(`TESSERA_REACTOR_WAIT_SECONDS`); the body "
            "is at most 1 MB (413 beyond). Answers `{tokens, raw}`. When no answer came within the wait (a queue "
            "backlog: the runtime timeout itself is at most 30 s) the answer is 504 with `request_id`: the result "
            "will be at GET /reactors/{id}/results/{request_id}. " + INVOKE_ERRORS)
@@ -236,7 +238,7 @@ FORMULAS_GONE = ("Reactor formulas were shut down on February 14, 2024; use reac
                  "(POST /reactors).")
 
 
-FORMULAS_TEXT = ("Shut down on February 14, 2024 (section 9): answers 410 whatever the key or body. Replacement: "
+FORMULAS_TEXT = ("Shut down on February 14, 2024: answers 410 whatever the key or body. Replacement: "
                  "reactors with a code attribute.")
 
 

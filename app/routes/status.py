@@ -1,4 +1,5 @@
-"""``GET /status`` (no key), ``GET /openapi.json`` and the documentation page ``GET /docs``."""
+"""``GET /status`` (no key), ``GET /openapi.json``, the documentation page ``GET /docs`` and ``GET /``
+pointing to it."""
 
 from __future__ import annotations
 
@@ -103,6 +104,15 @@ _DOCS_PAGE = """<!doctype html>
 _INIT = """window.ui = SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui", deepLinking: true,
   defaultModelsExpandDepth: 0, docExpansion: "none"});
 """
+
+
+@api.route("GET", "/", auth=False, status=302, response=str, response_content_type="text/html", tag="Status",
+           summary="Where the documentation is",
+           description="No API key. Redirects (302) to the documentation page `GET /docs`; the description itself "
+           "is `GET /openapi.json`.")
+async def root(call: Call) -> web.Response:
+    return web.Response(status=302, headers={"Location": "/docs"},
+                        text='<a href="/docs">Tessera API documentation: /docs</a>', content_type="text/html")
 
 
 @api.route("GET", "/docs", auth=False, response=str, response_content_type="text/html", tag="Status",

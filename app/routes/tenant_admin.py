@@ -101,7 +101,7 @@ async def _blocking(fn, *args):
 
 
 class UserOut(ResponseModel):
-    """A user (core document section 2, User); every field but id is optional."""
+    """A user ; every field but id is optional."""
 
     id: uuid.UUID
     email: str | None
@@ -111,7 +111,7 @@ class UserOut(ResponseModel):
 
 
 class MemberOut(Audited):
-    """A tenant member (core document section 2, Member)."""
+    """A tenant member: a user and its role."""
 
     id: uuid.UUID
     tenant_id: uuid.UUID
@@ -127,7 +127,7 @@ class InvitationIn(RequestModel):
 
 
 class InvitationOut(Audited):
-    """An invitation (core document section 2, Invitation; `role` added)."""
+    """An invitation to join the tenant, with the role it grants."""
 
     id: uuid.UUID
     tenant_id: uuid.UUID
@@ -180,7 +180,7 @@ class KeyIn(RequestModel):
 
 
 class KeyOut(ResponseModel):
-    """A client encryption key without its public key (core document section 2)."""
+    """A client encryption key without its public key."""
 
     key_id: str
     expires_at: dt.datetime
@@ -207,7 +207,7 @@ class KeyCreatedOut(KeyOut):
 
 
 class DocumentOut(ResponseModel):
-    """A document's metadata (core document section 2, Document)."""
+    """A document's metadata."""
 
     id: uuid.UUID
     tenant_id: uuid.UUID
@@ -245,7 +245,7 @@ class TypeMetrics(ResponseModel):
 
 
 class TokenReport(ResponseModel):
-    """The token part of the usage report (core document section 2, Tenant)."""
+    """The token part of the usage report."""
 
     metrics_by_type: dict[str, TypeMetrics]
     included_monthly_active_tokens: int

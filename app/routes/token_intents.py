@@ -20,7 +20,7 @@ api = Api()
 TAG = "Token intents"
 
 _OBJECT = (
-    "The token intent object (designed here; the spec does not show it): `id`, `tenant_id`, `type` (`card`), "
+    "The token intent object (this implementation's design): `id`, `tenant_id`, `type` (`card`), "
     "`data`, `fingerprint` (the keyed fingerprint a card token of the same number gets by default, so an intent "
     "can be matched to tokens), `token_id` (the card token it became, else null), `created_by`, `created_at`, "
     "`converted_at`, `expires_at` (24 hours after creation). `data` is always masked like a card token's default "
@@ -77,8 +77,8 @@ class TokenIntentOut(ResponseModel):
     errors=(400,),
     description="Holds card data for 24 hours until it becomes a token (`POST /token-intents/{id}/convert`) or "
     "is used as the source of a network token (`POST /network-tokens` with `token_intent_id`). Card data follows "
-    "the card token rules (400 keyed `data.number` ...); like a card token, an expired card is accepted (the spec "
-    "sets no expiry rule for either; a decision of this implementation). " + _OBJECT,
+    "the card token rules (400 keyed `data.number` ...); like a card token, an expired card is accepted (no "
+    "expiry rule applies to either; a decision of this implementation). " + _OBJECT,
 )
 async def create(call: Call):
     """A new intent, expiring in 24 hours."""
@@ -125,12 +125,12 @@ async def delete(call: Call):
     tag=TAG,
     summary="Convert a token intent into a card token",
     errors=(400, 404, 409),
-    description="Designed here (the spec says a token intent can later become a token, not how): the intent's data "
+    description="A token intent becomes a token here: the intent's data "
     "becomes a `card` token, answered 201 like `POST /tokens` (data by the caller's read access). The body is a JSON "
     "object, `{}` for the defaults, holding optional token request options: `id`, `metadata`, `mask`, "
     "`containers`, `search_indexes`, `fingerprint_expression`, `deduplicate_token`, `expires_at`, `parent_id`; "
     "`type` and `data` come from the intent (400 when sent). Deduplication, when it applies, always behaves as "
-    "`update_existing` whatever the tenant's `token_deduplication_behavior` (spec). Network tokens made from the "
+    "`update_existing` whatever the tenant's `token_deduplication_behavior`. Network tokens made from the "
     "intent gain the new `token_id` and keep their `token_intent_id`. An intent converts once: the intent stays "
     "until it expires, showing `token_id`, and a second conversion answers 409 with `token_id` in the problem.",
 )

@@ -88,7 +88,7 @@ class TokenOptions(RequestModel, Generic[MetadataValue]):
 
 
 class TokenRequest(TokenOptions[str]):
-    """The token request object (core document, "Token"). ``data`` by type: card ``{number,
+    """The token request object. ``data`` by type: card ``{number,
     expiration_month, expiration_year, cvc, name}`` (Luhn and the form of the expiration checked, not
     its date; a numeric ``cvc`` is taken as its digits), bank ``{routing_number, account_number}``,
     token any JSON value."""
@@ -196,7 +196,7 @@ METADATA_PARAMETER = {
 # ---- create --------------------------------------------------------------------------------------
 
 IDEMPOTENCY_TEXT = (
-    "\n\nIdempotency (a decision beyond the spec, as the hosted service does for tokens): an optional header "
+    "\n\nIdempotency (a decision of this implementation, as the hosted service does for tokens): an optional header "
     "`<prefix>-IDEMPOTENCY-KEY` (prefix: `TESSERA_HEADER_PREFIX`, default `TS`; 1 to 255 printable ASCII "
     "characters; 400 otherwise). The key alone defines sameness within the tenant and this endpoint (the body "
     "is not compared): a repeated key answers the original 201 answer, as it was, and creates nothing. A "
@@ -253,7 +253,7 @@ async def create(call: Call):
 @api.route("POST", "/connections/psp-forward/tokenize", permission="token:pci:create", body=PspForwardIn,
            status=201, response=TokenOut, tag=TAG, summary="Tokenize a card in a payment processor's forwarding format",
            errors=(400, 401, 403, 409),
-           description="The spec's `token:create` is the retired legacy name of `token:pci:create`. `card` "
+           description="`token:create` is the retired legacy name of `token:pci:create`. `card` "
            "{number, exp_month 'MM', exp_year 'YYYY', cvc, name} becomes card token data {number, "
            "expiration_month (integer), expiration_year (integer), cvc, name}, so expressions refer to "
            "`data.expiration_month`. `metadata` carries the token options {id, mask, containers, metadata, "

@@ -99,7 +99,7 @@ class AuthenticationOut(ResponseModel):
 
 
 class WalletTokenOut(ResponseModel):
-    """The wallet token resource (spec 001 section 2)."""
+    """The wallet token resource."""
 
     id: uuid.UUID
     type: str
@@ -147,7 +147,7 @@ class WalletAIn(RequestModel):
 
 
 class WalletBIn(RequestModel):
-    """`POST /wallet-b` (designed here: the spec does not show the shapes)."""
+    """`POST /wallet-b` (the shapes are this implementation's design)."""
 
     google_payment_data: dict[str, Any] | str = Field(
         description="The ECv2 token: the JSON object (or its JSON text) {protocolVersion, signature, "
@@ -186,8 +186,8 @@ async def delete_certificate(call: Call):
     await call.db(service.delete_key, call.caller, service.WALLET_A, call.params["id"])
 
 
-_B_KEYS = ("Designed here (the spec lists only `wallet-b:create` and does not show how the merchant's decryption "
-           "keys are configured): tenant configuration, permission `tenant:update`. ")
+_B_KEYS = ("How the merchant's decryption keys are configured is this implementation's design: tenant "
+           "configuration, permission `tenant:update`. ")
 
 
 @api.route("POST", "/wallet-b/merchant-keys", permission="tenant:update", body=MerchantKeyIn, status=201,
@@ -354,7 +354,7 @@ async def get_a(call: Call):
            "the tenant's wallet-b merchant keys. `CRYPTOGRAM_3DS` stores a wallet token and answers "
            "`{google_pay: resource}` without `data` (type `network_token`, `payment_data_type` `3DSecure`, "
            "`transaction_id` the message id; read through proxy expressions `{{ wallet-b: <id> | json: "
-           "\"$.data.number\" }}`; no GET is shown by the spec, none is offered). `PAN_ONLY` answers "
+           "\"$.data.number\" }}`; there is no GET of a wallet-b token). `PAN_ONLY` answers "
            "`{token_intent: ...}`: a token intent holding the card (`{{ token_intent: <id> | ... }}`). "
            "503 when the root keys are not configured. " + _REFUSALS + _CRYPTOGRAM + _ENRICHMENT)
 async def create_b(call: Call):

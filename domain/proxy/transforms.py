@@ -170,7 +170,7 @@ STORED = "stored"
 class CodeTransform(_Transform):
     """Code run by the reactor runtime; stored as given (``runtime`` as in reactors). A new one needs
     ``runtime.image`` ``node22``: an omitted runtime or image (meaning ``node-svc``) or ``node-svc``
-    itself answers 400 (section 9, since :data:`NODE_SVC_SHUTDOWN`)."""
+    itself answers 400 (``node-svc`` is deprecated since October 5, 2026)."""
 
     type: Literal["code"]
     code: str = Field(min_length=1, max_length=MAX_CODE_LENGTH)

@@ -64,12 +64,12 @@ MAX_WARM_CONCURRENCY = 10
 
 
 class Runtime(BaseModel):
-    """The spec's Runtime object for ``node22`` (section 2); ``node-svc`` and an omitted image are
-    refused (section 9, deprecated October 5, 2026).
+    """The runtime of a ``node22`` reactor; ``node-svc`` and an omitted image are refused
+    (``node-svc`` is deprecated since October 5, 2026).
 
-    ``timeout`` in seconds (1 to 30, default 10); ``resources`` one of :data:`RESOURCES`;
-    ``warm_concurrency`` the processes kept warm (0 to :data:`MAX_WARM_CONCURRENCY`; the pool keeps
-    at least one, the hot concurrency of section 8); ``dependencies`` and ``resolutions`` map npm
+    ``timeout`` in seconds (1 to 30, default 10); ``resources`` one of ``standard``, ``large``, ``xlarge``;
+    ``warm_concurrency`` the processes kept warm (0 up to the platform's maximum; the pool keeps
+    at least one process hot); ``dependencies`` and ``resolutions`` map npm
     package names to exact versions. Raises pydantic's ``ValidationError`` with a message per field.
     """
 

@@ -67,7 +67,8 @@ INVALID_CODE = "invalid_code"
 
 
 class ApplicationRef(BaseModel):
-    """``application`` of a node-svc reactor: refused for node22 (section 4)."""
+    """``application`` of a node-svc reactor: refused for node22 (a node22 reactor
+    runs with the permissions of its runtime)."""
 
     id: Any = None
 
@@ -79,7 +80,7 @@ class ApplicationRef(BaseModel):
 
 
 class ReactorRequest(BaseModel):
-    """The body of ``POST /reactors`` and ``PUT /reactors/{id}`` (section 4), and the result of a
+    """The body of ``POST /reactors`` and ``PUT /reactors/{id}``, and the result of a
     merge patch. An omitted ``runtime`` or image is the deprecated ``node-svc`` (400 at
     ``runtime.image``); legacy permission names in ``runtime.permissions`` are mapped to their
     granular names; ``application`` is refused (``node-svc`` only). Raises pydantic's
