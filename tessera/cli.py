@@ -717,7 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     alive = commands.add_parser("alive", help="exit 0 when this host's worker or beat heartbeats are alive "
                                 "(a container healthcheck)")
-    alive.add_argument("role", choices=("worker", "beat"))
+    alive.add_argument("role", choices=("worker", "beat"), help="worker (every node of this host) or beat")
     alive.set_defaults(func=_alive)
     return parser
 
