@@ -19,6 +19,9 @@ from tests.conftest import make_tenant
 #: Operations that would end the run's own tenant or key (they are exercised by their own tests).
 DESTRUCTIVE = {("DELETE", "/tenants/self"), ("DELETE", "/applications/{id}")}
 CHECKS = [schemathesis.checks.not_a_server_error, response_schema_conformance, content_type_conformance]
+#: Seconds a generated request may take: operations that wait for their job answer within their
+#: documented wait (wallet domains: TESSERA_WALLET_WAIT_SECONDS, 10 s), so the client waits longer.
+REQUEST_TIMEOUT = 30
 
 
 def _operations(api, api_key: str):
@@ -45,7 +48,7 @@ def test_no_server_error_and_answers_fit_the_description(api):
                       suppress_health_check=list(HealthCheck))
             @given(case=operation.as_strategy())
             def run(case):
-                calls.append(case.call_and_validate(checks=CHECKS).status_code)
+                calls.append(case.call_and_validate(checks=CHECKS, timeout=REQUEST_TIMEOUT).status_code)
 
             try:
                 run()
