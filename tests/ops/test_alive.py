@@ -19,6 +19,7 @@ def settings(monkeypatch, tmp_path):
     for variable in ("TESSERA_REDIS_URL", "TESSERA_BROKER_URL"):
         monkeypatch.delenv(variable, raising=False)
     yield reload_settings()
+    monkeypatch.undo()  # the environment back first: the settings reloaded below are the run's again
     reload_settings()
 
 

@@ -248,8 +248,11 @@ def test_the_code_cannot_read_the_platform_files_environment_or_start_processes(
         } });
     """)
     raw = runtime.invoke(r, args={"platform_file": platform_file}).raw
-    for probe in ("platform", "passwd", "environ", "parent_environ", "write", "child", "worker"):
+    for probe in ("passwd", "environ", "parent_environ", "write", "child", "worker"):
         assert raw[probe] == "ERR_ACCESS_DENIED", probe
+    # the platform's file is outside the sandbox's mount namespace: refused by the permission model,
+    # or (checkouts under /tmp, where the private /tmp may be read) absent altogether
+    assert raw["platform"] in ("ERR_ACCESS_DENIED", "ENOENT"), raw["platform"]
     assert raw["own_code"] == "allowed"
     assert raw["cwd"] == raw["dir"]
     assert not [k for k in raw["env"] if k.startswith(("TESSERA_", "AWS_"))]
