@@ -249,6 +249,11 @@ SAME_AS_COVERED = {
                      "idempotency key",
     "tasks.documents": "the same JobTask lease and relay as the kinds above; a purge deletes an S3 object "
                        "and a row, both idempotent, and the documents sweep removes what a dead letter leaves",
+    "tasks.keys": "tests/worker/test_key_rotation_kill.py SIGKILLs a worker's process group mid rotation and "
+                  "checks another worker resumes it with nothing lost or sealed twice; rewrap and purge passes "
+                  "write each row only if it is still what they read",
+    "tasks.enrichments": "the same JobTask lease and relay as the kinds above; a bank account verification "
+                         "only reads at the provider, so a repeated attempt changes nothing",
 }
 
 
