@@ -137,7 +137,8 @@ class Call:
     async def blocking(self, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
         """Run ``fn(*args, **kwargs)``, which manages its own transactions, on the database thread pool."""
         return await asyncio.get_running_loop().run_in_executor(
-            self.request.app[DB_EXECUTOR], functools.partial(fn, *args, **kwargs))
+            self.request.app[DB_EXECUTOR], functools.partial(fn, *args, **kwargs)
+        )
 
 
 async def run_db(app: web.Application, fn: Callable[..., Any], /, *args, **kwargs) -> Any:
@@ -316,11 +317,21 @@ async def _pipeline(route: Route, request: web.Request) -> web.StreamResponse:
     if caller is not None and route.permission is not None:
         _check_permission(caller, route.permission)
     if route.path_params and any("\x00" in request.match_info[name] for name in route.path_params):
-        raise validation_problem({name: ["Must not contain NUL characters."] for name in route.path_params
-                                  if "\x00" in request.match_info[name]})
+        raise validation_problem(
+            {
+                name: ["Must not contain NUL characters."]
+                for name in route.path_params
+                if "\x00" in request.match_info[name]
+            }
+        )
     if "%00" in request.rel_url.raw_query_string:
-        raise validation_problem({key: ["Must not contain NUL characters."] for key, value in request.query.items()
-                                  if "\x00" in value or "\x00" in key})
+        raise validation_problem(
+            {
+                key: ["Must not contain NUL characters."]
+                for key, value in request.query.items()
+                if "\x00" in value or "\x00" in key
+            }
+        )
     query = _parse_query(route.query, request) if route.query else None
     payload, body = await _parse_body(route, request) if route.body is not None else (None, None)
     call = Call(request, caller, body, query, trace_id, payload=payload)
@@ -351,7 +362,9 @@ async def _authenticate(request: web.Request, settings, trace_id: str) -> Caller
             )
         raise Problem(401, f"The {settings.header('API-KEY')} header is missing.")
     caller = await caller_cache.get_or_load(
-        key, trace_id=trace_id, ttl=settings.auth_cache_seconds,
+        key,
+        trace_id=trace_id,
+        ttl=settings.auth_cache_seconds,
         load=lambda: run_db(request.app, authenticate, key, trace_id=trace_id),
     )
     if caller is None:
@@ -443,8 +456,11 @@ async def read_form(request: web.Request) -> dict[str, str]:
     """
     form = await request.post()
     payload = {name: value for name, value in form.items() if isinstance(value, str) and value != ""}
-    nul = {name: ["Must not contain NUL characters."] for name, value in payload.items()
-           if "\x00" in name or "\x00" in value}
+    nul = {
+        name: ["Must not contain NUL characters."]
+        for name, value in payload.items()
+        if "\x00" in name or "\x00" in value
+    }
     if nul:
         raise validation_problem(nul)
     return payload
@@ -545,7 +561,8 @@ def _to_response(route: Route, result: Any) -> web.StreamResponse:
     try:
         body = adapter.dump_json(adapter.validate_python(result), exclude_unset=True, by_alias=True)
     except ValidationError as exc:
-        log.error("the answer of %s %s does not fit its response model: %s", route.method, route.path,
-                  validation_errors(exc))
+        log.error(
+            "the answer of %s %s does not fit its response model: %s", route.method, route.path, validation_errors(exc)
+        )
         raise Problem(500, "An unexpected error occurred.") from None
     return web.Response(status=status, body=body, content_type=route.response_content_type)

@@ -65,8 +65,8 @@ def invitation_page(preview: dict, token: str) -> web.Response:
     that posts the token and the invitee's names to ``POST /invitations/accept``."""
     tenant = html.escape(preview["tenant"]["name"])
     body = (
-        f"<p>You are invited to join the tenant <strong id=\"tenant\">{tenant}</strong> as "
-        f"<span class=\"role\" id=\"role\">{html.escape(preview['role'])}</span>, "
+        f'<p>You are invited to join the tenant <strong id="tenant">{tenant}</strong> as '
+        f'<span class="role" id="role">{html.escape(preview["role"])}</span>, '
         f"with the address {html.escape(preview['email'])}.</p>"
         f"<p>The invitation expires at {preview['expires_at'].strftime('%Y-%m-%d %H:%M UTC')}.</p>"
         f'<form method="post" action="{invitations.ACCEPT_PATH}">'
@@ -83,7 +83,7 @@ def invitation_page(preview: dict, token: str) -> web.Response:
 def accepted_page(member: dict) -> web.Response:
     """The page answering the form's post: who is now a member, with which role (201)."""
     body = (
-        f"<p id=\"accepted\">{html.escape(member['user']['email'])} is now a member with the role "
-        f"<span class=\"role\">{html.escape(member['role'])}</span>.</p>"
+        f'<p id="accepted">{html.escape(member["user"]["email"])} is now a member with the role '
+        f'<span class="role">{html.escape(member["role"])}</span>.</p>'
     )
     return _page("Invitation accepted", body, 201)

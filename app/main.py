@@ -61,7 +61,7 @@ def route_modules() -> list:
         ops,
         tenants,
         tenant_admin,
-            applications,
+        applications,
         tokens,
         token_intents,
         network_tokens,
@@ -152,13 +152,15 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except (OperationalError, InterfaceError, DisconnectionError):
         # the database is down or restarting: the request changed nothing; a retry shortly succeeds
         log.exception("database unavailable", extra={"path": request.path, "method": request.method})
-        response = problem_response(Problem(503, "The database is unavailable; retry shortly.",
-                                            headers={"Retry-After": "2"}), request.path)
+        response = problem_response(
+            Problem(503, "The database is unavailable; retry shortly.", headers={"Retry-After": "2"}), request.path
+        )
     except KeyUnavailable:
         # the key service (AWS KMS) is down: nothing was sealed or changed; a retry shortly succeeds
         log.exception("key service unavailable", extra={"path": request.path, "method": request.method})
-        response = problem_response(Problem(503, "The key service is unavailable; retry shortly.",
-                                            headers={"Retry-After": "5"}), request.path)
+        response = problem_response(
+            Problem(503, "The key service is unavailable; retry shortly.", headers={"Retry-After": "5"}), request.path
+        )
     except Exception:
         log.exception("unhandled error", extra={"path": request.path, "method": request.method})
         response = problem_response(Problem(500, "An unexpected error occurred."), request.path)
@@ -200,8 +202,9 @@ async def _resources(app: web.Application):
 
             redis_client = aioredis.from_url(settings.redis_url)
         app[RATE_LIMITER] = RateLimiter(settings, redis_client)
-    app[JOB_WAITS] = JobWaits(settings.redis_url, prefix=settings.redis_key_prefix,
-                              poll_seconds=settings.job_wait_poll_seconds)
+    app[JOB_WAITS] = JobWaits(
+        settings.redis_url, prefix=settings.redis_key_prefix, poll_seconds=settings.job_wait_poll_seconds
+    )
     await app[JOB_WAITS].start()
     yield
     await http.close_sessions()  # the outbound sessions of this loop (the proxy's)

@@ -43,18 +43,29 @@ PROBLEM_SCHEMA = {
             "description": "Per-property validation messages, keyed by property path (`data.number`, `[2].data`, "
             "`start` for a cursor).",
         },
-        "code": {"type": "string", "description": "Why an invitation link cannot be used (410): "
-                 "`invitation_already_accepted`, `invitation_expired`, `invitation_link_superseded`, "
-                 "`invitation_withdrawn`."},
+        "code": {
+            "type": "string",
+            "description": "Why an invitation link cannot be used (410): "
+            "`invitation_already_accepted`, `invitation_expired`, `invitation_link_superseded`, "
+            "`invitation_withdrawn`.",
+        },
         "member_id": {"type": "string", "description": "The existing member (409 on an invitation)."},
         "token_id": {"type": "string", "description": "The token an intent already became (409 on convert)."},
-        "debug": {"type": "object", "properties": {"provider_correlation": {"type": "string"}},
-                  "description": "Agentic provider failures: the provider's correlation id when it sent one."},
+        "debug": {
+            "type": "object",
+            "properties": {"provider_correlation": {"type": "string"}},
+            "description": "Agentic provider failures: the provider's correlation id when it sent one.",
+        },
     },
     "required": ["type", "title", "status"],
-    "example": {"type": "about:blank", "title": "One or more validation errors occurred.", "status": 400,
-                "detail": "The request is invalid; see errors.", "instance": "/applications",
-                "errors": {"name": ["must not be empty"]}},
+    "example": {
+        "type": "about:blank",
+        "title": "One or more validation errors occurred.",
+        "status": 400,
+        "detail": "The request is invalid; see errors.",
+        "instance": "/applications",
+        "errors": {"name": ["must not be empty"]},
+    },
 }
 
 #: Decisions taken where the reference documents are silent (see also each operation's description).
@@ -132,26 +143,65 @@ _EXAMPLE_ID = "3fa85f64-5717-4562-b3fc-2c963f66afa6"
 #: Realistic strings by property name (exact name first, then its last ``_`` part), for schemas that
 #: give no format, enum or example of their own.
 _NAMED_EXAMPLES = {
-    "id": _EXAMPLE_ID, "email": "user@example.com", "notify_email": "ops@example.com", "name": "Acme",
-    "display_name": "Acme shop", "first_name": "Ada", "last_name": "Lovelace", "last4": "4242", "bin": "42424242",
-    "brand": "visa", "funding": "credit", "currency": "USD", "value": "50.00", "domain": "shop.example.com",
-    "url": "https://example.com/hooks/tessera", "destination_url": "https://api.example.com/charges",
+    "id": _EXAMPLE_ID,
+    "email": "user@example.com",
+    "notify_email": "ops@example.com",
+    "name": "Acme",
+    "display_name": "Acme shop",
+    "first_name": "Ada",
+    "last_name": "Lovelace",
+    "last4": "4242",
+    "bin": "42424242",
+    "brand": "visa",
+    "funding": "credit",
+    "currency": "USD",
+    "value": "50.00",
+    "domain": "shop.example.com",
+    "url": "https://example.com/hooks/tessera",
+    "destination_url": "https://api.example.com/charges",
     "upload_url": "https://s3.example.com/tessera/account-updater/request.csv?X-Amz-Signature=...",
     "download_url": "https://s3.example.com/tessera/account-updater/response.csv?X-Amz-Signature=...",
-    "content_type": "application/pdf", "cryptogram": "AgAAAAAABk4DWZ4C28yUQAAAAAA=", "eci": "05",
-    "key": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "public_key": "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE...",
-    "public_key_hash": "hX3G2vYzFl1kq0c8iK6Zs6Hc1fE3oCj1bEXAMPLE4=", "fingerprint": "EYzjMr7H9k4uTgqrQ8pA1Bf9cH3",
-    "status": "active", "type": "card", "role": "ADMIN", "code": "PROVIDER_ENROLLMENT_FAILED",
-    "title": "Provider enrollment failed", "detail": "The provider refused the enrollment.", "provider": "vic",
-    "operation": "enroll", "event_type": "token.created", "entity_type": "token", "action": "create",
-    "description": "Groceries for the week", "ip_address": "203.0.113.7", "country_code": "US",
-    "language_code": "en", "token": "c3e1f8a4b2d94e0f9a7b6c5d4e3f2a1b", "number": "4242 XXXX XXXX 4242",
-    "mask": "{{ data.number | reveal_last: 4 }}", "background_color": "#1a1f71", "height": "64",
-    "image": "node22", "ingest_source": "wallet-a", "error": "The destination did not answer.",
-    "message": "The destination did not answer.", "check": "database", "routing_number": "021000021",
-    "account_number": "XXXXXXXXX0001", "network_reference": "DNITHE302035112345678",
-    "merchant_id": "merchant.com.example.shop", "container": "/pci/high/", "search_index": "{{ data.number }}",
-    "event": "token.created", "enrollment_id": "enr_7fQ2mK9x", "brand_name": "Acme",
+    "content_type": "application/pdf",
+    "cryptogram": "AgAAAAAABk4DWZ4C28yUQAAAAAA=",
+    "eci": "05",
+    "key": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+    "public_key": "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE...",
+    "public_key_hash": "hX3G2vYzFl1kq0c8iK6Zs6Hc1fE3oCj1bEXAMPLE4=",
+    "fingerprint": "EYzjMr7H9k4uTgqrQ8pA1Bf9cH3",
+    "status": "active",
+    "type": "card",
+    "role": "ADMIN",
+    "code": "PROVIDER_ENROLLMENT_FAILED",
+    "title": "Provider enrollment failed",
+    "detail": "The provider refused the enrollment.",
+    "provider": "vic",
+    "operation": "enroll",
+    "event_type": "token.created",
+    "entity_type": "token",
+    "action": "create",
+    "description": "Groceries for the week",
+    "ip_address": "203.0.113.7",
+    "country_code": "US",
+    "language_code": "en",
+    "token": "c3e1f8a4b2d94e0f9a7b6c5d4e3f2a1b",
+    "number": "4242 XXXX XXXX 4242",
+    "mask": "{{ data.number | reveal_last: 4 }}",
+    "background_color": "#1a1f71",
+    "height": "64",
+    "image": "node22",
+    "ingest_source": "wallet-a",
+    "error": "The destination did not answer.",
+    "message": "The destination did not answer.",
+    "check": "database",
+    "routing_number": "021000021",
+    "account_number": "XXXXXXXXX0001",
+    "network_reference": "DNITHE302035112345678",
+    "merchant_id": "merchant.com.example.shop",
+    "container": "/pci/high/",
+    "search_index": "{{ data.number }}",
+    "event": "token.created",
+    "enrollment_id": "enr_7fQ2mK9x",
+    "brand_name": "Acme",
 }
 
 
@@ -322,8 +372,10 @@ def _add_examples(operation: dict, route: Route, components: dict) -> None:
     """Give the operation's request body, its success answer and its first problem an example (the
     route's own ``examples`` when it declares them, else ``app.examples``' one, else one built from the
     schema)."""
-    for key, where in (("request", operation.get("requestBody")),
-                       ("response", operation["responses"].get(str(route.status)))):
+    for key, where in (
+        ("request", operation.get("requestBody")),
+        ("response", operation["responses"].get(str(route.status))),
+    ):
         for kind, media in ((where or {}).get("content") or {}).items():
             if key in route.examples:
                 media["example"] = route.examples[key]
@@ -336,9 +388,13 @@ def _add_examples(operation: dict, route: Route, components: dict) -> None:
     for status, answer in operation["responses"].items():
         if status.startswith(("4", "5")) and "content" in answer:
             for media in answer["content"].values():
-                media["example"] = {"type": "about:blank", "title": HTTPStatus(int(status)).phrase,
-                                    "status": int(status), "detail": _ERROR_TEXT.get(int(status), "Error."),
-                                    "instance": route.path}
+                media["example"] = {
+                    "type": "about:blank",
+                    "title": HTTPStatus(int(status)).phrase,
+                    "status": int(status),
+                    "detail": _ERROR_TEXT.get(int(status), "Error."),
+                    "instance": route.path,
+                }
             break
 
 
@@ -366,17 +422,27 @@ def _webhooks() -> dict:
                 "delivered_at": {"type": "string", "format": "date-time"},
             },
         }
-        entries[event_type] = {"post": {
-            "summary": f"The {event_type} event",
-            "description": _WEBHOOK_TEXT,
-            "operationId": "webhook_" + re.sub(r"\W", "_", event_type),
-            "parameters": [{"name": name, "in": "header", "required": True, "schema": {"type": "string"},
-                            "description": text} for name, text in _SIGNATURE_HEADERS],
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": envelope, "example": example_of(envelope, {})}}},
-            "responses": {"2XX": {"description": "Received; any other answer (or none within the timeout) is "
-                                  "retried with backoff."}},
-        }}
+        entries[event_type] = {
+            "post": {
+                "summary": f"The {event_type} event",
+                "description": _WEBHOOK_TEXT,
+                "operationId": "webhook_" + re.sub(r"\W", "_", event_type),
+                "parameters": [
+                    {"name": name, "in": "header", "required": True, "schema": {"type": "string"}, "description": text}
+                    for name, text in _SIGNATURE_HEADERS
+                ],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": envelope, "example": example_of(envelope, {})}},
+                },
+                "responses": {
+                    "2XX": {
+                        "description": "Received; any other answer (or none within the timeout) is "
+                        "retried with backoff."
+                    }
+                },
+            }
+        }
     return entries
 
 
@@ -400,24 +466,48 @@ def _ids(*names: str, status: bool = True) -> dict:
 
 
 _EVENT_DATA: dict[str, dict] = {
-    "token": {"type": "object", "required": ["token"], "properties": {"token": {
-        "type": "object", "required": ["id", "type"],
-        "properties": {"id": {"type": "string"}, "type": {"enum": ["token", "card", "bank"]}}}}},
+    "token": {
+        "type": "object",
+        "required": ["token"],
+        "properties": {
+            "token": {
+                "type": "object",
+                "required": ["id", "type"],
+                "properties": {"id": {"type": "string"}, "type": {"enum": ["token", "card", "bank"]}},
+            }
+        },
+    },
     "network-token": {"type": "object", "required": ["network_token"], "properties": {"network_token": _ids()}},
     "account-updater": {"type": "object", "required": ["job"], "properties": {"job": _ids()}},
     "agentic.payment-method.rail.retried": {
-        "type": "object", "required": ["payment_method", "rail"],
-        "properties": {"payment_method": _ids(), "rail": {
-            "type": "object", "required": ["rail", "provider", "status", "provider_ids"],
-            "properties": {"rail": {"enum": ["agentic-token", "spt"]}, "provider": {"enum": ["vic", "agentpay", "psp"]},
-                           "status": {"enum": [status.value for status in RailStatus]},
-                           "provider_ids": {"type": "object", "additionalProperties": {"type": "string"}},
-                           "error": {"type": "object", "properties": {"code": {"type": "string"}}}}}}},
+        "type": "object",
+        "required": ["payment_method", "rail"],
+        "properties": {
+            "payment_method": _ids(),
+            "rail": {
+                "type": "object",
+                "required": ["rail", "provider", "status", "provider_ids"],
+                "properties": {
+                    "rail": {"enum": ["agentic-token", "spt"]},
+                    "provider": {"enum": ["vic", "agentpay", "psp"]},
+                    "status": {"enum": [status.value for status in RailStatus]},
+                    "provider_ids": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "error": {"type": "object", "properties": {"code": {"type": "string"}}},
+                },
+            },
+        },
+    },
     "agentic.allowance.updated": {"type": "object", "required": ["allowance"], "properties": {"allowance": _ids()}},
-    "agentic.credential.created": {"type": "object", "required": ["credential", "allowance"],
-                                   "properties": {"credential": _ids(status=False), "allowance": _ids()}},
-    "reactor": {"type": "object", "required": ["reactor", "invocation"],
-                "properties": {"reactor": _ids(status=False), "invocation": _ids()}},
+    "agentic.credential.created": {
+        "type": "object",
+        "required": ["credential", "allowance"],
+        "properties": {"credential": _ids(status=False), "allowance": _ids()},
+    },
+    "reactor": {
+        "type": "object",
+        "required": ["reactor", "invocation"],
+        "properties": {"reactor": _ids(status=False), "invocation": _ids()},
+    },
 }
 
 

@@ -151,11 +151,18 @@ def decode_cursor(call: Call, cursor: str | None) -> dict | None:
         return None
     payload, _, mac = cursor.partition(".")
     try:
-        valid = len(cursor) <= _MAX_CURSOR and cursor.isascii() and hmac.compare_digest(
-            _unb64(mac), _mac(_scope(call), payload.encode()))
+        valid = (
+            len(cursor) <= _MAX_CURSOR
+            and cursor.isascii()
+            and hmac.compare_digest(_unb64(mac), _mac(_scope(call), payload.encode()))
+        )
         position = json.loads(_unb64(payload)) if valid else None
-        if not (isinstance(position, dict) and set(position) == {"t", "id"}
-                and isinstance(position["t"], str) and isinstance(position["id"], str)):
+        if not (
+            isinstance(position, dict)
+            and set(position) == {"t", "id"}
+            and isinstance(position["t"], str)
+            and isinstance(position["id"], str)
+        ):
             raise ValueError
         dt.datetime.fromisoformat(position["t"])
     except ValueError:  # binascii.Error and JSONDecodeError are ValueErrors

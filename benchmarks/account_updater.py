@@ -84,8 +84,12 @@ def plan_rows(count: int) -> list[tuple[str | None, str]]:
     """``(card number or None for no token, kind)`` per row: 10% updates, 5% each other code, 35% none."""
     weights = [(n, c, 2.5) for n, c in NUMBERS.items() if c.startswith("UPD")]
     weights += [(n, c, 5.0) for n, c in NUMBERS.items() if not c.startswith("UPD")]
-    weights += [(None, "ERR_INVALID_TOKEN", 5.0), ("4242424242424242", "ERR_INVALID_EXP_DATE", 5.0),
-                ("5555555555554444", "ERR_INVALID_CONFIG", 5.0), ("4242424242424242", "", 35.0)]
+    weights += [
+        (None, "ERR_INVALID_TOKEN", 5.0),
+        ("4242424242424242", "ERR_INVALID_EXP_DATE", 5.0),
+        ("5555555555554444", "ERR_INVALID_CONFIG", 5.0),
+        ("4242424242424242", "", 35.0),
+    ]
     cycle = []
     for number, kind, weight in weights:
         cycle += [(number, kind)] * int(weight * 2)  # 200 entries per cycle
@@ -113,13 +117,21 @@ def insert_tokens(tenant_id: uuid.UUID, numbers: list[str | None], year: int) ->
             token_id = str(uuid.uuid4())
             ids.append(token_id)
             data = {"number": number, "expiration_month": 1 + index % 12, "expiration_year": year}
-            batch.append({
-                "tenant_id": tenant_id, "id": token_id, "type": "card",
-                "data_ct": keyring.encrypt(session, tenant_id, "token", token_id, json.dumps(data).encode()),
-                "mask": default_card_mask(), "containers": ["/pci/high/"], "metadata": {}, "search_indexes": [],
-                "fingerprint": keyring.fingerprint(session, tenant_id, number),
-                "fingerprint_expression": DEFAULT_FINGERPRINT_EXPRESSIONS["card"], "created_at": now,
-            })
+            batch.append(
+                {
+                    "tenant_id": tenant_id,
+                    "id": token_id,
+                    "type": "card",
+                    "data_ct": keyring.encrypt(session, tenant_id, "token", token_id, json.dumps(data).encode()),
+                    "mask": default_card_mask(),
+                    "containers": ["/pci/high/"],
+                    "metadata": {},
+                    "search_indexes": [],
+                    "fingerprint": keyring.fingerprint(session, tenant_id, number),
+                    "fingerprint_expression": DEFAULT_FINGERPRINT_EXPRESSIONS["card"],
+                    "created_at": now,
+                }
+            )
             if len(batch) == 5000:
                 session.execute(insert(Token.__table__), batch)
                 batch.clear()
@@ -197,8 +209,14 @@ class RssSampler:
 def put(url: str, body: bytes) -> int:
     import urllib3
 
-    return urllib3.request("PUT", url, body=body, headers={"Content-Type": "application/octet-stream"},
-                           timeout=urllib3.Timeout(120), retries=False).status
+    return urllib3.request(
+        "PUT",
+        url,
+        body=body,
+        headers={"Content-Type": "application/octet-stream"},
+        timeout=urllib3.Timeout(120),
+        retries=False,
+    ).status
 
 
 def api_call(base: str, key: str, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -222,9 +240,17 @@ def run_job(base: str, key: str, body: bytes, *, timeout: float, watched, poll: 
     started, started_at = time.monotonic(), dt.datetime.now(dt.UTC)
     assert put(job["upload_url"], body) == 200
     uploaded = time.monotonic()
-    note = {"Records": [{"eventName": "ObjectCreated:Put", "s3": {
-        "bucket": {"name": get_settings().s3_bucket},
-        "object": {"key": f"account-updater/{job['tenant_id']}/{job['id']}/request.csv"}}}]}
+    note = {
+        "Records": [
+            {
+                "eventName": "ObjectCreated:Put",
+                "s3": {
+                    "bucket": {"name": get_settings().s3_bucket},
+                    "object": {"key": f"account-updater/{job['tenant_id']}/{job['id']}/request.csv"},
+                },
+            }
+        ]
+    }
     api_call(base, key, "POST", "/account-updater/notifications/s3", note)
     seen: dict[str, float] = {}
     last: dict = {}
@@ -241,8 +267,13 @@ def run_job(base: str, key: str, body: bytes, *, timeout: float, watched, poll: 
         print(f"the job did not end; last seen: {json.dumps(last)[:1000]}", file=sys.stderr)
         raise
     finished = time.monotonic()
-    return {"job": final, "seconds": finished - started, "upload": uploaded - started, "started_at": started_at,
-            "processing_seen": seen.get("processing", finished) - started}
+    return {
+        "job": final,
+        "seconds": finished - started,
+        "upload": uploaded - started,
+        "started_at": started_at,
+        "processing_seen": seen.get("processing", finished) - started,
+    }
 
 
 def check(final: dict, plan: list[tuple[str | None, str]]) -> list[tuple[str, bool]]:
@@ -256,8 +287,10 @@ def check(final: dict, plan: list[tuple[str | None, str]]) -> list[tuple[str, bo
     updates = sum(n for c, n in expected.items() if c.startswith("UPD"))
     return [
         (f"status completed ({final['status']})", final["status"] == "completed"),
-        (f"result header and {len(rows) - 1:,} rows, codes as planned", codes == expected and
-         rows[0][-1] == "result_code"),
+        (
+            f"result header and {len(rows) - 1:,} rows, codes as planned",
+            codes == expected and rows[0][-1] == "result_code",
+        ),
         (f"{new_tokens:,} new tokens, one per UPD row ({updates:,})", new_tokens == updates),
     ]
 
@@ -274,20 +307,27 @@ def timeline(job_id: str, started_at: dt.datetime) -> list[tuple[str, float]]:
         job = session.get(AccountUpdaterJob, uuid.UUID(job_id))
         prepared = session.scalar(select(Job.updated_at).where(Job.subject_id == job_id, Job.kind.like("%prepare")))
         done_at = AccountUpdaterChunk.done_at
-        first, last = session.execute(select(func.min(done_at), func.max(done_at))
-                                      .where(AccountUpdaterChunk.job_id == job.id)).one()
-        marks = [("job processing (file detected)", job.started_at), ("file read and cut into chunks", prepared),
-                 ("first chunk committed", first), ("last chunk committed", last),
-                 ("result file written, job completed", job.completed_at)]
-        results = session.scalars(select(Job.result).where(Job.subject_id == job_id,
-                                                             Job.subject_number.is_not(None))).all()
+        first, last = session.execute(
+            select(func.min(done_at), func.max(done_at)).where(AccountUpdaterChunk.job_id == job.id)
+        ).one()
+        marks = [
+            ("job processing (file detected)", job.started_at),
+            ("file read and cut into chunks", prepared),
+            ("first chunk committed", first),
+            ("last chunk committed", last),
+            ("result file written, job completed", job.completed_at),
+        ]
+        results = session.scalars(
+            select(Job.result).where(Job.subject_id == job_id, Job.subject_number.is_not(None))
+        ).all()
     stages = [(f"at s: {name}", (moment - started_at).total_seconds()) for name, moment in marks if moment]
     totals: dict[str, float] = collections.Counter()
     for result in results:
         for stage, seconds in (result or {}).get("seconds", {}).items():
             totals[stage] += seconds
-    stages += [(f"chunk stage {stage}: s summed over {len(results)} chunks", seconds)
-               for stage, seconds in totals.items()]
+    stages += [
+        (f"chunk stage {stage}: s summed over {len(results)} chunks", seconds) for stage, seconds in totals.items()
+    ]
     return stages
 
 
@@ -314,8 +354,11 @@ def profile_one_chunk(job_id: str) -> None:
         job = session.get(AccountUpdaterJob, uuid.UUID(job_id))
         job.status = "completed"
         session.get(AccountUpdaterChunk, (job.id, 0)).status = "done"
-    print(f"\nchunk 0 ({outcome.rows:,} rows, {len(outcome.tokens):,} new tokens): perform {perform:.3f} s "
-          f"= {outcome.rows / perform:,.0f} rows/s in one process", flush=True)
+    print(
+        f"\nchunk 0 ({outcome.rows:,} rows, {len(outcome.tokens):,} new tokens): perform {perform:.3f} s "
+        f"= {outcome.rows / perform:,.0f} rows/s in one process",
+        flush=True,
+    )
     stats = pstats.Stats(profiler)
     stats.sort_stats("cumulative").print_stats(25)
 
@@ -340,15 +383,24 @@ def main(argv: list[str] | None = None) -> int:
     with common.scratch_dir("tessera-bench-au-") as scratch:
         s3_port, sandbox_port, api_port = common.free_port(), common.free_port(), common.free_port()
         prefix = f"bench-au-{os.getpid()}:"
-        common.adopt_env({
-            **common.platform_env(args.database_url, args.redis_url, scratch / "data",
-                                  TESSERA_ALLOW_PRIVATE_DESTINATIONS="true", TESSERA_REDIS_KEY_PREFIX=prefix),
-            "TESSERA_S3_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
-            "TESSERA_S3_BUCKET": "tessera-bench",
-            "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
-            "TESSERA_API_PORT": str(api_port),
-            "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-        })
+        common.adopt_env(
+            {
+                **common.platform_env(
+                    args.database_url,
+                    args.redis_url,
+                    scratch / "data",
+                    TESSERA_ALLOW_PRIVATE_DESTINATIONS="true",
+                    TESSERA_REDIS_KEY_PREFIX=prefix,
+                ),
+                "TESSERA_S3_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
+                "TESSERA_S3_BUCKET": "tessera-bench",
+                "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
+                "TESSERA_API_PORT": str(api_port),
+                "AWS_ACCESS_KEY_ID": "bench",
+                "AWS_SECRET_ACCESS_KEY": "bench",
+                "AWS_DEFAULT_REGION": "us-east-1",
+            }
+        )
         print(f"database {args.database_url} (recreated), redis {args.redis_url} (keys {prefix}*)", flush=True)
         common.recreate_database(args.database_url)
         tenant = common.make_tenant("bench-account-updater")
@@ -357,14 +409,18 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         ids = insert_tokens(tenant.tenant_id, [n for n, _k in plan], year)
         body = request_file(plan, ids, year)
-        print(f"setup: {len(ids):,} rows, {sum(1 for n, _ in plan if n):,} tokens inserted, file "
-              f"{len(body) / 2**20:.1f} MiB, in {time.monotonic() - started:.1f} s", flush=True)
+        print(
+            f"setup: {len(ids):,} rows, {sum(1 for n, _ in plan if n):,} tokens inserted, file "
+            f"{len(body) / 2**20:.1f} MiB, in {time.monotonic() - started:.1f} s",
+            flush=True,
+        )
         try:
             with common.Children(scratch) as children:
                 s3 = children.start("s3", common.python_module("moto.server", "-H", "127.0.0.1", "-p", str(s3_port)))
                 common.wait_http(f"http://127.0.0.1:{s3_port}/", s3)
-                sandbox = children.start("sandbox", [common.executable("tessera"), "sandbox", "--port",
-                                                     str(sandbox_port)])
+                sandbox = children.start(
+                    "sandbox", [common.executable("tessera"), "sandbox", "--port", str(sandbox_port)]
+                )
                 common.wait_http(f"http://127.0.0.1:{sandbox_port}/health", sandbox)
                 api = children.start("api", [common.executable("tessera"), "api", "--port", str(api_port)])
                 base = f"http://127.0.0.1:{api_port}"
@@ -374,25 +430,32 @@ def main(argv: list[str] | None = None) -> int:
                 receiver = common.Receiver(children)
                 common.subscribe_webhook(tenant.tenant_id, receiver.url, ["account-updater.job.completed"])
                 print("warming up the worker", flush=True)
-                warm = run_job(base, tenant.api_key, body[: body.index(b"\n", 50_000) + 1], timeout=180,
-                               watched=watched)
+                warm = run_job(
+                    base, tenant.api_key, body[: body.index(b"\n", 50_000) + 1], timeout=180, watched=watched
+                )
                 assert warm["job"]["status"] == "completed", warm
                 receiver.wait_for(1, timeout=30, children=watched)  # the warm-up's webhook, before the reset
                 receiver.reset()
                 sampler = RssSampler(worker.pid).start()
-                meter = common.CpuMeter({
-                    "worker": common.process_tree(worker.pid), "api": common.process_tree(api.pid),
-                    "s3 (moto)": common.process_tree(s3.pid), "sandbox": common.process_tree(sandbox.pid),
-                    "postgres": common.processes_named("postgres"), "redis": common.processes_named("redis-server"),
-                })
+                meter = common.CpuMeter(
+                    {
+                        "worker": common.process_tree(worker.pid),
+                        "api": common.process_tree(api.pid),
+                        "s3 (moto)": common.process_tree(s3.pid),
+                        "sandbox": common.process_tree(sandbox.pid),
+                        "postgres": common.processes_named("postgres"),
+                        "redis": common.processes_named("redis-server"),
+                    }
+                )
                 meter.start()
                 run = run_job(base, tenant.api_key, body, timeout=args.timeout, watched=watched)
                 cores = meter.stop()
                 peaks = sampler.stop()
                 checks = check(run["job"], plan)
                 hook = receiver.wait_for(1, timeout=30)
-                checks.append((f"webhook account-updater.job.completed delivered ({hook['distinct']})",
-                               hook["distinct"] == 1))
+                checks.append(
+                    (f"webhook account-updater.job.completed delivered ({hook['distinct']})", hook["distinct"] == 1)
+                )
                 stages = timeline(run["job"]["id"], run["started_at"])
                 if args.profile:
                     profile_one_chunk(run["job"]["id"])
@@ -405,17 +468,21 @@ def main(argv: list[str] | None = None) -> int:
     common.print_table(
         f"Account updater, {args.rows:,} rows, worker --concurrency {args.concurrency}",
         ("figure", "value"),
-        [("wall seconds, upload start -> completed", seconds),
-         ("rows per second", common.ratio(args.rows, seconds)),
-         ("upload seconds (PUT of the file)", run["upload"]),
-         ("first poll seeing processing (s)", run["processing_seen"]),
-         *stages,
-         *((f"peak RSS MB, worker {name}", mb) for name, mb in peaks.items()),
-         *((f"cores used: {name}", value) for name, value in cores.items())],
+        [
+            ("wall seconds, upload start -> completed", seconds),
+            ("rows per second", common.ratio(args.rows, seconds)),
+            ("upload seconds (PUT of the file)", run["upload"]),
+            ("first poll seeing processing (s)", run["processing_seen"]),
+            *stages,
+            *((f"peak RSS MB, worker {name}", mb) for name, mb in peaks.items()),
+            *((f"cores used: {name}", value) for name, value in cores.items()),
+        ],
     )
     worst = max(peaks.values()) if peaks else float("nan")
-    checks += [(f"whole file in at most {TARGET_SECONDS:.0f} s ({seconds:.1f} s)", seconds <= TARGET_SECONDS),
-               (f"each worker process under {TARGET_RSS_MB:.0f} MB ({worst:.0f} MB)", worst < TARGET_RSS_MB)]
+    checks += [
+        (f"whole file in at most {TARGET_SECONDS:.0f} s ({seconds:.1f} s)", seconds <= TARGET_SECONDS),
+        (f"each worker process under {TARGET_RSS_MB:.0f} MB ({worst:.0f} MB)", worst < TARGET_RSS_MB),
+    ]
     common.print_table("Checks", ("check", "result"), [(text, "ok" if ok else "FAILED") for text, ok in checks])
     return 0 if all(ok for _text, ok in checks) else 1
 

@@ -122,10 +122,12 @@ def exclusive_use(database_url: str, redis_url: str) -> Iterator[None]:
 
     with _admin_connection(database_url) as conn:
         for url in (database_url, redis_url):
-            if not conn.execute(text("SELECT pg_try_advisory_lock(hashtext(:name))"),
-                                {"name": f"tessera-benchmark:{url}"}).scalar():
-                raise RuntimeError(f"another benchmark run is using {url}; wait for it or pass "
-                                   "--database-url/--redis-url of your own")
+            if not conn.execute(
+                text("SELECT pg_try_advisory_lock(hashtext(:name))"), {"name": f"tessera-benchmark:{url}"}
+            ).scalar():
+                raise RuntimeError(
+                    f"another benchmark run is using {url}; wait for it or pass --database-url/--redis-url of your own"
+                )
         yield  # closing the connection releases the locks
 
 
@@ -195,9 +197,11 @@ def warn_if_shared(redis_url: str) -> None:
         client.close()
     me = psutil.Process()
     ours = {me.pid, *(p.pid for p in me.children(recursive=True))}
-    others = {c.pid for c in psutil.net_connections(kind="tcp")
-              if c.pid and c.pid not in ours and c.laddr and c.laddr.port in ports and c.raddr
-              and c.raddr.port == port}
+    others = {
+        c.pid
+        for c in psutil.net_connections(kind="tcp")
+        if c.pid and c.pid not in ours and c.laddr and c.laddr.port in ports and c.raddr and c.raddr.port == port
+    }
     for pid in sorted(others):
         with contextlib.suppress(psutil.Error):
             command = " ".join(psutil.Process(pid).cmdline())[:160]
@@ -376,8 +380,14 @@ def python_module(module: str, *args: str) -> list[str]:
 # ---- waiting -------------------------------------------------------------------------------------
 
 
-def wait_until(predicate: Callable[[], object], *, timeout: float, what: str, interval: float = 0.05,
-               children: Iterable[Child] = ()) -> object:
+def wait_until(
+    predicate: Callable[[], object],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    children: Iterable[Child] = (),
+) -> object:
     """Poll ``predicate()`` until it returns something truthy and return that; raise TimeoutError after
     ``timeout`` seconds, or RuntimeError as soon as one of ``children`` has exited."""
     watched = list(children)
@@ -455,8 +465,7 @@ class Receiver:
         with urllib.request.urlopen(urllib.request.Request(f"{self.base_url}/reset", method="POST"), timeout=5):
             pass
 
-    def wait_for(self, distinct: int, *, timeout: float, stall: float = 60.0,
-                 children: Iterable[Child] = ()) -> dict:
+    def wait_for(self, distinct: int, *, timeout: float, stall: float = 60.0, children: Iterable[Child] = ()) -> dict:
         """Wait until ``distinct`` message ids have arrived and return the counters; TimeoutError after
         ``timeout`` seconds, or sooner when no new one has arrived for ``stall`` seconds."""
         watched = [self.child, *children]
@@ -472,8 +481,9 @@ class Receiver:
             for child in watched:
                 child.check()
             if now - started > timeout or now - last_progress > stall:
-                raise TimeoutError(f"{last:,} of {distinct:,} webhook deliveries arrived; none for "
-                                   f"{now - last_progress:.0f} s")
+                raise TimeoutError(
+                    f"{last:,} of {distinct:,} webhook deliveries arrived; none for {now - last_progress:.0f} s"
+                )
             time.sleep(0.05)
 
 

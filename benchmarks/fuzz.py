@@ -24,8 +24,18 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=5000, help="generated requests in all (default %(default)s)")
     args = parser.parse_args()
     env = {**os.environ, "TESSERA_FUZZ_REQUESTS": str(args.requests), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "pytest", "tests/api/test_schemathesis.py", "-q", "-s", "-p", "no:randomly",
-               "-o", "timeout=0"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/api/test_schemathesis.py",
+        "-q",
+        "-s",
+        "-p",
+        "no:randomly",
+        "-o",
+        "timeout=0",
+    ]
     return subprocess.run(command, cwd=REPO, env=env, check=False).returncode
 
 

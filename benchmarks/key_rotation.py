@@ -48,8 +48,12 @@ def tokenize_load(base: str, api_key: str, clients: int, stop: threading.Event) 
 
     def client() -> None:
         while not stop.is_set():
-            request = urllib.request.Request(base + "/tokenize", data=body, method="POST",
-                                             headers={"TS-API-KEY": api_key, "content-type": "application/json"})
+            request = urllib.request.Request(
+                base + "/tokenize",
+                data=body,
+                method="POST",
+                headers={"TS-API-KEY": api_key, "content-type": "application/json"},
+            )
             began = time.perf_counter()
             with urllib.request.urlopen(request, timeout=30) as answer:
                 answer.read()
@@ -85,8 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     with common.scratch_dir("tessera-bench-keys-") as scratch:
         api_port = common.free_port()
         prefix = f"bench-keys-{os.getpid()}:"
-        common.adopt_env({**common.platform_env(args.database_url, args.redis_url, scratch / "data",
-                                                TESSERA_REDIS_KEY_PREFIX=prefix), "TESSERA_API_PORT": str(api_port)})
+        common.adopt_env(
+            {
+                **common.platform_env(
+                    args.database_url, args.redis_url, scratch / "data", TESSERA_REDIS_KEY_PREFIX=prefix
+                ),
+                "TESSERA_API_PORT": str(api_port),
+            }
+        )
         common.recreate_database(args.database_url)
         tenant = common.make_tenant("bench-keys")
         started = time.monotonic()
@@ -97,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         from storage.db import session_scope
 
         with common.Children(scratch) as children:
-            api = children.start("api", [common.executable("tessera"), "api", "--port", str(api_port),
-                                         "--workers", "1"])
+            api = children.start(
+                "api", [common.executable("tessera"), "api", "--port", str(api_port), "--workers", "1"]
+            )
             base = f"http://127.0.0.1:{api_port}"
             common.wait_http(base + "/status", api)
             worker = common.start_platform_worker(children, args.concurrency)
@@ -107,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
 
             stop = threading.Event()
             during: list[float] = []
-            loader = threading.Thread(target=lambda: during.extend(tokenize_load(base, tenant.api_key, args.clients,
-                                                                                 stop)))
+            loader = threading.Thread(
+                target=lambda: during.extend(tokenize_load(base, tenant.api_key, args.clients, stop))
+            )
             meter_rss = [0]
             tree = common.process_tree(worker.pid)
 
@@ -125,15 +137,22 @@ def main(argv: list[str] | None = None) -> int:
             with session_scope() as session:
                 rotation = service.start_rotation(session, uuid.UUID(str(tenant.tenant_id)))
                 total = rotation.total
-            common.wait_until(lambda: _completed(service, session_scope, tenant.tenant_id), timeout=3600,
-                              what="the rotation to complete", interval=0.5)
+            common.wait_until(
+                lambda: _completed(service, session_scope, tenant.tenant_id),
+                timeout=3600,
+                what="the rotation to complete",
+                interval=0.5,
+            )
             elapsed = time.monotonic() - began
             stop.set()
             loader.join(60)
             sampler.join(5)
     rate = total / elapsed
-    common.print_table("Rotation", ["values", "seconds", "values/s", "goal", "worker peak RSS MiB"],
-                       [[total, elapsed, rate, 20_000, meter_rss[0] / 2**20]])
+    common.print_table(
+        "Rotation",
+        ["values", "seconds", "values/s", "goal", "worker peak RSS MiB"],
+        [[total, elapsed, rate, 20_000, meter_rss[0] / 2**20]],
+    )
     rows = []
     for name, values in (("without rotation", reference), ("during rotation", during)):
         rows.append([name, len(values), common.percentile(values, 50) * 1000, common.percentile(values, 99) * 1000])

@@ -247,8 +247,11 @@ def run_floor(bare_url: str, database_url: str, duration: float) -> list[Measure
     try:
         for warm in (post, provide, commit):
             _timed("warm-up", 0.5, warm)
-        return [_timed(FLOOR_HTTP, duration, post), _timed(FLOOR_PROVIDER, duration, provide),
-                _timed(FLOOR_COMMIT, duration, commit)]
+        return [
+            _timed(FLOOR_HTTP, duration, post),
+            _timed(FLOOR_PROVIDER, duration, provide),
+            _timed(FLOOR_COMMIT, duration, commit),
+        ]
     finally:
         connection.close()
         engine.dispose()
@@ -283,8 +286,19 @@ def report(runs: list[Measured]) -> bool:
     common.print_table(
         "Runs (closed loop; latency of successful calls)",
         ("variant", "clients", "calls", "calls/s", "p50 ms", "p99 ms", "errors", "statuses"),
-        [(r.variant, r.clients, len(r.latencies), r.per_second, r.ms(50), r.ms(99), r.errors,
-          " ".join(f"{k}:{v}" for k, v in sorted(r.statuses.items())) or "-") for r in runs],
+        [
+            (
+                r.variant,
+                r.clients,
+                len(r.latencies),
+                r.per_second,
+                r.ms(50),
+                r.ms(99),
+                r.errors,
+                " ".join(f"{k}:{v}" for k, v in sorted(r.statuses.items())) or "-",
+            )
+            for r in runs
+        ],
     )
     common.print_table(
         "Cores used (CPU seconds per second; postgres and redis count every client of theirs, this machine's "
@@ -296,24 +310,38 @@ def report(runs: list[Measured]) -> bool:
     for level in sorted({r.clients for r in runs}):
         platform = next(r for r in runs if r.variant == PLATFORM and r.clients == level)
         celery = next(r for r in runs if r.variant == CELERY and r.clients == level)
-        rows.append((level, common.ratio(platform.per_second, celery.per_second),
-                     common.ratio(platform.ms(50), celery.ms(50)), common.ratio(platform.ms(99), celery.ms(99))))
-    common.print_table("Platform / bare Celery round trip", ("clients", "throughput ratio", "p50 ratio", "p99 ratio"),
-                       rows)
+        rows.append(
+            (
+                level,
+                common.ratio(platform.per_second, celery.per_second),
+                common.ratio(platform.ms(50), celery.ms(50)),
+                common.ratio(platform.ms(99), celery.ms(99)),
+            )
+        )
+    common.print_table(
+        "Platform / bare Celery round trip", ("clients", "throughput ratio", "p50 ratio", "p99 ratio"), rows
+    )
     floor = {r.variant: r for r in runs if r.variant in (FLOOR_HTTP, FLOOR_PROVIDER, FLOOR_COMMIT)}
     celery = next((r for r in runs if r.variant == CELERY and r.clients == 1), None)
     platform = next((r for r in runs if r.variant == PLATFORM and r.clients == 1), None)
     if len(floor) == 3 and celery is not None and platform is not None:
-        hops = [(CELERY, 1, celery.ms(50)), (FLOOR_HTTP, 1, floor[FLOOR_HTTP].ms(50)),
-                (FLOOR_PROVIDER, 1, floor[FLOOR_PROVIDER].ms(50)), (FLOOR_COMMIT, 2, floor[FLOOR_COMMIT].ms(50))]
+        hops = [
+            (CELERY, 1, celery.ms(50)),
+            (FLOOR_HTTP, 1, floor[FLOOR_HTTP].ms(50)),
+            (FLOOR_PROVIDER, 1, floor[FLOOR_PROVIDER].ms(50)),
+            (FLOOR_COMMIT, 2, floor[FLOOR_COMMIT].ms(50)),
+        ]
         total = sum(times * ms for _, times, ms in hops)
         common.print_table(
             "The floor of one create (one client: the hops it cannot do without, each timed bare, p50)",
             ("hop", "times", "p50 ms", "ms"),
-            [*((name, times, ms, times * ms) for name, times, ms in hops),
-             ("floor (sum)", "", "", total),
-             ("floor / Celery round trip", "", "", common.ratio(total, celery.ms(50))),
-             ("platform p50 / floor", "", "", common.ratio(platform.ms(50), total))])
+            [
+                *((name, times, ms, times * ms) for name, times, ms in hops),
+                ("floor (sum)", "", "", total),
+                ("floor / Celery round trip", "", "", common.ratio(total, celery.ms(50))),
+                ("platform p50 / floor", "", "", common.ratio(platform.ms(50), total)),
+            ],
+        )
     return all(r.errors == 0 and r.latencies for r in runs)
 
 
@@ -331,20 +359,38 @@ def main(argv: list[str] | None = None) -> int:
         with common.Children(scratch) as children:
             sandbox, api = common.start_sandbox_and_api(children, sandbox_port, api_port)
             worker = common.start_platform_worker(children, args.worker_concurrency)
-            reference = children.start("roundtrip-worker", [
-                common.executable("celery"), "-A", "benchmarks.network_tokens:roundtrip_app", "worker",
-                "--concurrency", str(args.worker_concurrency), "-Q", QUEUE, "--loglevel", "WARNING"],
-                env={"BENCH_ROUNDTRIP_URL": args.redis_url})
+            reference = children.start(
+                "roundtrip-worker",
+                [
+                    common.executable("celery"),
+                    "-A",
+                    "benchmarks.network_tokens:roundtrip_app",
+                    "worker",
+                    "--concurrency",
+                    str(args.worker_concurrency),
+                    "-Q",
+                    QUEUE,
+                    "--loglevel",
+                    "WARNING",
+                ],
+                env={"BENCH_ROUNDTRIP_URL": args.redis_url},
+            )
             bare_port = common.free_port()
-            bare = children.start("bare-aiohttp", common.python_module("benchmarks.bare_aiohttp", "--port",
-                                                                       str(bare_port)))
+            bare = children.start(
+                "bare-aiohttp", common.python_module("benchmarks.bare_aiohttp", "--port", str(bare_port))
+            )
             common.wait_http(f"http://127.0.0.1:{bare_port}/", bare)
             watched = [sandbox, api, worker, reference, bare]
             platform_cpu = meter({"api": api, "worker": worker, "sandbox": sandbox})
             celery_cpu = meter({"worker": reference})
             print("warming up", flush=True)
-            common.wait_until(lambda: run_platform(base_url, tenant.api_key, 1, 0.5).latencies, timeout=60,
-                              what="a first network token", interval=0.5, children=watched)
+            common.wait_until(
+                lambda: run_platform(base_url, tenant.api_key, 1, 0.5).latencies,
+                timeout=60,
+                what="a first network token",
+                interval=0.5,
+                children=watched,
+            )
             runs = []
             for level in args.levels:
                 run_celery(args.redis_url, level, args.warmup)

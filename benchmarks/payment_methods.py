@@ -120,8 +120,9 @@ class Client:
         return answer.status, json.loads(answer.data) if answer.data else None
 
 
-def run_platform(args, client: Client, token_id: str, round_no: int, count: int | None = None,
-                 meter: common.CpuMeter | None = None) -> Run:
+def run_platform(
+    args, client: Client, token_id: str, round_no: int, count: int | None = None, meter: common.CpuMeter | None = None
+) -> Run:
     """``count`` creates sent by ``--concurrency`` threads; each answer checked."""
     count = count or args.creates
     body = {"source": {"type": "svc_card_token", "token_id": token_id}, "consumer": {"email": "bench@example.com"}}
@@ -139,8 +140,14 @@ def run_platform(args, client: Client, token_id: str, round_no: int, count: int 
     with ThreadPoolExecutor(args.concurrency) as pool:
         results = list(pool.map(one, range(count)))
     seconds = time.perf_counter() - started
-    return Run(PLATFORM, round_no, [r[0] for r in results], seconds, failures=sum(1 for r in results if not r[1]),
-               cores=meter.stop() if meter else {})
+    return Run(
+        PLATFORM,
+        round_no,
+        [r[0] for r in results],
+        seconds,
+        failures=sum(1 for r in results if not r[1]),
+        cores=meter.stop() if meter else {},
+    )
 
 
 def run_roundtrip(args, round_no: int, count: int | None = None, meter: common.CpuMeter | None = None) -> Run:
@@ -181,31 +188,59 @@ def report(runs: list[Run]) -> bool:
     common.print_table(
         "Rounds (p50/p99 per request; cores = CPU seconds per second; 'worker' is the platform worker for "
         "creates and the no-op worker for round trips)",
-        ("round", "variant", "items", "seconds", "items/s", "p50 ms", "p99 ms", "failures",
-         *(f"{g} cores" for g in CORE_GROUPS)),
-        [(r.round, r.variant, len(r.latencies), r.seconds, r.per_second, r.ms(50), r.ms(99), r.failures,
-          *(r.cores.get(g, float("nan")) for g in CORE_GROUPS)) for r in runs],
+        (
+            "round",
+            "variant",
+            "items",
+            "seconds",
+            "items/s",
+            "p50 ms",
+            "p99 ms",
+            "failures",
+            *(f"{g} cores" for g in CORE_GROUPS),
+        ),
+        [
+            (
+                r.round,
+                r.variant,
+                len(r.latencies),
+                r.seconds,
+                r.per_second,
+                r.ms(50),
+                r.ms(99),
+                r.failures,
+                *(r.cores.get(g, float("nan")) for g in CORE_GROUPS),
+            )
+            for r in runs
+        ],
     )
     platform = [r for r in runs if r.variant == PLATFORM]
     reference = [r for r in runs if r.variant == ROUNDTRIP]
     creates = common.median(r.per_second for r in platform)
     trips = common.median(r.per_second for r in reference)
     common.print_table(
-        "Medians", ("figure", "value"),
-        [("payment method creates/s (2 rails each)", creates),
-         ("create p50 ms", common.median(r.ms(50) for r in platform)),
-         ("create p99 ms", common.median(r.ms(99) for r in platform)),
-         ("Celery round trips/s", trips),
-         ("round trip p50 ms", common.median(r.ms(50) for r in reference)),
-         ("round trip p99 ms", common.median(r.ms(99) for r in reference)),
-         ("ratio creates / round trips", common.ratio(creates, trips)),
-         ("p50 ratio create / round trip (goal <= 2.5)",
-          common.ratio(common.median(r.ms(50) for r in platform), common.median(r.ms(50) for r in reference)))],
+        "Medians",
+        ("figure", "value"),
+        [
+            ("payment method creates/s (2 rails each)", creates),
+            ("create p50 ms", common.median(r.ms(50) for r in platform)),
+            ("create p99 ms", common.median(r.ms(99) for r in platform)),
+            ("Celery round trips/s", trips),
+            ("round trip p50 ms", common.median(r.ms(50) for r in reference)),
+            ("round trip p99 ms", common.median(r.ms(99) for r in reference)),
+            ("ratio creates / round trips", common.ratio(creates, trips)),
+            (
+                "p50 ratio create / round trip (goal <= 2.5)",
+                common.ratio(common.median(r.ms(50) for r in platform), common.median(r.ms(50) for r in reference)),
+            ),
+        ],
     )
     failures = sum(r.failures for r in platform)
-    common.print_table("Checks", ("check", "result"),
-                       [("every create answered 201 with both rails enabled", "ok" if not failures else
-                         f"FAILED ({failures})")])
+    common.print_table(
+        "Checks",
+        ("check", "result"),
+        [("every create answered 201 with both rails enabled", "ok" if not failures else f"FAILED ({failures})")],
+    )
     return failures == 0
 
 
@@ -214,12 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with common.scratch_dir("tessera-bench-pm-") as scratch:
         sandbox_port, api_port = common.free_port(), common.free_port()
-        common.adopt_env({
-            **common.platform_env(args.database_url, args.redis_url, scratch / "data",
-                                  TESSERA_SANDBOX_URL=f"http://127.0.0.1:{sandbox_port}",
-                                  TESSERA_API_PORT=str(api_port)),
-            "BENCH_ROUNDTRIP_URL": args.redis_url,
-        })
+        common.adopt_env(
+            {
+                **common.platform_env(
+                    args.database_url,
+                    args.redis_url,
+                    scratch / "data",
+                    TESSERA_SANDBOX_URL=f"http://127.0.0.1:{sandbox_port}",
+                    TESSERA_API_PORT=str(api_port),
+                ),
+                "BENCH_ROUNDTRIP_URL": args.redis_url,
+            }
+        )
         roundtrip.conf.update(broker_url=args.redis_url, result_backend=args.redis_url)
         print(f"database {args.database_url} (recreated), redis {args.redis_url} (flushed)", flush=True)
         common.recreate_database(args.database_url)
@@ -228,18 +269,36 @@ def main(argv: list[str] | None = None) -> int:
         runs: list[Run] = []
         try:
             with common.Children(scratch) as children:
-                sandbox = children.start("sandbox", [common.executable("tessera"), "sandbox", "--port",
-                                                     str(sandbox_port)])
+                sandbox = children.start(
+                    "sandbox", [common.executable("tessera"), "sandbox", "--port", str(sandbox_port)]
+                )
                 api = children.start("api", [common.executable("tessera"), "api"])
                 worker = common.start_platform_worker(children, args.worker_concurrency)
-                reference_worker = children.start("roundtrip-worker", [
-                    common.executable("celery"), "-A", "benchmarks.payment_methods:roundtrip", "worker",
-                    "--concurrency", str(args.worker_concurrency), "-Q", ROUNDTRIP_QUEUE, "--loglevel", "WARNING"])
+                reference_worker = children.start(
+                    "roundtrip-worker",
+                    [
+                        common.executable("celery"),
+                        "-A",
+                        "benchmarks.payment_methods:roundtrip",
+                        "worker",
+                        "--concurrency",
+                        str(args.worker_concurrency),
+                        "-Q",
+                        ROUNDTRIP_QUEUE,
+                        "--loglevel",
+                        "WARNING",
+                    ],
+                )
                 common.wait_http(f"http://127.0.0.1:{sandbox_port}/health", sandbox)
                 common.wait_http(f"http://127.0.0.1:{api_port}/openapi.json", api)
                 client = Client(f"http://127.0.0.1:{api_port}", tenant.api_key, args.concurrency)
-                status, token = client.post("/tokens", {"type": "card", "data": {
-                    "number": VISA, "expiration_month": 12, "expiration_year": time.gmtime().tm_year + 3}})
+                status, token = client.post(
+                    "/tokens",
+                    {
+                        "type": "card",
+                        "data": {"number": VISA, "expiration_month": 12, "expiration_year": time.gmtime().tm_year + 3},
+                    },
+                )
                 assert status == 201, token
                 print("warming up", flush=True)
                 for child in (worker, reference_worker):

@@ -64,8 +64,9 @@ def serve_api(port: int) -> None:
 # ---- the load ----------------------------------------------------------------------------------------
 
 
-async def _load(url: str, body: bytes, headers: dict[str, str], *, requests: int, clients: int,
-                context: ssl.SSLContext) -> tuple[list[float], float, int]:
+async def _load(
+    url: str, body: bytes, headers: dict[str, str], *, requests: int, clients: int, context: ssl.SSLContext
+) -> tuple[list[float], float, int]:
     """``(latencies in ms, wall seconds, failures)`` of ``requests`` POSTs from ``clients`` workers."""
     import aiohttp
 
@@ -96,10 +97,16 @@ def _tokens(base_url: str, api_key: str, count: int) -> list[str]:
 
     ids = []
     for i in range(count):
-        card = {"type": "card", "data": {"number": "4242424242424242", "expiration_month": 12,
-                                         "expiration_year": 2031 + i % 5}}
-        request = urllib.request.Request(f"{base_url}/tokens", data=json.dumps(card).encode(), method="POST",
-                                         headers={"Content-Type": "application/json", "TS-API-KEY": api_key})
+        card = {
+            "type": "card",
+            "data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2031 + i % 5},
+        }
+        request = urllib.request.Request(
+            f"{base_url}/tokens",
+            data=json.dumps(card).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json", "TS-API-KEY": api_key},
+        )
         with urllib.request.urlopen(request, timeout=10) as answer:
             ids.append(json.loads(answer.read())["id"])
     return ids
@@ -107,7 +114,7 @@ def _tokens(base_url: str, api_key: str, count: int) -> list[str]:
 
 def _body(ids: list[str]) -> bytes:
     """The charge request: an amount and one card number per id (an expression, or the number)."""
-    cards = [f"{{{{ {token_id} | json: \"$.number\" }}}}" for token_id in ids]
+    cards = [f'{{{{ {token_id} | json: "$.number" }}}}' for token_id in ids]
     return json.dumps({"amount": 1000, "currency": "eur", "cards": cards or ["4242424242424242"]}).encode()
 
 
@@ -139,30 +146,50 @@ def main() -> int:
         context = ssl.create_default_context(cafile=str(ca))
         with common.Children(scratch) as children:
             port, api_port = common.free_port(), common.free_port()
-            destination = children.start("destination", common.python_module(
-                "benchmarks.proxy", "--serve-destination", str(port), str(cert), str(key)))
+            destination = children.start(
+                "destination",
+                common.python_module("benchmarks.proxy", "--serve-destination", str(port), str(cert), str(key)),
+            )
             api = children.start("api", common.python_module("benchmarks.proxy", "--serve-api", str(api_port)))
             api_url = f"http://127.0.0.1:{api_port}"
             common.wait_http(f"{api_url}/status", api)
-            common.wait_until(lambda: _reachable(f"https://{DEST}:{port}/", context), timeout=30,
-                              what="destination answering", children=[destination])
+            common.wait_until(
+                lambda: _reachable(f"https://{DEST}:{port}/", context),
+                timeout=30,
+                what="destination answering",
+                children=[destination],
+            )
             ids = _tokens(api_url, tenant.api_key, max(counts))
             base = f"https://{DEST}:{port}"
             targets = {"bare": (f"{base}/v1/charges", _body([]), {"Content-Type": "application/json"})}
             for n in counts:
-                targets[f"proxy-{n}"] = (f"{api_url}/proxy/v1/charges", _body(ids[:n]), {
-                    "Content-Type": "application/json", "TS-API-KEY": tenant.api_key, "TS-PROXY-URL": base})
+                targets[f"proxy-{n}"] = (
+                    f"{api_url}/proxy/v1/charges",
+                    _body(ids[:n]),
+                    {"Content-Type": "application/json", "TS-API-KEY": tenant.api_key, "TS-PROXY-URL": base},
+                )
             results: dict[str, list[tuple[list[float], float, int]]] = {name: [] for name in targets}
             for round_number in range(1, args.rounds + 1):
                 rows = []
                 for name, (url, body, headers) in targets.items():
-                    asyncio.run(_load(url, body, headers, requests=min(50, args.requests), clients=args.clients,
-                                      context=context))  # warm-up: pools, caches
+                    asyncio.run(
+                        _load(
+                            url, body, headers, requests=min(50, args.requests), clients=args.clients, context=context
+                        )
+                    )  # warm-up: pools, caches
                     latencies, wall, failures = asyncio.run(
-                        _load(url, body, headers, requests=args.requests, clients=args.clients, context=context))
+                        _load(url, body, headers, requests=args.requests, clients=args.clients, context=context)
+                    )
                     results[name].append((latencies, wall, failures))
-                    rows.append([name, common.percentile(latencies, 50), common.percentile(latencies, 99),
-                                 len(latencies) / wall, failures])
+                    rows.append(
+                        [
+                            name,
+                            common.percentile(latencies, 50),
+                            common.percentile(latencies, 99),
+                            len(latencies) / wall,
+                            failures,
+                        ]
+                    )
                 common.print_table(f"round {round_number}", ["target", "p50 ms", "p99 ms", "req/s", "failed"], rows)
             bare = common.median(common.percentile(r[0], 50) for r in results["bare"])
             rows = []
@@ -171,8 +198,11 @@ def main() -> int:
                 p99 = common.median(common.percentile(r[0], 99) for r in runs)
                 rate = common.median(len(r[0]) / r[1] for r in runs)
                 rows.append([name, p50, p99, rate, p50 - bare, common.ratio(p50, bare)])
-            common.print_table(f"medians over {args.rounds} round(s), {args.clients} clients",
-                               ["target", "p50 ms", "p99 ms", "req/s", "p50 - bare ms", "p50 / bare"], rows)
+            common.print_table(
+                f"medians over {args.rounds} round(s), {args.clients} clients",
+                ["target", "p50 ms", "p99 ms", "req/s", "p50 - bare ms", "p50 / bare"],
+                rows,
+            )
             failed = sum(r[2] for runs in results.values() for r in runs)
     return 1 if failed else 0
 
@@ -181,8 +211,7 @@ def _reachable(url: str, context: ssl.SSLContext) -> bool:
     import urllib.request
 
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="POST", data=b"{}"), timeout=2,
-                                    context=context):
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST", data=b"{}"), timeout=2, context=context):
             return True
     except OSError:
         return False

@@ -79,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.set_defaults(database_url=DEFAULT_DATABASE_URL)
     args = parser.parse_args(argv)
     sandbox_port, api_port = common.free_port(), common.free_port()
-    extra = {"TESSERA_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}", "TESSERA_API_PORT": str(api_port),
-             "TESSERA_MASTER_KEY": base64.b64encode(os.urandom(32)).decode()}
+    extra = {
+        "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
+        "TESSERA_API_PORT": str(api_port),
+        "TESSERA_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
+    }
     with common.fresh_platform(args, "tessera-bench-reactor-invocations-", **extra) as scratch:
         advisories = scratch / "advisories.json"
         advisories.write_text("[]")
@@ -92,8 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             worker = common.start_platform_worker(children, args.worker_concurrency)
             watched = [sandbox, api, worker]
             client = Client(base_url, tenant.api_key)
-            status, reactor = client.post("/reactors", {"name": "bench", "code": "module.exports = async (req) => "
-                                                        "({ raw: req.args });", "runtime": {"image": "node22"}})
+            status, reactor = client.post(
+                "/reactors",
+                {
+                    "name": "bench",
+                    "code": "module.exports = async (req) => ({ raw: req.args });",
+                    "runtime": {"image": "node22"},
+                },
+            )
             if status != 201:
                 raise RuntimeError(f"the reactor was not created: {status} {reactor}")
 
@@ -103,15 +112,22 @@ def main(argv: list[str] | None = None) -> int:
 
             common.wait_until(active, timeout=120, what="the reactor's build", interval=0.2, children=watched)
             targets = {
-                REACT: (lambda: client.post(f"/reactors/{reactor['id']}/react", {"args": ARGS}),
-                        lambda a: a == (200, {"raw": ARGS})),
-                FLOOR: (lambda: client.post("/network-tokens", {"data": CARD}),
-                        lambda a: a[0] == 201 and a[1].get("status") == "active"),
+                REACT: (
+                    lambda: client.post(f"/reactors/{reactor['id']}/react", {"args": ARGS}),
+                    lambda a: a == (200, {"raw": ARGS}),
+                ),
+                FLOOR: (
+                    lambda: client.post("/network-tokens", {"data": CARD}),
+                    lambda a: a[0] == 201 and a[1].get("status") == "active",
+                ),
             }
             for name, (call, ok) in targets.items():
                 closed_loop(call, ok, args.warmup, 0, name)
-            rounds = [closed_loop(call, ok, args.duration, number, name)
-                      for number in range(1, args.rounds + 1) for name, (call, ok) in targets.items()]
+            rounds = [
+                closed_loop(call, ok, args.duration, number, name)
+                for number in range(1, args.rounds + 1)
+                for name, (call, ok) in targets.items()
+            ]
             for child in watched:
                 child.check()
     return 0 if report(rounds) else 1
@@ -119,18 +135,29 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(rounds: list[Round]) -> bool:
     """Print the rounds and the medians; True when every call succeeded."""
-    common.print_table("Rounds (one client, closed loop)", ["round", "target", "calls", "calls/s", "p50 ms",
-                                                             "p99 ms", "errors"],
-                       [[r.number, r.target, len(r.latencies), r.per_second, r.p(50), r.p(99), r.errors]
-                        for r in rounds])
-    medians = {name: (common.median(r.per_second for r in rounds if r.target == name),
-                      common.median(r.p(50) for r in rounds if r.target == name),
-                      common.median(r.p(99) for r in rounds if r.target == name)) for name in (REACT, FLOOR)}
-    common.print_table("Medians over the rounds", ["target", "calls/s", "p50 ms", "p99 ms"],
-                       [[name, *values] for name, values in medians.items()])
+    common.print_table(
+        "Rounds (one client, closed loop)",
+        ["round", "target", "calls", "calls/s", "p50 ms", "p99 ms", "errors"],
+        [[r.number, r.target, len(r.latencies), r.per_second, r.p(50), r.p(99), r.errors] for r in rounds],
+    )
+    medians = {
+        name: (
+            common.median(r.per_second for r in rounds if r.target == name),
+            common.median(r.p(50) for r in rounds if r.target == name),
+            common.median(r.p(99) for r in rounds if r.target == name),
+        )
+        for name in (REACT, FLOOR)
+    }
+    common.print_table(
+        "Medians over the rounds",
+        ["target", "calls/s", "p50 ms", "p99 ms"],
+        [[name, *values] for name, values in medians.items()],
+    )
     difference = medians[REACT][1] - medians[FLOOR][1]
-    print(f"\nwarm react p50 - network token create p50: {difference:+.3f} ms "
-          f"({'within' if difference <= 2.0 else 'NOT within'} +2 ms)")
+    print(
+        f"\nwarm react p50 - network token create p50: {difference:+.3f} ms "
+        f"({'within' if difference <= 2.0 else 'NOT within'} +2 ms)"
+    )
     return all(r.errors == 0 and r.latencies for r in rounds)
 
 

@@ -49,7 +49,10 @@ FUNCTION = "async (req) => ({ raw: req.args })"
 REQUEST_ARGS = {"amount": 1299, "currency": "USD", "card": {"token": "d2cbc1b4-5c3a-45b3-9e19-5b2f2e5d6a4f"}}
 CONFIGURATION = {"PSP_URL": "https://psp.example.com", "MERCHANT": "m-42"}
 
-BARE_PROGRAM = "'use strict';\nconst handler = " + FUNCTION + """;
+BARE_PROGRAM = (
+    "'use strict';\nconst handler = "
+    + FUNCTION
+    + """;
 let buffered = '';
 process.stdin.setEncoding('utf8');
 process.stdin.on('data', async (chunk) => {
@@ -63,6 +66,7 @@ process.stdin.on('data', async (chunk) => {
   }
 });
 """
+)
 
 BARE, PLATFORM = "bare node over a pipe", "platform ReactorRuntime.invoke"
 
@@ -142,18 +146,24 @@ def main(argv: list[str] | None = None) -> int:
             (platform_pid,) = runtime.pool.node_pids(reactor.key)
             targets = {
                 BARE: (lambda: bare.call(payload), bare.process.pid),
-                PLATFORM: (lambda: runtime.invoke(reactor, args=REQUEST_ARGS, configuration=CONFIGURATION),
-                           platform_pid),
+                PLATFORM: (
+                    lambda: runtime.invoke(reactor, args=REQUEST_ARGS, configuration=CONFIGURATION),
+                    platform_pid,
+                ),
             }
-            print(f"Node.js {runtime.pool.node.version} ({runtime.pool.node.node}); "
-                  f"{args.rounds} rounds of {args.duration:g} s per target", flush=True)
+            print(
+                f"Node.js {runtime.pool.node.version} ({runtime.pool.node.node}); "
+                f"{args.rounds} rounds of {args.duration:g} s per target",
+                flush=True,
+            )
             for call, _ in targets.values():
                 closed_loop(call, args.warmup)
             rounds = []
             for number in range(1, args.rounds + 1):
                 for name, (call, pid) in targets.items():
-                    meter = common.CpuMeter({"this process": common.this_process(),
-                                             "node": lambda pid=pid: [psutil.Process(pid)]})
+                    meter = common.CpuMeter(
+                        {"this process": common.this_process(), "node": lambda pid=pid: [psutil.Process(pid)]}
+                    )
                     meter.start()
                     latencies, seconds = closed_loop(call, args.duration)
                     rounds.append(Round(number, name, latencies, seconds, meter.stop()))
@@ -196,19 +206,34 @@ def report(rounds: list[Round], colds: dict[str, list[float]]) -> None:
     """Print the rounds, the medians, the ratio of calls per second and the p50 difference, and
     the cold starts."""
     common.print_table(
-        "Rounds", ["round", "target", "calls", "calls/s", "p50 ms", "p99 ms", "this process cores", "node cores"],
-        [[r.number, r.target, len(r.latencies), r.per_second, r.p(50), r.p(99), r.cores["this process"],
-          r.cores["node"]] for r in rounds],
+        "Rounds",
+        ["round", "target", "calls", "calls/s", "p50 ms", "p99 ms", "this process cores", "node cores"],
+        [
+            [
+                r.number,
+                r.target,
+                len(r.latencies),
+                r.per_second,
+                r.p(50),
+                r.p(99),
+                r.cores["this process"],
+                r.cores["node"],
+            ]
+            for r in rounds
+        ],
     )
     medians = {}
     for name in (BARE, PLATFORM):
         mine = [r for r in rounds if r.target == name]
-        medians[name] = (common.median(r.per_second for r in mine), common.median(r.p(50) for r in mine),
-                         common.median(r.p(99) for r in mine))
+        medians[name] = (
+            common.median(r.per_second for r in mine),
+            common.median(r.p(50) for r in mine),
+            common.median(r.p(99) for r in mine),
+        )
     bare, platform = medians[BARE], medians[PLATFORM]
     common.print_table(
-        "Medians over the rounds", ["target", "calls/s", "p50 ms", "p99 ms", "calls/s ratio to bare",
-                                    "p50 - bare p50 ms"],
+        "Medians over the rounds",
+        ["target", "calls/s", "p50 ms", "p99 ms", "calls/s ratio to bare", "p50 - bare p50 ms"],
         [[name, *values, common.ratio(values[0], bare[0]), values[1] - bare[1]] for name, values in medians.items()],
     )
     verdict = "within" if platform[1] - bare[1] <= 2.0 else "NOT within"
@@ -217,11 +242,17 @@ def report(rounds: list[Round], colds: dict[str, list[float]]) -> None:
         cold_bare_ms = common.median(colds[BARE]) * 1000
         cold_platform_ms = common.median(colds[PLATFORM]) * 1000
         common.print_table(
-            "Cold starts (median)", ["target", "starts", "p50 ms", "p99 ms"],
-            [[name, len(values), common.median(values) * 1000, common.percentile(values, 99) * 1000]
-             for name, values in colds.items()])
-        print(f"\ncold start in the sandbox {cold_platform_ms:.1f} ms vs bare node {cold_bare_ms:.1f} ms "
-              f"(+{cold_platform_ms - cold_bare_ms:.1f} ms)")
+            "Cold starts (median)",
+            ["target", "starts", "p50 ms", "p99 ms"],
+            [
+                [name, len(values), common.median(values) * 1000, common.percentile(values, 99) * 1000]
+                for name, values in colds.items()
+            ],
+        )
+        print(
+            f"\ncold start in the sandbox {cold_platform_ms:.1f} ms vs bare node {cold_bare_ms:.1f} ms "
+            f"(+{cold_platform_ms - cold_bare_ms:.1f} ms)"
+        )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,13 @@ def main() -> int:
     args = parser.parse_args()
     year = time.gmtime().tm_year + 2
     items = [
-        {"ref": f"token-{i:08d}", "pan": PANS[i % len(PANS)], "expiration_month": i % 12 + 1,
-         "expiration_year": year, "merchant_id": None}
+        {
+            "ref": f"token-{i:08d}",
+            "pan": PANS[i % len(PANS)],
+            "expiration_month": i % 12 + 1,
+            "expiration_year": year,
+            "merchant_id": None,
+        }
         for i in range(args.rows)
     ]
     body = json.dumps({"merchant_id": "SANDBOX", "tenant_type": "test", "items": items}).encode()
@@ -55,8 +60,14 @@ def main() -> int:
             process = psutil.Process(child.pid)
             before, started = process.cpu_times(), time.monotonic()
             for _ in range(args.calls):
-                answer = urllib3.request("POST", base_url + UPDATES, body=body, retries=False, timeout=60,
-                                         headers={"Content-Type": "application/json"})
+                answer = urllib3.request(
+                    "POST",
+                    base_url + UPDATES,
+                    body=body,
+                    retries=False,
+                    timeout=60,
+                    headers={"Content-Type": "application/json"},
+                )
                 if answer.status != 200:
                     print(f"unexpected answer {answer.status}", file=sys.stderr)
                     return 1
@@ -66,8 +77,9 @@ def main() -> int:
             child.wait(10)
     cpu = (after.user - before.user) + (after.system - before.system)
     rows = args.calls * args.rows
-    print(f"{rows} rows in {args.calls} calls: sandbox CPU {cpu:.2f} s ({cpu / rows * 1e6:.1f} us/row), "
-          f"wall {wall:.2f} s")
+    print(
+        f"{rows} rows in {args.calls} calls: sandbox CPU {cpu:.2f} s ({cpu / rows * 1e6:.1f} us/row), wall {wall:.2f} s"
+    )
     return 0
 
 

@@ -85,8 +85,12 @@ class Load:
             method, path, body = "POST", "/tokens", {"type": "card", "data": card}
         started = time.perf_counter()
         try:
-            answer = self.http.request(method, self.base_url + path, headers=self.headers,
-                                       body=None if body is None else common.json.dumps(body).encode())
+            answer = self.http.request(
+                method,
+                self.base_url + path,
+                headers=self.headers,
+                body=None if body is None else common.json.dumps(body).encode(),
+            )
             ok = answer.status < 300
             if not ok:
                 self.statuses[f"{method} {path.split('/')[1]} {answer.status}"] += 1
@@ -128,10 +132,12 @@ def lost_work(database_url: str) -> dict[str, int]:
     engine = create_engine(database_url)
     try:
         with engine.connect() as conn:
-            jobs = conn.execute(text("SELECT count(*) FROM jobs WHERE status IN ('queued', 'running') "
-                                     "AND kind <> 'webhooks.deliver'")).scalar_one()
-            deliveries = conn.execute(text("SELECT count(*) FROM jobs WHERE status IN ('queued', 'running') "
-                                           "AND kind = 'webhooks.deliver'")).scalar_one()
+            jobs = conn.execute(
+                text("SELECT count(*) FROM jobs WHERE status IN ('queued', 'running') AND kind <> 'webhooks.deliver'")
+            ).scalar_one()
+            deliveries = conn.execute(
+                text("SELECT count(*) FROM jobs WHERE status IN ('queued', 'running') AND kind = 'webhooks.deliver'")
+            ).scalar_one()
             events = conn.execute(text("SELECT count(*) FROM webhook_deliveries")).scalar_one()
     finally:
         engine.dispose()
@@ -180,10 +186,14 @@ def main(argv: list[str] | None = None) -> int:
                 latencies, errors = load.take()
                 memory = memory_mb(watched)
                 first_memory = first_memory or memory
-                row = (f"{now - started:.0f}", len(latencies), errors,
-                       f"{common.percentile(latencies, 50) * 1000:.0f}" if latencies else "-",
-                       f"{common.percentile(latencies, 99) * 1000:.0f}" if latencies else "-",
-                       *(f"{memory[n]:.0f}" for n in names))
+                row = (
+                    f"{now - started:.0f}",
+                    len(latencies),
+                    errors,
+                    f"{common.percentile(latencies, 50) * 1000:.0f}" if latencies else "-",
+                    f"{common.percentile(latencies, 99) * 1000:.0f}" if latencies else "-",
+                    *(f"{memory[n]:.0f}" for n in names),
+                )
                 rows.append(row)
                 print("  ".join(str(c) for c in row), flush=True)
                 next_row += args.interval
@@ -194,9 +204,16 @@ def main(argv: list[str] | None = None) -> int:
         latencies, errors = load.take()
         if latencies:
             memory = memory_mb(watched)
-            rows.append((f"{time.monotonic() - started:.0f}", len(latencies), errors,
-                         f"{common.percentile(latencies, 50) * 1000:.0f}",
-                         f"{common.percentile(latencies, 99) * 1000:.0f}", *(f"{memory[n]:.0f}" for n in names)))
+            rows.append(
+                (
+                    f"{time.monotonic() - started:.0f}",
+                    len(latencies),
+                    errors,
+                    f"{common.percentile(latencies, 50) * 1000:.0f}",
+                    f"{common.percentile(latencies, 99) * 1000:.0f}",
+                    *(f"{memory[n]:.0f}" for n in names),
+                )
+            )
         print(f"load stopped after {load.sent} requests; draining up to {args.drain:g} s", flush=True)
         deadline = time.monotonic() + args.drain
         lost = lost_work(args.database_url)
@@ -204,23 +221,30 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(2)
             lost = lost_work(args.database_url)
         arrived = receiver.count()["distinct"]
-        common.print_table("Soak, per interval", ("t (s)", "requests", "errors", "p50 ms", "p99 ms",
-                                                   *(f"{n} MB" for n in names)), rows)
+        common.print_table(
+            "Soak, per interval", ("t (s)", "requests", "errors", "p50 ms", "p99 ms", *(f"{n} MB" for n in names)), rows
+        )
         missing = lost["deliveries"] - arrived
-        common.print_table("Lost work after the drain", ("jobs not final", "deliveries pending",
-                                                         "deliveries made", "arrived", "missing"),
-                           [(lost["jobs not final"], lost["deliveries pending"], lost["deliveries"], arrived,
-                             missing)])
+        common.print_table(
+            "Lost work after the drain",
+            ("jobs not final", "deliveries pending", "deliveries made", "arrived", "missing"),
+            [(lost["jobs not final"], lost["deliveries pending"], lost["deliveries"], arrived, missing)],
+        )
         errors_total = sum(int(r[2]) for r in rows)
         if load.statuses:
             print(f"errors by answer: {dict(load.statuses)}")
         if first_memory:
             last = memory_mb(watched)
-            common.print_table("Memory, first interval -> end (MB)", ("process", "first", "end", "growth"),
-                               [(n, f"{first_memory[n]:.0f}", f"{last[n]:.0f}", f"{last[n] - first_memory[n]:+.0f}")
-                                for n in names])
-        return 0 if not errors_total and not lost["jobs not final"] and not lost["deliveries pending"] \
-            and missing <= 0 else 1
+            common.print_table(
+                "Memory, first interval -> end (MB)",
+                ("process", "first", "end", "growth"),
+                [(n, f"{first_memory[n]:.0f}", f"{last[n]:.0f}", f"{last[n] - first_memory[n]:+.0f}") for n in names],
+            )
+        return (
+            0
+            if not errors_total and not lost["jobs not final"] and not lost["deliveries pending"] and missing <= 0
+            else 1
+        )
 
 
 if __name__ == "__main__":

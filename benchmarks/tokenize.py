@@ -91,13 +91,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients (and connection limit)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of each target, alternating")
     parser.add_argument("--warmup", type=float, default=2, help="seconds of unmeasured load per target first")
-    parser.add_argument("--workers", type=int, default=0,
-                        help="also measure tokenize with a webhook subscribed, with a worker of this concurrency")
-    parser.add_argument("--drain-timeout", type=float, default=900,
-                        help="seconds to wait for the webhook backlog after a round of the webhook target")
-    parser.add_argument("--client", choices=("auto", "wrk", "aiohttp"), default="auto",
-                        help="load generator: wrk (a C client, not the bottleneck), or this process's aiohttp "
-                             "client; auto: wrk when it is on PATH")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="also measure tokenize with a webhook subscribed, with a worker of this concurrency",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=900,
+        help="seconds to wait for the webhook backlog after a round of the webhook target",
+    )
+    parser.add_argument(
+        "--client",
+        choices=("auto", "wrk", "aiohttp"),
+        default="auto",
+        help="load generator: wrk (a C client, not the bottleneck), or this process's aiohttp "
+        "client; auto: wrk when it is on PATH",
+    )
     parser.add_argument("--client-threads", type=int, default=1, help="wrk threads")
     common.add_service_options(parser)
     return parser.parse_args(argv)
@@ -159,8 +171,20 @@ def wrk_closed_loop(target: Target, args: argparse.Namespace, duration: float, r
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(_WRK_SCRIPT.format(body=json.dumps(BODY.decode()), headers=headers))
     try:
-        argv = ["wrk", "-t", str(args.client_threads), "-c", str(args.clients), "-d", f"{max(1, round(duration))}s",
-                "--timeout", "60s", "-s", script.name, target.url]
+        argv = [
+            "wrk",
+            "-t",
+            str(args.client_threads),
+            "-c",
+            str(args.clients),
+            "-d",
+            f"{max(1, round(duration))}s",
+            "--timeout",
+            "60s",
+            "-s",
+            script.name,
+            target.url,
+        ]
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         output = child.stdout.read()
         _pid, status, usage = os.wait4(child.pid, 0)
@@ -246,8 +270,18 @@ def report(rounds: list[Round], names: list[str], workers: int) -> None:
     common.print_table(
         "Rounds (cores = CPU seconds per second; postgres and redis count every client of theirs)",
         ["round", "target", "2xx/s", "p50 ms", "p99 ms", "errors", *(f"{c} cores" for c in columns)],
-        [[r.round, r.target, r.per_second, r.latency_ms(50), r.latency_ms(99), r.errors,
-          *(r.cores.get(c, float("nan")) for c in columns)] for r in rounds],
+        [
+            [
+                r.round,
+                r.target,
+                r.per_second,
+                r.latency_ms(50),
+                r.latency_ms(99),
+                r.errors,
+                *(r.cores.get(c, float("nan")) for c in columns),
+            ]
+            for r in rounds
+        ],
     )
     medians = {}
     for name in names:
@@ -262,8 +296,10 @@ def report(rounds: list[Round], names: list[str], workers: int) -> None:
     common.print_table(
         "Medians over the rounds (ratios: target / bare aiohttp)",
         ["target", "requests/s", "p50 ms", "p99 ms", "errors", "requests/s ratio", "p50 ratio"],
-        [[name, rate, p50, p99, errors, common.ratio(rate, bare[0]), common.ratio(p50, bare[1])]
-         for name, (rate, p50, p99, errors) in medians.items()],
+        [
+            [name, rate, p50, p99, errors, common.ratio(rate, bare[0]), common.ratio(p50, bare[1])]
+            for name, (rate, p50, p99, errors) in medians.items()
+        ],
     )
     failures = Counter()
     for r in rounds:
@@ -291,9 +327,12 @@ def run_rounds(args, targets: list[Target], worker: common.Child | None, receive
                 result.notes["drain_s"] = time.monotonic() - drain_started
             if round_no:
                 rounds.append(result)
-                print(f"round {round_no}: {target.name}: {result.per_second:,.0f} 2xx/s, "
-                      f"p50 {result.latency_ms(50):.1f} ms, p99 {result.latency_ms(99):.1f} ms, "
-                      f"{result.errors} errors", flush=True)
+                print(
+                    f"round {round_no}: {target.name}: {result.per_second:,.0f} 2xx/s, "
+                    f"p50 {result.latency_ms(50):.1f} ms, p99 {result.latency_ms(99):.1f} ms, "
+                    f"{result.errors} errors",
+                    flush=True,
+                )
     return rounds
 
 

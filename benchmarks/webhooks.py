@@ -117,8 +117,9 @@ def settled(expected: int, timeout: float = 60) -> dict[str, int]:
         time.sleep(0.1)
 
 
-def run_platform(args, tenant_id, receiver: common.Receiver, meter: common.CpuMeter, round_no: int,
-                 watched: list[common.Child]) -> Run:
+def run_platform(
+    args, tenant_id, receiver: common.Receiver, meter: common.CpuMeter, round_no: int, watched: list[common.Child]
+) -> Run:
     """One round of deliveries, checked afterwards."""
     receiver.reset()
     meter.start()
@@ -128,15 +129,21 @@ def run_platform(args, tenant_id, receiver: common.Receiver, meter: common.CpuMe
     except TimeoutError as exc:
         raise TimeoutError(f"{exc}; delivery rows by status: {delivery_statuses()}") from None
     cores = meter.stop()
-    return Run(PLATFORM, round_no, args.events, seen["last_new_at"] - first_commit, last_commit - first_commit,
-               cores, {"distinct": seen["distinct"], "duplicates": seen["requests"] - seen["distinct"]})
+    return Run(
+        PLATFORM,
+        round_no,
+        args.events,
+        seen["last_new_at"] - first_commit,
+        last_commit - first_commit,
+        cores,
+        {"distinct": seen["distinct"], "duplicates": seen["requests"] - seen["distinct"]},
+    )
 
 
 # ---- the reference -------------------------------------------------------------------------------
 
 
-def run_noop(args, meter: common.CpuMeter, round_no: int, watched: list[common.Child],
-             count: int | None = None) -> Run:
+def run_noop(args, meter: common.CpuMeter, round_no: int, watched: list[common.Child], count: int | None = None) -> Run:
     """``count`` (default ``--events``) no-op tasks sent one by one and drained by the no-op worker."""
     import redis
 
@@ -151,8 +158,13 @@ def run_noop(args, meter: common.CpuMeter, round_no: int, watched: list[common.C
         for _ in range(count):
             noop_app.noop.apply_async()
         published = time.time()
-        common.wait_until(lambda: int(client.get(noop_app.DONE_KEY) or 0) >= count, timeout=args.timeout,
-                          what=f"{count} no-op tasks", interval=0.01, children=watched)
+        common.wait_until(
+            lambda: int(client.get(noop_app.DONE_KEY) or 0) >= count,
+            timeout=args.timeout,
+            what=f"{count} no-op tasks",
+            interval=0.01,
+            children=watched,
+        )
         finished = time.time()
         cores = meter.stop()
     finally:
@@ -179,26 +191,50 @@ def report(runs: list[Run], statuses: dict[str, int], expected_rows: int) -> boo
     common.print_table(
         "Rounds (cores = CPU seconds per second; postgres and redis count every client of theirs)",
         ("round", "variant", "items", "seconds", "items/s", "publish s", *(f"{c} cores" for c in columns)),
-        [(r.round, r.variant, r.items, r.seconds, r.per_second, r.publish_seconds,
-          *(r.cores.get(c, float("nan")) for c in columns)) for r in runs],
+        [
+            (
+                r.round,
+                r.variant,
+                r.items,
+                r.seconds,
+                r.per_second,
+                r.publish_seconds,
+                *(r.cores.get(c, float("nan")) for c in columns),
+            )
+            for r in runs
+        ],
     )
     platform = common.median(r.per_second for r in runs if r.variant == PLATFORM)
     noop = common.median(r.per_second for r in runs if r.variant == NOOP)
     common.print_table(
-        "Medians", ("figure", "per second"),
-        [("webhook deliveries/s", platform), ("no-op tasks/s", noop),
-         ("ratio deliveries / no-op tasks", common.ratio(platform, noop))],
+        "Medians",
+        ("figure", "per second"),
+        [
+            ("webhook deliveries/s", platform),
+            ("no-op tasks/s", noop),
+            ("ratio deliveries / no-op tasks", common.ratio(platform, noop)),
+        ],
     )
     checks = [
         (f"receiver saw exactly {r.items:,} distinct message ids in round {r.round}", r.notes["distinct"] == r.items)
-        for r in runs if r.variant == PLATFORM
+        for r in runs
+        if r.variant == PLATFORM
     ]
     duplicates = sum(r.notes["duplicates"] for r in runs if r.variant == PLATFORM)
-    checks.append((f"every delivery row succeeded ({statuses.get('succeeded', 0):,} of {expected_rows:,}: "
-                   f"{statuses})", statuses == {"succeeded": expected_rows}))
-    common.print_table("Checks", ("check", "result"),
-                       [*((text, "ok" if ok else "FAILED") for text, ok in checks),
-                        ("duplicate deliveries (same message id twice; allowed, counted)", duplicates)])
+    checks.append(
+        (
+            f"every delivery row succeeded ({statuses.get('succeeded', 0):,} of {expected_rows:,}: {statuses})",
+            statuses == {"succeeded": expected_rows},
+        )
+    )
+    common.print_table(
+        "Checks",
+        ("check", "result"),
+        [
+            *((text, "ok" if ok else "FAILED") for text, ok in checks),
+            ("duplicate deliveries (same message id twice; allowed, counted)", duplicates),
+        ],
+    )
     return all(ok for _text, ok in checks)
 
 
@@ -206,9 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # One tenant floods on purpose; no beat runs, so no relay would send deliveries that fairness
     # postponed: the tenant may hold every worker slot.
-    with common.fresh_platform(args, "tessera-bench-webhooks-", TESSERA_ALLOW_PRIVATE_DESTINATIONS="true",
-                               TESSERA_WEBHOOK_TENANT_SLOTS=str(args.concurrency),
-                               BENCH_NOOP_BROKER_URL=args.redis_url) as scratch:
+    with common.fresh_platform(
+        args,
+        "tessera-bench-webhooks-",
+        TESSERA_ALLOW_PRIVATE_DESTINATIONS="true",
+        TESSERA_WEBHOOK_TENANT_SLOTS=str(args.concurrency),
+        BENCH_NOOP_BROKER_URL=args.redis_url,
+    ) as scratch:
         from benchmarks import noop_app  # reads BENCH_NOOP_BROKER_URL when imported
 
         tenant = common.make_tenant("bench-webhooks")
@@ -216,9 +256,21 @@ def main(argv: list[str] | None = None) -> int:
             receiver = common.Receiver(children)
             common.subscribe_webhook(tenant.tenant_id, receiver.url)
             worker = common.start_platform_worker(children, args.concurrency)
-            noop_worker = children.start("noop-worker", [
-                common.executable("celery"), "-A", "benchmarks.noop_app", "worker", "--concurrency",
-                str(args.concurrency), "-Q", noop_app.QUEUE, "--loglevel", "WARNING"])
+            noop_worker = children.start(
+                "noop-worker",
+                [
+                    common.executable("celery"),
+                    "-A",
+                    "benchmarks.noop_app",
+                    "worker",
+                    "--concurrency",
+                    str(args.concurrency),
+                    "-Q",
+                    noop_app.QUEUE,
+                    "--loglevel",
+                    "WARNING",
+                ],
+            )
             watched = [worker, noop_worker]
             print("warming up the workers", flush=True)
             emit_events(tenant.tenant_id, WARMUP, WARMUP)
@@ -228,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
             for round_no in range(1, args.rounds + 1):
                 runs.append(run_noop(args, meter_for(noop_worker), round_no, watched))
                 print(f"round {round_no}: {runs[-1].per_second:,.0f} no-op tasks/s", flush=True)
-                runs.append(run_platform(args, tenant.tenant_id, receiver, meter_for(worker, receiver),
-                                         round_no, watched))
+                runs.append(
+                    run_platform(args, tenant.tenant_id, receiver, meter_for(worker, receiver), round_no, watched)
+                )
                 print(f"round {round_no}: {runs[-1].per_second:,.0f} deliveries/s", flush=True)
                 common.warn_if_shared(args.redis_url)
             expected_rows = WARMUP + args.rounds * args.events

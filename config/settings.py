@@ -42,8 +42,15 @@ def _without_password(url: str) -> str:
 
 #: The settings that may come from a file named by ``TESSERA_<NAME>_FILE``: the secrets, and the
 #: service URLs that carry passwords.
-FILE_SETTINGS = ("master_key", "master_key_previous", "flower_password", "database_url", "broker_url", "redis_url",
-                 "smtp_url")
+FILE_SETTINGS = (
+    "master_key",
+    "master_key_previous",
+    "flower_password",
+    "database_url",
+    "broker_url",
+    "redis_url",
+    "smtp_url",
+)
 
 
 def file_variable(name: str) -> str:
@@ -77,8 +84,9 @@ class _SettingFiles(PydanticBaseSettingsSource):
 class Settings(BaseSettings):
     """Process-wide configuration; instantiate through :func:`get_settings`."""
 
-    model_config = SettingsConfigDict(env_prefix="TESSERA_", extra="ignore", frozen=True, env_file=ENV_FILE,
-                                      env_file_encoding="utf-8")
+    model_config = SettingsConfigDict(
+        env_prefix="TESSERA_", extra="ignore", frozen=True, env_file=ENV_FILE, env_file_encoding="utf-8"
+    )
 
     # Where the embedded defaults live (SQLite files, master key file, mail sink).
     data_dir: Path = Field(default_factory=_default_data_dir)
@@ -293,8 +301,10 @@ class Settings(BaseSettings):
         """One line naming the database and the broker these settings reach (passwords hidden) and
         where the settings came from: what every command that reads state says first."""
         source = f"the environment and {Path(ENV_FILE).resolve()}" if Path(ENV_FILE).is_file() else "the environment"
-        return (f"database {_without_password(self.effective_database_url)}, "
-                f"broker {_without_password(self.effective_broker_url)} (settings from {source})")
+        return (
+            f"database {_without_password(self.effective_database_url)}, "
+            f"broker {_without_password(self.effective_broker_url)} (settings from {source})"
+        )
 
     @property
     def uses_embedded_database(self) -> bool:

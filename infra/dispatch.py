@@ -88,9 +88,7 @@ def enqueue_batch_after_commit(
         _outgoing(session).batches.setdefault((task_name, key, countdown), []).extend(ids)
 
 
-def enqueue_jobs_after_commit(
-    session: Session, kind: str, job_ids: list[str], *, delay: float | None = None
-) -> None:
+def enqueue_jobs_after_commit(session: Session, kind: str, job_ids: list[str], *, delay: float | None = None) -> None:
     """Send the task ``kind`` of the jobs ``job_ids`` once ``session`` commits: for a kind of
     :data:`BATCH_ARGUMENT` in messages of at most :data:`BATCH_SIZE` ids
     (:func:`enqueue_batch_after_commit`), for any other one message per job with ``job_id``.

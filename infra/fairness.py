@@ -46,20 +46,22 @@ def fair_next(session: Session, kind: str, *, slots: int, now: dt.datetime | Non
         col(Job.due_at) <= now + dt.timedelta(seconds=1),
         or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
     )
-    held: dict[uuid.UUID | None, int] = dict(session.execute(
-        select(col(Job.tenant_id), func.count())
-        .where(col(Job.kind) == kind, col(Job.status) == JobStatus.RUNNING, col(Job.lease_expires_at) >= now)
-        .group_by(col(Job.tenant_id))
-    ).all())
+    held: dict[uuid.UUID | None, int] = dict(
+        session.execute(
+            select(col(Job.tenant_id), func.count())
+            .where(col(Job.kind) == kind, col(Job.status) == JobStatus.RUNNING, col(Job.lease_expires_at) >= now)
+            .group_by(col(Job.tenant_id))
+        ).all()
+    )
     waiting = set(session.execute(select(col(Job.tenant_id)).where(*takeable).distinct()).scalars())
     share = fair_share(slots, len(waiting | set(held)))
-    eligible = sorted((held.get(tenant, 0), str(tenant), tenant) for tenant in waiting
-                      if held.get(tenant, 0) < share)
+    eligible = sorted((held.get(tenant, 0), str(tenant), tenant) for tenant in waiting if held.get(tenant, 0) < share)
     if not eligible:
         return None
     tenant = eligible[0][2]
     return session.execute(
         select(col(Job.id))
         .where(*takeable, col(Job.tenant_id) == tenant if tenant is not None else col(Job.tenant_id).is_(None))
-        .order_by(col(Job.due_at), col(Job.created_at)).limit(1)
+        .order_by(col(Job.due_at), col(Job.created_at))
+        .limit(1)
     ).scalar()

@@ -211,14 +211,7 @@ def is_public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool
         blocked = _BLOCKED_V4
     else:
         raise TypeError(f"expected an IPv4Address or IPv6Address, got {type(ip).__name__}")
-    if (
-        ip.is_private
-        or ip.is_loopback
-        or ip.is_link_local
-        or ip.is_multicast
-        or ip.is_reserved
-        or ip.is_unspecified
-    ):
+    if ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved or ip.is_unspecified:
         return False
     if any(ip in net for net in blocked):
         return False
@@ -516,8 +509,9 @@ class _Pool:
                 self._sessions = {k: v for k, v in self._sessions.items() if not k[0].is_closed()}
             return self._loop
 
-    def session(self, *, allow_private: bool, ca_certs: str | None, timeout_s: float, per_host: int,
-                extra_ca: str | None = None):
+    def session(
+        self, *, allow_private: bool, ca_certs: str | None, timeout_s: float, per_host: int, extra_ca: str | None = None
+    ):
         """The pooled session of the running loop for these options (call on that loop). ``ca_certs``
         replaces the system's trusted roots; ``extra_ca`` (a PEM path) adds roots to them. TLS 1.2 at
         least."""
@@ -584,13 +578,20 @@ def _connect_error_message(exc: BaseException) -> str:
     return "could not connect"
 
 
-async def _post(session: aiohttp.ClientSession, request: Request, *, timeout_s: float, allow_private: bool,
-                max_response_bytes: int) -> DeliveryResult:
+async def _post(
+    session: aiohttp.ClientSession, request: Request, *, timeout_s: float, allow_private: bool, max_response_bytes: int
+) -> DeliveryResult:
     """One attempt of one request on the pooled ``session`` (never raises for network problems)."""
     started = time.monotonic()
 
-    def result(outcome: Outcome, error: str | None, transient: bool, status: int | None = None,
-               retry_after: int | None = None, response_body: bytes = b"") -> DeliveryResult:
+    def result(
+        outcome: Outcome,
+        error: str | None,
+        transient: bool,
+        status: int | None = None,
+        retry_after: int | None = None,
+        response_body: bytes = b"",
+    ) -> DeliveryResult:
         return DeliveryResult(
             status_code=status,
             duration_ms=max(0, round((time.monotonic() - started) * 1000)),
@@ -620,13 +621,15 @@ async def _post(session: aiohttp.ClientSession, request: Request, *, timeout_s: 
     if parts.query:
         target = f"{target}?{parts.query}"
     url = yarl.URL(f"{scheme}://{netloc}:{port}{target}", encoded=True)
-    timeout = aiohttp.ClientTimeout(
-        total=TOTAL_TIMEOUT_FACTOR * timeout_s, sock_connect=timeout_s, sock_read=timeout_s
-    )
+    timeout = aiohttp.ClientTimeout(total=TOTAL_TIMEOUT_FACTOR * timeout_s, sock_connect=timeout_s, sock_read=timeout_s)
     try:
         async with session.request(
-            request.method, url, data=bytes(request.body) if request.method != "GET" else None,
-            headers=request_headers, allow_redirects=False, timeout=timeout,
+            request.method,
+            url,
+            data=bytes(request.body) if request.method != "GET" else None,
+            headers=request_headers,
+            allow_redirects=False,
+            timeout=timeout,
         ) as answer:
             status = answer.status
             retry_after = _parse_retry_after(answer.headers.get("retry-after")) if status in (429, 503) else None
@@ -716,8 +719,13 @@ def deliver_many(
         return list(
             await asyncio.gather(
                 *(
-                    _post(session, r, timeout_s=timeout_s, allow_private=allow_private,
-                          max_response_bytes=max_response_bytes)
+                    _post(
+                        session,
+                        r,
+                        timeout_s=timeout_s,
+                        allow_private=allow_private,
+                        max_response_bytes=max_response_bytes,
+                    )
                     for r in requests
                 )
             )
@@ -795,8 +803,17 @@ def deliver(
 
 #: Hop-by-hop answer headers (RFC 9110 section 7.6.1) and framing the api recomputes: not passed back.
 _HOP_BY_HOP_ANSWER = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer", "transfer-encoding",
-     "upgrade", "content-length"}
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+    }
 )
 
 
@@ -824,8 +841,17 @@ class ForwardError(Exception):
         self.message = message
 
 
-async def _send(session: aiohttp.ClientSession, method: str, url: str, headers: list[tuple[str, str]],
-                body: bytes | None, *, timeout_s: float, allow_private: bool, max_response_bytes: int) -> Forwarded:
+async def _send(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    headers: list[tuple[str, str]],
+    body: bytes | None,
+    *,
+    timeout_s: float,
+    allow_private: bool,
+    max_response_bytes: int,
+) -> Forwarded:
     started = time.monotonic()
     parts, error = _split_url(url, max_length=MAX_URL_LENGTH + 8192)
     if parts is None:
@@ -890,14 +916,30 @@ async def forward(
     if not timeout_s > 0:
         raise ValueError("timeout_s must be > 0")
 
-    session = _POOL.session(allow_private=allow_private, ca_certs=None, timeout_s=timeout_s, per_host=per_host,
-                            extra_ca=extra_ca)
-    return await _send(session, method, url, headers, body, timeout_s=timeout_s, allow_private=allow_private,
-                       max_response_bytes=max_response_bytes)
+    session = _POOL.session(
+        allow_private=allow_private, ca_certs=None, timeout_s=timeout_s, per_host=per_host, extra_ca=extra_ca
+    )
+    return await _send(
+        session,
+        method,
+        url,
+        headers,
+        body,
+        timeout_s=timeout_s,
+        allow_private=allow_private,
+        max_response_bytes=max_response_bytes,
+    )
 
 
-def fetch(url: str, *, timeout_s: float, allow_private: bool, max_response_bytes: int = 64 * 1024,
-          ca_certs: str | None = None, accept: str = "application/json") -> DeliveryResult:
+def fetch(
+    url: str,
+    *,
+    timeout_s: float,
+    allow_private: bool,
+    max_response_bytes: int = 64 * 1024,
+    ca_certs: str | None = None,
+    accept: str = "application/json",
+) -> DeliveryResult:
     """GET ``url`` once under the rules of :func:`deliver` (the SSRF guard, no redirects, bounded
     time and memory) and report what happened; the answer's first ``max_response_bytes`` are in
     ``response_body``. Network problems are reported in the result (``refused`` for an address the

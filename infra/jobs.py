@@ -91,11 +91,25 @@ def new_row(
     """
     now = utcnow()
     return {
-        "id": uuid.uuid4(), "tenant_id": tenant_id, "kind": kind, "subject_type": subject_type,
-        "subject_id": str(subject_id), "subject_number": subject_number, "operation_id": operation_id,
-        "status": JobStatus.QUEUED, "attempts": 0, "max_attempts": max_attempts, "due_at": now, "enqueued_at": None,
-        "lease_owner": None, "lease_expires_at": None, "last_error": None, "result": None,
-        "trace_id": trace_id, "created_at": now, "updated_at": now,
+        "id": uuid.uuid4(),
+        "tenant_id": tenant_id,
+        "kind": kind,
+        "subject_type": subject_type,
+        "subject_id": str(subject_id),
+        "subject_number": subject_number,
+        "operation_id": operation_id,
+        "status": JobStatus.QUEUED,
+        "attempts": 0,
+        "max_attempts": max_attempts,
+        "due_at": now,
+        "enqueued_at": None,
+        "lease_owner": None,
+        "lease_expires_at": None,
+        "last_error": None,
+        "result": None,
+        "trace_id": trace_id,
+        "created_at": now,
+        "updated_at": now,
     }
 
 
@@ -126,8 +140,9 @@ def stage(session: Session, rows: Rows, **fields: Any) -> uuid.UUID:
 def _lease_statement(job_id: uuid.UUID, owner: str, lease_seconds: float):
     """The UPDATE taking job ``job_id`` for ``owner`` when it is takeable now (counts an attempt)."""
     now = utcnow()
-    return _takeable_update(col(Job.id) == job_id, now, now + dt.timedelta(seconds=1), owner,
-                            now + dt.timedelta(seconds=lease_seconds))
+    return _takeable_update(
+        col(Job.id) == job_id, now, now + dt.timedelta(seconds=1), owner, now + dt.timedelta(seconds=lease_seconds)
+    )
 
 
 def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
@@ -142,8 +157,13 @@ def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
             Job.due_at <= due_by,
             or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
         )
-        .values(status=JobStatus.RUNNING, lease_owner=owner, lease_expires_at=expires, attempts=Job.attempts + 1,
-                updated_at=now)
+        .values(
+            status=JobStatus.RUNNING,
+            lease_owner=owner,
+            lease_expires_at=expires,
+            attempts=Job.attempts + 1,
+            updated_at=now,
+        )
         .execution_options(synchronize_session=False)
     )
 
@@ -169,7 +189,8 @@ class PreparedLease:
         labelled = [expression.label(self.labels[name]) for name, expression in reads.items()]
         now = bindparam("lease_now", type_=table_of(Job).c.updated_at.type)
         self.statement = _takeable_update(
-            col(Job.id) == bindparam("lease_job_id", type_=table_of(Job).c.id.type), now,
+            col(Job.id) == bindparam("lease_job_id", type_=table_of(Job).c.id.type),
+            now,
             bindparam("lease_due_by", type_=table_of(Job).c.due_at.type),
             bindparam("lease_owner_name", type_=table_of(Job).c.lease_owner.type),
             bindparam("lease_expires", type_=table_of(Job).c.lease_expires_at.type),
@@ -178,12 +199,21 @@ class PreparedLease:
     def params(self, job_id: uuid.UUID, owner: str, lease_seconds: float) -> dict[str, Any]:
         """The bind values taking ``job_id`` for ``owner`` now, for ``lease_seconds``."""
         now = utcnow()
-        return {"lease_job_id": job_id, "lease_now": now, "lease_due_by": now + dt.timedelta(seconds=1),
-                "lease_owner_name": owner, "lease_expires": now + dt.timedelta(seconds=lease_seconds)}
+        return {
+            "lease_job_id": job_id,
+            "lease_now": now,
+            "lease_due_by": now + dt.timedelta(seconds=1),
+            "lease_owner_name": owner,
+            "lease_expires": now + dt.timedelta(seconds=lease_seconds),
+        }
 
 
 def lease_and_read(
-    job_id: uuid.UUID, owner: str, *, lease_seconds: float, reads: Mapping[str, ColumnElement] | None = None,
+    job_id: uuid.UUID,
+    owner: str,
+    *,
+    lease_seconds: float,
+    reads: Mapping[str, ColumnElement] | None = None,
     prepared: PreparedLease | None = None,
 ) -> tuple[Job, dict[str, Any]] | None:
     """Take the job for ``owner`` like :func:`lease` and read, in the same statement, what its work
@@ -199,8 +229,7 @@ def lease_and_read(
     engine = get_lease_engine()
     if engine is not None:
         prepared = prepared or PreparedLease(reads)
-        row = execute_once_more_on_disconnect(engine, prepared.statement,
-                                              prepared.params(job_id, owner, lease_seconds))
+        row = execute_once_more_on_disconnect(engine, prepared.statement, prepared.params(job_id, owner, lease_seconds))
         if row is None:
             return None
         job = Job.model_validate({column.name: row[column] for column in table_of(Job).columns})
@@ -246,10 +275,15 @@ _JOBS = table_of(Job)
 #: Prepared once (bind parameters): a worker neither builds these SQL trees nor their cache keys per job.
 _LOCK_LEASED = select(_JOBS.c.id).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).with_for_update()
 _COMPLETE_LEASED = {
-    with_result: update(_JOBS).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).values(
-        status=JobStatus.SUCCEEDED, lease_owner=None, lease_expires_at=None,
+    with_result: update(_JOBS)
+    .where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type))
+    .values(
+        status=JobStatus.SUCCEEDED,
+        lease_owner=None,
+        lease_expires_at=None,
         updated_at=bindparam("now", type_=_JOBS.c.updated_at.type),
-        **({"result": bindparam("result", type_=_JOBS.c.result.type)} if with_result else {}))
+        **({"result": bindparam("result", type_=_JOBS.c.result.type)} if with_result else {}),
+    )
     for with_result in (False, True)
 }
 
@@ -323,8 +357,10 @@ def requeue(session: Session, job: Job) -> None:
 def cancel_if_queued(session: Session, job_id: uuid.UUID) -> None:
     """Cancel a job nobody took yet (its waiting request gave up); a running job runs to its end."""
     session.execute(
-        update(Job).where(col(Job.id) == job_id, col(Job.status) == JobStatus.QUEUED)
-        .values(status=JobStatus.CANCELLED, updated_at=utcnow()).execution_options(synchronize_session=False)
+        update(Job)
+        .where(col(Job.id) == job_id, col(Job.status) == JobStatus.QUEUED)
+        .values(status=JobStatus.CANCELLED, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
     )
 
 
@@ -352,26 +388,33 @@ def stage_many(
         return
     now = now or utcnow()
     for job_id, subject_id in jobs:
-        row = new_row(kind=kind, tenant_id=tenant_id, subject_type=subject_type, subject_id=subject_id,
-                      trace_id=trace_id, max_attempts=max_attempts)
+        row = new_row(
+            kind=kind,
+            tenant_id=tenant_id,
+            subject_type=subject_type,
+            subject_id=subject_id,
+            trace_id=trace_id,
+            max_attempts=max_attempts,
+        )
         row.update(id=job_id, due_at=now, created_at=now, updated_at=now)
         rows.add(table_of(Job), row)
     enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id, _ in jobs])
 
 
-def lease_many_statement(job_ids: list[uuid.UUID], owner: str, *, lease_seconds: float,
-                         now: dt.datetime | None = None):
+def lease_many_statement(job_ids: list[uuid.UUID], owner: str, *, lease_seconds: float, now: dt.datetime | None = None):
     """The ``UPDATE`` taking, for ``owner``, every job of ``job_ids`` that is takeable now (as
     :func:`lease`, one statement: a duplicate message or a second worker gets none of them; counts an
     attempt each). The caller runs it, and may extend it first: ``.where()`` over other tables (an
     ``UPDATE ... FROM`` on PostgreSQL) and ``.returning()`` of what the work needs."""
     now = now or utcnow()
-    return _takeable_update(col(Job.id).in_(job_ids), now, now + dt.timedelta(seconds=1), owner,
-                            now + dt.timedelta(seconds=lease_seconds))
+    return _takeable_update(
+        col(Job.id).in_(job_ids), now, now + dt.timedelta(seconds=1), owner, now + dt.timedelta(seconds=lease_seconds)
+    )
 
 
-def settle_many(session: Session, job_ids: list[uuid.UUID], status: str, *, error: str | None = None,
-                now: dt.datetime | None = None) -> None:
+def settle_many(
+    session: Session, job_ids: list[uuid.UUID], status: str, *, error: str | None = None, now: dt.datetime | None = None
+) -> None:
     """Close the jobs ``job_ids`` as ``status`` (``succeeded``, ``failed`` for a permanent error,
     ``dead`` when their attempts are spent) with one ``UPDATE``, their lease released and ``error``
     (when given) recorded. Raises ValueError for another status."""
@@ -388,8 +431,9 @@ def settle_many(session: Session, job_ids: list[uuid.UUID], status: str, *, erro
     )
 
 
-def retry_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, delay: float, error: str,
-               now: dt.datetime | None = None) -> None:
+def retry_many(
+    session: Session, kind: str, job_ids: list[uuid.UUID], *, delay: float, error: str, now: dt.datetime | None = None
+) -> None:
     """Put the jobs ``job_ids`` of ``kind`` back to ``queued``, due in ``delay`` seconds, with one
     ``UPDATE`` (lease released, ``error`` recorded); their task is sent after the commit as a
     countdown when the delay is at most a minute, else the relay sends it when it is due
@@ -400,15 +444,23 @@ def retry_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, delay: 
     session.execute(
         update(Job)
         .where(col(Job.id).in_(job_ids))
-        .values(status=JobStatus.QUEUED, lease_owner=None, lease_expires_at=None, last_error=error[:1000],
-                due_at=now + dt.timedelta(seconds=delay), enqueued_at=None, updated_at=now)
+        .values(
+            status=JobStatus.QUEUED,
+            lease_owner=None,
+            lease_expires_at=None,
+            last_error=error[:1000],
+            due_at=now + dt.timedelta(seconds=delay),
+            enqueued_at=None,
+            updated_at=now,
+        )
         .execution_options(synchronize_session=False)
     )
     enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in job_ids], delay=delay)
 
 
-def requeue_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, fresh_budget: bool,
-                 now: dt.datetime | None = None) -> int:
+def requeue_many(
+    session: Session, kind: str, job_ids: list[uuid.UUID], *, fresh_budget: bool, now: dt.datetime | None = None
+) -> int:
     """Queue the jobs ``job_ids`` of ``kind`` again, due now, with one ``UPDATE`` and send their task
     when ``session`` commits: a settled job (a replay: ``fresh_budget`` gives it its attempts again,
     as :func:`requeue`) or a waiting one (due now). A job a worker holds a live lease on is left to
@@ -416,15 +468,23 @@ def requeue_many(session: Session, kind: str, job_ids: list[uuid.UUID], *, fresh
     if not job_ids:
         return 0
     now = now or utcnow()
-    values: dict[str, Any] = {"status": JobStatus.QUEUED, "due_at": now, "enqueued_at": None, "lease_owner": None,
-                              "lease_expires_at": None, "updated_at": now}
+    values: dict[str, Any] = {
+        "status": JobStatus.QUEUED,
+        "due_at": now,
+        "enqueued_at": None,
+        "lease_owner": None,
+        "lease_expires_at": None,
+        "updated_at": now,
+    }
     if fresh_budget:
         values["attempts"] = 0
-    count = rowcount(session.execute(
-        update(Job)
-        .where(col(Job.id).in_(job_ids), or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now))
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    ))
+    count = rowcount(
+        session.execute(
+            update(Job)
+            .where(col(Job.id).in_(job_ids), or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now))
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+    )
     enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in job_ids])
     return count

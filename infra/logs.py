@@ -199,8 +199,9 @@ def formatter(log_format: str, *, colors: bool = False) -> logging.Formatter:
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             _context_defaults,
             _drop_empty,
-            structlog.dev.ConsoleRenderer(colors=colors, sort_keys=False, timestamp_key="time",
-                                          exception_formatter=_traceback_without_locals()),
+            structlog.dev.ConsoleRenderer(
+                colors=colors, sort_keys=False, timestamp_key="time", exception_formatter=_traceback_without_locals()
+            ),
         ]
     return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*_SHARED, structlog.stdlib.ExtraAdder()], processors=chain, pass_foreign_args=False

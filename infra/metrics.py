@@ -78,9 +78,7 @@ if multiprocess_dir():
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TASK_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-HTTP_REQUESTS = Counter(
-    "tessera_http_requests", "HTTP requests answered by the api.", ("method", "route", "status")
-)
+HTTP_REQUESTS = Counter("tessera_http_requests", "HTTP requests answered by the api.", ("method", "route", "status"))
 HTTP_LATENCY = Histogram(
     "tessera_http_request_duration_seconds",
     "Time to answer an HTTP request.",
@@ -97,12 +95,8 @@ TASK_FAILURES = Counter(
     "Task runs that failed, by task name and reason (permanent, dead: retries exhausted, exception).",
     ("task", "reason"),
 )
-TASKS_IN_PROGRESS = Gauge(
-    "tessera_tasks_in_progress", "Tasks running now.", ("task",), multiprocess_mode="livesum"
-)
-WEBHOOK_DELIVERIES = Counter(
-    "tessera_webhook_deliveries", "Webhook delivery attempts, by outcome.", ("outcome",)
-)
+TASKS_IN_PROGRESS = Gauge("tessera_tasks_in_progress", "Tasks running now.", ("task",), multiprocess_mode="livesum")
+WEBHOOK_DELIVERIES = Counter("tessera_webhook_deliveries", "Webhook delivery attempts, by outcome.", ("outcome",))
 PROVIDER_CALLS = Histogram(
     "tessera_provider_call_duration_seconds",
     "Calls to external providers, by provider and outcome.",

@@ -143,8 +143,11 @@ def waiting_work(session: Session | None = None, *, now: dt.datetime | None = No
     jobs_total = deliveries = 0
     rows = session.exec(
         select(Job.kind, func.count(), func.min(Job.due_at))
-        .where(Job.status == JobStatus.QUEUED, Job.due_at <= now,
-               or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now))
+        .where(
+            Job.status == JobStatus.QUEUED,
+            Job.due_at <= now,
+            or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
+        )
         .group_by(Job.kind)
     ).all()
     for kind, count, oldest in rows:
@@ -168,7 +171,8 @@ def jobs_by_state(session: Session | None = None) -> dict[tuple[str, str], int]:
             return jobs_by_state(fresh)
     rows = session.exec(
         select(Job.kind, Job.status, func.count())
-        .where(col(Job.status).in_(LIVE_JOB_STATES)).group_by(Job.kind, Job.status)
+        .where(col(Job.status).in_(LIVE_JOB_STATES))
+        .group_by(Job.kind, Job.status)
     ).all()
     return {(kind, status): count for kind, status, count in rows}
 
@@ -391,9 +395,7 @@ def delivery_state(job_status: str) -> str:
     return "cancelled" if job_status == "cancelled" else DELIVERY_STATUS[job_status]
 
 
-def delivery_view(
-    delivery: WebhookDelivery, job: Job, attempts: list[WebhookAttempt] | None = None
-) -> dict[str, Any]:
+def delivery_view(delivery: WebhookDelivery, job: Job, attempts: list[WebhookAttempt] | None = None) -> dict[str, Any]:
     """A webhook delivery as ``tessera jobs`` shows it (kind ``webhooks.deliver``): its job, with the
     delivery's public status as ``state`` (``job_state`` is the job's own)."""
     view: dict[str, Any] = {
@@ -459,8 +461,11 @@ def list_jobs(
     order = (col(Job.updated_at).desc(), col(Job.id))
     if kind == DELIVER_TASK:
         pairs = session.exec(
-            select(WebhookDelivery, Job).join(Job, col(Job.id) == WebhookDelivery.id).where(*where)
-            .order_by(*order).limit(limit)
+            select(WebhookDelivery, Job)
+            .join(Job, col(Job.id) == WebhookDelivery.id)
+            .where(*where)
+            .order_by(*order)
+            .limit(limit)
         ).all()
         return [delivery_view(delivery, job) for delivery, job in pairs]
     rows = session.exec(select(Job).where(*where).order_by(*order).limit(limit)).all()
@@ -485,10 +490,13 @@ def _find(session: Session, ref: str) -> tuple[Job, WebhookDelivery | None]:
 
 
 def _attempt_log(session: Session, delivery: WebhookDelivery) -> list[WebhookAttempt]:
-    return list(session.exec(
-        select(WebhookAttempt).where(WebhookAttempt.delivery_id == delivery.id)
-        .order_by(col(WebhookAttempt.attempted_at), col(WebhookAttempt.number))
-    ).all())
+    return list(
+        session.exec(
+            select(WebhookAttempt)
+            .where(WebhookAttempt.delivery_id == delivery.id)
+            .order_by(col(WebhookAttempt.attempted_at), col(WebhookAttempt.number))
+        ).all()
+    )
 
 
 def show_job(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
@@ -505,8 +513,9 @@ def retry(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     job, delivery = _find(session, ref)
     if job.status not in JOB_UNSUCCESSFUL:
         if delivery is not None:
-            raise Refused(f"webhook delivery {job.id} is {delivery_state(job.status)}; "
-                          "only failed deliveries are retried")
+            raise Refused(
+                f"webhook delivery {job.id} is {delivery_state(job.status)}; only failed deliveries are retried"
+            )
         raise Refused(f"job {job.id} is {job.status}; only dead, failed or cancelled jobs are retried")
     if delivery is None:
         jobs.requeue(session, job)
@@ -545,8 +554,10 @@ def cancel(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     if rowcount(result) != 1:
         held = " and a worker holds it" if job.lease_expires_at and _aware(job.lease_expires_at) >= now else ""
         if delivery is not None:
-            raise Refused(f"webhook delivery {job.id} is {delivery_state(job.status)}{held}; "
-                          "only pending work that no worker holds is cancelled")
+            raise Refused(
+                f"webhook delivery {job.id} is {delivery_state(job.status)}{held}; "
+                "only pending work that no worker holds is cancelled"
+            )
         raise Refused(f"job {job.id} is {job.status}{held}; only queued work that no worker holds is cancelled")
     if delivery is None:
         return job_view(job, detail=True)
@@ -591,9 +602,7 @@ def _s3_probe(endpoint: str | None, region: str):
         "s3",
         endpoint_url=endpoint,
         region_name=region,
-        config=Config(
-            s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=2, retries={"max_attempts": 1}
-        ),
+        config=Config(s3={"addressing_style": "path"}, connect_timeout=2, read_timeout=2, retries={"max_attempts": 1}),
     )
 
 

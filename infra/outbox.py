@@ -58,14 +58,15 @@ def relay(session: Session, *, now: dt.datetime | None = None, grace_seconds: fl
     grace = dt.timedelta(seconds=grace_seconds)
     table = table_of(Job)
     rows = session.execute(
-        select(table.c.id, table.c.kind).where(*_due_where(now, grace)).order_by(table.c.due_at).limit(batch)
+        select(table.c.id, table.c.kind)
+        .where(*_due_where(now, grace))
+        .order_by(table.c.due_at)
+        .limit(batch)
         .with_for_update(skip_locked=True)
     ).all()
     if not rows:
         return 0
-    session.execute(
-        table.update().where(table.c.id.in_([job_id for job_id, _ in rows])).values(enqueued_at=now)
-    )
+    session.execute(table.update().where(table.c.id.in_([job_id for job_id, _ in rows])).values(enqueued_at=now))
     by_kind: dict[str, list[str]] = {}
     for job_id, kind in rows:
         by_kind.setdefault(kind, []).append(str(job_id))

@@ -110,6 +110,7 @@ class TesseraTask(Task):
         """Whether the worker sends this task's events (Flower): not for beat's periodic sweeps
         (:data:`infra.celery.QUIET_TASKS`)."""
         return self.name not in QUIET_TASKS
+
     #: The fixed part of how long a worker holds what it leased (seconds); None for tasks that lease nothing.
     lease_seconds: float | None = None
     #: The part that follows the settings: setting name (a number of seconds) -> factor.
@@ -135,7 +136,8 @@ class TesseraTask(Task):
             return None
         settings = settings or get_settings()
         return (self.lease_seconds or 0.0) + sum(
-            getattr(settings, name) * factor for name, factor in self.lease_settings.items())
+            getattr(settings, name) * factor for name, factor in self.lease_settings.items()
+        )
 
     @property
     def time_limit(self) -> float | None:
@@ -155,8 +157,16 @@ class TesseraTask(Task):
         """A lease owner name unique to this attempt."""
         return f"{socket.gethostname()}:{os.getpid()}:{self.request.id}"
 
-    def report(self, result: Any, *, retrying: int = 0, failed: int = 0, dead: int = 0, error: str = "",
-               retry_in: float | None = None) -> Any:
+    def report(
+        self,
+        result: Any,
+        *,
+        retrying: int = 0,
+        failed: int = 0,
+        dead: int = 0,
+        error: str = "",
+        retry_in: float | None = None,
+    ) -> Any:
         """Return ``result``, or end the run as FAILURE (``failed``/``dead`` units) or RETRY
         (``retrying`` units, due again in ``retry_in`` seconds); call after the outcome is committed."""
         if failed or dead:
@@ -214,8 +224,9 @@ class JobTask(TesseraTask):
         message, another worker's lease, not due yet); raises Retry or :class:`AttemptFailed` after
         recording a retry or a failure."""
         reads, prepared = self._lease_reads()
-        leased = jobs.lease_and_read(uuid.UUID(job_id), self.worker_id(), lease_seconds=self._job_lease(),
-                                     reads=reads, prepared=prepared)
+        leased = jobs.lease_and_read(
+            uuid.UUID(job_id), self.worker_id(), lease_seconds=self._job_lease(), reads=reads, prepared=prepared
+        )
         if leased is None:
             return "skipped"
         job, inputs = leased
@@ -243,15 +254,20 @@ class JobTask(TesseraTask):
     def _retry(self, job: Job, exc: TransientError) -> str:
         with self.session_scope() as session:
             current = _held(session, job.id)
-            delay = jobs.schedule_retry(session, current, error=str(exc), delay=exc.retry_after,
-                                        backoff_base=self.backoff_base)
+            delay = jobs.schedule_retry(
+                session, current, error=str(exc), delay=exc.retry_after, backoff_base=self.backoff_base
+            )
             if delay is None:
                 log.warning("job %s (%s) is a dead letter after %s attempts", job.id, job.kind, current.attempts)
                 self.on_job_failure(session, current, exc)
         if delay is None:
             return self.report("dead", dead=1, error=f"dead letter after {job.attempts} attempts: {exc}")
-        return self.report("retrying", retrying=1, retry_in=delay,
-                           error=f"attempt {job.attempts} of {job.max_attempts} failed: {exc}; again in {delay:.0f} s")
+        return self.report(
+            "retrying",
+            retrying=1,
+            retry_in=delay,
+            error=f"attempt {job.attempts} of {job.max_attempts} failed: {exc}; again in {delay:.0f} s",
+        )
 
     def _fail(self, job: Job, exc: PermanentError) -> str:
         with self.session_scope() as session:

@@ -118,8 +118,9 @@ class _Publisher:
         if client is None:
             return
         try:
-            client.publish(channel_prefix(get_settings().redis_key_prefix) + str(job_id),
-                           outcome_message(job_id, status, result))
+            client.publish(
+                channel_prefix(get_settings().redis_key_prefix) + str(job_id), outcome_message(job_id, status, result)
+            )
         except Exception:
             log.warning("could not publish the outcome of job %s; its waiter polls", job_id, exc_info=True)
 
@@ -242,8 +243,9 @@ class JobWaits:
     def _keep(self, job_id: uuid.UUID, outcome: Outcome) -> None:
         now = time.monotonic()
         self._recent[job_id] = (now, outcome)
-        while self._recent and (len(self._recent) > RECENT_MAX or next(iter(self._recent.values()))[0]
-                                < now - RECENT_SECONDS):
+        while self._recent and (
+            len(self._recent) > RECENT_MAX or next(iter(self._recent.values()))[0] < now - RECENT_SECONDS
+        ):
             self._recent.popitem(last=False)
 
     def _register(self, job_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, asyncio.Future]:
@@ -272,8 +274,9 @@ class JobWaits:
         """How many jobs have a request waiting for them now."""
         return len(self._waiters)
 
-    async def wait(self, job_ids: Iterable[uuid.UUID], read: ReadOutcomes, *, timeout: float,
-                   since: float | None = None) -> dict[uuid.UUID, Outcome]:
+    async def wait(
+        self, job_ids: Iterable[uuid.UUID], read: ReadOutcomes, *, timeout: float, since: float | None = None
+    ) -> dict[uuid.UUID, Outcome]:
         """Wait until every job of ``job_ids`` is settled or ``timeout`` seconds pass.
 
         ``read(ids)`` reads the outcomes of ``ids`` from the database (off the event loop; a job
@@ -319,7 +322,5 @@ class JobWaits:
 
 def read_outcomes(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, Outcome]:
     """The outcomes of the jobs ``job_ids`` as stored (status and the safe part of the result)."""
-    rows = session.execute(
-        select(col(Job.id), col(Job.status), col(Job.result)).where(col(Job.id).in_(job_ids))
-    ).all()
+    rows = session.execute(select(col(Job.id), col(Job.status), col(Job.result)).where(col(Job.id).in_(job_ids))).all()
     return {row.id: Outcome(row.status, safe_result(row.result)) for row in rows}

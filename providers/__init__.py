@@ -40,9 +40,7 @@ class HttpClient:
         self.name = name
         self._timeout = urllib3.Timeout(connect=connect_timeout, read=read_timeout)
 
-    def call(
-        self, method: str, path: str, body: Any = None, *, idempotency_key: str | None = None
-    ) -> ProviderAnswer:
+    def call(self, method: str, path: str, body: Any = None, *, idempotency_key: str | None = None) -> ProviderAnswer:
         """Send one request; 2xx and 4xx answers are returned, the rest raise.
 
         Raises TransientError for connection failures, timeouts, 408, 429 and 5xx answers (with the
@@ -79,7 +77,6 @@ class HttpClient:
                 retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
             )
         return ProviderAnswer(answer.status, parsed, duration_ms)
-
 
     def _observe(self, outcome: str, started: float) -> int:
         """Record the call's latency by provider and outcome (Prometheus); returns it in ms."""

@@ -66,8 +66,17 @@ UNCLASSIFIED = "PROVIDER_ENROLLMENT_FAILED"
 
 #: The card fields the payment method's ``card`` object may hold (spec 001 section 2, Card object).
 CARD_FIELDS = (
-    "brand", "bin", "last4", "expiration_month", "expiration_year", "funding", "type", "segment", "issuer",
-    "issuer_country", "display",
+    "brand",
+    "bin",
+    "last4",
+    "expiration_month",
+    "expiration_year",
+    "funding",
+    "type",
+    "segment",
+    "issuer",
+    "issuer_country",
+    "display",
 )
 DISPLAY_FIELDS = ("art_url", "background_color", "foreground_color", "description", "issuer_name")
 
@@ -101,8 +110,16 @@ class ProviderRejection(PermanentError):
     there, ``provider_code`` (the provider's own code, or None), ``correlation_id`` (the provider's
     correlation id, or None) and ``attempts_remaining`` (wrong OTPs still allowed, for INVALID_OTP)."""
 
-    def __init__(self, code: str, message: str, *, provider_code: str | None = None,
-                 correlation_id: str | None = None, status: int = 422, attempts_remaining: int | None = None):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        provider_code: str | None = None,
+        correlation_id: str | None = None,
+        status: int = 422,
+        attempts_remaining: int | None = None,
+    ):
         super().__init__(code, message, status=status)
         self.provider_code = provider_code
         self.correlation_id = correlation_id
@@ -135,16 +152,22 @@ class Operation:
 #: Operation name -> its classification.
 OPERATIONS = {
     "enrollment": Operation(
-        UNCLASSIFIED, 422,
+        UNCLASSIFIED,
+        422,
         {code: 409 if code == "RAIL_ALREADY_ENROLLED" else 422 for code in CATALOGUE_ENROLLMENT_CODES},
     ),
     "allowance": Operation("PROVIDER_ALLOWANCE_FAILED", 422, {}),
     "allowance_update": Operation("PROVIDER_ALLOWANCE_UPDATE_FAILED", 422, {}),
     "allowance_cancel": Operation("PROVIDER_ALLOWANCE_CANCEL_FAILED", 500, {}),
     "verification": Operation(
-        "PROVIDER_VERIFICATION_FAILED", 422,
-        {"INVALID_OTP": 400, "VERIFICATION_NOT_SUPPORTED": 422, "VERIFICATION_NOT_REQUIRED": 400,
-         "VERIFICATION_STATE_INVALID": 400},
+        "PROVIDER_VERIFICATION_FAILED",
+        422,
+        {
+            "INVALID_OTP": 400,
+            "VERIFICATION_NOT_SUPPORTED": 422,
+            "VERIFICATION_NOT_REQUIRED": 400,
+            "VERIFICATION_STATE_INVALID": 400,
+        },
     ),
     "credentials": Operation("PROVIDER_CREDENTIALS_FAILED", 422, {}),
 }
@@ -225,8 +248,9 @@ class AgenticProvider(Protocol):
 
     name: str
 
-    def enroll(self, card: EnrollmentCard, consumer: dict[str, Any], *, attempt: str,
-               idempotency_key: str) -> Enrollment:
+    def enroll(
+        self, card: EnrollmentCard, consumer: dict[str, Any], *, attempt: str, idempotency_key: str
+    ) -> Enrollment:
         """Enroll ``card`` for ``consumer`` (``attempt``: ``create`` or ``retry``)."""
 
     def get_enrollment(self, enrollment_id: str) -> Enrollment:
@@ -235,13 +259,26 @@ class AgenticProvider(Protocol):
     def delete_enrollment(self, enrollment_id: str) -> None:
         """Remove the enrollment (idempotent: an unknown enrollment is already removed)."""
 
-    def create_allowance(self, enrollment_id: str, amount: Amount, expires_at: datetime.datetime,
-                         description: str | None, *, idempotency_key: str) -> ProviderAllowance:
+    def create_allowance(
+        self,
+        enrollment_id: str,
+        amount: Amount,
+        expires_at: datetime.datetime,
+        description: str | None,
+        *,
+        idempotency_key: str,
+    ) -> ProviderAllowance:
         """Set up an allowance on the enrollment; ProviderRejection PROVIDER_ALLOWANCE_FAILED."""
 
-    def update_allowance(self, allowance_id: str, *, idempotency_key: str, amount: Amount | None = None,
-                         expires_at: datetime.datetime | None = None,
-                         description: str | None = None) -> ProviderAllowance:
+    def update_allowance(
+        self,
+        allowance_id: str,
+        *,
+        idempotency_key: str,
+        amount: Amount | None = None,
+        expires_at: datetime.datetime | None = None,
+        description: str | None = None,
+    ) -> ProviderAllowance:
         """Change the allowance; ProviderRejection PROVIDER_ALLOWANCE_UPDATE_FAILED."""
 
     def cancel_allowance(self, allowance_id: str, *, idempotency_key: str) -> None:
@@ -253,8 +290,9 @@ class AgenticProvider(Protocol):
     def submit_otp(self, allowance_id: str, otp: str, *, idempotency_key: str) -> VerificationState:
         """Check the OTP; ProviderRejection INVALID_OTP, PROVIDER_VERIFICATION_FAILED ..."""
 
-    def mint_credential(self, allowance_id: str, *, credential_format: str, amount: Amount,
-                        mpp: MppRequest | None, idempotency_key: str) -> MintedCredential:
+    def mint_credential(
+        self, allowance_id: str, *, credential_format: str, amount: Amount, mpp: MppRequest | None, idempotency_key: str
+    ) -> MintedCredential:
         """Mint a credential; ProviderRejection PROVIDER_CREDENTIALS_FAILED, CredentialOutcomeUnknown."""
 
 
@@ -298,8 +336,9 @@ class HttpAgenticProvider:
         self.read_timeout = read_timeout
         self.http = HttpClient(base_url, name=name, connect_timeout=connect_timeout, read_timeout=read_timeout)
 
-    def enroll(self, card: EnrollmentCard, consumer: dict[str, Any], *, attempt: str,
-               idempotency_key: str) -> Enrollment:
+    def enroll(
+        self, card: EnrollmentCard, consumer: dict[str, Any], *, attempt: str, idempotency_key: str
+    ) -> Enrollment:
         """``POST /enrollments``: 201 -> :class:`Enrollment`; rejections -> :class:`EnrollmentFailed`."""
         body: dict[str, Any] = {
             "pan": card.pan,
@@ -329,8 +368,15 @@ class HttpAgenticProvider:
             return
         raise _rejection(answer)
 
-    def create_allowance(self, enrollment_id: str, amount: Amount, expires_at: datetime.datetime,
-                         description: str | None, *, idempotency_key: str) -> ProviderAllowance:
+    def create_allowance(
+        self,
+        enrollment_id: str,
+        amount: Amount,
+        expires_at: datetime.datetime,
+        description: str | None,
+        *,
+        idempotency_key: str,
+    ) -> ProviderAllowance:
         """``POST /allowances`` on the enrollment: 201 -> :class:`ProviderAllowance` (``inactive`` while
         it needs verification); a rejection or read timeout -> :class:`ProviderRejection`
         ``PROVIDER_ALLOWANCE_FAILED`` (the rail's error, spec 001 section 7)."""
@@ -340,9 +386,15 @@ class HttpAgenticProvider:
         answer = self._call("POST", "/allowances", body, idempotency_key=idempotency_key, operation="allowance")
         return _expect(answer, 201, "allowance", _allowance)
 
-    def update_allowance(self, allowance_id: str, *, idempotency_key: str, amount: Amount | None = None,
-                         expires_at: datetime.datetime | None = None,
-                         description: str | None = None) -> ProviderAllowance:
+    def update_allowance(
+        self,
+        allowance_id: str,
+        *,
+        idempotency_key: str,
+        amount: Amount | None = None,
+        expires_at: datetime.datetime | None = None,
+        description: str | None = None,
+    ) -> ProviderAllowance:
         """``PATCH /allowances/{id}`` with the fields given (``description`` ``""`` clears it): 200 ->
         :class:`ProviderAllowance`; else :class:`ProviderRejection` ``PROVIDER_ALLOWANCE_UPDATE_FAILED``
         (the provider refused, e.g. an amount below what it counts as spent; spec 001 section 7)."""
@@ -353,8 +405,9 @@ class HttpAgenticProvider:
             body["expires_at"] = _wire_time(expires_at)
         if description is not None:
             body["description"] = description
-        answer = self._call("PATCH", f"/allowances/{allowance_id}", body, idempotency_key=idempotency_key,
-                            operation="allowance_update")
+        answer = self._call(
+            "PATCH", f"/allowances/{allowance_id}", body, idempotency_key=idempotency_key, operation="allowance_update"
+        )
         return _expect(answer, 200, "allowance_update", _allowance)
 
     def cancel_allowance(self, allowance_id: str, *, idempotency_key: str) -> None:
@@ -362,8 +415,13 @@ class HttpAgenticProvider:
         mean cancelled; else :class:`ProviderRejection` ``PROVIDER_ALLOWANCE_CANCEL_FAILED`` (status
         500: repeat the DELETE, spec 001 section 7). Each new attempt needs a new key: a key replays
         its first answer."""
-        answer = self._call("POST", f"/allowances/{allowance_id}/cancel", {}, idempotency_key=idempotency_key,
-                            operation="allowance_cancel")
+        answer = self._call(
+            "POST",
+            f"/allowances/{allowance_id}/cancel",
+            {},
+            idempotency_key=idempotency_key,
+            operation="allowance_cancel",
+        )
         if answer.status not in (200, 404):
             raise _rejection(answer, "allowance_cancel")
 
@@ -372,8 +430,13 @@ class HttpAgenticProvider:
         :class:`VerificationState` ``otp_sent``. :class:`ProviderRejection` ``VERIFICATION_NOT_SUPPORTED``
         (422), ``VERIFICATION_NOT_REQUIRED`` (400), ``VERIFICATION_STATE_INVALID`` (400, already
         verified), else ``PROVIDER_VERIFICATION_FAILED``."""
-        answer = self._call("POST", f"/allowances/{allowance_id}/verification", {},
-                            idempotency_key=idempotency_key, operation="verification")
+        answer = self._call(
+            "POST",
+            f"/allowances/{allowance_id}/verification",
+            {},
+            idempotency_key=idempotency_key,
+            operation="verification",
+        )
         return _expect(answer, 201, "verification", _verification_state)
 
     def submit_otp(self, allowance_id: str, otp: str, *, idempotency_key: str) -> VerificationState:
@@ -381,12 +444,18 @@ class HttpAgenticProvider:
         (the allowance is active). :class:`ProviderRejection` ``INVALID_OTP`` (400, with
         ``attempts_remaining``), ``PROVIDER_VERIFICATION_FAILED`` (the provider's attempt limit: start
         again), ``VERIFICATION_STATE_INVALID`` (no code awaited)."""
-        answer = self._call("POST", f"/allowances/{allowance_id}/verification/otp", {"otp": otp},
-                            idempotency_key=idempotency_key, operation="verification")
+        answer = self._call(
+            "POST",
+            f"/allowances/{allowance_id}/verification/otp",
+            {"otp": otp},
+            idempotency_key=idempotency_key,
+            operation="verification",
+        )
         return _expect(answer, 200, "verification", _verification_state)
 
-    def mint_credential(self, allowance_id: str, *, credential_format: str, amount: Amount,
-                        mpp: MppRequest | None, idempotency_key: str) -> MintedCredential:
+    def mint_credential(
+        self, allowance_id: str, *, credential_format: str, amount: Amount, mpp: MppRequest | None, idempotency_key: str
+    ) -> MintedCredential:
         """``POST /allowances/{id}/credentials``: 201 -> :class:`MintedCredential`.
 
         ``credential_format`` one of :data:`CREDENTIAL_FORMATS` for this provider (else ValueError, no
@@ -401,14 +470,26 @@ class HttpAgenticProvider:
         body: dict[str, Any] = {"format": credential_format, "amount": amount.wire()}
         if mpp is not None:
             body["mpp"] = {"key_set": mpp.key_set, "challenge": mpp.challenge}
-        answer = self._call("POST", f"/allowances/{allowance_id}/credentials", body,
-                            idempotency_key=idempotency_key, operation="credentials",
-                            on_timeout=CredentialOutcomeUnknown)
+        answer = self._call(
+            "POST",
+            f"/allowances/{allowance_id}/credentials",
+            body,
+            idempotency_key=idempotency_key,
+            operation="credentials",
+            on_timeout=CredentialOutcomeUnknown,
+        )
         return _expect(answer, 201, "credentials", _minted)
 
-    def _call(self, method: str, path: str, body: Any = None, *, idempotency_key: str | None = None,
-              operation: str = "enrollment", on_timeout: Callable[[str], PermanentError] | None = None
-              ) -> ProviderAnswer:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        idempotency_key: str | None = None,
+        operation: str = "enrollment",
+        on_timeout: Callable[[str], PermanentError] | None = None,
+    ) -> ProviderAnswer:
         """One call through :class:`providers.HttpClient`; a read timeout becomes ``on_timeout(message)``
         (default: the ``operation``'s :class:`ProviderRejection`)."""
         try:
@@ -501,8 +582,10 @@ def _minted(body: Any) -> MintedCredential:
 
 
 def _enrollment(body: Any) -> Enrollment:
-    if not isinstance(body, dict) or not isinstance(body.get("id"), str) or body.get("status") not in (
-        "enabled", "pending"
+    if (
+        not isinstance(body, dict)
+        or not isinstance(body.get("id"), str)
+        or body.get("status") not in ("enabled", "pending")
     ):
         raise EnrollmentFailed(UNCLASSIFIED, "the provider answered an enrollment the platform cannot read")
     raw_ids = body.get("provider_ids")

@@ -27,15 +27,21 @@ class BankVerifier:
     """One provider's verification endpoint; each call is one request."""
 
     def __init__(self, base_url: str, settings: Settings):
-        self._client = HttpClient(base_url, name=PROVIDER_NAME,
-                                  connect_timeout=settings.provider_connect_timeout_seconds,
-                                  read_timeout=settings.provider_read_timeout_seconds)
+        self._client = HttpClient(
+            base_url,
+            name=PROVIDER_NAME,
+            connect_timeout=settings.provider_connect_timeout_seconds,
+            read_timeout=settings.provider_read_timeout_seconds,
+        )
 
     def verify(self, routing_number: str, account_number: str, *, idempotency_key: str) -> str:
         """The account's status, one of :data:`STATUSES`."""
-        answer = self._client.call("POST", "/accounts/verify",
-                                   {"routing_number": routing_number, "account_number": account_number},
-                                   idempotency_key=idempotency_key)
+        answer = self._client.call(
+            "POST",
+            "/accounts/verify",
+            {"routing_number": routing_number, "account_number": account_number},
+            idempotency_key=idempotency_key,
+        )
         if answer.status >= 400:
             raise permanent_from_answer(answer, default_code="bank_verification_rejected")
         status = answer.body.get("status") if isinstance(answer.body, dict) else None

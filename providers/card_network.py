@@ -35,7 +35,6 @@ SANDBOX_PATH = "/card-network"
 _STATUS_OF_ANSWER = {404: 404, 409: 409}
 
 
-
 class HasTenantType(Protocol):
     """A caller or tenant: anything that says whether it is a ``test`` or ``production`` tenant."""
 

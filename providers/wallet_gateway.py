@@ -47,8 +47,14 @@ def gateway_environment(url: str, settings: Settings | None = None) -> str | Non
     if url == sandbox_gateway_url(settings):
         return "sandbox"
     parts = urlsplit(url)
-    if (parts.scheme == "https" and parts.hostname in PRODUCTION_GATEWAY_HOSTS and parts.port is None
-            and parts.path == SESSION_PATH and not parts.query and not parts.username):
+    if (
+        parts.scheme == "https"
+        and parts.hostname in PRODUCTION_GATEWAY_HOSTS
+        and parts.port is None
+        and parts.path == SESSION_PATH
+        and not parts.query
+        and not parts.username
+    ):
         return "production"
     return None
 
@@ -57,9 +63,12 @@ class WalletGateway:
     """The gateway of one environment; every method makes one call (see the module docstring)."""
 
     def __init__(self, base_url: str, settings: Settings):
-        self._client = HttpClient(base_url, name=PROVIDER_NAME,
-                                  connect_timeout=settings.provider_connect_timeout_seconds,
-                                  read_timeout=settings.provider_read_timeout_seconds)
+        self._client = HttpClient(
+            base_url,
+            name=PROVIDER_NAME,
+            connect_timeout=settings.provider_connect_timeout_seconds,
+            read_timeout=settings.provider_read_timeout_seconds,
+        )
         self._settings = settings
 
     @staticmethod
@@ -72,20 +81,32 @@ class WalletGateway:
 
     def register_domain(self, merchant_id: str, domain: str, *, idempotency_key: str) -> None:
         """Register ``domain`` for ``merchant_id`` (its association file was verified)."""
-        self._checked(self._client.call("POST", "/domains", {"merchant_id": merchant_id, "domain": domain},
-                                        idempotency_key=idempotency_key))
+        self._checked(
+            self._client.call(
+                "POST", "/domains", {"merchant_id": merchant_id, "domain": domain}, idempotency_key=idempotency_key
+            )
+        )
 
     def remove_domain(self, merchant_id: str, domain: str, *, idempotency_key: str) -> None:
         """Forget ``domain`` of ``merchant_id`` (no error when unknown)."""
-        self._checked(self._client.call("POST", "/domains/remove", {"merchant_id": merchant_id, "domain": domain},
-                                        idempotency_key=idempotency_key))
+        self._checked(
+            self._client.call(
+                "POST",
+                "/domains/remove",
+                {"merchant_id": merchant_id, "domain": domain},
+                idempotency_key=idempotency_key,
+            )
+        )
 
     def payment_session(self, validation_url: str, request: dict) -> dict:
         """The opaque merchant session the gateway at ``validation_url`` answers for ``request``
         (``{merchantIdentifier, displayName, initiative, initiativeContext}``)."""
-        client = HttpClient(validation_url, name=PROVIDER_NAME,
-                            connect_timeout=self._settings.provider_connect_timeout_seconds,
-                            read_timeout=self._settings.provider_read_timeout_seconds)
+        client = HttpClient(
+            validation_url,
+            name=PROVIDER_NAME,
+            connect_timeout=self._settings.provider_connect_timeout_seconds,
+            read_timeout=self._settings.provider_read_timeout_seconds,
+        )
         answer = self._checked(client.call("POST", "", request))
         if not isinstance(answer.body, dict):
             raise TransientError("the wallet session gateway answered without a session object")

@@ -233,8 +233,11 @@ class ProviderAllowance:
             "par": self.card.par,
             "verification": None
             if verification is None
-            else {"status": verification.status, "otps_sent": verification.otps_sent,
-                  "wrong_codes": verification.wrong_codes},
+            else {
+                "status": verification.status,
+                "otps_sent": verification.otps_sent,
+                "wrong_codes": verification.wrong_codes,
+            },
             "cancel_attempts": self.cancel_attempts,
             "credentials": self.credentials,
         }
@@ -356,9 +359,7 @@ def _allowance_in_path(request: web.Request, resource: str, action: str) -> tupl
     ``agentic.<provider>.<resource>.<action>``; 404 ``not_found`` when the provider does not hold it."""
     provider = provider_in_path(request)
     allowance = request.app[ALLOWANCES].find(provider, request.match_info["allowance_id"])
-    sandbox_of(request).requests.count(
-        endpoint_name(provider, resource, action), allowance.card if allowance else None
-    )
+    sandbox_of(request).requests.count(endpoint_name(provider, resource, action), allowance.card if allowance else None)
     if allowance is None:
         raise not_found("allowance")
     return provider, allowance
@@ -608,7 +609,8 @@ def _seal(minted: MintedCredential, inner: dict[str, Any], ask: MintRequest) -> 
 
 
 _RECIPIENT_KINDS: dict[tuple[str, str], type[OKPKey] | type[ECKey]] = {
-    ("OKP", "X25519"): OKPKey, ("EC", "P-256"): ECKey,
+    ("OKP", "X25519"): OKPKey,
+    ("EC", "P-256"): ECKey,
 }
 
 

@@ -34,8 +34,11 @@ def outcome(routing_number: str, account_number: str) -> str:
 async def verify(request: web.Request) -> web.Response:
     """200 ``{status}``; 400 ``invalid_request`` unless both numbers are strings of digits."""
     body = await read_json_object(request)
-    errors = {field: "must be a string of digits" for field in ("routing_number", "account_number")
-              if not isinstance(body.get(field), str) or not body[field].isdigit()}
+    errors = {
+        field: "must be a string of digits"
+        for field in ("routing_number", "account_number")
+        if not isinstance(body.get(field), str) or not body[field].isdigit()
+    }
     if errors:
         raise invalid_request(errors)
     return web.json_response({"status": outcome(body["routing_number"], body["account_number"])})

@@ -153,7 +153,8 @@ def _provision_extras_errors(body: dict[str, Any]) -> dict[str, str]:
     """Field path -> message for the optional ``cardholder`` and ``merchant_id`` fields."""
     cardholder = body.get("cardholder")
     fields: dict[str, tuple[object, type]] = {
-        "cardholder": (cardholder, dict), "merchant_id": (body.get("merchant_id"), str),
+        "cardholder": (cardholder, dict),
+        "merchant_id": (body.get("merchant_id"), str),
     }
     if isinstance(cardholder, dict):
         fields["cardholder.name"] = (cardholder.get("name"), str)

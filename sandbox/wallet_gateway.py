@@ -99,15 +99,17 @@ async def payment_session(request: web.Request) -> web.Response:
     if not isinstance(display_name, str) or not 1 <= len(display_name) <= 64:
         return _rejected("displayName must have 1 to 64 characters")
     now = int(time.time() * 1000)
-    return web.json_response({
-        "epochTimestamp": now,
-        "expiresAt": now + 3_600_000,
-        "merchantSessionIdentifier": f"SSH{secrets.token_hex(16).upper()}",
-        "nonce": secrets.token_hex(4),
-        "merchantIdentifier": merchant,
-        "domainName": domain,
-        "displayName": display_name,
-        "signature": secrets.token_hex(64),
-        "operationalAnalyticsIdentifier": f"{display_name}:{secrets.token_hex(8).upper()}",
-        "retries": 0,
-    })
+    return web.json_response(
+        {
+            "epochTimestamp": now,
+            "expiresAt": now + 3_600_000,
+            "merchantSessionIdentifier": f"SSH{secrets.token_hex(16).upper()}",
+            "nonce": secrets.token_hex(4),
+            "merchantIdentifier": merchant,
+            "domainName": domain,
+            "displayName": display_name,
+            "signature": secrets.token_hex(64),
+            "operationalAnalyticsIdentifier": f"{display_name}:{secrets.token_hex(8).upper()}",
+            "retries": 0,
+        }
+    )

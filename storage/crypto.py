@@ -149,8 +149,12 @@ class KmsWrapper:
 
         self._key_id = key_id
         self.wrapped_by = f"kms:{key_id}"
-        self._client = boto3.client("kms", region_name=region, endpoint_url=endpoint_url,
-                                    config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 2}))
+        self._client = boto3.client(
+            "kms",
+            region_name=region,
+            endpoint_url=endpoint_url,
+            config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 2}),
+        )
 
     def wrap(self, data_key: bytes, tenant_id: uuid.UUID) -> tuple[bytes, str | None]:
         """Return (ciphertext blob, KMS key id)."""
@@ -201,7 +205,8 @@ def load_master_key(settings: Settings) -> bytes:
     if not settings.uses_embedded_database and not path.exists():
         raise MasterKeyMissing(
             "TESSERA_MASTER_KEY is not set: a process on a shared database never makes a key of its own; "
-            "give every host the same key (or set TESSERA_KMS_KEY_ID)")
+            "give every host the same key (or set TESSERA_KMS_KEY_ID)"
+        )
     if not path.exists():
         _create_key_file(path)
     return _decode_key(path.read_text(), str(path))
@@ -218,8 +223,11 @@ def previous_master_keys(settings: Settings) -> list[bytes]:
     """The keys of ``TESSERA_MASTER_KEY_PREVIOUS`` (comma-separated base64)."""
     if settings.master_key_previous is None:
         return []
-    return [_decode_key(part, "each key of TESSERA_MASTER_KEY_PREVIOUS")
-            for part in settings.master_key_previous.get_secret_value().split(",") if part.strip()]
+    return [
+        _decode_key(part, "each key of TESSERA_MASTER_KEY_PREVIOUS")
+        for part in settings.master_key_previous.get_secret_value().split(",")
+        if part.strip()
+    ]
 
 
 def _create_key_file(path: Path) -> None:
@@ -268,8 +276,13 @@ class TenantKeys:
     def derive(cls, root: bytes, data_key: bytes | None = None, version: int = 1) -> TenantKeys:
         """The keys of a tenant whose derivation key is ``root`` (the HMAC keys derived with
         HKDF-SHA256) and whose data key of ``version`` is ``data_key`` (``root`` when omitted)."""
-        return cls(data_key if data_key is not None else root, hkdf(root, b"tessera fingerprint v1"),
-                   hkdf(root, b"tessera search index v1"), version, root)
+        return cls(
+            data_key if data_key is not None else root,
+            hkdf(root, b"tessera fingerprint v1"),
+            hkdf(root, b"tessera search index v1"),
+            version,
+            root,
+        )
 
     def derived(self, info: bytes) -> bytes:
         """A key for the purpose ``info`` derived from the derivation key (stable across rotations)."""
@@ -322,8 +335,9 @@ class Keyring:
     def _kms(self, key_id: str) -> KmsWrapper:
         return KmsWrapper(key_id, region=self._settings.aws_region, endpoint_url=self._settings.kms_endpoint_url)
 
-    def unwrap(self, tenant_id: uuid.UUID, wrapped: bytes, wrapping: str, kms_key_id: str | None,
-               wrapped_by: str | None) -> tuple[bytes, Wrapper]:
+    def unwrap(
+        self, tenant_id: uuid.UUID, wrapped: bytes, wrapping: str, kms_key_id: str | None, wrapped_by: str | None
+    ) -> tuple[bytes, Wrapper]:
         """The plain key of a wrapped row and the wrapper that opened it. A row that names its
         wrapping key is opened by that key only; a row from before keys were named is tried with
         each accepted key of its kind. Raises DecryptionError naming the setting to fix."""
@@ -333,7 +347,8 @@ class Keyring:
                 setting = "TESSERA_KMS_KEY_ID" if wrapped_by.startswith("kms:") else "TESSERA_MASTER_KEY"
                 raise DecryptionError(
                     f"a key of tenant {tenant_id} is wrapped by {wrapped_by}, which is neither {setting} nor one "
-                    f"of its _PREVIOUS keys")
+                    f"of its _PREVIOUS keys"
+                )
             return named.unwrap(wrapped, tenant_id, kms_key_id), named
         for candidate in self.accepted.values():
             if candidate.name == wrapping:
@@ -367,10 +382,26 @@ class Keyring:
         wrapper = self.current
         wrapped, kms_key_id = wrapper.wrap(data_key, tenant_id)
         wrapped_root, _ = wrapper.wrap(root, tenant_id)
-        session.add(TenantDataKey(tenant_id=tenant_id, version=1, state=ACTIVE, wrapped_key=wrapped,
-                                  wrapping=wrapper.name, kms_key_id=kms_key_id, wrapped_by=wrapper.wrapped_by))
-        session.add(TenantIndexKey(tenant_id=tenant_id, wrapped_key=wrapped_root, wrapping=wrapper.name,
-                                   kms_key_id=kms_key_id, wrapped_by=wrapper.wrapped_by))
+        session.add(
+            TenantDataKey(
+                tenant_id=tenant_id,
+                version=1,
+                state=ACTIVE,
+                wrapped_key=wrapped,
+                wrapping=wrapper.name,
+                kms_key_id=kms_key_id,
+                wrapped_by=wrapper.wrapped_by,
+            )
+        )
+        session.add(
+            TenantIndexKey(
+                tenant_id=tenant_id,
+                wrapped_key=wrapped_root,
+                wrapping=wrapper.name,
+                kms_key_id=kms_key_id,
+                wrapped_by=wrapper.wrapped_by,
+            )
+        )
         with self._lock:
             self._data_keys[(tenant_id, 1)] = data_key
             self._roots[tenant_id] = TenantKeys.derive(root)
@@ -379,8 +410,11 @@ class Keyring:
     def add_version(self, session: Session, tenant_id: uuid.UUID) -> int:
         """Make the tenant's next data key version, active; the active one becomes ``retiring``
         (in the caller's transaction, which should hold the tenant's key rows locked). Returns it."""
-        rows = session.execute(select(TenantDataKey).where(col(TenantDataKey.tenant_id) == tenant_id)
-                               .with_for_update()).scalars().all()
+        rows = (
+            session.execute(select(TenantDataKey).where(col(TenantDataKey.tenant_id) == tenant_id).with_for_update())
+            .scalars()
+            .all()
+        )
         if not rows:
             raise LookupError(f"no data key for tenant {tenant_id}")
         version = max(row.version for row in rows) + 1
@@ -390,9 +424,17 @@ class Keyring:
                 session.add(row)
         data_key = secrets.token_bytes(32)
         wrapped, kms_key_id = self.current.wrap(data_key, tenant_id)
-        session.add(TenantDataKey(tenant_id=tenant_id, version=version, state=ACTIVE, wrapped_key=wrapped,
-                                  wrapping=self.current.name, kms_key_id=kms_key_id,
-                                  wrapped_by=self.current.wrapped_by))
+        session.add(
+            TenantDataKey(
+                tenant_id=tenant_id,
+                version=version,
+                state=ACTIVE,
+                wrapped_key=wrapped,
+                wrapping=self.current.name,
+                kms_key_id=kms_key_id,
+                wrapped_by=self.current.wrapped_by,
+            )
+        )
         with self._lock:
             self._data_keys[(tenant_id, version)] = data_key
             self._active.pop(tenant_id, None)
@@ -411,8 +453,11 @@ class Keyring:
         """Destroy every key of a tenant in the caller's transaction: each data key version's bytes
         deleted (rows say ``destroyed``), the derivation key row deleted. Nothing of the tenant can
         be opened again, from any copy of the database."""
-        session.execute(update(TenantDataKey).where(col(TenantDataKey.tenant_id) == tenant_id).values(
-            wrapped_key=None, state=DESTROYED, destroyed_at=utcnow()))
+        session.execute(
+            update(TenantDataKey)
+            .where(col(TenantDataKey.tenant_id) == tenant_id)
+            .values(wrapped_key=None, state=DESTROYED, destroyed_at=utcnow())
+        )
         session.execute(delete(TenantIndexKey).where(col(TenantIndexKey.tenant_id) == tenant_id))
         self.forget(tenant_id)
 
@@ -432,8 +477,11 @@ class Keyring:
         known = self._active.get(tenant_id)
         if known is not None and known[1] > time.monotonic():
             return known[0]
-        version = session.execute(select(col(TenantDataKey.version)).where(
-            col(TenantDataKey.tenant_id) == tenant_id, col(TenantDataKey.state) == ACTIVE)).scalar()
+        version = session.execute(
+            select(col(TenantDataKey.version)).where(
+                col(TenantDataKey.tenant_id) == tenant_id, col(TenantDataKey.state) == ACTIVE
+            )
+        ).scalar()
         if version is None:
             raise LookupError(f"no data key for tenant {tenant_id}")
         with self._lock:
@@ -489,8 +537,9 @@ class Keyring:
         """Seal ``plaintext`` for one resource of a tenant (``purpose`` names the kind of value)
         with the tenant's active data key version."""
         version = self.active_version(session, tenant_id)
-        return seal(self.data_key(session, tenant_id, version), plaintext, _aad(purpose, tenant_id, resource_id),
-                    version)
+        return seal(
+            self.data_key(session, tenant_id, version), plaintext, _aad(purpose, tenant_id, resource_id), version
+        )
 
     def decrypt(self, session: Session, tenant_id: uuid.UUID, purpose: str, resource_id: str, envelope: bytes) -> bytes:
         """Open a value sealed by :meth:`encrypt` with the version it names; raises
@@ -498,8 +547,9 @@ class Keyring:
         key = self.data_key(session, tenant_id, envelope_version(envelope))
         return open_sealed(key, envelope, _aad(purpose, tenant_id, resource_id))
 
-    def reseal(self, session: Session, tenant_id: uuid.UUID, purpose: str, resource_id: str, envelope: bytes,
-               version: int) -> bytes:
+    def reseal(
+        self, session: Session, tenant_id: uuid.UUID, purpose: str, resource_id: str, envelope: bytes, version: int
+    ) -> bytes:
         """The same value sealed again under ``version`` (a rotation's step); raises like
         :meth:`decrypt`."""
         plain = self.decrypt(session, tenant_id, purpose, resource_id, envelope)

@@ -83,9 +83,14 @@ def get_lease_engine() -> Engine | None:
     settings = get_settings()
     if not settings.effective_database_url.startswith("postgresql"):
         return None
-    return create_engine(settings.effective_database_url, pool_size=settings.db_pool_size,
-                         max_overflow=settings.db_pool_size, pool_recycle=3600, isolation_level="AUTOCOMMIT",
-                         connect_args={"options": "-c synchronous_commit=off"})
+    return create_engine(
+        settings.effective_database_url,
+        pool_size=settings.db_pool_size,
+        max_overflow=settings.db_pool_size,
+        pool_recycle=3600,
+        isolation_level="AUTOCOMMIT",
+        connect_args={"options": "-c synchronous_commit=off"},
+    )
 
 
 def _once_more_on_disconnect(engine: Engine, run: Callable[[Connection], T]) -> T:

@@ -45,8 +45,17 @@ def _setting(wrapped_by: str) -> str:
 
 def _record(session: Session, wrapper: Wrapper) -> None:
     wrapped, _ = wrapper.wrap(CHECK_PLAINTEXT, CHECK_TENANT)
-    insert_if_absent(session, KeyCheck, {"id": 1, "wrapping": wrapper.name, "wrapped_by": wrapper.wrapped_by,
-                                         "check_value": wrapped, "updated_at": utcnow()})
+    insert_if_absent(
+        session,
+        KeyCheck,
+        {
+            "id": 1,
+            "wrapping": wrapper.name,
+            "wrapped_by": wrapper.wrapped_by,
+            "check_value": wrapped,
+            "updated_at": utcnow(),
+        },
+    )
 
 
 def _adopt_unnamed(session: Session, keyring: Keyring) -> None:
@@ -54,8 +63,13 @@ def _adopt_unnamed(session: Session, keyring: Keyring) -> None:
     name every unnamed row of that kind by the key that opened it (one master key was all there was)."""
     models: tuple[type[TenantDataKey] | type[TenantIndexKey], ...] = (TenantDataKey, TenantIndexKey)
     for model in models:
-        row = session.execute(select(model).where(col(model.wrapped_by).is_(None), col(model.wrapped_key).is_not(None))
-                              .limit(1)).scalars().first()
+        row = (
+            session.execute(
+                select(model).where(col(model.wrapped_by).is_(None), col(model.wrapped_key).is_not(None)).limit(1)
+            )
+            .scalars()
+            .first()
+        )
         if row is None:
             continue
         try:
@@ -63,9 +77,13 @@ def _adopt_unnamed(session: Session, keyring: Keyring) -> None:
         except DecryptionError:
             raise KeyCheckFailed(
                 f"{_setting(keyring.current.wrapped_by)} does not open the data keys already in this database: set "
-                "the key the database was made with") from None
-        session.execute(update(model).where(col(model.wrapped_by).is_(None), col(model.wrapping) == opener.name)
-                        .values(wrapped_by=opener.wrapped_by))
+                "the key the database was made with"
+            ) from None
+        session.execute(
+            update(model)
+            .where(col(model.wrapped_by).is_(None), col(model.wrapping) == opener.name)
+            .values(wrapped_by=opener.wrapped_by)
+        )
 
 
 def verify(session: Session, keyring: Keyring | None = None) -> str:
@@ -93,7 +111,8 @@ def verify(session: Session, keyring: Keyring | None = None) -> str:
         raise KeyCheckFailed(
             f"{setting} does not open this database's keys (they are under {row.wrapped_by}, this process has "
             f"{current.wrapped_by}): set the key the database was made with, or add it to {setting}_PREVIOUS "
-            "while `tessera keys rewrap` runs")
+            "while `tessera keys rewrap` runs"
+        )
     try:
         opened = wrapper.unwrap(row.check_value, CHECK_TENANT, None)
     except DecryptionError:
@@ -117,8 +136,11 @@ def move_to_current(session: Session, keyring: Keyring | None = None) -> None:
     keyring = keyring or get_keyring()
     current = keyring.current
     wrapped, _ = current.wrap(CHECK_PLAINTEXT, CHECK_TENANT)
-    session.execute(update(KeyCheck).where(col(KeyCheck.id) == 1).values(
-        wrapping=current.name, wrapped_by=current.wrapped_by, check_value=wrapped, updated_at=utcnow()))
+    session.execute(
+        update(KeyCheck)
+        .where(col(KeyCheck.id) == 1)
+        .values(wrapping=current.name, wrapped_by=current.wrapped_by, check_value=wrapped, updated_at=utcnow())
+    )
 
 
 def require() -> None:
@@ -130,5 +152,7 @@ def require() -> None:
     except KeyUnavailable as exc:
         raise KeyCheckFailed(f"the key check cannot be made: {exc} (TESSERA_KMS_KEY_ID)") from None
     except SQLAlchemyError as exc:
-        raise KeyCheckFailed(f"the key check cannot be made: the database did not answer ({type(exc).__name__}); "
-                             "is it migrated (tessera migrate)?") from None
+        raise KeyCheckFailed(
+            f"the key check cannot be made: the database did not answer ({type(exc).__name__}); "
+            "is it migrated (tessera migrate)?"
+        ) from None

@@ -116,8 +116,9 @@ class KeyRotation(SQLModel, table=True):
     __tablename__ = "key_rotations"
 
     id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
-    tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False,
-                                                  index=True))
+    tenant_id: uuid.UUID = Field(
+        sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
+    )
     version: int
     status: str = Field(default="running", max_length=16)  # running | completed
     done: int = 0
@@ -365,8 +366,13 @@ class Job(SQLModel, table=True):
         Index("ix_jobs_due", "status", "due_at"),
         Index("ix_jobs_subject", "subject_type", "subject_id", "subject_number"),
         # a tenant's webhook deliveries still to deliver (the fairness checks of domain.webhooks)
-        Index("ix_jobs_deliveries_waiting", "tenant_id", "due_at",
-              postgresql_where=text(_DELIVERIES_WAITING), sqlite_where=text(_DELIVERIES_WAITING)),
+        Index(
+            "ix_jobs_deliveries_waiting",
+            "tenant_id",
+            "due_at",
+            postgresql_where=text(_DELIVERIES_WAITING),
+            sqlite_where=text(_DELIVERIES_WAITING),
+        ),
     )
 
     id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
@@ -395,14 +401,17 @@ class Job(SQLModel, table=True):
 
 #: The public status of a webhook delivery (the API's words) for each status of its job.
 DELIVERY_STATUS: dict[str, DeliveryStatus] = {
-    JobStatus.QUEUED: DeliveryStatus.PENDING, JobStatus.RUNNING: DeliveryStatus.PENDING,
+    JobStatus.QUEUED: DeliveryStatus.PENDING,
+    JobStatus.RUNNING: DeliveryStatus.PENDING,
     JobStatus.SUCCEEDED: DeliveryStatus.SUCCEEDED,
-    JobStatus.FAILED: DeliveryStatus.FAILED, JobStatus.DEAD: DeliveryStatus.FAILED,
+    JobStatus.FAILED: DeliveryStatus.FAILED,
+    JobStatus.DEAD: DeliveryStatus.FAILED,
     JobStatus.CANCELLED: DeliveryStatus.FAILED,
 }
 #: The job statuses behind each public delivery status.
 DELIVERY_JOB_STATUSES: dict[str, tuple[JobStatus, ...]] = {
-    DeliveryStatus.PENDING: JOB_TAKEABLE, DeliveryStatus.SUCCEEDED: (JobStatus.SUCCEEDED,),
+    DeliveryStatus.PENDING: JOB_TAKEABLE,
+    DeliveryStatus.SUCCEEDED: (JobStatus.SUCCEEDED,),
     DeliveryStatus.FAILED: JOB_UNSUCCESSFUL,
 }
 
@@ -418,8 +427,10 @@ def delivery_status(job_status):
 
 #: ``WebhookDelivery.status``: the public status, read from the delivery's job with the delivery (read-only).
 WebhookDelivery.status = column_property(
-    select(delivery_status(table_of(Job).c.status)).where(table_of(Job).c.id == table_of(WebhookDelivery).c.id)
-    .correlate_except(table_of(Job)).scalar_subquery()
+    select(delivery_status(table_of(Job).c.status))
+    .where(table_of(Job).c.id == table_of(WebhookDelivery).c.id)
+    .correlate_except(table_of(Job))
+    .scalar_subquery()
 )
 
 

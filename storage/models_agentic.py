@@ -138,9 +138,7 @@ class IdempotencyRecord(SQLModel, table=True):
 
     __tablename__ = "agentic_idempotency_records"
 
-    tenant_id: uuid.UUID = Field(
-        sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
-    )
+    tenant_id: uuid.UUID = Field(sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True))
     scope: str = Field(sa_column=Column(String(64), primary_key=True))
     key: str = Field(sa_column=Column(String(255), primary_key=True))
     request_hash: str = Field(max_length=64)

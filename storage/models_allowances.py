@@ -45,10 +45,13 @@ class Allowance(SQLModel, table=True):
 
     __tablename__ = "agentic_allowances"
     __table_args__ = (
-        CheckConstraint("amount_available + amount_reserved + amount_spent = amount",
-                        name="ck_agentic_allowances_balance"),
-        CheckConstraint("amount > 0 AND amount_available >= 0 AND amount_reserved >= 0 AND amount_spent >= 0",
-                        name="ck_agentic_allowances_non_negative"),
+        CheckConstraint(
+            "amount_available + amount_reserved + amount_spent = amount", name="ck_agentic_allowances_balance"
+        ),
+        CheckConstraint(
+            "amount > 0 AND amount_available >= 0 AND amount_reserved >= 0 AND amount_spent >= 0",
+            name="ck_agentic_allowances_non_negative",
+        ),
         Index("ix_agentic_allowances_list", "tenant_id", "created_at", "id"),
         Index("ix_agentic_allowances_payment_method", "payment_method_id", "status"),
         Index("ix_agentic_allowances_reserved", "amount_reserved"),

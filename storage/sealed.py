@@ -64,22 +64,27 @@ class SealedColumn:
 
 def _stale(spec: SealedColumn, tenant_id: uuid.UUID, version: int) -> list[ColumnElement]:
     column = spec.table.c[spec.column]
-    return [spec.table.c[spec.tenant] == tenant_id, column.is_not(None),
-            func.substr(column, 1, 5) != literal(version_head(version))]
+    return [
+        spec.table.c[spec.tenant] == tenant_id,
+        column.is_not(None),
+        func.substr(column, 1, 5) != literal(version_head(version)),
+    ]
 
 
 def count_stale(session: Session, spec: SealedColumn, tenant_id: uuid.UUID, version: int) -> int:
     """How many values of a tenant in this column are not sealed under ``version``."""
-    return session.execute(select(func.count()).select_from(spec.table).where(*_stale(spec, tenant_id, version))
-                           ).scalar_one()
+    return session.execute(
+        select(func.count()).select_from(spec.table).where(*_stale(spec, tenant_id, version))
+    ).scalar_one()
 
 
 def count_by_version(session: Session, spec: SealedColumn, tenant_id: uuid.UUID) -> dict[int, int]:
     """The tenant's values in this column by the data key version that sealed them."""
     column = spec.table.c[spec.column]
     head = func.substr(column, 1, 5)
-    rows = session.execute(select(head, func.count()).where(spec.table.c[spec.tenant] == tenant_id,
-                                                            column.is_not(None)).group_by(head)).all()
+    rows = session.execute(
+        select(head, func.count()).where(spec.table.c[spec.tenant] == tenant_id, column.is_not(None)).group_by(head)
+    ).all()
     counted: dict[int, int] = {}
     for found, number in rows:
         version = version_of_head(bytes(found))
@@ -87,8 +92,9 @@ def count_by_version(session: Session, spec: SealedColumn, tenant_id: uuid.UUID)
     return counted
 
 
-def stale_rows(session: Session, spec: SealedColumn, tenant_id: uuid.UUID, version: int, limit: int,
-               after: tuple | None = None) -> Sequence[Any]:
+def stale_rows(
+    session: Session, spec: SealedColumn, tenant_id: uuid.UUID, version: int, limit: int, after: tuple | None = None
+) -> Sequence[Any]:
     """Up to ``limit`` rows of the tenant whose value is not sealed under ``version``, in primary key
     order after the key ``after`` (a keyset: each chunk reads only its own rows, however far the
     rotation got), locked (rows another transaction holds are skipped): their key columns (``key``
@@ -99,7 +105,8 @@ def stale_rows(session: Session, spec: SealedColumn, tenant_id: uuid.UUID, versi
         if name in spec.table.c:
             columns.setdefault(name, spec.table.c[name])
     statement = select(*columns.values(), spec.table.c[spec.column].label("sealed")).where(
-        *_stale(spec, tenant_id, version))
+        *_stale(spec, tenant_id, version)
+    )
     if after is not None:
         bound = tuple_(*(literal(value, c.type) for value, c in zip(after, key, strict=True)))
         statement = statement.where(tuple_(*key) > bound)
@@ -129,13 +136,16 @@ def _resealing_statement(spec: SealedColumn, dialect: str):
     names = [c.name for c in spec._key]
     column = spec.column
     if dialect == "postgresql":
-        arrays = ", ".join([*(f"CAST(:k_{n} AS {_pg_type(spec.table.c[n])}[])" for n in names),
-                            "CAST(:new AS bytea[])"])
+        arrays = ", ".join(
+            [*(f"CAST(:k_{n} AS {_pg_type(spec.table.c[n])}[])" for n in names), "CAST(:new AS bytea[])"]
+        )
         columns = ", ".join([*(f"k_{n}" for n in names), "new"])
         matches = " AND ".join(f't."{n}" = v.k_{n}' for n in names)
         # identifiers from the platform's own table metadata; every value is a bound parameter
-        sql = (f'UPDATE "{spec.table.name}" AS t SET "{column}" = v.new '  # noqa: S608
-               f"FROM unnest({arrays}) AS v({columns}) WHERE {matches}")
+        sql = (
+            f'UPDATE "{spec.table.name}" AS t SET "{column}" = v.new '  # noqa: S608
+            f"FROM unnest({arrays}) AS v({columns}) WHERE {matches}"
+        )
     else:
         matches = " AND ".join(f'"{n}" = :k_{n}' for n in names)
         sql = f'UPDATE "{spec.table.name}" SET "{column}" = :new WHERE {matches}'  # noqa: S608
@@ -156,10 +166,13 @@ def write_resealed(session: Session, spec: SealedColumn, rows: Sequence[Any], se
     dialect = session.get_bind().dialect.name
     statement = _resealing_statement(spec, dialect)
     if dialect == "postgresql":
-        params: dict[str, Any] = {f"k_{n}": [str(getattr(row, n)) if isinstance(getattr(row, n), uuid.UUID)
-                                             else getattr(row, n) for row in rows] for n in names}
+        params: dict[str, Any] = {
+            f"k_{n}": [
+                str(getattr(row, n)) if isinstance(getattr(row, n), uuid.UUID) else getattr(row, n) for row in rows
+            ]
+            for n in names
+        }
         params["new"] = list(sealed)
         return rowcount(session.execute(statement, params))
-    each = [{**{f"k_{n}": getattr(row, n) for n in names}, "new": new}
-            for row, new in zip(rows, sealed, strict=True)]
+    each = [{**{f"k_{n}": getattr(row, n) for n in names}, "new": new} for row, new in zip(rows, sealed, strict=True)]
     return sum(rowcount(session.execute(statement, one)) for one in each)

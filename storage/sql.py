@@ -32,6 +32,6 @@ def upsert_when(session: Session, model: type[SQLModel], values: dict, *, index:
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     statement = insert(table_of(model)).values(**values)
     statement = statement.on_conflict_do_update(
-        index_elements=index, set_={name: value for name, value in values.items() if name not in index},
-        where=when)
+        index_elements=index, set_={name: value for name, value in values.items() if name not in index}, where=when
+    )
     return rowcount(session.execute(statement)) == 1

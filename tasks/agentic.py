@@ -147,8 +147,7 @@ class VerifyAllowanceRail(_AllowanceJob):
     """Start a rail's verification or submit its code (subject: the allowance rail id)."""
 
     name = allowance_service.VERIFY_TASK
-    steps = (allowance_work.perform_verification, allowance_work.apply_verification,
-             allowance_work.verification_failed)
+    steps = (allowance_work.perform_verification, allowance_work.apply_verification, allowance_work.verification_failed)
 
 
 class CancelAllowance(_AllowanceJob):
@@ -185,11 +184,12 @@ def purge_provider_errors_task() -> int:
     return in_batches(lambda s: purge_provider_errors(s, retention_days=days, batch=SWEEP_BATCH), SWEEP_BATCH)
 
 
-
 @celery_app.task(name="agentic.sweep_allowances", base=TesseraTask)
 def sweep_allowances() -> int:
     """Settle stale mint reservations (to spent), expire allowances past ``expires_at``, destroy
     credential values their request never took; returns how many rows changed."""
-    return (in_batches(lambda s: allowance_service.settle_stale_reservations(s, batch=SWEEP_BATCH), SWEEP_BATCH)
-            + in_batches(lambda s: allowance_service.expire_allowances(s, batch=SWEEP_BATCH), SWEEP_BATCH)
-            + in_batches(lambda s: allowance_service.purge_undelivered(s, batch=SWEEP_BATCH), SWEEP_BATCH))
+    return (
+        in_batches(lambda s: allowance_service.settle_stale_reservations(s, batch=SWEEP_BATCH), SWEEP_BATCH)
+        + in_batches(lambda s: allowance_service.expire_allowances(s, batch=SWEEP_BATCH), SWEEP_BATCH)
+        + in_batches(lambda s: allowance_service.purge_undelivered(s, batch=SWEEP_BATCH), SWEEP_BATCH)
+    )

@@ -59,8 +59,15 @@ class MailJob(JobTask):
         if mail is None:
             return False
         try:
-            written = send_mail(to=mail.to, subject=mail.subject, text=mail.text, html=getattr(mail, "html", None),
-                                smtp_url=settings.smtp_url, data_dir=settings.data_dir, sender=settings.mail_from)
+            written = send_mail(
+                to=mail.to,
+                subject=mail.subject,
+                text=mail.text,
+                html=getattr(mail, "html", None),
+                smtp_url=settings.smtp_url,
+                data_dir=settings.data_dir,
+                sender=settings.mail_from,
+            )
         except MailError as exc:
             if exc.transient:
                 raise TransientError(str(exc)) from exc

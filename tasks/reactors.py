@@ -132,7 +132,6 @@ def end_code(state, prefix: str) -> dict:
     return {"ok": f"{retire_owner(prefix)} ended"}
 
 
-
 @celery_app.task(name=runs.PURGE_TASK, base=TesseraTask)
 def purge_results() -> int:
     """Beat sweep: delete invocations settled longer ago than ``TESSERA_REACTOR_RESULT_RETENTION_HOURS``

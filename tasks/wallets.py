@@ -16,8 +16,11 @@ class _WalletJob(JobTask):
     abstract = True
     #: Seconds a worker holds the job: a fetch and a call plus 10 s.
     lease_seconds = 10.0
-    lease_settings = {"webhook_timeout_seconds": 2.0, "provider_connect_timeout_seconds": 1.0,
-                      "provider_read_timeout_seconds": 1.0}
+    lease_settings = {
+        "webhook_timeout_seconds": 2.0,
+        "provider_connect_timeout_seconds": 1.0,
+        "provider_read_timeout_seconds": 1.0,
+    }
 
 
 class RegisterDomain(_WalletJob):

@@ -26,5 +26,6 @@ def deliver(self, delivery_ids: list[str]) -> dict[str, int]:
     """
     outcome = webhooks.deliver_batch([uuid.UUID(i) for i in delivery_ids], self.worker_id(), get_settings())
     metrics.webhook_outcomes(outcome.counts)
-    return self.report(outcome.counts, retrying=outcome.retrying, failed=outcome.failed - outcome.dead,
-                       dead=outcome.dead)
+    return self.report(
+        outcome.counts, retrying=outcome.retrying, failed=outcome.failed - outcome.dead, dead=outcome.dead
+    )

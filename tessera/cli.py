@@ -270,8 +270,14 @@ def _tenants_list(args: argparse.Namespace) -> int:
     elif not rows:
         print("no tenants yet: tessera tenants create --name NAME --owner-email EMAIL", flush=True)
     else:
-        columns = [("id", "ID"), ("name", "NAME"), ("type", "TYPE"), ("owner_email", "OWNER"),
-                   ("members", "MEMBERS"), ("created_at", "CREATED")]
+        columns = [
+            ("id", "ID"),
+            ("name", "NAME"),
+            ("type", "TYPE"),
+            ("owner_email", "OWNER"),
+            ("members", "MEMBERS"),
+            ("created_at", "CREATED"),
+        ]
         shown = [{**row, "created_at": row["created_at"].strftime("%Y-%m-%d %H:%M")} for row in rows]
         print(_table(shown, columns), flush=True)
     return 0
@@ -297,9 +303,12 @@ def _flower(args: argparse.Namespace) -> int:
         print("error: TESSERA_FLOWER_USER may not hold ':' or ',', nor TESSERA_FLOWER_PASSWORD ','", file=sys.stderr)
         return 2
     if settings.effective_broker_url.startswith("sqla+"):
-        print("error: the embedded SQLite broker carries no task events, so Flower would show none; set "
-              "TESSERA_BROKER_URL=redis://... (in the environment or ./.env) for tessera dev, worker and flower alike",
-              file=sys.stderr, flush=True)
+        print(
+            "error: the embedded SQLite broker carries no task events, so Flower would show none; set "
+            "TESSERA_BROKER_URL=redis://... (in the environment or ./.env) for tessera dev, worker and flower alike",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     # Flower reads FLOWER_* options from the environment: the password stays out of the process list.
     os.environ["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
@@ -355,8 +364,14 @@ def _jobs_list(args: argparse.Namespace) -> int:
     for row in rows:
         row["tries"] = f"{row['attempts']}/{row['max_attempts']}"
         row["error"] = _short(row["last_error"])
-    columns = [("id", "ID"), ("kind", "KIND"), ("state", "STATE"), ("tries", "ATTEMPTS"),
-               ("updated_at", "UPDATED"), ("error", "LAST ERROR")]
+    columns = [
+        ("id", "ID"),
+        ("kind", "KIND"),
+        ("state", "STATE"),
+        ("tries", "ATTEMPTS"),
+        ("updated_at", "UPDATED"),
+        ("error", "LAST ERROR"),
+    ]
     print(_table(rows, columns), flush=True)
     return 0
 
@@ -371,8 +386,14 @@ def _show(view: dict) -> str:
     if log is not None:
         lines.append("attempts log:")
         if log:
-            columns = [("number", "#"), ("attempted_at", "AT"), ("outcome", "OUTCOME"),
-                       ("status_code", "STATUS"), ("duration_ms", "MS"), ("error", "ERROR")]
+            columns = [
+                ("number", "#"),
+                ("attempted_at", "AT"),
+                ("outcome", "OUTCOME"),
+                ("status_code", "STATUS"),
+                ("duration_ms", "MS"),
+                ("error", "ERROR"),
+            ]
             lines += ["  " + line for line in _table(log, columns).splitlines()]
         else:
             lines.append("  (none yet)")
@@ -429,8 +450,11 @@ def _alive(args: argparse.Namespace) -> int:
     if args.role == "beat":
         beat = beats.get("beat")
         ok = bool(beat and beat.host == host and beat.alive())
-        problem = "no beat heartbeat from this host" if not (beat and beat.host == host) else \
-            f"beat's last heartbeat is {beat.age():.0f}s old"
+        problem = (
+            "no beat heartbeat from this host"
+            if not (beat and beat.host == host)
+            else f"beat's last heartbeat is {beat.age():.0f}s old"
+        )
     else:
         mine = [b for b in beats.values() if b.kind == "worker" and b.host == host]
         stale = sorted(b.name for b in mine if not b.alive())
@@ -464,8 +488,10 @@ def _queues(args: argparse.Namespace) -> int:
     for worker in report["workers"]:
         ping = {True: "answers ping", False: "no ping answer", None: "ping n/a"}[worker["ping"]]
         heartbeat = _age(worker["heartbeat_age_seconds"])
-        lines.append(f"  {worker['name']}  {'alive' if worker['alive'] else 'MISSING'}  {ping}"
-                     f"  heartbeat {heartbeat + ' ago' if heartbeat else 'none'}")
+        lines.append(
+            f"  {worker['name']}  {'alive' if worker['alive'] else 'MISSING'}  {ping}"
+            f"  heartbeat {heartbeat + ' ago' if heartbeat else 'none'}"
+        )
     for name, label in (("beat", "beat"), ("relay", "outbox relay")):
         age = _age(report[name]["heartbeat_age_seconds"])
         state = "alive" if report[name]["alive"] else "MISSING"
@@ -485,8 +511,7 @@ def _keys_status(args: argparse.Namespace) -> int:
 
     try:
         with session_scope() as session:
-            report = (service.tenant_status(session, uuid.UUID(args.tenant)) if args.tenant
-                      else service.status(session))
+            report = service.tenant_status(session, uuid.UUID(args.tenant)) if args.tenant else service.status(session)
     except (LookupError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -501,11 +526,15 @@ def _keys_status(args: argparse.Namespace) -> int:
             print(f"  v{version['version']}  {version['state']:<9}  {version['values']} values")
         rotation = report["rotation"]
         if rotation:
-            print(f"  rotation to v{rotation['version']}: {rotation['status']}, {rotation['done']} of "
-                  f"{rotation['total']} values")
+            print(
+                f"  rotation to v{rotation['version']}: {rotation['status']}, {rotation['done']} of "
+                f"{rotation['total']} values"
+            )
     else:
-        print(f"wrapping: {report['wrapping']} ({report['wrapped_by']}); key check: {report['key_check']}; "
-              f"wrapped keys under a previous key: {report['data_keys_under_previous']}")
+        print(
+            f"wrapping: {report['wrapping']} ({report['wrapped_by']}); key check: {report['key_check']}; "
+            f"wrapped keys under a previous key: {report['data_keys_under_previous']}"
+        )
     return 0 if report.get("key_check", "ok") == "ok" else 1
 
 
@@ -524,8 +553,9 @@ def _keys_rewrap(args: argparse.Namespace) -> int:
     while True:
         with session_scope() as session:
             report = service.status(session)
-            settled = report["data_keys_under_previous"] == 0 and session.exec(
-                service.rewrap_settled(job_id)).first() is None
+            settled = (
+                report["data_keys_under_previous"] == 0 and session.exec(service.rewrap_settled(job_id)).first() is None
+            )
         print(f"  {report['data_keys_under_previous']} left", flush=True)
         if settled:
             print("rewrap completed: every wrapped key and the key check are under the current key", flush=True)
@@ -576,8 +606,10 @@ def _dev(_args: argparse.Namespace) -> int:
     return run_dev()
 
 
-_SETTINGS_TEXT = ("Settings come from TESSERA_* environment variables, or from a .env file in the working folder "
-                  "for those the environment does not set (config/settings.py).")
+_SETTINGS_TEXT = (
+    "Settings come from TESSERA_* environment variables, or from a .env file in the working folder "
+    "for those the environment does not set (config/settings.py)."
+)
 _WORKER_TEXT = f"""Options not listed here pass through to `celery worker` (for example --concurrency N,
 -n NAME, -Q QUEUES, --loglevel DEBUG; see `celery worker --help`). Without -Q this process runs every
 queue but `providers` and `reactors` on a prefork pool and starts a child on threads for each of
@@ -629,19 +661,28 @@ def build_parser() -> argparse.ArgumentParser:
     api = commands.add_parser("api", help="run the HTTP API")
     api.add_argument("--host", help="address to listen on (default: TESSERA_API_HOST, 127.0.0.1)")
     api.add_argument("--port", type=int, help="port to listen on (default: TESSERA_API_PORT, 8080)")
-    api.add_argument("--workers", type=int, help="api processes sharing the port (default: TESSERA_API_WORKERS, "
-                     "else one per core)")
+    api.add_argument(
+        "--workers", type=int, help="api processes sharing the port (default: TESSERA_API_WORKERS, else one per core)"
+    )
     api.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
     api.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)  # a socket bound by tessera dev
     api.set_defaults(func=_api)
     raw = argparse.RawDescriptionHelpFormatter
-    worker = commands.add_parser("worker", help="run a Celery worker (extra options go to celery worker)",
-                                 description="Run the platform's Celery worker.", epilog=_WORKER_TEXT,
-                                 formatter_class=raw)
+    worker = commands.add_parser(
+        "worker",
+        help="run a Celery worker (extra options go to celery worker)",
+        description="Run the platform's Celery worker.",
+        epilog=_WORKER_TEXT,
+        formatter_class=raw,
+    )
     worker.set_defaults(func=_worker)
-    beat = commands.add_parser("beat", help="run Celery beat (sweeps and the outbox relay)",
-                               description="Run Celery beat: the sweeps and the outbox relay.", epilog=_BEAT_TEXT,
-                               formatter_class=raw)
+    beat = commands.add_parser(
+        "beat",
+        help="run Celery beat (sweeps and the outbox relay)",
+        description="Run Celery beat: the sweeps and the outbox relay.",
+        epilog=_BEAT_TEXT,
+        formatter_class=raw,
+    )
     beat.set_defaults(func=_beat)
     commands.add_parser("migrate", help="apply the database migrations").set_defaults(func=_migrate, reads_state=True)
     sandbox = commands.add_parser("sandbox", help="run the sandbox providers")
@@ -653,8 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
     create = tenants.add_parser("create", help="create a tenant with a management application")
     create.add_argument("--name", required=True, help="the tenant's name")
     create.add_argument("--owner-email", required=True, help="the owner's email address")
-    create.add_argument("--type", choices=("test", "production"), default="test",
-                        help="test (sandbox providers, the default) or production (live providers)")
+    create.add_argument(
+        "--type",
+        choices=("test", "production"),
+        default="test",
+        help="test (sandbox providers, the default) or production (live providers)",
+    )
     create.add_argument("--json", action="store_true", help="print one JSON object")
     create.set_defaults(func=_tenants_create, reads_state=True)
     tenant_list = tenants.add_parser("list", help="the live tenants, newest first")
@@ -663,21 +708,29 @@ def build_parser() -> argparse.ArgumentParser:
     tenant_list.set_defaults(func=_tenants_list, reads_state=True)
 
     flower = commands.add_parser(
-        "flower", help="run Flower on the platform's Celery app (basic auth: TESSERA_FLOWER_USER/PASSWORD)",
-        description="Run Flower, Celery's monitor, on the platform's Celery app.", epilog=_FLOWER_TEXT,
+        "flower",
+        help="run Flower on the platform's Celery app (basic auth: TESSERA_FLOWER_USER/PASSWORD)",
+        description="Run Flower, Celery's monitor, on the platform's Celery app.",
+        epilog=_FLOWER_TEXT,
         formatter_class=raw,
     )
     flower.add_argument("--address", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     flower.add_argument("--port", type=int, default=5555, help="port to listen on (default 5555)")
     flower.set_defaults(func=_flower)
 
-    jobs = _group(commands.add_parser("jobs", help="inspect, retry and cancel jobs and webhook deliveries"),
-                  "jobs_command")
+    jobs = _group(
+        commands.add_parser("jobs", help="inspect, retry and cancel jobs and webhook deliveries"), "jobs_command"
+    )
     listing = jobs.add_parser("list", help="jobs, most recently changed first (webhooks.deliver: deliveries)")
     states = ("queued", "running", "succeeded", "failed", "dead", "cancelled", "pending")
-    listing.add_argument("--state", action="append", choices=states, metavar="STATE",
-                         help="queued, running, succeeded, failed, dead, cancelled (deliveries: pending, "
-                         "succeeded, failed, cancelled); repeat for several")
+    listing.add_argument(
+        "--state",
+        action="append",
+        choices=states,
+        metavar="STATE",
+        help="queued, running, succeeded, failed, dead, cancelled (deliveries: pending, "
+        "succeeded, failed, cancelled); repeat for several",
+    )
     listing.add_argument("--kind", help="the task name, e.g. network_tokens.provision or webhooks.deliver")
     listing.add_argument("--tenant", help="only this tenant's")
     listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
@@ -694,17 +747,26 @@ def build_parser() -> argparse.ArgumentParser:
         one.set_defaults(func=_jobs_one(operation), reads_state=True)
 
     keys = _group(commands.add_parser("keys", help="key status, rotation and rewrap"), "keys_command")
-    key_status = keys.add_parser("status", help="the wrapping key, the key check and keys under a previous key; "
-                                 "with --tenant, a tenant's data key versions and rotation")
+    key_status = keys.add_parser(
+        "status",
+        help="the wrapping key, the key check and keys under a previous key; "
+        "with --tenant, a tenant's data key versions and rotation",
+    )
     key_status.add_argument("--tenant", help="a tenant id: its versions, their values and its rotation")
     key_status.add_argument("--json", action="store_true", help="print one JSON object")
     key_status.set_defaults(func=_keys_status, reads_state=True)
-    rewrap = keys.add_parser("rewrap", help="move every wrapped key under TESSERA_MASTER_KEY (or TESSERA_KMS_KEY_ID) "
-                             "as a job; the _PREVIOUS keys open the others meanwhile")
+    rewrap = keys.add_parser(
+        "rewrap",
+        help="move every wrapped key under TESSERA_MASTER_KEY (or TESSERA_KMS_KEY_ID) "
+        "as a job; the _PREVIOUS keys open the others meanwhile",
+    )
     rewrap.add_argument("--wait", action="store_true", help="wait for the end, printing progress")
     rewrap.set_defaults(func=_keys_rewrap, reads_state=True)
-    rotate = keys.add_parser("rotate", help="make a tenant's next data key version and re-encrypt every value "
-                             "sealed under older ones as a job; then destroy them")
+    rotate = keys.add_parser(
+        "rotate",
+        help="make a tenant's next data key version and re-encrypt every value "
+        "sealed under older ones as a job; then destroy them",
+    )
     rotate.add_argument("--tenant", help="the tenant id")
     rotate.add_argument("--all", action="store_true", help="every tenant")
     rotate.add_argument("--wait", action="store_true", help="wait for the end, printing progress")
@@ -715,8 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
     queues.add_argument("--timeout", type=float, default=1.0, help="seconds to wait for workers to answer")
     queues.set_defaults(func=_queues, reads_state=True)
 
-    alive = commands.add_parser("alive", help="exit 0 when this host's worker or beat heartbeats are alive "
-                                "(a container healthcheck)")
+    alive = commands.add_parser(
+        "alive", help="exit 0 when this host's worker or beat heartbeats are alive (a container healthcheck)"
+    )
     alive.add_argument("role", choices=("worker", "beat"), help="worker (every node of this host) or beat")
     alive.set_defaults(func=_alive)
     return parser

@@ -118,10 +118,12 @@ def _ready(base_url: str, settings, since: float) -> bool:
         return False
     workers = [name for name, beat in fresh.items() if beat.kind == "worker"]
     # `tessera worker` is three nodes: the prefork pool and the providers and reactors thread pools
-    return (any(beat.kind == "beat" for beat in fresh.values())
-            and any("-providers@" in name for name in workers)
-            and any("-reactors@" in name for name in workers)
-            and any("-providers@" not in name and "-reactors@" not in name for name in workers))
+    return (
+        any(beat.kind == "beat" for beat in fresh.values())
+        and any("-providers@" in name for name in workers)
+        and any("-reactors@" in name for name in workers)
+        and any("-providers@" not in name and "-reactors@" not in name for name in workers)
+    )
 
 
 def _wait_until_ready(
@@ -169,8 +171,12 @@ def banner(settings, base_url: str) -> str:
         flower = f"Flower needs a Redis broker: set TESSERA_BROKER_URL=redis://... and run {tessera} flower"
     else:
         flower = f"TESSERA_FLOWER_PASSWORD=choose-one {tessera} flower   (then http://127.0.0.1:5555)"
-    settings_line = (f"  another shell needs the same settings: {', '.join(inherited)}\n"
-                     "  (or put them in ./.env, which every command run from this folder reads)\n" if inherited else "")
+    settings_line = (
+        f"  another shell needs the same settings: {', '.join(inherited)}\n"
+        "  (or put them in ./.env, which every command run from this folder reads)\n"
+        if inherited
+        else ""
+    )
     rule = "-" * 78
     return (
         f"\n{rule}\n"
@@ -210,9 +216,12 @@ def run_dev() -> int:
         print(f"tessera dev: {exc}", file=sys.stderr, flush=True)
         return 1
     if not settings.s3_endpoint_url and importlib.util.find_spec("moto") is None:
-        print("tessera dev: moto's S3 server stands in for S3 when TESSERA_S3_ENDPOINT_URL is unset, and moto is not "
-              "installed: pip install -e '.[dev]' (make dev does), or set TESSERA_S3_ENDPOINT_URL",
-              file=sys.stderr, flush=True)
+        print(
+            "tessera dev: moto's S3 server stands in for S3 when TESSERA_S3_ENDPOINT_URL is unset, and moto is not "
+            "installed: pip install -e '.[dev]' (make dev does), or set TESSERA_S3_ENDPOINT_URL",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     print(f"tessera dev: data in {settings.data_dir}", flush=True)
@@ -235,8 +244,11 @@ def run_dev() -> int:
         for name, command in _commands(env, fd).items():
             s3 = name == "s3"
             children[name] = subprocess.Popen(  # noqa: S603 - our own interpreter
-                command, env=env, pass_fds=(fd,) if name == "api" else (),
-                stdout=s3_log if s3 else None, stderr=subprocess.STDOUT if s3 else None,
+                command,
+                env=env,
+                pass_fds=(fd,) if name == "api" else (),
+                stdout=s3_log if s3 else None,
+                stderr=subprocess.STDOUT if s3 else None,
             )
         s3_log.close()
         api_socket.close()  # the api process holds it now

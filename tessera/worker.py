@@ -72,8 +72,20 @@ def child_hostname(hostname: str | None, queue: str = PROVIDERS_QUEUE) -> str:
 
 def child_command(celery_args: list[str], queue: str = PROVIDERS_QUEUE) -> list[str]:
     """The command line of the ``queue`` worker that goes with ``tessera worker <celery_args>``."""
-    return [sys.executable, "-m", "tessera.cli", "worker", "-Q", queue, "-P", "threads",
-            "-c", str(thread_queues()[queue]), "-n", child_hostname(_option(celery_args, _HOSTNAME_OPTIONS), queue)]
+    return [
+        sys.executable,
+        "-m",
+        "tessera.cli",
+        "worker",
+        "-Q",
+        queue,
+        "-P",
+        "threads",
+        "-c",
+        str(thread_queues()[queue]),
+        "-n",
+        child_hostname(_option(celery_args, _HOSTNAME_OPTIONS), queue),
+    ]
 
 
 def sandbox_line() -> str | None:
@@ -105,9 +117,13 @@ def run_worker(celery_app, queues: tuple[str, ...], celery_args: list[str]) -> i
         celery_app.worker_main([*base, *celery_args])
         return 0
     others = [name for name in queues if name not in apart]
-    children = [subprocess.Popen(child_command(celery_args, queue),  # noqa: S603 - our own interpreter
-                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-                for queue in apart]
+    children = [
+        subprocess.Popen(  # noqa: S603 - our own interpreter
+            child_command(celery_args, queue),
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        for queue in apart
+    ]
 
     def forward(sig=None, **_kwargs) -> None:
         """Stop the thread-pool workers the way this one stops (warm on SIGTERM/SIGINT, cold on SIGQUIT)."""

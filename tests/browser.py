@@ -54,8 +54,13 @@ class Browser:
         log = Path(self._profile.name) / "chromium.log"
         with log.open("wb") as sink:
             self._process = subprocess.Popen(
-                [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={self._profile.name}/profile",
-                 "--remote-debugging-port=0", "about:blank"],
+                [
+                    CHROMIUM,
+                    *CHROMIUM_FLAGS,
+                    f"--user-data-dir={self._profile.name}/profile",
+                    "--remote-debugging-port=0",
+                    "about:blank",
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=sink,
                 start_new_session=True,  # its own process group: stopped with every helper process

@@ -84,9 +84,11 @@ def test_composite_job_subjects_are_split_into_typed_columns(tmp_path):
     engine = create_engine(url)
     job_id, chunk_job, delete_job = "9b1f0c52-0000-4000-8000-000000000001", "c1", "d1"
     with engine.begin() as conn:
-        insert = text("INSERT INTO jobs (id, kind, subject_id, status, attempts, max_attempts, due_at, created_at, "
-                      "updated_at) VALUES (:id, :kind, :subject, 'queued', 0, 5, '2026-01-01', '2026-01-01', "
-                      "'2026-01-01')")
+        insert = text(
+            "INSERT INTO jobs (id, kind, subject_id, status, attempts, max_attempts, due_at, created_at, "
+            "updated_at) VALUES (:id, :kind, :subject, 'queued', 0, 5, '2026-01-01', '2026-01-01', "
+            "'2026-01-01')"
+        )
         conn.execute(insert, {"id": chunk_job, "kind": "account_updater.process_chunk", "subject": f"{job_id}:7"})
         conn.execute(insert, {"id": delete_job, "kind": "agentic.delete_payment_method", "subject": "pm_1/op_2"})
     migrate.upgrade(url)

@@ -41,8 +41,14 @@ def test_a_given_database_is_kept_and_the_run_works_beside_it(database, monkeypa
 
 
 def _services(env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "scripts/services.sh"], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        ["bash", "scripts/services.sh"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_services_sh_checks_the_given_urls_and_touches_nothing_local(database):

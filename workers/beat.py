@@ -36,8 +36,12 @@ def _uploads_awaited(session: Session) -> bool:
     now = utcnow()
     return bool(
         session.scalar(
-            select(exists().where(col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
-                                  col(AccountUpdaterJob.expires_at) > now))
+            select(
+                exists().where(
+                    col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+                    col(AccountUpdaterJob.expires_at) > now,
+                )
+            )
         )
     )
 

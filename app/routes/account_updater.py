@@ -38,12 +38,16 @@ class JobOut(ResponseModel):
     created_by: uuid.UUID | None = Field(None, description="The application that created the job.")
     created_at: dt.datetime
     errors: list[str] = Field(description="Messages from processing (why a job failed).")
-    upload_url: str | None = Field(None, description="Only while pending: a pre-signed S3 PUT URL, valid until "
-                                   "expires_at.")
+    upload_url: str | None = Field(
+        None, description="Only while pending: a pre-signed S3 PUT URL, valid until expires_at."
+    )
     expires_at: dt.datetime | None = Field(None, description="Only while pending: the end of the upload window.")
     progress: ProgressOut | None = Field(None, description="From processing on (this implementation's addition).")
-    download_url: str | None = Field(None, description="Only when completed: a pre-signed S3 GET URL of the result "
-                                     "file, valid one hour from the read that returned it.")
+    download_url: str | None = Field(
+        None,
+        description="Only when completed: a pre-signed S3 GET URL of the result "
+        "file, valid one hour from the read that returned it.",
+    )
 
 
 JobPage = CursorPage[JobOut]
@@ -107,8 +111,7 @@ async def create(call: Call):
 async def list_(call: Call):
     """``GET /account-updater/jobs``."""
     q = call.query
-    data, following = await call.db(service.list_jobs, call.caller, size=q.size,
-                                    after=decode_cursor(call, q.start))
+    data, following = await call.db(service.list_jobs, call.caller, size=q.size, after=decode_cursor(call, q.start))
     return cursor_page(call, data, size=q.size, next_position=following)
 
 
@@ -142,8 +145,8 @@ async def get(call: Call):
     "a bridge that POSTs JSON (`application/json` or `text/plain`), e.g. an SNS HTTP subscription (the "
     "`Notification` envelope is opened; a `SubscriptionConfirmation` is logged with its SubscribeURL for an "
     "operator to confirm), EventBridge API destinations or a MinIO webhook target; the body is the S3 event "
-    "`{\"Records\": [{\"eventName\": \"ObjectCreated:Put\", \"s3\": {\"bucket\": {\"name\"}, \"object\": "
-    "{\"key\"}}}]}`. No API key: a "
+    '`{"Records": [{"eventName": "ObjectCreated:Put", "s3": {"bucket": {"name"}, "object": '
+    '{"key"}}}]}`. No API key: a '
     "notification is only a hint, the platform checks the object itself before starting the job, and the "
     "answer is 204 whatever the records name. Without notifications the sweep finds files within seconds.",
 )

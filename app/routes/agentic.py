@@ -80,8 +80,9 @@ class ConsumerIn(RequestModel):
     email: EmailStr
     id: uuid.UUID | None = Field(None, description="Generated (a uuid) when omitted.")
     country_code: str | None = Field(None, description="ISO 3166-1 alpha-2; lowercase is upper-cased.")
-    language_code: str | None = Field(None, min_length=2, max_length=35,
-                                      description="A BCP 47 tag, canonicalised (`en-gb` -> `en-GB`).")
+    language_code: str | None = Field(
+        None, min_length=2, max_length=35, description="A BCP 47 tag, canonicalised (`en-gb` -> `en-GB`)."
+    )
 
     @field_validator("country_code")
     @classmethod
@@ -99,8 +100,12 @@ class CreateIn(RequestModel):
 
     source: SourceIn
     consumer: ConsumerIn
-    agent_id: str | None = Field(None, min_length=1, max_length=255,
-                                 description="An agent of the tenant (informational); unknown: 404 AGENT_NOT_FOUND.")
+    agent_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="An agent of the tenant (informational); unknown: 404 AGENT_NOT_FOUND.",
+    )
 
 
 class RetryIn(RequestModel):
@@ -208,9 +213,11 @@ class ProviderErrorOut(ResponseModel):
     title: str
     detail: str
     provider: str
-    operation: str = Field(description="`enrollment` (provisioning a rail), `deletion` (the delete cascade), "
-                           "`allowance` (an allowance rail's setup), `allowance_update`, `verification`, "
-                           "`cancellation`, `credentials` (a mint).")
+    operation: str = Field(
+        description="`enrollment` (provisioning a rail), `deletion` (the delete cascade), "
+        "`allowance` (an allowance rail's setup), `allowance_update`, `verification`, "
+        "`cancellation`, `credentials` (a mint)."
+    )
     rail: str
     provider_code: str | None
     provider_correlation_id: str | None
@@ -365,14 +372,16 @@ async def create(call: Call):
     claim = await claim_key(call, idempotency.CREATE_PAYMENT_METHOD, owner)
     if isinstance(claim, idempotency.Replay):
         return 201, await call.db(service.replay, call.caller, claim.resource_id)
-    started = await record_with_key(call, service.create_unit, call.caller, request, settings=settings,
-                                    owner=owner, claim=claim)
+    started = await record_with_key(
+        call, service.create_unit, call.caller, request, settings=settings, owner=owner, claim=claim
+    )
     await call.wait_for_jobs(started.job_ids, timeout=settings.agentic_wait_seconds)
     return 201, await call.db(service.finish_create, call.caller, started.payment_method_id, claim=claim)
 
 
-async def record_with_key(call: Call, unit, /, *args, claim: idempotency.Claim | None,
-                          unknown_code: str = "CREATE_OUTCOME_UNKNOWN", **kwargs):
+async def record_with_key(
+    call: Call, unit, /, *args, claim: idempotency.Claim | None, unknown_code: str = "CREATE_OUTCOME_UNKNOWN", **kwargs
+):
     """The recording transaction of a keyed operation (``unit(*args, claim=claim, **kwargs)``, which
     commits on its own: :func:`domain.agentic.payment_methods.commit_unit`), with the idempotency
     record settled on failure: a problem is recorded for replay, a lost commit makes the key
@@ -399,8 +408,9 @@ async def record_with_key(call: Call, unit, /, *args, claim: idempotency.Claim |
         raise agentic_error("INTERNAL_ERROR") from None
 
 
-async def claim_key(call: Call, scope: str, owner: str, *, wait_seconds: float | None = None
-                    ) -> idempotency.Claim | idempotency.Replay | None:
+async def claim_key(
+    call: Call, scope: str, owner: str, *, wait_seconds: float | None = None
+) -> idempotency.Claim | idempotency.Replay | None:
     """The request's ``<prefix>-IDEMPOTENCY-KEY`` claimed in ``scope`` (None without a key; a Replay of
     an earlier success). Raises 400 ``VALIDATION_ERROR`` for a malformed key and the problems of
     :func:`domain.agentic.idempotency.claim`."""
@@ -412,8 +422,12 @@ async def claim_key(call: Call, scope: str, owner: str, *, wait_seconds: float |
     if errors:
         raise validation_error(errors)
     return await call.db(
-        idempotency.claim, tenant_id=call.require_caller().tenant_id, scope=scope, key=key,
-        body_hash=idempotency.request_hash(call.payload), owner=owner,
+        idempotency.claim,
+        tenant_id=call.require_caller().tenant_id,
+        scope=scope,
+        key=key,
+        body_hash=idempotency.request_hash(call.payload),
+        owner=owner,
         seconds=(wait_seconds or call.settings.agentic_wait_seconds) + CLAIM_MARGIN_SECONDS,
     )
 
@@ -435,7 +449,8 @@ async def _settle_quietly(call: Call, fn, claim: idempotency.Claim) -> None:
     tag=TAG,
     summary="List payment methods",
     errors=(400,),
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "Cursor pagination, newest first (created_at, then id). `size` 1 to 100 (default 20, else 400 "
         "VALIDATION_ERROR); `start` is the opaque cursor of `pagination.next`; `consumer_id` filters by consumer; "
         "`status` is `active` (default), `deleted` or `all`. A page may be shorter than `size` while more remain: "
@@ -446,8 +461,12 @@ async def list_(call: Call):
     """``GET /agentic/payment-methods``: a cursor page, newest first."""
     q: ListQuery = call.query
     data, next_position = await call.db(
-        service.list_payment_methods, call.caller, size=q.size, after=decode_cursor(call, q.start),
-        consumer_id=str(q.consumer_id) if q.consumer_id else None, status=q.status,
+        service.list_payment_methods,
+        call.caller,
+        size=q.size,
+        after=decode_cursor(call, q.start),
+        consumer_id=str(q.consumer_id) if q.consumer_id else None,
+        status=q.status,
     )
     return cursor_page(call, data, size=q.size, next_position=next_position)
 
@@ -479,7 +498,8 @@ async def get(call: Call):
     tag=TAG,
     summary="Retry a rail",
     errors=(400, 404, 409, 413, 415, 422),
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "Retries the enrollment of a rail in `error` or `pending` with its provider (the provider is told it is "
         "a retry), in a worker, waiting up to `TESSERA_AGENTIC_WAIT_SECONDS`. 200 with the complete payment "
         "method: the rail `enabled`, `pending` (the outcome arrives as the event; a retry still running when the "
@@ -502,13 +522,21 @@ async def retry(call: Call):
         valid = ", ".join(provider for rail, provider in service.VALID_PAIRS if rail == body.rail)
         raise validation_error({"provider": [f"{body.provider} does not serve the {body.rail} rail; valid: {valid}."]})
     pm_id = call.params["payment_method_id"]
-    started = await call.db(service.start_retry, call.caller, pm_id, rail=body.rail, provider=body.provider,
-                            settings=call.settings, owner=leases.new_owner())
+    started = await call.db(
+        service.start_retry,
+        call.caller,
+        pm_id,
+        rail=body.rail,
+        provider=body.provider,
+        settings=call.settings,
+        owner=leases.new_owner(),
+    )
     if started.failure is not None:
         raise agentic_error(started.failure)
     await call.wait_for_jobs(started.job_ids, timeout=call.settings.agentic_wait_seconds)
-    result = await call.db(service.finish_retry, call.caller, pm_id, rail=body.rail, provider=body.provider,
-                           job_id=started.job_ids[0])
+    result = await call.db(
+        service.finish_retry, call.caller, pm_id, rail=body.rail, provider=body.provider, job_id=started.job_ids[0]
+    )
     if isinstance(result, Problem):
         raise result
     return result
@@ -524,7 +552,8 @@ async def retry(call: Call):
     tag=TAG,
     summary="List a payment method's provider errors",
     errors=(400, 404),
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "The provider error objects (`prv_` ids) recorded whenever a provider enrollment of the payment method "
         "failed (`operation` `enrollment`) or a delete cascade could not remove one (`operation` `deletion`), "
         "newest first (occurred_at, then id), cursor paginated (`size` 1 to 100, default 20; `start`). Kept 90 "
@@ -537,8 +566,13 @@ async def retry(call: Call):
 async def errors(call: Call):
     """``GET .../errors``: a cursor page of provider errors, newest first."""
     q: ErrorsQuery = call.query
-    data, next_position = await call.db(service.list_provider_errors, call.caller, call.params["payment_method_id"],
-                                        size=q.size, after=decode_cursor(call, q.start))
+    data, next_position = await call.db(
+        service.list_provider_errors,
+        call.caller,
+        call.params["payment_method_id"],
+        size=q.size,
+        after=decode_cursor(call, q.start),
+    )
     return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
@@ -551,7 +585,8 @@ async def errors(call: Call):
     tag=TAG,
     summary="Delete a payment method",
     errors=(404, 409, 500),
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "204, no body. The cascade first cancels every allowance the payment method backs at its providers "
         "(they become `cancelled`, no further verification or minting), then removes each rail's enrollment at "
         "its provider, in a worker, while the request waits up to `TESSERA_AGENTIC_WAIT_SECONDS`; then the "
@@ -569,8 +604,7 @@ async def errors(call: Call):
 async def delete(call: Call):
     """``DELETE /agentic/payment-methods/{payment_method_id}``: 204."""
     pm_id = call.params["payment_method_id"]
-    started = await call.db(service.start_delete, call.caller, pm_id, settings=call.settings,
-                            owner=leases.new_owner())
+    started = await call.db(service.start_delete, call.caller, pm_id, settings=call.settings, owner=leases.new_owner())
     if started.job_ids:
         await call.wait_for_jobs(started.job_ids, timeout=call.settings.agentic_wait_seconds)
         await call.db(service.finish_delete, call.caller, pm_id, started.job_ids)
@@ -610,8 +644,13 @@ async def create_agent(call: Call):
     """``POST /agentic/agents``: 201 with the agent."""
     body: AgentIn = call.body
     details = body.instance_details.model_dump(exclude_none=True) if body.instance_details else None
-    return await call.db(agent_service.create_agent, call.caller, name=body.name, enrollment_ids=body.enrollment_ids,
-                         instance_details=details)
+    return await call.db(
+        agent_service.create_agent,
+        call.caller,
+        name=body.name,
+        enrollment_ids=body.enrollment_ids,
+        instance_details=details,
+    )
 
 
 @api.route(
@@ -686,8 +725,16 @@ async def delete_agent(call: Call):
 # ---- everything else under /agentic/ -------------------------------------------------------------
 
 
-@api.route("*", "/agentic/{rest:.*}", problems=agentic_form, tag=TAG, summary="No resource", status=404,
-           auth=False, documented=False)
+@api.route(
+    "*",
+    "/agentic/{rest:.*}",
+    problems=agentic_form,
+    tag=TAG,
+    summary="No resource",
+    status=404,
+    auth=False,
+    documented=False,
+)
 async def nothing_here(call: Call):
     """Any other path under ``/agentic/``: 404 NOT_FOUND (405 METHOD_NOT_ALLOWED with ``Allow`` when the
     path exists with other methods), in the agentic form (plus ``Deprecation`` under the agents)."""
@@ -700,8 +747,9 @@ async def nothing_here(call: Call):
         if match is None:
             allowed |= methods
     if allowed:
-        problem = Problem(405, "This method is not allowed on this path.",
-                          headers={"Allow": ", ".join(sorted(allowed))})
+        problem = Problem(
+            405, "This method is not allowed on this path.", headers={"Allow": ", ".join(sorted(allowed))}
+        )
     else:
         problem = Problem(404, "No resource exists at this path.")
     raise (agents_form if request.path.startswith(AGENTS_PREFIX) else agentic_form)(problem)

@@ -47,8 +47,10 @@ class MoneyIn(RequestModel):
     """An amount: ``value`` a decimal string (a JSON number is read as its decimal), ``currency`` an
     ISO 4217 code."""
 
-    value: str | int | float = Field(description='A decimal string above 0, like "25.00"; at most the '
-                                                 "currency's minor unit digits (USD 2, JPY 0, BHD 3).")
+    value: str | int | float = Field(
+        description='A decimal string above 0, like "25.00"; at most the '
+        "currency's minor unit digits (USD 2, JPY 0, BHD 3)."
+    )
     currency: str = Field(min_length=3, max_length=3, description="ISO 4217, like USD (lower case is upper-cased).")
 
 
@@ -65,8 +67,7 @@ class AllowancePatchIn(RequestModel):
     """The merge-patch body of ``PATCH /agentic/allowances/{allowance_id}``."""
 
     amount: MoneyIn | None = None
-    description: str | None = Field(None, max_length=service.MAX_DESCRIPTION,
-                                    description="null clears it.")
+    description: str | None = Field(None, max_length=service.MAX_DESCRIPTION, description="null clears it.")
     expires_at: AwareDatetime | None = None
 
 
@@ -82,8 +83,9 @@ class VerificationIn(RequestModel):
 class MppIn(RequestModel):
     """What an ``mpp`` credential is sealed for."""
 
-    key_set_url: str = Field(min_length=1, max_length=2048,
-                             description="The merchant's JWK set address (fetched through the SSRF guard).")
+    key_set_url: str = Field(
+        min_length=1, max_length=2048, description="The merchant's JWK set address (fetched through the SSRF guard)."
+    )
     challenge: str = Field(min_length=1, max_length=1024)
 
 
@@ -162,8 +164,10 @@ class CredentialOut(ResponseModel):
     format: Literal["card", "network-token", "identifier", "mpp"]
     amount: MoneyOut
     credential: dict[str, Any] | None = Field(
-        None, description="Only in the mint's answer: {number, expiration_month, expiration_year, cvc} (card, "
-        "network-token), {id} (identifier) or {token} (mpp).")
+        None,
+        description="Only in the mint's answer: {number, expiration_month, expiration_year, cvc} (card, "
+        "network-token), {id} (identifier) or {token} (mpp).",
+    )
     expires_at: dt.datetime | None
     created_at: dt.datetime
 
@@ -200,8 +204,8 @@ _CONTRACT = (
     "The allowance contract is this implementation's design: an allowance `alw_...` "
     "{id, payment_method_id, status (`pending_verification` until every rail "
     "that needs verification is verified, `active`, `cancelled`, `expired`: terminal, also shown once "
-    "`expires_at` passed), amount, amount_available, amount_reserved, amount_spent (each `{value: \"25.00\", "
-    "currency: \"USD\"}`: exact decimal strings with the currency's minor unit digits, never numbers; "
+    '`expires_at` passed), amount, amount_available, amount_reserved, amount_spent (each `{value: "25.00", '
+    'currency: "USD"}`: exact decimal strings with the currency\'s minor unit digits, never numbers; '
     "available + reserved + spent = amount at every moment, enforced by the database), description, "
     "expires_at, rails [{rail, provider, status: active | inactive | error, error?: {code}, provider_ids}], "
     "created_at, updated_at}. "
@@ -222,7 +226,9 @@ _CONTRACT = (
     tag=TAG,
     summary="Create an allowance",
     errors=(400, 404, 409, 413, 415, 500),
-    description=_ERROR_FORM + _CONTRACT + (
+    description=_ERROR_FORM
+    + _CONTRACT
+    + (
         "Body: `payment_method_id`, `amount`, optional `description` (at most 1,000 characters) and `expires_at` "
         "(default 30 days from now; in the future and at most a year away, else 400 VALIDATION_ERROR). The "
         "payment method's `enabled` rails become the allowance's rails, each set up at its provider in parallel "
@@ -249,8 +255,9 @@ async def create(call: Call):
     claim = await claim_key(call, idempotency.CREATE_ALLOWANCE, owner)
     if isinstance(claim, idempotency.Replay):
         return 201, await call.db(service.read_allowance, call.caller, claim.resource_id)
-    recorded = await record_with_key(call, service.create_unit, call.caller, request, settings=call.settings,
-                                     owner=owner, claim=claim)
+    recorded = await record_with_key(
+        call, service.create_unit, call.caller, request, settings=call.settings, owner=owner, claim=claim
+    )
     await call.wait_for_jobs(recorded.job_ids, timeout=call.settings.agentic_wait_seconds)
     return 201, await call.db(service.finish_create, call.caller, recorded.resource_id, claim=claim)
 
@@ -265,7 +272,8 @@ async def create(call: Call):
     tag=TAG,
     summary="List allowances",
     errors=(400,),
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "Cursor pagination, newest first (created_at, then id). `size` 1 to 100 (default 20); `start` the "
         "opaque cursor of `pagination.next`; `payment_method_id` and `status` filter (`expired` includes live "
         "allowances past their expiry). The end is the absence of `pagination.next`."
@@ -275,8 +283,12 @@ async def list_(call: Call):
     """``GET /agentic/allowances``: a cursor page, newest first."""
     q: AllowanceListQuery = call.query
     data, next_position = await call.db(
-        service.list_allowances, call.caller, size=q.size, after=decode_cursor(call, q.start),
-        payment_method_id=q.payment_method_id, status=q.status,
+        service.list_allowances,
+        call.caller,
+        size=q.size,
+        after=decode_cursor(call, q.start),
+        payment_method_id=q.payment_method_id,
+        status=q.status,
     )
     return cursor_page(call, data, size=q.size, next_position=next_position)
 
@@ -307,7 +319,8 @@ async def get(call: Call):
     tag=TAG,
     summary="List an allowance's provider errors",
     errors=(400, 404),
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "The provider error objects (`prv_` ids) recorded for the allowance: rail setups (`operation` "
         "`allowance`), updates (`allowance_update`), verifications (`verification`), cancellations "
         "(`cancellation`) and mints (`credentials`, with `payment_credential_id` even when minting failed), "
@@ -318,8 +331,9 @@ async def get(call: Call):
 async def errors(call: Call):
     """``GET .../errors``: a cursor page of provider errors, newest first."""
     q: ErrorsQuery = call.query
-    data, next_position = await call.db(service.list_provider_errors, call.caller, _allowance_id(call),
-                                        size=q.size, after=decode_cursor(call, q.start))
+    data, next_position = await call.db(
+        service.list_provider_errors, call.caller, _allowance_id(call), size=q.size, after=decode_cursor(call, q.start)
+    )
     return cursor_page(call, data, size=q.size, next_position=next_position)
 
 
@@ -334,7 +348,8 @@ async def errors(call: Call):
     summary="Update an allowance",
     errors=(400, 404, 409, 413, 415, 422),
     request_content_type=MERGE_PATCH,
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "A merge patch (`application/merge-patch+json`; `application/json` is taken too) of `amount`, "
         "`description` (null clears it) and `expires_at` (in the future, at most a year away); absent fields "
         "are kept, `amount` and `expires_at` cannot be null. The providers are asked first, in a worker, while "
@@ -364,8 +379,9 @@ async def update(call: Call):
     if nulls:
         raise validation_error(nulls)
     allowance_id = _allowance_id(call)
-    recorded = await call.db(service.start_update, call.caller, allowance_id, changes, settings=call.settings,
-                             owner=leases.new_owner())
+    recorded = await call.db(
+        service.start_update, call.caller, allowance_id, changes, settings=call.settings, owner=leases.new_owner()
+    )
     await call.wait_for_jobs(recorded.job_ids, timeout=call.settings.agentic_wait_seconds)
     return await call.db(service.finish_update, call.caller, allowance_id, recorded.job_ids)
 
@@ -379,7 +395,8 @@ async def update(call: Call):
     tag=TAG,
     summary="Cancel an allowance",
     errors=(404, 409, 500),
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "204, no body. Cancels the allowance at every provider (in a worker; the request waits up to "
         "`TESSERA_AGENTIC_WAIT_SECONDS`), recording each provider's cancellation as it happens, then the "
         "allowance is `cancelled` (event `agentic.allowance.updated`; the amounts stay as they are, nothing more "
@@ -394,8 +411,9 @@ async def update(call: Call):
 async def delete(call: Call):
     """``DELETE /agentic/allowances/{allowance_id}``: 204."""
     allowance_id = _allowance_id(call)
-    recorded = await call.db(service.start_cancel, call.caller, allowance_id, settings=call.settings,
-                             owner=leases.new_owner())
+    recorded = await call.db(
+        service.start_cancel, call.caller, allowance_id, settings=call.settings, owner=leases.new_owner()
+    )
     if recorded.job_ids:
         await call.wait_for_jobs(recorded.job_ids, timeout=call.settings.agentic_wait_seconds)
         await call.db(service.finish_cancel, call.caller, allowance_id, recorded.job_ids)
@@ -411,9 +429,10 @@ async def delete(call: Call):
     tag=TAG,
     summary="Verify an allowance rail",
     errors=(400, 404, 409, 413, 415, 422),
-    description=_ERROR_FORM + (
-        "`{rail, provider, action: \"start\" | \"submit_otp\", otp?}` answers `{status: \"otp_sent\" | "
-        "\"verified\", rail}` (the rail object). `start` has the provider send a code (again: a new code); "
+    description=_ERROR_FORM
+    + (
+        '`{rail, provider, action: "start" | "submit_otp", otp?}` answers `{status: "otp_sent" | '
+        '"verified", rail}` (the rail object). `start` has the provider send a code (again: a new code); '
         "`submit_otp` sends `otp` (required) and a right code makes the rail `active` (and the allowance "
         "`active` once no rail awaits verification). The provider is asked in a worker while the request "
         "waits. Errors: 400 VALIDATION_ERROR (body; an invalid pair names `provider`; `otp` missing), 404 "
@@ -434,12 +453,26 @@ async def verify(call: Call):
     if body.action == "submit_otp" and body.otp is None:
         raise validation_error({"otp": ["is required for submit_otp"]})
     allowance_id = _allowance_id(call)
-    recorded = await call.db(service.start_verification, call.caller, allowance_id, rail=body.rail,
-                             provider=body.provider, action=body.action, otp=body.otp, settings=call.settings,
-                             owner=leases.new_owner())
+    recorded = await call.db(
+        service.start_verification,
+        call.caller,
+        allowance_id,
+        rail=body.rail,
+        provider=body.provider,
+        action=body.action,
+        otp=body.otp,
+        settings=call.settings,
+        owner=leases.new_owner(),
+    )
     await call.wait_for_jobs(recorded.job_ids, timeout=call.settings.agentic_wait_seconds)
-    return await call.db(service.finish_verification, call.caller, allowance_id, rail=body.rail,
-                         provider=body.provider, job_id=recorded.job_ids[0])
+    return await call.db(
+        service.finish_verification,
+        call.caller,
+        allowance_id,
+        rail=body.rail,
+        provider=body.provider,
+        job_id=recorded.job_ids[0],
+    )
 
 
 # ---- credentials ---------------------------------------------------------------------------------
@@ -456,7 +489,8 @@ async def verify(call: Call):
     tag=TAG,
     summary="Mint a payment credential",
     errors=(400, 404, 409, 413, 415, 422, 500, 502),
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "`{rail, provider, format, amount, mpp?: {key_set_url, challenge}}`; `format` one the rail allows "
         "(agentic-token: card, network-token, mpp; spt: identifier, mpp; else 400 VALIDATION_ERROR naming "
         "`format`); `mpp` required for mpp only. 201 with the payment credential `pcr_...` {id, allowance_id, "
@@ -494,8 +528,9 @@ async def mint(call: Call):
     mpp = body.mpp.model_dump() if body.mpp is not None else None
     problems = service.format_errors(body.provider, body.format, mpp)
     if mpp is not None and not problems:
-        messages = service.key_set_url_errors(mpp["key_set_url"],
-                                              allow_private=call.settings.allow_private_destinations)
+        messages = service.key_set_url_errors(
+            mpp["key_set_url"], allow_private=call.settings.allow_private_destinations
+        )
         if messages:
             problems["mpp.key_set_url"] = messages
     if problems:
@@ -506,8 +541,16 @@ async def mint(call: Call):
     claim = await claim_key(call, idempotency.MINT_CREDENTIAL, leases.new_owner(), wait_seconds=wait)
     if isinstance(claim, idempotency.Replay):
         raise agentic_error("CREDENTIAL_PAYLOAD_UNAVAILABLE")
-    recorded = await record_with_key(call, service.mint_unit, call.caller, _allowance_id(call), request,
-                                     settings=call.settings, claim=claim, unknown_code="CREDENTIAL_OUTCOME_UNKNOWN")
+    recorded = await record_with_key(
+        call,
+        service.mint_unit,
+        call.caller,
+        _allowance_id(call),
+        request,
+        settings=call.settings,
+        claim=claim,
+        unknown_code="CREDENTIAL_OUTCOME_UNKNOWN",
+    )
     await call.wait_for_jobs(recorded.job_ids, timeout=wait)
     answer = await call.db(service.finish_mint, call.caller, recorded.resource_id, recorded.job_ids[0], claim)
     if isinstance(answer, Problem):
@@ -524,7 +567,8 @@ async def mint(call: Call):
     tag=TAG,
     summary="Get a payment credential",
     errors=(404,),
-    description=_ERROR_FORM + (
+    description=_ERROR_FORM
+    + (
         "The payment credential without its value (`credential` is never shown again). 404 "
         "ALLOWANCE_NOT_FOUND, 404 PAYMENT_CREDENTIAL_NOT_FOUND (also for a mint that issued nothing)."
     ),

@@ -19,8 +19,9 @@ TAG = "Enrichments"
 class BankAccountVerifyIn(RequestModel):
     """`POST /enrichments/bank-account-verify`."""
 
-    token_id: str = Field(min_length=1, max_length=400, description="The id of a `bank` token (routing and "
-                          "account number) of the tenant.")
+    token_id: str = Field(
+        min_length=1, max_length=400, description="The id of a `bank` token (routing and account number) of the tenant."
+    )
 
 
 class BankAccountVerifyOut(ResponseModel):
@@ -28,7 +29,8 @@ class BankAccountVerifyOut(ResponseModel):
 
     status: Literal["enabled", "disabled", "error"] = Field(
         description="`enabled`: the account is open and takes debits; `disabled`: it is closed or blocked; "
-        "`error`: the provider could not verify it.")
+        "`error`: the provider could not verify it."
+    )
 
 
 @api.route(

@@ -59,8 +59,9 @@ def list_logs(session: Session, caller: Caller, query, position: dict | None) ->
         stmt = stmt.where(col(AuditLog.created_at) >= _aware(query.start_date))
     if query.end_date:
         stmt = stmt.where(col(AuditLog.created_at) < _aware(query.end_date))
-    rows, next_position = keyset_page(session, stmt, order=(AuditLog.created_at, AuditLog.id), size=query.size,
-                                      after=position)
+    rows, next_position = keyset_page(
+        session, stmt, order=(AuditLog.created_at, AuditLog.id), size=query.size, after=position
+    )
     data = [
         {
             "tenant_id": r.tenant_id,

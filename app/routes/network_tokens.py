@@ -97,8 +97,9 @@ class NetworkTokenIn(RequestModel):
     """`POST /network-tokens`: exactly one of `data`, `token_id`, `token_intent_id`."""
 
     data: dict[str, Any] | None = Field(
-        None, description="number (string, required), expiration_month (integer 1-12, required), "
-        "expiration_year (four-digit integer, required), cvc (string of 3-4 digits, optional)."
+        None,
+        description="number (string, required), expiration_month (integer 1-12, required), "
+        "expiration_year (four-digit integer, required), cvc (string of 3-4 digits, optional).",
     )
     token_id: str | None = Field(None, min_length=1, max_length=400, description="A card token of the tenant.")
     token_intent_id: uuid.UUID | None = Field(None, description="A live token intent of the tenant.")

@@ -49,7 +49,7 @@ class OpsReadyOut(ResponseModel):
     response=OpsHealthOut,
     tag="Operations",
     summary="Liveness: the process answers",
-    description="No API key. 200 `{\"status\": \"ok\"}` whenever the api process serves requests.",
+    description='No API key. 200 `{"status": "ok"}` whenever the api process serves requests.',
 )
 async def healthz(call: Call):
     return {"status": "ok"}
@@ -108,9 +108,7 @@ async def readyz(call: Call):
     failed = [name for name, result in checks.items() if not result["ok"]]
     try:
         loop = asyncio.get_running_loop()
-        workers, beat = await asyncio.wait_for(
-            loop.run_in_executor(None, _liveness, settings), CHECK_TIMEOUT_SECONDS
-        )
+        workers, beat = await asyncio.wait_for(loop.run_in_executor(None, _liveness, settings), CHECK_TIMEOUT_SECONDS)
     except Exception:  # noqa: BLE001 - liveness is informative only
         workers, beat = None, None
     body = {

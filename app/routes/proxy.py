@@ -63,8 +63,7 @@ def as_proxy_error(problem: Problem) -> Problem:
     (the proxy's error form), its headers (``Retry-After``, ``Allow``) kept."""
     if isinstance(problem, ProxyError):
         return problem
-    wrapped = ProxyError(problem.status, problem.detail or problem.title, title=problem.title,
-                         errors=problem.errors)
+    wrapped = ProxyError(problem.status, problem.detail or problem.title, title=problem.title, errors=problem.errors)
     wrapped.headers = dict(problem.headers)
     return wrapped
 
@@ -87,8 +86,10 @@ class ProxyErrorBody(BaseModel):
     """The members of ``proxy_error``."""
 
     model_config = ConfigDict(extra="forbid")
-    errors: dict[str, list[str]] = Field(description="Messages by the part of the request at fault "
-                                         "(`body`, `headers.<name>`, `destination`, `request_transforms[0]`).")
+    errors: dict[str, list[str]] = Field(
+        description="Messages by the part of the request at fault "
+        "(`body`, `headers.<name>`, `destination`, `request_transforms[0]`)."
+    )
     title: str
     status: int
     detail: str | None = None
@@ -109,12 +110,12 @@ _PROXY_ERROR_SCHEMA["properties"]["proxy_error"] = _DEFS["ProxyErrorBody"]
 _ERROR_SCHEMA = {
     "anyOf": [_PROXY_ERROR_SCHEMA, {"$ref": "#/components/schemas/Problem"}],
     "description": "A proxy_error; a plain problem only for what the API refuses before the proxy runs "
-                   "(a malformed trace id, the rate limit).",
+    "(a malformed trace id, the rate limit).",
 }
 _PROXY_ERROR_STATUSES = {
     "400": "Invalid proxy request or detokenization expression; a destination refused (HTTP, an IP address, a "
-           "name resolving to a private address, a name that does not resolve); more than 20 tokens; an unknown "
-           "token id.",
+    "name resolving to a private address, a name that does not resolve); more than 20 tokens; an unknown "
+    "token id.",
     "401": "Missing or invalid API key (for an ephemeral proxy, or a pre-configured one requiring authentication).",
     "403": "proxy:invoke or the token's use right is missing; or ephemeral proxies are disabled for the tenant.",
     "404": "No proxy has this key (or it is another tenant's).",
@@ -130,42 +131,68 @@ _ANY_BODY = {"type": "string", "format": "binary", "description": "Any body, of 
 
 
 def _parameter(name: str, where: str, description: str) -> dict:
-    return {"name": name, "in": where, "required": where == "path", "schema": {"type": "string"},
-            "description": description}
+    return {
+        "name": name,
+        "in": where,
+        "required": where == "path",
+        "schema": {"type": "string"},
+        "description": description,
+    }
 
 
 def _invoke_openapi(names: ProxyHeaderNames, with_tail: bool) -> dict:
     parameters = [
-        _parameter(names.url, "header", "Ephemeral proxy: the destination base URL (https, a DNS host, no IP "
-                   "address). Ignored when a proxy key is sent."),
+        _parameter(
+            names.url,
+            "header",
+            "Ephemeral proxy: the destination base URL (https, a DNS host, no IP "
+            "address). Ignored when a proxy key is sent.",
+        ),
         _parameter(names.key, "header", "Pre-configured proxy: its key."),
-        _parameter(names.key_query, "query", f"Pre-configured proxy: its key, instead of the {names.key} header "
-                   "(not forwarded)."),
-        _parameter(names.api_key, "header", "Required, except for a pre-configured proxy configured with "
-                   "require_auth false."),
-        _parameter(names.encrypted, "header", "Base64 JSON of encrypted payloads (single `{type, encrypted}` or a "
-                   "map of names to them), read by `{{ encrypted | json: ... }}`."),
+        _parameter(
+            names.key_query,
+            "query",
+            f"Pre-configured proxy: its key, instead of the {names.key} header (not forwarded).",
+        ),
+        _parameter(
+            names.api_key, "header", "Required, except for a pre-configured proxy configured with require_auth false."
+        ),
+        _parameter(
+            names.encrypted,
+            "header",
+            "Base64 JSON of encrypted payloads (single `{type, encrypted}` or a "
+            "map of names to them), read by `{{ encrypted | json: ... }}`.",
+        ),
         _parameter(names.keep_alive, "header", "Sent to the destination as Keep-Alive."),
         _parameter(names.connection, "header", "Sent to the destination as Connection."),
     ]
     if with_tail:
-        parameters.insert(0, _parameter("tail", "path", "The path appended to the destination (several segments "
-                                        "allowed), forwarded byte for byte. Refused (400, `errors.path`): a segment "
-                                        "that, percent-decoded repeatedly, is `.` or `..` (also with a `;` suffix "
-                                        "such as `..;`) or holds a slash, backslash, line break or NUL (so `%2F`, "
-                                        "`%5C`, `%252e%252e` never reach the destination)."))
+        parameters.insert(
+            0,
+            _parameter(
+                "tail",
+                "path",
+                "The path appended to the destination (several segments "
+                "allowed), forwarded byte for byte. Refused (400, `errors.path`): a segment "
+                "that, percent-decoded repeatedly, is `.` or `..` (also with a `;` suffix "
+                "such as `..;`) or holds a slash, backslash, line break or NUL (so `%2F`, "
+                "`%5C`, `%252e%252e` never reach the destination).",
+            ),
+        )
     answer = {
         "description": f"The destination's answer (any status), headers and body unchanged, with "
-                       f"`{names.destination_status}` carrying its status.",
+        f"`{names.destination_status}` carrying its status.",
         "headers": {names.destination_status: {"schema": {"type": "integer"}}},
         "content": {"*/*": {"schema": _ANY_BODY}},
     }
     responses: dict[str, Any] = {"200": answer, "default": answer}
     for status, text in _PROXY_ERROR_STATUSES.items():
-        responses[status] = {"description": text, "content": {"application/problem+json": {
-            "schema": _ERROR_SCHEMA}}}
-    return {"parameters": parameters, "responses": responses,
-            "requestBody": {"required": False, "content": {"*/*": {"schema": _ANY_BODY}}}}
+        responses[status] = {"description": text, "content": {"application/problem+json": {"schema": _ERROR_SCHEMA}}}
+    return {
+        "parameters": parameters,
+        "responses": responses,
+        "requestBody": {"required": False, "content": {"*/*": {"schema": _ANY_BODY}}},
+    }
 
 
 _INVOKE_TEXT = (
@@ -181,9 +208,9 @@ _INVOKE_TEXT = (
     "Authentication: `{api_key}`, except for a pre-configured proxy with `require_auth` false called without "
     "one: its `application`'s permissions then apply (none without an application). A key of another tenant "
     "than the proxy's answers 404.\n\n"
-    "Detokenization: `{{{{ <token_id> }}}}`, `{{{{ <token_id> | json: \"$.number\" }}}}`, "
-    "`{{{{ token: <id> | json: \"$.data.number\" }}}}`, `{{{{ network_token: <id> | json: \"$.data.number\" }}}}`, "
-    "`{{{{ token_intent: <id> | ... }}}}`, `{{{{ encrypted | json: \"$.data.number\" }}}}` (with `{encrypted}`); "
+    'Detokenization: `{{{{ <token_id> }}}}`, `{{{{ <token_id> | json: "$.number" }}}}`, '
+    '`{{{{ token: <id> | json: "$.data.number" }}}}`, `{{{{ network_token: <id> | json: "$.data.number" }}}}`, '
+    '`{{{{ token_intent: <id> | ... }}}}`, `{{{{ encrypted | json: "$.data.number" }}}}` (with `{encrypted}`); '
     "filters such as last4, reveal_last, card_bin, card_exp, json, to_string, to_number, pad_left, pad_right, "
     "to_base64. Requires `proxy:invoke` and the token's `token:<classification>:use:proxy` (403); at most "
     "{max_tokens} tokens per request (400); an unknown id 400.\n\n"
@@ -206,8 +233,15 @@ _INVOKE_TEXT = (
 
 def _invoke_description(names: ProxyHeaderNames, prefix: str) -> str:
     return _INVOKE_TEXT.format(
-        key=names.key, query=names.key_query, url=names.url, api_key=names.api_key, encrypted=names.encrypted,
-        max_tokens=MAX_TOKENS, prefix=prefix, keep_alive=names.keep_alive, connection=names.connection,
+        key=names.key,
+        query=names.key_query,
+        url=names.url,
+        api_key=names.api_key,
+        encrypted=names.encrypted,
+        max_tokens=MAX_TOKENS,
+        prefix=prefix,
+        keep_alive=names.keep_alive,
+        connection=names.connection,
         status=names.destination_status,
     )
 
@@ -252,8 +286,9 @@ def _code_runner(call: Call, caller: Caller, target: service.Target | None) -> C
     request waiting for its outcome message; None when the proxy has no code transform."""
     if target is None or not target.has_code:
         return None
-    return code_transform_runner(caller, proxy_id=target.proxy_id, configuration=target.configuration, db=call.db,
-                                 wait=call.wait_for_jobs)
+    return code_transform_runner(
+        caller, proxy_id=target.proxy_id, configuration=target.configuration, db=call.db, wait=call.wait_for_jobs
+    )
 
 
 async def invoke(call: Call) -> web.StreamResponse:
@@ -266,8 +301,11 @@ async def invoke(call: Call) -> web.StreamResponse:
     target = None
     if key:
         target = await service.target_cache.get_or_load(
-            key, trace_id=call.trace_id, ttl=settings.auth_cache_seconds,
-            load=lambda: call.db(service.invocation_target, key, trace_id=call.trace_id))
+            key,
+            trace_id=call.trace_id,
+            ttl=settings.auth_cache_seconds,
+            load=lambda: call.db(service.invocation_target, key, trace_id=call.trace_id),
+        )
         if target is None:
             raise ProxyError(404, "No proxy has this key.", title=NOT_FOUND, errors={"key": ["No proxy has this key."]})
     caller = await _caller_for(call, target, names)
@@ -281,23 +319,35 @@ async def invoke(call: Call) -> web.StreamResponse:
         if not base:
             raise invalid_request(f"Send the destination in {names.url} or a proxy key in {names.key}.", where=where)
     raw_path = request.rel_url.raw_path
-    url = destination_url(base, raw_path[len("/proxy"):], request.rel_url.raw_query_string,
-                          key_query=names.key_query, where=where)
+    url = destination_url(
+        base, raw_path[len("/proxy") :], request.rel_url.raw_query_string, key_query=names.key_query, where=where
+    )
     content_type = request.headers.get("Content-Type")
     message = Message(forward_headers(request.headers.items(), names), body, content_type)
     code_runner = _code_runner(call, caller, target)
     if target is not None and target.request_transforms:
-        message = await apply_request_transforms(target.request_transforms, message, _Tokenizer(call, caller),
-                                                 code_runner=code_runner)
+        message = await apply_request_transforms(
+            target.request_transforms, message, _Tokenizer(call, caller), code_runner=code_runner
+        )
     detokenized = await call.db_grouped(
-        service.prepare_invocation, caller, target.proxy_id if target else None, headers=message.headers,
-        body=message.body, content_type=content_type, encrypted_header=request.headers.get(names.encrypted),
+        service.prepare_invocation,
+        caller,
+        target.proxy_id if target else None,
+        headers=message.headers,
+        body=message.body,
+        content_type=content_type,
+        encrypted_header=request.headers.get(names.encrypted),
     )
     timeout_s = settings.proxy_timeout_seconds
     try:
         answer = await http.forward(
-            request.method, url, detokenized.headers, detokenized.body, timeout_s=timeout_s,
-            allow_private=settings.allow_private_destinations, extra_ca=settings.proxy_ca_bundle,
+            request.method,
+            url,
+            detokenized.headers,
+            detokenized.body,
+            timeout_s=timeout_s,
+            allow_private=settings.allow_private_destinations,
+            extra_ca=settings.proxy_ca_bundle,
             max_response_bytes=settings.proxy_max_response_bytes,
         )
     except http.ForwardError as error:
@@ -306,9 +356,13 @@ async def invoke(call: Call) -> web.StreamResponse:
     headers, answer_body = answer.headers, answer.body
     if target is not None and target.response_transforms and 200 <= answer.status < 300:
         answer_type = next((value for name, value in headers if name.lower() == "content-type"), None)
-        out = await apply_response_transforms(target.response_transforms, answer.status,
-                                              Message(headers, answer_body, answer_type), _Tokenizer(call, caller),
-                                              code_runner=code_runner)
+        out = await apply_response_transforms(
+            target.response_transforms,
+            answer.status,
+            Message(headers, answer_body, answer_type),
+            _Tokenizer(call, caller),
+            code_runner=code_runner,
+        )
         headers, answer_body = out.headers, out.body
     response_headers = CIMultiDict(headers)
     response_headers[names.destination_status] = str(answer.status)
@@ -327,13 +381,23 @@ def _install_invocation_routes() -> None:
     settings = get_settings()
     names = proxy_header_names(settings.header_prefix)
     description = _invoke_description(names, settings.header_prefix)
-    for path, handler, documented in (("/proxy", invoke, True), ("/proxy/{tail}", invoke_path, True),
-                                      ("/proxy/{tail:.*}", invoke_path, False)):
+    for path, handler, documented in (
+        ("/proxy", invoke, True),
+        ("/proxy/{tail}", invoke_path, True),
+        ("/proxy/{tail:.*}", invoke_path, False),
+    ):
         for method in METHODS:
             api.route(
-                method, path, auth=False, tag=TAG, summary=f"Invoke the proxy ({method})",
-                response=bytes, response_content_type="*/*",
-                description=description, problems=as_proxy_error, documented=documented,
+                method,
+                path,
+                auth=False,
+                tag=TAG,
+                summary=f"Invoke the proxy ({method})",
+                response=bytes,
+                response_content_type="*/*",
+                description=description,
+                problems=as_proxy_error,
+                documented=documented,
                 openapi_extra=_invoke_openapi(names, path != "/proxy"),
             )(handler)
 
@@ -378,8 +442,13 @@ class ProxyPatch(BaseModel):
     application: Any = None
 
 
-ListQuery = cursor_query(100, name=(str | None, Field(None, max_length=200, description=(
-    "Keeps proxies whose name contains this text (case-insensitive)."))))
+ListQuery = cursor_query(
+    100,
+    name=(
+        str | None,
+        Field(None, max_length=200, description=("Keeps proxies whose name contains this text (case-insensitive).")),
+    ),
+)
 
 _FIELDS_TEXT = (
     "Fields: `name` (1-200 characters), `destination_url` (HTTPS, a DNS host, no IP address, no query; trailing "
@@ -391,7 +460,7 @@ _FIELDS_TEXT = (
     "it), `application` (`{id}`: the application whose permissions apply to callers without an API key). "
     "Deprecated since October 8, 2025 and still accepted: `request_transform` / `response_transform` (one "
     "transform, stored as a one-item list; not together with the list; the answer carries `Deprecation`; "
-    "`{\"code\": ...}` without a `type` is a code transform, under the same runtime image rule). "
+    '`{"code": ...}` without a `type` is a code transform, under the same runtime image rule). '
     "Shut down on March 31, 2023: "
     "`request_reactor_id` / `response_reactor_id` answer 400."
 )
@@ -425,55 +494,106 @@ class _ProxyBody:
             raise validation_problem(request_errors(exc)) from None
 
 
-@api.route("POST", "/proxies", permission="proxy:create", body=ProxyRequest, status=201, response=ProxyOut,
-           tag=MANAGEMENT_TAG, summary="Create a proxy", errors=(400,),
-           description="Answers the proxy with its `key` (shown only here; send it in the proxy key header or query "
-           "parameter to invoke it). " + _FIELDS_TEXT)
+@api.route(
+    "POST",
+    "/proxies",
+    permission="proxy:create",
+    body=ProxyRequest,
+    status=201,
+    response=ProxyOut,
+    tag=MANAGEMENT_TAG,
+    summary="Create a proxy",
+    errors=(400,),
+    description="Answers the proxy with its `key` (shown only here; send it in the proxy key header or query "
+    "parameter to invoke it). " + _FIELDS_TEXT,
+)
 async def create(call: Call):
     _deprecated_fields(call)
     return await call.db(service.create_proxy, call.caller, call.body)
 
 
-@api.route("GET", "/proxies", permission="proxy:read", query=ListQuery, response=CursorPage[ProxyOut],
-           tag=MANAGEMENT_TAG, summary="List proxies", errors=(400,),
-           description="Cursor pagination (size 1..100, default 20; `start` from `pagination.next`), newest first.")
+@api.route(
+    "GET",
+    "/proxies",
+    permission="proxy:read",
+    query=ListQuery,
+    response=CursorPage[ProxyOut],
+    tag=MANAGEMENT_TAG,
+    summary="List proxies",
+    errors=(400,),
+    description="Cursor pagination (size 1..100, default 20; `start` from `pagination.next`), newest first.",
+)
 async def list_(call: Call):
     q = call.query
-    data, following = await call.db(service.list_proxies, call.caller, size=q.size, after=decode_cursor(call, q.start),
-                                    name=q.name)
+    data, following = await call.db(
+        service.list_proxies, call.caller, size=q.size, after=decode_cursor(call, q.start), name=q.name
+    )
     return cursor_page(call, data, size=q.size, next_position=following)
 
 
-@api.route("GET", "/proxies/{id}", permission="proxy:read", response=ProxyOut, tag=MANAGEMENT_TAG,
-           summary="Get a proxy", errors=(404,), description="The key is not returned.")
+@api.route(
+    "GET",
+    "/proxies/{id}",
+    permission="proxy:read",
+    response=ProxyOut,
+    tag=MANAGEMENT_TAG,
+    summary="Get a proxy",
+    errors=(404,),
+    description="The key is not returned.",
+)
 async def get(call: Call):
     return await call.db(service.read_proxy, call.caller, call.uuid_param(what="proxy"))
 
 
-@api.route("PUT", "/proxies/{id}", permission="proxy:update", body=ProxyRequest, response=ProxyOut,
-           tag=MANAGEMENT_TAG, summary="Replace a proxy", errors=(400, 404),
-           description="Replaces every field (omitted ones take their defaults); the key stays. " + _FIELDS_TEXT
-           + _CHANGE_APPLIES)
+@api.route(
+    "PUT",
+    "/proxies/{id}",
+    permission="proxy:update",
+    body=ProxyRequest,
+    response=ProxyOut,
+    tag=MANAGEMENT_TAG,
+    summary="Replace a proxy",
+    errors=(400, 404),
+    description="Replaces every field (omitted ones take their defaults); the key stays. "
+    + _FIELDS_TEXT
+    + _CHANGE_APPLIES,
+)
 async def update(call: Call):
     _deprecated_fields(call)
     return await call.db(service.update_proxy, call.caller, call.uuid_param(what="proxy"), call.body)
 
 
-@api.route("PATCH", "/proxies/{id}", permission="proxy:update", body=ProxyPatch, request_content_type=MERGE_PATCH,
-           response=ProxyOut, tag=MANAGEMENT_TAG, summary="Update a proxy (merge patch)", errors=(400, 404, 415),
-           description="Content-Type must be `application/merge-patch+json` (415 otherwise). Objects merge "
-           "(`configuration` by key), null removes (a removed field takes its default); the result is validated "
-           "like a PUT body (400 with per-field errors, nothing changed). " + _FIELDS_TEXT + _CHANGE_APPLIES)
+@api.route(
+    "PATCH",
+    "/proxies/{id}",
+    permission="proxy:update",
+    body=ProxyPatch,
+    request_content_type=MERGE_PATCH,
+    response=ProxyOut,
+    tag=MANAGEMENT_TAG,
+    summary="Update a proxy (merge patch)",
+    errors=(400, 404, 415),
+    description="Content-Type must be `application/merge-patch+json` (415 otherwise). Objects merge "
+    "(`configuration` by key), null removes (a removed field takes its default); the result is validated "
+    "like a PUT body (400 with per-field errors, nothing changed). " + _FIELDS_TEXT + _CHANGE_APPLIES,
+)
 async def patch(call: Call):
     _deprecated_fields(call)
     return await call.db(service.patch_proxy, call.caller, call.uuid_param(what="proxy"), call.payload)
 
 
-@api.route("DELETE", "/proxies/{id}", permission="proxy:delete", status=204, tag=MANAGEMENT_TAG,
-           summary="Delete a proxy", errors=(404,),
-           description="Its key stops working at once through the api process that deletes it, and within "
-           "`TESSERA_AUTH_CACHE_SECONDS` (2 s by default) through the others (each keeps a proxy it has looked up "
-           "by key as long as an API key).")
+@api.route(
+    "DELETE",
+    "/proxies/{id}",
+    permission="proxy:delete",
+    status=204,
+    tag=MANAGEMENT_TAG,
+    summary="Delete a proxy",
+    errors=(404,),
+    description="Its key stops working at once through the api process that deletes it, and within "
+    "`TESSERA_AUTH_CACHE_SECONDS` (2 s by default) through the others (each keeps a proxy it has looked up "
+    "by key as long as an API key).",
+)
 async def delete(call: Call):
     await call.db(service.delete_proxy, call.caller, call.uuid_param(what="proxy"))
 
@@ -491,22 +611,29 @@ DetokenizeDocument = Annotated[
 ]
 
 
-@api.route("POST", "/detokenize", body=DetokenizeDocument, response=DetokenizeDocument, tag=TAG,
-           summary="Detokenize a JSON document", errors=(400, 401, 403),
-           description="Permission, per token read: its use right `token:<classification>:use:proxy` and, since "
-           "the data is answered to the caller, its read right `token:<classification>:read:<impact_level>` at or "
-           "above the token's impact level (403 naming the missing one); a body without expressions needs none.\n\n"
-           "A decision of this implementation, for the official client libraries: answers the "
-           "body (a JSON object or array) with the same structure, every token expression in any string of any "
-           "object or array replaced by the token's data, read by the proxy's expression engine: "
-           "`{{ <token_id> }}`, `{{ <token_id> | json: '$.number' }}`, `{{ token: <token_id> | json: "
-           "'$.data.number' }}` and the engine's filters. A string that is one whole expression becomes the "
-           "value itself (an object, a number, a string); an expression inside a longer string is written as "
-           "text. Only token values are read here (network tokens, token intents, wallet tokens and "
-           f"`encrypted` answer 400). At most {MAX_TOKENS} distinct tokens per request, as the proxy (400). A "
-           "card's `cvc` is never answered. Errors are problem objects (not `proxy_error`), keyed `body`. Logged "
-           "like a proxy invocation (a log row with entity type `proxy`, entity id `detokenize`, operation "
-           "`invoke`; never the body), and the tokens count as used this month in the usage report.")
+@api.route(
+    "POST",
+    "/detokenize",
+    body=DetokenizeDocument,
+    response=DetokenizeDocument,
+    tag=TAG,
+    summary="Detokenize a JSON document",
+    errors=(400, 401, 403),
+    description="Permission, per token read: its use right `token:<classification>:use:proxy` and, since "
+    "the data is answered to the caller, its read right `token:<classification>:read:<impact_level>` at or "
+    "above the token's impact level (403 naming the missing one); a body without expressions needs none.\n\n"
+    "A decision of this implementation, for the official client libraries: answers the "
+    "body (a JSON object or array) with the same structure, every token expression in any string of any "
+    "object or array replaced by the token's data, read by the proxy's expression engine: "
+    "`{{ <token_id> }}`, `{{ <token_id> | json: '$.number' }}`, `{{ token: <token_id> | json: "
+    "'$.data.number' }}` and the engine's filters. A string that is one whole expression becomes the "
+    "value itself (an object, a number, a string); an expression inside a longer string is written as "
+    "text. Only token values are read here (network tokens, token intents, wallet tokens and "
+    f"`encrypted` answer 400). At most {MAX_TOKENS} distinct tokens per request, as the proxy (400). A "
+    "card's `cvc` is never answered. Errors are problem objects (not `proxy_error`), keyed `body`. Logged "
+    "like a proxy invocation (a log row with entity type `proxy`, entity id `detokenize`, operation "
+    "`invoke`; never the body), and the tokens count as used this month in the usage report.",
+)
 async def detokenize_document(call: Call):
     try:
         return await call.db_grouped(service.detokenize_document, call.caller, call.payload)

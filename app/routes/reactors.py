@@ -50,13 +50,16 @@ class PendingReactorOut(ResponseModel):
 
 class RequestedOut(ResponseModel):
     reactor: PendingReactorOut
-    error_code: str | None = Field(None, description="`vulnerabilities_detected`; `invalid_code` (a decision of this "
-                                   "implementation) when the code does not load (a syntax error, a failing "
-                                   "`require`, no "
-                                   "exported function), `error_message` saying why and on which line; or "
-                                   "`build_failed` when npm could not install the dependencies or no vulnerability "
-                                   "scan could be made (a registry that refuses the scan with a 4xx fails the build "
-                                   "at once, naming the `TESSERA_REACTOR_ADVISORIES` setting).")
+    error_code: str | None = Field(
+        None,
+        description="`vulnerabilities_detected`; `invalid_code` (a decision of this "
+        "implementation) when the code does not load (a syntax error, a failing "
+        "`require`, no "
+        "exported function), `error_message` saying why and on which line; or "
+        "`build_failed` when npm could not install the dependencies or no vulnerability "
+        "scan could be made (a registry that refuses the scan with a 4xx fails the build "
+        "at once, naming the `TESSERA_REACTOR_ADVISORIES` setting).",
+    )
     error_message: str | None = None
     error_details: ErrorDetailsOut | None = None
 
@@ -89,6 +92,7 @@ def _parse(payload: Any) -> service.ReactorRequest:
     except ValidationError as exc:
         raise validation_problem(validation_errors(exc)) from None
 
+
 BUILD_TEXT = (
     "Asynchronous (node22): the answer shows the reactor `creating` (or `updating`) with the version in "
     "`requested`; a build job installs the pinned dependencies (npm, scripts disabled) and scans them for known "
@@ -105,49 +109,99 @@ BUILD_TEXT = (
 ListQuery = offset_query(100, id=(list[uuid.UUID], Field(default_factory=list)), name=(str | None, None))
 
 
-@api.route("POST", "/reactors", permission="reactor:create", body=ReactorBody, status=201, response=ReactorOut,
-           tag=TAG, summary="Create a reactor", errors=(400, 401, 403), description=BODY_TEXT + BUILD_TEXT)
+@api.route(
+    "POST",
+    "/reactors",
+    permission="reactor:create",
+    body=ReactorBody,
+    status=201,
+    response=ReactorOut,
+    tag=TAG,
+    summary="Create a reactor",
+    errors=(400, 401, 403),
+    description=BODY_TEXT + BUILD_TEXT,
+)
 async def create(call: Call):
     return await call.db(service.create_reactor, call.caller, call.body)
 
 
-@api.route("GET", "/reactors", permission="reactor:read", query=ListQuery, response=OffsetPage[ReactorOut], tag=TAG,
-           summary="List reactors", errors=(400, 401, 403),
-           description="Offset pagination, oldest first; `id` (repeatable) keeps those ids; `name` is a wildcard "
-           "(`*` matches any characters; without `*` the name contains it; case-insensitive).")
+@api.route(
+    "GET",
+    "/reactors",
+    permission="reactor:read",
+    query=ListQuery,
+    response=OffsetPage[ReactorOut],
+    tag=TAG,
+    summary="List reactors",
+    errors=(400, 401, 403),
+    description="Offset pagination, oldest first; `id` (repeatable) keeps those ids; `name` is a wildcard "
+    "(`*` matches any characters; without `*` the name contains it; case-insensitive).",
+)
 async def list_(call: Call):
     q = call.query
     data, total = await call.db(service.list_reactors, call.caller, ids=q.id, name=q.name, page=q.page, size=q.size)
     return offset_page(data, total=total, page=q.page, size=q.size)
 
 
-@api.route("GET", "/reactors/{id}", permission="reactor:read", response=ReactorOut, tag=TAG,
-           summary="Get a reactor", errors=(401, 403, 404))
+@api.route(
+    "GET",
+    "/reactors/{id}",
+    permission="reactor:read",
+    response=ReactorOut,
+    tag=TAG,
+    summary="Get a reactor",
+    errors=(401, 403, 404),
+)
 async def get(call: Call):
     return await call.db(service.read_reactor, call.caller, call.params["id"])
 
 
-@api.route("PUT", "/reactors/{id}", permission="reactor:update", body=ReactorBody, response=ReactorOut, tag=TAG,
-           summary="Update a reactor", errors=(400, 401, 403, 404, 409), description=BODY_TEXT + BUILD_TEXT)
+@api.route(
+    "PUT",
+    "/reactors/{id}",
+    permission="reactor:update",
+    body=ReactorBody,
+    response=ReactorOut,
+    tag=TAG,
+    summary="Update a reactor",
+    errors=(400, 401, 403, 404, 409),
+    description=BODY_TEXT + BUILD_TEXT,
+)
 async def update(call: Call):
     return await call.db(service.update_reactor, call.caller, call.params["id"], call.body)
 
 
-@api.route("PATCH", "/reactors/{id}", permission="reactor:update",
-           body=Annotated[dict[str, Any], Field(description="An RFC 7396 merge patch of name, code, configuration "
-                                                "and runtime; every field optional.")],
-           request_content_type=MERGE_PATCH, status=204, tag=TAG, summary="Update a reactor (merge patch)",
-           errors=(400, 401, 403, 404, 409, 415),
-           description="Content-Type must be `application/merge-patch+json` (415 otherwise). The patch merges over "
-           "the latest version asked for (the pending or refused one, else the serving one) and the result is "
-           "validated like a PUT body. Answers 204. " + BUILD_TEXT)
+@api.route(
+    "PATCH",
+    "/reactors/{id}",
+    permission="reactor:update",
+    body=Annotated[
+        dict[str, Any],
+        Field(description="An RFC 7396 merge patch of name, code, configuration and runtime; every field optional."),
+    ],
+    request_content_type=MERGE_PATCH,
+    status=204,
+    tag=TAG,
+    summary="Update a reactor (merge patch)",
+    errors=(400, 401, 403, 404, 409, 415),
+    description="Content-Type must be `application/merge-patch+json` (415 otherwise). The patch merges over "
+    "the latest version asked for (the pending or refused one, else the serving one) and the result is "
+    "validated like a PUT body. Answers 204. " + BUILD_TEXT,
+)
 async def patch(call: Call):
     await call.db(service.patch_reactor, call.caller, call.params["id"], call.payload, parse=_parse)
 
 
-@api.route("DELETE", "/reactors/{id}", permission="reactor:delete", status=204, tag=TAG,
-           summary="Delete a reactor", errors=(401, 403, 404, 409),
-           description="409 while a build runs (`creating`, `updating`).")
+@api.route(
+    "DELETE",
+    "/reactors/{id}",
+    permission="reactor:delete",
+    status=204,
+    tag=TAG,
+    summary="Delete a reactor",
+    errors=(401, 403, 404, 409),
+    description="409 while a build runs (`creating`, `updating`).",
+)
 async def delete(call: Call):
     await call.db(service.delete_reactor, call.caller, call.params["id"])
 
@@ -156,15 +210,22 @@ async def delete(call: Call):
 
 
 class ReactIn(RequestModel):
-    args: Any = Field(None, description="Any JSON; `{{ ... }}` expressions are detokenized (the proxy's forms) "
-                      "with the caller's rights to use each token.")
-    callback_url: Any = Field(None, description="Shut down on January 15, 2025: 400. Use react-async and the "
-                              "reactor webhook events.")
+    args: Any = Field(
+        None,
+        description="Any JSON; `{{ ... }}` expressions are detokenized (the proxy's forms) "
+        "with the caller's rights to use each token.",
+    )
+    callback_url: Any = Field(
+        None, description="Shut down on January 15, 2025: 400. Use react-async and the reactor webhook events."
+    )
 
 
 class ReactorResponseOut(ResponseModel):
-    tokens: Any = Field(None, description="The tokens made from the `tokenize` block of the code's answer "
-                        "(the structure of the block, each token request replaced by its token).")
+    tokens: Any = Field(
+        None,
+        description="The tokens made from the `tokenize` block of the code's answer "
+        "(the structure of the block, each token request replaced by its token).",
+    )
     raw: Any = Field(None, description="The `raw` output of the code.")
 
 
@@ -187,64 +248,107 @@ INVOKE_ERRORS = (
 def _refuse_callback(call: Call) -> None:
     if call.body.callback_url is not None:
         raise validation_problem(
-            {"callback_url": ["callback_url was shut down on January 15, 2025; use POST /reactors/{id}/react-async "
-                              "and the reactor.invocation.completed / reactor.invocation.failed webhook events."]})
+            {
+                "callback_url": [
+                    "callback_url was shut down on January 15, 2025; use POST /reactors/{id}/react-async "
+                    "and the reactor.invocation.completed / reactor.invocation.failed webhook events."
+                ]
+            }
+        )
 
 
-@api.route("POST", "/reactors/{id}/react", permission="reactor:invoke", body=ReactIn, body_optional=True,
-           response=ReactorResponseOut, tag=TAG, summary="Invoke a reactor and wait for its answer",
-           errors=(400, 401, 402, 403, 404, 409, 413, 422, 429, 500, 504),
-           description="Runs the code in a worker and waits for its answer up to 30 seconds "
-           "(`TESSERA_REACTOR_WAIT_SECONDS`); the body "
-           "is at most 1 MB (413 beyond). Answers `{tokens, raw}`. When no answer came within the wait (a queue "
-           "backlog: the runtime timeout itself is at most 30 s) the answer is 504 with `request_id`: the result "
-           "will be at GET /reactors/{id}/results/{request_id}. " + INVOKE_ERRORS)
+@api.route(
+    "POST",
+    "/reactors/{id}/react",
+    permission="reactor:invoke",
+    body=ReactIn,
+    body_optional=True,
+    response=ReactorResponseOut,
+    tag=TAG,
+    summary="Invoke a reactor and wait for its answer",
+    errors=(400, 401, 402, 403, 404, 409, 413, 422, 429, 500, 504),
+    description="Runs the code in a worker and waits for its answer up to 30 seconds "
+    "(`TESSERA_REACTOR_WAIT_SECONDS`); the body "
+    "is at most 1 MB (413 beyond). Answers `{tokens, raw}`. When no answer came within the wait (a queue "
+    "backlog: the runtime timeout itself is at most 30 s) the answer is 504 with `request_id`: the result "
+    "will be at GET /reactors/{id}/results/{request_id}. " + INVOKE_ERRORS,
+)
 async def react(call: Call):
     _refuse_callback(call)
     run = await call.db(runs.start_run, call.caller, call.params["id"], args=call.body.args, kind=runs.REACT)
     await call.wait_for_jobs([run.job_id], timeout=call.settings.reactor_wait_seconds)
     status, answer = await call.db(runs.settled_answer, run.id)
     if status == ReactorRunStatus.PENDING:
-        raise Problem(504, "The reactor did not answer within the synchronous wait; its result will be at "
-                           f"GET /reactors/{run.reactor_id}/results/{run.id}.", title="Reactor Timeout",
-                      extra={"request_id": str(run.id)})
+        raise Problem(
+            504,
+            "The reactor did not answer within the synchronous wait; its result will be at "
+            f"GET /reactors/{run.reactor_id}/results/{run.id}.",
+            title="Reactor Timeout",
+            extra={"request_id": str(run.id)},
+        )
     return answer
 
 
-@api.route("POST", "/reactors/{id}/react-async", permission="reactor:invoke", body=ReactIn, body_optional=True,
-           status=202, response=AsyncReactOut, tag=TAG, summary="Invoke a reactor without waiting",
-           errors=(400, 401, 403, 404, 409, 413),
-           description="Answers 202 at once with `async_reactor_request_id`; the answer (or its problem) is at "
-           "GET /reactors/{id}/results/{request_id} once the invocation ended, and the event "
-           "`reactor.invocation.completed` or `reactor.invocation.failed` carries `{reactor_id, request_id, status}`.")
+@api.route(
+    "POST",
+    "/reactors/{id}/react-async",
+    permission="reactor:invoke",
+    body=ReactIn,
+    body_optional=True,
+    status=202,
+    response=AsyncReactOut,
+    tag=TAG,
+    summary="Invoke a reactor without waiting",
+    errors=(400, 401, 403, 404, 409, 413),
+    description="Answers 202 at once with `async_reactor_request_id`; the answer (or its problem) is at "
+    "GET /reactors/{id}/results/{request_id} once the invocation ended, and the event "
+    "`reactor.invocation.completed` or `reactor.invocation.failed` carries `{reactor_id, request_id, status}`.",
+)
 async def react_async(call: Call):
     _refuse_callback(call)
     run = await call.db(runs.start_run, call.caller, call.params["id"], args=call.body.args, kind=runs.ASYNC)
     return {"async_reactor_request_id": run.id}
 
 
-@api.route("GET", "/reactors/{id}/results/{request_id}", permission="reactor:invoke", response=ReactorResponseOut,
-           tag=TAG, summary="Get the result of an asynchronous invocation",
-           errors=(400, 401, 402, 403, 404, 422, 429, 500),
-           description="404 until the invocation has ended; then its answer `{tokens, raw}`, or the problem it ended "
-           "in with that problem's status (the answer the synchronous react would have given).")
+@api.route(
+    "GET",
+    "/reactors/{id}/results/{request_id}",
+    permission="reactor:invoke",
+    response=ReactorResponseOut,
+    tag=TAG,
+    summary="Get the result of an asynchronous invocation",
+    errors=(400, 401, 402, 403, 404, 422, 429, 500),
+    description="404 until the invocation has ended; then its answer `{tokens, raw}`, or the problem it ended "
+    "in with that problem's status (the answer the synchronous react would have given).",
+)
 async def result(call: Call):
     return await call.db(runs.read_result, call.caller, call.params["id"], call.params["request_id"])
 
 
 # ---- reactor formulas: shut down -------------------------------------------------------------------
 
-FORMULAS_GONE = ("Reactor formulas were shut down on February 14, 2024; use reactors with a code attribute "
-                 "(POST /reactors).")
+FORMULAS_GONE = (
+    "Reactor formulas were shut down on February 14, 2024; use reactors with a code attribute (POST /reactors)."
+)
 
 
-FORMULAS_TEXT = ("Shut down on February 14, 2024: answers 410 whatever the key or body. Replacement: "
-                 "reactors with a code attribute.")
+FORMULAS_TEXT = (
+    "Shut down on February 14, 2024: answers 410 whatever the key or body. Replacement: reactors with a code attribute."
+)
 
 
 def _formulas_route(method: str, path: str, summary: str):
-    return api.route(method, path, status=410, tag=TAG, summary=summary, errors=(410,), deprecated=True, auth=False,
-                     description=FORMULAS_TEXT)
+    return api.route(
+        method,
+        path,
+        status=410,
+        tag=TAG,
+        summary=summary,
+        errors=(410,),
+        deprecated=True,
+        auth=False,
+        description=FORMULAS_TEXT,
+    )
 
 
 def _gone() -> Problem:

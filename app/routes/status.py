@@ -35,8 +35,9 @@ class StatusOut(ResponseModel):
 class StatusQuery(BaseModel):
     """The query of ``GET /status``: ``region`` is checked by the handler, which answers ``{error}``."""
 
-    region: str | None = Field(None, description="us or eu; another value answers 400 `{error}`.",
-                               json_schema_extra={"enum": list(REGIONS)})
+    region: str | None = Field(
+        None, description="us or eu; another value answers 400 `{error}`.", json_schema_extra={"enum": list(REGIONS)}
+    )
 
 
 def _database_up(session) -> bool:
@@ -69,8 +70,14 @@ async def status(call: Call):
     return {name: {"tokens": up} for name in regions}
 
 
-@api.route("GET", "/openapi.json", auth=False, response=dict[str, Any], tag="Status",
-           summary="This API's OpenAPI 3.1 description")
+@api.route(
+    "GET",
+    "/openapi.json",
+    auth=False,
+    response=dict[str, Any],
+    tag="Status",
+    summary="This API's OpenAPI 3.1 description",
+)
 async def openapi(call: Call) -> web.Response:
     app = call.request.app
     document = app.get(OPENAPI) or _DOCUMENTS.get(app)
@@ -84,8 +91,11 @@ async def openapi(call: Call) -> web.Response:
 
 #: Swagger UI as installed with the package (``swagger-ui-bundle-v2``): no outside network is needed.
 SWAGGER_UI = Path(str(swagger_ui_path))
-_ASSETS = {"swagger-ui-bundle.js": "application/javascript", "swagger-ui.css": "text/css",
-           "favicon-32x32.png": "image/png"}
+_ASSETS = {
+    "swagger-ui-bundle.js": "application/javascript",
+    "swagger-ui.css": "text/css",
+    "favicon-32x32.png": "image/png",
+}
 _DOCS_PAGE = """<!doctype html>
 <html lang="en">
 <head>
@@ -106,30 +116,53 @@ _INIT = """window.ui = SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui", dee
 """
 
 
-@api.route("GET", "/", auth=False, status=302, response=str, response_content_type="text/html", tag="Status",
-           summary="Where the documentation is",
-           description="No API key. Redirects (302) to the documentation page `GET /docs`; the description itself "
-           "is `GET /openapi.json`.")
+@api.route(
+    "GET",
+    "/",
+    auth=False,
+    status=302,
+    response=str,
+    response_content_type="text/html",
+    tag="Status",
+    summary="Where the documentation is",
+    description="No API key. Redirects (302) to the documentation page `GET /docs`; the description itself "
+    "is `GET /openapi.json`.",
+)
 async def root(call: Call) -> web.Response:
-    return web.Response(status=302, headers={"Location": "/docs"},
-                        text='<a href="/docs">Tessera API documentation: /docs</a>', content_type="text/html")
+    return web.Response(
+        status=302,
+        headers={"Location": "/docs"},
+        text='<a href="/docs">Tessera API documentation: /docs</a>',
+        content_type="text/html",
+    )
 
 
-@api.route("GET", "/docs", auth=False, response=str, response_content_type="text/html", tag="Status",
-           summary="This API's documentation page",
-           description="No API key. A page rendering `GET /openapi.json` with Swagger UI, served from the installed "
-           "package (no outside network).")
+@api.route(
+    "GET",
+    "/docs",
+    auth=False,
+    response=str,
+    response_content_type="text/html",
+    tag="Status",
+    summary="This API's documentation page",
+    description="No API key. A page rendering `GET /openapi.json` with Swagger UI, served from the installed "
+    "package (no outside network).",
+)
 async def docs(call: Call) -> web.Response:
     return web.Response(text=_DOCS_PAGE, content_type="text/html")
 
 
-@api.route("GET", "/docs/assets/{name}", auth=False, tag="Status", summary="A file of the documentation page",
-           documented=False)
+@api.route(
+    "GET", "/docs/assets/{name}", auth=False, tag="Status", summary="A file of the documentation page", documented=False
+)
 async def docs_asset(call: Call) -> web.StreamResponse:
     name = call.params["name"]
     if name == "init.js":
         return web.Response(text=_INIT, content_type="application/javascript")
     if name not in _ASSETS:
         raise not_found("file")
-    return web.Response(body=(SWAGGER_UI / name).read_bytes(), content_type=_ASSETS[name],
-                        headers={"Cache-Control": "public, max-age=86400"})
+    return web.Response(
+        body=(SWAGGER_UI / name).read_bytes(),
+        content_type=_ASSETS[name],
+        headers={"Cache-Control": "public, max-age=86400"},
+    )

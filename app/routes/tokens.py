@@ -36,10 +36,14 @@ READ_RULES = (
     "it is left out. A card's `cvc` is never returned. Classification: card -> pci, bank -> bank, token -> "
     "general (a `token` placed in the containers of another classification takes theirs)."
 )
-READ_ONE = ("Permission: `token:<classification>:read:<impact_level>`; a key without any read permission of the "
-            "token's classification: 403.\n\n")
-DECRYPT_TEXT = (f"Deprecated on January 3, 2022 (no shutdown date; answers carry "
-                f"`Deprecation: {DECRYPT_DEPRECATION['Deprecation']}`). ")
+READ_ONE = (
+    "Permission: `token:<classification>:read:<impact_level>`; a key without any read permission of the "
+    "token's classification: 403.\n\n"
+)
+DECRYPT_TEXT = (
+    f"Deprecated on January 3, 2022 (no shutdown date; answers carry "
+    f"`Deprecation: {DECRYPT_DEPRECATION['Deprecation']}`). "
+)
 SHUT_DOWN = "Permission: any valid API key (no `token:<classification>:read:<impact_level>` is checked).\n\n"
 EXPIRY = "A token whose `expires_at` has passed answers 404 at once (a sweep deletes it later)."
 
@@ -51,8 +55,11 @@ class TokenOut(ResponseModel):
     data: Any = Field(None, description="Complete, masked or absent by the caller's read access.")
     mask: Any = None
     containers: list[str]
-    metadata: dict[str, str] | None = Field(None, description="Left out of a deduplicated payment-forwarding answer "
-                                            "unless the key reads the token's container completely.")
+    metadata: dict[str, str] | None = Field(
+        None,
+        description="Left out of a deduplicated payment-forwarding answer "
+        "unless the key reads the token's container completely.",
+    )
     search_indexes: list[str]
     fingerprint: str | None = None
     fingerprint_expression: str | None = None
@@ -73,15 +80,22 @@ class TokenOptions(RequestModel, Generic[MetadataValue]):
     express (containers, expressions, aliases in use ...) and answers 400 keyed by path. Metadata
     values are strings; in a merge patch they may also be null (the key is removed)."""
 
-    id: str | None = Field(None, pattern=r"^[A-Za-z0-9\-_.:]{1,400}$",
-                           description="An alias; an id already used in the tenant answers 409.")
+    id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9\-_.:]{1,400}$",
+        description="An alias; an id already used in the tenant answers 409.",
+    )
     metadata: dict[str, MetadataValue] | None = Field(None, description="At most 100 pairs; key <= 255, value <= 1024.")
-    mask: Any = Field(None, description="Expressions mirroring the data; default for card: first six and last "
-                      "four of the number and the expiration; for bank: the account number's last four.")
+    mask: Any = Field(
+        None,
+        description="Expressions mirroring the data; default for card: first six and last "
+        "four of the number and the expiration; for bank: the account number's last four.",
+    )
     containers: list[str] | None = Field(None, description="Default /<classification>/high/.")
     search_indexes: list[str] | None = Field(None, max_length=20)
-    fingerprint_expression: str | None = Field(None, description="A Liquid expression; a comma where a filter's "
-                                               "pipe belongs is read as the pipe.")
+    fingerprint_expression: str | None = Field(
+        None, description="A Liquid expression; a comma where a filter's pipe belongs is read as the pipe."
+    )
     deduplicate_token: bool | None = None
     expires_at: dt.datetime | None = Field(None, description="ISO 8601, in the future.")
     parent_id: str | None = Field(None, description="An existing token of the tenant.")
@@ -93,14 +107,25 @@ class TokenRequest(TokenOptions[str]):
     its date; a numeric ``cvc`` is taken as its digits), bank ``{routing_number, account_number}``,
     token any JSON value."""
 
-    model_config = ConfigDict(extra="allow", title="TokenRequest", json_schema_extra={
-        "additionalProperties": False,
-        "examples": [{"type": "card", "data": {"number": "4111111111111111", "expiration_month": 12,
-                                               "expiration_year": 2031}, "metadata": {"order": "1234"}}],
-    })
+    model_config = ConfigDict(
+        extra="allow",
+        title="TokenRequest",
+        json_schema_extra={
+            "additionalProperties": False,
+            "examples": [
+                {
+                    "type": "card",
+                    "data": {"number": "4111111111111111", "expiration_month": 12, "expiration_year": 2031},
+                    "metadata": {"order": "1234"},
+                }
+            ],
+        },
+    )
     type: TokenType
-    data: Any = Field(description="card: {number, expiration_month, expiration_year, cvc, name}; "
-                      "bank: {routing_number, account_number}; token: any JSON value.")
+    data: Any = Field(
+        description="card: {number, expiration_month, expiration_year, cvc, name}; "
+        "bank: {routing_number, account_number}; token: any JSON value."
+    )
     privacy: Any = Field(None, description="Shut down on February 1, 2023: accepted and ignored.")
 
 
@@ -150,21 +175,27 @@ class PspForwardIn(RequestModel):
 #: request object it finds); the union documents the forms.
 TokenizeIn = Annotated[
     TokenRequest | str | float | bool | list[Any] | dict[str, Any] | None,
-    Field(description="A token request object, a bare string/number/boolean, or objects and arrays of them "
-          "(mixed types), walked recursively."),
+    Field(
+        description="A token request object, a bare string/number/boolean, or objects and arrays of them "
+        "(mixed types), walked recursively."
+    ),
 ]
 #: The answer mirrors the request: each token request object replaced by its token, each bare value by its id.
 TokenizeOut = Annotated[
     TokenOut | str | list[Any] | dict[str, Any] | None,
-    Field(description="The request's structure with each token request object replaced by its token object and "
-          "each bare value by the id of its token."),
+    Field(
+        description="The request's structure with each token request object replaced by its token object and "
+        "each bare value by the id of its token."
+    ),
 ]
 
 
-
 class SearchIn(RequestModel):
-    query: str = Field(max_length=4096, description="id:<id>, data:<value>, metadata.<key>:<value>, or "
-                       "metadata.<key>:<value> terms joined by AND. Values may be double-quoted.")
+    query: str = Field(
+        max_length=4096,
+        description="id:<id>, data:<value>, metadata.<key>:<value>, or "
+        "metadata.<key>:<value> terms joined by AND. Values may be double-quoted.",
+    )
     size: int = Field(20, ge=1, le=100)
     start: str | None = Field(None, description="The cursor from pagination.next.")
 
@@ -188,7 +219,10 @@ ChildrenQuery = offset_query(
     type=(list[TokenType], Field(default_factory=list, description="Child token types (repeatable).")),
 )
 METADATA_PARAMETER = {
-    "name": "metadata.<key>", "in": "query", "required": False, "schema": {"type": "string"},
+    "name": "metadata.<key>",
+    "in": "query",
+    "required": False,
+    "schema": {"type": "string"},
     "description": "At most one: tokens whose metadata <key> equals the value exactly (case-sensitive).",
 }
 
@@ -215,52 +249,77 @@ def _idempotency_key(call: Call) -> str | None:
     return key
 
 
-
-@api.route("POST", "/tokenize", body=TokenizeIn, status=201, response=TokenizeOut, tag=TAG,
-           summary="Tokenize one or many values", errors=(400, 401, 403, 409),
-           description="Permission: `token:<classification>:create` for every classification tokenized (403 names "
-           "the missing one).\n\nThe body is walked recursively and the answer (201) has the same structure: an "
-           "object is a token request object when it has a string `type` among token, card, bank, a `data` member "
-           "and no keys outside the token request fields; it is replaced by the created token object. Any other "
-           "object or array is walked. A bare string, number or boolean becomes a `token`-type token and is "
-           "replaced by its id; null stays null. One transaction: every request valid or nothing written; errors "
-           "are keyed by path (`card.data.number`, `[2].data`). At most 1000 tokens per request.\n\n"
-           "Fingerprints: card and bank always (default expression of the type unless `fingerprint_expression`); "
-           "`token` when the tenant setting `fingerprint_tokens` is 'true' or an expression is given. "
-           "Deduplication when `deduplicate_token` is true (or unset and the tenant's `deduplicate_tokens` is "
-           "'true'): another live token of the same type and fingerprint is answered instead (still 201, no second "
-           "row); under `token_deduplication_behavior` `update_existing` (default) its data (and metadata when "
-           "given) is replaced, under `read_existing` it is unchanged. A card's `cvc` is kept one hour for provider "
-           "calls, then dropped. " + READ_RULES + IDEMPOTENCY_TEXT)
+@api.route(
+    "POST",
+    "/tokenize",
+    body=TokenizeIn,
+    status=201,
+    response=TokenizeOut,
+    tag=TAG,
+    summary="Tokenize one or many values",
+    errors=(400, 401, 403, 409),
+    description="Permission: `token:<classification>:create` for every classification tokenized (403 names "
+    "the missing one).\n\nThe body is walked recursively and the answer (201) has the same structure: an "
+    "object is a token request object when it has a string `type` among token, card, bank, a `data` member "
+    "and no keys outside the token request fields; it is replaced by the created token object. Any other "
+    "object or array is walked. A bare string, number or boolean becomes a `token`-type token and is "
+    "replaced by its id; null stays null. One transaction: every request valid or nothing written; errors "
+    "are keyed by path (`card.data.number`, `[2].data`). At most 1000 tokens per request.\n\n"
+    "Fingerprints: card and bank always (default expression of the type unless `fingerprint_expression`); "
+    "`token` when the tenant setting `fingerprint_tokens` is 'true' or an expression is given. "
+    "Deduplication when `deduplicate_token` is true (or unset and the tenant's `deduplicate_tokens` is "
+    "'true'): another live token of the same type and fingerprint is answered instead (still 201, no second "
+    "row); under `token_deduplication_behavior` `update_existing` (default) its data (and metadata when "
+    "given) is replaced, under `read_existing` it is unchanged. A card's `cvc` is kept one hour for provider "
+    "calls, then dropped. " + READ_RULES + IDEMPOTENCY_TEXT,
+)
 async def tokenize(call: Call):
-    return await call.db_grouped(idempotency.once, call.caller, idempotency.TOKENIZE, _idempotency_key(call),
-                                 service.tokenize, call.payload)
+    return await call.db_grouped(
+        idempotency.once, call.caller, idempotency.TOKENIZE, _idempotency_key(call), service.tokenize, call.payload
+    )
 
 
-@api.route("POST", "/tokens", body=TokenRequest, status=201, response=TokenOut, tag=TAG, summary="Create a token",
-           errors=(400, 401, 403, 409),
-           description="Permission: `token:<classification>:create` (card -> pci, bank -> bank, token -> the "
-           "classification of its containers, default general).\n\nContainers must parse as "
-           "/<classification>/<impact_level>/ and, for card and bank, be of the type's classification. "
-           "Unknown properties: 400. An alias `id` already used by a live token of the tenant: 409. Card data: "
-           "Luhn and expiry checked. Deduplication and fingerprints as for POST /tokenize (201 with the existing "
-           "token on a hit). " + READ_RULES + IDEMPOTENCY_TEXT)
+@api.route(
+    "POST",
+    "/tokens",
+    body=TokenRequest,
+    status=201,
+    response=TokenOut,
+    tag=TAG,
+    summary="Create a token",
+    errors=(400, 401, 403, 409),
+    description="Permission: `token:<classification>:create` (card -> pci, bank -> bank, token -> the "
+    "classification of its containers, default general).\n\nContainers must parse as "
+    "/<classification>/<impact_level>/ and, for card and bank, be of the type's classification. "
+    "Unknown properties: 400. An alias `id` already used by a live token of the tenant: 409. Card data: "
+    "Luhn and expiry checked. Deduplication and fingerprints as for POST /tokenize (201 with the existing "
+    "token on a hit). " + READ_RULES + IDEMPOTENCY_TEXT,
+)
 async def create(call: Call):
-    return await call.db_grouped(idempotency.once, call.caller, idempotency.TOKENS, _idempotency_key(call),
-                                 service.create_token, call.payload)
+    return await call.db_grouped(
+        idempotency.once, call.caller, idempotency.TOKENS, _idempotency_key(call), service.create_token, call.payload
+    )
 
 
-@api.route("POST", "/connections/psp-forward/tokenize", permission="token:pci:create", body=PspForwardIn,
-           status=201, response=TokenOut, tag=TAG, summary="Tokenize a card in a payment processor's forwarding format",
-           errors=(400, 401, 403, 409),
-           description="`token:create` is the retired legacy name of `token:pci:create`. `card` "
-           "{number, exp_month 'MM', exp_year 'YYYY', cvc, name} becomes card token data {number, "
-           "expiration_month (integer), expiration_year (integer), cvc, name}, so expressions refer to "
-           "`data.expiration_month`. `metadata` carries the token options {id, mask, containers, metadata, "
-           "search_indexes, fingerprint_expression (default the stringified data), deduplicate_token, "
-           "expires_at}. Errors are keyed `card.<field>` and `metadata.<field>`. When the answer is an existing "
-           "token found by deduplication, `data` and `metadata` are left out unless the key reads the token's "
-           "container completely. " + READ_RULES)
+@api.route(
+    "POST",
+    "/connections/psp-forward/tokenize",
+    permission="token:pci:create",
+    body=PspForwardIn,
+    status=201,
+    response=TokenOut,
+    tag=TAG,
+    summary="Tokenize a card in a payment processor's forwarding format",
+    errors=(400, 401, 403, 409),
+    description="`token:create` is the retired legacy name of `token:pci:create`. `card` "
+    "{number, exp_month 'MM', exp_year 'YYYY', cvc, name} becomes card token data {number, "
+    "expiration_month (integer), expiration_year (integer), cvc, name}, so expressions refer to "
+    "`data.expiration_month`. `metadata` carries the token options {id, mask, containers, metadata, "
+    "search_indexes, fingerprint_expression (default the stringified data), deduplicate_token, "
+    "expires_at}. Errors are keyed `card.<field>` and `metadata.<field>`. When the answer is an existing "
+    "token found by deduplication, `data` and `metadata` are left out unless the key reads the token's "
+    "container completely. " + READ_RULES,
+)
 async def psp_forward(call: Call):
     return await call.db_grouped(service.psp_forward_tokenize, call.caller, call.payload)
 
@@ -272,20 +331,28 @@ def _list_filters(call: Call) -> tuple[str, str] | None:
     """The one ``metadata.<key>`` filter of a v2 list (400 for ``id``, several metadata or others)."""
     extras = query_extras(call.query)
     if "id" in extras:
-        message = ("The id query parameter is not supported by GET /v2/tokens; read one token with "
-                   "GET /tokens/{id} or search id:<id> with POST /v2/tokens/search.")
+        message = (
+            "The id query parameter is not supported by GET /v2/tokens; read one token with "
+            "GET /tokens/{id} or search id:<id> with POST /v2/tokens/search."
+        )
         raise validation_problem({"id": [message]})
     unknown = [name for name in extras if not name.startswith("metadata.")]
     if unknown:
         raise validation_problem({name: ["This query parameter is not supported."] for name in unknown})
     pairs = [(name, value) for name in extras for value in call.request.query.getall(name)]
     if len(pairs) > 1:
-        raise validation_problem({"metadata": ["Only one metadata.<key> query parameter is supported; combine the "
-                                               "values into one metadata field or filter client-side."]})
+        raise validation_problem(
+            {
+                "metadata": [
+                    "Only one metadata.<key> query parameter is supported; combine the "
+                    "values into one metadata field or filter client-side."
+                ]
+            }
+        )
     if not pairs:
         return None
     name, value = pairs[0]
-    key = name[len("metadata."):]
+    key = name[len("metadata.") :]
     if not key:
         raise validation_problem({name: ["Name the metadata key: metadata.<key>=<value>."]})
     return key, value
@@ -295,8 +362,9 @@ async def _list(call: Call) -> dict:
     q = call.query
     metadata = _list_filters(call)
     position = decode_cursor(call, q.start)
-    data, following = await call.db(service.list_tokens, call.caller, types=q.type, metadata=metadata,
-                                    size=q.size, position=position)
+    data, following = await call.db(
+        service.list_tokens, call.caller, types=q.type, metadata=metadata, size=q.size, position=position
+    )
     return cursor_page(call, data, size=q.size, next_position=following)
 
 
@@ -308,23 +376,41 @@ LIST_TEXT = (
 )
 
 
-@api.route("GET", "/v2/tokens", query=ListQuery, response=TokenPage, tag=TAG, summary="List tokens",
-           errors=(400, 401, 403), openapi_extra={"parameters": [METADATA_PARAMETER]},
-           description="Permission: any `token:<classification>:read:<impact_level>`.\n\n" + LIST_TEXT
-           + READ_RULES + " " + EXPIRY)
+@api.route(
+    "GET",
+    "/v2/tokens",
+    query=ListQuery,
+    response=TokenPage,
+    tag=TAG,
+    summary="List tokens",
+    errors=(400, 401, 403),
+    openapi_extra={"parameters": [METADATA_PARAMETER]},
+    description="Permission: any `token:<classification>:read:<impact_level>`.\n\n"
+    + LIST_TEXT
+    + READ_RULES
+    + " "
+    + EXPIRY,
+)
 async def list_v2(call: Call):
     return await _list(call)
 
 
-@api.route("POST", "/v2/tokens/search", body=SearchIn, response=TokenPage, tag=TAG, summary="Search tokens",
-           errors=(400, 401, 403),
-           description="Permission: any `token:<classification>:read:<impact_level>`.\n\n`query` takes one "
-           "`id:<id>` term, one `data:<value>` term (matched against the tokens' search indexes, stored only as "
-           "keyed digests), one `metadata.<key>:<value>` term, or several `metadata.<key>:<value>` terms joined by "
-           "` AND ` (exact, case-sensitive). Any other form (OR, NOT, `-term`, grouping, the fields type, "
-           "fingerprint, container, created_*, modified_*, free text, mixed id/metadata/data) answers 400 naming "
-           "what is unsupported (complex queries were shut down on January 23, 2024). Cursor pagination as "
-           "GET /v2/tokens (`size`, `start` in the body). " + READ_RULES)
+@api.route(
+    "POST",
+    "/v2/tokens/search",
+    body=SearchIn,
+    response=TokenPage,
+    tag=TAG,
+    summary="Search tokens",
+    errors=(400, 401, 403),
+    description="Permission: any `token:<classification>:read:<impact_level>`.\n\n`query` takes one "
+    "`id:<id>` term, one `data:<value>` term (matched against the tokens' search indexes, stored only as "
+    "keyed digests), one `metadata.<key>:<value>` term, or several `metadata.<key>:<value>` terms joined by "
+    "` AND ` (exact, case-sensitive). Any other form (OR, NOT, `-term`, grouping, the fields type, "
+    "fingerprint, container, created_*, modified_*, free text, mixed id/metadata/data) answers 400 naming "
+    "what is unsupported (complex queries were shut down on January 23, 2024). Cursor pagination as "
+    "GET /v2/tokens (`size`, `start` in the body). " + READ_RULES,
+)
 async def search_v2(call: Call):
     b = call.body
     position = decode_cursor(call, b.start)
@@ -332,26 +418,58 @@ async def search_v2(call: Call):
     return cursor_page(call, data, size=b.size, next_position=following)
 
 
-@api.route("GET", "/tokens", status=410, tag=TAG, summary="List tokens v1 (shut down)", errors=(410,), deprecated=True,
-           description=SHUT_DOWN + "Shut down on March 1, 2025: answers 410. Use GET /v2/tokens.")
+@api.route(
+    "GET",
+    "/tokens",
+    status=410,
+    tag=TAG,
+    summary="List tokens v1 (shut down)",
+    errors=(410,),
+    deprecated=True,
+    description=SHUT_DOWN + "Shut down on March 1, 2025: answers 410. Use GET /v2/tokens.",
+)
 async def list_v1(call: Call):
-    raise Problem(410, "List tokens v1 was shut down on March 1, 2025; use GET /v2/tokens (cursor pagination; "
-                  "no id parameter; at most one metadata.<key> parameter, matched exactly and case-sensitively).")
+    raise Problem(
+        410,
+        "List tokens v1 was shut down on March 1, 2025; use GET /v2/tokens (cursor pagination; "
+        "no id parameter; at most one metadata.<key> parameter, matched exactly and case-sensitively).",
+    )
 
 
-@api.route("POST", "/tokens/search", status=410, tag=TAG, summary="Search tokens v1 (shut down)", errors=(410,),
-           deprecated=True,
-           description=SHUT_DOWN + "Shut down on March 1, 2025: answers 410. Use POST /v2/tokens/search.")
+@api.route(
+    "POST",
+    "/tokens/search",
+    status=410,
+    tag=TAG,
+    summary="Search tokens v1 (shut down)",
+    errors=(410,),
+    deprecated=True,
+    description=SHUT_DOWN + "Shut down on March 1, 2025: answers 410. Use POST /v2/tokens/search.",
+)
 async def search_v1(call: Call):
-    raise Problem(410, "Search tokens v1 was shut down on March 1, 2025; use POST /v2/tokens/search (cursor "
-                  "pagination; id:<id>, data:<value>, metadata.<key>:<value> terms, metadata terms joined by AND).")
+    raise Problem(
+        410,
+        "Search tokens v1 was shut down on March 1, 2025; use POST /v2/tokens/search (cursor "
+        "pagination; id:<id>, data:<value>, metadata.<key>:<value> terms, metadata terms joined by AND).",
+    )
 
 
-@api.route("GET", "/tokens/decrypt", query=ListQuery, response=TokenPage, tag=TAG,
-           summary="List tokens with data (deprecated)", errors=(400, 401, 403), deprecated=True,
-           extra_headers=DECRYPT_DEPRECATION, openapi_extra={"parameters": [METADATA_PARAMETER]},
-           description="Permission: any `token:<classification>:read:<impact_level>`.\n\n" + DECRYPT_TEXT
-           + "Answers exactly like GET /v2/tokens: data is returned according to the key's read access. " + LIST_TEXT)
+@api.route(
+    "GET",
+    "/tokens/decrypt",
+    query=ListQuery,
+    response=TokenPage,
+    tag=TAG,
+    summary="List tokens with data (deprecated)",
+    errors=(400, 401, 403),
+    deprecated=True,
+    extra_headers=DECRYPT_DEPRECATION,
+    openapi_extra={"parameters": [METADATA_PARAMETER]},
+    description="Permission: any `token:<classification>:read:<impact_level>`.\n\n"
+    + DECRYPT_TEXT
+    + "Answers exactly like GET /v2/tokens: data is returned according to the key's read access. "
+    + LIST_TEXT,
+)
 async def list_decrypt(call: Call):
     return await _deprecated(_list(call))
 
@@ -359,57 +477,101 @@ async def list_decrypt(call: Call):
 # ---- one token -----------------------------------------------------------------------------------
 
 
-@api.route("GET", "/tokens/{id}", response=TokenOut, tag=TAG, summary="Get a token", errors=(401, 403, 404),
-           description=READ_ONE + READ_RULES + " " + EXPIRY)
+@api.route(
+    "GET",
+    "/tokens/{id}",
+    response=TokenOut,
+    tag=TAG,
+    summary="Get a token",
+    errors=(401, 403, 404),
+    description=READ_ONE + READ_RULES + " " + EXPIRY,
+)
 async def get(call: Call):
     return await call.db(service.read_token, call.caller, call.params["id"])
 
 
-@api.route("GET", "/tokens/{id}/decrypt", response=TokenOut, tag=TAG, summary="Get a token (deprecated)",
-           errors=(401, 403, 404), deprecated=True, extra_headers=DECRYPT_DEPRECATION,
-           description=READ_ONE + DECRYPT_TEXT + "Answers exactly like GET /tokens/{id}: data according to the key's "
-           "read access.")
+@api.route(
+    "GET",
+    "/tokens/{id}/decrypt",
+    response=TokenOut,
+    tag=TAG,
+    summary="Get a token (deprecated)",
+    errors=(401, 403, 404),
+    deprecated=True,
+    extra_headers=DECRYPT_DEPRECATION,
+    description=READ_ONE + DECRYPT_TEXT + "Answers exactly like GET /tokens/{id}: data according to the key's "
+    "read access.",
+)
 async def get_decrypt(call: Call):
     return await _deprecated(call.db(service.read_token, call.caller, call.params["id"]))
 
 
-@api.route("GET", "/atomic/banks/{id}/decrypt", response=TokenOut, tag=TAG,
-           summary="Get a bank token (deprecated)", errors=(401, 403, 404), deprecated=True,
-           extra_headers=DECRYPT_DEPRECATION,
-           description=READ_ONE + DECRYPT_TEXT + "Answers like GET /tokens/{id} for a token of type bank "
-           "(another type: 404); data according to the key's read access.")
+@api.route(
+    "GET",
+    "/atomic/banks/{id}/decrypt",
+    response=TokenOut,
+    tag=TAG,
+    summary="Get a bank token (deprecated)",
+    errors=(401, 403, 404),
+    deprecated=True,
+    extra_headers=DECRYPT_DEPRECATION,
+    description=READ_ONE + DECRYPT_TEXT + "Answers like GET /tokens/{id} for a token of type bank "
+    "(another type: 404); data according to the key's read access.",
+)
 async def get_bank_decrypt(call: Call):
     return await _deprecated(call.db(service.read_token, call.caller, call.params["id"], of_type="bank"))
 
 
-@api.route("PATCH", "/tokens/{id}", body=TokenPatch, request_content_type=MERGE_PATCH, response=TokenOut, tag=TAG,
-           summary="Update a token (merge patch)", errors=(400, 401, 403, 404, 415),
-           description="Permission: `token:<classification>:update` (of the new classification too when the "
-           "containers change it).\n\nContent-Type must be `application/merge-patch+json` (415 otherwise). The "
-           "patch may hold data, metadata, mask, containers, search_indexes, fingerprint_expression, "
-           "deduplicate_token, expires_at (privacy is ignored); objects merge recursively and null removes (a "
-           "removed mask, container list or fingerprint expression returns to the type's default). id, type and "
-           "parent_id cannot change (400). The result is validated like a new token (card data re-validated) and "
-           "its fingerprint and search indexes recomputed. Answers 200 with the token. " + READ_RULES)
+@api.route(
+    "PATCH",
+    "/tokens/{id}",
+    body=TokenPatch,
+    request_content_type=MERGE_PATCH,
+    response=TokenOut,
+    tag=TAG,
+    summary="Update a token (merge patch)",
+    errors=(400, 401, 403, 404, 415),
+    description="Permission: `token:<classification>:update` (of the new classification too when the "
+    "containers change it).\n\nContent-Type must be `application/merge-patch+json` (415 otherwise). The "
+    "patch may hold data, metadata, mask, containers, search_indexes, fingerprint_expression, "
+    "deduplicate_token, expires_at (privacy is ignored); objects merge recursively and null removes (a "
+    "removed mask, container list or fingerprint expression returns to the type's default). id, type and "
+    "parent_id cannot change (400). The result is validated like a new token (card data re-validated) and "
+    "its fingerprint and search indexes recomputed. Answers 200 with the token. " + READ_RULES,
+)
 async def update(call: Call):
     return await call.db(service.update_token, call.caller, call.params["id"], call.payload)
 
 
-@api.route("DELETE", "/tokens/{id}", status=204, tag=TAG, summary="Delete a token and its children",
-           errors=(401, 403, 404),
-           description="Permission: `token:<classification>:delete` for every token deleted.\n\nThe token's children "
-           "(and theirs) are deleted with it.")
+@api.route(
+    "DELETE",
+    "/tokens/{id}",
+    status=204,
+    tag=TAG,
+    summary="Delete a token and its children",
+    errors=(401, 403, 404),
+    description="Permission: `token:<classification>:delete` for every token deleted.\n\nThe token's children "
+    "(and theirs) are deleted with it.",
+)
 async def delete(call: Call):
     await call.db(service.delete_token, call.caller, call.params["id"])
 
 
-@api.route("GET", "/tokens/{parent_id}/children", query=ChildrenQuery, response=OffsetPage[TokenOut], tag=TAG,
-           summary="List a token's children", errors=(400, 401, 403, 404),
-           description="Permission: `token:<classification>:read:<impact_level>` on the parent (403 without any "
-           "read permission of its classification).\n\nOffset pagination (page, size 1..100), newest first; filters "
-           "`id` and `type` (repeatable). Children are tokens created with `parent_id`. " + READ_RULES)
+@api.route(
+    "GET",
+    "/tokens/{parent_id}/children",
+    query=ChildrenQuery,
+    response=OffsetPage[TokenOut],
+    tag=TAG,
+    summary="List a token's children",
+    errors=(400, 401, 403, 404),
+    description="Permission: `token:<classification>:read:<impact_level>` on the parent (403 without any "
+    "read permission of its classification).\n\nOffset pagination (page, size 1..100), newest first; filters "
+    "`id` and `type` (repeatable). Children are tokens created with `parent_id`. " + READ_RULES,
+)
 async def list_children(call: Call):
     q = call.query
-    data, total = await call.db(service.children, call.caller, call.params["parent_id"], ids=q.id, types=q.type,
-                                page=q.page, size=q.size)
+    data, total = await call.db(
+        service.children, call.caller, call.params["parent_id"], ids=q.id, types=q.type, page=q.page, size=q.size
+    )
     return offset_page(data, total=total, page=q.page, size=q.size)

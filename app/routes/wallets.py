@@ -35,7 +35,7 @@ _REFUSALS = (
 _CRYPTOGRAM = (
     "Cryptograms are not kept past their use (decided here): the cryptogram is sealed apart from the card and "
     "erased at its first use, the first `GET /wallet-a/{id}` with `wallet-a:reveal` or the first proxy request "
-    "whose expressions read the token (`{{ wallet-a: <id> | json: \"$.authentication.threeds_cryptogram\" }}`), "
+    'whose expressions read the token (`{{ wallet-a: <id> | json: "$.authentication.threeds_cryptogram" }}`), '
     "whichever comes first; unused, it is erased `TESSERA_WALLET_CRYPTOGRAM_RETENTION_SECONDS` (default 3600) "
     "after creation. Every other view shows `authentication.threeds_cryptogram` null. "
 )
@@ -53,18 +53,21 @@ _ENRICHMENT = (
 class MerchantCertificateIn(RequestModel):
     """`POST /wallet-a/merchant-certificates`."""
 
-    certificate: str = Field(min_length=1, max_length=16384,
-                             description="The payment processing certificate, PEM.")
-    private_key: str = Field(min_length=1, max_length=16384,
-                             description="Its EC P-256 private key, PEM (PKCS#8 or SEC1). Never returned.")
+    certificate: str = Field(min_length=1, max_length=16384, description="The payment processing certificate, PEM.")
+    private_key: str = Field(
+        min_length=1, max_length=16384, description="Its EC P-256 private key, PEM (PKCS#8 or SEC1). Never returned."
+    )
 
 
 class MerchantKeyIn(RequestModel):
     """`POST /wallet-b/merchant-keys`."""
 
-    private_key: str = Field(min_length=1, max_length=16384,
-                             description="The merchant's EC P-256 private key: PEM, or base64 PKCS#8 DER as the "
-                             "wallet provider's tools print it. Never returned.")
+    private_key: str = Field(
+        min_length=1,
+        max_length=16384,
+        description="The merchant's EC P-256 private key: PEM, or base64 PKCS#8 DER as the "
+        "wallet provider's tools print it. Never returned.",
+    )
 
 
 class MerchantKeyOut(ResponseModel):
@@ -139,11 +142,14 @@ class WalletAIn(RequestModel):
     apple_payment_data: dict[str, Any] = Field(
         description="The wallet's payment token: `paymentData` {data, signature, header {transactionId, "
         "publicKeyHash, applicationData, ephemeralPublicKey}, version} and `transactionIdentifier`, both required; "
-        "other members are ignored.")
-    expires_at: dt.datetime | None = Field(default=None, description="Default: the end of the day the decrypted "
-                                           "application expiration date names.")
-    merchant_registration_id: str | None = Field(default=None, max_length=255,
-                                                 description="Accepted; not used by decryption.")
+        "other members are ignored."
+    )
+    expires_at: dt.datetime | None = Field(
+        default=None, description="Default: the end of the day the decrypted application expiration date names."
+    )
+    merchant_registration_id: str | None = Field(
+        default=None, max_length=255, description="Accepted; not used by decryption."
+    )
 
 
 class WalletBIn(RequestModel):
@@ -151,62 +157,114 @@ class WalletBIn(RequestModel):
 
     google_payment_data: dict[str, Any] | str = Field(
         description="The ECv2 token: the JSON object (or its JSON text) {protocolVersion, signature, "
-        "intermediateSigningKey, signedMessage}.")
+        "intermediateSigningKey, signedMessage}."
+    )
     expires_at: dt.datetime | None = Field(default=None, description="Default: the end of the card's expiry month.")
 
 
 # ---- merchant certificates and keys -------------------------------------------------------------
 
 
-@api.route("POST", "/wallet-a/merchant-certificates", permission="wallet-a:manage", body=MerchantCertificateIn,
-           status=201, response=MerchantKeyOut, tag=TAG, summary="Add a wallet-a merchant certificate",
-           errors=(400, 422),
-           description="Stores the tenant's payment processing certificate and its private key (sealed with the "
-           "tenant's data key; never returned). Several may be active at once for rotation: each token names its "
-           "key by `header.publicKeyHash`. `merchant_id` is the certificate subject's UID when present, else the "
-           "hex merchant id hash of extension 1.2.840.113635.100.6.32 (designed here). 422 "
-           "`merchant_certificate_invalid` when the PEM cannot be read, the key is not P-256 or not the "
-           "certificate's, the merchant id extension is missing, or the certificate has expired.")
+@api.route(
+    "POST",
+    "/wallet-a/merchant-certificates",
+    permission="wallet-a:manage",
+    body=MerchantCertificateIn,
+    status=201,
+    response=MerchantKeyOut,
+    tag=TAG,
+    summary="Add a wallet-a merchant certificate",
+    errors=(400, 422),
+    description="Stores the tenant's payment processing certificate and its private key (sealed with the "
+    "tenant's data key; never returned). Several may be active at once for rotation: each token names its "
+    "key by `header.publicKeyHash`. `merchant_id` is the certificate subject's UID when present, else the "
+    "hex merchant id hash of extension 1.2.840.113635.100.6.32 (designed here). 422 "
+    "`merchant_certificate_invalid` when the PEM cannot be read, the key is not P-256 or not the "
+    "certificate's, the merchant id extension is missing, or the certificate has expired.",
+)
 async def add_certificate(call: Call):
-    return await call.db(service.add_wallet_a_certificate, call.caller, certificate=call.body.certificate,
-                         private_key=call.body.private_key)
+    return await call.db(
+        service.add_wallet_a_certificate,
+        call.caller,
+        certificate=call.body.certificate,
+        private_key=call.body.private_key,
+    )
 
 
-@api.route("GET", "/wallet-a/merchant-certificates", permission="wallet-a:manage", response=MerchantKeyList,
-           tag=TAG, summary="List wallet-a merchant certificates",
-           description="The tenant's certificates, oldest first (`{data: [...]}`; a handful at most, not paginated).")
+@api.route(
+    "GET",
+    "/wallet-a/merchant-certificates",
+    permission="wallet-a:manage",
+    response=MerchantKeyList,
+    tag=TAG,
+    summary="List wallet-a merchant certificates",
+    description="The tenant's certificates, oldest first (`{data: [...]}`; a handful at most, not paginated).",
+)
 async def list_certificates(call: Call):
     return {"data": await call.db(service.list_keys, call.caller, service.WALLET_A)}
 
 
-@api.route("DELETE", "/wallet-a/merchant-certificates/{id}", permission="wallet-a:manage", status=204, tag=TAG,
-           summary="Delete a wallet-a merchant certificate", errors=(404,),
-           description="Tokens sealed for its key are refused from then on (422 `merchant_key_not_found`).")
+@api.route(
+    "DELETE",
+    "/wallet-a/merchant-certificates/{id}",
+    permission="wallet-a:manage",
+    status=204,
+    tag=TAG,
+    summary="Delete a wallet-a merchant certificate",
+    errors=(404,),
+    description="Tokens sealed for its key are refused from then on (422 `merchant_key_not_found`).",
+)
 async def delete_certificate(call: Call):
     await call.db(service.delete_key, call.caller, service.WALLET_A, call.params["id"])
 
 
-_B_KEYS = ("How the merchant's decryption keys are configured is this implementation's design: tenant "
-           "configuration, permission `tenant:update`. ")
+_B_KEYS = (
+    "How the merchant's decryption keys are configured is this implementation's design: tenant "
+    "configuration, permission `tenant:update`. "
+)
 
 
-@api.route("POST", "/wallet-b/merchant-keys", permission="tenant:update", body=MerchantKeyIn, status=201,
-           response=MerchantKeyOut, tag=TAG, summary="Add a wallet-b merchant key", errors=(400, 422),
-           description=_B_KEYS + "The key is sealed with the tenant's data key and never returned; `merchant_id` is "
-           "the recipient id tokens must be sealed for, `merchant:<tenant id>` (the tenant id is the merchant id "
-           "toward the provider). Several keys may be active: each is tried.")
+@api.route(
+    "POST",
+    "/wallet-b/merchant-keys",
+    permission="tenant:update",
+    body=MerchantKeyIn,
+    status=201,
+    response=MerchantKeyOut,
+    tag=TAG,
+    summary="Add a wallet-b merchant key",
+    errors=(400, 422),
+    description=_B_KEYS + "The key is sealed with the tenant's data key and never returned; `merchant_id` is "
+    "the recipient id tokens must be sealed for, `merchant:<tenant id>` (the tenant id is the merchant id "
+    "toward the provider). Several keys may be active: each is tried.",
+)
 async def add_b_key(call: Call):
     return await call.db(service.add_wallet_b_key, call.caller, private_key=call.body.private_key)
 
 
-@api.route("GET", "/wallet-b/merchant-keys", permission="tenant:update", response=MerchantKeyList, tag=TAG,
-           summary="List wallet-b merchant keys", description=_B_KEYS + "Oldest first, not paginated.")
+@api.route(
+    "GET",
+    "/wallet-b/merchant-keys",
+    permission="tenant:update",
+    response=MerchantKeyList,
+    tag=TAG,
+    summary="List wallet-b merchant keys",
+    description=_B_KEYS + "Oldest first, not paginated.",
+)
 async def list_b_keys(call: Call):
     return {"data": await call.db(service.list_keys, call.caller, service.WALLET_B)}
 
 
-@api.route("DELETE", "/wallet-b/merchant-keys/{id}", permission="tenant:update", status=204, tag=TAG,
-           summary="Delete a wallet-b merchant key", errors=(404,), description=_B_KEYS)
+@api.route(
+    "DELETE",
+    "/wallet-b/merchant-keys/{id}",
+    permission="tenant:update",
+    status=204,
+    tag=TAG,
+    summary="Delete a wallet-b merchant key",
+    errors=(404,),
+    description=_B_KEYS,
+)
 async def delete_b_key(call: Call):
     await call.db(service.delete_key, call.caller, service.WALLET_B, call.params["id"])
 
@@ -268,54 +326,99 @@ async def _registered(call: Call, values: list[str], *, replace: bool, field: st
     return await call.db(domains.registration_outcome, call.caller, job_ids)
 
 
-@api.route("POST", "/wallet-a/domain-registration", permission="wallet-a:manage", body=DomainIn,
-           response=DomainsOut, tag=TAG, summary="Register a wallet-a domain", errors=(400, 422, 502),
-           description="Adds one domain; answers every domain of the tenant's environment. " + _DOMAINS)
+@api.route(
+    "POST",
+    "/wallet-a/domain-registration",
+    permission="wallet-a:manage",
+    body=DomainIn,
+    response=DomainsOut,
+    tag=TAG,
+    summary="Register a wallet-a domain",
+    errors=(400, 422, 502),
+    description="Adds one domain; answers every domain of the tenant's environment. " + _DOMAINS,
+)
 async def register_domain(call: Call):
     return await _registered(call, [call.body.domain], replace=False, field="domain")
 
 
-@api.route("PUT", "/wallet-a/domain-registration", permission="wallet-a:manage", body=DomainsIn,
-           response=DomainsOut, tag=TAG, summary="Replace the wallet-a domains", errors=(400, 422, 502),
-           description="The tenant's domains become exactly `domains`: new ones are registered, missing ones "
-           "removed. " + _DOMAINS)
+@api.route(
+    "PUT",
+    "/wallet-a/domain-registration",
+    permission="wallet-a:manage",
+    body=DomainsIn,
+    response=DomainsOut,
+    tag=TAG,
+    summary="Replace the wallet-a domains",
+    errors=(400, 422, 502),
+    description="The tenant's domains become exactly `domains`: new ones are registered, missing ones "
+    "removed. " + _DOMAINS,
+)
 async def replace_domains(call: Call):
     return await _registered(call, call.body.domains, replace=True, field="domains")
 
 
-@api.route("GET", "/wallet-a/domain-registration", permission="wallet-a:manage", response=DomainsOut, tag=TAG,
-           summary="List the wallet-a domains", description=_DOMAINS)
+@api.route(
+    "GET",
+    "/wallet-a/domain-registration",
+    permission="wallet-a:manage",
+    response=DomainsOut,
+    tag=TAG,
+    summary="List the wallet-a domains",
+    description=_DOMAINS,
+)
 async def list_domains(call: Call):
     return await call.db(domains.list_domains, call.caller)
 
 
-@api.route("POST", "/wallet-a/domain-deregistration", permission="wallet-a:manage", body=DomainIn, status=204,
-           tag=TAG, summary="Deregister a wallet-a domain", errors=(400, 404),
-           description="Forgets the domain at once (404 when it is not registered); a worker tells the wallet "
-           "provider (retried until it answers).")
+@api.route(
+    "POST",
+    "/wallet-a/domain-deregistration",
+    permission="wallet-a:manage",
+    body=DomainIn,
+    status=204,
+    tag=TAG,
+    summary="Deregister a wallet-a domain",
+    errors=(400, 404),
+    description="Forgets the domain at once (404 when it is not registered); a worker tells the wallet "
+    "provider (retried until it answers).",
+)
 async def deregister_domain(call: Call):
     await call.db(domains.deregister_domain, call.caller, call.body.domain)
 
 
-@api.route("POST", "/wallet-a/session", permission="wallet-a:session", body=SessionIn, response=dict[str, Any],
-           tag=TAG, summary="Create a wallet-a merchant session", errors=(400, 422, 503),
-           description="Merchant validation through the wallet provider's payment session gateway: answers the "
-           "gateway's opaque session object unchanged. `validation_url` defaults to the gateway of the tenant's "
-           "environment (test tenants: the sandbox gateway, `TESSERA_SANDBOX_URL` + "
-           "`/wallet-gateway/sandbox/paymentservices/paymentSession`; production: "
-           "`https://apple-pay-gateway.apple.com/paymentservices/paymentSession`) and must be one of the allowed "
-           "gateways. The merchant identifier sent is the tenant id; `merchant_registration_id` is passed on as "
-           "`merchantRegistrationId`. The call runs in a worker; this request waits up to "
-           "`TESSERA_WALLET_WAIT_SECONDS`. Errors, all 422 distinguished by detail: validation_url not an allowed "
-           "gateway; merchant not enrolled in the environment validation_url targets (the detail names both); "
-           "domain not registered (verified) in the tenant's environment; certificate configuration missing "
-           "(production gateways need a merchant identity certificate this deployment does not hold); the wallet "
-           "provider rejected the request (detail includes its message). 503 when the session service is "
-           "unavailable or slower than the wait.")
+@api.route(
+    "POST",
+    "/wallet-a/session",
+    permission="wallet-a:session",
+    body=SessionIn,
+    response=dict[str, Any],
+    tag=TAG,
+    summary="Create a wallet-a merchant session",
+    errors=(400, 422, 503),
+    description="Merchant validation through the wallet provider's payment session gateway: answers the "
+    "gateway's opaque session object unchanged. `validation_url` defaults to the gateway of the tenant's "
+    "environment (test tenants: the sandbox gateway, `TESSERA_SANDBOX_URL` + "
+    "`/wallet-gateway/sandbox/paymentservices/paymentSession`; production: "
+    "`https://apple-pay-gateway.apple.com/paymentservices/paymentSession`) and must be one of the allowed "
+    "gateways. The merchant identifier sent is the tenant id; `merchant_registration_id` is passed on as "
+    "`merchantRegistrationId`. The call runs in a worker; this request waits up to "
+    "`TESSERA_WALLET_WAIT_SECONDS`. Errors, all 422 distinguished by detail: validation_url not an allowed "
+    "gateway; merchant not enrolled in the environment validation_url targets (the detail names both); "
+    "domain not registered (verified) in the tenant's environment; certificate configuration missing "
+    "(production gateways need a merchant identity certificate this deployment does not hold); the wallet "
+    "provider rejected the request (detail includes its message). 503 when the session service is "
+    "unavailable or slower than the wait.",
+)
 async def create_session(call: Call):
     b = call.body
-    row_id, job_id = await call.db(domains.start_session, call.caller, display_name=b.display_name, domain=b.domain,
-                                   validation_url=b.validation_url, merchant_registration_id=b.merchant_registration_id)
+    row_id, job_id = await call.db(
+        domains.start_session,
+        call.caller,
+        display_name=b.display_name,
+        domain=b.domain,
+        validation_url=b.validation_url,
+        merchant_registration_id=b.merchant_registration_id,
+    )
     await call.wait_for_jobs([job_id], timeout=call.settings.wallet_wait_seconds)
     return await call.db(domains.session_outcome, call.caller, row_id, job_id)
 
@@ -323,49 +426,80 @@ async def create_session(call: Call):
 # ---- tokens --------------------------------------------------------------------------------------
 
 
-@api.route("POST", "/wallet-a", permission="wallet-a:create", body=WalletAIn, status=201, response=WalletACreated,
-           tag=TAG, summary="Decrypt a wallet-a token", errors=(400, 409, 422),
-           description="Verifies the EC_v1 token (CMS signature, leaf and intermediate certificate OIDs, chain to "
-           "the pinned Apple Root CA - G3 or `TESSERA_WALLET_A_ROOT_CA`, message digest over ephemeralPublicKey, "
-           "data, transactionId and applicationData, signing time within "
-           "`TESSERA_WALLET_A_SIGNING_TIME_WINDOW_SECONDS`), then decrypts it with the merchant certificate its "
-           "`publicKeyHash` names, stores the wallet token and answers `{wallet_a: resource}` without `data` "
-           "(read it through GET with `wallet-a:reveal` or proxy expressions "
-           "`{{ wallet-a: <id> | json: \"$.data.number\" }}`). " + _REFUSALS + _CRYPTOGRAM + _ENRICHMENT)
+@api.route(
+    "POST",
+    "/wallet-a",
+    permission="wallet-a:create",
+    body=WalletAIn,
+    status=201,
+    response=WalletACreated,
+    tag=TAG,
+    summary="Decrypt a wallet-a token",
+    errors=(400, 409, 422),
+    description="Verifies the EC_v1 token (CMS signature, leaf and intermediate certificate OIDs, chain to "
+    "the pinned Apple Root CA - G3 or `TESSERA_WALLET_A_ROOT_CA`, message digest over ephemeralPublicKey, "
+    "data, transactionId and applicationData, signing time within "
+    "`TESSERA_WALLET_A_SIGNING_TIME_WINDOW_SECONDS`), then decrypts it with the merchant certificate its "
+    "`publicKeyHash` names, stores the wallet token and answers `{wallet_a: resource}` without `data` "
+    "(read it through GET with `wallet-a:reveal` or proxy expressions "
+    '`{{ wallet-a: <id> | json: "$.data.number" }}`). ' + _REFUSALS + _CRYPTOGRAM + _ENRICHMENT,
+)
 async def create_a(call: Call):
-    return await call.db(service.create_wallet_a, call.caller, call.body.apple_payment_data,
-                         expires_at=call.body.expires_at)
+    return await call.db(
+        service.create_wallet_a, call.caller, call.body.apple_payment_data, expires_at=call.body.expires_at
+    )
 
 
-@api.route("GET", "/wallet-a/{id}", permission=AnyOf("wallet-a:read", "wallet-a:reveal"), response=WalletTokenOut,
-           tag=TAG, summary="Get a wallet-a token", errors=(404,),
-           description="The resource at top level. With `wallet-a:reveal`: `data` complete and the cryptogram "
-           "(once); with `wallet-a:read`: `data` masked (first six and last four digits). 404 when missing or "
-           "another tenant's. " + _CRYPTOGRAM)
+@api.route(
+    "GET",
+    "/wallet-a/{id}",
+    permission=AnyOf("wallet-a:read", "wallet-a:reveal"),
+    response=WalletTokenOut,
+    tag=TAG,
+    summary="Get a wallet-a token",
+    errors=(404,),
+    description="The resource at top level. With `wallet-a:reveal`: `data` complete and the cryptogram "
+    "(once); with `wallet-a:read`: `data` masked (first six and last four digits). 404 when missing or "
+    "another tenant's. " + _CRYPTOGRAM,
+)
 async def get_a(call: Call):
     return await call.db(service.read_wallet_a, call.caller, call.params["id"])
 
 
-@api.route("POST", "/wallet-b", permission="wallet-b:create", body=WalletBIn, status=201, response=WalletBCreated,
-           tag=TAG, summary="Decrypt a wallet-b token", errors=(400, 409, 422, 503),
-           description="Verifies the ECv2 token (intermediate signing key signed by an unexpired root key of "
-           "`TESSERA_WALLET_B_ROOT_KEYS`, not expired; message signature for the recipient id "
-           "`merchant:<tenant id>`), then decrypts it (HKDF-SHA256, HMAC-SHA256 checked before AES-256-CTR) with "
-           "the tenant's wallet-b merchant keys. `CRYPTOGRAM_3DS` stores a wallet token and answers "
-           "`{google_pay: resource}` without `data` (type `network_token`, `payment_data_type` `3DSecure`, "
-           "`transaction_id` the message id; read through proxy expressions `{{ wallet-b: <id> | json: "
-           "\"$.data.number\" }}`; there is no GET of a wallet-b token). `PAN_ONLY` answers "
-           "`{token_intent: ...}`: a token intent holding the card (`{{ token_intent: <id> | ... }}`). "
-           "503 when the root keys are not configured. " + _REFUSALS + _CRYPTOGRAM + _ENRICHMENT)
+@api.route(
+    "POST",
+    "/wallet-b",
+    permission="wallet-b:create",
+    body=WalletBIn,
+    status=201,
+    response=WalletBCreated,
+    tag=TAG,
+    summary="Decrypt a wallet-b token",
+    errors=(400, 409, 422, 503),
+    description="Verifies the ECv2 token (intermediate signing key signed by an unexpired root key of "
+    "`TESSERA_WALLET_B_ROOT_KEYS`, not expired; message signature for the recipient id "
+    "`merchant:<tenant id>`), then decrypts it (HKDF-SHA256, HMAC-SHA256 checked before AES-256-CTR) with "
+    "the tenant's wallet-b merchant keys. `CRYPTOGRAM_3DS` stores a wallet token and answers "
+    "`{google_pay: resource}` without `data` (type `network_token`, `payment_data_type` `3DSecure`, "
+    "`transaction_id` the message id; read through proxy expressions `{{ wallet-b: <id> | json: "
+    '"$.data.number" }}`; there is no GET of a wallet-b token). `PAN_ONLY` answers '
+    "`{token_intent: ...}`: a token intent holding the card (`{{ token_intent: <id> | ... }}`). "
+    "503 when the root keys are not configured. " + _REFUSALS + _CRYPTOGRAM + _ENRICHMENT,
+)
 async def create_b(call: Call):
-    return await call.db(service.create_wallet_b, call.caller, call.body.google_payment_data,
-                         expires_at=call.body.expires_at)
+    return await call.db(
+        service.create_wallet_b, call.caller, call.body.google_payment_data, expires_at=call.body.expires_at
+    )
 
 
 # ---- the shut-down wallet connections (spec 001 section 9) -------------------------------------
 
-_CONNECTION_WALLETS = {"wallet-a": "/wallet-a", "wallet-b": "/wallet-b", "apple-pay": "/wallet-a",
-                       "google-pay": "/wallet-b"}
+_CONNECTION_WALLETS = {
+    "wallet-a": "/wallet-a",
+    "wallet-b": "/wallet-b",
+    "apple-pay": "/wallet-a",
+    "google-pay": "/wallet-b",
+}
 _SHUT_DOWN = (
     "Permission: none (any valid API key learns that the endpoint is gone). Shut down on July 1, 2026 "
     "(deprecated August 05, 2025): answers 410 naming the replacement. Endpoints "
@@ -383,17 +517,28 @@ def _gone(call: Call) -> Problem:
         return not_found("resource")
     rest = call.params.get("operation")
     replacement = _CONNECTION_WALLETS[wallet] + (f"/{rest}" if rest else "")
-    return Problem(410, f"The wallet connection endpoints under /connections/{wallet}/ were shut down on July 1, "
-                   f"2026; use {replacement} (permissions wallet-a:session, wallet-a:create, wallet-a:manage, "
-                   "wallet-b:create; the field apple_payment_method_token is now apple_payment_data).",
-                   extra={"replacement": replacement})
+    return Problem(
+        410,
+        f"The wallet connection endpoints under /connections/{wallet}/ were shut down on July 1, "
+        f"2026; use {replacement} (permissions wallet-a:session, wallet-a:create, wallet-a:manage, "
+        "wallet-b:create; the field apple_payment_method_token is now apple_payment_data).",
+        extra={"replacement": replacement},
+    )
 
 
 for _method in ("GET", "POST", "PUT", "DELETE"):
     for _path in ("/connections/{wallet}", "/connections/{wallet}/{operation}"):
 
-        @api.route(_method, _path, status=410, tag=TAG, summary=f"Wallet connection {_method} {_path} (shut down)",
-                   errors=(410,), deprecated=True, description=_SHUT_DOWN)
+        @api.route(
+            _method,
+            _path,
+            status=410,
+            tag=TAG,
+            summary=f"Wallet connection {_method} {_path} (shut down)",
+            errors=(410,),
+            deprecated=True,
+            description=_SHUT_DOWN,
+        )
         async def connection_gone(call: Call):
             raise _gone(call)
 

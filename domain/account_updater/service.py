@@ -98,7 +98,12 @@ COMPLETED_EVENT = "account-updater.job.completed"
 REQUEST_COLUMNS = ("token", "expiration_year", "expiration_month", "merchant_id")
 REQUEST_HEADER = ",".join(REQUEST_COLUMNS)
 RESULT_COLUMNS = (
-    "token", "expiration_year", "expiration_month", "new_token", "new_expiration_year", "new_expiration_month",
+    "token",
+    "expiration_year",
+    "expiration_month",
+    "new_token",
+    "new_expiration_year",
+    "new_expiration_month",
     "result_code",
 )
 RESULT_HEADER = ",".join(RESULT_COLUMNS)
@@ -314,8 +319,14 @@ def get_job(
 ) -> AccountUpdaterJob:
     """The tenant's job; 404 when missing, another tenant's, or pending past its upload window."""
     now = now or utcnow()
-    return get_owned(session, AccountUpdaterJob, job_id, caller.tenant_id, what="account updater job",
-                     where=lambda job: _visible(job, now))
+    return get_owned(
+        session,
+        AccountUpdaterJob,
+        job_id,
+        caller.tenant_id,
+        what="account updater job",
+        where=lambda job: _visible(job, now),
+    )
 
 
 def read_job(session: Session, caller: Caller, job_id: uuid.UUID, *, now: dt.datetime | None = None) -> dict:
@@ -333,16 +344,18 @@ def read_job(session: Session, caller: Caller, job_id: uuid.UUID, *, now: dt.dat
 
 def _request_detection(session: Session, job: AccountUpdaterJob, now: dt.datetime) -> None:
     before = now - dt.timedelta(seconds=DETECT_EVERY_SECONDS)
-    claimed = rowcount(session.execute(
-        update(AccountUpdaterJob)
-        .where(
-            col(AccountUpdaterJob.id) == job.id,
-            col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
-            or_(col(AccountUpdaterJob.checked_at).is_(None), col(AccountUpdaterJob.checked_at) < before),
+    claimed = rowcount(
+        session.execute(
+            update(AccountUpdaterJob)
+            .where(
+                col(AccountUpdaterJob.id) == job.id,
+                col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+                or_(col(AccountUpdaterJob.checked_at).is_(None), col(AccountUpdaterJob.checked_at) < before),
+            )
+            .values(checked_at=now)
+            .execution_options(synchronize_session=False)
         )
-        .values(checked_at=now)
-        .execution_options(synchronize_session=False)
-    ))
+    )
     if claimed:
         enqueue_after_commit(session, DETECT_TASK, job_id=str(job.id))
 
@@ -357,8 +370,9 @@ def list_jobs(
         col(AccountUpdaterJob.tenant_id) == caller.tenant_id,
         or_(col(AccountUpdaterJob.status) != AccountUpdaterStatus.PENDING, col(AccountUpdaterJob.expires_at) > now),
     )
-    rows, following = keyset_page(session, query, order=(AccountUpdaterJob.created_at, AccountUpdaterJob.id),
-                                  size=size, after=after)
+    rows, following = keyset_page(
+        session, query, order=(AccountUpdaterJob.created_at, AccountUpdaterJob.id), size=size, after=after
+    )
     return [job_view(job, now=now) for job in rows], following
 
 
@@ -369,21 +383,29 @@ def start_processing(session: Session, job_id: uuid.UUID, *, now: dt.datetime | 
     """Move a live pending job to ``processing`` and record its prepare step (one winner); False when the
     job is not pending any more or its upload window has closed."""
     now = now or utcnow()
-    moved = rowcount(session.execute(
-        update(AccountUpdaterJob)
-        .where(
-            col(AccountUpdaterJob.id) == job_id,
-            col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
-            col(AccountUpdaterJob.expires_at) > now,
+    moved = rowcount(
+        session.execute(
+            update(AccountUpdaterJob)
+            .where(
+                col(AccountUpdaterJob.id) == job_id,
+                col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
+                col(AccountUpdaterJob.expires_at) > now,
+            )
+            .values(status=AccountUpdaterStatus.PROCESSING, started_at=now, modified_at=now)
+            .execution_options(synchronize_session=False)
         )
-        .values(status=AccountUpdaterStatus.PROCESSING, started_at=now, modified_at=now)
-        .execution_options(synchronize_session=False)
-    ))
+    )
     if not moved:
         return False
     job = session.get(AccountUpdaterJob, job_id, populate_existing=True)
-    jobs.record(session, kind=PREPARE_TASK, tenant_id=job.tenant_id, subject_type=SUBJECT, subject_id=str(job.id),
-                trace_id=job.trace_id)
+    jobs.record(
+        session,
+        kind=PREPARE_TASK,
+        tenant_id=job.tenant_id,
+        subject_type=SUBJECT,
+        subject_id=str(job.id),
+        trace_id=job.trace_id,
+    )
     return True
 
 
@@ -409,8 +431,9 @@ def detect_uploads(*, batch: int = 200, now: dt.datetime | None = None) -> int:
     with session_scope() as session:
         rows = session.scalars(
             select(AccountUpdaterJob)
-            .where(col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING,
-                   col(AccountUpdaterJob.expires_at) > now)
+            .where(
+                col(AccountUpdaterJob.status) == AccountUpdaterStatus.PENDING, col(AccountUpdaterJob.expires_at) > now
+            )
             .order_by(col(AccountUpdaterJob.checked_at).asc().nulls_first(), AccountUpdaterJob.created_at)
             .limit(batch)
             .with_for_update(skip_locked=True)
@@ -537,9 +560,7 @@ def complete_job(session: Session, job_id: uuid.UUID, key: str, *, now: dt.datet
     job.completed_at = now
     job.modified_at = now
     session.add(job)
-    session.execute(
-        update(AccountUpdaterChunk).where(col(AccountUpdaterChunk.job_id) == job_id).values(result=None)
-    )
+    session.execute(update(AccountUpdaterChunk).where(col(AccountUpdaterChunk.job_id) == job_id).values(result=None))
     _emit_outcome(session, job)
     return True
 
@@ -640,8 +661,9 @@ def parse_header(record: list[str]) -> tuple[list[str], list[str]]:
     if "token" not in columns:
         errors.append(f"The header must name the column token; expected {REQUEST_HEADER}.")
     if unknown:
-        errors.append(f"The header names unknown columns ({', '.join(repr(u) for u in unknown[:5])}); "
-                      f"expected {REQUEST_HEADER}.")
+        errors.append(
+            f"The header names unknown columns ({', '.join(repr(u) for u in unknown[:5])}); expected {REQUEST_HEADER}."
+        )
     if repeated:
         errors.append(f"The header names a column more than once ({', '.join(repeated)}).")
     return columns, errors
@@ -674,8 +696,9 @@ def scan_request(blocks: Iterable[bytes], *, max_bytes: int, chunk_rows: int) ->
                 continue
             scan.rows += 1
             if len(record) != width:
-                scan.errors.append(f"Row {scan.rows} (line {reader.line_num}) has {len(record)} fields; "
-                                   f"the header has {width}.")
+                scan.errors.append(
+                    f"Row {scan.rows} (line {reader.line_num}) has {len(record)} fields; the header has {width}."
+                )
                 if len(scan.errors) >= MAX_FILE_ERRORS:
                     scan.errors.append(f"Reading stopped after {MAX_FILE_ERRORS} errors.")
                     return scan
@@ -718,9 +741,10 @@ def scan_job_file(job_id: uuid.UUID, settings: Settings | None = None) -> Scan:
         return Scan(errors=["The request file is gone."])
     limit = settings.account_updater_max_bytes
     if head["size"] > limit:
-        return Scan(size=head["size"], errors=[
-            f"The file is {head['size']:,} bytes, over the limit of {limit:,} bytes (30 MB)."
-        ])
+        return Scan(
+            size=head["size"],
+            errors=[f"The file is {head['size']:,} bytes, over the limit of {limit:,} bytes (30 MB)."],
+        )
     if head["size"] == 0:
         return Scan(errors=[empty_upload_error(head.get("content_type"))])
     chunk_rows = max(1, min(settings.account_updater_chunk_rows, MAX_ITEMS))
@@ -748,16 +772,36 @@ def apply_scan(session: Session, job_id: uuid.UUID, scan: Scan) -> dict:
     job.modified_at = utcnow()
     session.add(job)
     for number, plan in enumerate(scan.chunks):
-        session.add(AccountUpdaterChunk(job_id=job.id, number=number, start_byte=plan.start_byte,
-                                        end_byte=plan.end_byte, first_row=plan.first_row, row_count=plan.row_count))
+        session.add(
+            AccountUpdaterChunk(
+                job_id=job.id,
+                number=number,
+                start_byte=plan.start_byte,
+                end_byte=plan.end_byte,
+                first_row=plan.first_row,
+                row_count=plan.row_count,
+            )
+        )
     session.flush()
     for number in range(len(scan.chunks)):
-        jobs.record(session, kind=CHUNK_TASK, tenant_id=job.tenant_id, subject_type=SUBJECT, subject_id=str(job.id),
-                    subject_number=number,
-                    trace_id=job.trace_id)
+        jobs.record(
+            session,
+            kind=CHUNK_TASK,
+            tenant_id=job.tenant_id,
+            subject_type=SUBJECT,
+            subject_id=str(job.id),
+            subject_number=number,
+            trace_id=job.trace_id,
+        )
     if not scan.chunks:
-        jobs.record(session, kind=FINISH_TASK, tenant_id=job.tenant_id, subject_type=SUBJECT, subject_id=str(job.id),
-                    trace_id=job.trace_id)
+        jobs.record(
+            session,
+            kind=FINISH_TASK,
+            tenant_id=job.tenant_id,
+            subject_type=SUBJECT,
+            subject_id=str(job.id),
+            trace_id=job.trace_id,
+        )
     return {"rows": scan.rows, "chunks": len(scan.chunks)}
 
 
@@ -784,8 +828,9 @@ def read_rows(blocks: Iterable[bytes], columns: list[str], *, start: int, first_
     for record in csv.reader(_Lines(blocks, start=start), strict=True):
         if not record:
             continue
-        token, year, month, merchant = (record[p].strip() if p is not None and p < len(record) else ""
-                                        for p in positions)
+        token, year, month, merchant = (
+            record[p].strip() if p is not None and p < len(record) else "" for p in positions
+        )
         yield Row(number, token, year, month, merchant)
         number += 1
 
@@ -846,8 +891,10 @@ def tokens_by_ids(session: Session, tenant_id: uuid.UUID, ids: list[str], *colum
 
         ids_array = bindparam("token_ids", ids, type_=ARRAY(String))
         wanted = func.unnest(ids_array).table_valued("id").render_derived(name="wanted")
-        return select(*columns).select_from(wanted).join(
-            Token, (col(Token.tenant_id) == tenant_id) & (col(Token.id) == wanted.c.id)
+        return (
+            select(*columns)
+            .select_from(wanted)
+            .join(Token, (col(Token.tenant_id) == tenant_id) & (col(Token.id) == wanted.c.id))
         )
     return select(*columns).where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(ids))
 
@@ -898,8 +945,9 @@ class _Pending:
     year: int | None
 
 
-def process_chunk(job_id: uuid.UUID, number: int, *, now: dt.datetime | None = None,
-                  client: AccountUpdatesClient | None = None) -> ChunkOutcome:
+def process_chunk(
+    job_id: uuid.UUID, number: int, *, now: dt.datetime | None = None, client: AccountUpdatesClient | None = None
+) -> ChunkOutcome:
     """A chunk's slow part (no transaction held while calling out): read its bytes from S3, load its
     tokens, ask the card network once, build its result rows and its new tokens (sealed under the
     tenant key). Returns a skipped outcome when the job has ended or the chunk is done already.
@@ -912,18 +960,29 @@ def process_chunk(job_id: uuid.UUID, number: int, *, now: dt.datetime | None = N
     with session_scope() as session:
         job = session.get(AccountUpdaterJob, job_id)
         chunk = session.get(AccountUpdaterChunk, (job_id, number))
-        if (job is None or chunk is None or job.status != AccountUpdaterStatus.PROCESSING
-                or chunk.status != ChunkStatus.PENDING):
+        if (
+            job is None
+            or chunk is None
+            or job.status != AccountUpdaterStatus.PROCESSING
+            or chunk.status != ChunkStatus.PENDING
+        ):
             return ChunkOutcome(0, b"", 0, [], skipped=True)
         tenant = session.get(Tenant, job.tenant_id)
         tenant_type = tenant.type if tenant else "test"
-        job_info = (job.tenant_id, job.request_key, job.request_etag, list(job.columns or []), job.id_seed,
-                    job.created_by)
+        job_info = (
+            job.tenant_id,
+            job.request_key,
+            job.request_etag,
+            list(job.columns or []),
+            job.id_seed,
+            job.created_by,
+        )
         span = (chunk.start_byte, chunk.end_byte, chunk.first_row)
     tenant_id, key, etag, columns, seed, created_by = job_info
     start, end, first_row = span
-    rows = list(read_rows(_get_blocks(key, etag=etag, byte_range=(start, end)), columns, start=start,
-                          first_row=first_row))
+    rows = list(
+        read_rows(_get_blocks(key, etag=etag, byte_range=(start, end)), columns, start=start, first_row=first_row)
+    )
     clock.lap("read")
     with session_scope() as session:
         cards = load_cards(session, tenant_id, (row.token for row in rows), now)
@@ -951,8 +1010,10 @@ def process_chunk(job_id: uuid.UUID, number: int, *, now: dt.datetime | None = N
     answers: list[UpdateResult] = []
     if pending:
         client = client or AccountUpdatesClient(tenant_type)
-        items = [UpdateItem(str(p.row.number), p.card.data["number"], p.month, p.year, p.row.merchant_id or None)
-                 for p in pending]
+        items = [
+            UpdateItem(str(p.row.number), p.card.data["number"], p.month, p.year, p.row.merchant_id or None)
+            for p in pending
+        ]
         answers = client.updates(items, idempotency_key=f"{job_id}:{number}")
     clock.lap("network")
 
@@ -960,8 +1021,15 @@ def process_chunk(job_id: uuid.UUID, number: int, *, now: dt.datetime | None = N
     token_rows: list[dict] = []
     with session_scope() as session:
         keyring = get_keyring()
-        load_placements(session, tenant_id, {item.row.token: item.card for item, answer in zip(pending, answers,
-                        strict=True) if answer.code and answer.code.startswith(UPDATE_PREFIX)})
+        load_placements(
+            session,
+            tenant_id,
+            {
+                item.row.token: item.card
+                for item, answer in zip(pending, answers, strict=True)
+                if answer.code and answer.code.startswith(UPDATE_PREFIX)
+            },
+        )
         for item, answer in zip(pending, answers, strict=True):
             code = answer.code
             results[item.row.number] = (item.row, code, item.year, item.month) if code else None
@@ -1017,8 +1085,16 @@ class _Clock:
         self._last = now
 
 
-def _token_row(session: Session, keyring, tenant_id: uuid.UUID, token_id: str, data: dict, old: _Card,
-               created_by: uuid.UUID | None, now: dt.datetime) -> dict:
+def _token_row(
+    session: Session,
+    keyring,
+    tenant_id: uuid.UUID,
+    token_id: str,
+    data: dict,
+    old: _Card,
+    created_by: uuid.UUID | None,
+    now: dt.datetime,
+) -> dict:
     """The ``tokens`` row of a new card token, as ``domain.tokens.service.create_tokens`` writes one for the
     request ``{"type": "card", "data": data, "containers": <old>, "metadata": <old>}``: data sealed
     under the tenant key, default card mask, default fingerprint expression and its fingerprint."""
@@ -1077,8 +1153,12 @@ def bulk_insert(session: Session, table, rows: list[dict], *, ignore_conflicts: 
         conflict = " ON CONFLICT DO NOTHING" if ignore_conflicts else ""
         cursor = session.connection().connection.driver_connection.cursor()
         try:
-            execute_values(cursor, f'INSERT INTO "{table.name}" ({columns}) VALUES %s{conflict}', values,  # noqa: S608 - names come from the table
-                           page_size=1000)
+            execute_values(
+                cursor,
+                f'INSERT INTO "{table.name}" ({columns}) VALUES %s{conflict}',  # noqa: S608 - names come from the table
+                values,
+                page_size=1000,
+            )
         finally:
             cursor.close()
         return
@@ -1090,15 +1170,22 @@ def bulk_insert(session: Session, table, rows: list[dict], *, ignore_conflicts: 
         session.execute(insert(table), rows)
 
 
-def _token_created_events(session: Session, tenant_id: uuid.UUID, token_ids: list[str], trace_id: str | None,
-                          now: dt.datetime) -> None:
+def _token_created_events(
+    session: Session, tenant_id: uuid.UUID, token_ids: list[str], trace_id: str | None, now: dt.datetime
+) -> None:
     """``token.created`` for each new token, in bulk (``domain.webhooks.events.emit_many``)."""
-    emit_many(session, tenant_id=tenant_id, type="token.created", trace_id=trace_id,
-              datas=[{"token": {"id": token_id, "type": "card"}} for token_id in token_ids])
+    emit_many(
+        session,
+        tenant_id=tenant_id,
+        type="token.created",
+        trace_id=trace_id,
+        datas=[{"token": {"id": token_id, "type": "card"}} for token_id in token_ids],
+    )
 
 
-def apply_chunk(session: Session, job_id: uuid.UUID, number: int, outcome: ChunkOutcome,
-                *, now: dt.datetime | None = None) -> dict:
+def apply_chunk(
+    session: Session, job_id: uuid.UUID, number: int, outcome: ChunkOutcome, *, now: dt.datetime | None = None
+) -> dict:
     """A chunk's transaction: lock the job, claim the chunk, write its tokens (with their metadata
     rows, log rows and ``token.created`` events), its result rows and the job's counters; record the
     final step when this was the last chunk. A chunk already claimed, or a job that has ended, writes
@@ -1111,40 +1198,78 @@ def apply_chunk(session: Session, job_id: uuid.UUID, number: int, outcome: Chunk
     if job is None or job.status != AccountUpdaterStatus.PROCESSING:
         return {"skipped": True}
     clock.lap("lock")
-    claimed = rowcount(session.execute(
-        update(AccountUpdaterChunk)
-        .where(col(AccountUpdaterChunk.job_id) == job_id, col(AccountUpdaterChunk.number) == number,
-               col(AccountUpdaterChunk.status) == ChunkStatus.PENDING)
-        .values(status=ChunkStatus.DONE, result=outcome.result, result_rows=outcome.result_rows,
-                new_tokens=len(outcome.tokens), done_at=now)
-        .execution_options(synchronize_session=False)
-    ))
+    claimed = rowcount(
+        session.execute(
+            update(AccountUpdaterChunk)
+            .where(
+                col(AccountUpdaterChunk.job_id) == job_id,
+                col(AccountUpdaterChunk.number) == number,
+                col(AccountUpdaterChunk.status) == ChunkStatus.PENDING,
+            )
+            .values(
+                status=ChunkStatus.DONE,
+                result=outcome.result,
+                result_rows=outcome.result_rows,
+                new_tokens=len(outcome.tokens),
+                done_at=now,
+            )
+            .execution_options(synchronize_session=False)
+        )
+    )
     if not claimed:
         return {"skipped": True}
     tokens = outcome.tokens
     bulk_insert(session, table_of(Token), tokens, ignore_conflicts=True)
-    bulk_insert(session, table_of(TokenMetadata), ignore_conflicts=True, rows=[
-        {"tenant_id": t["tenant_id"], "token_id": t["id"], "key": k, "value": v}
-        for t in tokens for k, v in t["metadata"].items()
-    ])
-    bulk_insert(session, table_of(AuditLog), [
-        {"id": uuid.uuid4(), "tenant_id": job.tenant_id, "actor_id": job.created_by, "actor_type": "application",
-         "entity_type": "card", "entity_id": t["id"], "operation": "create", "message": "Card created",
-         "created_at": now}
-        for t in tokens
-    ])
+    bulk_insert(
+        session,
+        table_of(TokenMetadata),
+        ignore_conflicts=True,
+        rows=[
+            {"tenant_id": t["tenant_id"], "token_id": t["id"], "key": k, "value": v}
+            for t in tokens
+            for k, v in t["metadata"].items()
+        ],
+    )
+    bulk_insert(
+        session,
+        table_of(AuditLog),
+        [
+            {
+                "id": uuid.uuid4(),
+                "tenant_id": job.tenant_id,
+                "actor_id": job.created_by,
+                "actor_type": "application",
+                "entity_type": "card",
+                "entity_id": t["id"],
+                "operation": "create",
+                "message": "Card created",
+                "created_at": now,
+            }
+            for t in tokens
+        ],
+    )
     _token_created_events(session, job.tenant_id, [t["id"] for t in tokens], job.trace_id, now)
     job.chunks_done += 1
     job.rows_done += outcome.rows
     job.modified_at = now
     session.add(job)
     if job.chunks_done >= (job.chunks_total or 0):
-        jobs.record(session, kind=FINISH_TASK, tenant_id=job.tenant_id, subject_type=SUBJECT, subject_id=str(job.id),
-                    trace_id=job.trace_id)
+        jobs.record(
+            session,
+            kind=FINISH_TASK,
+            tenant_id=job.tenant_id,
+            subject_type=SUBJECT,
+            subject_id=str(job.id),
+            trace_id=job.trace_id,
+        )
     session.flush()
     clock.lap("write")
-    return {"rows": outcome.rows, "results": outcome.result_rows, "new_tokens": len(tokens),
-            "seconds": {**outcome.seconds, **clock.laps}}
+    return {
+        "rows": outcome.rows,
+        "results": outcome.result_rows,
+        "new_tokens": len(tokens),
+        "seconds": {**outcome.seconds, **clock.laps},
+    }
 
 
 # ---- the result file -----------------------------------------------------------------------------
@@ -1163,8 +1288,9 @@ def write_result(job_id: uuid.UUID) -> str | None:
     client = s3.get_client()
     name = bucket()
     try:
-        upload = client.create_multipart_upload(Bucket=name, Key=key, ServerSideEncryption="AES256",
-                                                ContentType="text/csv")
+        upload = client.create_multipart_upload(
+            Bucket=name, Key=key, ServerSideEncryption="AES256", ContentType="text/csv"
+        )
     except (ClientError, BotoCoreError) as exc:
         raise _s3_error(exc, "result upload") from exc
     upload_id, parts = upload["UploadId"], []
@@ -1178,8 +1304,9 @@ def write_result(job_id: uuid.UUID) -> str | None:
         for number in range(chunks):
             with session_scope() as session:
                 blob = session.execute(
-                    select(AccountUpdaterChunk.result).where(AccountUpdaterChunk.job_id == job_id,
-                                                             AccountUpdaterChunk.number == number)
+                    select(AccountUpdaterChunk.result).where(
+                        AccountUpdaterChunk.job_id == job_id, AccountUpdaterChunk.number == number
+                    )
                 ).scalar_one_or_none()
             buffer += blob or b""
             if len(buffer) >= PART_BYTES:

@@ -19,8 +19,17 @@ from domain.tenancy.caller import Caller
 from storage.models_agentic import Agent
 
 INSTANCE_TYPES: tuple[str, ...] = (
-    "mobile-phone", "tablet", "laptop", "personal-assistant", "connected-auto", "home-appliance", "wearable",
-    "stationary-computer", "e-reader", "handheld-gaming-device", "other",
+    "mobile-phone",
+    "tablet",
+    "laptop",
+    "personal-assistant",
+    "connected-auto",
+    "home-appliance",
+    "wearable",
+    "stationary-computer",
+    "e-reader",
+    "handheld-gaming-device",
+    "other",
 )
 MAX_NAME = 255
 MAX_ENROLLMENT_IDS = 50
@@ -46,11 +55,18 @@ def _get(session: Session, caller: Caller, agent_id: str) -> Agent:
     return agent
 
 
-def create_agent(session: Session, caller: Caller, *, name: str, enrollment_ids: list[str],
-                 instance_details: dict | None) -> dict:
+def create_agent(
+    session: Session, caller: Caller, *, name: str, enrollment_ids: list[str], instance_details: dict | None
+) -> dict:
     """``POST /agentic/agents``: a new active agent."""
-    agent = Agent(id=new_id("agt_"), tenant_id=caller.tenant_id, name=name, enrollment_ids=list(enrollment_ids),
-                  instance_details=instance_details, created_by=caller.application_id)
+    agent = Agent(
+        id=new_id("agt_"),
+        tenant_id=caller.tenant_id,
+        name=name,
+        enrollment_ids=list(enrollment_ids),
+        instance_details=instance_details,
+        created_by=caller.application_id,
+    )
     session.add(agent)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=agent.id, operation="create")
     return agent_view(agent)

@@ -167,8 +167,11 @@ def setup_failed(session: Session, job: Job, error: Exception) -> None:
 
 
 def _live_rails(session: Session, allowance_id: str) -> list[AllowanceRail]:
-    return [r for r in service.rails_of(session, allowance_id)
-            if r.provider_allowance_id and r.status != AllowanceRailStatus.ERROR and r.cancelled_at is None]
+    return [
+        r
+        for r in service.rails_of(session, allowance_id)
+        if r.provider_allowance_id and r.status != AllowanceRailStatus.ERROR and r.cancelled_at is None
+    ]
 
 
 def perform_update(job: Job, settings: Settings) -> str | Stale:
@@ -182,12 +185,19 @@ def perform_update(job: Job, settings: Settings) -> str | Stale:
         amount = _money(allowance, Decimal(pending["amount"])) if "amount" in pending else None
         expires_at = dt.datetime.fromisoformat(pending["expires_at"]) if "expires_at" in pending else None
         description = (pending["description"] or "") if "description" in pending else None
-        calls = [(r.id, _provider(r.provider, r.tenant_id, session, settings), r.provider_allowance_id)
-                 for r in _live_rails(session, allowance.id)]
+        calls = [
+            (r.id, _provider(r.provider, r.tenant_id, session, settings), r.provider_allowance_id)
+            for r in _live_rails(session, allowance.id)
+        ]
     for rail_id, provider, provider_allowance_id in calls:
         try:
-            provider.update_allowance(provider_allowance_id, idempotency_key=str(job.id), amount=amount,
-                                      expires_at=expires_at, description=description)
+            provider.update_allowance(
+                provider_allowance_id,
+                idempotency_key=str(job.id),
+                amount=amount,
+                expires_at=expires_at,
+                description=description,
+            )
         except (PermanentError, TransientError) as exc:
             exc.rail_id = rail_id
             raise
@@ -301,9 +311,11 @@ def cancel_rails(settings: Settings, allowance_ids: list[str], *, key: str) -> N
     cancellation at once (so a cascade stopped half-way resumes where it stopped). A failure raises
     with ``rail_id`` set. ``key``: the operation's key (a new one per attempt)."""
     with session_scope() as session:
-        todo = [(r.id, _provider(r.provider, r.tenant_id, session, settings), r.provider_allowance_id)
-                for r in session.exec(select(AllowanceRail).where(col(AllowanceRail.allowance_id).in_(allowance_ids)))
-                if r.provider_allowance_id and r.cancelled_at is None]
+        todo = [
+            (r.id, _provider(r.provider, r.tenant_id, session, settings), r.provider_allowance_id)
+            for r in session.exec(select(AllowanceRail).where(col(AllowanceRail.allowance_id).in_(allowance_ids)))
+            if r.provider_allowance_id and r.cancelled_at is None
+        ]
     for rail_id, provider, provider_allowance_id in todo:
         try:
             provider.cancel_allowance(provider_allowance_id, idempotency_key=key)
@@ -344,8 +356,9 @@ def record_cancel_failure(session: Session, error: Exception) -> None:
     rail_id = getattr(error, "rail_id", None)
     rail = session.get(AllowanceRail, rail_id) if rail_id else None
     if rail is not None:
-        record_provider_error(session, rail, code="PROVIDER_ALLOWANCE_CANCEL_FAILED", operation="cancellation",
-                              **_details(error))
+        record_provider_error(
+            session, rail, code="PROVIDER_ALLOWANCE_CANCEL_FAILED", operation="cancellation", **_details(error)
+        )
 
 
 def cancel_failed(session: Session, job: Job, error: Exception) -> None:
@@ -360,8 +373,11 @@ def cancel_failed(session: Session, job: Job, error: Exception) -> None:
 def payment_method_allowances(session: Session, pm_id: str) -> list[str]:
     """The ids of the payment method's live allowances (the delete cascade's: cancelled and expired
     ones are left as they are)."""
-    return list(session.exec(select(Allowance.id).where(Allowance.payment_method_id == pm_id,
-                                                        col(Allowance.status).in_(service.LIVE))).all())
+    return list(
+        session.exec(
+            select(Allowance.id).where(Allowance.payment_method_id == pm_id, col(Allowance.status).in_(service.LIVE))
+        ).all()
+    )
 
 
 def busy_allowance(session: Session, pm_id: str) -> leases.OperationLease | None:
@@ -403,13 +419,18 @@ def fetch_key_set(url: str, settings: Settings) -> dict:
     """The merchant's JWK set at ``url`` through the one outbound client. Raises PermanentError
     ``VALIDATION_ERROR`` (400: the SSRF guard refused the address) or ``MPP_KEY_UNAVAILABLE`` (502:
     no answer, not 200, not a JSON object with a ``keys`` list)."""
-    result = http.fetch(url, timeout_s=settings.agentic_provider_timeout_seconds,
-                        allow_private=settings.allow_private_destinations, max_response_bytes=MAX_KEY_SET_BYTES)
+    result = http.fetch(
+        url,
+        timeout_s=settings.agentic_provider_timeout_seconds,
+        allow_private=settings.allow_private_destinations,
+        max_response_bytes=MAX_KEY_SET_BYTES,
+    )
     if result.outcome == "refused":
         raise PermanentError("VALIDATION_ERROR", f"mpp.key_set_url: {result.error}", status=400)
     if result.status_code != 200:
-        raise PermanentError("MPP_KEY_UNAVAILABLE", result.error or f"the key set answered {result.status_code}",
-                             status=502)
+        raise PermanentError(
+            "MPP_KEY_UNAVAILABLE", result.error or f"the key set answered {result.status_code}", status=502
+        )
     try:
         key_set = json.loads(result.response_body)
     except ValueError:
@@ -428,17 +449,31 @@ def perform_mint(job: Job, settings: Settings) -> MintedCredential | Stale:
         if row is None or row.state != CredentialState.MINTING:
             return Stale("the mint is settled")
         allowance = session.get(Allowance, row.allowance_id)
-        rail = session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == row.allowance_id,
-                                                        AllowanceRail.rail == row.rail,
-                                                        AllowanceRail.provider == row.provider)).one()
+        rail = session.exec(
+            select(AllowanceRail).where(
+                AllowanceRail.allowance_id == row.allowance_id,
+                AllowanceRail.rail == row.rail,
+                AllowanceRail.provider == row.provider,
+            )
+        ).one()
         provider = _provider(row.provider, row.tenant_id, session, settings)
-        target = _MintTarget(row.id, rail.provider_allowance_id or "", row.format, _money(allowance, row.amount),
-                             dict(row.mpp) if row.mpp else None)
+        target = _MintTarget(
+            row.id,
+            rail.provider_allowance_id or "",
+            row.format,
+            _money(allowance, row.amount),
+            dict(row.mpp) if row.mpp else None,
+        )
     mpp = None
     if target.mpp is not None:
         mpp = MppRequest(fetch_key_set(target.mpp["key_set_url"], settings), target.mpp["challenge"])
-    return provider.mint_credential(target.provider_allowance_id, credential_format=target.format,
-                                    amount=target.amount, mpp=mpp, idempotency_key=target.credential_id)
+    return provider.mint_credential(
+        target.provider_allowance_id,
+        credential_format=target.format,
+        amount=target.amount,
+        mpp=mpp,
+        idempotency_key=target.credential_id,
+    )
 
 
 def _locked_mint(session: Session, job: Job) -> tuple[Allowance | None, PaymentCredential | None]:
@@ -468,12 +503,23 @@ def apply_mint(session: Session, job: Job, outcome: MintedCredential | Stale) ->
     service.seal_credential(session, row, minted.credential)
     session.add(row)
     leases.release(session, allowance.id, row.id)
-    idempotency.settle_resource(session, tenant_id=row.tenant_id, scope=idempotency.MINT_CREDENTIAL,
-                                resource_id=row.id, state=IdempotencyState.SUCCEEDED)
-    events.emit(session, tenant_id=row.tenant_id, type=service.CREDENTIAL_EVENT,
-                data={"credential": {"id": row.id}, "allowance": {"id": allowance.id,
-                                                                  "status": service.effective_status(allowance)}},
-                trace_id=job.trace_id)
+    idempotency.settle_resource(
+        session,
+        tenant_id=row.tenant_id,
+        scope=idempotency.MINT_CREDENTIAL,
+        resource_id=row.id,
+        state=IdempotencyState.SUCCEEDED,
+    )
+    events.emit(
+        session,
+        tenant_id=row.tenant_id,
+        type=service.CREDENTIAL_EVENT,
+        data={
+            "credential": {"id": row.id},
+            "allowance": {"id": allowance.id, "status": service.effective_status(allowance)},
+        },
+        trace_id=job.trace_id,
+    )
     return {"credential_id": row.id}
 
 
@@ -501,15 +547,25 @@ def mint_failed(session: Session, job: Job, error: Exception) -> None:
     if unknown:
         code = "CREDENTIAL_OUTCOME_UNKNOWN"
     problem = None if unknown else service.failure_problem({"code": code}, "PROVIDER_CREDENTIALS_FAILED")
-    idempotency.settle_resource(session, tenant_id=row.tenant_id, scope=idempotency.MINT_CREDENTIAL,
-                                resource_id=row.id,
-                                state=IdempotencyState.UNKNOWN if unknown else IdempotencyState.FAILED, problem=problem)
+    idempotency.settle_resource(
+        session,
+        tenant_id=row.tenant_id,
+        scope=idempotency.MINT_CREDENTIAL,
+        resource_id=row.id,
+        state=IdempotencyState.UNKNOWN if unknown else IdempotencyState.FAILED,
+        problem=problem,
+    )
     if code in CATALOGUE and code != "VALIDATION_ERROR":
-        rail = session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == row.allowance_id,
-                                                        AllowanceRail.rail == row.rail,
-                                                        AllowanceRail.provider == row.provider)).first()
+        rail = session.exec(
+            select(AllowanceRail).where(
+                AllowanceRail.allowance_id == row.allowance_id,
+                AllowanceRail.rail == row.rail,
+                AllowanceRail.provider == row.provider,
+            )
+        ).first()
         if rail is not None:
-            record_provider_error(session, rail, code=code, operation="credentials",
-                                  payment_credential_id=row.id, **_details(error))
+            record_provider_error(
+                session, rail, code=code, operation="credentials", payment_credential_id=row.id, **_details(error)
+            )
     session.delete(row)
     leases.release(session, allowance.id, job.subject_id)

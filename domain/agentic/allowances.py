@@ -100,14 +100,14 @@ def parse_money(value: Any, currency: str) -> tuple[Decimal | None, list[str]]:
     number read as its shortest decimal), else ``(None, messages)``: at most the currency's minor
     unit digits (USD 2, JPY 0, BHD 3; never more than 4) and 15 integer digits."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        return None, ["must be a decimal string, like \"25.00\""]
+        return None, ['must be a decimal string, like "25.00"']
     text = value.strip() if isinstance(value, str) else repr(value)
     try:
         amount = Decimal(text)
     except InvalidOperation:
-        return None, ["must be a decimal string, like \"25.00\""]
+        return None, ['must be a decimal string, like "25.00"']
     if not amount.is_finite() or "e" in text.lower():
-        return None, ["must be a plain decimal string, like \"25.00\""]
+        return None, ['must be a plain decimal string, like "25.00"']
     if amount <= 0:
         return None, ["must be greater than 0"]
     scale = min(MAX_SCALE, get_currency_precision(currency)) if currency in CURRENCIES else MAX_SCALE
@@ -188,10 +188,14 @@ def credential_view(row: PaymentCredential, credential: dict | None = None) -> d
 
 def rails_of(session: Session, allowance_id: str) -> list[AllowanceRail]:
     """The rails of an allowance, in their order (fresh from the database)."""
-    return list(session.exec(
-        select(AllowanceRail).where(AllowanceRail.allowance_id == allowance_id)
-        .order_by(col(AllowanceRail.position)).execution_options(populate_existing=True)
-    ).all())
+    return list(
+        session.exec(
+            select(AllowanceRail)
+            .where(AllowanceRail.allowance_id == allowance_id)
+            .order_by(col(AllowanceRail.position))
+            .execution_options(populate_existing=True)
+        ).all()
+    )
 
 
 def view_of(session: Session, allowance: Allowance) -> dict:
@@ -205,8 +209,10 @@ def view_of(session: Session, allowance: Allowance) -> dict:
 def find(session: Session, tenant_id: uuid.UUID, allowance_id: str) -> Allowance:
     """The tenant's allowance locked for update, else 404 ``ALLOWANCE_NOT_FOUND``."""
     row = session.exec(
-        select(Allowance).where(Allowance.id == allowance_id, Allowance.tenant_id == tenant_id)
-        .with_for_update().execution_options(populate_existing=True)
+        select(Allowance)
+        .where(Allowance.id == allowance_id, Allowance.tenant_id == tenant_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
     ).first()
     if row is None:
         raise agentic_error("ALLOWANCE_NOT_FOUND")
@@ -216,7 +222,9 @@ def find(session: Session, tenant_id: uuid.UUID, allowance_id: str) -> Allowance
 def lock(session: Session, allowance_id: str) -> Allowance | None:
     """The allowance locked for update (every writer takes this lock first), or None."""
     return session.exec(
-        select(Allowance).where(Allowance.id == allowance_id).with_for_update()
+        select(Allowance)
+        .where(Allowance.id == allowance_id)
+        .with_for_update()
         .execution_options(populate_existing=True)
     ).first()
 
@@ -234,8 +242,13 @@ def set_status(session: Session, allowance: Allowance, status: AllowanceStatus, 
         return
     allowance.status = status
     touch(session, allowance)
-    events.emit(session, tenant_id=allowance.tenant_id, type=ALLOWANCE_EVENT,
-                data={"allowance": {"id": allowance.id, "status": status}}, trace_id=trace_id)
+    events.emit(
+        session,
+        tenant_id=allowance.tenant_id,
+        type=ALLOWANCE_EVENT,
+        data={"allowance": {"id": allowance.id, "status": status}},
+        trace_id=trace_id,
+    )
 
 
 def recompute_status(session: Session, allowance: Allowance, *, trace_id: str | None = None) -> None:
@@ -243,10 +256,16 @@ def recompute_status(session: Session, allowance: Allowance, *, trace_id: str | 
     verification, else ``active`` (rails in error do not hold it back)."""
     if allowance.status not in LIVE:
         return
-    waiting = any(r.status in (AllowanceRailStatus.SETTING_UP, AllowanceRailStatus.INACTIVE)
-                  for r in rails_of(session, allowance.id))
-    set_status(session, allowance, AllowanceStatus.PENDING_VERIFICATION if waiting else AllowanceStatus.ACTIVE,
-               trace_id=trace_id)
+    waiting = any(
+        r.status in (AllowanceRailStatus.SETTING_UP, AllowanceRailStatus.INACTIVE)
+        for r in rails_of(session, allowance.id)
+    )
+    set_status(
+        session,
+        allowance,
+        AllowanceStatus.PENDING_VERIFICATION if waiting else AllowanceStatus.ACTIVE,
+        trace_id=trace_id,
+    )
 
 
 def settle_stale(session: Session, allowance: Allowance) -> bool:
@@ -259,9 +278,14 @@ def settle_stale(session: Session, allowance: Allowance) -> bool:
     if lease is not None and lease.operation == leases.MINT and lease.owner == allowance.reserved_by:
         return False
     if allowance.reserved_by:
-        session.execute(delete(PaymentCredential).where(col(PaymentCredential.id) == allowance.reserved_by,
-                                                        col(PaymentCredential.state) == CredentialState.MINTING)
-                        .execution_options(synchronize_session=False))
+        session.execute(
+            delete(PaymentCredential)
+            .where(
+                col(PaymentCredential.id) == allowance.reserved_by,
+                col(PaymentCredential.state) == CredentialState.MINTING,
+            )
+            .execution_options(synchronize_session=False)
+        )
         if lease is not None:
             leases.release(session, allowance.id, lease.owner)
     allowance.amount_spent += allowance.amount_reserved
@@ -303,11 +327,25 @@ def _payment_method_alive(session: Session, allowance: Allowance) -> None:
         raise agentic_error("PAYMENT_METHOD_DELETED", "The payment method behind this allowance is deleted.")
 
 
-def _record_job(session: Session, caller: Caller, kind: str, subject_type: str, subject_id: str, owner: str,
-                max_attempts: int = PROVIDER_MAX_ATTEMPTS) -> Job:
-    return jobs.record(session, kind=kind, tenant_id=caller.tenant_id, subject_type=subject_type,
-                       subject_id=subject_id, operation_id=owner, trace_id=caller.trace_id,
-                       max_attempts=max_attempts)
+def _record_job(
+    session: Session,
+    caller: Caller,
+    kind: str,
+    subject_type: str,
+    subject_id: str,
+    owner: str,
+    max_attempts: int = PROVIDER_MAX_ATTEMPTS,
+) -> Job:
+    return jobs.record(
+        session,
+        kind=kind,
+        tenant_id=caller.tenant_id,
+        subject_type=subject_type,
+        subject_id=subject_id,
+        operation_id=owner,
+        trace_id=caller.trace_id,
+        max_attempts=max_attempts,
+    )
 
 
 @dataclass(frozen=True)
@@ -358,8 +396,15 @@ def expiry_errors(expires_at: dt.datetime, now: dt.datetime) -> list[str]:
     return []
 
 
-def create_allowance(session: Session, caller: Caller, request: CreateRequest, *, settings: Settings, owner: str,
-                     claim: idempotency.Claim | None = None) -> Recorded:
+def create_allowance(
+    session: Session,
+    caller: Caller,
+    request: CreateRequest,
+    *,
+    settings: Settings,
+    owner: str,
+    claim: idempotency.Claim | None = None,
+) -> Recorded:
     """``POST /agentic/allowances``, the recording part (one transaction).
 
     Raises 404 ``PAYMENT_METHOD_NOT_FOUND``, 400 ``PAYMENT_METHOD_DELETED``, 400 ``NO_ACTIVE_RAILS``
@@ -378,20 +423,36 @@ def create_allowance(session: Session, caller: Caller, request: CreateRequest, *
     if errors:
         raise validation_error({"expires_at": errors})
     allowance = Allowance(
-        id=pm_service.new_id("alw_"), tenant_id=caller.tenant_id, payment_method_id=pm.id,
-        status=AllowanceStatus.PENDING_VERIFICATION, currency=request.currency, amount=request.amount,
-        amount_available=request.amount, amount_reserved=Decimal(0), amount_spent=Decimal(0),
-        description=request.description, expires_at=expires_at,
-        idempotency_key=claim.key if claim else None, created_by=caller.application_id, created_at=now,
+        id=pm_service.new_id("alw_"),
+        tenant_id=caller.tenant_id,
+        payment_method_id=pm.id,
+        status=AllowanceStatus.PENDING_VERIFICATION,
+        currency=request.currency,
+        amount=request.amount,
+        amount_available=request.amount,
+        amount_reserved=Decimal(0),
+        amount_spent=Decimal(0),
+        description=request.description,
+        expires_at=expires_at,
+        idempotency_key=claim.key if claim else None,
+        created_by=caller.application_id,
+        created_at=now,
         updated_at=now,
     )
     session.add(allowance)
     session.flush()
     job_ids = []
     for position, pm_rail in enumerate(enabled):
-        rail = AllowanceRail(tenant_id=caller.tenant_id, allowance_id=allowance.id, position=position,
-                             rail=pm_rail.rail, provider=pm_rail.provider, enrollment_id=pm_rail.enrollment_id,
-                             created_at=now, updated_at=now)
+        rail = AllowanceRail(
+            tenant_id=caller.tenant_id,
+            allowance_id=allowance.id,
+            position=position,
+            rail=pm_rail.rail,
+            provider=pm_rail.provider,
+            enrollment_id=pm_rail.enrollment_id,
+            created_at=now,
+            updated_at=now,
+        )
         if provider_for(pm_rail.provider, caller.tenant_type, settings) is None:
             rail.status, rail.error_code = AllowanceRailStatus.ERROR, "PROVIDER_NOT_CONFIGURED"
             pm_service.record_provider_error(session, rail, code="PROVIDER_NOT_CONFIGURED", operation="allowance")
@@ -402,8 +463,14 @@ def create_allowance(session: Session, caller: Caller, request: CreateRequest, *
         session.add(rail)
     session.flush()
     if job_ids:
-        leases.acquire(session, tenant_id=caller.tenant_id, resource_id=allowance.id, operation=leases.SETUP,
-                       owner=owner, seconds=settings.operation_lease_seconds)
+        leases.acquire(
+            session,
+            tenant_id=caller.tenant_id,
+            resource_id=allowance.id,
+            operation=leases.SETUP,
+            owner=owner,
+            seconds=settings.operation_lease_seconds,
+        )
     else:
         recompute_status(session, allowance, trace_id=caller.trace_id)
     if claim is not None:
@@ -412,8 +479,9 @@ def create_allowance(session: Session, caller: Caller, request: CreateRequest, *
     return Recorded(allowance.id, tuple(job_ids))
 
 
-def create_unit(caller: Caller, request: CreateRequest, *, settings: Settings, owner: str,
-                claim: idempotency.Claim | None) -> Recorded:
+def create_unit(
+    caller: Caller, request: CreateRequest, *, settings: Settings, owner: str, claim: idempotency.Claim | None
+) -> Recorded:
     """:func:`create_allowance` in its own transaction (see :func:`payment_methods.commit_unit`)."""
     return pm_service.commit_unit(create_allowance, caller, request, settings=settings, owner=owner, claim=claim)
 
@@ -431,16 +499,24 @@ def finish_create(session: Session, caller: Caller, allowance_id: str, *, claim:
 
 def read_allowance(session: Session, caller: Caller, allowance_id: str) -> dict:
     """``GET /agentic/allowances/{id}``: 404 ``ALLOWANCE_NOT_FOUND`` when absent in the tenant."""
-    row = session.exec(select(Allowance).where(Allowance.id == allowance_id,
-                                               Allowance.tenant_id == caller.tenant_id)).first()
+    row = session.exec(
+        select(Allowance).where(Allowance.id == allowance_id, Allowance.tenant_id == caller.tenant_id)
+    ).first()
     if row is None:
         raise agentic_error("ALLOWANCE_NOT_FOUND")
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=row.id, operation="read")
     return view_of(session, row)
 
 
-def list_allowances(session: Session, caller: Caller, *, size: int, after: dict | None,
-                    payment_method_id: str | None, status: AllowanceStatus | None) -> tuple[list[dict], dict | None]:
+def list_allowances(
+    session: Session,
+    caller: Caller,
+    *,
+    size: int,
+    after: dict | None,
+    payment_method_id: str | None,
+    status: AllowanceStatus | None,
+) -> tuple[list[dict], dict | None]:
     """``GET /agentic/allowances``: newest first (created_at, id), filtered by payment method and
     status (as stored; ``expired`` also matches live allowances past their expiry)."""
     query = select(Allowance).where(Allowance.tenant_id == caller.tenant_id)
@@ -448,14 +524,17 @@ def list_allowances(session: Session, caller: Caller, *, size: int, after: dict 
         query = query.where(Allowance.payment_method_id == payment_method_id)
     now = utcnow()
     if status == AllowanceStatus.EXPIRED:
-        query = query.where((Allowance.status == AllowanceStatus.EXPIRED)
-                            | (col(Allowance.status).in_(LIVE) & (col(Allowance.expires_at) <= now)))
+        query = query.where(
+            (Allowance.status == AllowanceStatus.EXPIRED)
+            | (col(Allowance.status).in_(LIVE) & (col(Allowance.expires_at) <= now))
+        )
     elif status in LIVE:
         query = query.where(Allowance.status == status, Allowance.expires_at > now)
     elif status is not None:
         query = query.where(Allowance.status == status)
-    rows, next_position = keyset_page(session, query, order=(Allowance.created_at, Allowance.id), size=size,
-                                      after=after)
+    rows, next_position = keyset_page(
+        session, query, order=(Allowance.created_at, Allowance.id), size=size, after=after
+    )
     rails: dict[str, list[AllowanceRail]] = {}
     if rows:
         wanted = [a.id for a in rows]
@@ -464,15 +543,18 @@ def list_allowances(session: Session, caller: Caller, *, size: int, after: dict 
     return [allowance_view(a, rails.get(a.id, [])) for a in rows], next_position
 
 
-def list_provider_errors(session: Session, caller: Caller, allowance_id: str, *, size: int, after: dict | None
-                         ) -> tuple[list[dict], dict | None]:
+def list_provider_errors(
+    session: Session, caller: Caller, allowance_id: str, *, size: int, after: dict | None
+) -> tuple[list[dict], dict | None]:
     """``GET /agentic/allowances/{id}/errors``: the allowance's provider errors, newest first."""
-    row = session.exec(select(Allowance.id).where(Allowance.id == allowance_id,
-                                                  Allowance.tenant_id == caller.tenant_id)).first()
+    row = session.exec(
+        select(Allowance.id).where(Allowance.id == allowance_id, Allowance.tenant_id == caller.tenant_id)
+    ).first()
     if row is None:
         raise agentic_error("ALLOWANCE_NOT_FOUND")
-    return pm_service.provider_error_page(session, caller.tenant_id, ProviderError.allowance_id == allowance_id,
-                                          size=size, after=after)
+    return pm_service.provider_error_page(
+        session, caller.tenant_id, ProviderError.allowance_id == allowance_id, size=size, after=after
+    )
 
 
 def read_credential(session: Session, caller: Caller, allowance_id: str, credential_id: str) -> dict:
@@ -488,8 +570,9 @@ def read_credential(session: Session, caller: Caller, allowance_id: str, credent
 # ---- update --------------------------------------------------------------------------------------
 
 
-def start_update(session: Session, caller: Caller, allowance_id: str, changes: dict, *, settings: Settings,
-                 owner: str) -> Recorded:
+def start_update(
+    session: Session, caller: Caller, allowance_id: str, changes: dict, *, settings: Settings, owner: str
+) -> Recorded:
     """``PATCH /agentic/allowances/{id}``, the recording part. ``changes``: any of ``amount``
     (``(Decimal, currency)``), ``description`` (None clears it), ``expires_at``.
 
@@ -528,8 +611,14 @@ def start_update(session: Session, caller: Caller, allowance_id: str, changes: d
     allowance.pending_update = pending
     allowance.operation = leases.UPDATE
     session.add(allowance)
-    leases.acquire(session, tenant_id=caller.tenant_id, resource_id=allowance.id, operation=leases.UPDATE,
-                   owner=owner, seconds=settings.operation_lease_seconds)
+    leases.acquire(
+        session,
+        tenant_id=caller.tenant_id,
+        resource_id=allowance.id,
+        operation=leases.UPDATE,
+        owner=owner,
+        seconds=settings.operation_lease_seconds,
+    )
     job = _record_job(session, caller, UPDATE_TASK, "allowance", allowance.id, owner)
     return Recorded(allowance.id, (job.id,))
 
@@ -550,8 +639,18 @@ def finish_update(session: Session, caller: Caller, allowance_id: str, job_ids: 
 # ---- verification --------------------------------------------------------------------------------
 
 
-def start_verification(session: Session, caller: Caller, allowance_id: str, *, rail: str, provider: str,
-                       action: str, otp: str | None, settings: Settings, owner: str) -> Recorded:
+def start_verification(
+    session: Session,
+    caller: Caller,
+    allowance_id: str,
+    *,
+    rail: str,
+    provider: str,
+    action: str,
+    otp: str | None,
+    settings: Settings,
+    owner: str,
+) -> Recorded:
     """``POST /agentic/allowances/{id}/rails/verify``, the recording part (the pair is known valid).
 
     Raises, in this order, 404 ``ALLOWANCE_NOT_FOUND``, 409 (an operation in flight:
@@ -574,20 +673,37 @@ def start_verification(session: Session, caller: Caller, allowance_id: str, *, r
         raise agentic_error("VERIFICATION_STATE_INVALID", "The rail is verified already.")
     if action == "submit_otp" and target.verification != "otp_sent":
         raise agentic_error("VERIFICATION_STATE_INVALID", "No code is awaited: start the verification first.")
-    leases.acquire(session, tenant_id=caller.tenant_id, resource_id=allowance.id, operation=leases.VERIFY,
-                   owner=owner, seconds=settings.operation_lease_seconds)
-    job = _record_job(session, caller, VERIFY_TASK, "allowance_rail", str(target.id), owner,
-                      max_attempts=2 if action == "submit_otp" else PROVIDER_MAX_ATTEMPTS)
+    leases.acquire(
+        session,
+        tenant_id=caller.tenant_id,
+        resource_id=allowance.id,
+        operation=leases.VERIFY,
+        owner=owner,
+        seconds=settings.operation_lease_seconds,
+    )
+    job = _record_job(
+        session,
+        caller,
+        VERIFY_TASK,
+        "allowance_rail",
+        str(target.id),
+        owner,
+        max_attempts=2 if action == "submit_otp" else PROVIDER_MAX_ATTEMPTS,
+    )
     target.job_id = job.id
-    target.otp_sealed = (get_keyring().encrypt(session, caller.tenant_id, OTP_PURPOSE, str(target.id), otp.encode())
-                         if action == "submit_otp" else None)
+    target.otp_sealed = (
+        get_keyring().encrypt(session, caller.tenant_id, OTP_PURPOSE, str(target.id), otp.encode())
+        if action == "submit_otp"
+        else None
+    )
     session.add(target)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=allowance.id, operation="update")
     return Recorded(allowance.id, (job.id,))
 
 
-def finish_verification(session: Session, caller: Caller, allowance_id: str, *, rail: str, provider: str,
-                        job_id: uuid.UUID) -> dict:
+def finish_verification(
+    session: Session, caller: Caller, allowance_id: str, *, rail: str, provider: str, job_id: uuid.UUID
+) -> dict:
     """After the bounded wait: ``{status: otp_sent | verified, rail}``, or the failure's problem
     (``INVALID_OTP`` with ``attempts_remaining``, ``PROVIDER_VERIFICATION_FAILED``,
     ``VERIFICATION_NOT_SUPPORTED`` ...), or 409 ``ALLOWANCE_VERIFICATION_IN_PROGRESS``."""
@@ -599,8 +715,7 @@ def finish_verification(session: Session, caller: Caller, allowance_id: str, *, 
         raise agentic_error("ALLOWANCE_VERIFICATION_IN_PROGRESS")
     if "verification" not in result:  # overtaken: the rail is no longer where this step applies
         raise agentic_error("VERIFICATION_STATE_INVALID")
-    return {"status": result["verification"], "rail": rail_view(_rail(session, allowance, rail,
-                                                                                       provider))}
+    return {"status": result["verification"], "rail": rail_view(_rail(session, allowance, rail, provider))}
 
 
 # ---- cancellation --------------------------------------------------------------------------------
@@ -624,8 +739,14 @@ def start_cancel(session: Session, caller: Caller, allowance_id: str, *, setting
     if not any(r.provider_allowance_id and r.cancelled_at is None for r in rails_of(session, allowance.id)):
         mark_cancelled(session, allowance, trace_id=caller.trace_id)
         return Recorded(allowance.id)
-    leases.acquire(session, tenant_id=caller.tenant_id, resource_id=allowance.id, operation=leases.CANCEL,
-                   owner=owner, seconds=settings.operation_lease_seconds)
+    leases.acquire(
+        session,
+        tenant_id=caller.tenant_id,
+        resource_id=allowance.id,
+        operation=leases.CANCEL,
+        owner=owner,
+        seconds=settings.operation_lease_seconds,
+    )
     job = _record_job(session, caller, CANCEL_TASK, "allowance", allowance.id, owner)
     return Recorded(allowance.id, (job.id,))
 
@@ -643,8 +764,10 @@ def finish_cancel(session: Session, caller: Caller, allowance_id: str, job_ids: 
     if allowance.status == AllowanceStatus.CANCELLED:
         return None
     if any(job_state(session, j)[0] in JOB_UNSUCCESSFUL for j in job_ids):
-        raise agentic_error("PROVIDER_ALLOWANCE_CANCEL_FAILED",
-                            "The cancellation stopped at a provider; repeat the same DELETE to resume it.")
+        raise agentic_error(
+            "PROVIDER_ALLOWANCE_CANCEL_FAILED",
+            "The cancellation stopped at a provider; repeat the same DELETE to resume it.",
+        )
     raise agentic_error("ALLOWANCE_DELETE_IN_PROGRESS")
 
 
@@ -694,8 +817,15 @@ def key_set_url_errors(url: str, *, allow_private: bool) -> list[str]:
     return []
 
 
-def start_mint(session: Session, caller: Caller, allowance_id: str, request: MintRequest, *, settings: Settings,
-               claim: idempotency.Claim | None = None) -> Recorded:
+def start_mint(
+    session: Session,
+    caller: Caller,
+    allowance_id: str,
+    request: MintRequest,
+    *,
+    settings: Settings,
+    claim: idempotency.Claim | None = None,
+) -> Recorded:
     """``POST /agentic/allowances/{id}/credentials``, the recording part: the reservation.
 
     Raises, in this order, 404 ``ALLOWANCE_NOT_FOUND``, 409 ``ALLOWANCE_CREDENTIAL_IN_PROGRESS`` (a
@@ -716,23 +846,40 @@ def start_mint(session: Session, caller: Caller, allowance_id: str, request: Min
         raise validation_error({"amount.currency": [f"must be the allowance's currency, {allowance.currency}"]})
     if request.amount > allowance.amount_available:
         available = money(allowance.amount_available, allowance.currency)
-        raise agentic_error("ALLOWANCE_AMOUNT_EXCEEDED", f"At most {available['value']} {allowance.currency} "
-                            "is available.", extra={"amount_available": available})
+        raise agentic_error(
+            "ALLOWANCE_AMOUNT_EXCEEDED",
+            f"At most {available['value']} {allowance.currency} is available.",
+            extra={"amount_available": available},
+        )
     credential = PaymentCredential(
-        id=pm_service.new_id("pcr_"), tenant_id=caller.tenant_id, allowance_id=allowance.id, rail=target.rail,
-        provider=target.provider, format=request.format, currency=request.currency, amount=request.amount,
-        mpp=request.mpp, created_at=utcnow(),
+        id=pm_service.new_id("pcr_"),
+        tenant_id=caller.tenant_id,
+        allowance_id=allowance.id,
+        rail=target.rail,
+        provider=target.provider,
+        format=request.format,
+        currency=request.currency,
+        amount=request.amount,
+        mpp=request.mpp,
+        created_at=utcnow(),
     )
-    leases.acquire(session, tenant_id=caller.tenant_id, resource_id=allowance.id, operation=leases.MINT,
-                   owner=credential.id, seconds=settings.operation_lease_seconds)
+    leases.acquire(
+        session,
+        tenant_id=caller.tenant_id,
+        resource_id=allowance.id,
+        operation=leases.MINT,
+        owner=credential.id,
+        seconds=settings.operation_lease_seconds,
+    )
     allowance.amount_available -= request.amount
     allowance.amount_reserved += request.amount
     allowance.reserved_by = credential.id
     touch(session, allowance)
     session.add(credential)
     session.flush()
-    job = _record_job(session, caller, MINT_TASK, "payment_credential", credential.id, credential.id,
-                      max_attempts=MINT_MAX_ATTEMPTS)
+    job = _record_job(
+        session, caller, MINT_TASK, "payment_credential", credential.id, credential.id, max_attempts=MINT_MAX_ATTEMPTS
+    )
     credential.job_id = job.id
     session.add(credential)
     if claim is not None:
@@ -741,14 +888,16 @@ def start_mint(session: Session, caller: Caller, allowance_id: str, request: Min
     return Recorded(credential.id, (job.id,))
 
 
-def mint_unit(caller: Caller, allowance_id: str, request: MintRequest, *, settings: Settings,
-              claim: idempotency.Claim | None) -> Recorded:
+def mint_unit(
+    caller: Caller, allowance_id: str, request: MintRequest, *, settings: Settings, claim: idempotency.Claim | None
+) -> Recorded:
     """:func:`start_mint` in its own transaction (see :func:`payment_methods.commit_unit`)."""
     return pm_service.commit_unit(start_mint, caller, allowance_id, request, settings=settings, claim=claim)
 
 
-def finish_mint(session: Session, caller: Caller, credential_id: str, job_id: uuid.UUID,
-                claim: idempotency.Claim | None) -> dict | Problem:
+def finish_mint(
+    session: Session, caller: Caller, credential_id: str, job_id: uuid.UUID, claim: idempotency.Claim | None
+) -> dict | Problem:
     """After the bounded wait: the credential with its value (taken out of its sealed copy, which is
     cleared: it is returned this once), or the failure's problem (recorded on the key for replay),
     ``CREDENTIAL_OUTCOME_UNKNOWN`` (the key terminal), or 409 ``ALLOWANCE_CREDENTIAL_IN_PROGRESS``
@@ -784,8 +933,9 @@ def finish_mint(session: Session, caller: Caller, credential_id: str, job_id: uu
 
 def seal_credential(session: Session, row: PaymentCredential, credential: dict) -> None:
     """Keep ``credential`` encrypted on ``row`` until its request takes it (never readable at rest)."""
-    row.sealed = get_keyring().encrypt(session, row.tenant_id, SEALED_PURPOSE, row.id,
-                                       json.dumps(credential, separators=(",", ":")).encode())
+    row.sealed = get_keyring().encrypt(
+        session, row.tenant_id, SEALED_PURPOSE, row.id, json.dumps(credential, separators=(",", ":")).encode()
+    )
 
 
 def open_otp(session: Session, rail: AllowanceRail) -> str | None:
@@ -800,8 +950,9 @@ def open_otp(session: Session, rail: AllowanceRail) -> str | None:
 
 def settle_stale_reservations(session: Session, *, batch: int = 1000) -> int:
     """The beat sweep: reservations whose mint lease is stale become spent; returns how many."""
-    rows = session.exec(select(Allowance).where(Allowance.amount_reserved > 0).limit(batch)
-                        .with_for_update(skip_locked=True)).all()
+    rows = session.exec(
+        select(Allowance).where(Allowance.amount_reserved > 0).limit(batch).with_for_update(skip_locked=True)
+    ).all()
     return sum(1 for row in rows if settle_stale(session, row))
 
 
@@ -809,8 +960,12 @@ def expire_allowances(session: Session, *, batch: int = 1000, now: dt.datetime |
     """The beat sweep: live allowances past ``expires_at`` become ``expired`` (terminal; the event is
     emitted); returns how many."""
     now = now or utcnow()
-    rows = session.exec(select(Allowance).where(col(Allowance.status).in_(LIVE), col(Allowance.expires_at) <= now)
-                        .limit(batch).with_for_update(skip_locked=True)).all()
+    rows = session.exec(
+        select(Allowance)
+        .where(col(Allowance.status).in_(LIVE), col(Allowance.expires_at) <= now)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
+    ).all()
     for row in rows:
         set_status(session, row, AllowanceStatus.EXPIRED)
     return len(rows)
@@ -820,10 +975,17 @@ def purge_undelivered(session: Session, *, batch: int = 1000, now: dt.datetime |
     """The beat sweep: sealed credential values their request never took (it timed out or died) are
     destroyed after :data:`UNDELIVERED_SECONDS`; returns how many."""
     cutoff = (now or utcnow()) - dt.timedelta(seconds=UNDELIVERED_SECONDS)
-    ids = session.exec(select(PaymentCredential.id).where(col(PaymentCredential.sealed).is_not(None),
-                                                          col(PaymentCredential.created_at) < cutoff)
-                       .limit(batch).with_for_update(skip_locked=True)).all()
+    ids = session.exec(
+        select(PaymentCredential.id)
+        .where(col(PaymentCredential.sealed).is_not(None), col(PaymentCredential.created_at) < cutoff)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
+    ).all()
     if ids:
-        session.execute(update(PaymentCredential).where(col(PaymentCredential.id).in_(ids)).values(sealed=None)
-                        .execution_options(synchronize_session=False))
+        session.execute(
+            update(PaymentCredential)
+            .where(col(PaymentCredential.id).in_(ids))
+            .values(sealed=None)
+            .execution_options(synchronize_session=False)
+        )
     return len(ids)

@@ -91,14 +91,22 @@ def _target(session: Session, job: Job) -> _Target | Stale:
     if pm is None or pm.status != PaymentMethodStatus.ACTIVE or pm.delete_requested_at is not None:
         return Stale("the payment method is deleted")
     tenant = session.get(Tenant, pm.tenant_id)
-    return _Target(pm.id, rail.id, rail.provider, tenant.type, rail.attempt, dict(pm.consumer), pm.token_id,
-                   pm.tenant_id, rail.enrollment_id)
+    return _Target(
+        pm.id,
+        rail.id,
+        rail.provider,
+        tenant.type,
+        rail.attempt,
+        dict(pm.consumer),
+        pm.token_id,
+        pm.tenant_id,
+        rail.enrollment_id,
+    )
 
 
 def _of_rail(column):
     """``column`` of the job's rail (its subject), as a scalar subquery over the job row."""
-    return (select(column).where(PaymentMethodRail.id == TextAsUuid(Job.subject_id)).correlate(Job)
-            .scalar_subquery())
+    return select(column).where(PaymentMethodRail.id == TextAsUuid(Job.subject_id)).correlate(Job).scalar_subquery()
 
 
 def enrollment_reads() -> dict[str, Any]:
@@ -112,11 +120,17 @@ def enrollment_reads() -> dict[str, Any]:
 
     tenant_id, token_id = of_pm(PaymentMethod.tenant_id), of_pm(PaymentMethod.token_id)
     reads = {
-        "rail_id": _of_rail(PaymentMethodRail.id), "rail_job_id": _of_rail(PaymentMethodRail.job_id),
-        "provider": _of_rail(PaymentMethodRail.provider), "attempt": _of_rail(PaymentMethodRail.attempt),
-        "enrollment_id": _of_rail(PaymentMethodRail.enrollment_id), "pm_id": of_pm(PaymentMethod.id),
-        "pm_status": of_pm(PaymentMethod.status), "pm_delete_requested_at": of_pm(PaymentMethod.delete_requested_at),
-        "consumer": of_pm(PaymentMethod.consumer), "token_id": token_id, "tenant_id": tenant_id,
+        "rail_id": _of_rail(PaymentMethodRail.id),
+        "rail_job_id": _of_rail(PaymentMethodRail.job_id),
+        "provider": _of_rail(PaymentMethodRail.provider),
+        "attempt": _of_rail(PaymentMethodRail.attempt),
+        "enrollment_id": _of_rail(PaymentMethodRail.enrollment_id),
+        "pm_id": of_pm(PaymentMethod.id),
+        "pm_status": of_pm(PaymentMethod.status),
+        "pm_delete_requested_at": of_pm(PaymentMethod.delete_requested_at),
+        "consumer": of_pm(PaymentMethod.consumer),
+        "token_id": token_id,
+        "tenant_id": tenant_id,
         "tenant_type": select(Tenant.type).where(Tenant.id == tenant_id).scalar_subquery(),
     }
     reads.update(live_token_reads(tenant_id, token_id))
@@ -129,11 +143,23 @@ def _target_read(job: Job, read: dict) -> _Target | Stale:
         return Stale("the rail is gone")
     if read["rail_job_id"] != job.id:
         return Stale("another job took the rail")
-    if (read["pm_id"] is None or read["pm_status"] != PaymentMethodStatus.ACTIVE
-            or read["pm_delete_requested_at"] is not None):
+    if (
+        read["pm_id"] is None
+        or read["pm_status"] != PaymentMethodStatus.ACTIVE
+        or read["pm_delete_requested_at"] is not None
+    ):
         return Stale("the payment method is deleted")
-    return _Target(read["pm_id"], read["rail_id"], read["provider"], read["tenant_type"], read["attempt"],
-                   dict(read["consumer"]), read["token_id"], read["tenant_id"], read["enrollment_id"])
+    return _Target(
+        read["pm_id"],
+        read["rail_id"],
+        read["provider"],
+        read["tenant_type"],
+        read["attempt"],
+        dict(read["consumer"]),
+        read["token_id"],
+        read["tenant_id"],
+        read["enrollment_id"],
+    )
 
 
 def poll_delay(attempt: int) -> float:
@@ -183,8 +209,14 @@ def perform_enrollment_read(job: Job, read: dict, settings: Settings) -> Enrollm
         data = None
         if read["token_type"] is not None:
             with session_scope() as session:  # the tenant's key is cached: no statement runs
-                data = open_token_data(session, target.tenant_id, target.token_id, read["token_type"],
-                                       read["token_data_ct"], read["token_cvc_expires_at"])
+                data = open_token_data(
+                    session,
+                    target.tenant_id,
+                    target.token_id,
+                    read["token_type"],
+                    read["token_data_ct"],
+                    read["token_cvc_expires_at"],
+                )
         data = checked_card(read["token_type"], data)
     except Problem as problem:
         raise EnrollmentFailed("INVALID_TOKEN", problem.detail or "the card token is not readable") from None
@@ -212,8 +244,10 @@ def _locked_rail(session: Session, job: Job) -> tuple[PaymentMethod | None, Paym
     rail_id = uuid.UUID(job.subject_id)
     pm = session.exec(
         select(PaymentMethod)
-        .where(PaymentMethod.id == select(PaymentMethodRail.payment_method_id)
-               .where(PaymentMethodRail.id == rail_id).scalar_subquery())
+        .where(
+            PaymentMethod.id
+            == select(PaymentMethodRail.payment_method_id).where(PaymentMethodRail.id == rail_id).scalar_subquery()
+        )
         .with_for_update()
         .execution_options(populate_existing=True)
     ).first()
@@ -224,7 +258,10 @@ def _locked_rail(session: Session, job: Job) -> tuple[PaymentMethod | None, Paym
 
 def _current(pm: PaymentMethod | None, rail: PaymentMethodRail | None, job: Job) -> bool:
     return (
-        pm is not None and rail is not None and rail.job_id == job.id and pm.status == PaymentMethodStatus.ACTIVE
+        pm is not None
+        and rail is not None
+        and rail.job_id == job.id
+        and pm.status == PaymentMethodStatus.ACTIVE
         and pm.delete_requested_at is None
     )
 
@@ -248,16 +285,23 @@ def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) ->
         pm.card = card
         pm.updated_at = utcnow()
     if outcome.status == "pending":
-        poll = jobs.record(session, kind=POLL_TASK, tenant_id=pm.tenant_id, subject_type="rail",
-                           subject_id=str(rail.id),
-                           trace_id=job.trace_id, max_attempts=POLL_MAX_ATTEMPTS)
+        poll = jobs.record(
+            session,
+            kind=POLL_TASK,
+            tenant_id=pm.tenant_id,
+            subject_type="rail",
+            subject_id=str(rail.id),
+            trace_id=job.trace_id,
+            max_attempts=POLL_MAX_ATTEMPTS,
+        )
         rail.job_id = poll.id
         settle_rail(session, pm, rail, status=RailStatus.PENDING, provider_ids=outcome.provider_ids)
         rail.notify = True  # pending at the provider: its settling is delivered as the event
         session.add(rail)
     else:
-        settle_rail(session, pm, rail, status=RailStatus.ENABLED, provider_ids=outcome.provider_ids,
-                    trace_id=job.trace_id)
+        settle_rail(
+            session, pm, rail, status=RailStatus.ENABLED, provider_ids=outcome.provider_ids, trace_id=job.trace_id
+        )
     release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
     return {"rail_status": outcome.status, "enrollment_id": outcome.id}
 
@@ -287,8 +331,9 @@ def enrollment_failed(session: Session, job: Job, error: Exception) -> None:
     detail = None
     if code == UNCLASSIFIED and isinstance(error, EnrollmentFailed) and error.provider_code is None:
         detail = f"The provider did not answer in time ({error}); retry the rail."
-    record_provider_error(session, rail, code=code, provider_code=provider_code, correlation_id=correlation,
-                          detail=detail)
+    record_provider_error(
+        session, rail, code=code, provider_code=provider_code, correlation_id=correlation, detail=detail
+    )
     settle_rail(session, pm, rail, status=RailStatus.ERROR, error_code=code, trace_id=job.trace_id)
     release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
 
@@ -316,8 +361,11 @@ def perform_delete(job: Job, settings: Settings) -> str | Stale:
         if lease is not None and lease.owner != owner:
             return Stale("another delete holds the payment method")
         tenant_type = session.get(Tenant, pm.tenant_id).type
-        todo = [(r.id, r.provider, r.enrollment_id) for r in rails_of(session, pm_id)
-                if r.enrollment_id and r.enrollment_removed_at is None]
+        todo = [
+            (r.id, r.provider, r.enrollment_id)
+            for r in rails_of(session, pm_id)
+            if r.enrollment_id and r.enrollment_removed_at is None
+        ]
         allowance_ids = allowance_work.payment_method_allowances(session, pm_id)
     allowance_work.cancel_rails(settings, allowance_ids, key=str(job.id))
     for rail_id, provider_name, enrollment_id in todo:
@@ -358,6 +406,12 @@ def delete_failed(session: Session, job: Job, error: Exception) -> None:
     if pm is not None and rail is not None:
         provider_code = error.provider_code if isinstance(error, EnrollmentFailed) else None
         correlation = error.correlation_id if isinstance(error, EnrollmentFailed) else None
-        record_provider_error(session, rail, code="PROVIDER_ALLOWANCE_CANCEL_FAILED", provider_code=provider_code,
-                              correlation_id=correlation, operation="deletion")
+        record_provider_error(
+            session,
+            rail,
+            code="PROVIDER_ALLOWANCE_CANCEL_FAILED",
+            provider_code=provider_code,
+            correlation_id=correlation,
+            operation="deletion",
+        )
     leases.release(session, pm_id, owner)

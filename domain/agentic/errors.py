@@ -31,7 +31,9 @@ CATALOGUE: dict[str, tuple[int, str, str]] = {
     "VALIDATION_ERROR": (400, "Validation error", "Correct the fields listed in errors."),
     "INVALID_TOKEN": (400, "Invalid token", "Send the id of a card token of this tenant."),
     "UNSUPPORTED_PROVIDER": (
-        400, "Unsupported provider", "No supported provider takes this card's network, or the rail is not configured."
+        400,
+        "Unsupported provider",
+        "No supported provider takes this card's network, or the rail is not configured.",
     ),
     "RAIL_NOT_FOUND": (400, "Rail not found", "Read rail and provider off the payment method's rails."),
     "RAIL_NOT_ACTIVE": (400, "Rail not active", "Complete verification."),
@@ -51,7 +53,9 @@ CATALOGUE: dict[str, tuple[int, str, str]] = {
     "CARD_REJECTED": (422, "Card rejected", "The provider rejected the card; use another card."),
     "PROVIDER_ENROLLMENT_FAILED": (422, "Provider enrollment failed", "Retry the rail."),
     "RAIL_ENROLLMENT_INVALID": (
-        422, "Rail enrollment invalid", "Retry the rail; if it fails again, register a new payment method."
+        422,
+        "Rail enrollment invalid",
+        "Retry the rail; if it fails again, register a new payment method.",
     ),
     "RAIL_ALREADY_ENROLLED": (409, "Rail already enrolled", "Use the existing payment method or retry the rail."),
     "PROVIDER_ALLOWANCE_FAILED": (422, "Provider allowance failed", "Retry the allowance rail."),
@@ -60,23 +64,33 @@ CATALOGUE: dict[str, tuple[int, str, str]] = {
     "PROVIDER_VERIFICATION_FAILED": (422, "Provider verification failed", "Restart verification."),
     "VERIFICATION_NOT_SUPPORTED": (422, "Verification not supported", "Use a rail without verification, like spt."),
     "PROVIDER_NOT_CONFIGURED": (
-        422, "Provider not configured", "Onboarding with this provider is incomplete; contact support."
+        422,
+        "Provider not configured",
+        "Onboarding with this provider is incomplete; contact support.",
     ),
     "MPP_KEY_UNAVAILABLE": (502, "Merchant key unavailable", "Make a new attempt with a new idempotency key."),
     "UNSUPPORTED_RAIL": (500, "Unsupported rail", "Contact support with the trace id."),
     "INTERNAL_ERROR": (
-        500, "Internal error", "Repeat once with the same idempotency key, then contact support with the trace id."
+        500,
+        "Internal error",
+        "Repeat once with the same idempotency key, then contact support with the trace id.",
     ),
     "PROVIDER_ALLOWANCE_CANCEL_FAILED": (
-        500, "Provider cancellation failed", "Repeat the same DELETE to resume the cascade."
+        500,
+        "Provider cancellation failed",
+        "Repeat the same DELETE to resume the cascade.",
     ),
     "SERVICE_UNAVAILABLE": (503, "Service unavailable", "Try again shortly."),
     # operations in progress and other conflicts
     "IDEMPOTENCY_IN_PROGRESS": (
-        409, "Request in progress", "Wait briefly and repeat the exact request with the same idempotency key."
+        409,
+        "Request in progress",
+        "Wait briefly and repeat the exact request with the same idempotency key.",
     ),
     "IDEMPOTENCY_CONFLICT": (
-        409, "Idempotency key reused", "The key was used with a different body; use a new key for a new request."
+        409,
+        "Idempotency key reused",
+        "The key was used with a different body; use a new key for a new request.",
     ),
     "CREATE_OUTCOME_UNKNOWN": (
         409,
@@ -85,30 +99,39 @@ CATALOGUE: dict[str, tuple[int, str, str]] = {
         "source); create again only with a new key if none exists. This key is terminal.",
     ),
     "PAYMENT_METHOD_OPERATION_IN_PROGRESS": (
-        409, "Operation in progress", "Wait briefly and repeat the exact request."
+        409,
+        "Operation in progress",
+        "Wait briefly and repeat the exact request.",
     ),
     "PAYMENT_METHOD_DELETE_IN_PROGRESS": (409, "Delete in progress", "Wait briefly and repeat the exact request."),
     "ALLOWANCE_VERIFICATION_IN_PROGRESS": (
-        409, "Verification in progress", "Wait briefly and repeat the exact request."
+        409,
+        "Verification in progress",
+        "Wait briefly and repeat the exact request.",
     ),
     "ALLOWANCE_UPDATE_IN_PROGRESS": (409, "Update in progress", "Wait briefly and repeat the exact request."),
     "ALLOWANCE_DELETE_IN_PROGRESS": (409, "Cancellation in progress", "Wait briefly and repeat the exact request."),
     "ALLOWANCE_CREDENTIAL_IN_PROGRESS": (
-        409, "Credential mint in progress",
+        409,
+        "Credential mint in progress",
         "Only one mint can reserve an allowance at a time; wait briefly and repeat the exact request.",
     ),
     "CREDENTIAL_PAYLOAD_UNAVAILABLE": (
-        409, "Credential payload unavailable",
+        409,
+        "Credential payload unavailable",
         "The credential was minted and returned once; it cannot be returned again. Read it with GET (without "
         "its value) or mint a new one with a new key.",
     ),
     "CREDENTIAL_OUTCOME_UNKNOWN": (
-        409, "Credential outcome unknown",
+        409,
+        "Credential outcome unknown",
         "The provider may have issued a credential whose value cannot be returned; the amount moved to "
         "amount_spent. This key is terminal; do not retry this operation.",
     ),
     "PAYMENT_METHOD_DELETE_INCOMPLETE": (
-        409, "Delete incomplete", "A delete stopped during its cascade; repeat DELETE to finish it."
+        409,
+        "Delete incomplete",
+        "A delete stopped during its cascade; repeat DELETE to finish it.",
     ),
 }
 
@@ -196,8 +219,15 @@ def to_agentic(problem: Problem) -> Problem:
         code, title = _STATUS_CODES.get(problem.status), None
     if code is None:
         code = HTTPStatus(problem.status).name if problem.status in HTTPStatus._value2member_map_ else "ERROR"
-        return Problem(problem.status, problem.detail, title=problem.title, type=code, errors=problem.errors,
-                       headers=problem.headers, extra=problem.extra)
+        return Problem(
+            problem.status,
+            problem.detail,
+            title=problem.title,
+            type=code,
+            errors=problem.errors,
+            headers=problem.headers,
+            extra=problem.extra,
+        )
     _status, default_title, remediation = CATALOGUE[code]
     return Problem(
         problem.status,

@@ -74,8 +74,9 @@ def request_hash(payload: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def claim(session: Session, *, tenant_id: uuid.UUID, scope: str, key: str, body_hash: str, owner: str,
-          seconds: float) -> Claim | Replay:
+def claim(
+    session: Session, *, tenant_id: uuid.UUID, scope: str, key: str, body_hash: str, owner: str, seconds: float
+) -> Claim | Replay:
     """Claim ``key`` for ``owner`` (commit right after), or settle what an earlier request left.
 
     Returns a :class:`Claim` (go on), or a :class:`Replay` (answer the earlier resource). Raises the
@@ -84,11 +85,20 @@ def claim(session: Session, *, tenant_id: uuid.UUID, scope: str, key: str, body_
     or the stored problem of a conclusive failure.
     """
     now = utcnow()
-    if insert_if_absent(session, IdempotencyRecord, {
-        "tenant_id": tenant_id, "scope": scope, "key": key, "request_hash": body_hash,
-        "state": IdempotencyState.RUNNING,
-        "owner": owner, "expires_at": now + dt.timedelta(seconds=seconds), "created_at": now,
-    }):
+    if insert_if_absent(
+        session,
+        IdempotencyRecord,
+        {
+            "tenant_id": tenant_id,
+            "scope": scope,
+            "key": key,
+            "request_hash": body_hash,
+            "state": IdempotencyState.RUNNING,
+            "owner": owner,
+            "expires_at": now + dt.timedelta(seconds=seconds),
+            "created_at": now,
+        },
+    ):
         return Claim(tenant_id, scope, key, owner)
     record = session.get(IdempotencyRecord, (tenant_id, scope, key), populate_existing=True)
     if record is None:  # deleted (released after an internal error) in between: ask to repeat
@@ -111,8 +121,12 @@ def _settle_abandoned(session: Session, record: IdempotencyRecord, now: dt.datet
     state = IdempotencyState.SUCCEEDED if record.resource_id else IdempotencyState.UNKNOWN
     session.execute(
         update(IdempotencyRecord)
-        .where(col(IdempotencyRecord.tenant_id) == record.tenant_id, col(IdempotencyRecord.scope) == record.scope,
-               col(IdempotencyRecord.key) == record.key, col(IdempotencyRecord.state) == IdempotencyState.RUNNING)
+        .where(
+            col(IdempotencyRecord.tenant_id) == record.tenant_id,
+            col(IdempotencyRecord.scope) == record.scope,
+            col(IdempotencyRecord.key) == record.key,
+            col(IdempotencyRecord.state) == IdempotencyState.RUNNING,
+        )
         .values(state=state, completed_at=now)
         .execution_options(synchronize_session=False)
     )
@@ -131,36 +145,55 @@ def _where(claim_: Claim):
 
 def attach(session: Session, claim_: Claim, resource_id: str) -> None:
     """Name the resource being created, in the transaction that writes it."""
-    session.execute(update(IdempotencyRecord).where(*_where(claim_)).values(resource_id=resource_id)
-                    .execution_options(synchronize_session=False))
+    session.execute(
+        update(IdempotencyRecord)
+        .where(*_where(claim_))
+        .values(resource_id=resource_id)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def succeed(session: Session, claim_: Claim) -> None:
     """The operation answered its resource: later requests with the key replay it."""
-    session.execute(update(IdempotencyRecord).where(*_where(claim_))
-                    .values(state=IdempotencyState.SUCCEEDED, completed_at=utcnow())
-                    .execution_options(synchronize_session=False))
+    session.execute(
+        update(IdempotencyRecord)
+        .where(*_where(claim_))
+        .values(state=IdempotencyState.SUCCEEDED, completed_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
 
 
 def fail(session: Session, claim_: Claim, problem: Problem) -> None:
     """A conclusive failure (nothing was created): later requests replay ``problem``."""
     session.execute(
-        update(IdempotencyRecord).where(*_where(claim_))
-        .values(state=IdempotencyState.FAILED, status_code=problem.status, problem=problem.body(),
-                completed_at=utcnow())
+        update(IdempotencyRecord)
+        .where(*_where(claim_))
+        .values(
+            state=IdempotencyState.FAILED, status_code=problem.status, problem=problem.body(), completed_at=utcnow()
+        )
         .execution_options(synchronize_session=False)
     )
 
 
 def unknown(session: Session, claim_: Claim) -> None:
     """The outcome cannot be told (the commit's answer was lost): the key is terminal."""
-    session.execute(update(IdempotencyRecord).where(*_where(claim_))
-                    .values(state=IdempotencyState.UNKNOWN, completed_at=utcnow())
-                    .execution_options(synchronize_session=False))
+    session.execute(
+        update(IdempotencyRecord)
+        .where(*_where(claim_))
+        .values(state=IdempotencyState.UNKNOWN, completed_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
 
 
-def settle_resource(session: Session, *, tenant_id: uuid.UUID, scope: str, resource_id: str, state: IdempotencyState,
-                    problem: Problem | None = None) -> None:
+def settle_resource(
+    session: Session,
+    *,
+    tenant_id: uuid.UUID,
+    scope: str,
+    resource_id: str,
+    state: IdempotencyState,
+    problem: Problem | None = None,
+) -> None:
     """A worker learned the outcome of the operation that makes ``resource_id``: a running record
     naming it is settled (``state`` ``succeeded``, ``unknown``, or ``failed`` with ``problem``), so a
     replay after its request stopped waiting answers the outcome at once."""
@@ -169,10 +202,14 @@ def settle_resource(session: Session, *, tenant_id: uuid.UUID, scope: str, resou
         values.update(status_code=problem.status, problem=problem.body())
     session.execute(
         update(IdempotencyRecord)
-        .where(col(IdempotencyRecord.tenant_id) == tenant_id, col(IdempotencyRecord.scope) == scope,
-               col(IdempotencyRecord.resource_id) == resource_id,
-               col(IdempotencyRecord.state) == IdempotencyState.RUNNING)
-        .values(**values).execution_options(synchronize_session=False)
+        .where(
+            col(IdempotencyRecord.tenant_id) == tenant_id,
+            col(IdempotencyRecord.scope) == scope,
+            col(IdempotencyRecord.resource_id) == resource_id,
+            col(IdempotencyRecord.state) == IdempotencyState.RUNNING,
+        )
+        .values(**values)
+        .execution_options(synchronize_session=False)
     )
 
 
@@ -184,5 +221,11 @@ def release(session: Session, claim_: Claim) -> None:
 def stored_problem(body: dict, status: int | None) -> Problem:
     """The problem a record keeps, rebuilt for replay."""
     extra = {k: v for k, v in body.items() if k not in ("type", "title", "status", "detail", "errors", "instance")}
-    return Problem(status or int(body.get("status") or 400), body.get("detail"), title=body.get("title"),
-                   type=body.get("type", "about:blank"), errors=body.get("errors"), extra=extra or None)
+    return Problem(
+        status or int(body.get("status") or 400),
+        body.get("detail"),
+        title=body.get("title"),
+        type=body.get("type", "about:blank"),
+        errors=body.get("errors"),
+        extra=extra or None,
+    )

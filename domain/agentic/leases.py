@@ -63,8 +63,9 @@ def in_progress(lease: OperationLease) -> Problem:
     return agentic_error(IN_PROGRESS_CODES.get(lease.operation, "PAYMENT_METHOD_OPERATION_IN_PROGRESS"))
 
 
-def acquire(session: Session, *, tenant_id: uuid.UUID, resource_id: str, operation: str, owner: str,
-            seconds: float) -> None:
+def acquire(
+    session: Session, *, tenant_id: uuid.UUID, resource_id: str, operation: str, owner: str, seconds: float
+) -> None:
     """Take the lease on ``resource_id`` for ``owner`` in the caller's transaction.
 
     One statement: inserts the row, or takes over an expired one (``INSERT ... ON CONFLICT DO UPDATE
@@ -73,10 +74,20 @@ def acquire(session: Session, *, tenant_id: uuid.UUID, resource_id: str, operati
     the live lease.
     """
     now = utcnow()
-    taken = upsert_when(session, OperationLease, {
-        "resource_id": resource_id, "tenant_id": tenant_id, "operation": operation, "owner": owner,
-        "acquired_at": now, "expires_at": now + dt.timedelta(seconds=seconds),
-    }, index=["resource_id"], when=table_of(OperationLease).c.expires_at <= now)
+    taken = upsert_when(
+        session,
+        OperationLease,
+        {
+            "resource_id": resource_id,
+            "tenant_id": tenant_id,
+            "operation": operation,
+            "owner": owner,
+            "acquired_at": now,
+            "expires_at": now + dt.timedelta(seconds=seconds),
+        },
+        index=["resource_id"],
+        when=table_of(OperationLease).c.expires_at <= now,
+    )
     if taken:
         return
     current = held(session, resource_id)
@@ -90,8 +101,9 @@ def release(session: Session, resource_id: str, owner: str, *, unless=None) -> b
 
     ``unless``: an optional SQL condition (for example an ``EXISTS`` of the operation's unfinished
     jobs) that keeps the lease when true; checked in the same statement."""
-    statement = delete(OperationLease).where(col(OperationLease.resource_id) == resource_id,
-                                             col(OperationLease.owner) == owner)
+    statement = delete(OperationLease).where(
+        col(OperationLease.resource_id) == resource_id, col(OperationLease.owner) == owner
+    )
     if unless is not None:
         statement = statement.where(~unless)
     return rowcount(session.execute(statement.execution_options(synchronize_session=False))) == 1
@@ -100,12 +112,16 @@ def release(session: Session, resource_id: str, owner: str, *, unless=None) -> b
 def release_expired(session: Session, *, now: dt.datetime | None = None, batch: int = 1000) -> int:
     """Delete up to ``batch`` expired leases (their holder died); returns how many."""
     now = now or utcnow()
-    ids = session.execute(
-        select(OperationLease.resource_id)
-        .where(OperationLease.expires_at <= now)
-        .limit(batch)
-        .with_for_update(skip_locked=True)
-    ).scalars().all()
+    ids = (
+        session.execute(
+            select(OperationLease.resource_id)
+            .where(OperationLease.expires_at <= now)
+            .limit(batch)
+            .with_for_update(skip_locked=True)
+        )
+        .scalars()
+        .all()
+    )
     if not ids:
         return 0
     session.execute(

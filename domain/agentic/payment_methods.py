@@ -136,10 +136,14 @@ def provider_error_view(error: ProviderError) -> dict:
 
 def rails_of(session: Session, pm_id: str) -> list[PaymentMethodRail]:
     """The rails of a payment method, in their order."""
-    return list(session.exec(
-        select(PaymentMethodRail).where(PaymentMethodRail.payment_method_id == pm_id)
-        .order_by(col(PaymentMethodRail.position)).execution_options(populate_existing=True)
-    ).all())
+    return list(
+        session.exec(
+            select(PaymentMethodRail)
+            .where(PaymentMethodRail.payment_method_id == pm_id)
+            .order_by(col(PaymentMethodRail.position))
+            .execution_options(populate_existing=True)
+        ).all()
+    )
 
 
 def view_of(session: Session, pm: PaymentMethod) -> dict:
@@ -165,7 +169,9 @@ def find(session: Session, tenant_id: uuid.UUID, pm_id: str, *, lock: bool = Fal
 def lock(session: Session, pm_id: str) -> PaymentMethod | None:
     """The payment method locked for update (every writer takes this lock first), or None."""
     return session.exec(
-        select(PaymentMethod).where(PaymentMethod.id == pm_id).with_for_update()
+        select(PaymentMethod)
+        .where(PaymentMethod.id == pm_id)
+        .with_for_update()
         .execution_options(populate_existing=True)
     ).first()
 
@@ -231,9 +237,16 @@ def rail_event_data(pm: PaymentMethod, rail: PaymentMethodRail) -> dict:
     return {"payment_method": {"id": pm.id, "status": pm.status}, "rail": rail_view(rail)}
 
 
-def settle_rail(session: Session, pm: PaymentMethod, rail: PaymentMethodRail, *, status: RailStatus,
-                error_code: str | None = None, provider_ids: dict | None = None,
-                trace_id: str | None = None) -> bool:
+def settle_rail(
+    session: Session,
+    pm: PaymentMethod,
+    rail: PaymentMethodRail,
+    *,
+    status: RailStatus,
+    error_code: str | None = None,
+    provider_ids: dict | None = None,
+    trace_id: str | None = None,
+) -> bool:
     """Set a rail's visible state; True when it changed (then the payment method's updated_at
     moves). A rail that was shown ``pending`` emits its event when it leaves pending."""
     before = rail_view(rail)
@@ -248,8 +261,9 @@ def settle_rail(session: Session, pm: PaymentMethod, rail: PaymentMethodRail, *,
         pm.updated_at = now
     if status != RailStatus.PENDING and rail.notify:
         rail.notify = False
-        events.emit_event(session, tenant_id=pm.tenant_id, type=RAIL_EVENT, data=rail_event_data(pm, rail),
-                          trace_id=trace_id)
+        events.emit_event(
+            session, tenant_id=pm.tenant_id, type=RAIL_EVENT, data=rail_event_data(pm, rail), trace_id=trace_id
+        )
     session.add(rail)
     session.add(pm)
     return changed
@@ -311,8 +325,7 @@ class OutcomeUnknown(Exception):
     """The commit of a create raised: it may or may not have been applied."""
 
 
-def card_source(session: Session, tenant_id: uuid.UUID, token_id: str, *, today: dt.date | None = None
-                ) -> dict:
+def card_source(session: Session, tenant_id: uuid.UUID, token_id: str, *, today: dt.date | None = None) -> dict:
     """The data of the card token ``token_id`` of the tenant, else 400 ``INVALID_TOKEN``.
 
     "A card token readable in the tenant": a live (unexpired) token of the tenant whose type is
@@ -402,22 +415,46 @@ def create_payment_method(
     rows.add(table_of(PaymentMethod), row_of(pm))
     job_ids, errors = [], []
     for position, (rail_name, provider) in enumerate(pairs):
-        rail = PaymentMethodRail(tenant_id=caller.tenant_id, payment_method_id=pm.id, position=position,
-                                 rail=rail_name, provider=provider, created_at=now, updated_at=now)
+        rail = PaymentMethodRail(
+            tenant_id=caller.tenant_id,
+            payment_method_id=pm.id,
+            position=position,
+            rail=rail_name,
+            provider=provider,
+            created_at=now,
+            updated_at=now,
+        )
         if provider_for(provider, caller.tenant_type, settings) is None:
             rail.status, rail.error_code = RailStatus.ERROR, "PROVIDER_NOT_CONFIGURED"
             errors.append(rail)
         else:
-            rail.job_id = jobs.stage(session, rows, kind=ENROLL_TASK, tenant_id=caller.tenant_id,
-                                     subject_type="rail", subject_id=str(rail.id), trace_id=caller.trace_id,
-                                     max_attempts=ENROLL_MAX_ATTEMPTS)
+            rail.job_id = jobs.stage(
+                session,
+                rows,
+                kind=ENROLL_TASK,
+                tenant_id=caller.tenant_id,
+                subject_type="rail",
+                subject_id=str(rail.id),
+                trace_id=caller.trace_id,
+                max_attempts=ENROLL_MAX_ATTEMPTS,
+            )
             rail.operation_id, rail.attempt = owner, "create"
             job_ids.append(rail.job_id)
         rows.add(table_of(PaymentMethodRail), row_of(rail))
     if job_ids:  # a new payment method: nobody else can hold its lease yet
-        rows.add(table_of(OperationLease), row_of(OperationLease(
-            resource_id=pm.id, tenant_id=caller.tenant_id, operation=leases.ENROLL, owner=owner, acquired_at=now,
-            expires_at=now + dt.timedelta(seconds=settings.operation_lease_seconds))))
+        rows.add(
+            table_of(OperationLease),
+            row_of(
+                OperationLease(
+                    resource_id=pm.id,
+                    tenant_id=caller.tenant_id,
+                    operation=leases.ENROLL,
+                    owner=owner,
+                    acquired_at=now,
+                    expires_at=now + dt.timedelta(seconds=settings.operation_lease_seconds),
+                )
+            ),
+        )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="create")
     insert_rows(session, rows)
     for rail in errors:
@@ -452,8 +489,9 @@ def commit_unit(fn, /, *args, **kwargs):
         session.close()
 
 
-def create_unit(caller: Caller, request: CreateRequest, *, settings: Settings, owner: str,
-                claim: idempotency.Claim | None) -> Started:
+def create_unit(
+    caller: Caller, request: CreateRequest, *, settings: Settings, owner: str, claim: idempotency.Claim | None
+) -> Started:
     """Run :func:`create_payment_method` in its own transaction (:func:`commit_unit`)."""
     return commit_unit(create_payment_method, caller, request, settings=settings, owner=owner, claim=claim)
 
@@ -489,8 +527,9 @@ def read_payment_method(session: Session, caller: Caller, pm_id: str) -> dict:
     return view_of(session, pm)
 
 
-def list_payment_methods(session: Session, caller: Caller, *, size: int, after: dict | None,
-                         consumer_id: str | None, status: str) -> tuple[list[dict], dict | None]:
+def list_payment_methods(
+    session: Session, caller: Caller, *, size: int, after: dict | None, consumer_id: str | None, status: str
+) -> tuple[list[dict], dict | None]:
     """``GET /agentic/payment-methods``: newest first (created_at, id), filtered by ``consumer_id``
     and ``status`` (active, deleted, all); one page and the next keyset position (or None)."""
     query = select(PaymentMethod).where(PaymentMethod.tenant_id == caller.tenant_id)
@@ -498,44 +537,56 @@ def list_payment_methods(session: Session, caller: Caller, *, size: int, after: 
         query = query.where(PaymentMethod.status == status)
     if consumer_id is not None:
         query = query.where(PaymentMethod.consumer_id == consumer_id)
-    rows, next_position = keyset_page(session, query, order=(PaymentMethod.created_at, PaymentMethod.id), size=size,
-                                      after=after)
+    rows, next_position = keyset_page(
+        session, query, order=(PaymentMethod.created_at, PaymentMethod.id), size=size, after=after
+    )
     rails: dict[str, list[PaymentMethodRail]] = {}
     if rows:
-        for rail in session.exec(select(PaymentMethodRail).where(
-                col(PaymentMethodRail.payment_method_id).in_([pm.id for pm in rows]))):
+        for rail in session.exec(
+            select(PaymentMethodRail).where(col(PaymentMethodRail.payment_method_id).in_([pm.id for pm in rows]))
+        ):
             rails.setdefault(rail.payment_method_id, []).append(rail)
     return [payment_method_view(pm, rails.get(pm.id, [])) for pm in rows], next_position
 
 
-def list_provider_errors(session: Session, caller: Caller, pm_id: str, *, size: int, after: dict | None
-                         ) -> tuple[list[dict], dict | None]:
+def list_provider_errors(
+    session: Session, caller: Caller, pm_id: str, *, size: int, after: dict | None
+) -> tuple[list[dict], dict | None]:
     """``GET /agentic/payment-methods/{id}/errors``: the payment method's provider errors, newest
     first (occurred_at, id); 404 ``PAYMENT_METHOD_NOT_FOUND`` when absent."""
     pm = find(session, caller.tenant_id, pm_id)
-    return provider_error_page(session, caller.tenant_id, ProviderError.payment_method_id == pm.id, size=size,
-                               after=after)
+    return provider_error_page(
+        session, caller.tenant_id, ProviderError.payment_method_id == pm.id, size=size, after=after
+    )
 
 
-def provider_error_page(session: Session, tenant_id: uuid.UUID, where: Any, *, size: int, after: dict | None
-                        ) -> tuple[list[dict], dict | None]:
+def provider_error_page(
+    session: Session, tenant_id: uuid.UUID, where: Any, *, size: int, after: dict | None
+) -> tuple[list[dict], dict | None]:
     """One page of the tenant's provider errors matching ``where`` (a column condition: a payment
     method's, an allowance's), newest first (occurred_at, id), and the next keyset position."""
     query = select(ProviderError).where(ProviderError.tenant_id == tenant_id, where)
-    rows, next_position = keyset_page(session, query, order=(ProviderError.occurred_at, ProviderError.id), size=size,
-                                      after=after)
+    rows, next_position = keyset_page(
+        session, query, order=(ProviderError.occurred_at, ProviderError.id), size=size, after=after
+    )
     return [provider_error_view(e) for e in rows], next_position
 
 
-def purge_provider_errors(session: Session, *, retention_days: int, now: dt.datetime | None = None,
-                          batch: int = 1000) -> int:
+def purge_provider_errors(
+    session: Session, *, retention_days: int, now: dt.datetime | None = None, batch: int = 1000
+) -> int:
     """Delete up to ``batch`` provider errors older than ``retention_days``; returns how many."""
     cutoff = (now or utcnow()) - dt.timedelta(days=retention_days)
-    ids = session.exec(select(ProviderError.id).where(ProviderError.occurred_at < cutoff).limit(batch)
-                       .with_for_update(skip_locked=True)).all()
+    ids = session.exec(
+        select(ProviderError.id)
+        .where(ProviderError.occurred_at < cutoff)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
+    ).all()
     if ids:
-        session.execute(delete(ProviderError).where(col(ProviderError.id).in_(ids))
-                        .execution_options(synchronize_session=False))
+        session.execute(
+            delete(ProviderError).where(col(ProviderError.id).in_(ids)).execution_options(synchronize_session=False)
+        )
     return len(ids)
 
 
@@ -552,8 +603,9 @@ def _blocked(session: Session, pm: PaymentMethod) -> Problem | None:
     return None
 
 
-def start_retry(session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, settings: Settings,
-                owner: str) -> Started:
+def start_retry(
+    session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, settings: Settings, owner: str
+) -> Started:
     """``POST .../rails/retry``, the recording part: checks, then one enrollment job (``retry``).
 
     The pair is already known valid. Raises, in this order, 404 ``PAYMENT_METHOD_NOT_FOUND``, 400
@@ -575,17 +627,30 @@ def start_retry(session: Session, caller: Caller, pm_id: str, *, rail: str, prov
         raise validation_error({"rail": ["The rail is enabled; only a rail in error or pending can be retried."]})
     if provider_for(provider, caller.tenant_type, settings) is None:
         record_provider_error(session, target, code="PROVIDER_NOT_CONFIGURED")
-        settle_rail(session, pm, target, status=RailStatus.ERROR, error_code="PROVIDER_NOT_CONFIGURED",
-                    trace_id=caller.trace_id)
+        settle_rail(
+            session, pm, target, status=RailStatus.ERROR, error_code="PROVIDER_NOT_CONFIGURED", trace_id=caller.trace_id
+        )
         return Started(pm.id, (), failure="PROVIDER_NOT_CONFIGURED")
     card_source(session, caller.tenant_id, pm.token_id)
-    job = jobs.record(session, kind=ENROLL_TASK, tenant_id=caller.tenant_id, subject_type="rail",
-                      subject_id=str(target.id),
-                      trace_id=caller.trace_id, max_attempts=ENROLL_MAX_ATTEMPTS)
+    job = jobs.record(
+        session,
+        kind=ENROLL_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type="rail",
+        subject_id=str(target.id),
+        trace_id=caller.trace_id,
+        max_attempts=ENROLL_MAX_ATTEMPTS,
+    )
     target.job_id, target.operation_id, target.attempt = job.id, owner, "retry"
     session.add(target)
-    leases.acquire(session, tenant_id=caller.tenant_id, resource_id=pm.id, operation=leases.ENROLL,
-                   owner=owner, seconds=settings.operation_lease_seconds)
+    leases.acquire(
+        session,
+        tenant_id=caller.tenant_id,
+        resource_id=pm.id,
+        operation=leases.ENROLL,
+        owner=owner,
+        seconds=settings.operation_lease_seconds,
+    )
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="update")
     return Started(pm.id, (job.id,))
 
@@ -594,9 +659,10 @@ def retry_failure(session: Session, pm_id: str, rail: str, provider: str, code: 
     """The problem a rejected retry answers: the rail's catalogue code (422, or 409 for
     RAIL_ALREADY_ENROLLED), with ``debug.provider_correlation`` when the provider sent one."""
     latest = session.exec(
-        select(ProviderError).where(ProviderError.payment_method_id == pm_id, ProviderError.rail == rail,
-                                    ProviderError.provider == provider)
-        .order_by(col(ProviderError.occurred_at).desc()).limit(1)
+        select(ProviderError)
+        .where(ProviderError.payment_method_id == pm_id, ProviderError.rail == rail, ProviderError.provider == provider)
+        .order_by(col(ProviderError.occurred_at).desc())
+        .limit(1)
     ).first()
     extra = None
     if latest is not None and latest.code == code and latest.provider_correlation_id:
@@ -604,8 +670,9 @@ def retry_failure(session: Session, pm_id: str, rail: str, provider: str, code: 
     return agentic_error(code if code in CATALOGUE else "PROVIDER_ENROLLMENT_FAILED", extra=extra)
 
 
-def finish_retry(session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str,
-                 job_id: uuid.UUID) -> dict | Problem:
+def finish_retry(
+    session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, job_id: uuid.UUID
+) -> dict | Problem:
     """After the bounded wait: the payment method (200), or the problem of a rejected retry.
 
     A retry still running is shown ``pending`` (and flagged: its outcome is delivered as the
@@ -642,39 +709,62 @@ def start_delete(session: Session, caller: Caller, pm_id: str, *, settings: Sett
     if lease is not None:
         raise leases.in_progress(lease)
     if _allowance_busy(session, pm.id):
-        raise agentic_error("PAYMENT_METHOD_OPERATION_IN_PROGRESS",
-                            "An operation on an allowance of this payment method is in flight.")
+        raise agentic_error(
+            "PAYMENT_METHOD_OPERATION_IN_PROGRESS", "An operation on an allowance of this payment method is in flight."
+        )
     now = utcnow()
     pm.delete_requested_at = pm.delete_requested_at or now
     session.add(pm)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="delete")
-    if (not any(r.enrollment_id and r.enrollment_removed_at is None for r in rails_of(session, pm.id))
-            and not _allowances_to_cancel(session, pm.id)):
+    if not any(
+        r.enrollment_id and r.enrollment_removed_at is None for r in rails_of(session, pm.id)
+    ) and not _allowances_to_cancel(session, pm.id):
         mark_deleted(session, pm)
         return Started(pm.id, ())
-    leases.acquire(session, tenant_id=caller.tenant_id, resource_id=pm.id, operation=leases.DELETE, owner=owner,
-                   seconds=settings.operation_lease_seconds)
-    job = jobs.record(session, kind=DELETE_TASK, tenant_id=caller.tenant_id, subject_type="payment_method",
-                      subject_id=pm.id, operation_id=owner,
-                      trace_id=caller.trace_id, max_attempts=DELETE_MAX_ATTEMPTS)
+    leases.acquire(
+        session,
+        tenant_id=caller.tenant_id,
+        resource_id=pm.id,
+        operation=leases.DELETE,
+        owner=owner,
+        seconds=settings.operation_lease_seconds,
+    )
+    job = jobs.record(
+        session,
+        kind=DELETE_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type="payment_method",
+        subject_id=pm.id,
+        operation_id=owner,
+        trace_id=caller.trace_id,
+        max_attempts=DELETE_MAX_ATTEMPTS,
+    )
     return Started(pm.id, (job.id,))
 
 
 def _allowance_busy(session: Session, pm_id: str) -> bool:
     """True when a live operation lease holds one of the payment method's allowances."""
-    return session.exec(
-        select(func.count()).select_from(OperationLease)
-        .join(Allowance, col(Allowance.id) == OperationLease.resource_id)
-        .where(Allowance.payment_method_id == pm_id, OperationLease.expires_at > utcnow())
-    ).one() > 0
+    return (
+        session.exec(
+            select(func.count())
+            .select_from(OperationLease)
+            .join(Allowance, col(Allowance.id) == OperationLease.resource_id)
+            .where(Allowance.payment_method_id == pm_id, OperationLease.expires_at > utcnow())
+        ).one()
+        > 0
+    )
 
 
 def _allowances_to_cancel(session: Session, pm_id: str) -> bool:
     """True when the payment method backs a live allowance (the cascade cancels it)."""
-    return session.exec(
-        select(func.count()).select_from(Allowance)
-        .where(col(Allowance.payment_method_id) == pm_id, col(Allowance.status).in_(ALLOWANCE_LIVE))
-    ).one() > 0
+    return (
+        session.exec(
+            select(func.count())
+            .select_from(Allowance)
+            .where(col(Allowance.payment_method_id) == pm_id, col(Allowance.status).in_(ALLOWANCE_LIVE))
+        ).one()
+        > 0
+    )
 
 
 def mark_deleted(session: Session, pm: PaymentMethod) -> None:
@@ -694,6 +784,8 @@ def finish_delete(session: Session, caller: Caller, pm_id: str, job_ids: tuple[u
         return None
     statuses = job_statuses(session, list(job_ids))
     if any(status in JOB_UNSUCCESSFUL for status in statuses.values()):
-        raise agentic_error("PROVIDER_ALLOWANCE_CANCEL_FAILED",
-                            "The delete stopped during its cascade; repeat the same DELETE to resume it.")
+        raise agentic_error(
+            "PROVIDER_ALLOWANCE_CANCEL_FAILED",
+            "The delete stopped during its cascade; repeat the same DELETE to resume it.",
+        )
     raise agentic_error("PAYMENT_METHOD_DELETE_IN_PROGRESS")

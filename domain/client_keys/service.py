@@ -123,8 +123,14 @@ def create_key(
 
 def get_key(session: Session, caller: Caller, key_id: uuid.UUID) -> ClientEncryptionKey:
     """The tenant's key (not deleted), else 404."""
-    return get_owned(session, ClientEncryptionKey, key_id, caller.tenant_id, what="client encryption key",
-                     where=lambda key: key.deleted_at is None)
+    return get_owned(
+        session,
+        ClientEncryptionKey,
+        key_id,
+        caller.tenant_id,
+        what="client encryption key",
+        where=lambda key: key.deleted_at is None,
+    )
 
 
 def read_key(session: Session, caller: Caller, key_id: uuid.UUID) -> dict:

@@ -136,8 +136,14 @@ def discard_upload(session: Session, document_id: uuid.UUID) -> None:
 
 def get_document(session: Session, caller: Caller, document_id: uuid.UUID) -> Document:
     """The tenant's ready document, else 404."""
-    return get_owned(session, Document, document_id, caller.tenant_id, what="document",
-                     where=lambda document: document.status == DocumentStatus.READY)
+    return get_owned(
+        session,
+        Document,
+        document_id,
+        caller.tenant_id,
+        what="document",
+        where=lambda document: document.status == DocumentStatus.READY,
+    )
 
 
 def read_document(session: Session, caller: Caller, document_id: uuid.UUID) -> dict:
@@ -183,8 +189,15 @@ def delete_document(session: Session, caller: Caller, document_id: uuid.UUID) ->
     document.status = DocumentStatus.DELETED
     document.deleted_at = utcnow()
     session.add(document)
-    jobs.record(session, kind=PURGE_TASK, tenant_id=document.tenant_id, subject_type="document",
-                subject_id=str(document.id), trace_id=caller.trace_id, max_attempts=PURGE_MAX_ATTEMPTS)
+    jobs.record(
+        session,
+        kind=PURGE_TASK,
+        tenant_id=document.tenant_id,
+        subject_type="document",
+        subject_id=str(document.id),
+        trace_id=caller.trace_id,
+        max_attempts=PURGE_MAX_ATTEMPTS,
+    )
     audit.record(session, caller, entity_type=DOCUMENT, entity_id=document.id, operation="delete")
 
 
@@ -371,8 +384,9 @@ def deleted_document_object(session: Session, document_id: uuid.UUID) -> tuple[s
     """``(object_key, upload_id)`` of deleted document ``document_id``; None when it is not deleted
     or already purged (the ``documents.purge`` job's read)."""
     row = session.exec(
-        select(Document.object_key, Document.upload_id).where(Document.id == document_id,
-                                                              Document.status == DocumentStatus.DELETED)
+        select(Document.object_key, Document.upload_id).where(
+            Document.id == document_id, Document.status == DocumentStatus.DELETED
+        )
     ).first()
     return None if row is None else (row[0], row[1])
 

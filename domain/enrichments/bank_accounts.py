@@ -50,8 +50,15 @@ def verify_start(session: Session, caller: Caller, token_id: str) -> Started:
     if token.type != "bank":
         raise validation_problem({"token_id": [f"must be a bank token (this one is of type {token.type})"]})
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=token.id, operation="use")
-    job = jobs.record(session, kind=VERIFY_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
-                      subject_id=str(token.id), trace_id=caller.trace_id, max_attempts=MAX_ATTEMPTS)
+    job = jobs.record(
+        session,
+        kind=VERIFY_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type=SUBJECT,
+        subject_id=str(token.id),
+        trace_id=caller.trace_id,
+        max_attempts=MAX_ATTEMPTS,
+    )
     return Started(job.id)
 
 
@@ -63,8 +70,11 @@ def verify_input(session: Session, job: Job) -> tuple[BankVerifier, str, str] | 
         _token, data = load_token_data(session, job.tenant_id, job.subject_id)
     except Problem:
         return None
-    return bank_verifier_for(tenant.type if tenant is not None else None), data["routing_number"], \
-        data["account_number"]
+    return (
+        bank_verifier_for(tenant.type if tenant is not None else None),
+        data["routing_number"],
+        data["account_number"],
+    )
 
 
 def apply_verification(status: str | None) -> dict:
@@ -85,8 +95,16 @@ def verify_outcome(session: Session, started: Started) -> dict:
     if job.status in ("failed", "dead"):
         if result.get("code") == "PROVIDER_NOT_CONFIGURED":
             raise ProviderNotConfigured(PROVIDER_NAME)
-        raise Problem(502, "The bank account verification provider did not give an answer.",
-                      title="Verification unavailable", extra={"code": result.get("code") or "provider_unavailable"})
+        raise Problem(
+            502,
+            "The bank account verification provider did not give an answer.",
+            title="Verification unavailable",
+            extra={"code": result.get("code") or "provider_unavailable"},
+        )
     jobs.cancel_if_queued(session, job.id)
-    raise Problem(504, "The bank account verification provider did not answer in time; retry.",
-                  title="Verification unavailable", extra={"code": "provider_timeout"})
+    raise Problem(
+        504,
+        "The bank account verification provider did not answer in time; retry.",
+        title="Verification unavailable",
+        extra={"code": "provider_timeout"},
+    )

@@ -73,15 +73,23 @@ def _audit(session: Session, tenant_id: uuid.UUID, entity_id: str, operation: st
 
 
 def _live_documents(tenant_id: uuid.UUID):
-    return (col(Document.tenant_id) == tenant_id,
-            col(Document.status).in_((DocumentStatus.READY, DocumentStatus.UPLOADING)))
+    return (
+        col(Document.tenant_id) == tenant_id,
+        col(Document.status).in_((DocumentStatus.READY, DocumentStatus.UPLOADING)),
+    )
 
 
 def stale_values(session: Session, tenant_id: uuid.UUID, version: int) -> int:
     """How many values of the tenant are sealed under a version other than ``version``."""
     counted = sum(count_stale(session, spec, tenant_id, version) for spec in SEALED)
-    return counted + session.exec(select(func.count()).select_from(Document).where(
-        *_live_documents(tenant_id), col(Document.key_version) != version)).one()
+    return (
+        counted
+        + session.exec(
+            select(func.count())
+            .select_from(Document)
+            .where(*_live_documents(tenant_id), col(Document.key_version) != version)
+        ).one()
+    )
 
 
 def start_rotation(session: Session, tenant_id: uuid.UUID, *, trace_id: str | None = None) -> KeyRotation:
@@ -91,21 +99,34 @@ def start_rotation(session: Session, tenant_id: uuid.UUID, *, trace_id: str | No
     tenant = session.get(Tenant, tenant_id, with_for_update=True)
     if tenant is None or tenant.deleted_at is not None:
         raise LookupError(f"no tenant {tenant_id}")
-    running = session.exec(select(KeyRotation).where(KeyRotation.tenant_id == tenant_id,
-                                                     KeyRotation.status == RUNNING)).first()
+    running = session.exec(
+        select(KeyRotation).where(KeyRotation.tenant_id == tenant_id, KeyRotation.status == RUNNING)
+    ).first()
     if running is not None:
         return running
     version = get_keyring().add_version(session, tenant_id)
     rotation = KeyRotation(tenant_id=tenant_id, version=version, total=stale_values(session, tenant_id, version))
     session.add(rotation)
     session.flush()
-    job = jobs.record(session, kind=ROTATE_TASK, tenant_id=tenant_id, subject_type="key_rotation",
-                      subject_id=str(rotation.id), trace_id=trace_id, max_attempts=20)
+    job = jobs.record(
+        session,
+        kind=ROTATE_TASK,
+        tenant_id=tenant_id,
+        subject_type="key_rotation",
+        subject_id=str(rotation.id),
+        trace_id=trace_id,
+        max_attempts=20,
+    )
     rotation.job_id = job.id
     session.add(rotation)
     _audit(session, tenant_id, f"data-key-v{version}", "create")
-    log.info("tenant %s: data key version %s made; rotation %s re-encrypts %s values", tenant_id, version,
-             rotation.id, rotation.total)
+    log.info(
+        "tenant %s: data key version %s made; rotation %s re-encrypts %s values",
+        tenant_id,
+        version,
+        rotation.id,
+        rotation.total,
+    )
     return rotation
 
 
@@ -139,11 +160,16 @@ def rotate_pass(job: Any, *, budget_seconds: float) -> PassOutcome | None:
                     rows = stale_rows(session, spec, tenant_id, version, CHUNK, after)
                     if not rows:
                         break
-                    fresh = [keyring.reseal(session, tenant_id, spec.purpose, spec.resource_of(row), row.sealed,
-                                            version) for row in rows]
+                    fresh = [
+                        keyring.reseal(session, tenant_id, spec.purpose, spec.resource_of(row), row.sealed, version)
+                        for row in rows
+                    ]
                     changed = write_resealed(session, spec, rows, fresh)
-                    session.execute(update(KeyRotation).where(col(KeyRotation.id) == rotation.id)
-                                    .values(done=col(KeyRotation.done) + changed))
+                    session.execute(
+                        update(KeyRotation)
+                        .where(col(KeyRotation.id) == rotation.id)
+                        .values(done=col(KeyRotation.done) + changed)
+                    )
                 after = key_of(spec, rows[-1])
                 done += changed
                 time.sleep(PAUSE_SECONDS)
@@ -157,7 +183,8 @@ def rotate_pass(job: Any, *, budget_seconds: float) -> PassOutcome | None:
             time.sleep(min(wait, max(0.0, deadline - time.monotonic())))  # then look once more
     with session_scope() as session:
         remaining = stale_values(session, tenant_id, version) > 0 or utcnow() < started + dt.timedelta(
-            seconds=2 * ACTIVE_VERSION_TTL)
+            seconds=2 * ACTIVE_VERSION_TTL
+        )
     return PassOutcome(resealed, remaining)
 
 
@@ -168,25 +195,43 @@ def _rotate_documents(tenant_id: uuid.UUID, version: int, rotation_id: uuid.UUID
     keyring = get_keyring()
     while time.monotonic() < deadline:
         with session_scope() as session:
-            document = session.exec(select(Document).where(*_live_documents(tenant_id),
-                                                           col(Document.key_version) != version,
-                                                           col(Document.status) == DocumentStatus.READY).limit(1)
-                                    ).first()
+            document = session.exec(
+                select(Document)
+                .where(
+                    *_live_documents(tenant_id),
+                    col(Document.key_version) != version,
+                    col(Document.status) == DocumentStatus.READY,
+                )
+                .limit(1)
+            ).first()
             if document is None:
                 return done
-            source = documents.Source(tenant_id=tenant_id, document_id=document.id, object_key=document.object_key,
-                                      content_type=document.content_type, size=document.size,
-                                      chunk_count=document.chunk_count, chunk_size=document.chunk_size,
-                                      data_key=keyring.data_key(session, tenant_id, document.key_version))
+            source = documents.Source(
+                tenant_id=tenant_id,
+                document_id=document.id,
+                object_key=document.object_key,
+                content_type=document.content_type,
+                size=document.size,
+                chunk_count=document.chunk_count,
+                chunk_size=document.chunk_size,
+                data_key=keyring.data_key(session, tenant_id, document.key_version),
+            )
             new_key = keyring.data_key(session, tenant_id, version)
             old_object, moved_to = document.object_key, f"{documents.object_key(tenant_id, document.id)}.v{version}"
         documents.copy_sealed(source, data_key=new_key, key=moved_to)
         with session_scope() as session:
-            changed = rowcount(session.execute(update(Document).where(
-                col(Document.id) == source.document_id, col(Document.object_key) == old_object
-            ).values(object_key=moved_to, key_version=version)))
-            session.execute(update(KeyRotation).where(col(KeyRotation.id) == rotation_id)
-                            .values(done=col(KeyRotation.done) + changed))
+            changed = rowcount(
+                session.execute(
+                    update(Document)
+                    .where(col(Document.id) == source.document_id, col(Document.object_key) == old_object)
+                    .values(object_key=moved_to, key_version=version)
+                )
+            )
+            session.execute(
+                update(KeyRotation)
+                .where(col(KeyRotation.id) == rotation_id)
+                .values(done=col(KeyRotation.done) + changed)
+            )
         documents.remove_object(old_object if changed else moved_to, None)
         done += changed
     return done
@@ -201,21 +246,35 @@ def settle_pass(session: Session, job: Any, outcome: PassOutcome | None) -> dict
     if rotation is None or rotation.status != RUNNING:
         return {"skipped": True}
     if outcome.remaining:
-        following = jobs.record(session, kind=ROTATE_TASK, tenant_id=rotation.tenant_id, subject_type="key_rotation",
-                                subject_id=str(rotation.id), trace_id=job.trace_id, max_attempts=20)
+        following = jobs.record(
+            session,
+            kind=ROTATE_TASK,
+            tenant_id=rotation.tenant_id,
+            subject_type="key_rotation",
+            subject_id=str(rotation.id),
+            trace_id=job.trace_id,
+            max_attempts=20,
+        )
         rotation.job_id = following.id
         session.add(rotation)
         return {"resealed": outcome.resealed, "next": str(following.id)}
     keyring = get_keyring()
-    retiring = session.exec(select(TenantDataKey).where(TenantDataKey.tenant_id == rotation.tenant_id,
-                                                        TenantDataKey.state == RETIRING)).all()
+    retiring = session.exec(
+        select(TenantDataKey).where(TenantDataKey.tenant_id == rotation.tenant_id, TenantDataKey.state == RETIRING)
+    ).all()
     for row in retiring:
         keyring.destroy_version(session, rotation.tenant_id, row.version)
         _audit(session, rotation.tenant_id, f"data-key-v{row.version}", "delete")
     rotation.status, rotation.completed_at = COMPLETED, utcnow()
     session.add(rotation)
-    log.info("tenant %s: rotation %s to version %s completed (%s values); destroyed versions %s", rotation.tenant_id,
-             rotation.id, rotation.version, rotation.done, [row.version for row in retiring])
+    log.info(
+        "tenant %s: rotation %s to version %s completed (%s values); destroyed versions %s",
+        rotation.tenant_id,
+        rotation.id,
+        rotation.version,
+        rotation.done,
+        [row.version for row in retiring],
+    )
     return {"resealed": outcome.resealed, "completed": True}
 
 
@@ -223,26 +282,39 @@ def tenant_status(session: Session, tenant_id: uuid.UUID) -> dict:
     """``{"tenant_id", "active_version", "versions": [{"version", "state", "values", "destroyed_at"}],
     "rotation": {"status", "done", "total"} | None}``: ``values`` counts the sealed values under each
     version. Raises LookupError for an unknown tenant."""
-    rows = session.exec(select(TenantDataKey).where(TenantDataKey.tenant_id == tenant_id)
-                        .order_by(col(TenantDataKey.version))).all()
+    rows = session.exec(
+        select(TenantDataKey).where(TenantDataKey.tenant_id == tenant_id).order_by(col(TenantDataKey.version))
+    ).all()
     if not rows:
         raise LookupError(f"no tenant {tenant_id}")
     counted: dict[int, int] = {}
     for spec in SEALED:
         for version, number in count_by_version(session, spec, tenant_id).items():
             counted[version] = counted.get(version, 0) + number
-    for version, number in session.execute(select(Document.key_version, func.count()).where(
-            *_live_documents(tenant_id)).group_by(col(Document.key_version))).all():
+    for version, number in session.execute(
+        select(Document.key_version, func.count())
+        .where(*_live_documents(tenant_id))
+        .group_by(col(Document.key_version))
+    ).all():
         counted[version] = counted.get(version, 0) + number
-    rotation = session.exec(select(KeyRotation).where(KeyRotation.tenant_id == tenant_id)
-                            .order_by(col(KeyRotation.created_at).desc())).first()
+    rotation = session.exec(
+        select(KeyRotation).where(KeyRotation.tenant_id == tenant_id).order_by(col(KeyRotation.created_at).desc())
+    ).first()
     return {
         "tenant_id": str(tenant_id),
         "active_version": next((row.version for row in rows if row.state == "active"), None),
-        "versions": [{"version": row.version, "state": row.state, "values": counted.get(row.version, 0),
-                      "destroyed_at": row.destroyed_at.isoformat() if row.destroyed_at else None} for row in rows],
-        "rotation": None if rotation is None else {"status": rotation.status, "done": rotation.done,
-                                                   "total": rotation.total, "version": rotation.version},
+        "versions": [
+            {
+                "version": row.version,
+                "state": row.state,
+                "values": counted.get(row.version, 0),
+                "destroyed_at": row.destroyed_at.isoformat() if row.destroyed_at else None,
+            }
+            for row in rows
+        ],
+        "rotation": None
+        if rotation is None
+        else {"status": rotation.status, "done": rotation.done, "total": rotation.total, "version": rotation.version},
     }
 
 
@@ -259,30 +331,42 @@ WRAPPED: tuple[type[TenantDataKey] | type[TenantIndexKey], ...] = (TenantDataKey
 
 
 def _not_current(model: type[TenantDataKey] | type[TenantIndexKey], current: str):
-    return (col(model.wrapped_key).is_not(None),
-            or_(col(model.wrapped_by).is_(None), col(model.wrapped_by) != current))
+    return (col(model.wrapped_key).is_not(None), or_(col(model.wrapped_by).is_(None), col(model.wrapped_by) != current))
 
 
 def under_previous(session: Session) -> int:
     """How many wrapped keys (data key versions and derivation keys) are not under the current
     wrapping key."""
     current = get_keyring().current.wrapped_by
-    return sum(session.exec(select(func.count()).select_from(model).where(*_not_current(model, current))).one()
-               for model in WRAPPED)
+    return sum(
+        session.exec(select(func.count()).select_from(model).where(*_not_current(model, current))).one()
+        for model in WRAPPED
+    )
 
 
 def status(session: Session) -> dict:
     """``{"wrapping": "master"|"kms", "wrapped_by", "key_check": "ok"|"mismatch",
     "data_keys_under_previous": N}``."""
     keyring = get_keyring()
-    return {"wrapping": keyring.current.name, "wrapped_by": keyring.current.wrapped_by,
-            "key_check": key_check.status(session, keyring), "data_keys_under_previous": under_previous(session)}
+    return {
+        "wrapping": keyring.current.name,
+        "wrapped_by": keyring.current.wrapped_by,
+        "key_check": key_check.status(session, keyring),
+        "data_keys_under_previous": under_previous(session),
+    }
 
 
 def start_rewrap(session: Session, *, trace_id: str | None = None) -> uuid.UUID:
     """Record a rewrap job (sent on commit); its id."""
-    job = jobs.record(session, kind=REWRAP_TASK, tenant_id=None, subject_type="keys", subject_id="rewrap",
-                      trace_id=trace_id, max_attempts=20)
+    job = jobs.record(
+        session,
+        kind=REWRAP_TASK,
+        tenant_id=None,
+        subject_type="keys",
+        subject_id="rewrap",
+        trace_id=trace_id,
+        max_attempts=20,
+    )
     log.info("rewrap of every wrapped key under %s started (job %s)", get_keyring().current.wrapped_by, job.id)
     return job.id
 
@@ -290,8 +374,9 @@ def start_rewrap(session: Session, *, trace_id: str | None = None) -> uuid.UUID:
 def rewrap_settled(job_id: uuid.UUID):
     """A query of the unfinished rewrap jobs recorded since ``job_id`` (none: the rewrap ended)."""
     started = select(Job.created_at).where(col(Job.id) == job_id).scalar_subquery()
-    return select(Job.id).where(col(Job.kind) == REWRAP_TASK, col(Job.created_at) >= started,
-                                col(Job.status).not_in(JOB_TERMINAL))
+    return select(Job.id).where(
+        col(Job.kind) == REWRAP_TASK, col(Job.created_at) >= started, col(Job.status).not_in(JOB_TERMINAL)
+    )
 
 
 def rewrap_pass(*, budget_seconds: float) -> PassOutcome:
@@ -318,8 +403,12 @@ def _rewrap_chunk(model: type[_Wrapped], keyring: Keyring, current: Wrapper) -> 
     """Rewrap up to :data:`REWRAP_CHUNK` rows of ``model`` not under ``current`` (rows another
     transaction holds are skipped); audit rows for their tenants. Returns how many."""
     with session_scope() as session:
-        rows = session.exec(select(model).where(*_not_current(model, current.wrapped_by))
-                            .limit(REWRAP_CHUNK).with_for_update(skip_locked=True)).all()
+        rows = session.exec(
+            select(model)
+            .where(*_not_current(model, current.wrapped_by))
+            .limit(REWRAP_CHUNK)
+            .with_for_update(skip_locked=True)
+        ).all()
         tenants = set()
         for row in rows:
             if row.wrapped_key is None:
@@ -327,7 +416,11 @@ def _rewrap_chunk(model: type[_Wrapped], keyring: Keyring, current: Wrapper) -> 
             plain, _ = keyring.unwrap(row.tenant_id, row.wrapped_key, row.wrapping, row.kms_key_id, row.wrapped_by)
             wrapped, kms_key_id = current.wrap(plain, row.tenant_id)
             row.wrapped_key, row.wrapping, row.kms_key_id, row.wrapped_by = (
-                wrapped, current.name, kms_key_id, current.wrapped_by)
+                wrapped,
+                current.name,
+                kms_key_id,
+                current.wrapped_by,
+            )
             session.add(row)
             tenants.add(row.tenant_id)
         for tenant_id in tenants:
@@ -338,8 +431,15 @@ def _rewrap_chunk(model: type[_Wrapped], keyring: Keyring, current: Wrapper) -> 
 def settle_rewrap(session: Session, job: Any, outcome: PassOutcome) -> dict:
     """Record the next pass, or move the key check under the current key (the rewrap is done)."""
     if outcome.remaining:
-        following = jobs.record(session, kind=REWRAP_TASK, tenant_id=None, subject_type="keys", subject_id="rewrap",
-                                trace_id=job.trace_id, max_attempts=20)
+        following = jobs.record(
+            session,
+            kind=REWRAP_TASK,
+            tenant_id=None,
+            subject_type="keys",
+            subject_id="rewrap",
+            trace_id=job.trace_id,
+            max_attempts=20,
+        )
         return {"rewrapped": outcome.resealed, "next": str(following.id)}
     key_check.move_to_current(session)
     log.info("rewrap finished: every wrapped key and the key check are under %s", get_keyring().current.wrapped_by)

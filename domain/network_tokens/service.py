@@ -174,11 +174,17 @@ def _view(session: Session, caller: Caller, token: NetworkToken) -> dict:
     return network_token_view(token, _open_data(session, token), reveal=_reveals(caller))
 
 
-def _event(session: Session, token_id: uuid.UUID, tenant_id: uuid.UUID, kind: str, status: str,
-           trace_id: str | None) -> None:
+def _event(
+    session: Session, token_id: uuid.UUID, tenant_id: uuid.UUID, kind: str, status: str, trace_id: str | None
+) -> None:
     """Emit ``network-token.<kind>`` with ids and status only."""
-    events.emit_event(session, tenant_id=tenant_id, type=f"network-token.{kind}",
-                      data={"network_token": {"id": str(token_id), "status": status}}, trace_id=trace_id)
+    events.emit_event(
+        session,
+        tenant_id=tenant_id,
+        type=f"network-token.{kind}",
+        data={"network_token": {"id": str(token_id), "status": status}},
+        trace_id=trace_id,
+    )
 
 
 # ---- lookups -------------------------------------------------------------------------------------
@@ -205,14 +211,17 @@ def _removed_by_failure(session: Session, tenant_id: uuid.UUID, token_id: object
     job = None
     if parsed is not None:
         job = session.exec(
-            select(Job).where(Job.kind == PROVISION_TASK, Job.subject_id == str(parsed), Job.tenant_id == tenant_id,
-                              col(Job.status).in_(JOB_FAILED))
+            select(Job).where(
+                Job.kind == PROVISION_TASK,
+                Job.subject_id == str(parsed),
+                Job.tenant_id == tenant_id,
+                col(Job.status).in_(JOB_FAILED),
+            )
         ).first()
     if job is None:
         return not_found("network token")
     code = (job.result or {}).get("code") or "network_unavailable"
-    return Problem(404, f"The network token was removed: its provisioning failed ({code}).",
-                   extra={"code": code})
+    return Problem(404, f"The network token was removed: its provisioning failed ({code}).", extra={"code": code})
 
 
 def read_network_token(session: Session, caller: Caller, token_id: object) -> dict:
@@ -238,8 +247,9 @@ def proxy_value(session: Session, tenant_id: uuid.UUID, network_token_id: object
     """
     token = _get(session, tenant_id, network_token_id)
     if token.status != NetworkTokenStatus.ACTIVE:
-        raise Problem(422, f"The network token {token.id} is {token.status}; it cannot be used.",
-                      title="Network token not usable")
+        raise Problem(
+            422, f"The network token {token.id} is {token.status}; it cannot be used.", title="Network token not usable"
+        )
     return network_token_view(token, _open_data(session, token), reveal=True)
 
 
@@ -269,8 +279,9 @@ def _resolve_source(session: Session, caller: Caller, request: dict, now: dt.dat
     if given[0] == "data":
         if month is not None or year is not None:
             for name in ("expiration_month", "expiration_year"):
-                errors.setdefault(name, []).append("an expiration override is accepted only with token_id "
-                                                   "or token_intent_id")
+                errors.setdefault(name, []).append(
+                    "an expiration override is accepted only with token_id or token_intent_id"
+                )
         data = request["data"]
         card, found = validate_card(data, today=now.date(), prefix="data")
         errors.update(found)
@@ -365,19 +376,44 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
     cardholder = _cardholder(request.get("cardholder_info"), card)
     if cardholder:
         provisioning["cardholder"] = cardholder
-    source_ct = get_keyring().encrypt(session, caller.tenant_id, SOURCE_PURPOSE, str(token_id),
-                                      json.dumps(provisioning).encode())
-    job_id = jobs.stage(session, rows, kind=PROVISION_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
-                        subject_id=str(token_id), trace_id=caller.trace_id, max_attempts=PROVISION_MAX_ATTEMPTS)
-    rows.add(_TOKENS, {
-        "id": token_id, "tenant_id": caller.tenant_id, "status": NetworkTokenStatus.INACTIVE, "data_ct": None,
-        "details": None,
-        "card": _card_view(card), "source_ct": source_ct, "par": None, "network_reference": None,
-        "token_id": source.token_id, "token_intent_id": source.intent_id,
-        "merchant_id": str(request["merchant_id"]) if request.get("merchant_id") else None,
-        "pending_job_id": job_id, "announced": False, "card_art": None, "card_art_at": None,
-        "created_by": caller.application_id, "created_at": now, "modified_by": None, "modified_at": None,
-    })
+    source_ct = get_keyring().encrypt(
+        session, caller.tenant_id, SOURCE_PURPOSE, str(token_id), json.dumps(provisioning).encode()
+    )
+    job_id = jobs.stage(
+        session,
+        rows,
+        kind=PROVISION_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type=SUBJECT,
+        subject_id=str(token_id),
+        trace_id=caller.trace_id,
+        max_attempts=PROVISION_MAX_ATTEMPTS,
+    )
+    rows.add(
+        _TOKENS,
+        {
+            "id": token_id,
+            "tenant_id": caller.tenant_id,
+            "status": NetworkTokenStatus.INACTIVE,
+            "data_ct": None,
+            "details": None,
+            "card": _card_view(card),
+            "source_ct": source_ct,
+            "par": None,
+            "network_reference": None,
+            "token_id": source.token_id,
+            "token_intent_id": source.intent_id,
+            "merchant_id": str(request["merchant_id"]) if request.get("merchant_id") else None,
+            "pending_job_id": job_id,
+            "announced": False,
+            "card_art": None,
+            "card_art_at": None,
+            "created_by": caller.application_id,
+            "created_at": now,
+            "modified_by": None,
+            "modified_at": None,
+        },
+    )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=token_id, operation="create")
     stage_rows(session, rows)
     return Started(token_id, job_id)
@@ -396,22 +432,39 @@ def provisioning_problem(job: Job) -> Problem:
     """The problem answered for a provisioning job that failed for good (or became a dead letter)."""
     code = (job.result or {}).get("code")
     if job.status == JobStatus.DEAD or code is None:
-        return Problem(502, "The card network could not be reached; no network token was provisioned.",
-                       title="Card network unavailable", extra={"code": "network_unavailable"})
+        return Problem(
+            502,
+            "The card network could not be reached; no network token was provisioned.",
+            title="Card network unavailable",
+            extra={"code": "network_unavailable"},
+        )
     if code == "card_not_eligible":
-        return Problem(422, "The card network declined the card: it is not eligible for a network token.",
-                       title="Card not eligible", extra={"code": code})
+        return Problem(
+            422,
+            "The card network declined the card: it is not eligible for a network token.",
+            title="Card not eligible",
+            extra={"code": code},
+        )
     if code == "network_not_supported":
-        return Problem(422, "The card's network does not issue network tokens.",
-                       title="Network not supported", extra={"code": code})
+        return Problem(
+            422,
+            "The card's network does not issue network tokens.",
+            title="Network not supported",
+            extra={"code": code},
+        )
     if code == "provider_not_configured":
         return ProviderNotConfigured(PROVIDER_NAME)
-    return Problem(422, f"The card network refused to provision a network token ({code}).",
-                   title="Provisioning failed", extra={"code": code})
+    return Problem(
+        422,
+        f"The card network refused to provision a network token ({code}).",
+        title="Provisioning failed",
+        extra={"code": code},
+    )
 
 
-def provisioning_outcome(session: Session, caller: Caller, started: Started, *, status: str | None = None
-                         ) -> tuple[int, dict]:
+def provisioning_outcome(
+    session: Session, caller: Caller, started: Started, *, status: str | None = None
+) -> tuple[int, dict]:
     """After the bounded wait: ``(201, active object)``, ``(202, inactive object)`` or a raised problem.
 
     ``status``: the job's status the wait ended with. A ``succeeded`` job is settled for good: the
@@ -420,8 +473,9 @@ def provisioning_outcome(session: Session, caller: Caller, started: Started, *, 
     ``network-token.failed`` if it fails.
     """
     if status == JobStatus.SUCCEEDED:  # one read outside any transaction, a plain row
-        token = read_first(select(_TOKENS).where(_TOKENS.c.id == started.network_token_id,
-                                                 _TOKENS.c.tenant_id == caller.tenant_id))
+        token = read_first(
+            select(_TOKENS).where(_TOKENS.c.id == started.network_token_id, _TOKENS.c.tenant_id == caller.tenant_id)
+        )
         if token is not None and token.status != NetworkTokenStatus.INACTIVE:
             return 201, _view(session, caller, token)
     job = _locked_job(session, started.job_id)
@@ -456,9 +510,13 @@ def _tenant_type() -> ScalarSelect:
 def provisioning_reads() -> dict[str, ScalarSelect]:
     """What a provisioning job needs, read by its lease statement (:func:`infra.jobs.lease_and_read`):
     the tenant's type and the network token's tenant, status, sealed input and merchant."""
-    return {"tenant_type": _tenant_type(), "token_tenant_id": _of_token(NetworkToken.tenant_id),
-            "status": _of_token(NetworkToken.status), "source_ct": _of_token(NetworkToken.source_ct),
-            "merchant_id": _of_token(NetworkToken.merchant_id)}
+    return {
+        "tenant_type": _tenant_type(),
+        "token_tenant_id": _of_token(NetworkToken.tenant_id),
+        "status": _of_token(NetworkToken.status),
+        "source_ct": _of_token(NetworkToken.source_ct),
+        "merchant_id": _of_token(NetworkToken.merchant_id),
+    }
 
 
 def _network_for(job: Job, tenant_type: str | None) -> CardNetwork:
@@ -474,12 +532,16 @@ def provisioning_input(job: Job, read: dict) -> tuple[CardNetwork, CardToProvisi
     """What the provisioning job sends (``read``: :func:`provisioning_reads`' values): the adapter and
     the card. None when there is nothing to do (the network token was removed, or is no longer
     inactive). Raises PermanentError ``tenant_removed`` / ``provider_not_configured``."""
-    if (read["token_tenant_id"] != job.tenant_id or read["status"] != NetworkTokenStatus.INACTIVE
-            or read["source_ct"] is None):
+    if (
+        read["token_tenant_id"] != job.tenant_id
+        or read["status"] != NetworkTokenStatus.INACTIVE
+        or read["source_ct"] is None
+    ):
         return None
     with session_scope() as session:  # the tenant's key is cached: no statement runs
-        source = json.loads(get_keyring().decrypt(session, job.tenant_id, SOURCE_PURPOSE, str(job.subject_id),
-                                                  read["source_ct"]))
+        source = json.loads(
+            get_keyring().decrypt(session, job.tenant_id, SOURCE_PURPOSE, str(job.subject_id), read["source_ct"])
+        )
     card = CardToProvision(
         number=source["number"],
         expiration_month=source["expiration_month"],
@@ -492,9 +554,15 @@ def provisioning_input(job: Job, read: dict) -> tuple[CardNetwork, CardToProvisi
 
 
 def _record_network_delete(session: Session, tenant_id: uuid.UUID, reference: str, trace_id: str | None) -> Job:
-    return jobs.record(session, kind=DELETE_TASK, tenant_id=tenant_id, subject_type="network_reference",
-                       subject_id=reference, trace_id=trace_id,
-                       max_attempts=DELETE_MAX_ATTEMPTS)
+    return jobs.record(
+        session,
+        kind=DELETE_TASK,
+        tenant_id=tenant_id,
+        subject_type="network_reference",
+        subject_id=reference,
+        trace_id=trace_id,
+        max_attempts=DELETE_MAX_ATTEMPTS,
+    )
 
 
 def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | None) -> dict:
@@ -505,20 +573,37 @@ def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | No
     if outcome is None:
         return {**result, "skipped": True}
     token_id = parse_uuid(job.subject_id)
-    data = {"number": outcome.number, "expiration_month": outcome.expiration_month,
-            "expiration_year": outcome.expiration_year}
-    status = (outcome.status if outcome.status in (NetworkTokenStatus.ACTIVE, NetworkTokenStatus.SUSPENDED)
-              else NetworkTokenStatus.ACTIVE)
+    data = {
+        "number": outcome.number,
+        "expiration_month": outcome.expiration_month,
+        "expiration_year": outcome.expiration_year,
+    }
+    status = (
+        outcome.status
+        if outcome.status in (NetworkTokenStatus.ACTIVE, NetworkTokenStatus.SUSPENDED)
+        else NetworkTokenStatus.ACTIVE
+    )
     # One statement: the job row is locked already (``JobTask``), so the lock order is the job row,
     # then the network token; only an inactive network token of the job's tenant is changed.
     changed = session.execute(
         update(_TOKENS)
-        .where(_TOKENS.c.id == token_id, _TOKENS.c.tenant_id == job.tenant_id,
-               _TOKENS.c.status == NetworkTokenStatus.INACTIVE)
-        .values(data_ct=get_keyring().encrypt(session, job.tenant_id, DATA_PURPOSE, str(token_id),
-                                              json.dumps(data).encode()),
-                details=outcome.details, par=outcome.par, network_reference=outcome.reference, status=status,
-                source_ct=None, pending_job_id=None, modified_at=utcnow())
+        .where(
+            _TOKENS.c.id == token_id,
+            _TOKENS.c.tenant_id == job.tenant_id,
+            _TOKENS.c.status == NetworkTokenStatus.INACTIVE,
+        )
+        .values(
+            data_ct=get_keyring().encrypt(
+                session, job.tenant_id, DATA_PURPOSE, str(token_id), json.dumps(data).encode()
+            ),
+            details=outcome.details,
+            par=outcome.par,
+            network_reference=outcome.reference,
+            status=status,
+            source_ct=None,
+            pending_job_id=None,
+            modified_at=utcnow(),
+        )
         .returning(_TOKENS.c.id)
     ).first()
     if changed is None:
@@ -551,8 +636,10 @@ def provisioning_failed(session: Session, job: Job, error: Exception) -> None:
 
 # ---- suspend, resume -----------------------------------------------------------------------------
 
-_CHANGES = {"suspend": (NetworkTokenStatus.ACTIVE, NetworkTokenStatus.SUSPENDED, SUSPEND_TASK),
-            "resume": (NetworkTokenStatus.SUSPENDED, NetworkTokenStatus.ACTIVE, RESUME_TASK)}
+_CHANGES = {
+    "suspend": (NetworkTokenStatus.ACTIVE, NetworkTokenStatus.SUSPENDED, SUSPEND_TASK),
+    "resume": (NetworkTokenStatus.SUSPENDED, NetworkTokenStatus.ACTIVE, RESUME_TASK),
+}
 _CHANGE_EVENTS = {"suspend": "suspended", "resume": "resumed"}
 
 
@@ -566,15 +653,27 @@ def request_change(session: Session, caller: Caller, token_id: object, action: s
     required, _, task = _CHANGES[action]
     token = _get(session, caller.tenant_id, token_id, lock=True)
     if token.status != required:
-        raise Problem(409, f"Only a {required} network token can be {_CHANGE_EVENTS[action]}; this one is "
-                      f"{token.status}.", title="Conflict", extra={"status_now": token.status})
+        raise Problem(
+            409,
+            f"Only a {required} network token can be {_CHANGE_EVENTS[action]}; this one is {token.status}.",
+            title="Conflict",
+            extra={"status_now": token.status},
+        )
     if token.pending_job_id is not None:
         pending = session.get(Job, token.pending_job_id)
         if pending is not None and pending.status not in jobs.TERMINAL:
-            raise Problem(409, "Another change of this network token is under way; retry when it ends.",
-                          title="Conflict")
-    job = jobs.record(session, kind=task, tenant_id=caller.tenant_id, subject_type=SUBJECT, subject_id=str(token.id),
-                      trace_id=caller.trace_id, max_attempts=CHANGE_MAX_ATTEMPTS)
+            raise Problem(
+                409, "Another change of this network token is under way; retry when it ends.", title="Conflict"
+            )
+    job = jobs.record(
+        session,
+        kind=task,
+        tenant_id=caller.tenant_id,
+        subject_type=SUBJECT,
+        subject_id=str(token.id),
+        trace_id=caller.trace_id,
+        max_attempts=CHANGE_MAX_ATTEMPTS,
+    )
     token.pending_job_id = job.id
     token.modified_by = caller.application_id
     session.add(token)
@@ -585,13 +684,25 @@ def request_change(session: Session, caller: Caller, token_id: object, action: s
 def _change_problem(job: Job) -> Problem:
     code = (job.result or {}).get("code")
     if code == "token_deleted":
-        return Problem(409, "The card network has deleted this network token; delete it here too.",
-                       title="Conflict", extra={"code": code})
+        return Problem(
+            409,
+            "The card network has deleted this network token; delete it here too.",
+            title="Conflict",
+            extra={"code": code},
+        )
     if job.status == JobStatus.DEAD or code is None:
-        return Problem(502, "The card network could not be reached; nothing was changed.",
-                       title="Card network unavailable", extra={"code": "network_unavailable"})
-    return Problem(502, f"The card network refused the change ({code}); nothing was changed.",
-                   title="Card network error", extra={"code": code})
+        return Problem(
+            502,
+            "The card network could not be reached; nothing was changed.",
+            title="Card network unavailable",
+            extra={"code": "network_unavailable"},
+        )
+    return Problem(
+        502,
+        f"The card network refused the change ({code}); nothing was changed.",
+        title="Card network error",
+        extra={"code": code},
+    )
 
 
 def change_outcome(session: Session, caller: Caller, started: Started) -> tuple[int, dict]:
@@ -655,8 +766,10 @@ def delete_network_token(session: Session, caller: Caller, token_id: object) -> 
         _record_network_delete(session, caller.tenant_id, token.network_reference, caller.trace_id)
     if token.pending_job_id is not None:
         session.execute(
-            update(Job).where(col(Job.id) == token.pending_job_id, col(Job.status) == JobStatus.QUEUED)
-            .values(status=JobStatus.CANCELLED, updated_at=utcnow()).execution_options(synchronize_session=False)
+            update(Job)
+            .where(col(Job.id) == token.pending_job_id, col(Job.status) == JobStatus.QUEUED)
+            .values(status=JobStatus.CANCELLED, updated_at=utcnow())
+            .execution_options(synchronize_session=False)
         )
     session.delete(token)
     _event(session, token.id, token.tenant_id, "deleted", "deleted", caller.trace_id)
@@ -671,8 +784,9 @@ def delete_input(session: Session, job: Job) -> tuple[CardNetwork, str]:
 # ---- card art ------------------------------------------------------------------------------------
 
 
-def card_art_start(session: Session, caller: Caller, token_id: object, *,
-                   now: dt.datetime | None = None) -> dict | Started:
+def card_art_start(
+    session: Session, caller: Caller, token_id: object, *, now: dt.datetime | None = None
+) -> dict | Started:
     """``GET /network-tokens/{id}/account``: the account object when fresh card art is stored (at most
     24 hours old), else the job fetching it. 404 as :func:`read_network_token`; 409 while the network
     token is inactive (no card art exists yet). Writes a ``read`` log row."""
@@ -680,13 +794,20 @@ def card_art_start(session: Session, caller: Caller, token_id: object, *,
     token = _get(session, caller.tenant_id, token_id)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=token.id, operation="read")
     if token.status == NetworkTokenStatus.INACTIVE or token.network_reference is None:
-        raise Problem(409, "The network token is not provisioned yet: its card art cannot be had.",
-                      title="Card art unavailable")
+        raise Problem(
+            409, "The network token is not provisioned yet: its card art cannot be had.", title="Card art unavailable"
+        )
     if token.card_art is not None and token.card_art_at is not None and now - token.card_art_at < CARD_ART_TTL:
         return {"card_art": token.card_art}
-    job = jobs.record(session, kind=CARD_ART_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
-                      subject_id=str(token.id),
-                      trace_id=caller.trace_id, max_attempts=CALL_MAX_ATTEMPTS)
+    job = jobs.record(
+        session,
+        kind=CARD_ART_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type=SUBJECT,
+        subject_id=str(token.id),
+        trace_id=caller.trace_id,
+        max_attempts=CALL_MAX_ATTEMPTS,
+    )
     return Started(token.id, job.id)
 
 
@@ -699,11 +820,19 @@ def card_art_outcome(session: Session, caller: Caller, started: Started) -> dict
         if token.card_art is not None:
             return {"card_art": token.card_art}
     if job.status in JOB_FAILED or job.status == JobStatus.SUCCEEDED:
-        raise Problem(502, "The card network did not give the card art.", title="Card art unavailable",
-                      extra={"code": (job.result or {}).get("code") or "network_unavailable"})
+        raise Problem(
+            502,
+            "The card network did not give the card art.",
+            title="Card art unavailable",
+            extra={"code": (job.result or {}).get("code") or "network_unavailable"},
+        )
     jobs.cancel_if_queued(session, job.id)
-    raise Problem(504, "The card network did not answer in time; retry.", title="Card art unavailable",
-                  extra={"code": "network_timeout"})
+    raise Problem(
+        504,
+        "The card network did not answer in time; retry.",
+        title="Card art unavailable",
+        extra={"code": "network_timeout"},
+    )
 
 
 def network_reference_input(session: Session, job: Job) -> tuple[CardNetwork, str] | None:
@@ -732,8 +861,12 @@ def reply_keypair() -> tuple[X25519PrivateKey, str]:
 
 
 def _reply_key(shared: bytes, ephemeral: bytes, recipient: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=ephemeral + recipient,
-                info=b"tessera network-token cryptogram reply v1").derive(shared)
+    return HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=ephemeral + recipient,
+        info=b"tessera network-token cryptogram reply v1",
+    ).derive(shared)
 
 
 def seal_reply(public_key: str, plaintext: bytes, aad: bytes) -> str:
@@ -752,8 +885,7 @@ def open_reply(private: X25519PrivateKey, sealed: str, aad: bytes) -> bytes:
     raw = base64.b64decode(sealed)
     ephemeral_public, nonce, body = raw[:32], raw[32:44], raw[44:]
     recipient = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    key = _reply_key(private.exchange(X25519PublicKey.from_public_bytes(ephemeral_public)), ephemeral_public,
-                     recipient)
+    key = _reply_key(private.exchange(X25519PublicKey.from_public_bytes(ephemeral_public)), ephemeral_public, recipient)
     return AESGCM(key).decrypt(nonce, body, aad)
 
 
@@ -763,11 +895,21 @@ def cryptogram_start(session: Session, caller: Caller, token_id: object, reply_k
     :func:`read_network_token`; 409 unless the network token is active. Writes a ``cryptogram`` log row."""
     token = _get(session, caller.tenant_id, token_id)
     if token.status != NetworkTokenStatus.ACTIVE or token.network_reference is None:
-        raise Problem(409, f"Only an active network token has cryptograms; this one is {token.status}.",
-                      title="Conflict", extra={"status_now": token.status})
-    job = jobs.record(session, kind=CRYPTOGRAM_TASK, tenant_id=caller.tenant_id, subject_type=SUBJECT,
-                      subject_id=str(token.id),
-                      trace_id=caller.trace_id, max_attempts=CALL_MAX_ATTEMPTS)
+        raise Problem(
+            409,
+            f"Only an active network token has cryptograms; this one is {token.status}.",
+            title="Conflict",
+            extra={"status_now": token.status},
+        )
+    job = jobs.record(
+        session,
+        kind=CRYPTOGRAM_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type=SUBJECT,
+        subject_id=str(token.id),
+        trace_id=caller.trace_id,
+        max_attempts=CALL_MAX_ATTEMPTS,
+    )
     job.result = {"reply_key": reply_key}
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=token.id, operation="cryptogram")
     return Started(token.id, job.id)
@@ -786,13 +928,22 @@ def cryptogram_outcome(session: Session, started: Started) -> dict:
     if job.status in JOB_FAILED or job.status == JobStatus.SUCCEEDED:
         code = (job.result or {}).get("code")
         if code == "token_not_active":
-            raise Problem(409, "The card network says the network token is not active.", title="Conflict",
-                          extra={"code": code})
-        raise Problem(502, "The card network did not give a cryptogram.", title="Card network error",
-                      extra={"code": code or "network_unavailable"})
+            raise Problem(
+                409, "The card network says the network token is not active.", title="Conflict", extra={"code": code}
+            )
+        raise Problem(
+            502,
+            "The card network did not give a cryptogram.",
+            title="Card network error",
+            extra={"code": code or "network_unavailable"},
+        )
     jobs.cancel_if_queued(session, job.id)
-    raise Problem(504, "The card network did not answer in time; retry.", title="Cryptogram unavailable",
-                  extra={"code": "network_timeout"})
+    raise Problem(
+        504,
+        "The card network did not answer in time; retry.",
+        title="Cryptogram unavailable",
+        extra={"code": "network_timeout"},
+    )
 
 
 def seal_cryptogram(job: Job, cryptogram: Cryptogram) -> dict:
@@ -808,4 +959,3 @@ def open_cryptogram(private: X25519PrivateKey, started: Started, sealed: dict) -
     """The cryptogram object ``{cryptogram, eci}`` from :func:`cryptogram_outcome`'s sealed value."""
     plain = json.loads(open_reply(private, sealed["sealed"], str(started.job_id).encode()))
     return {"cryptogram": plain["cryptogram"], "eci": sealed.get("eci")}
-

@@ -57,8 +57,17 @@ DATA_PURPOSE = "token-intent"
 ENTITY_TYPE = "token-intent"
 #: Token request options a conversion may add (type and data come from the intent).
 CONVERT_OPTIONS = frozenset(
-    {"id", "metadata", "mask", "containers", "search_indexes", "fingerprint_expression", "deduplicate_token",
-     "expires_at", "parent_id"}
+    {
+        "id",
+        "metadata",
+        "mask",
+        "containers",
+        "search_indexes",
+        "fingerprint_expression",
+        "deduplicate_token",
+        "expires_at",
+        "parent_id",
+    }
 )
 
 
@@ -78,8 +87,9 @@ def _open(session: Session, intent: TokenIntent, now: dt.datetime) -> dict:
     return data
 
 
-def _get_live(session: Session, tenant_id: uuid.UUID, intent_id: object, now: dt.datetime,
-              *, lock: bool = False) -> TokenIntent:
+def _get_live(
+    session: Session, tenant_id: uuid.UUID, intent_id: object, now: dt.datetime, *, lock: bool = False
+) -> TokenIntent:
     """The tenant's unexpired intent, else a 404 problem."""
     parsed = parse_uuid(intent_id)
     query = select(TokenIntent).where(
@@ -125,8 +135,14 @@ def create_intent(session: Session, caller: Caller, *, type: str, data: Any, now
     if errors:
         raise validation_problem(errors)
     keyring = get_keyring()
-    intent = TokenIntent(tenant_id=caller.tenant_id, type=type, data_ct=b"", created_by=caller.application_id,
-                         created_at=now, expires_at=now + LIFETIME)
+    intent = TokenIntent(
+        tenant_id=caller.tenant_id,
+        type=type,
+        data_ct=b"",
+        created_by=caller.application_id,
+        created_at=now,
+        expires_at=now + LIFETIME,
+    )
     intent.data_ct = _seal(session, caller.tenant_id, intent.id, card)
     fingerprint_input = render(DEFAULT_FINGERPRINT_EXPRESSIONS[type], make_context(type, card, {}))
     intent.fingerprint = keyring.fingerprint(session, caller.tenant_id, fingerprint_input)
@@ -154,8 +170,9 @@ def delete_intent(session: Session, caller: Caller, intent_id: object, *, now: d
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=intent.id, operation="delete")
 
 
-def load_intent_data(session: Session, tenant_id: uuid.UUID, intent_id: object, *,
-                     now: dt.datetime | None = None) -> tuple[TokenIntent, dict]:
+def load_intent_data(
+    session: Session, tenant_id: uuid.UUID, intent_id: object, *, now: dt.datetime | None = None
+) -> tuple[TokenIntent, dict]:
     """``(intent, plain card data)`` of a live intent, for platform features (network tokens). No
     permission check and no log row: the caller does both. Raises a 404 problem when missing or expired."""
     now = now or utcnow()
@@ -163,8 +180,9 @@ def load_intent_data(session: Session, tenant_id: uuid.UUID, intent_id: object, 
     return intent, _open(session, intent, now)
 
 
-def convert_intent(session: Session, caller: Caller, intent_id: object, options: Any, *,
-                   now: dt.datetime | None = None) -> dict:
+def convert_intent(
+    session: Session, caller: Caller, intent_id: object, options: Any, *, now: dt.datetime | None = None
+) -> dict:
     """``POST /token-intents/{id}/convert``: the intent becomes a ``card`` token; returns the token object.
 
     ``options`` (object or None) holds token request options (:data:`CONVERT_OPTIONS`); ``type`` or
@@ -186,14 +204,19 @@ def convert_intent(session: Session, caller: Caller, intent_id: object, options:
         raise validation_problem(errors)
     intent = _get_live(session, caller.tenant_id, intent_id, now, lock=True)
     if intent.token_id is not None:
-        raise Problem(409, "The token intent was converted already.", title="Token intent converted",
-                      extra={"token_id": intent.token_id})
+        raise Problem(
+            409,
+            "The token intent was converted already.",
+            title="Token intent converted",
+            extra={"token_id": intent.token_id},
+        )
     # "token intents ignore token_deduplication_behavior and always behave as update_existing"
     converting = dataclasses.replace(
         caller, tenant_settings={**caller.tenant_settings, "token_deduplication_behavior": "update_existing"}
     )
-    request, errors = parse_token_request({**options, "type": intent.type, "data": _open(session, intent, now)},
-                                          converting, now=now)
+    request, errors = parse_token_request(
+        {**options, "type": intent.type, "data": _open(session, intent, now)}, converting, now=now
+    )
     if errors:
         raise validation_problem(errors)
     (created,) = create_tokens(session, converting, [request], now=now)
@@ -202,8 +225,11 @@ def convert_intent(session: Session, caller: Caller, intent_id: object, options:
     session.add(intent)
     session.execute(
         update(NetworkToken)
-        .where(col(NetworkToken.tenant_id) == caller.tenant_id, col(NetworkToken.token_intent_id) == intent.id,
-               col(NetworkToken.token_id).is_(None))
+        .where(
+            col(NetworkToken.tenant_id) == caller.tenant_id,
+            col(NetworkToken.token_intent_id) == intent.id,
+            col(NetworkToken.token_id).is_(None),
+        )
         .values(token_id=created.token.id)
         .execution_options(synchronize_session=False)
     )
@@ -218,8 +244,11 @@ def delete_expired_intents(session: Session, *, now: dt.datetime, batch: int = 5
     """Delete up to ``batch`` intents past ``expires_at`` (rows locked elsewhere skipped); returns how
     many. Call again while it returns ``batch``."""
     rows = session.exec(
-        select(TokenIntent).where(col(TokenIntent.expires_at) <= now).order_by(col(TokenIntent.expires_at))
-        .limit(batch).with_for_update(skip_locked=True)
+        select(TokenIntent)
+        .where(col(TokenIntent.expires_at) <= now)
+        .order_by(col(TokenIntent.expires_at))
+        .limit(batch)
+        .with_for_update(skip_locked=True)
     ).all()
     for intent in rows:
         session.delete(intent)
@@ -229,8 +258,11 @@ def delete_expired_intents(session: Session, *, now: dt.datetime, batch: int = 5
 def purge_intent_verification_codes(session: Session, *, now: dt.datetime, batch: int = 500) -> int:
     """Reseal up to ``batch`` intents whose ``cvc_expires_at`` has passed without their ``cvc``."""
     rows = session.exec(
-        select(TokenIntent).where(col(TokenIntent.cvc_expires_at).is_not(None), col(TokenIntent.cvc_expires_at) <= now)
-        .order_by(col(TokenIntent.cvc_expires_at)).limit(batch).with_for_update(skip_locked=True)
+        select(TokenIntent)
+        .where(col(TokenIntent.cvc_expires_at).is_not(None), col(TokenIntent.cvc_expires_at) <= now)
+        .order_by(col(TokenIntent.cvc_expires_at))
+        .limit(batch)
+        .with_for_update(skip_locked=True)
     ).all()
     for intent in rows:
         intent.data_ct = _seal(session, intent.tenant_id, intent.id, _open(session, intent, now))

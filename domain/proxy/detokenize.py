@@ -175,9 +175,7 @@ def _json_sites(text: str, where: str) -> list[_Site]:
 
 
 def _text_sites(text: str, where: str) -> list[_Site]:
-    return [
-        _Site(m.start(), m.end(), parse_expression(m.group(1), where=where)) for m in _EXPRESSION.finditer(text)
-    ]
+    return [_Site(m.start(), m.end(), parse_expression(m.group(1), where=where)) for m in _EXPRESSION.finditer(text)]
 
 
 class _Part:
@@ -423,8 +421,9 @@ def detokenize(
     return Detokenized(new_headers, new_body, refs)
 
 
-def _load(caller: Caller, loader: ValueLoader, refs: Sequence[Ref], where: Mapping[Ref, str],
-          rights: Rights) -> dict[Ref, Loaded]:
+def _load(
+    caller: Caller, loader: ValueLoader, refs: Sequence[Ref], where: Mapping[Ref, str], rights: Rights
+) -> dict[Ref, Loaded]:
     loaded: dict[Ref, Loaded] = {}
     unknown: list[Ref] = []
     for kind in KINDS:
@@ -460,15 +459,15 @@ def _load(caller: Caller, loader: ValueLoader, refs: Sequence[Ref], where: Mappi
 
 def _open_encrypted(caller: Caller, loader: ValueLoader, header_value: str | None) -> dict:
     if not header_value:
-        raise invalid_expression("An expression reads 'encrypted' but no encrypted header was sent.",
-                                 where="encrypted")
+        raise invalid_expression("An expression reads 'encrypted' but no encrypted header was sent.", where="encrypted")
     try:
         return loader.open_encrypted(caller.tenant_id, header_value)
     except ProxyError:
         raise
     except Problem as problem:
-        raise ProxyError(problem.status, problem.detail or problem.title, title=problem.title,
-                         errors=problem.errors) from None
+        raise ProxyError(
+            problem.status, problem.detail or problem.title, title=problem.title, errors=problem.errors
+        ) from None
 
 
 __all__ = [

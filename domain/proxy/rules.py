@@ -28,8 +28,18 @@ from domain.proxy.errors import invalid_request
 #: Hop-by-hop headers (RFC 9110 section 7.6.1, RFC 9112) and headers the outbound client sets itself.
 HOP_BY_HOP = frozenset(
     {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
     }
 )
 MAX_URL_LENGTH = 2048
@@ -167,8 +177,11 @@ def _check_path(path: str) -> None:
         if decoded.split(";", 1)[0] in (".", ".."):
             raise invalid_request("The path after /proxy may not hold '.' or '..' segments.", where="path")
         if any(ch in decoded for ch in ("/", "\\", "\r", "\n", "\0")):
-            raise invalid_request("The path after /proxy holds a character that is not allowed (an encoded "
-                                  "slash or backslash, a line break or NUL).", where="path")
+            raise invalid_request(
+                "The path after /proxy holds a character that is not allowed (an encoded "
+                "slash or backslash, a line break or NUL).",
+                where="path",
+            )
 
 
 def forwarded_query(query: str, key_query: str) -> str:
@@ -215,10 +228,7 @@ def forward_headers(headers: Iterable[tuple[str, str]], names: ProxyHeaderNames)
     """
     pairs = list(headers)
     named_by_connection = {
-        token.strip().lower()
-        for name, value in pairs
-        if name.lower() == "connection"
-        for token in value.split(",")
+        token.strip().lower() for name, value in pairs if name.lower() == "connection" for token in value.split(",")
     }
     keep_alive, connection = names.keep_alive.lower(), names.connection.lower()
     out: list[tuple[str, str]] = []

@@ -55,8 +55,9 @@ def configuration_of(session: Session, proxy: Proxy) -> dict[str, str]:
     """The proxy's plain configuration map (empty when none)."""
     if proxy.configuration_ct is None:
         return {}
-    plain = get_keyring().decrypt(session, proxy.tenant_id, CONFIGURATION_PURPOSE, str(proxy.id),
-                                  proxy.configuration_ct)
+    plain = get_keyring().decrypt(
+        session, proxy.tenant_id, CONFIGURATION_PURPOSE, str(proxy.id), proxy.configuration_ct
+    )
     return json.loads(plain)
 
 
@@ -100,8 +101,9 @@ def _check_code_grants(caller: Caller, request: ProxyRequest) -> None:
         for transform in getattr(request, side):
             granted = (transform.runtime or {}).get("permissions") if isinstance(transform, CodeTransform) else None
             if isinstance(granted, list):
-                require_grantable(caller.permissions, [str(name) for name in granted], field=side,
-                                  what="a proxy's code transform")
+                require_grantable(
+                    caller.permissions, [str(name) for name in granted], field=side, what="a proxy's code transform"
+                )
 
 
 def _apply(session: Session, caller: Caller, proxy: Proxy, request: ProxyRequest) -> None:
@@ -122,8 +124,13 @@ def create_proxy(session: Session, caller: Caller, request: ProxyRequest) -> dic
     """
     caller.require("proxy:create")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
-    proxy = Proxy(tenant_id=caller.tenant_id, name=request.name, destination_url=request.destination_url,
-                  key_digest=key_digest(key), created_by=caller.application_id)
+    proxy = Proxy(
+        tenant_id=caller.tenant_id,
+        name=request.name,
+        destination_url=request.destination_url,
+        key_digest=key_digest(key),
+        created_by=caller.application_id,
+    )
     _apply(session, caller, proxy, request)
     session.add(proxy)
     session.flush()
@@ -143,8 +150,9 @@ def read_proxy(session: Session, caller: Caller, proxy_id: object) -> dict:
     return proxy_view(session, proxy)
 
 
-def list_proxies(session: Session, caller: Caller, *, size: int, after: dict | None = None,
-                 name: str | None = None) -> tuple[list[dict], dict | None]:
+def list_proxies(
+    session: Session, caller: Caller, *, size: int, after: dict | None = None, name: str | None = None
+) -> tuple[list[dict], dict | None]:
     """``GET /proxies``: newest first, keyset on (created_at, id); ``name`` keeps proxies whose name
     contains it (case-insensitive). Returns ``(views, next position or None)``; 400 for a cursor
     this endpoint did not make; 403 without ``proxy:read``."""
@@ -184,8 +192,11 @@ def update_proxy(session: Session, caller: Caller, proxy_id: object, request: Pr
 
 
 def _stored_code(proxy: Proxy) -> frozenset[str]:
-    return frozenset(t.get("code") for t in (*(proxy.request_transforms or []), *(proxy.response_transforms or []))
-                     if t.get("type") == "code")
+    return frozenset(
+        t.get("code")
+        for t in (*(proxy.request_transforms or []), *(proxy.response_transforms or []))
+        if t.get("type") == "code"
+    )
 
 
 def patch_proxy(session: Session, caller: Caller, proxy_id: object, patch: Any) -> dict:
@@ -288,9 +299,15 @@ def invocation_target(session: Session, key: str, *, trace_id: str | None = None
             trace_id=trace_id,
             actor_type="application" if application else "anonymous",
         )
-    target = Target(proxy.id, proxy.tenant_id, proxy.destination_url, proxy.require_auth,
-                    load_transforms(proxy.request_transforms or []), load_transforms(proxy.response_transforms or []),
-                    anonymous)
+    target = Target(
+        proxy.id,
+        proxy.tenant_id,
+        proxy.destination_url,
+        proxy.require_auth,
+        load_transforms(proxy.request_transforms or []),
+        load_transforms(proxy.response_transforms or []),
+        anonymous,
+    )
     if target.has_code:
         target = replace(target, configuration=configuration_of(session, proxy))
     return target
@@ -300,9 +317,16 @@ EPHEMERAL = "ephemeral"
 """The log's ``entity_id`` of an ephemeral proxy invocation (a pre-configured one logs its id)."""
 
 
-def prepare_invocation(session: Session, caller: Caller, proxy_id: uuid.UUID | None, *,
-                       headers: list[tuple[str, str]], body: bytes | None, content_type: str | None,
-                       encrypted_header: str | None) -> Detokenized:
+def prepare_invocation(
+    session: Session,
+    caller: Caller,
+    proxy_id: uuid.UUID | None,
+    *,
+    headers: list[tuple[str, str]],
+    body: bytes | None,
+    content_type: str | None,
+    encrypted_header: str | None,
+) -> Detokenized:
     r"""Detokenize an outgoing request and log the invocation, in one unit of work.
 
     Returns :func:`~domain.proxy.detokenize.detokenize`'s result and raises its ``ProxyError``\ s
@@ -312,8 +336,14 @@ def prepare_invocation(session: Session, caller: Caller, proxy_id: uuid.UUID | N
     tokens (counted as used this month).
     """
     rows = Rows()
-    detokenized = detokenize(caller, SqlValueLoader(session, rows=rows), headers=headers, body=body,
-                             content_type=content_type, encrypted_header=encrypted_header)
+    detokenized = detokenize(
+        caller,
+        SqlValueLoader(session, rows=rows),
+        headers=headers,
+        body=body,
+        content_type=content_type,
+        encrypted_header=encrypted_header,
+    )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=proxy_id or EPHEMERAL, operation="invoke")
     stage_rows(session, rows)
     return detokenized
@@ -346,9 +376,14 @@ def detokenize_document(session: Session, caller: Caller, document: Any) -> Any:
     :data:`DETOKENIZE`, operation ``invoke``) and the tokens counted as used this month, in one
     statement with the group's rows. Raises the engine's ``ProxyError`` problems (nothing written)."""
     rows = Rows()
-    detokenized = detokenize(caller, SqlValueLoader(session, rows=rows), headers=(),
-                             body=_json_text(document).encode("utf-8"), content_type="application/json",
-                             rights=DETOKENIZE_RIGHTS)
+    detokenized = detokenize(
+        caller,
+        SqlValueLoader(session, rows=rows),
+        headers=(),
+        body=_json_text(document).encode("utf-8"),
+        content_type="application/json",
+        rights=DETOKENIZE_RIGHTS,
+    )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=DETOKENIZE, operation="invoke")
     try:
         answer = json.loads(detokenized.body or b"null")

@@ -85,7 +85,7 @@ class TokenizeTransform(_Transform):
     @classmethod
     def _token(cls, value: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(value.get("type"), str):
-            raise ValueError("must hold the token type, e.g. {\"type\": \"card\"}")
+            raise ValueError('must hold the token type, e.g. {"type": "card"}')
         if "data" in value:
             raise ValueError("takes its data from the body; remove data")
         unknown = set(value) - (tokens.REQUEST_FIELDS - {"data", "id", "parent_id", "privacy"})
@@ -187,14 +187,19 @@ class CodeTransform(_Transform):
             raise PydanticCustomError(
                 RUNTIME_IMAGE_ERROR,
                 "a Node runtime image is required: node-svc is deprecated for new proxy code transforms since "
-                f"{NODE_SVC_SHUTDOWN} (an omitted runtime or image means node-svc); use {NODE_IMAGE}")
+                f"{NODE_SVC_SHUTDOWN} (an omitted runtime or image means node-svc); use {NODE_IMAGE}",
+            )
         if image != NODE_IMAGE:
             raise PydanticCustomError(RUNTIME_IMAGE_ERROR, f"must be {NODE_IMAGE}")
         return value
 
 
 Transform = Annotated[
-    TokenizeTransform | MaskTransform | AppendJsonTransform | AppendTextTransform | AppendHeaderTransform
+    TokenizeTransform
+    | MaskTransform
+    | AppendJsonTransform
+    | AppendTextTransform
+    | AppendHeaderTransform
     | CodeTransform,
     Field(discriminator="type"),
 ]
@@ -385,15 +390,19 @@ def _append_json(transform: AppendJsonTransform, message: Message, where: str) -
     return Message(message.headers, _encode(document), message.content_type)
 
 
-async def _apply(transforms: Sequence[Any], message: Message, tokenizer: Tokenizer, side: str,
-                 code_runner: CodeRunner | None) -> Message:
+async def _apply(
+    transforms: Sequence[Any], message: Message, tokenizer: Tokenizer, side: str, code_runner: CodeRunner | None
+) -> Message:
     for index, transform in enumerate(transforms):
         where = f"{side}_transforms[{index}]"
         if isinstance(transform, CodeTransform):
             if code_runner is None:
-                raise ProxyError(503, "The code transform's runtime is not available yet; retry shortly.",
-                                 title=TRANSFORM_INITIALIZING,
-                                 errors={where: ["runtime initializing"]})
+                raise ProxyError(
+                    503,
+                    "The code transform's runtime is not available yet; retry shortly.",
+                    title=TRANSFORM_INITIALIZING,
+                    errors={where: ["runtime initializing"]},
+                )
             message = await code_runner(transform, message, side)
         elif isinstance(transform, TokenizeTransform):
             message = await _tokenize(transform, message, tokenizer, where)
@@ -402,16 +411,21 @@ async def _apply(transforms: Sequence[Any], message: Message, tokenizer: Tokeniz
         elif isinstance(transform, AppendJsonTransform):
             message = _append_json(transform, message, where)
         elif isinstance(transform, AppendTextTransform):
-            message = Message(message.headers, _text_body(message, where).encode("utf-8")
-                              + transform.value.encode("utf-8"), message.content_type)
+            message = Message(
+                message.headers,
+                _text_body(message, where).encode("utf-8") + transform.value.encode("utf-8"),
+                message.content_type,
+            )
         elif isinstance(transform, AppendHeaderTransform):
-            message = Message([*message.headers, (transform.location, transform.value)], message.body,
-                              message.content_type)
+            message = Message(
+                [*message.headers, (transform.location, transform.value)], message.body, message.content_type
+            )
     return message
 
 
-async def apply_request_transforms(transforms: Sequence[Any], message: Message, tokenizer: Tokenizer, *,
-                                   code_runner: CodeRunner | None = None) -> Message:
+async def apply_request_transforms(
+    transforms: Sequence[Any], message: Message, tokenizer: Tokenizer, *, code_runner: CodeRunner | None = None
+) -> Message:
     """Apply ``transforms`` (models from :func:`load_transforms`) to an outgoing request, in order.
 
     Returns the new :class:`Message` (the input is unchanged). A code transform is run by
@@ -424,7 +438,11 @@ async def apply_request_transforms(transforms: Sequence[Any], message: Message, 
 
 
 async def apply_response_transforms(
-    transforms: Sequence[Any], status: int, message: Message, tokenizer: Tokenizer, *,
+    transforms: Sequence[Any],
+    status: int,
+    message: Message,
+    tokenizer: Tokenizer,
+    *,
     code_runner: CodeRunner | None = None,
 ) -> Message:
     """Apply response ``transforms`` to the destination's answer when ``status`` is 2xx; any other

@@ -40,10 +40,31 @@ KINDS: tuple[str, ...] = (TOKEN, NETWORK_TOKEN, TOKEN_INTENT, WALLET_A, WALLET_B
 #: its decryption read (attribute names as labels): a Core statement built once (no ORM objects, no
 #: statement to build per request), run with ``tenant_id``, ``ids`` and ``now``.
 _TOKEN_COLUMNS = sa_inspect(Token).columns
-_TOKENS_BY_ID = select(*(_TOKEN_COLUMNS[name].label(name) for name in (
-    "tenant_id", "id", "type", "data_ct", "mask", "containers", "meta", "search_indexes", "fingerprint",
-    "fingerprint_expression", "deduplicate_token", "parent_id", "created_by", "created_at", "modified_by",
-    "modified_at", "expires_at", "cvc_expires_at"))).where(
+_TOKENS_BY_ID = select(
+    *(
+        _TOKEN_COLUMNS[name].label(name)
+        for name in (
+            "tenant_id",
+            "id",
+            "type",
+            "data_ct",
+            "mask",
+            "containers",
+            "meta",
+            "search_indexes",
+            "fingerprint",
+            "fingerprint_expression",
+            "deduplicate_token",
+            "parent_id",
+            "created_by",
+            "created_at",
+            "modified_by",
+            "modified_at",
+            "expires_at",
+            "cvc_expires_at",
+        )
+    )
+).where(
     _TOKEN_COLUMNS["tenant_id"] == bindparam("tenant_id"),
     _TOKEN_COLUMNS["id"].in_(bindparam("ids", expanding=True)),
     or_(_TOKEN_COLUMNS["expires_at"].is_(None), _TOKEN_COLUMNS["expires_at"] > bindparam("now")),
@@ -143,8 +164,13 @@ class SqlValueLoader:
         return json.loads(get_keyring().decrypt(self.session, tenant_id, purpose, str(resource_id), ciphertext))
 
     def _tokens(self, tenant_id: uuid.UUID, ids: Sequence[str]) -> dict[str, Loaded]:
-        rows = self.session.connection().execute(  # in the session's transaction
-            _TOKENS_BY_ID, {"tenant_id": tenant_id, "ids": list(ids), "now": self.now}).all()
+        rows = (
+            self.session.connection()
+            .execute(  # in the session's transaction
+                _TOKENS_BY_ID, {"tenant_id": tenant_id, "ids": list(ids), "now": self.now}
+            )
+            .all()
+        )
         found = {}
         for row in rows:
             data = self._decrypt(tenant_id, tokens.DATA_PURPOSE, row.id, row.data_ct)
@@ -176,7 +202,12 @@ class SqlValueLoader:
             record = plain(network_tokens.network_token_view(row, data, reveal=True))
             usable = row.status == NetworkTokenStatus.ACTIVE and data is not None
             found[wanted[row.id]] = Loaded(
-                NETWORK_TOKEN, wanted[row.id], record.get("data"), record, (), usable,
+                NETWORK_TOKEN,
+                wanted[row.id],
+                record.get("data"),
+                record,
+                (),
+                usable,
                 None if usable else f"The network token {row.id} is {row.status}; it cannot be used.",
             )
         return found
@@ -187,8 +218,9 @@ class SqlValueLoader:
             return {}
         rows = self.session.exec(
             select(TokenIntent).where(
-                col(TokenIntent.tenant_id) == tenant_id, col(TokenIntent.id).in_(list(wanted)),
-                col(TokenIntent.expires_at) > self.now
+                col(TokenIntent.tenant_id) == tenant_id,
+                col(TokenIntent.id).in_(list(wanted)),
+                col(TokenIntent.expires_at) > self.now,
             )
         ).all()
         found = {}

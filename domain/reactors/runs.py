@@ -90,8 +90,9 @@ def caller_record(caller: Caller) -> dict:
     }
 
 
-def _invoker(tenant: Tenant, record: dict, *, trace_id: str | None,
-             permissions: frozenset[str] | None = None) -> Caller:
+def _invoker(
+    tenant: Tenant, record: dict, *, trace_id: str | None, permissions: frozenset[str] | None = None
+) -> Caller:
     """The run's invoker again (``permissions`` replaces its rights when given)."""
     application_id = record.get("application_id")
     return Caller(
@@ -133,25 +134,47 @@ def start_run(session: Session, caller: Caller, reactor_id: object, *, args: Any
     return _record(session, caller, reactor_id=reactor.id, kind=kind, program=None, request={"args": args})
 
 
-def start_transform(session: Session, caller: Caller, *, proxy_id: object, code: str, runtime: dict | None,
-                    request: dict) -> ReactorRun:
+def start_transform(
+    session: Session, caller: Caller, *, proxy_id: object, code: str, runtime: dict | None, request: dict
+) -> ReactorRun:
     """Record a run of a code transform of the proxy ``proxy_id`` (``code`` on ``runtime``, the
     transform's own) on ``request`` (``{args, configuration}``, what the code receives) and its job.
     503 where customer code cannot be confined."""
     require_sandbox()
-    return _record(session, caller, reactor_id=None, kind=TRANSFORM,
-                   program={"proxy_id": str(proxy_id), "code": code, "runtime": runtime}, request=request)
+    return _record(
+        session,
+        caller,
+        reactor_id=None,
+        kind=TRANSFORM,
+        program={"proxy_id": str(proxy_id), "code": code, "runtime": runtime},
+        request=request,
+    )
 
 
-def _record(session: Session, caller: Caller, *, reactor_id: uuid.UUID | None, kind: str, program: dict | None,
-            request: dict) -> ReactorRun:
-    run = ReactorRun(tenant_id=caller.tenant_id, reactor_id=reactor_id, kind=kind, program=program,
-                     caller=caller_record(caller), request_ct=b"", trace_id=caller.trace_id)
+def _record(
+    session: Session, caller: Caller, *, reactor_id: uuid.UUID | None, kind: str, program: dict | None, request: dict
+) -> ReactorRun:
+    run = ReactorRun(
+        tenant_id=caller.tenant_id,
+        reactor_id=reactor_id,
+        kind=kind,
+        program=program,
+        caller=caller_record(caller),
+        request_ct=b"",
+        trace_id=caller.trace_id,
+    )
     run.request_ct = _seal(session, caller.tenant_id, run.id, request)
     session.add(run)
     session.flush()
-    job = jobs.record(session, kind=RUN_TASK, tenant_id=caller.tenant_id, subject_type="reactor_run",
-                      subject_id=str(run.id), trace_id=caller.trace_id, max_attempts=1)
+    job = jobs.record(
+        session,
+        kind=RUN_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type="reactor_run",
+        subject_id=str(run.id),
+        trace_id=caller.trace_id,
+        max_attempts=1,
+    )
     run.job_id = job.id
     session.add(run)
     return run
@@ -172,8 +195,9 @@ def _transform_reactor(tenant_id: uuid.UUID, program: dict) -> RuntimeReactor:
     """The code transform as the runtime runs it: owned by its tenant and proxy (its processes
     serve that proxy alone; the version digest covers code and runtime)."""
     runtime = Runtime.model_validate({"image": "node22", **(program.get("runtime") or {})})
-    return RuntimeReactor(program.get("proxy_id") or "-", program["code"], runtime, tenant_id=str(tenant_id),
-                          kind=owners.PROXY)
+    return RuntimeReactor(
+        program.get("proxy_id") or "-", program["code"], runtime, tenant_id=str(tenant_id), kind=owners.PROXY
+    )
 
 
 def perform_run(job: Job) -> RunOutcome | None:
@@ -185,9 +209,13 @@ def perform_run(job: Job) -> RunOutcome | None:
         if run is None or run.status != ReactorRunStatus.PENDING:
             return None
         if job.attempts > 1:
-            return RunOutcome(problem=Problem(
-                500, "The invocation was interrupted (its worker stopped) and was not run again.",
-                title="Reactor Runtime Error"))
+            return RunOutcome(
+                problem=Problem(
+                    500,
+                    "The invocation was interrupted (its worker stopped) and was not run again.",
+                    title="Reactor Runtime Error",
+                )
+            )
         tenant = row_tenant(session, run.tenant_id)
         request = _open(session, run, run.request_ct)
         if run.kind == TRANSFORM:
@@ -195,14 +223,22 @@ def perform_run(job: Job) -> RunOutcome | None:
             try:
                 reactor = _transform_reactor(run.tenant_id, program)
             except ValueError as exc:
-                return RunOutcome(problem=Problem(400, f"The transform's runtime is invalid: {exc}",
-                                                  title="Invalid Reactor Configuration"))
+                return RunOutcome(
+                    problem=Problem(
+                        400, f"The transform's runtime is invalid: {exc}", title="Invalid Reactor Configuration"
+                    )
+                )
         else:
             stored = session.get(Reactor, run.reactor_id)
             if stored is None:
                 return RunOutcome(problem=not_found("reactor"))
-            reactor = RuntimeReactor(str(stored.id), stored.code, service.runtime_of(stored),
-                                     tenant_id=str(stored.tenant_id), kind=owners.REACTOR)
+            reactor = RuntimeReactor(
+                str(stored.id),
+                stored.code,
+                service.runtime_of(stored),
+                tenant_id=str(stored.tenant_id),
+                kind=owners.REACTOR,
+            )
             invoker = _invoker(tenant, run.caller, trace_id=run.trace_id)
             try:
                 args = detokenize_args(session, invoker, request.get("args"))
@@ -218,8 +254,11 @@ def perform_run(job: Job) -> RunOutcome | None:
     except Problem as problem:
         return RunOutcome(problem=problem)
     except (InstallFailed, AuditUnavailable) as exc:
-        return RunOutcome(problem=Problem(500, f"The code's dependencies could not be prepared: {str(exc)[:300]}",
-                                          title="Reactor Runtime Error"))
+        return RunOutcome(
+            problem=Problem(
+                500, f"The code's dependencies could not be prepared: {str(exc)[:300]}", title="Reactor Runtime Error"
+            )
+        )
 
 
 #: Seconds a worker process trusts the scan of a code transform's dependency set.
@@ -240,8 +279,11 @@ def _check_transform_dependencies(runtime: Runtime) -> None:
     critical = [v for v in known[1] if v.severity == "CRITICAL"]
     if critical:
         names = ", ".join(f"{v.name}@{v.version} ({v.id})" for v in critical)
-        raise Problem(403, f"The transform's dependencies have unremediated critical vulnerabilities: {names}.",
-                      title=INVOCATION_BLOCKED)
+        raise Problem(
+            403,
+            f"The transform's dependencies have unremediated critical vulnerabilities: {names}.",
+            title=INVOCATION_BLOCKED,
+        )
 
 
 def detokenize_args(session: Session, invoker: Caller, args: Any) -> Any:
@@ -300,19 +342,29 @@ def _settle(session: Session, run: ReactorRun, *, answer: Any, problem: Problem 
     run.completed_at = utcnow()
     session.add(run)
     if run.kind == ASYNC:
-        events.emit(session, tenant_id=run.tenant_id,
-                    type="reactor.invocation.failed" if problem else "reactor.invocation.completed",
-                    data={"reactor_id": str(run.reactor_id), "request_id": str(run.id),
-                          "status": problem.status if problem else 200},
-                    trace_id=run.trace_id)
+        events.emit(
+            session,
+            tenant_id=run.tenant_id,
+            type="reactor.invocation.failed" if problem else "reactor.invocation.completed",
+            data={
+                "reactor_id": str(run.reactor_id),
+                "request_id": str(run.id),
+                "status": problem.status if problem else 200,
+            },
+            trace_id=run.trace_id,
+        )
 
 
 def run_failed(session: Session, job: Job, error: Exception) -> None:
     """The run's job failed for good: the run ends ``failed`` with a 500."""
     run = session.get(ReactorRun, uuid.UUID(job.subject_id), with_for_update=True)
     if run is not None and run.status == ReactorRunStatus.PENDING:
-        _settle(session, run, answer=None, problem=Problem(500, "The invocation could not be run.",
-                                                           title="Reactor Runtime Error"))
+        _settle(
+            session,
+            run,
+            answer=None,
+            problem=Problem(500, "The invocation could not be run.", title="Reactor Runtime Error"),
+        )
 
 
 # ---- reading a result ----------------------------------------------------------------------------
@@ -339,10 +391,13 @@ def read_result(session: Session, caller: Caller, reactor_id: object, request_id
         run = session.get(ReactorRun, uuid.UUID(str(request_id)))
     except ValueError:
         run = None
-    if (run is None or run.reactor_id != reactor.id or run.tenant_id != caller.tenant_id
-            or run.status == ReactorRunStatus.PENDING):
-        raise Problem(404, "No result exists for this request id (yet): an invocation answers here once it "
-                           "has ended.")
+    if (
+        run is None
+        or run.reactor_id != reactor.id
+        or run.tenant_id != caller.tenant_id
+        or run.status == ReactorRunStatus.PENDING
+    ):
+        raise Problem(404, "No result exists for this request id (yet): an invocation answers here once it has ended.")
     return run_answer(session, run)
 
 
@@ -367,7 +422,8 @@ def purge_results(session: Session, *, before: dt.datetime, batch: int = 500) ->
     ids = session.exec(
         select(ReactorRun.id)
         .where(col(ReactorRun.status) != ReactorRunStatus.PENDING, col(ReactorRun.completed_at) < before)
-        .limit(batch).with_for_update(skip_locked=True)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
     ).all()
     if ids:
         session.exec(delete(ReactorRun).where(col(ReactorRun.id).in_(ids)))

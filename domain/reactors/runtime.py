@@ -87,8 +87,10 @@ class Runtime(BaseModel):
     @classmethod
     def _node22_only(cls, value: str | None) -> str:
         if value is None or value == "node-svc":
-            raise ValueError("a Node runtime image is required: node-svc is deprecated for new reactors since "
-                             "October 5, 2026 (an omitted image means node-svc); use node22")
+            raise ValueError(
+                "a Node runtime image is required: node-svc is deprecated for new reactors since "
+                "October 5, 2026 (an omitted image means node-svc); use node22"
+            )
         if value != "node22":
             raise ValueError("must be node22")
         return value
@@ -138,8 +140,13 @@ class Reactor:
         """A digest of everything that shapes its processes (code, dependency set, timeout, memory,
         warm processes)."""
         rt = self.runtime
-        parts = [self.code, packages.dependency_key(rt.dependencies, rt.resolutions), str(rt.timeout), rt.resources,
-                 str(rt.warm_concurrency)]
+        parts = [
+            self.code,
+            packages.dependency_key(rt.dependencies, rt.resolutions),
+            str(rt.timeout),
+            rt.resources,
+            str(rt.warm_concurrency),
+        ]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
@@ -179,8 +186,14 @@ class ReactorRuntime:
     configured one). ``pool``: the warm processes (one is made when omitted). Thread-safe.
     """
 
-    def __init__(self, root: Path, *, advisories: Path | None = None, audit_registry: str | None = None,
-                 pool: NodePool | None = None):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        advisories: Path | None = None,
+        audit_registry: str | None = None,
+        pool: NodePool | None = None,
+    ):
         self.root = Path(root)
         self.advisories = advisories
         self.audit_registry = audit_registry
@@ -216,8 +229,12 @@ class ReactorRuntime:
             except CodeLoadError as exc:
                 return Build("invalid_code", installation.key, found, message=_invalid_code(exc).detail)
             except InvocationTimeout as exc:
-                return Build("invalid_code", installation.key, found,
-                             message=f"The reactor code did not load within its timeout of {exc.timeout:g} s.")
+                return Build(
+                    "invalid_code",
+                    installation.key,
+                    found,
+                    message=f"The reactor code did not load within its timeout of {exc.timeout:g} s.",
+                )
         return Build("ok", installation.key, found)
 
     def invoke(self, reactor: Reactor, *, args: object, configuration: dict[str, str] | None = None) -> ReactorResponse:
@@ -232,8 +249,9 @@ class ReactorRuntime:
         if value is None:
             return ReactorResponse()
         if not isinstance(value, dict):
-            raise Problem(500, "The reactor code must return an object with raw and/or tokenize.",
-                          title="Reactor Runtime Error")
+            raise Problem(
+                500, "The reactor code must return an object with raw and/or tokenize.", title="Reactor Runtime Error"
+            )
         return ReactorResponse(raw=value.get("raw"), tokenize=value.get("tokenize"))
 
     def call(self, reactor: Reactor, request: object) -> object:
@@ -247,11 +265,15 @@ class ReactorRuntime:
         except CodeLoadError as exc:
             raise _invalid_code(exc) from None
         except InvocationTimeout as exc:
-            raise Problem(500, f"The reactor did not answer within its timeout of {exc.timeout:g} s.",
-                          title="Reactor Timeout") from None
+            raise Problem(
+                500, f"The reactor did not answer within its timeout of {exc.timeout:g} s.", title="Reactor Timeout"
+            ) from None
         except NodeRuntimeError:
-            raise Problem(500, "The reactor's process ended before answering (for example out of memory).",
-                          title="Reactor Runtime Error") from None
+            raise Problem(
+                500,
+                "The reactor's process ended before answering (for example out of memory).",
+                title="Reactor Runtime Error",
+            ) from None
         if isinstance(outcome, Returned):
             return outcome.value
         if outcome.marked and outcome.name in REACTOR_ERRORS:
@@ -339,8 +361,11 @@ def _invalid_code(exc: CodeLoadError) -> Problem:
     of Node.js's message is kept: the rest (a require stack) names the platform's folders."""
     first_line = (exc.message.splitlines() or [""])[0][:MAX_MESSAGE]
     where = f" at line {exc.line}" if exc.line is not None else ""
-    return Problem(422, f"The reactor code is not a valid function ({exc.kind}{where}: {exc.name}: {first_line}).",
-                   title="Invalid Reactor Code")
+    return Problem(
+        422,
+        f"The reactor code is not a valid function ({exc.kind}{where}: {exc.name}: {first_line}).",
+        title="Invalid Reactor Code",
+    )
 
 
 #: The longest error name and message quoted in a problem's detail (characters).
@@ -384,15 +409,25 @@ def reactor_runtime() -> ReactorRuntime:
     any of these settings changed since."""
     global _default, _made_with
     settings = get_settings()
-    shape = (settings.data_dir / "reactors", settings.reactor_advisories, settings.reactor_bwrap,
-             settings.reactor_egress_allowlist, settings.reactor_tmp_mib, settings.reactor_idle_seconds)
+    shape = (
+        settings.data_dir / "reactors",
+        settings.reactor_advisories,
+        settings.reactor_bwrap,
+        settings.reactor_egress_allowlist,
+        settings.reactor_tmp_mib,
+        settings.reactor_idle_seconds,
+    )
     with _default_lock:
         if _default is None or _made_with != shape:
             if _default is not None:
                 _default.close()
-            pool = NodePool(bwrap=settings.reactor_bwrap, egress_allow=settings.reactor_egress_allowlist,
-                            tmp_mib=settings.reactor_tmp_mib, idle_seconds=settings.reactor_idle_seconds,
-                            owner_check=dead_keys)
+            pool = NodePool(
+                bwrap=settings.reactor_bwrap,
+                egress_allow=settings.reactor_egress_allowlist,
+                tmp_mib=settings.reactor_tmp_mib,
+                idle_seconds=settings.reactor_idle_seconds,
+                owner_check=dead_keys,
+            )
             _default, _made_with = ReactorRuntime(shape[0], advisories=shape[1], pool=pool), shape
         return _default
 

@@ -75,8 +75,10 @@ class ApplicationRef(BaseModel):
     @field_validator("id", mode="before")
     @classmethod
     def _node_svc_only(cls, value: Any) -> Any:
-        raise ValueError("application.id is accepted only for the node-svc runtime; node22 code gets its rights "
-                         "from runtime.permissions")
+        raise ValueError(
+            "application.id is accepted only for the node-svc runtime; node22 code gets its rights "
+            "from runtime.permissions"
+        )
 
 
 class ReactorRequest(BaseModel):
@@ -117,8 +119,7 @@ def _seal(session: Session, tenant_id: uuid.UUID, reactor_id: uuid.UUID, configu
 def _open(session: Session, reactor: Reactor, sealed: bytes | None) -> dict[str, str]:
     if sealed is None:
         return {}
-    return json.loads(get_keyring().decrypt(session, reactor.tenant_id, CONFIGURATION_PURPOSE, str(reactor.id),
-                                            sealed))
+    return json.loads(get_keyring().decrypt(session, reactor.tenant_id, CONFIGURATION_PURPOSE, str(reactor.id), sealed))
 
 
 def configuration_of(session: Session, reactor: Reactor) -> dict[str, str]:
@@ -154,8 +155,10 @@ def reactor_view(session: Session, reactor: Reactor) -> dict:
     }
     if reactor.requested is not None:
         requested = dict(reactor.requested)
-        requested["reactor"] = {**requested.get("reactor", {}),
-                                "configuration": _open(session, reactor, reactor.requested_configuration_ct)}
+        requested["reactor"] = {
+            **requested.get("reactor", {}),
+            "configuration": _open(session, reactor, reactor.requested_configuration_ct),
+        }
         view["requested"] = requested
     return view
 
@@ -178,8 +181,14 @@ def _request_build(session: Session, caller: Caller, reactor: Reactor, request: 
         reactor.state = ReactorState.UPDATING
     session.add(reactor)
     session.flush()
-    job = jobs.record(session, kind=BUILD_TASK, tenant_id=reactor.tenant_id, subject_type="reactor",
-                      subject_id=str(reactor.id), trace_id=caller.trace_id)
+    job = jobs.record(
+        session,
+        kind=BUILD_TASK,
+        tenant_id=reactor.tenant_id,
+        subject_type="reactor",
+        subject_id=str(reactor.id),
+        trace_id=caller.trace_id,
+    )
     reactor.build_job_id = job.id
 
 
@@ -191,8 +200,14 @@ def create_reactor(session: Session, caller: Caller, request: ReactorRequest) ->
     403 without ``reactor:create``."""
     caller.require("reactor:create")
     _check_grants(caller, request)
-    reactor = Reactor(tenant_id=caller.tenant_id, name=request.name, state=ReactorState.CREATING, code=request.code,
-                      runtime=_runtime_json(request.runtime), created_by=caller.application_id)
+    reactor = Reactor(
+        tenant_id=caller.tenant_id,
+        name=request.name,
+        state=ReactorState.CREATING,
+        code=request.code,
+        runtime=_runtime_json(request.runtime),
+        created_by=caller.application_id,
+    )
     session.add(reactor)
     session.flush()
     _request_build(session, caller, reactor, request)
@@ -208,8 +223,9 @@ def read_reactor(session: Session, caller: Caller, reactor_id: object) -> dict:
     return reactor_view(session, reactor)
 
 
-def list_reactors(session: Session, caller: Caller, *, ids: list[uuid.UUID], name: str | None, page: int,
-                  size: int) -> tuple[list[dict], int]:
+def list_reactors(
+    session: Session, caller: Caller, *, ids: list[uuid.UUID], name: str | None, page: int, size: int
+) -> tuple[list[dict], int]:
     """``GET /reactors``: one page (oldest first) and the total. ``ids`` keeps those ids; ``name``
     is a wildcard: ``*`` matches any run of characters, and a name without ``*`` matches reactors
     whose name contains it (case-insensitive). 403 without ``reactor:read``."""
@@ -235,24 +251,31 @@ def _settled(session: Session, reactor: Reactor, action: str) -> None:
         return
     build = session.get(Job, reactor.build_job_id) if reactor.build_job_id else None
     if build is None or build.status not in jobs.TERMINAL:
-        raise Problem(409, f"The reactor cannot be {action} while it is {reactor.state}; retry once its "
-                           "build has ended.", title="Conflict")
+        raise Problem(
+            409,
+            f"The reactor cannot be {action} while it is {reactor.state}; retry once its build has ended.",
+            title="Conflict",
+        )
 
 
 def _serves(session: Session, reactor: Reactor, request: ReactorRequest) -> bool:
     """True when ``request`` asks for the version that serves already (same code, runtime and
     configuration)."""
-    return (reactor.deployed_at is not None and reactor.code == request.code
-            and reactor.runtime == _runtime_json(request.runtime)
-            and configuration_of(session, reactor) == request.configuration)
+    return (
+        reactor.deployed_at is not None
+        and reactor.code == request.code
+        and reactor.runtime == _runtime_json(request.runtime)
+        and configuration_of(session, reactor) == request.configuration
+    )
 
 
 def _check_grants(caller: Caller, request: ReactorRequest) -> None:
     """403 when ``runtime.permissions`` names a permission the calling key does not hold: the code
     acts with these rights (its ``tokenize`` answer), so they can be no more than its creator's.
     Then 503 where customer code cannot be confined (nothing would ever build or run)."""
-    require_grantable(caller.permissions, request.runtime.permissions, field="runtime.permissions",
-                      what="a reactor's code")
+    require_grantable(
+        caller.permissions, request.runtime.permissions, field="runtime.permissions", what="a reactor's code"
+    )
     require_sandbox()
 
 
@@ -295,8 +318,9 @@ def patch_reactor(session: Session, caller: Caller, reactor_id: object, patch: A
         "name": reactor.name,
         "code": latest["code"] if latest else reactor.code,
         "runtime": latest["runtime"] if latest else reactor.runtime,
-        "configuration": _open(session, reactor, reactor.requested_configuration_ct if latest
-                               else reactor.configuration_ct),
+        "configuration": _open(
+            session, reactor, reactor.requested_configuration_ct if latest else reactor.configuration_ct
+        ),
     }
     _update(session, caller, reactor, parse(merge_patch(current, patch)))
 
@@ -321,15 +345,22 @@ def build_input(session: Session, job: Job) -> RuntimeReactor | None:
     if reactor is None or reactor.build_job_id != job.id or reactor.requested is None:
         return None
     pending = reactor.requested["reactor"]
-    return RuntimeReactor(id=str(reactor.id), code=pending["code"], runtime=Runtime.model_validate(pending["runtime"]),
-                          tenant_id=str(reactor.tenant_id), kind=REACTOR)
+    return RuntimeReactor(
+        id=str(reactor.id),
+        code=pending["code"],
+        runtime=Runtime.model_validate(pending["runtime"]),
+        tenant_id=str(reactor.tenant_id),
+        kind=REACTOR,
+    )
 
 
 def audit_refused_message(error: AuditRefused) -> str:
     """Why a build failed when the registry refused the vulnerability scan, and what to set."""
-    return (f"The vulnerability scan was refused by the npm registry (HTTP {error.status}: {str(error)[:300]}); "
-            "it has no advisory service for this platform. Set TESSERA_REACTOR_ADVISORIES to a JSON file of "
-            "advisories to scan against instead, or use a registry that answers npm audit.")
+    return (
+        f"The vulnerability scan was refused by the npm registry (HTTP {error.status}: {str(error)[:300]}); "
+        "it has no advisory service for this platform. Set TESSERA_REACTOR_ADVISORIES to a JSON file of "
+        "advisories to scan against instead, or use a registry that answers npm audit."
+    )
 
 
 def _locked_subject(session: Session, job: Job) -> Reactor | None:
@@ -341,8 +372,12 @@ def _locked_subject(session: Session, job: Job) -> Reactor | None:
 
 def _refuse(reactor: Reactor, error_code: str, message: str, details: dict | None) -> None:
     reactor.state = ReactorState.OUTDATED if reactor.deployed_at is not None else ReactorState.FAILED
-    reactor.requested = {**(reactor.requested or {}), "error_code": error_code, "error_message": message,
-                         "error_details": details}
+    reactor.requested = {
+        **(reactor.requested or {}),
+        "error_code": error_code,
+        "error_message": message,
+        "error_details": details,
+    }
 
 
 def apply_build(session: Session, job: Job, build: Build | None) -> dict:
@@ -368,9 +403,13 @@ def apply_build(session: Session, job: Job, build: Build | None) -> dict:
     elif build.state == INVALID_CODE:
         _refuse(reactor, INVALID_CODE, build.message or "The reactor code does not load.", None)
     else:
-        _refuse(reactor, VULNERABILITIES_DETECTED,
-                "The dependencies have HIGH or CRITICAL vulnerabilities; remediate them (pin fixed versions "
-                "or add resolutions) and update the reactor.", build.error_details())
+        _refuse(
+            reactor,
+            VULNERABILITIES_DETECTED,
+            "The dependencies have HIGH or CRITICAL vulnerabilities; remediate them (pin fixed versions "
+            "or add resolutions) and update the reactor.",
+            build.error_details(),
+        )
     session.add(reactor)
     return {"status": reactor.state}
 

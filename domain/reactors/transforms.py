@@ -51,8 +51,15 @@ async def _db(fn: Callable[..., Any], /, *args, **kwargs) -> Any:
     return await asyncio.to_thread(unit)
 
 
-def code_transform_runner(caller: Caller, *, proxy_id: object, configuration: dict[str, str] | None = None,
-                          db: Db | None = None, wait: Wait | None = None, timeout: float | None = None) -> CodeRunner:
+def code_transform_runner(
+    caller: Caller,
+    *,
+    proxy_id: object,
+    configuration: dict[str, str] | None = None,
+    db: Db | None = None,
+    wait: Wait | None = None,
+    timeout: float | None = None,
+) -> CodeRunner:
     """A :data:`CodeRunner` for one invocation by ``caller`` of the proxy ``proxy_id``.
 
     ``proxy_id``: the proxy whose transforms run (its processes serve it alone, never another
@@ -72,21 +79,34 @@ def code_transform_runner(caller: Caller, *, proxy_id: object, configuration: di
 
     async def run(transform: CodeTransform, message: Message, side: str) -> Message:
         where = f"{side}_transforms"
-        request = {"args": {"body": _body_value(message, where), "headers": dict(message.headers)},
-                   "configuration": dict(configuration or {})}
-        started = await db(runs.start_transform, caller, proxy_id=proxy_id, code=transform.code,
-                           runtime=transform.runtime, request=request)
+        request = {
+            "args": {"body": _body_value(message, where), "headers": dict(message.headers)},
+            "configuration": dict(configuration or {}),
+        }
+        started = await db(
+            runs.start_transform,
+            caller,
+            proxy_id=proxy_id,
+            code=transform.code,
+            runtime=transform.runtime,
+            request=request,
+        )
         await wait([started.job_id], timeout=timeout or get_settings().reactor_wait_seconds)
         try:
             status, answer = await db(runs.settled_answer, started.id)
         except Problem as problem:
             title = INVOCATION_BLOCKED if problem.title == INVOCATION_BLOCKED else TRANSFORM_FAILED
             detail = problem.detail or problem.title
-            raise ProxyError(problem.status, detail, title=title,
-                             errors={where: [detail], **(problem.errors or {})}) from None
+            raise ProxyError(
+                problem.status, detail, title=title, errors={where: [detail], **(problem.errors or {})}
+            ) from None
         if status == ReactorRunStatus.PENDING:
-            raise ProxyError(503, "The code transform's runtime is initializing; retry shortly.",
-                             title=TRANSFORM_INITIALIZING, errors={where: ["runtime initializing"]})
+            raise ProxyError(
+                503,
+                "The code transform's runtime is initializing; retry shortly.",
+                title=TRANSFORM_INITIALIZING,
+                errors={where: ["runtime initializing"]},
+            )
         return _message(message, answer.get("value"), where)
 
     return run
@@ -98,8 +118,12 @@ def _body_value(message: Message, where: str) -> Any:
     try:
         text = message.body.decode("utf-8")
     except UnicodeDecodeError:
-        raise ProxyError(400, "The body is not UTF-8 text, so a code transform cannot read it.",
-                         title=TRANSFORM_FAILED, errors={where: ["body is not UTF-8 text"]}) from None
+        raise ProxyError(
+            400,
+            "The body is not UTF-8 text, so a code transform cannot read it.",
+            title=TRANSFORM_FAILED,
+            errors={where: ["body is not UTF-8 text"]},
+        ) from None
     try:
         return json.loads(text)
     except ValueError:
@@ -116,8 +140,13 @@ def _message(message: Message, value: Any, where: str) -> Message:
     body = message.body
     if "body" in value:
         new = value["body"]
-        body = None if new is None else new.encode("utf-8") if isinstance(new, str) else json.dumps(
-            new, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        body = (
+            None
+            if new is None
+            else new.encode("utf-8")
+            if isinstance(new, str)
+            else json.dumps(new, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        )
     headers = message.headers
     if "headers" in value:
         given = value["headers"]

@@ -125,8 +125,9 @@ def invitation_view(invitation: TenantInvitation, now: dt.datetime) -> dict:
 def _issue_link(session: Session, invitation: TenantInvitation, trace_id: str | None) -> InvitationLink:
     """Supersede the invitation's active links, make a new one and record its mail job."""
     for link in session.exec(
-        select(InvitationLink).where(InvitationLink.invitation_id == invitation.id,
-                                     InvitationLink.status == InvitationLinkStatus.ACTIVE)
+        select(InvitationLink).where(
+            InvitationLink.invitation_id == invitation.id, InvitationLink.status == InvitationLinkStatus.ACTIVE
+        )
     ):
         link.status = InvitationLinkStatus.SUPERSEDED
         session.add(link)
@@ -246,8 +247,9 @@ def delete_invitation(session: Session, caller: Caller, invitation_id: uuid.UUID
     """``DELETE /tenants/self/invitations/{id}``: the invitation is removed and every link of it revoked."""
     invitation = get_invitation(session, caller, invitation_id, lock=True)
     for link in session.exec(
-        select(InvitationLink).where(InvitationLink.invitation_id == invitation.id,
-                                     InvitationLink.status == InvitationLinkStatus.ACTIVE)
+        select(InvitationLink).where(
+            InvitationLink.invitation_id == invitation.id, InvitationLink.status == InvitationLinkStatus.ACTIVE
+        )
     ):
         link.status = InvitationLinkStatus.REVOKED
         session.add(link)
@@ -282,8 +284,12 @@ def _usable_link(
         )
     invitation = session.get(TenantInvitation, link.invitation_id, with_for_update=lock or None)
     tenant = session.get(Tenant, link.tenant_id)
-    if (link.status == InvitationLinkStatus.REVOKED or invitation is None or tenant is None
-            or tenant.deleted_at is not None):
+    if (
+        link.status == InvitationLinkStatus.REVOKED
+        or invitation is None
+        or tenant is None
+        or tenant.deleted_at is not None
+    ):
         raise _gone("invitation_withdrawn", "The invitation was withdrawn.")
     if effective_status(invitation, now) == InvitationStatus.EXPIRED:
         raise _gone(

@@ -103,8 +103,11 @@ def require_grantable(held: frozenset[str], requested: Iterable[str], *, field: 
     beyond = sorted(set(LEGACY_PERMISSIONS.get(name, name) for name in requested) - held)
     if beyond:
         names = ", ".join(beyond)
-        raise Problem(403, f"The API key cannot give {what} permissions it does not hold: {names}.",
-                      errors={field: [f"'{name}' is not held by the API key" for name in beyond]})
+        raise Problem(
+            403,
+            f"The API key cannot give {what} permissions it does not hold: {names}.",
+            errors={field: [f"'{name}' is not held by the API key" for name in beyond]},
+        )
 
 
 def permission_errors(requested: Iterable[str]) -> list[str]:

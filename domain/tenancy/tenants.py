@@ -197,8 +197,15 @@ def delete_tenant(session: Session, caller: Caller) -> None:
     audit.record(session, caller, entity_type="tenant", entity_id=tenant.id, operation="delete")
     get_keyring().shred(session, tenant.id)
     audit.record(session, caller, entity_type="key", entity_id="all", operation="delete")
-    jobs.record(session, kind=PURGE_TASK, tenant_id=None, subject_type="tenant", subject_id=str(tenant.id),
-                trace_id=caller.trace_id, max_attempts=10)
+    jobs.record(
+        session,
+        kind=PURGE_TASK,
+        tenant_id=None,
+        subject_type="tenant",
+        subject_id=str(tenant.id),
+        trace_id=caller.trace_id,
+        max_attempts=10,
+    )
     log.info("tenant %s shredded: its data keys are destroyed; its rows and files are purged next", tenant.id)
 
 

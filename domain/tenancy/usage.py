@@ -54,8 +54,9 @@ def record_token_activity(
         session.execute(statement.values(found[start : start + _INSERT_BATCH]))
 
 
-def record_token_activity_unflushed(tenant_id: uuid.UUID, token_ids: Iterable[str], *,
-                                    now: dt.datetime | None = None) -> None:
+def record_token_activity_unflushed(
+    tenant_id: uuid.UUID, token_ids: Iterable[str], *, now: dt.datetime | None = None
+) -> None:
     """:func:`record_token_activity` outside any transaction, in one statement committed without
     waiting for the WAL flush (:func:`storage.db.execute_unflushed`): for a job's slow step (a
     provider call reading a card token), whose outcome or failure commit makes it durable."""
@@ -106,8 +107,9 @@ def usage_report(session: Session, caller: Caller, *, included: int, now: dt.dat
     now = now or utcnow()
     rows = session.exec(
         select(Token.type, func.count(), func.max(Token.created_at))
-        .where(col(Token.tenant_id) == caller.tenant_id,
-               or_(col(Token.expires_at).is_(None), col(Token.expires_at) > now))
+        .where(
+            col(Token.tenant_id) == caller.tenant_id, or_(col(Token.expires_at).is_(None), col(Token.expires_at) > now)
+        )
         .group_by(Token.type)
         .order_by(Token.type)
     ).all()

@@ -136,9 +136,7 @@ def _text(value: object, filter_name: str) -> str | None:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return str(value)
-    raise FilterValueError(
-        f"{filter_name}: expected a string or a number, found {_type_name(value)}", token=None
-    )
+    raise FilterValueError(f"{filter_name}: expected a string or a number, found {_type_name(value)}", token=None)
 
 
 def _type_name(value: object) -> str:
@@ -297,9 +295,7 @@ def _compile_json_path(path: str) -> jsonpath.JSONPath:
     except jsonpath.JSONPathError as err:
         raise FilterArgumentError(f"json: malformed path ({str(err).splitlines()[0]})", token=None) from None
     if not isinstance(compiled, jsonpath.JSONPath) or not compiled.singular_query():
-        raise FilterArgumentError(
-            "json: only singular paths (member names and indexes) are supported", token=None
-        )
+        raise FilterArgumentError("json: only singular paths (member names and indexes) are supported", token=None)
     return compiled
 
 
@@ -315,9 +311,7 @@ def json_filter(value: object, path: object = "$") -> object:
     if not isinstance(path, str):
         raise FilterArgumentError("json: the path must be a string", token=None)
     if len(path) > MAX_JSON_PATH_LENGTH:
-        raise FilterArgumentError(
-            f"json: the path is longer than {MAX_JSON_PATH_LENGTH} characters", token=None
-        )
+        raise FilterArgumentError(f"json: the path is longer than {MAX_JSON_PATH_LENGTH} characters", token=None)
     compiled = _compile_json_path(path.strip())
     current = value
     if isinstance(current, str) and current.lstrip()[:1] in ("{", "["):
@@ -373,8 +367,9 @@ def card_exp_filter(value: object, fmt: object = "MM/YY") -> str | None:
     try:
         month, year = int(str(card["expiration_month"])), int(str(card["expiration_year"]))
     except (KeyError, TypeError, ValueError):
-        raise FilterValueError("card_exp: the card has no numeric expiration_month and expiration_year",
-                               token=None) from None
+        raise FilterValueError(
+            "card_exp: the card has no numeric expiration_month and expiration_year", token=None
+        ) from None
     if year < 100:
         year += 2000
     parts = {"YYYY": f"{year:04d}", "YY": f"{year % 100:02d}", "MM": f"{month:02d}", "M": str(month)}
@@ -490,9 +485,7 @@ def _check_operand(name: str, value: object, *, allow_undefined: bool) -> None:
             f"{name}: range of {len(value)} items exceeds the limit of {MAX_LOOP_ITERATIONS}", token=None
         )
     if isinstance(value, str) and len(value) > MAX_OUTPUT_SIZE:
-        raise FilterValueError(
-            f"{name}: string exceeds the size limit of {MAX_OUTPUT_SIZE} characters", token=None
-        )
+        raise FilterValueError(f"{name}: string exceeds the size limit of {MAX_OUTPUT_SIZE} characters", token=None)
 
 
 _work_budget: ContextVar[list[int] | None] = ContextVar("expression_work_budget", default=None)
@@ -608,7 +601,7 @@ def _comma_as_pipe(source: str, err: LiquidError) -> str | None:
     match = _STRAY_COMMA.match(source, index)
     if match is None or match.group(1) not in environment.filters:
         return None
-    return source[:index] + "|" + source[index + 1:]
+    return source[:index] + "|" + source[index + 1 :]
 
 
 def _argument_comma(source: str, template: Any) -> int | None:
@@ -663,7 +656,7 @@ def _parse(source: str) -> Any:
         if index is None or index in repaired:
             return template
         repaired[index] = LiquidError("unexpected comma", token=None)
-        source = source[:index] + "|" + source[index + 1:]
+        source = source[:index] + "|" + source[index + 1 :]
 
 
 @lru_cache(maxsize=TEMPLATE_CACHE_SIZE)
@@ -681,11 +674,7 @@ def _compile(source: str) -> _Compiled:
     path: Path | None = None
     if len(template.nodes) == 1 and isinstance(template.nodes[0], OutputNode):
         expression = template.nodes[0].expression
-        if (
-            type(expression) is FilteredExpression
-            and not expression.filters
-            and type(expression.left) is Path
-        ):
+        if type(expression) is FilteredExpression and not expression.filters and type(expression.left) is Path:
             path = expression.left
     return _Compiled(template, path)
 
@@ -694,9 +683,7 @@ def _get_compiled(source: object) -> _Compiled:
     if not isinstance(source, str):
         raise ExpressionError(f"an expression must be a string, not {_type_name(source)}")
     if len(source) > MAX_TEMPLATE_LENGTH:
-        raise ExpressionError(
-            f"expression is {len(source)} characters long; the limit is {MAX_TEMPLATE_LENGTH}"
-        )
+        raise ExpressionError(f"expression is {len(source)} characters long; the limit is {MAX_TEMPLATE_LENGTH}")
     return _compile(source)
 
 
@@ -852,9 +839,7 @@ def _apply(node: object, context: Mapping[str, object], where: str, depth: int) 
         except ExpressionError as err:
             raise ExpressionError(f"{where}: {err}") from err
     if isinstance(node, Mapping):
-        return {
-            key: _apply(value, context, _child_path(where, key), depth + 1) for key, value in node.items()
-        }
+        return {key: _apply(value, context, _child_path(where, key), depth + 1) for key, value in node.items()}
     if isinstance(node, (list, tuple)):
         return [_apply(value, context, _child_path(where, i), depth + 1) for i, value in enumerate(node)]
     if node is None or isinstance(node, (bool, int, float)):

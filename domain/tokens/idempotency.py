@@ -48,8 +48,17 @@ def key_errors(key: str, header: str) -> dict[str, list[str]]:
     return {}
 
 
-def once(session: Session, caller: Caller, scope: str, key: str | None, create: Callable[..., Any], /,
-         *args: Any, now: dt.datetime | None = None, **kwargs: Any) -> Any:
+def once(
+    session: Session,
+    caller: Caller,
+    scope: str,
+    key: str | None,
+    create: Callable[..., Any],
+    /,
+    *args: Any,
+    now: dt.datetime | None = None,
+    **kwargs: Any,
+) -> Any:
     """``create(session, caller, *args, **kwargs)`` once per ``key`` of the caller's tenant in ``scope``
     (:data:`TOKENS` or :data:`TOKENIZE`): the first call's answer (JSON) is kept, sealed, and returned
     by every later call with the key, which creates nothing. Without a key, ``create`` simply runs.
@@ -57,11 +66,19 @@ def once(session: Session, caller: Caller, scope: str, key: str | None, create: 
     if key is None:
         return create(session, caller, *args, **kwargs)
     now = now or utcnow()
-    where = (TokenIdempotencyKey.tenant_id == caller.tenant_id, TokenIdempotencyKey.scope == scope,
-             TokenIdempotencyKey.key == key)
+    where = (
+        TokenIdempotencyKey.tenant_id == caller.tenant_id,
+        TokenIdempotencyKey.scope == scope,
+        TokenIdempotencyKey.key == key,
+    )
     values = {"tenant_id": caller.tenant_id, "scope": scope, "key": key, "answer_ct": None, "created_at": now}
-    taken = upsert_when(session, TokenIdempotencyKey, values, index=["tenant_id", "scope", "key"],
-                        when=TokenIdempotencyKey.created_at <= now - RETENTION)
+    taken = upsert_when(
+        session,
+        TokenIdempotencyKey,
+        values,
+        index=["tenant_id", "scope", "key"],
+        when=TokenIdempotencyKey.created_at <= now - RETENTION,
+    )
     keyring = get_keyring()
     aad = f"{scope}:{key}"
     if not taken:
@@ -82,11 +99,18 @@ def forget_old_keys(session: Session, *, now: dt.datetime, batch: int = 500) -> 
     old = (
         select(TokenIdempotencyKey.tenant_id, TokenIdempotencyKey.scope, TokenIdempotencyKey.key)
         .where(TokenIdempotencyKey.created_at <= now - RETENTION)
-        .order_by(TokenIdempotencyKey.created_at).limit(batch).with_for_update(skip_locked=True)
+        .order_by(TokenIdempotencyKey.created_at)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
     )
     rows = session.execute(old).all()
     for tenant_id, scope, key in rows:
-        session.execute(delete(TokenIdempotencyKey).where(
-            TokenIdempotencyKey.tenant_id == tenant_id, TokenIdempotencyKey.scope == scope,
-            TokenIdempotencyKey.key == key, TokenIdempotencyKey.created_at <= now - RETENTION))
+        session.execute(
+            delete(TokenIdempotencyKey).where(
+                TokenIdempotencyKey.tenant_id == tenant_id,
+                TokenIdempotencyKey.scope == scope,
+                TokenIdempotencyKey.key == key,
+                TokenIdempotencyKey.created_at <= now - RETENTION,
+            )
+        )
     return len(rows)

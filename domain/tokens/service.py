@@ -84,22 +84,45 @@ TOKEN_TYPES: tuple[str, ...] = ("token", "card", "bank")
 #: Properties of a token request object (the ``privacy`` attribute was shut down: accepted, ignored).
 REQUEST_FIELDS = frozenset(
     {
-        "type", "data", "id", "metadata", "mask", "containers", "search_indexes",
-        "fingerprint_expression", "deduplicate_token", "expires_at", "parent_id", "privacy",
+        "type",
+        "data",
+        "id",
+        "metadata",
+        "mask",
+        "containers",
+        "search_indexes",
+        "fingerprint_expression",
+        "deduplicate_token",
+        "expires_at",
+        "parent_id",
+        "privacy",
     }
 )
 #: Properties a merge patch may change.
 PATCHABLE_FIELDS = frozenset(
     {
-        "data", "metadata", "mask", "containers", "search_indexes", "fingerprint_expression",
-        "deduplicate_token", "expires_at", "privacy",
+        "data",
+        "metadata",
+        "mask",
+        "containers",
+        "search_indexes",
+        "fingerprint_expression",
+        "deduplicate_token",
+        "expires_at",
+        "privacy",
     }
 )
 #: Properties of the ``metadata`` object of the payment-forwarding tokenize body.
 PSP_OPTION_FIELDS = frozenset(
     {
-        "id", "mask", "containers", "metadata", "search_indexes", "fingerprint_expression",
-        "deduplicate_token", "expires_at",
+        "id",
+        "mask",
+        "containers",
+        "metadata",
+        "search_indexes",
+        "fingerprint_expression",
+        "deduplicate_token",
+        "expires_at",
     }
 )
 PSP_CARD_FIELDS = ("number", "exp_month", "exp_year", "cvc", "name")
@@ -188,12 +211,23 @@ class NewToken:
     def row(self) -> dict:
         """The ``tokens`` row."""
         return {
-            "tenant_id": self.tenant_id, "id": self.id, "type": self.type, "data_ct": self.data_ct,
-            "mask": self.mask, "containers": self.containers, "metadata": self.meta,
-            "search_indexes": self.search_indexes, "fingerprint": self.fingerprint,
-            "fingerprint_expression": self.fingerprint_expression, "deduplicate_token": self.deduplicate_token,
-            "parent_id": self.parent_id, "created_by": self.created_by, "created_at": self.created_at,
-            "modified_by": self.modified_by, "modified_at": self.modified_at, "expires_at": self.expires_at,
+            "tenant_id": self.tenant_id,
+            "id": self.id,
+            "type": self.type,
+            "data_ct": self.data_ct,
+            "mask": self.mask,
+            "containers": self.containers,
+            "metadata": self.meta,
+            "search_indexes": self.search_indexes,
+            "fingerprint": self.fingerprint,
+            "fingerprint_expression": self.fingerprint_expression,
+            "deduplicate_token": self.deduplicate_token,
+            "parent_id": self.parent_id,
+            "created_by": self.created_by,
+            "created_at": self.created_at,
+            "modified_by": self.modified_by,
+            "modified_at": self.modified_at,
+            "expires_at": self.expires_at,
             "cvc_expires_at": self.cvc_expires_at,
         }
 
@@ -373,8 +407,11 @@ def _containers(value: Any, kind: Any, err) -> tuple[str, list[str]]:
         parsed = parse_container(container) if isinstance(container, str) else None
         if parsed is None:
             valid = False
-            err(f"containers[{position}]", "must be a path /<classification>/<impact_level>/ with classification "
-                f"{', '.join(CLASSIFICATIONS)} and impact level {', '.join(IMPACT_LEVELS)}")
+            err(
+                f"containers[{position}]",
+                "must be a path /<classification>/<impact_level>/ with classification "
+                f"{', '.join(CLASSIFICATIONS)} and impact level {', '.join(IMPACT_LEVELS)}",
+            )
         elif kind in ("card", "bank") and parsed[0] != own:
             valid = False
             err(f"containers[{position}]", f"a {kind} token must be in /{own}/ containers")
@@ -554,12 +591,19 @@ def _seal(session: Session, tenant_id: uuid.UUID, token_id: str, data: Any) -> b
 
 def _open(session: Session, token: Token, now: dt.datetime) -> Any:
     """The plain data of a token; a card's cvc past its retention is left out even before the sweep."""
-    return open_token_data(session, token.tenant_id, token.id, token.type, token.data_ct, token.cvc_expires_at,
-                           now=now)
+    return open_token_data(session, token.tenant_id, token.id, token.type, token.data_ct, token.cvc_expires_at, now=now)
 
 
-def open_token_data(session: Session, tenant_id: uuid.UUID, token_id: str, type: str, data_ct: bytes,
-                    cvc_expires_at: dt.datetime | None, *, now: dt.datetime | None = None) -> Any:
+def open_token_data(
+    session: Session,
+    tenant_id: uuid.UUID,
+    token_id: str,
+    type: str,
+    data_ct: bytes,
+    cvc_expires_at: dt.datetime | None,
+    *,
+    now: dt.datetime | None = None,
+) -> Any:
     """The plain data of a token from its stored values (e.g. read by :func:`live_token_reads`): a
     card's cvc past its retention is left out even before the sweep."""
     data = json.loads(get_keyring().decrypt(session, tenant_id, DATA_PURPOSE, token_id, data_ct))
@@ -575,8 +619,10 @@ def live_token_reads(tenant_id, token_id, *, now: dt.datetime | None = None) -> 
     (each None when the token is missing or expired). Like :func:`load_token_data`, no permission
     check and no log row; the caller also counts the token's activity."""
     live = (Token.tenant_id == tenant_id, Token.id == token_id, _live(now or utcnow()))
-    return {f"token_{column.key}": select(column).where(*live).scalar_subquery()
-            for column in (Token.type, Token.data_ct, Token.cvc_expires_at)}
+    return {
+        f"token_{column.key}": select(column).where(*live).scalar_subquery()
+        for column in (Token.type, Token.data_ct, Token.cvc_expires_at)
+    }
 
 
 def _cvc_expiry(kind: str, data: Any, now: dt.datetime) -> dt.datetime | None:
@@ -585,8 +631,7 @@ def _cvc_expiry(kind: str, data: Any, now: dt.datetime) -> dt.datetime | None:
     return None
 
 
-def _get_live(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.datetime, *,
-              lock: bool = False) -> Token:
+def _get_live(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.datetime, *, lock: bool = False) -> Token:
     stmt = select(Token).where(Token.tenant_id == tenant_id, Token.id == token_id, _live(now))
     token = session.exec(stmt.with_for_update() if lock else stmt).first()
     if token is None:
@@ -596,9 +641,23 @@ def _get_live(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.dat
 
 #: The columns of a token that reads show, selected as plain rows (attribute names of :class:`Token`).
 _READ_COLUMNS = (
-    Token.tenant_id, Token.id, Token.type, Token.data_ct, Token.mask, Token.containers, Token.meta,
-    Token.search_indexes, Token.fingerprint, Token.fingerprint_expression, Token.deduplicate_token,
-    Token.parent_id, Token.created_by, Token.created_at, Token.modified_by, Token.modified_at, Token.expires_at,
+    Token.tenant_id,
+    Token.id,
+    Token.type,
+    Token.data_ct,
+    Token.mask,
+    Token.containers,
+    Token.meta,
+    Token.search_indexes,
+    Token.fingerprint,
+    Token.fingerprint_expression,
+    Token.deduplicate_token,
+    Token.parent_id,
+    Token.created_by,
+    Token.created_at,
+    Token.modified_by,
+    Token.modified_at,
+    Token.expires_at,
     Token.cvc_expires_at,
 )
 
@@ -610,9 +669,7 @@ def _read_select():
 
 def _get_live_row(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.datetime):
     """A live token as a plain row (404 problem when missing or expired), for reads."""
-    row = session.exec(
-        _read_select().where(Token.tenant_id == tenant_id, Token.id == token_id, _live(now))
-    ).first()
+    row = session.exec(_read_select().where(Token.tenant_id == tenant_id, Token.id == token_id, _live(now))).first()
     if row is None:
         raise not_found("token")
     return row
@@ -652,27 +709,36 @@ def _delete_rows(session: Session, tenant_id: uuid.UUID, token_ids: list[str]) -
     for table, column in ((TokenMetadata, TokenMetadata.token_id), (TokenSearchIndex, TokenSearchIndex.token_id)):
         session.execute(delete(table).where(table.tenant_id == tenant_id, column.in_(token_ids)))
     gone = session.execute(
-        delete(Token).where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(token_ids))
+        delete(Token)
+        .where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(token_ids))
         .returning(col(Token.id), col(Token.created_at))
     ).all()
     record_deleted_tokens(session, tenant_id, gone)
 
 
-def _touch(session: Session, rows: Rows, caller: Caller, token: Token | NewToken, operation: str,
-           event: str | None) -> None:
+def _touch(
+    session: Session, rows: Rows, caller: Caller, token: Token | NewToken, operation: str, event: str | None
+) -> None:
     """Queue in ``rows`` a log row for ``operation`` and, when ``event`` is named, the event
     ``token.<event>`` (written only when a webhook of the tenant subscribes to it)."""
     audit.stage(rows, caller, entity_type=token.type, entity_id=token.id, operation=operation)
     if event:
-        events.stage_events(session, rows, tenant_id=token.tenant_id, type=f"token.{event}",
-                            datas=[{"token": {"id": token.id, "type": token.type}}], trace_id=caller.trace_id)
+        events.stage_events(
+            session,
+            rows,
+            tenant_id=token.tenant_id,
+            type=f"token.{event}",
+            datas=[{"token": {"id": token.id, "type": token.type}}],
+            trace_id=caller.trace_id,
+        )
 
 
 # ---- create --------------------------------------------------------------------------------------
 
 
-def create_tokens(session: Session, caller: Caller, requests: list[TokenRequest], *,
-                  now: dt.datetime | None = None) -> list[Created]:
+def create_tokens(
+    session: Session, caller: Caller, requests: list[TokenRequest], *, now: dt.datetime | None = None
+) -> list[Created]:
     """Create the tokens of validated ``requests`` in the caller's transaction, in one batch.
 
     Checks ``token:<classification>:create`` for every classification (403 naming the first
@@ -691,8 +757,7 @@ def create_tokens(session: Session, caller: Caller, requests: list[TokenRequest]
     _check_references(session, tenant_id, requests, now)
     keyring = get_keyring()
     fingerprints = [
-        keyring.fingerprint(session, tenant_id, r.fingerprint_input) if r.fingerprint_input else None
-        for r in requests
+        keyring.fingerprint(session, tenant_id, r.fingerprint_input) if r.fingerprint_input else None for r in requests
     ]
     existing = _dedup_candidates(session, caller, requests, fingerprints, now)
     read_only = caller.tenant_settings.get("token_deduplication_behavior") == "read_existing"
@@ -740,8 +805,9 @@ def _check_references(session: Session, tenant_id: uuid.UUID, requests: list[Tok
             aliases[request.id] = request
     if aliases:
         taken = session.exec(
-            select(Token.id, Token.expires_at)
-            .where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(list(aliases)))
+            select(Token.id, Token.expires_at).where(
+                col(Token.tenant_id) == tenant_id, col(Token.id).in_(list(aliases))
+            )
         ).all()
         live = [token_id for token_id, expires_at in taken if expires_at is None or expires_at > now]
         if live:
@@ -750,9 +816,11 @@ def _check_references(session: Session, tenant_id: uuid.UUID, requests: list[Tok
             _delete_rows(session, tenant_id, [token_id for token_id, _ in taken])
     parents = {r.parent_id for r in requests if r.parent_id is not None}
     if parents:
-        found = set(session.exec(
-            select(Token.id).where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(list(parents)), _live(now))
-        ).all())
+        found = set(
+            session.exec(
+                select(Token.id).where(col(Token.tenant_id) == tenant_id, col(Token.id).in_(list(parents)), _live(now))
+            ).all()
+        )
         for request in requests:
             if request.parent_id is not None and request.parent_id not in found:
                 errors.add(_key(request.path, "parent_id"), "no token of the tenant has this id")
@@ -760,8 +828,9 @@ def _check_references(session: Session, tenant_id: uuid.UUID, requests: list[Tok
         raise validation_problem(errors)
 
 
-def _dedup_candidates(session: Session, caller: Caller, requests: list[TokenRequest],
-                      fingerprints: list[str | None], now: dt.datetime) -> dict[tuple[str, str, str], Token]:
+def _dedup_candidates(
+    session: Session, caller: Caller, requests: list[TokenRequest], fingerprints: list[str | None], now: dt.datetime
+) -> dict[tuple[str, str, str], Token]:
     wanted = {fp for r, fp in zip(requests, fingerprints, strict=True) if fp and _deduplicates(caller, r)}
     if not wanted:
         return {}
@@ -776,8 +845,9 @@ def _dedup_candidates(session: Session, caller: Caller, requests: list[TokenRequ
     return found
 
 
-def _new_token(session: Session, rows: Rows, caller: Caller, request: TokenRequest, fingerprint: str | None,
-               now: dt.datetime) -> NewToken:
+def _new_token(
+    session: Session, rows: Rows, caller: Caller, request: TokenRequest, fingerprint: str | None, now: dt.datetime
+) -> NewToken:
     token_id = request.id or str(uuid.uuid4())
     token = NewToken(
         tenant_id=caller.tenant_id,
@@ -802,8 +872,15 @@ def _new_token(session: Session, rows: Rows, caller: Caller, request: TokenReque
     return token
 
 
-def _deduplicate(session: Session, rows: Rows, caller: Caller, token: Token | NewToken, request: TokenRequest,
-                 read_only: bool, now: dt.datetime) -> Created:
+def _deduplicate(
+    session: Session,
+    rows: Rows,
+    caller: Caller,
+    token: Token | NewToken,
+    request: TokenRequest,
+    read_only: bool,
+    now: dt.datetime,
+) -> Created:
     """Answer ``request`` with ``token`` (a stored token, or one made earlier in this batch and not
     written yet): read it, or replace its data (and metadata when given) and recompute its indexes."""
     if read_only:
@@ -954,8 +1031,9 @@ def psp_forward_tokenize(session: Session, caller: Caller, body: Any, *, now: dt
     if errors:
         raise validation_problem(errors)
     request_body = {**options, "type": "card", "data": data}
-    request, found = parse_token_request(request_body, caller, now=now, path="metadata", data_path="card",
-                                         default_fingerprint=STRINGIFIED_DATA)
+    request, found = parse_token_request(
+        request_body, caller, now=now, path="metadata", data_path="card", default_fingerprint=STRINGIFIED_DATA
+    )
     if found:
         renames = {"card.expiration_month": "card.exp_month", "card.expiration_year": "card.exp_year"}
         raise validation_problem({renames.get(k, k): v for k, v in found.items()})
@@ -994,8 +1072,9 @@ def _psp_card(card: Any, errors: _Errors) -> dict:
 # ---- read, update, delete ------------------------------------------------------------------------
 
 
-def read_token(session: Session, caller: Caller, token_id: str, *, of_type: str | None = None,
-               now: dt.datetime | None = None) -> dict:
+def read_token(
+    session: Session, caller: Caller, token_id: str, *, of_type: str | None = None, now: dt.datetime | None = None
+) -> dict:
     """``GET /tokens/{id}``: the token object by the read rules.
 
     404 for a missing, expired or other tenant's token (and, with ``of_type``, a token of another
@@ -1010,8 +1089,9 @@ def read_token(session: Session, caller: Caller, token_id: str, *, of_type: str 
     return _present(session, caller, [token], now)[0]
 
 
-def load_token_data(session: Session, tenant_id: uuid.UUID, token_id: str, *,
-                    now: dt.datetime | None = None) -> tuple[Token, Any]:
+def load_token_data(
+    session: Session, tenant_id: uuid.UUID, token_id: str, *, now: dt.datetime | None = None
+) -> tuple[Token, Any]:
     """``(token, plain data)`` of a live token for platform features (network tokens, the account
     updater, the proxy). The data includes a card's ``cvc`` while it is retained. No permission
     check and no log row: the caller does both. Raises a 404 problem when missing or expired."""
@@ -1034,8 +1114,9 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
-def update_token(session: Session, caller: Caller, token_id: str, patch: Any, *,
-                 now: dt.datetime | None = None) -> dict:
+def update_token(
+    session: Session, caller: Caller, token_id: str, patch: Any, *, now: dt.datetime | None = None
+) -> dict:
     """``PATCH /tokens/{id}``: apply an RFC 7396 merge patch and answer the token (read rules).
 
     The patch may hold ``data``, ``metadata``, ``mask``, ``containers``, ``search_indexes``,
@@ -1056,8 +1137,9 @@ def update_token(session: Session, caller: Caller, token_id: str, patch: Any, *,
     errors = _Errors()
     for name in patch:
         if name not in PATCHABLE_FIELDS:
-            errors.add(name, "cannot be changed" if name in REQUEST_FIELDS | {"tenant_id"} else
-                       "This property is not allowed.")
+            errors.add(
+                name, "cannot be changed" if name in REQUEST_FIELDS | {"tenant_id"} else "This property is not allowed."
+            )
     if errors:
         raise validation_problem(errors)
     current = {
@@ -1070,10 +1152,12 @@ def update_token(session: Session, caller: Caller, token_id: str, patch: Any, *,
         "deduplicate_token": token.deduplicate_token,
         "expires_at": token.expires_at.isoformat() if token.expires_at else None,
     }
-    patched = merge_patch({k: v for k, v in current.items() if v is not None},
-                          {k: v for k, v in patch.items() if k != "privacy"})
-    request, errors = parse_token_request({**patched, "type": token.type}, caller, now=now,
-                                          validate_data="data" in patch)
+    patched = merge_patch(
+        {k: v for k, v in current.items() if v is not None}, {k: v for k, v in patch.items() if k != "privacy"}
+    )
+    request, errors = parse_token_request(
+        {**patched, "type": token.type}, caller, now=now, validate_data="data" in patch
+    )
     if errors:
         raise validation_problem(errors)
     if request.classification != classification:
@@ -1136,33 +1220,45 @@ def delete_token(session: Session, caller: Caller, token_id: str, *, now: dt.dat
 # ---- list, search, children ----------------------------------------------------------------------
 
 
-def _cursor_page(session: Session, caller: Caller, stmt, *, size: int, position: dict | None,
-                 now: dt.datetime) -> tuple[list[dict], dict | None]:
+def _cursor_page(
+    session: Session, caller: Caller, stmt, *, size: int, position: dict | None, now: dt.datetime
+) -> tuple[list[dict], dict | None]:
     """Newest first, keyset on (created_at, id), only live tokens of readable classifications."""
     readable = _readable_classifications(caller)
     stmt = stmt.where(Token.tenant_id == caller.tenant_id, _live(now))
     if len(readable) < len(CLASSIFICATIONS):
         first_container = Token.containers[0].as_string()
         stmt = stmt.where(or_(*(first_container.like(f"/{c}/%") for c in readable)))
-    rows, following = keyset_page(session, stmt, order=(Token.created_at, Token.id), size=size, after=position,
-                                  entity=lambda row: row)  # plain rows (columns), not ORM objects
+    rows, following = keyset_page(
+        session, stmt, order=(Token.created_at, Token.id), size=size, after=position, entity=lambda row: row
+    )  # plain rows (columns), not ORM objects
     return _present(session, caller, rows, now), following
 
 
 def _with_metadata(stmt, tenant_id: uuid.UUID, pairs: Iterable[tuple[str, str]]):
     for key, value in pairs:
-        stmt = stmt.where(col(Token.id).in_(
-            select(TokenMetadata.token_id).where(
-                col(TokenMetadata.tenant_id) == tenant_id, col(TokenMetadata.key) == key,
-                col(TokenMetadata.value) == value,
+        stmt = stmt.where(
+            col(Token.id).in_(
+                select(TokenMetadata.token_id).where(
+                    col(TokenMetadata.tenant_id) == tenant_id,
+                    col(TokenMetadata.key) == key,
+                    col(TokenMetadata.value) == value,
+                )
             )
-        ))
+        )
     return stmt
 
 
-def list_tokens(session: Session, caller: Caller, *, types: Iterable[str] = (),
-                metadata: tuple[str, str] | None = None, size: int = 20, position: dict | None = None,
-                now: dt.datetime | None = None) -> tuple[list[dict], dict | None]:
+def list_tokens(
+    session: Session,
+    caller: Caller,
+    *,
+    types: Iterable[str] = (),
+    metadata: tuple[str, str] | None = None,
+    size: int = 20,
+    position: dict | None = None,
+    now: dt.datetime | None = None,
+) -> tuple[list[dict], dict | None]:
     """``GET /v2/tokens`` (decision 7): one page of live tokens, newest first.
 
     Filters: ``types`` (any of), one ``metadata`` pair (exact, case-sensitive). Only tokens of
@@ -1257,8 +1353,11 @@ def parse_search_query(query: str) -> SearchQuery:
                 raise _unsupported(f"Terms must be joined by AND, found {raw!r}")
             continue
         if raw in ("AND", "&&", "OR", "||", "NOT", "!"):
-            raise _unsupported(f"{raw} must stand between two terms" if raw in ("AND", "&&", "OR", "||")
-                               else "Negation (NOT) is not supported")
+            raise _unsupported(
+                f"{raw} must stand between two terms"
+                if raw in ("AND", "&&", "OR", "||")
+                else "Negation (NOT) is not supported"
+            )
         if raw[0] in "-!":
             raise _unsupported("Negation (-term) is not supported")
         if raw[0] in "(+" or (raw.endswith(")") and not quoted):
@@ -1282,11 +1381,18 @@ def parse_search_query(query: str) -> SearchQuery:
             raise _unsupported("An id or data term cannot be combined with other terms")
         name, value = terms[0]
         return SearchQuery(id=value) if name == "id" else SearchQuery(data=value)
-    return SearchQuery(metadata=tuple((name[len("metadata."):], value) for name, value in terms))
+    return SearchQuery(metadata=tuple((name[len("metadata.") :], value) for name, value in terms))
 
 
-def search_tokens(session: Session, caller: Caller, query: str, *, size: int = 20,
-                  position: dict | None = None, now: dt.datetime | None = None) -> tuple[list[dict], dict | None]:
+def search_tokens(
+    session: Session,
+    caller: Caller,
+    query: str,
+    *,
+    size: int = 20,
+    position: dict | None = None,
+    now: dt.datetime | None = None,
+) -> tuple[list[dict], dict | None]:
     """``POST /v2/tokens/search`` (decision 7): one page of live tokens matching ``query``
     (:func:`parse_search_query`; 400 for unsupported forms), newest first, with the visibility and
     read rules of :func:`list_tokens`. ``data:<value>`` matches the blind indexes of the tokens'
@@ -1298,18 +1404,28 @@ def search_tokens(session: Session, caller: Caller, query: str, *, size: int = 2
         stmt = stmt.where(Token.id == parsed.id)
     if parsed.data is not None:
         digest = get_keyring().blind_index(session, caller.tenant_id, parsed.data)
-        stmt = stmt.where(col(Token.id).in_(
-            select(TokenSearchIndex.token_id).where(
-                col(TokenSearchIndex.tenant_id) == caller.tenant_id, col(TokenSearchIndex.digest) == digest
+        stmt = stmt.where(
+            col(Token.id).in_(
+                select(TokenSearchIndex.token_id).where(
+                    col(TokenSearchIndex.tenant_id) == caller.tenant_id, col(TokenSearchIndex.digest) == digest
+                )
             )
-        ))
+        )
     stmt = _with_metadata(stmt, caller.tenant_id, parsed.metadata)
     return _cursor_page(session, caller, stmt, size=size, position=position, now=now)
 
 
-def children(session: Session, caller: Caller, parent_id: str, *, ids: Iterable[str] = (),
-             types: Iterable[str] = (), page: int = 1, size: int = 20,
-             now: dt.datetime | None = None) -> tuple[list[dict], int]:
+def children(
+    session: Session,
+    caller: Caller,
+    parent_id: str,
+    *,
+    ids: Iterable[str] = (),
+    types: Iterable[str] = (),
+    page: int = 1,
+    size: int = 20,
+    now: dt.datetime | None = None,
+) -> tuple[list[dict], int]:
     """``GET /tokens/{parent_id}/children`` (spec: "Token children"): the live children of a
     token, newest first, filtered by ``ids`` and ``types`` (any of each). The parent must be
     readable (403 as :func:`read_token`, 404 when missing); children are shown by the read rules,
@@ -1325,8 +1441,11 @@ def children(session: Session, caller: Caller, parent_id: str, *, ids: Iterable[
         conditions.append(col(Token.type).in_(types))
     total = session.exec(select(func.count()).select_from(Token).where(*conditions)).one()
     rows = session.exec(
-        _read_select().where(*conditions).order_by(col(Token.created_at).desc(), col(Token.id).desc())
-        .offset((page - 1) * size).limit(size)
+        _read_select()
+        .where(*conditions)
+        .order_by(col(Token.created_at).desc(), col(Token.id).desc())
+        .offset((page - 1) * size)
+        .limit(size)
     ).all()
     return _present(session, caller, rows, now), total
 
@@ -1340,8 +1459,11 @@ def delete_expired_tokens(session: Session, *, now: dt.datetime, batch: int = 50
     ``token.deleted`` event each. Rows locked by a concurrent sweep are skipped (``SKIP LOCKED`` on
     PostgreSQL). Returns how many were deleted; call again while it returns ``batch``."""
     rows = session.exec(
-        select(Token).where(col(Token.expires_at).is_not(None), col(Token.expires_at) <= now)
-        .order_by(col(Token.expires_at)).limit(batch).with_for_update(skip_locked=True)
+        select(Token)
+        .where(col(Token.expires_at).is_not(None), col(Token.expires_at) <= now)
+        .order_by(col(Token.expires_at))
+        .limit(batch)
+        .with_for_update(skip_locked=True)
     ).all()
     by_tenant: dict[uuid.UUID, list[Token]] = defaultdict(list)
     for token in rows:
@@ -1361,8 +1483,11 @@ def purge_card_verification_codes(session: Session, *, now: dt.datetime, batch: 
     their ``cvc`` (the code is kept only for provider calls within ``cvc_retention_seconds``).
     Skips rows locked elsewhere (``SKIP LOCKED``). Returns how many tokens were rewritten."""
     rows = session.exec(
-        select(Token).where(col(Token.cvc_expires_at).is_not(None), col(Token.cvc_expires_at) <= now)
-        .order_by(col(Token.cvc_expires_at)).limit(batch).with_for_update(skip_locked=True)
+        select(Token)
+        .where(col(Token.cvc_expires_at).is_not(None), col(Token.cvc_expires_at) <= now)
+        .order_by(col(Token.cvc_expires_at))
+        .limit(batch)
+        .with_for_update(skip_locked=True)
     ).all()
     for token in rows:
         data = _open(session, token, now)

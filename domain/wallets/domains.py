@@ -84,7 +84,8 @@ def normalize_domain(value: str) -> str | None:
 
 def _domains_view(session: Session, tenant_id: uuid.UUID, environment: str) -> dict:
     rows = session.exec(
-        select(WalletDomain).where(WalletDomain.tenant_id == tenant_id, WalletDomain.environment == environment)
+        select(WalletDomain)
+        .where(WalletDomain.tenant_id == tenant_id, WalletDomain.environment == environment)
         .order_by(col(WalletDomain.created_at), WalletDomain.domain)
     ).all()
     return {"domains": [{"domain": row.domain, "status": row.status} for row in rows]}
@@ -101,7 +102,8 @@ def _normalized(values: Sequence[str], field: str) -> list[str]:
         domain = normalize_domain(value)
         if domain is None:
             errors[field if len(values) == 1 and field == "domain" else f"{field}[{index}]"] = [
-                "must be a domain name (labels of letters, digits and hyphens)"]
+                "must be a domain name (labels of letters, digits and hyphens)"
+            ]
         elif domain not in out:
             out.append(domain)
     if errors:
@@ -111,13 +113,20 @@ def _normalized(values: Sequence[str], field: str) -> list[str]:
 
 def _forget(session: Session, caller: Caller, row: WalletDomain) -> None:
     session.delete(row)
-    jobs.record(session, kind=REMOVE_TASK, tenant_id=caller.tenant_id, subject_type="wallet_domain_removal",
-                subject_id=row.domain, trace_id=caller.trace_id)
+    jobs.record(
+        session,
+        kind=REMOVE_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type="wallet_domain_removal",
+        subject_id=row.domain,
+        trace_id=caller.trace_id,
+    )
     audit.record(session, caller, entity_type=ENTITY, entity_id=row.domain, operation="delete")
 
 
-def register_domains(session: Session, caller: Caller, values: Sequence[str], *, replace: bool,
-                     field: str) -> list[uuid.UUID]:
+def register_domains(
+    session: Session, caller: Caller, values: Sequence[str], *, replace: bool, field: str
+) -> list[uuid.UUID]:
     """Record the registration of ``values`` (``POST``: add one; ``PUT`` with ``replace``: the set
     becomes exactly ``values``, the others are removed). Returns the ids of the jobs to wait for.
     400 for a malformed domain (keyed ``field`` or ``field[i]``) or more than :data:`MAX_DOMAINS`;
@@ -127,9 +136,14 @@ def register_domains(session: Session, caller: Caller, values: Sequence[str], *,
     environment = environment_of(caller.tenant_type)
     # one registration at a time per tenant: the limit and the set stay exact under concurrent requests
     session.exec(select(Tenant.id).where(Tenant.id == caller.tenant_id).with_for_update()).first()
-    rows = {row.domain: row for row in session.exec(
-        select(WalletDomain).where(WalletDomain.tenant_id == caller.tenant_id, WalletDomain.environment == environment)
-    ).all()}
+    rows = {
+        row.domain: row
+        for row in session.exec(
+            select(WalletDomain).where(
+                WalletDomain.tenant_id == caller.tenant_id, WalletDomain.environment == environment
+            )
+        ).all()
+    }
     if replace:
         for domain, row in list(rows.items()):
             if domain not in wanted:
@@ -142,8 +156,15 @@ def register_domains(session: Session, caller: Caller, values: Sequence[str], *,
     for domain in new:
         row = WalletDomain(tenant_id=caller.tenant_id, environment=environment, domain=domain)
         session.add(row)
-        job = jobs.record(session, kind=REGISTER_TASK, tenant_id=caller.tenant_id, subject_type="wallet_domain",
-                          subject_id=str(row.id), trace_id=caller.trace_id, max_attempts=1)
+        job = jobs.record(
+            session,
+            kind=REGISTER_TASK,
+            tenant_id=caller.tenant_id,
+            subject_type="wallet_domain",
+            subject_id=str(row.id),
+            trace_id=caller.trace_id,
+            max_attempts=1,
+        )
         job_ids.append(job.id)
         audit.record(session, caller, entity_type=ENTITY, entity_id=domain, operation="create")
     return job_ids
@@ -168,9 +189,13 @@ def registration_outcome(session: Session, caller: Caller, job_ids: Sequence[uui
 def deregister_domain(session: Session, caller: Caller, value: str) -> None:
     """``POST /wallet-a/domain-deregistration``: forget the domain (404 when not registered)."""
     domain = _normalized([value], "domain")[0]
-    row = session.exec(select(WalletDomain).where(
-        WalletDomain.tenant_id == caller.tenant_id, WalletDomain.environment == environment_of(caller.tenant_type),
-        WalletDomain.domain == domain)).first()
+    row = session.exec(
+        select(WalletDomain).where(
+            WalletDomain.tenant_id == caller.tenant_id,
+            WalletDomain.environment == environment_of(caller.tenant_type),
+            WalletDomain.domain == domain,
+        )
+    ).first()
     if row is None:
         raise not_found("domain")
     _forget(session, caller, row)
@@ -195,14 +220,20 @@ def perform_registration(job: Job) -> bool:
     domain, _environment = found
     settings = get_settings()
     url = settings.wallet_a_domain_file_url.replace("{domain}", domain)
-    result = http.fetch(url, timeout_s=settings.webhook_timeout_seconds,
-                        allow_private=settings.allow_private_destinations, ca_certs=settings.wallet_a_domain_ca_certs,
-                        accept="*/*")
+    result = http.fetch(
+        url,
+        timeout_s=settings.webhook_timeout_seconds,
+        allow_private=settings.allow_private_destinations,
+        ca_certs=settings.wallet_a_domain_ca_certs,
+        accept="*/*",
+    )
     if result.outcome != "success" or not result.response_body.strip():
         reason = "it is empty" if result.outcome == "success" else (result.error or f"HTTP {result.status_code}")
-        raise jobs.PermanentError("domain_verification_failed",
-                                  f"The domain verification file of {domain} is not available "
-                                  f"(/.well-known/apple-developer-merchantid-domain-association: {reason}).")
+        raise jobs.PermanentError(
+            "domain_verification_failed",
+            f"The domain verification file of {domain} is not available "
+            f"(/.well-known/apple-developer-merchantid-domain-association: {reason}).",
+        )
     gateway = wallet_gateway_for("test" if _environment == "sandbox" else "production", settings)
     gateway.register_domain(str(job.tenant_id), domain, idempotency_key=str(job.id))
     return True
@@ -238,8 +269,15 @@ def perform_removal(job: Job) -> None:
 # ---- merchant sessions ---------------------------------------------------------------------------
 
 
-def start_session(session: Session, caller: Caller, *, display_name: str, domain: str,
-                  validation_url: str | None, merchant_registration_id: str | None) -> tuple[uuid.UUID, uuid.UUID]:
+def start_session(
+    session: Session,
+    caller: Caller,
+    *,
+    display_name: str,
+    domain: str,
+    validation_url: str | None,
+    merchant_registration_id: str | None,
+) -> tuple[uuid.UUID, uuid.UUID]:
     """``POST /wallet-a/session``: the checks of the module docstring, then the recorded request and
     its job; returns ``(session row id, job id)``."""
     environment = environment_of(caller.tenant_type)
@@ -247,30 +285,62 @@ def start_session(session: Session, caller: Caller, *, display_name: str, domain
     url = validation_url or default
     targeted = gateway_environment(url)
     if targeted is None:
-        raise Problem(422, "validation_url is not an allowed gateway of the wallet provider.",
-                      title="Session refused")
+        raise Problem(422, "validation_url is not an allowed gateway of the wallet provider.", title="Session refused")
     if targeted != environment:
-        raise Problem(422, f"The merchant is not enrolled in the {targeted} environment that validation_url "
-                      f"targets; this tenant works with the {environment} environment.", title="Session refused")
+        raise Problem(
+            422,
+            f"The merchant is not enrolled in the {targeted} environment that validation_url "
+            f"targets; this tenant works with the {environment} environment.",
+            title="Session refused",
+        )
     name = normalize_domain(domain)
-    if name is None or not session.exec(select(WalletDomain).where(
-        WalletDomain.tenant_id == caller.tenant_id, WalletDomain.environment == environment,
-        WalletDomain.domain == name, WalletDomain.status == WalletDomainStatus.VERIFIED)).first():
-        raise Problem(422, f"The domain {domain[:253]} is not registered for this tenant in the {environment} "
-                      "environment; register it with POST /wallet-a/domain-registration.", title="Session refused")
+    if (
+        name is None
+        or not session.exec(
+            select(WalletDomain).where(
+                WalletDomain.tenant_id == caller.tenant_id,
+                WalletDomain.environment == environment,
+                WalletDomain.domain == name,
+                WalletDomain.status == WalletDomainStatus.VERIFIED,
+            )
+        ).first()
+    ):
+        raise Problem(
+            422,
+            f"The domain {domain[:253]} is not registered for this tenant in the {environment} "
+            "environment; register it with POST /wallet-a/domain-registration.",
+            title="Session refused",
+        )
     if environment == "production":
-        raise Problem(422, "The certificate configuration for the production gateway is missing: this deployment "
-                      "holds no merchant identity certificate.", title="Session refused")
+        raise Problem(
+            422,
+            "The certificate configuration for the production gateway is missing: this deployment "
+            "holds no merchant identity certificate.",
+            title="Session refused",
+        )
     # requests whose process died before reading their answer leave rows: cleared here, lazily
     stale = utcnow() - STALE_SESSION
-    for old in session.exec(select(WalletSession).where(WalletSession.tenant_id == caller.tenant_id,
-                                                         WalletSession.created_at < stale)).all():
+    for old in session.exec(
+        select(WalletSession).where(WalletSession.tenant_id == caller.tenant_id, WalletSession.created_at < stale)
+    ).all():
         session.delete(old)
-    row = WalletSession(tenant_id=caller.tenant_id, validation_url=url, display_name=display_name, domain=name,
-                        merchant_registration_id=merchant_registration_id)
+    row = WalletSession(
+        tenant_id=caller.tenant_id,
+        validation_url=url,
+        display_name=display_name,
+        domain=name,
+        merchant_registration_id=merchant_registration_id,
+    )
     session.add(row)
-    job = jobs.record(session, kind=SESSION_TASK, tenant_id=caller.tenant_id, subject_type="wallet_session",
-                      subject_id=str(row.id), trace_id=caller.trace_id, max_attempts=1)
+    job = jobs.record(
+        session,
+        kind=SESSION_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type="wallet_session",
+        subject_id=str(row.id),
+        trace_id=caller.trace_id,
+        max_attempts=1,
+    )
     return row.id, job.id
 
 
@@ -283,8 +353,9 @@ def session_outcome(session: Session, caller: Caller, row_id: uuid.UUID, job_id:
         session.delete(row)
     if job is not None and job.status == JobStatus.SUCCEEDED and row is not None and row.session_ct is not None:
         audit.record(session, caller, entity_type="wallet-a-session", entity_id=row_id, operation="create")
-        return json.loads(get_keyring().decrypt(session, caller.tenant_id, SESSION_PURPOSE, str(row_id),
-                                                row.session_ct))
+        return json.loads(
+            get_keyring().decrypt(session, caller.tenant_id, SESSION_PURPOSE, str(row_id), row.session_ct)
+        )
     if job is not None and job.status == JobStatus.FAILED:
         message = (job.last_error or "").split(": ", 1)[-1]
         raise Problem(422, f"The wallet provider rejected the request: {message}", title="Session refused")
@@ -297,8 +368,15 @@ def perform_session(job: Job) -> dict | None:
         row = session.get(WalletSession, uuid.UUID(job.subject_id))
         if row is None:
             return None
-        url, body = row.validation_url, {"merchantIdentifier": str(job.tenant_id), "displayName": row.display_name,
-                                         "initiative": "web", "initiativeContext": row.domain}
+        url, body = (
+            row.validation_url,
+            {
+                "merchantIdentifier": str(job.tenant_id),
+                "displayName": row.display_name,
+                "initiative": "web",
+                "initiativeContext": row.domain,
+            },
+        )
         if row.merchant_registration_id:
             body["merchantRegistrationId"] = row.merchant_registration_id
     return wallet_gateway_for("test").payment_session(url, body)
@@ -308,7 +386,8 @@ def apply_session(session: Session, job: Job, answer: dict | None) -> dict:
     """Seal the session object on its request row (if the request still waits)."""
     row = session.get(WalletSession, uuid.UUID(job.subject_id))
     if answer is not None and row is not None:
-        row.session_ct = get_keyring().encrypt(session, row.tenant_id, SESSION_PURPOSE, str(row.id),
-                                               json.dumps(answer).encode())
+        row.session_ct = get_keyring().encrypt(
+            session, row.tenant_id, SESSION_PURPOSE, str(row.id), json.dumps(answer).encode()
+        )
         session.add(row)
     return {}

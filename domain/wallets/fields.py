@@ -37,17 +37,25 @@ def obj(value: object, path: str, error: type[WalletTokenError] = MalformedToken
 
 
 @overload
-def text(container: dict, key: str, path: str, error: type[WalletTokenError] = MalformedToken,
-         *, optional: Literal[False] = False) -> str: ...
+def text(
+    container: dict,
+    key: str,
+    path: str,
+    error: type[WalletTokenError] = MalformedToken,
+    *,
+    optional: Literal[False] = False,
+) -> str: ...
 
 
 @overload
-def text(container: dict, key: str, path: str, error: type[WalletTokenError] = MalformedToken,
-         *, optional: bool) -> str | None: ...
+def text(
+    container: dict, key: str, path: str, error: type[WalletTokenError] = MalformedToken, *, optional: bool
+) -> str | None: ...
 
 
-def text(container: dict, key: str, path: str, error: type[WalletTokenError] = MalformedToken,
-         *, optional: bool = False) -> str | None:
+def text(
+    container: dict, key: str, path: str, error: type[WalletTokenError] = MalformedToken, *, optional: bool = False
+) -> str | None:
     """``container[key]`` as a non-empty string (``None`` when ``optional`` and absent, null or empty),
     else ``error``."""
     value = container.get(key)
@@ -125,8 +133,11 @@ class CardData:
 
     def as_dict(self) -> dict:
         """``{number, expiration_month, expiration_year}`` as the resource's ``data`` member."""
-        return {"number": self.number, "expiration_month": self.expiration_month,
-                "expiration_year": self.expiration_year}
+        return {
+            "number": self.number,
+            "expiration_month": self.expiration_month,
+            "expiration_year": self.expiration_year,
+        }
 
 
 @dataclass(frozen=True)

@@ -81,22 +81,30 @@ def _merchant_id(certificate: x509.Certificate, id_hash: bytes) -> str:
 
 def key_view(row: WalletMerchantKey) -> dict:
     """A merchant key as answered: ``{id, public_key_hash, merchant_id, expires_at, created_at}``."""
-    return {"id": row.id, "public_key_hash": row.public_key_hash, "merchant_id": row.merchant_id,
-            "expires_at": row.expires_at, "created_at": row.created_at}
+    return {
+        "id": row.id,
+        "public_key_hash": row.public_key_hash,
+        "merchant_id": row.merchant_id,
+        "expires_at": row.expires_at,
+        "created_at": row.created_at,
+    }
 
 
-def _store_key(session: Session, caller: Caller, row: WalletMerchantKey,
-               private_key: ec.EllipticCurvePrivateKey) -> dict:
-    der = private_key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
+def _store_key(
+    session: Session, caller: Caller, row: WalletMerchantKey, private_key: ec.EllipticCurvePrivateKey
+) -> dict:
+    der = private_key.private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     row.private_key_ct = get_keyring().encrypt(session, caller.tenant_id, KEY_PURPOSE, str(row.id), der)
     session.add(row)
     audit.record(session, caller, entity_type=f"{row.wallet}-merchant-key", entity_id=row.id, operation="create")
     return key_view(row)
 
 
-def add_wallet_a_certificate(session: Session, caller: Caller, *, certificate: str, private_key: str,
-                             clock: Clock | None = None) -> dict:
+def add_wallet_a_certificate(
+    session: Session, caller: Caller, *, certificate: str, private_key: str, clock: Clock | None = None
+) -> dict:
     """``POST /wallet-a/merchant-certificates``: store a payment processing certificate and its key.
 
     422 (``merchant_certificate_invalid``) when the PEM cannot be read, the key is not P-256, does not
@@ -109,10 +117,15 @@ def add_wallet_a_certificate(session: Session, caller: Caller, *, certificate: s
     if key.expires_at is not None and key.expires_at <= now:
         raise MerchantCertificateInvalid(f"the certificate expired at {key.expires_at.isoformat()}")
     row = WalletMerchantKey(
-        tenant_id=caller.tenant_id, wallet=WALLET_A, public_key_hash=key.public_key_hash_b64,
+        tenant_id=caller.tenant_id,
+        wallet=WALLET_A,
+        public_key_hash=key.public_key_hash_b64,
         merchant_id=_merchant_id(cert, key.merchant_id_hash),
-        certificate_pem=cert.public_bytes(serialization.Encoding.PEM).decode(), private_key_ct=b"",
-        expires_at=key.expires_at, created_by=caller.application_id, created_at=now,
+        certificate_pem=cert.public_bytes(serialization.Encoding.PEM).decode(),
+        private_key_ct=b"",
+        expires_at=key.expires_at,
+        created_by=caller.application_id,
+        created_at=now,
     )
     return _store_key(session, caller, row, key.private_key)
 
@@ -136,9 +149,12 @@ def add_wallet_b_key(session: Session, caller: Caller, *, private_key: str, cloc
     ``merchant_id`` the recipient id ``merchant:<tenant id>``."""
     key = _wallet_b_private_key(private_key)
     row = WalletMerchantKey(
-        tenant_id=caller.tenant_id, wallet=WALLET_B,
+        tenant_id=caller.tenant_id,
+        wallet=WALLET_B,
         public_key_hash=base64.b64encode(wallet_a.public_key_hash(key.public_key())).decode(),
-        merchant_id=recipient_id(caller.tenant_id), private_key_ct=b"", created_by=caller.application_id,
+        merchant_id=recipient_id(caller.tenant_id),
+        private_key_ct=b"",
+        created_by=caller.application_id,
         created_at=(clock or CLOCK)(),
     )
     return _store_key(session, caller, row, key)
@@ -157,15 +173,21 @@ def list_keys(session: Session, caller: Caller, wallet: str) -> list[dict]:
 def delete_key(session: Session, caller: Caller, wallet: str, key_id: object) -> None:
     """Remove a merchant key (404 when missing or another tenant's); tokens sealed for it are refused
     from then on with ``merchant_key_not_found``."""
-    row = get_owned(session, WalletMerchantKey, key_id, caller.tenant_id,
-                    what="merchant key" if wallet == WALLET_B else "merchant certificate",
-                    where=lambda key: key.wallet == wallet)
+    row = get_owned(
+        session,
+        WalletMerchantKey,
+        key_id,
+        caller.tenant_id,
+        what="merchant key" if wallet == WALLET_B else "merchant certificate",
+        where=lambda key: key.wallet == wallet,
+    )
     session.delete(row)
     audit.record(session, caller, entity_type=f"{wallet}-merchant-key", entity_id=row.id, operation="delete")
 
 
-def _active_keys(session: Session, tenant_id: uuid.UUID, wallet: str,
-                 now: dt.datetime) -> list[tuple[WalletMerchantKey, ec.EllipticCurvePrivateKey]]:
+def _active_keys(
+    session: Session, tenant_id: uuid.UUID, wallet: str, now: dt.datetime
+) -> list[tuple[WalletMerchantKey, ec.EllipticCurvePrivateKey]]:
     rows = session.exec(
         select(WalletMerchantKey).where(WalletMerchantKey.tenant_id == tenant_id, WalletMerchantKey.wallet == wallet)
     ).all()
@@ -191,9 +213,17 @@ def recipient_id(tenant_id: uuid.UUID) -> str:
 
 def _card(data: CardData) -> dict:
     return {
-        "bin": bin_of(data.number), "last4": data.number[-4:], "expiration_month": data.expiration_month,
-        "expiration_year": data.expiration_year, "brand": card_brand(data.number), "funding": None,
-        "authentication": None, "issuer": None, "issuer_country": None, "segment": None, "product": None,
+        "bin": bin_of(data.number),
+        "last4": data.number[-4:],
+        "expiration_month": data.expiration_month,
+        "expiration_year": data.expiration_year,
+        "brand": card_brand(data.number),
+        "funding": None,
+        "authentication": None,
+        "issuer": None,
+        "issuer_country": None,
+        "segment": None,
+        "product": None,
     }
 
 
@@ -205,13 +235,23 @@ def token_view(row: WalletToken, *, data: dict | None = None, cryptogram: str | 
     """The wallet token resource (spec 001 section 2). ``data`` (already masked or complete) is left
     out when None; ``authentication.threeds_cryptogram`` is ``cryptogram`` (None in masked views)."""
     view = {
-        "id": row.id, "type": row.type, "tenant_id": row.tenant_id, "status": row.status,
-        "ingest_source": row.ingest_source, "expires_at": row.expires_at, "created_by": row.created_by,
-        "modified_by": row.modified_by, "created_at": row.created_at, "modified_at": row.modified_at,
-        "transaction_id": row.transaction_id, "payment_data_type": row.payment_data_type,
-        "device_manufacturer_identifier": row.device_manufacturer_identifier, "fingerprint": row.fingerprint,
+        "id": row.id,
+        "type": row.type,
+        "tenant_id": row.tenant_id,
+        "status": row.status,
+        "ingest_source": row.ingest_source,
+        "expires_at": row.expires_at,
+        "created_by": row.created_by,
+        "modified_by": row.modified_by,
+        "created_at": row.created_at,
+        "modified_at": row.modified_at,
+        "transaction_id": row.transaction_id,
+        "payment_data_type": row.payment_data_type,
+        "device_manufacturer_identifier": row.device_manufacturer_identifier,
+        "fingerprint": row.fingerprint,
         "card": row.card,
-        "authentication": None if row.payment_data_type == "EMV"
+        "authentication": None
+        if row.payment_data_type == "EMV"
         else {"threeds_cryptogram": cryptogram, "eci_indicator": row.eci_indicator},
     }
     if data is not None:
@@ -229,8 +269,14 @@ def _expires_at(requested: dt.datetime | None, default: dt.datetime | None, now:
     return requested
 
 
-def _store_token(session: Session, caller: Caller, row: WalletToken, data: CardData,
-                 authentication: Authentication | None, now: dt.datetime) -> WalletToken:
+def _store_token(
+    session: Session,
+    caller: Caller,
+    row: WalletToken,
+    data: CardData,
+    authentication: Authentication | None,
+    now: dt.datetime,
+) -> WalletToken:
     keyring = get_keyring()
     plain = json.dumps(data.as_dict(), separators=(",", ":")).encode()
     row.data_ct = keyring.encrypt(session, caller.tenant_id, DATA_PURPOSE, str(row.id), plain)
@@ -238,22 +284,33 @@ def _store_token(session: Session, caller: Caller, row: WalletToken, data: CardD
     row.card = _card(data)
     if authentication is not None:
         row.eci_indicator = authentication.eci_indicator
-        row.cryptogram_ct = keyring.encrypt(session, caller.tenant_id, CRYPTOGRAM_PURPOSE, str(row.id),
-                                            authentication.threeds_cryptogram.encode())
+        row.cryptogram_ct = keyring.encrypt(
+            session, caller.tenant_id, CRYPTOGRAM_PURPOSE, str(row.id), authentication.threeds_cryptogram.encode()
+        )
         row.cryptogram_expires_at = now + dt.timedelta(seconds=get_settings().wallet_cryptogram_retention_seconds)
     try:
         with session.begin_nested():
             session.add(row)
             session.flush()
     except IntegrityError:
-        raise Problem(409, f"This {row.wallet} token was already accepted (transaction {row.transaction_id}); "
-                      "a wallet token is accepted once.", title="Wallet token replayed") from None
+        raise Problem(
+            409,
+            f"This {row.wallet} token was already accepted (transaction {row.transaction_id}); "
+            "a wallet token is accepted once.",
+            title="Wallet token replayed",
+        ) from None
     audit.record(session, caller, entity_type=row.wallet, entity_id=row.id, operation="create")
     return row
 
 
-def create_wallet_a(session: Session, caller: Caller, apple_payment_data: Any, *,
-                    expires_at: dt.datetime | None = None, clock: Clock | None = None) -> dict:
+def create_wallet_a(
+    session: Session,
+    caller: Caller,
+    apple_payment_data: Any,
+    *,
+    expires_at: dt.datetime | None = None,
+    clock: Clock | None = None,
+) -> dict:
     """``POST /wallet-a``: verify and decrypt ``apple_payment_data`` (:func:`wallet_a.decrypt_payment`)
     with the tenant's active merchant certificates, store the resource, answer ``{wallet_a: resource}``
     without ``data``.
@@ -267,27 +324,37 @@ def create_wallet_a(session: Session, caller: Caller, apple_payment_data: Any, *
     now = clock()
     keys = _active_keys(session, caller.tenant_id, WALLET_A, now)
     if not keys:
-        raise MerchantKeyNotFound("no active merchant certificate is configured; add one with "
-                                  "POST /wallet-a/merchant-certificates")
+        raise MerchantKeyNotFound(
+            "no active merchant certificate is configured; add one with POST /wallet-a/merchant-certificates"
+        )
     merchant_keys = [
         wallet_a.MerchantKey(
             private_key=key,
             merchant_id_hash=wallet_a.merchant_id_hash(
-                x509.load_pem_x509_certificate(_pem_bytes(row.certificate_pem or ""))),
+                x509.load_pem_x509_certificate(_pem_bytes(row.certificate_pem or ""))
+            ),
             public_key_hash=base64.b64decode(row.public_key_hash),
             expires_at=row.expires_at,
         )
         for row, key in keys
     ]
     payment = wallet_a.decrypt_payment(
-        apple_payment_data, merchant_keys=merchant_keys, root=wallet_a.load_root_ca(settings.wallet_a_root_ca),
-        clock=clock, signing_time_window=dt.timedelta(seconds=settings.wallet_a_signing_time_window_seconds),
+        apple_payment_data,
+        merchant_keys=merchant_keys,
+        root=wallet_a.load_root_ca(settings.wallet_a_root_ca),
+        clock=clock,
+        signing_time_window=dt.timedelta(seconds=settings.wallet_a_signing_time_window_seconds),
     )
     row = WalletToken(
-        tenant_id=caller.tenant_id, wallet=WALLET_A, type=payment.type, transaction_id=payment.transaction_id,
+        tenant_id=caller.tenant_id,
+        wallet=WALLET_A,
+        type=payment.type,
+        transaction_id=payment.transaction_id,
         payment_data_type=payment.payment_data_type,
-        device_manufacturer_identifier=payment.device_manufacturer_identifier, data_ct=b"",
-        expires_at=_expires_at(expires_at, payment.expires_at, now), created_by=caller.application_id,
+        device_manufacturer_identifier=payment.device_manufacturer_identifier,
+        data_ct=b"",
+        expires_at=_expires_at(expires_at, payment.expires_at, now),
+        created_by=caller.application_id,
         created_at=now,
     )
     _store_token(session, caller, row, payment.data, payment.authentication, now)
@@ -297,14 +364,21 @@ def create_wallet_a(session: Session, caller: Caller, apple_payment_data: Any, *
 def _root_keys() -> list[wallet_b.RootSigningKey]:
     path = get_settings().wallet_b_root_keys
     if not path:
-        raise Problem(503, "wallet-b root signing keys are not configured on this deployment "
-                      "(TESSERA_WALLET_B_ROOT_KEYS).")
+        raise Problem(
+            503, "wallet-b root signing keys are not configured on this deployment (TESSERA_WALLET_B_ROOT_KEYS)."
+        )
     with open(path, "rb") as handle:
         return wallet_b.RootSigningKey.from_key_list(json.loads(handle.read()))
 
 
-def create_wallet_b(session: Session, caller: Caller, google_payment_data: Any, *,
-                    expires_at: dt.datetime | None = None, clock: Clock | None = None) -> dict:
+def create_wallet_b(
+    session: Session,
+    caller: Caller,
+    google_payment_data: Any,
+    *,
+    expires_at: dt.datetime | None = None,
+    clock: Clock | None = None,
+) -> dict:
     """``POST /wallet-b``: verify and decrypt an ECv2 token (:func:`wallet_b.decrypt_token`) sealed for
     ``merchant:<tenant id>`` with the tenant's merchant keys. ``CRYPTOGRAM_3DS`` stores a wallet token
     and answers ``{google_pay: resource}`` without ``data``; ``PAN_ONLY`` answers ``{token_intent: ...}``
@@ -319,18 +393,31 @@ def create_wallet_b(session: Session, caller: Caller, google_payment_data: Any, 
     if not keys:
         raise MerchantKeyNotFound("no wallet-b merchant key is configured; add one with POST /wallet-b/merchant-keys")
     payment = wallet_b.decrypt_token(
-        google_payment_data, recipient_id=recipient_id(caller.tenant_id), merchant_keys=[k for _, k in keys],
-        root_keys=_root_keys(), clock=clock,
+        google_payment_data,
+        recipient_id=recipient_id(caller.tenant_id),
+        merchant_keys=[k for _, k in keys],
+        root_keys=_root_keys(),
+        clock=clock,
     )
     if payment.resource_kind == "token_intent":
         intent = token_intents.create_intent(session, caller, type="card", data=payment.data.as_dict(), now=now)
         return {"token_intent": intent}
-    card_end = dt.datetime(payment.data.expiration_year + payment.data.expiration_month // 12,
-                           payment.data.expiration_month % 12 + 1, 1, tzinfo=dt.UTC) - dt.timedelta(microseconds=1)
+    card_end = dt.datetime(
+        payment.data.expiration_year + payment.data.expiration_month // 12,
+        payment.data.expiration_month % 12 + 1,
+        1,
+        tzinfo=dt.UTC,
+    ) - dt.timedelta(microseconds=1)
     row = WalletToken(
-        tenant_id=caller.tenant_id, wallet=WALLET_B, type=WALLET_B_TYPE, transaction_id=payment.message_id,
-        payment_data_type="3DSecure", data_ct=b"", expires_at=_expires_at(expires_at, card_end, now),
-        created_by=caller.application_id, created_at=now,
+        tenant_id=caller.tenant_id,
+        wallet=WALLET_B,
+        type=WALLET_B_TYPE,
+        transaction_id=payment.message_id,
+        payment_data_type="3DSecure",
+        data_ct=b"",
+        expires_at=_expires_at(expires_at, card_end, now),
+        created_by=caller.application_id,
+        created_at=now,
     )
     _store_token(session, caller, row, payment.data, payment.authentication, now)
     return {"google_pay": token_view(row)}
@@ -346,8 +433,9 @@ def _take_cryptogram(session: Session, row: WalletToken, caller_id: uuid.UUID | 
         return None
     cryptogram = None
     if row.cryptogram_expires_at is None or row.cryptogram_expires_at > now:
-        cryptogram = get_keyring().decrypt(session, row.tenant_id, CRYPTOGRAM_PURPOSE, str(row.id),
-                                           row.cryptogram_ct).decode()
+        cryptogram = (
+            get_keyring().decrypt(session, row.tenant_id, CRYPTOGRAM_PURPOSE, str(row.id), row.cryptogram_ct).decode()
+        )
     row.cryptogram_ct = None
     row.cryptogram_expires_at = None
     row.modified_by, row.modified_at = caller_id, now
@@ -360,8 +448,14 @@ def read_wallet_a(session: Session, caller: Caller, token_id: object, *, clock: 
     with ``wallet-a:reveal``, else ``data`` masked (``wallet-a:read``). 404 when missing or another
     tenant's. Writes a ``read`` log row."""
     now = (clock or CLOCK)()
-    row = get_owned(session, WalletToken, token_id, caller.tenant_id, what="wallet token",
-                    where=lambda token: token.wallet == WALLET_A)
+    row = get_owned(
+        session,
+        WalletToken,
+        token_id,
+        caller.tenant_id,
+        what="wallet token",
+        where=lambda token: token.wallet == WALLET_A,
+    )
     data = _open(session, row)
     audit.record(session, caller, entity_type=WALLET_A, entity_id=row.id, operation="read")
     if caller.has("wallet-a:reveal"):
@@ -373,8 +467,9 @@ def _jsonable(value: object) -> str:
     return value.isoformat() if isinstance(value, dt.datetime) else str(value)
 
 
-def load_for_proxy(session: Session, tenant_id: uuid.UUID, wallet: str, ids: Sequence[str], *,
-                   now: dt.datetime | None = None) -> dict[str, dict]:
+def load_for_proxy(
+    session: Session, tenant_id: uuid.UUID, wallet: str, ids: Sequence[str], *, now: dt.datetime | None = None
+) -> dict[str, dict]:
     """The resources of ``ids`` (text ids as written in expressions) of ``wallet`` in the tenant, each
     complete (``data`` and the cryptogram), for a proxy request: ``{id: resource}`` with ids and times
     as JSON text. Reading a cryptogram here is its use: it is erased in the caller's transaction."""
@@ -383,8 +478,9 @@ def load_for_proxy(session: Session, tenant_id: uuid.UUID, wallet: str, ids: Seq
     if not wanted:
         return {}
     rows = session.exec(
-        select(WalletToken).where(WalletToken.tenant_id == tenant_id, WalletToken.wallet == wallet,
-                                  col(WalletToken.id).in_(list(wanted)))
+        select(WalletToken).where(
+            WalletToken.tenant_id == tenant_id, WalletToken.wallet == wallet, col(WalletToken.id).in_(list(wanted))
+        )
     ).all()
     found = {}
     for row in rows:

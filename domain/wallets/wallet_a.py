@@ -408,7 +408,8 @@ def _verify_chain(signer: _Signer, root: x509.Certificate, now: dt.datetime) -> 
 def _chain_leaf_key(signer: _Signer, root: x509.Certificate, now: dt.datetime) -> ec.EllipticCurvePublicKey:
     leaf = next(
         (
-            cert for cert in signer.certificates
+            cert
+            for cert in signer.certificates
             if cert.serial_number == signer.serial_number and cert.issuer.public_bytes() == signer.issuer_der
         ),
         None,
@@ -606,5 +607,6 @@ def decrypt_payment(
     header = obj(payment_data.get("header"), "apple_payment_data.paymentData.header")
     if identifier.lower() != str(header.get("transactionId", "")).lower():
         raise MalformedToken("apple_payment_data.transactionIdentifier does not match paymentData.header.transactionId")
-    return decrypt_token(payment_data, merchant_keys=merchant_keys, root=root, clock=clock,
-                         signing_time_window=signing_time_window)
+    return decrypt_token(
+        payment_data, merchant_keys=merchant_keys, root=root, clock=clock, signing_time_window=signing_time_window
+    )

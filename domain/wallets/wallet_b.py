@@ -113,8 +113,9 @@ class RootSigningKey:
         entry = obj(entry, "rootSigningKey")
         expiration = entry.get("keyExpiration")
         return cls(
-            key=p256_public_key(b64(text(entry, "keyValue", "rootSigningKey"), "rootSigningKey.keyValue"),
-                                "rootSigningKey.keyValue"),
+            key=p256_public_key(
+                b64(text(entry, "keyValue", "rootSigningKey"), "rootSigningKey.keyValue"), "rootSigningKey.keyValue"
+            ),
             expires_at=None if expiration is None else _from_millis(expiration, "rootSigningKey.keyExpiration"),
             protocol_version=text(entry, "protocolVersion", "rootSigningKey"),
         )
@@ -189,7 +190,8 @@ def verify_intermediate_key(
             raise MalformedToken(f"intermediateSigningKey.signatures[{index}] must be a string")
         decoded.append(b64(signature, f"intermediateSigningKey.signatures[{index}]"))
     usable = [
-        root.key for root in root_keys
+        root.key
+        for root in root_keys
         if root.protocol_version == PROTOCOL_VERSION and (root.expires_at is None or root.expires_at > now)
     ]
     message = signed_string(SENDER_ID, PROTOCOL_VERSION, signed_key)
@@ -202,8 +204,9 @@ def verify_intermediate_key(
     if expires_at <= now:
         raise IntermediateKeyExpired(f"intermediate signing key expired at {expires_at.isoformat()}")
     value = text(key_json, "keyValue", "intermediateSigningKey.signedKey")
-    return p256_public_key(b64(value, "intermediateSigningKey.signedKey.keyValue"),
-                           "intermediateSigningKey.signedKey.keyValue")
+    return p256_public_key(
+        b64(value, "intermediateSigningKey.signedKey.keyValue"), "intermediateSigningKey.signedKey.keyValue"
+    )
 
 
 def derive_keys(shared_secret: bytes, ephemeral_public_key: bytes) -> tuple[bytes, bytes]:

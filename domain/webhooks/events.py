@@ -74,8 +74,15 @@ def emit(session: Session, *, tenant_id: uuid.UUID, type: str, data: dict, trace
     session.add(event)
     if subscribed:
         rows = Rows()
-        _delivery_rows(session, rows, tenant_id=tenant_id, event_id=event.id, webhook_ids=subscribed,
-                       trace_id=trace_id, now=event.created_at)
+        _delivery_rows(
+            session,
+            rows,
+            tenant_id=tenant_id,
+            event_id=event.id,
+            webhook_ids=subscribed,
+            trace_id=trace_id,
+            now=event.created_at,
+        )
         inspect(event).info[_DELIVERY_ROWS] = rows
     return event
 
@@ -94,19 +101,43 @@ def _write_deliveries(session, _context) -> None:
 
 
 def _delivery_rows(
-    session: Session, rows: Rows, *, tenant_id: uuid.UUID, event_id: uuid.UUID, webhook_ids: list[uuid.UUID],
-    trace_id: str | None, now: dt.datetime,
+    session: Session,
+    rows: Rows,
+    *,
+    tenant_id: uuid.UUID,
+    event_id: uuid.UUID,
+    webhook_ids: list[uuid.UUID],
+    trace_id: str | None,
+    now: dt.datetime,
 ) -> list[uuid.UUID]:
     """Queue in ``rows`` one delivery of event ``event_id`` per webhook of ``webhook_ids``: its job row
     (sent after the commit, batched) and its delivery row, both with one new id; returns the ids."""
     ids = [uuid.uuid4() for _ in webhook_ids]
-    jobs.stage_many(session, rows, [(i, str(w)) for i, w in zip(ids, webhook_ids, strict=True)], kind=DELIVER_TASK,
-                    tenant_id=tenant_id, subject_type="webhook", trace_id=trace_id,
-                    max_attempts=max_attempts(), now=now)
+    jobs.stage_many(
+        session,
+        rows,
+        [(i, str(w)) for i, w in zip(ids, webhook_ids, strict=True)],
+        kind=DELIVER_TASK,
+        tenant_id=tenant_id,
+        subject_type="webhook",
+        trace_id=trace_id,
+        max_attempts=max_attempts(),
+        now=now,
+    )
     table = table_of(WebhookDelivery)
     for delivery_id, webhook_id in zip(ids, webhook_ids, strict=True):
-        rows.add(table, {"id": delivery_id, "tenant_id": tenant_id, "webhook_id": webhook_id, "event_id": event_id,
-                         "last_status_code": None, "created_at": now, "completed_at": None})
+        rows.add(
+            table,
+            {
+                "id": delivery_id,
+                "tenant_id": tenant_id,
+                "webhook_id": webhook_id,
+                "event_id": event_id,
+                "last_status_code": None,
+                "created_at": now,
+                "completed_at": None,
+            },
+        )
     return ids
 
 
@@ -128,10 +159,23 @@ def emit_event(session: Session, *, tenant_id: uuid.UUID, type: str, data: dict,
     if connection.dialect.name != "postgresql":
         return emit(session, tenant_id=tenant_id, type=type, data=data, trace_id=trace_id).id
     event_id, now = uuid.uuid4(), utcnow()
-    delivery_ids = connection.execute(_EMIT_ONE, {
-        "event_id": event_id, "tenant_id": tenant_id, "type": type, "trace_id": trace_id, "data": data,
-        "now": now, "subscribed": [type], "max_attempts": max_attempts(),
-    }).scalars().all()
+    delivery_ids = (
+        connection.execute(
+            _EMIT_ONE,
+            {
+                "event_id": event_id,
+                "tenant_id": tenant_id,
+                "type": type,
+                "trace_id": trace_id,
+                "data": data,
+                "now": now,
+                "subscribed": [type],
+                "max_attempts": max_attempts(),
+            },
+        )
+        .scalars()
+        .all()
+    )
     if delivery_ids:
         enqueue_jobs_after_commit(session, DELIVER_TASK, [str(d) for d in delivery_ids])
     return event_id
@@ -145,28 +189,73 @@ def _emit_one_statement():
     job_table = table_of(Job)
     event_id = bindparam("event_id", type_=events.c.id.type)
     now = bindparam("now", type_=events.c.created_at.type)
-    event = insert(events).values(
-        id=event_id, tenant_id=bindparam("tenant_id", type_=events.c.tenant_id.type),
-        type=bindparam("type"), trace_id=bindparam("trace_id"), data=bindparam("data", type_=events.c.data.type),
-        created_at=now,
-    ).cte("event")
-    chosen = select(
-        func.gen_random_uuid().label("id"), webhooks.c.tenant_id, webhooks.c.id.label("webhook_id"),
-    ).where(
-        webhooks.c.tenant_id == bindparam("tenant_id", type_=events.c.tenant_id.type),
-        webhooks.c.status == WebhookStatus.ENABLED,
-        cast(webhooks.c.events, JSONB).contains(bindparam("subscribed", type_=JSONB)),
-    ).cte("chosen")
-    job_columns = ("id", "tenant_id", "kind", "subject_type", "subject_id", "status", "attempts", "max_attempts",
-                   "due_at", "created_at", "updated_at", "trace_id")
-    staged = insert(job_table).from_select(job_columns, select(
-        chosen.c.id, chosen.c.tenant_id, literal(DELIVER_TASK), literal("webhook"), cast(chosen.c.webhook_id, Text),
-        literal(JobStatus.QUEUED.value), literal(0), bindparam("max_attempts"), now, now, now, bindparam("trace_id"),
-    )).cte("job")
+    event = (
+        insert(events)
+        .values(
+            id=event_id,
+            tenant_id=bindparam("tenant_id", type_=events.c.tenant_id.type),
+            type=bindparam("type"),
+            trace_id=bindparam("trace_id"),
+            data=bindparam("data", type_=events.c.data.type),
+            created_at=now,
+        )
+        .cte("event")
+    )
+    chosen = (
+        select(
+            func.gen_random_uuid().label("id"),
+            webhooks.c.tenant_id,
+            webhooks.c.id.label("webhook_id"),
+        )
+        .where(
+            webhooks.c.tenant_id == bindparam("tenant_id", type_=events.c.tenant_id.type),
+            webhooks.c.status == WebhookStatus.ENABLED,
+            cast(webhooks.c.events, JSONB).contains(bindparam("subscribed", type_=JSONB)),
+        )
+        .cte("chosen")
+    )
+    job_columns = (
+        "id",
+        "tenant_id",
+        "kind",
+        "subject_type",
+        "subject_id",
+        "status",
+        "attempts",
+        "max_attempts",
+        "due_at",
+        "created_at",
+        "updated_at",
+        "trace_id",
+    )
+    staged = (
+        insert(job_table)
+        .from_select(
+            job_columns,
+            select(
+                chosen.c.id,
+                chosen.c.tenant_id,
+                literal(DELIVER_TASK),
+                literal("webhook"),
+                cast(chosen.c.webhook_id, Text),
+                literal(JobStatus.QUEUED.value),
+                literal(0),
+                bindparam("max_attempts"),
+                now,
+                now,
+                now,
+                bindparam("trace_id"),
+            ),
+        )
+        .cte("job")
+    )
     columns = ("id", "tenant_id", "webhook_id", "event_id", "created_at")
-    return insert(deliveries).from_select(
-        columns, select(chosen.c.id, chosen.c.tenant_id, chosen.c.webhook_id, event_id, now)
-    ).add_cte(event, staged).returning(deliveries.c.id)
+    return (
+        insert(deliveries)
+        .from_select(columns, select(chosen.c.id, chosen.c.tenant_id, chosen.c.webhook_id, event_id, now))
+        .add_cte(event, staged)
+        .returning(deliveries.c.id)
+    )
 
 
 _EMIT_ONE = _emit_one_statement()
@@ -185,7 +274,13 @@ def emit_many(session: Session, *, tenant_id: uuid.UUID, type: str, datas: list[
 
 
 def stage_events(
-    session: Session, rows: Rows, *, tenant_id: uuid.UUID, type: str, datas: list[dict], trace_id: str | None,
+    session: Session,
+    rows: Rows,
+    *,
+    tenant_id: uuid.UUID,
+    type: str,
+    datas: list[dict],
+    trace_id: str | None,
     now: dt.datetime | None = None,
 ) -> int:
     """Queue in ``rows`` the events of ``datas`` and their deliveries, only when an enabled webhook
@@ -196,13 +291,21 @@ def stage_events(
         raise ValueError(f"unknown event type {type}")
     if type not in subscriptions.types(session, tenant_id):
         return 0
-    return _event_rows(session, rows, tenant_id=tenant_id, type=type, datas=datas, trace_id=trace_id, now=now,
-                       only_subscribed=True)
+    return _event_rows(
+        session, rows, tenant_id=tenant_id, type=type, datas=datas, trace_id=trace_id, now=now, only_subscribed=True
+    )
 
 
 def _event_rows(
-    session: Session, rows: Rows, *, tenant_id: uuid.UUID, type: str, datas: list[dict], trace_id: str | None,
-    now: dt.datetime | None = None, only_subscribed: bool = False,
+    session: Session,
+    rows: Rows,
+    *,
+    tenant_id: uuid.UUID,
+    type: str,
+    datas: list[dict],
+    trace_id: str | None,
+    now: dt.datetime | None = None,
+    only_subscribed: bool = False,
 ) -> int:
     """Queue the event rows and delivery rows of ``datas`` (every event, or only when a webhook
     subscribes) and the delivery task after the commit; returns how many deliveries."""
@@ -215,10 +318,28 @@ def _event_rows(
     delivery_ids = 0
     for data in datas:
         event_id = uuid.uuid4()
-        rows.add(table_of(Event), {"id": event_id, "tenant_id": tenant_id, "type": type, "trace_id": trace_id,
-                                   "data": data, "created_at": now})
-        delivery_ids += len(_delivery_rows(session, rows, tenant_id=tenant_id, event_id=event_id,
-                                           webhook_ids=subscribed, trace_id=trace_id, now=now))
+        rows.add(
+            table_of(Event),
+            {
+                "id": event_id,
+                "tenant_id": tenant_id,
+                "type": type,
+                "trace_id": trace_id,
+                "data": data,
+                "created_at": now,
+            },
+        )
+        delivery_ids += len(
+            _delivery_rows(
+                session,
+                rows,
+                tenant_id=tenant_id,
+                event_id=event_id,
+                webhook_ids=subscribed,
+                trace_id=trace_id,
+                now=now,
+            )
+        )
     return delivery_ids
 
 
@@ -227,8 +348,9 @@ def _enabled_webhooks(session: Session, tenant_id: uuid.UUID) -> list[tuple[uuid
     cache = session.info.setdefault(_WEBHOOK_CACHE, {})
     if tenant_id not in cache:
         cache[tenant_id] = session.exec(
-            select(Webhook.id, Webhook.events)
-            .where(Webhook.tenant_id == tenant_id, Webhook.status == WebhookStatus.ENABLED)
+            select(Webhook.id, Webhook.events).where(
+                Webhook.tenant_id == tenant_id, Webhook.status == WebhookStatus.ENABLED
+            )
         ).all()
     return cache[tenant_id]
 

@@ -125,8 +125,9 @@ def read_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> dic
 def list_webhooks(session: Session, caller: Caller, *, size: int, after: dict | None) -> tuple[list[dict], dict | None]:
     """``GET /webhooks``: one page, oldest first, and the next keyset position (or None)."""
     query = select(Webhook).where(Webhook.tenant_id == caller.tenant_id)
-    rows, next_position = keyset_page(session, query, order=(Webhook.created_at, Webhook.id), size=size, after=after,
-                                      descending=False)
+    rows, next_position = keyset_page(
+        session, query, order=(Webhook.created_at, Webhook.id), size=size, after=after, descending=False
+    )
     return [webhook_view(w) for w in rows], next_position
 
 
@@ -162,8 +163,9 @@ def delete_webhook(session: Session, caller: Caller, webhook_id: uuid.UUID) -> N
     webhook = get_webhook(session, caller, webhook_id)
     session.execute(  # the deliveries' jobs; each takes its delivery row and attempts with it
         delete(Job)
-        .where(col(Job.kind) == DELIVER_TASK, col(Job.subject_type) == "webhook",
-               col(Job.subject_id) == str(webhook.id))
+        .where(
+            col(Job.kind) == DELIVER_TASK, col(Job.subject_type) == "webhook", col(Job.subject_id) == str(webhook.id)
+        )
         .execution_options(synchronize_session=False)
     )
     session.delete(webhook)
@@ -178,8 +180,9 @@ def message_id(delivery_id: uuid.UUID) -> str:
     return f"msg_{delivery_id.hex}"
 
 
-def delivery_view(delivery: WebhookDelivery, job_status: str, due_at: dt.datetime, event_type: str,
-                  attempts: list[WebhookAttempt]) -> dict:
+def delivery_view(
+    delivery: WebhookDelivery, job_status: str, due_at: dt.datetime, event_type: str, attempts: list[WebhookAttempt]
+) -> dict:
     """A delivery with its attempts (newest attempt last); ``job_status`` and ``due_at`` are its job's."""
     status = DELIVERY_STATUS[job_status]
     return {
@@ -224,8 +227,14 @@ def list_deliveries(
         .join(Event, col(Event.id) == WebhookDelivery.event_id)
         .where(WebhookDelivery.webhook_id == webhook.id)
     )
-    rows, next_position = keyset_page(session, query, order=(WebhookDelivery.created_at, WebhookDelivery.id),
-                                      size=size, after=after, entity=lambda row: row[0])
+    rows, next_position = keyset_page(
+        session,
+        query,
+        order=(WebhookDelivery.created_at, WebhookDelivery.id),
+        size=size,
+        after=after,
+        entity=lambda row: row[0],
+    )
     attempts: dict[uuid.UUID, list[WebhookAttempt]] = {}
     if rows:
         for attempt in session.exec(
@@ -234,8 +243,10 @@ def list_deliveries(
             .order_by(col(WebhookAttempt.attempted_at), WebhookAttempt.number)
         ):
             attempts.setdefault(attempt.delivery_id, []).append(attempt)
-    return [delivery_view(d, job_status, due_at, event_type, attempts.get(d.id, []))
-            for d, job_status, due_at, event_type in rows], next_position
+    return [
+        delivery_view(d, job_status, due_at, event_type, attempts.get(d.id, []))
+        for d, job_status, due_at, event_type in rows
+    ], next_position
 
 
 def redeliver(session: Session, caller: Caller, webhook_id: uuid.UUID, delivery_ref: str) -> dict:
@@ -345,8 +356,22 @@ def lease_batch(
     delivered_at = utcnow().isoformat()
     timestamp = int(time.time())
     prepared, closed = [], []
-    for (delivery_id, attempts, max_attempts, webhook_id, url, webhook_status, event_id, event_type,
-         event_created_at, tenant_id, trace_id, data, secret_ct, tenant_deleted_at) in rows:
+    for (
+        delivery_id,
+        attempts,
+        max_attempts,
+        webhook_id,
+        url,
+        webhook_status,
+        event_id,
+        event_type,
+        event_created_at,
+        tenant_id,
+        trace_id,
+        data,
+        secret_ct,
+        tenant_deleted_at,
+    ) in rows:
         if webhook_status != WebhookStatus.ENABLED or tenant_deleted_at is not None:
             closed.append(delivery_id)
             continue
@@ -491,9 +516,15 @@ def _note_failure(session: Session, webhook: Webhook, now: dt.datetime, settings
         webhook.disabled_reason = f"deliveries failed for {int(failing_for)} s without a success"
         webhook.modified_at = now
         if webhook.notify_email:
-            jobs.record(session, kind=NOTIFY_TASK, tenant_id=webhook.tenant_id, subject_type="webhook",
-                        subject_id=str(webhook.id),
-                        trace_id=None, max_attempts=8)
+            jobs.record(
+                session,
+                kind=NOTIFY_TASK,
+                tenant_id=webhook.tenant_id,
+                subject_type="webhook",
+                subject_id=str(webhook.id),
+                trace_id=None,
+                max_attempts=8,
+            )
     session.add(webhook)
 
 
@@ -520,8 +551,9 @@ def disabled_notice(session: Session, webhook_id: uuid.UUID) -> DisabledNotice |
     return DisabledNotice(to=webhook.notify_email, subject=f"Webhook '{webhook.name}' disabled", text=text)
 
 
-def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], settings: Settings, *,
-                          now: dt.datetime | None = None) -> int:
+def postpone_busy_tenants(
+    session: Session, delivery_ids: list[uuid.UUID], settings: Settings, *, now: dt.datetime | None = None
+) -> int:
     """Postpone the due, unleased deliveries of ``delivery_ids`` whose tenant is behind and busy: it has
     a delivery due more than ``settings.webhook_backlog_seconds`` ago still pending (a flood, or a slow
     receiver), and already holds ``settings.webhook_tenant_slots`` worker slots (distinct task runs with
@@ -535,43 +567,53 @@ def postpone_busy_tenants(session: Session, delivery_ids: list[uuid.UUID], setti
     if slots <= 0 or not delivery_ids:
         return 0
     now = now or utcnow()
-    tenants = sorted(set(session.execute(
-        select(Job.tenant_id).where(col(Job.id).in_(delivery_ids))).scalars()), key=str)
+    tenants = sorted(
+        set(session.execute(select(Job.tenant_id).where(col(Job.id).in_(delivery_ids))).scalars()), key=str
+    )
     if session.get_bind().dialect.name == "postgresql":
         for tenant_id in tenants:
             session.execute(select(func.pg_advisory_xact_lock(func.hashtext(str(tenant_id)))))
     waiting = (col(Job.kind) == DELIVER_TASK, col(Job.status).in_(JOB_TAKEABLE))  # ix_jobs_deliveries_waiting
     busy = []
     for tenant_id in tenants:
-        behind = session.execute(select(Job.id).where(
-            *waiting,
-            Job.tenant_id == tenant_id,
-            Job.due_at < now - dt.timedelta(seconds=settings.webhook_backlog_seconds),
-        ).limit(1)).first()
+        behind = session.execute(
+            select(Job.id)
+            .where(
+                *waiting,
+                Job.tenant_id == tenant_id,
+                Job.due_at < now - dt.timedelta(seconds=settings.webhook_backlog_seconds),
+            )
+            .limit(1)
+        ).first()
         if behind is None:
             continue
-        held = session.execute(select(func.count(distinct(Job.lease_owner))).where(
-            *waiting,
-            Job.tenant_id == tenant_id,
-            Job.status == JobStatus.RUNNING,
-            col(Job.lease_expires_at) > now,
-        )).scalar_one()
+        held = session.execute(
+            select(func.count(distinct(Job.lease_owner))).where(
+                *waiting,
+                Job.tenant_id == tenant_id,
+                Job.status == JobStatus.RUNNING,
+                col(Job.lease_expires_at) > now,
+            )
+        ).scalar_one()
         if held >= slots:
             busy.append(tenant_id)
     if not busy:
         return 0
-    return rowcount(session.execute(
-        update(Job)
-        .where(
-            col(Job.id).in_(delivery_ids),
-            col(Job.tenant_id).in_(busy),
-            col(Job.status).in_(JOB_TAKEABLE),
-            or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
+    return rowcount(
+        session.execute(
+            update(Job)
+            .where(
+                col(Job.id).in_(delivery_ids),
+                col(Job.tenant_id).in_(busy),
+                col(Job.status).in_(JOB_TAKEABLE),
+                or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
+            )
+            .values(
+                due_at=now + dt.timedelta(seconds=settings.webhook_postpone_seconds), enqueued_at=None, updated_at=now
+            )
+            .execution_options(synchronize_session=False)
         )
-        .values(due_at=now + dt.timedelta(seconds=settings.webhook_postpone_seconds), enqueued_at=None,
-                updated_at=now)
-        .execution_options(synchronize_session=False)
-    ))
+    )
 
 
 def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings) -> BatchOutcome:
@@ -590,8 +632,10 @@ def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings)
     )
     if not prepared and not closed:
         if postponed:
-            return BatchOutcome(counts={"postponed": postponed} | (
-                {"skipped": len(delivery_ids) - postponed} if len(delivery_ids) > postponed else {}))
+            return BatchOutcome(
+                counts={"postponed": postponed}
+                | ({"skipped": len(delivery_ids) - postponed} if len(delivery_ids) > postponed else {})
+            )
         return BatchOutcome(counts={"skipped": len(delivery_ids)})
     with session_scope() as session:
         outcome = record_outcomes(session, prepared, results, closed, settings)

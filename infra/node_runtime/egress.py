@@ -163,11 +163,19 @@ class EgressProxy:
     @staticmethod
     def _answer(client: socket.socket, status: int, reason: str) -> None:
         body = reason.encode("utf-8", "replace")[:512]
-        phrase = {403: "Forbidden", 405: "Method Not Allowed", 431: "Request Header Fields Too Large",
-                  502: "Bad Gateway", 503: "Service Unavailable"}[status]
+        phrase = {
+            403: "Forbidden",
+            405: "Method Not Allowed",
+            431: "Request Header Fields Too Large",
+            502: "Bad Gateway",
+            503: "Service Unavailable",
+        }[status]
         with contextlib.suppress(OSError):
-            client.sendall(f"HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain\r\ncontent-length: {len(body)}"
-                           f"\r\nconnection: close\r\n\r\n".encode() + body)
+            client.sendall(
+                f"HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain\r\ncontent-length: {len(body)}"
+                f"\r\nconnection: close\r\n\r\n".encode()
+                + body
+            )
 
 
 def _relay(a: socket.socket, b: socket.socket) -> None:

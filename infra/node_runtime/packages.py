@@ -95,8 +95,9 @@ def dependency_errors(field: str, pins: object) -> dict[str, list[str]]:
 
 def dependency_key(dependencies: Mapping[str, str], resolutions: Mapping[str, str]) -> str:
     """The cache key of a dependency set: SHA-256 (hex) of the sorted dependency and resolution maps."""
-    canonical = json.dumps({"dependencies": dict(dependencies), "resolutions": dict(resolutions)},
-                           sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(
+        {"dependencies": dict(dependencies), "resolutions": dict(resolutions)}, sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -139,8 +140,13 @@ class Vulnerability:
 
     def as_dict(self) -> dict:
         """``{name, version, severity, id, dependency_path}`` as the API shows it."""
-        return {"name": self.name, "version": self.version, "severity": self.severity, "id": self.id,
-                "dependency_path": list(self.dependency_path)}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "severity": self.severity,
+            "id": self.id,
+            "dependency_path": list(self.dependency_path),
+        }
 
 
 def npm_environment() -> dict[str, str]:
@@ -194,20 +200,45 @@ def install(
     return Installation(target, key)
 
 
-def _install_into(directory: Path, dependencies: Mapping[str, str], resolutions: Mapping[str, str],
-                  node: NodeInstallation, timeout: float) -> None:
-    manifest = {"name": "tessera-code-dependencies", "version": "0.0.0", "private": True,
-                "dependencies": dict(sorted(dependencies.items())),
-                "overrides": dict(sorted(resolutions.items()))}
+def _install_into(
+    directory: Path,
+    dependencies: Mapping[str, str],
+    resolutions: Mapping[str, str],
+    node: NodeInstallation,
+    timeout: float,
+) -> None:
+    manifest = {
+        "name": "tessera-code-dependencies",
+        "version": "0.0.0",
+        "private": True,
+        "dependencies": dict(sorted(dependencies.items())),
+        "overrides": dict(sorted(resolutions.items())),
+    }
     (directory / "package.json").write_text(json.dumps(manifest, indent=2))
     if not dependencies:
         (directory / "node_modules").mkdir()
-        lock = {"name": manifest["name"], "version": "0.0.0", "lockfileVersion": 3, "requires": True,
-                "packages": {"": {"name": manifest["name"], "version": "0.0.0"}}}
+        lock = {
+            "name": manifest["name"],
+            "version": "0.0.0",
+            "lockfileVersion": 3,
+            "requires": True,
+            "packages": {"": {"name": manifest["name"], "version": "0.0.0"}},
+        }
         (directory / "package-lock.json").write_text(json.dumps(lock, indent=2))
         return
-    completed = _npm(node, directory, timeout, "install", "--ignore-scripts", "--no-audit", "--no-fund",
-                     "--no-bin-links", "--omit=dev", "--package-lock=true", "--loglevel=error")
+    completed = _npm(
+        node,
+        directory,
+        timeout,
+        "install",
+        "--ignore-scripts",
+        "--no-audit",
+        "--no-fund",
+        "--no-bin-links",
+        "--omit=dev",
+        "--package-lock=true",
+        "--loglevel=error",
+    )
     if completed is None:
         raise InstallFailed(f"npm install did not finish within {timeout:g} s")
     if completed.returncode != 0:
@@ -219,8 +250,13 @@ def _npm(node: NodeInstallation, directory: Path, timeout: float, *args: str) ->
     """Run ``npm args`` in ``directory`` (:func:`npm_environment`, no stdin); None after ``timeout`` s."""
     try:
         return subprocess.run(  # noqa: S603 - npm on our Node.js, a fixed argv, no shell
-            node.npm(*args, "--no-update-notifier"), cwd=directory, env=npm_environment(), capture_output=True,
-            text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+            node.npm(*args, "--no-update-notifier"),
+            cwd=directory,
+            env=npm_environment(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired:
         return None
@@ -277,8 +313,11 @@ def dependency_paths(lock: dict) -> dict[str, tuple[str, ...]]:
     while queue:
         location, chain = queue.popleft()
         entry = packages.get(location, {})
-        wanted = {**entry.get("dependencies", {}), **entry.get("optionalDependencies", {}),
-                  **entry.get("peerDependencies", {})}
+        wanted = {
+            **entry.get("dependencies", {}),
+            **entry.get("optionalDependencies", {}),
+            **entry.get("peerDependencies", {}),
+        }
         for name in sorted(wanted):
             found = _resolve(packages, location, name)
             if found is None or found in paths:
@@ -328,8 +367,13 @@ def scan_with_advisories(installation: Installation, advisories: list[Advisory])
     return _ordered(found)
 
 
-def npm_audit(installation: Installation, *, node: NodeInstallation | None = None, registry: str | None = None,
-              timeout: float = 120.0) -> list[Vulnerability]:
+def npm_audit(
+    installation: Installation,
+    *,
+    node: NodeInstallation | None = None,
+    registry: str | None = None,
+    timeout: float = 120.0,
+) -> list[Vulnerability]:
     """``npm audit --json`` of the installation, read against its lockfile.
 
     Only advisories on a package itself are reported (npm's derived "depends on a vulnerable
@@ -343,8 +387,9 @@ def npm_audit(installation: Installation, *, node: NodeInstallation | None = Non
     if not installed_packages(lock):
         return []
     options = [f"--registry={registry}"] if registry else []
-    completed = _npm(node or node_installation(), installation.directory, timeout, "audit", "--json", "--omit=dev",
-                     *options)
+    completed = _npm(
+        node or node_installation(), installation.directory, timeout, "audit", "--json", "--omit=dev", *options
+    )
     if completed is None:
         raise AuditUnavailable(f"npm audit did not finish within {timeout:g} s")
     try:
@@ -371,10 +416,15 @@ def audit_report_vulnerabilities(report: dict, lock: dict) -> list[Vulnerability
             version = (packages.get(location) or {}).get("version", "")
             for via in advisories:
                 ghsa = _GHSA.search(str(via.get("url") or ""))
-                found.append(Vulnerability(
-                    name, version, _severity(via.get("severity")), ghsa.group(0) if ghsa else str(via.get("source")),
-                    paths.get(location, (name,)),
-                ))
+                found.append(
+                    Vulnerability(
+                        name,
+                        version,
+                        _severity(via.get("severity")),
+                        ghsa.group(0) if ghsa else str(via.get("source")),
+                        paths.get(location, (name,)),
+                    )
+                )
     return _ordered(found)
 
 

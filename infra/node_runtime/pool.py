@@ -62,9 +62,17 @@ class NodePool:
     :data:`OWNER_CHECK_SECONDS` and retires those keys.
     """
 
-    def __init__(self, *, max_idle: int = 32, node: NodeInstallation | None = None, bwrap: str = "bwrap",
-                 egress_allow: frozenset[str] = frozenset(), tmp_mib: int = 16, idle_seconds: float = 300.0,
-                 owner_check: Callable[[set[str]], set[str]] | None = None):
+    def __init__(
+        self,
+        *,
+        max_idle: int = 32,
+        node: NodeInstallation | None = None,
+        bwrap: str = "bwrap",
+        egress_allow: frozenset[str] = frozenset(),
+        tmp_mib: int = 16,
+        idle_seconds: float = 300.0,
+        owner_check: Callable[[set[str]], set[str]] | None = None,
+    ):
         self.max_idle = max_idle
         self.owner_check = owner_check
         self.node = node or node_installation()
@@ -247,8 +255,7 @@ class NodePool:
         with self._lock:
             group = self._idle.setdefault(program.key, [])
             self._idle.move_to_end(program.key)
-            if (not reusable or self._closed or program.key in self._retired
-                    or len(group) >= max(1, program.keep_warm)):
+            if not reusable or self._closed or program.key in self._retired or len(group) >= max(1, program.keep_warm):
                 evicted.append(process)
             else:
                 process.freeze()

@@ -97,8 +97,15 @@ class NodeProcess:
         info_read, info_write = os.pipe()
         try:
             self.popen = subprocess.Popen(  # noqa: S603 - a fixed argv, no shell
-                sandbox.command(program, node, bwrap=confinement.bwrap, egress_socket=confinement.egress_socket,
-                                seccomp=seccomp, info=info_write, tmp_mib=confinement.tmp_mib),
+                sandbox.command(
+                    program,
+                    node,
+                    bwrap=confinement.bwrap,
+                    egress_socket=confinement.egress_socket,
+                    seccomp=seccomp,
+                    info=info_write,
+                    tmp_mib=confinement.tmp_mib,
+                ),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
@@ -150,8 +157,12 @@ class NodeProcess:
         error = frame.get("load_error")
         if isinstance(error, dict):
             line = error.get("line")
-            raise CodeLoadError(str(error.get("kind")), str(error.get("name")), str(error.get("message")),
-                                line if isinstance(line, int) else None)
+            raise CodeLoadError(
+                str(error.get("kind")),
+                str(error.get("name")),
+                str(error.get("message")),
+                line if isinstance(line, int) else None,
+            )
         raise ProcessEnded("the process broke the protocol at start")
 
     def call(self, payload: object) -> Outcome:

@@ -131,18 +131,57 @@ class Confinement:
 #: System calls refused with EPERM whatever their arguments.
 _REFUSED = (
     # signals to other processes (tgkill to itself stays allowed: abort() and raise() use it)
-    "kill", "tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal", "pidfd_open", "pidfd_getfd",
+    "kill",
+    "tkill",
+    "rt_sigqueueinfo",
+    "rt_tgsigqueueinfo",
+    "pidfd_send_signal",
+    "pidfd_open",
+    "pidfd_getfd",
     # child processes (clone is refused below unless it makes a thread)
-    "fork", "vfork",
+    "fork",
+    "vfork",
     # other processes' memory
-    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
     # file systems and namespaces
-    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "move_mount", "open_tree", "fsopen",
-    "fsmount", "fsconfig", "fspick", "open_by_handle_at", "name_to_handle_at",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsmount",
+    "fsconfig",
+    "fspick",
+    "open_by_handle_at",
+    "name_to_handle_at",
     # the kernel's own facilities
-    "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key", "kexec_load", "kexec_file_load",
-    "init_module", "finit_module", "delete_module", "iopl", "ioperm", "swapon", "swapoff", "reboot", "syslog",
-    "acct", "quotactl", "personality",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "iopl",
+    "ioperm",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "syslog",
+    "acct",
+    "quotactl",
+    "personality",
 )
 #: System calls answered ENOSYS, so that libc and libuv fall back to calls the filter can inspect.
 _ABSENT = ("clone3", "io_uring_setup", "io_uring_enter", "io_uring_register")
@@ -208,8 +247,16 @@ def _bind(source: Path, inside: Path) -> list[str]:
     return ["--ro-bind", str(source), str(inside)]
 
 
-def command(program: NodeProgram, node: NodeInstallation, *, bwrap: str, egress_socket: Path, seccomp: int,
-            info: int, tmp_mib: int) -> list[str]:
+def command(
+    program: NodeProgram,
+    node: NodeInstallation,
+    *,
+    bwrap: str,
+    egress_socket: Path,
+    seccomp: int,
+    info: int,
+    tmp_mib: int,
+) -> list[str]:
     """The argv of a sandboxed process running ``program`` on ``node`` (see the module's text for
     what each flag defends against). ``seccomp`` and ``info`` are descriptors bwrap inherits: the
     filter to load and where it writes the process's host pid (``{"child-pid": N}``)."""
@@ -231,20 +278,44 @@ def command(program: NodeProgram, node: NodeInstallation, *, bwrap: str, egress_
         mounts += _bind(Path(ca), INSIDE_CA)
     return [
         bwrap,
-        "--unshare-user", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-        "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-        "--as-pid-1", "--new-session", "--die-with-parent", "--cap-drop", "ALL",
-        "--hostname", "sandbox",
+        "--unshare-user",
+        "--disable-userns",
+        "--uid",
+        str(SANDBOX_UID),
+        "--gid",
+        str(SANDBOX_UID),
+        "--unshare-net",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--as-pid-1",
+        "--new-session",
+        "--die-with-parent",
+        "--cap-drop",
+        "ALL",
+        "--hostname",
+        "sandbox",
         *mounts,
-        "--bind", str(egress_socket), str(INSIDE_EGRESS),
-        "--proc", "/proc",
-        "--dev", "/dev",
-        "--size", str(tmp_mib * MIB), "--tmpfs", INSIDE_TMP,
-        "--chdir", str(INSIDE_CODE),
+        "--bind",
+        str(egress_socket),
+        str(INSIDE_EGRESS),
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(tmp_mib * MIB),
+        "--tmpfs",
+        INSIDE_TMP,
+        "--chdir",
+        str(INSIDE_CODE),
         "--clearenv",
         *[arg for name, value in environment(program).items() for arg in ("--setenv", name, value)],
-        "--seccomp", str(seccomp),
-        "--info-fd", str(info),
+        "--seccomp",
+        str(seccomp),
+        "--info-fd",
+        str(info),
         "--",
         str(INSIDE_NODE),
         "--permission",
@@ -307,7 +378,8 @@ def _bwrap_path(bwrap: str) -> str:
     found = shutil.which(bwrap)
     if found is None:
         raise SandboxUnavailable(
-            f"bubblewrap ({bwrap}) is not installed: apt-get install bubblewrap, or set TESSERA_REACTOR_BWRAP")
+            f"bubblewrap ({bwrap}) is not installed: apt-get install bubblewrap, or set TESSERA_REACTOR_BWRAP"
+        )
     return found
 
 
@@ -329,11 +401,19 @@ def _probe(bwrap: str) -> str | None:
         filter_fd = seccomp_fd()
         info_read, info_write = os.pipe()
         try:
-            argv = command(program, node, bwrap=path, egress_socket=socket_path, seccomp=filter_fd, info=info_write,
-                           tmp_mib=1)
+            argv = command(
+                program, node, bwrap=path, egress_socket=socket_path, seccomp=filter_fd, info=info_write, tmp_mib=1
+            )
             argv[-3:] = ["-e", "process.exit(0)"]  # the runner, code and socket: a bare start is the probe
-            completed = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False,  # noqa: S603
-                                       env={}, pass_fds=(filter_fd, info_write))
+            completed = subprocess.run(  # noqa: S603 - our own argv, no shell
+                argv,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+                env={},
+                pass_fds=(filter_fd, info_write),
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"bubblewrap could not start a sandboxed process ({exc})"
         finally:
@@ -341,8 +421,10 @@ def _probe(bwrap: str) -> str | None:
                 os.close(fd)
     if completed.returncode != 0:
         said = (completed.stderr.strip().splitlines() or [f"exit status {completed.returncode}"])[-1]
-        return (f"bubblewrap cannot make the sandbox here ({said}): the kernel or the container must allow "
-                "user and network namespaces")
+        return (
+            f"bubblewrap cannot make the sandbox here ({said}): the kernel or the container must allow "
+            "user and network namespaces"
+        )
     return None
 
 

@@ -245,10 +245,14 @@ def test_the_documents_api_is_rate_limited_per_application(small_limits_api, ten
 
 def _purge_jobs(document_id: str) -> list[tuple[str, dict | None]]:
     with session_scope() as session:
-        return [tuple(row) for row in session.exec(
-            select(Job.status, Job.result).where(Job.kind == documents.PURGE_TASK, Job.subject_type == "document",
-                                                 Job.subject_id == document_id)
-        ).all()]
+        return [
+            tuple(row)
+            for row in session.exec(
+                select(Job.status, Job.result).where(
+                    Job.kind == documents.PURGE_TASK, Job.subject_type == "document", Job.subject_id == document_id
+                )
+            ).all()
+        ]
 
 
 def test_abandoned_uploads_and_deleted_documents_are_swept(tenant):

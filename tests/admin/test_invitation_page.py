@@ -70,7 +70,10 @@ def test_an_unknown_link_answers_a_page_that_says_so(api):
     assert "not valid" in answer.data.decode()
     assert "frame-ancestors 'none'" in answer.headers["Content-Security-Policy"]
     posted = urllib3.request(
-        "POST", api.base_url + "/invitations/accept", body=urlencode({"token": "inv_unknown"}), timeout=10,
+        "POST",
+        api.base_url + "/invitations/accept",
+        body=urlencode({"token": "inv_unknown"}),
+        timeout=10,
         headers={"Content-Type": "application/x-www-form-urlencoded"},
     )
     assert posted.status == 404 and "not valid" in posted.data.decode()

@@ -18,7 +18,12 @@ from tests.helpers import wait_until
 JOBS = "/account-updater/jobs"
 HEADER = "token,expiration_year,expiration_month,merchant_id"
 RESULT_HEADER = [
-    "token", "expiration_year", "expiration_month", "new_token", "new_expiration_year", "new_expiration_month",
+    "token",
+    "expiration_year",
+    "expiration_month",
+    "new_token",
+    "new_expiration_year",
+    "new_expiration_month",
     "result_code",
 ]
 NOW = dt.datetime.now(dt.UTC)
@@ -55,9 +60,16 @@ def legacy_card(tenant_id, number: str) -> str:
     token_id = str(uuid.uuid4())
     with session_scope() as session:
         data = json.dumps({"number": number, "expiration_month": 5, "expiration_year": YEAR}).encode()
-        session.add(Token(tenant_id=tenant_id, id=token_id, type="card", containers=["/pci/high/"],
-                          mask=default_card_mask(), data_ct=get_keyring().encrypt(session, tenant_id, "token",
-                                                                                 token_id, data)))
+        session.add(
+            Token(
+                tenant_id=tenant_id,
+                id=token_id,
+                type="card",
+                containers=["/pci/high/"],
+                mask=default_card_mask(),
+                data_ct=get_keyring().encrypt(session, tenant_id, "token", token_id, data),
+            )
+        )
     return token_id
 
 
@@ -166,15 +178,18 @@ def test_every_sandbox_row_kind_end_to_end(tenant, other_tenant, receiver):
     exp = card(client, "4000000000001026", 11, YEAR)
     brand = card(client, "4000000000001034", 5, YEAR)
     corrected = card(client, "4000000000001042")
-    notices = {code: card(client, number, 5, YEAR) for number, code in [
-        ("4000000000001059", "WRN_CLOSED_ACCOUNT"),
-        ("4000000000001067", "WRN_CONTACT_CARDHOLDER"),
-        ("4000000000001075", "WRN_ISSUER_NOT_ENROLLED"),
-        ("4000000000001083", "WRN_ISSUER_NO_DATA"),
-        ("4000000000001091", "WRN_OPT_OUT"),
-        ("3566002020360505", "WRN_UNSUPPORTED_NETWORK"),
-        ("4000000000001117", "ERR_UNDEFINED"),
-    ]}
+    notices = {
+        code: card(client, number, 5, YEAR)
+        for number, code in [
+            ("4000000000001059", "WRN_CLOSED_ACCOUNT"),
+            ("4000000000001067", "WRN_CONTACT_CARDHOLDER"),
+            ("4000000000001075", "WRN_ISSUER_NOT_ENROLLED"),
+            ("4000000000001083", "WRN_ISSUER_NO_DATA"),
+            ("4000000000001091", "WRN_OPT_OUT"),
+            ("3566002020360505", "WRN_UNSUPPORTED_NETWORK"),
+            ("4000000000001117", "ERR_UNDEFINED"),
+        ]
+    }
     invalid_pan = legacy_card(tenant.id, "4000000000001010")
     plain = card(client, "4242424242424242", 5, YEAR)
     plain_mc = card(client, "5555555555554444")
@@ -182,24 +197,24 @@ def test_every_sandbox_row_kind_end_to_end(tenant, other_tenant, receiver):
     foreign = card(other_tenant.client, "4000000000001018", 5, YEAR)
 
     rows = [
-        (pan, YY, "05", ""),                      # 1 UPD_PAN: the row's expiration + 3 years
-        (exp, "", "", ""),                        # 2 UPD_EXP_DATE: the token's expiration + 3 years
-        (brand, YY, "05", "SANDBOX"),             # 3 UPD_BRAND_CONV
-        (corrected, "", "", ""),                  # 4 UPD_CORRECTED, no expiration anywhere
-        (pan_no_exp, "", "", ""),                 # 5 UPD_PAN without expiration: this month + 3 years
+        (pan, YY, "05", ""),  # 1 UPD_PAN: the row's expiration + 3 years
+        (exp, "", "", ""),  # 2 UPD_EXP_DATE: the token's expiration + 3 years
+        (brand, YY, "05", "SANDBOX"),  # 3 UPD_BRAND_CONV
+        (corrected, "", "", ""),  # 4 UPD_CORRECTED, no expiration anywhere
+        (pan_no_exp, "", "", ""),  # 5 UPD_PAN without expiration: this month + 3 years
         *[(token, YY, "05", "") for token in notices.values()],  # 6-12
-        (invalid_pan, "", "", ""),                # 13 ERR_INVALID_PAN
-        ("no-such-token", YY, "05", ""),          # 14 ERR_INVALID_TOKEN
-        (foreign, YY, "05", ""),                  # 15 another tenant's token
-        (not_a_card, YY, "05", ""),               # 16 not a card
-        ("", "", "", ""),                         # 17 empty cell
-        (plain, YY, "13", ""),                    # 18 ERR_INVALID_EXP_DATE: month 13
-        (plain, "20", "01", ""),                  # 19 in the past
-        (plain, YY, "5", ""),                     # 20 not two digits
-        (plain, YY, "", ""),                      # 21 only one of the two
-        (plain, YY, "05", "ACME, Inc."),          # 22 ERR_INVALID_CONFIG (quoted comma)
-        (plain, YY, "05", ""),                    # 23 no update: omitted
-        (plain_mc, "", "", "SANDBOX"),            # 24 no update: omitted
+        (invalid_pan, "", "", ""),  # 13 ERR_INVALID_PAN
+        ("no-such-token", YY, "05", ""),  # 14 ERR_INVALID_TOKEN
+        (foreign, YY, "05", ""),  # 15 another tenant's token
+        (not_a_card, YY, "05", ""),  # 16 not a card
+        ("", "", "", ""),  # 17 empty cell
+        (plain, YY, "13", ""),  # 18 ERR_INVALID_EXP_DATE: month 13
+        (plain, "20", "01", ""),  # 19 in the past
+        (plain, YY, "5", ""),  # 20 not two digits
+        (plain, YY, "", ""),  # 21 only one of the two
+        (plain, YY, "05", "ACME, Inc."),  # 22 ERR_INVALID_CONFIG (quoted comma)
+        (plain, YY, "05", ""),  # 23 no update: omitted
+        (plain_mc, "", "", "SANDBOX"),  # 24 no update: omitted
     ]
     job = create_job(client)
     assert put_file(job["upload_url"], csv_bytes(rows)) == 200
@@ -222,7 +237,10 @@ def test_every_sandbox_row_kind_end_to_end(tenant, other_tenant, receiver):
     def updated(row: dict, token: str, year: str, month: str, new_year: str, new_month: str, code: str) -> None:
         assert (row["token"], row["expiration_year"], row["expiration_month"]) == (token, year, month), row
         assert (row["new_expiration_year"], row["new_expiration_month"], row["result_code"]) == (
-            new_year, new_month, code), row
+            new_year,
+            new_month,
+            code,
+        ), row
         uuid.UUID(row["new_token"])
         new[code + ":" + token] = row["new_token"]
 
@@ -264,12 +282,21 @@ def test_every_sandbox_row_kind_end_to_end(tenant, other_tenant, receiver):
     assert first["mask"] == reference["mask"]
     assert first["fingerprint_expression"] == reference["fingerprint_expression"]
     assert data_of(new["UPD_EXP_DATE:" + exp])["data"] == {
-        "number": "4000000000001026", "expiration_month": 11, "expiration_year": YEAR + 3}
+        "number": "4000000000001026",
+        "expiration_month": 11,
+        "expiration_year": YEAR + 3,
+    }
     assert data_of(new["UPD_BRAND_CONV:" + brand])["data"] == {
-        "number": "5555550000001018", "expiration_month": 5, "expiration_year": YEAR}
+        "number": "5555550000001018",
+        "expiration_month": 5,
+        "expiration_year": YEAR,
+    }
     assert data_of(new["UPD_CORRECTED:" + corrected])["data"] == {"number": "4000000000001109"}
     assert data_of(new["UPD_PAN:" + pan_no_exp])["data"] == {
-        "number": "4012888888881881", "expiration_month": this_month.month, "expiration_year": this_month.year + 3}
+        "number": "4012888888881881",
+        "expiration_month": this_month.month,
+        "expiration_year": this_month.year + 3,
+    }
     assert data_of(pan)["data"] == {"number": "4000000000001018", "expiration_month": 5, "expiration_year": YEAR}
     assert data_of(pan)["modified_at"] is None
     listed = client.get("/v2/tokens?type=card&size=100").json["data"]
@@ -281,8 +308,11 @@ def test_every_sandbox_row_kind_end_to_end(tenant, other_tenant, receiver):
     assert hits[0].json["event"]["tenant_id"] == str(tenant.id)
 
     def created_ids():
-        ids = {r.json["event"]["data"]["token"]["id"] for r in list(receiver.received)
-               if r.json["event"]["type"] == "token.created"}
+        ids = {
+            r.json["event"]["data"]["token"]["id"]
+            for r in list(receiver.received)
+            if r.json["event"]["type"] == "token.created"
+        }
         return ids if set(new.values()) <= ids else None
 
     wait_until(created_ids, timeout=20)
@@ -338,8 +368,10 @@ def test_malformed_files_fail_the_job_with_messages(tenant, receiver):
     assert any("must name the column token" in e for e in errors)
     assert any("unknown columns" in e for e in errors)
     errors = failed_with(client, receiver, (HEADER + "\nabc,,,\nabc,1\ndef,,,,,\n").encode())
-    assert errors == ["Row 2 (line 3) has 2 fields; the header has 4.",
-                      "Row 3 (line 4) has 6 fields; the header has 4."]
+    assert errors == [
+        "Row 2 (line 3) has 2 fields; the header has 4.",
+        "Row 3 (line 4) has 6 fields; the header has 4.",
+    ]
     assert any("not valid CSV" in e for e in failed_with(client, receiver, (HEADER + '\n"abc,,,\n').encode()))
 
 
@@ -348,8 +380,9 @@ def test_a_file_sent_as_a_form_arrives_empty_and_the_errors_say_why(tenant):
     # server (tessera dev's S3) reads it as a form and stores an empty object.
     job = create_job(tenant.client)
     body = (HEADER + "\nabc,,,\n").encode()
-    answer = _HTTP.request("PUT", job["upload_url"], body=body,
-                           headers={"Content-Type": "application/x-www-form-urlencoded"})
+    answer = _HTTP.request(
+        "PUT", job["upload_url"], body=body, headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
     assert answer.status == 200
     done = settle(tenant.client, job["id"])
     assert done["status"] == "failed", done
@@ -373,8 +406,10 @@ def test_a_production_tenant_without_a_card_network_fails_clearly(api, receiver)
     token = card(production.client, "4000000000001018", 5, YEAR)
 
     errors = failed_with(production.client, receiver, csv_bytes([(token, YY, "05", "")]))
-    assert errors == ["The card network's account updater is not configured for production tenants on this "
-                      "deployment (TESSERA_CARD_NETWORK_URL is unset)."]
+    assert errors == [
+        "The card network's account updater is not configured for production tenants on this "
+        "deployment (TESSERA_CARD_NETWORK_URL is unset)."
+    ]
 
 
 # ---- detection and expiry ------------------------------------------------------------------------
@@ -387,15 +422,25 @@ def test_an_s3_notification_starts_the_job_without_polling(api, tenant):
     job = create_job(tenant.client)
     assert put_file(job["upload_url"], csv_bytes([(token, YY, "05", "")])) == 200
     key = f"account-updater/{tenant.id}/{job['id']}/request.csv"
-    note = {"Records": [{"eventName": "ObjectCreated:Put",
-                         "s3": {"bucket": {"name": get_settings().s3_bucket}, "object": {"key": key}}}]}
+    note = {
+        "Records": [
+            {
+                "eventName": "ObjectCreated:Put",
+                "s3": {"bucket": {"name": get_settings().s3_bucket}, "object": {"key": key}},
+            }
+        ]
+    }
 
     answer = tenant.client.with_key(None).post("/account-updater/notifications/s3", note)
     assert answer.status == 204
     assert wait_until(lambda: stored_status(job["id"]) == "completed", timeout=30)
     sns = {"Type": "Notification", "Message": json.dumps(note)}
-    assert tenant.client.with_key(None).post("/account-updater/notifications/s3", raw=json.dumps(sns).encode(),
-                                             content_type="text/plain").status == 204
+    assert (
+        tenant.client.with_key(None)
+        .post("/account-updater/notifications/s3", raw=json.dumps(sns).encode(), content_type="text/plain")
+        .status
+        == 204
+    )
     assert tenant.client.with_key(None).post("/account-updater/notifications/s3", raw=b"nope").status == 400
 
 

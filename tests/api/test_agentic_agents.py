@@ -87,9 +87,12 @@ def test_fifty_enrollment_ids_and_a_255_character_name_are_accepted(tenant):
 
 def test_patch_validation(tenant):
     agent = tenant.client.post(AGENTS, {"name": "n"}).json
-    for payload, fields in (({"name": None}, {"name"}), ({"enrollment_ids": None}, {"enrollment_ids"}),
-                            ({"name": ""}, {"name"}), ({"instance_details": {"ip_address": "1.2.3"}},
-                                                       {"instance_details.ip_address"})):
+    for payload, fields in (
+        ({"name": None}, {"name"}),
+        ({"enrollment_ids": None}, {"enrollment_ids"}),
+        ({"name": ""}, {"name"}),
+        ({"instance_details": {"ip_address": "1.2.3"}}, {"instance_details.ip_address"}),
+    ):
         problem = assert_problem(tenant.client.patch(f"{AGENTS}/{agent['id']}", payload), 400, "VALIDATION_ERROR")
         assert set(problem["errors"]) == fields
     assert tenant.client.get(f"{AGENTS}/{agent['id']}").json == agent
@@ -99,8 +102,11 @@ def test_permissions_and_isolation(tenant, other_tenant, limited):
     agent = tenant.client.post(AGENTS, {"name": "n"}).json
     reader = limited(tenant, ["agent:get"])
     assert reader.get(f"{AGENTS}/{agent['id']}").status == 200
-    for answer in (reader.post(AGENTS, {"name": "n"}), reader.patch(f"{AGENTS}/{agent['id']}", {"name": "m"}),
-                   reader.delete(f"{AGENTS}/{agent['id']}")):
+    for answer in (
+        reader.post(AGENTS, {"name": "n"}),
+        reader.patch(f"{AGENTS}/{agent['id']}", {"name": "m"}),
+        reader.delete(f"{AGENTS}/{agent['id']}"),
+    ):
         assert answer.status == 403  # raised before the handler: the Deprecation header comes with the hook
     assert_problem(other_tenant.client.get(f"{AGENTS}/{agent['id']}"), 404, "AGENT_NOT_FOUND")
     assert_problem(other_tenant.client.delete(f"{AGENTS}/{agent['id']}"), 404, "AGENT_NOT_FOUND")

@@ -44,8 +44,16 @@ def retry(client, pm_id: str, rail: str = "agentic-token", provider: str = "vic"
 def _lease(pm_id: str, tenant_id, operation: str, seconds: float) -> None:
     now = dt.datetime.now(dt.UTC)
     with session_scope() as session:
-        session.add(OperationLease(resource_id=pm_id, tenant_id=tenant_id, operation=operation, owner="op_someone",
-                                   acquired_at=now, expires_at=now + dt.timedelta(seconds=seconds)))
+        session.add(
+            OperationLease(
+                resource_id=pm_id,
+                tenant_id=tenant_id,
+                operation=operation,
+                owner="op_someone",
+                acquired_at=now,
+                expires_at=now + dt.timedelta(seconds=seconds),
+            )
+        )
 
 
 def _leases(pm_id: str) -> list[OperationLease]:
@@ -74,7 +82,8 @@ def test_delete_removes_the_provider_enrollments_then_the_payment_method(tenant,
         assert provider_requests(sandbox, f"agentic.{provider}.enrollments.delete", number) == 1
     assert _leases(pm["id"]) == []
     assert [j.kind for j in jobs_of(pm["id"]) if j.kind == "agentic.delete_payment_method"] == [
-        "agentic.delete_payment_method"]
+        "agentic.delete_payment_method"
+    ]
 
 
 def test_a_repeated_delete_succeeds_without_a_provider_call_and_keeps_updated_at(tenant, sandbox):
@@ -107,8 +116,9 @@ def test_delete_and_retry_are_409_while_an_enrollment_is_in_flight(tenant):
     thread = threading.Thread(target=lambda: answers.setdefault("create", create(tenant.client, token_id)))
     thread.start()
     listed = wait_until(lambda: (page := tenant.client.get(BASE).json["data"]) and page[0], timeout=5)
-    pm = wait_until(lambda: (now := get(tenant.client, listed["id"])) and outcome(now)["psp"] == "enabled" and now,
-                    timeout=5)
+    pm = wait_until(
+        lambda: (now := get(tenant.client, listed["id"])) and outcome(now)["psp"] == "enabled" and now, timeout=5
+    )
     assert outcome(pm)["vic"] == "pending"  # its call hangs at the provider for 8 s
 
     assert_problem(tenant.client.delete(f"{BASE}/{pm['id']}"), 409, "PAYMENT_METHOD_OPERATION_IN_PROGRESS")
@@ -129,8 +139,9 @@ def test_a_cascade_stopped_half_way_resumes_on_the_next_delete(tenant, sandbox, 
 
     def psp_refuses(self, enrollment_id):
         if self.name == "psp":
-            raise providers.EnrollmentFailed("PROVIDER_ENROLLMENT_FAILED", "refused", provider_code="HTTP_403",
-                                             correlation_id="corr_test")
+            raise providers.EnrollmentFailed(
+                "PROVIDER_ENROLLMENT_FAILED", "refused", provider_code="HTTP_403", correlation_id="corr_test"
+            )
         return real_delete(self, enrollment_id)
 
     monkeypatch.setattr(providers.HttpAgenticProvider, "delete_enrollment", psp_refuses)
@@ -144,7 +155,8 @@ def test_a_cascade_stopped_half_way_resumes_on_the_next_delete(tenant, sandbox, 
     assert_problem(retry(tenant.client, pm["id"]), 409, "PAYMENT_METHOD_DELETE_INCOMPLETE")
     errors = tenant.client.get(f"{BASE}/{pm['id']}/errors").json["data"]
     assert [(e["code"], e["operation"], e["provider"], e["provider_code"]) for e in errors] == [
-        ("PROVIDER_ALLOWANCE_CANCEL_FAILED", "deletion", "psp", "HTTP_403")]
+        ("PROVIDER_ALLOWANCE_CANCEL_FAILED", "deletion", "psp", "HTTP_403")
+    ]
     assert _leases(pm["id"]) == []
 
     monkeypatch.setattr(providers.HttpAgenticProvider, "delete_enrollment", real_delete)
@@ -165,8 +177,10 @@ def test_unknown_payment_method_is_404(tenant):
 # ---- leases ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("operation", "code"), [("enroll", "PAYMENT_METHOD_OPERATION_IN_PROGRESS"),
-                                                 ("delete", "PAYMENT_METHOD_DELETE_IN_PROGRESS")])
+@pytest.mark.parametrize(
+    ("operation", "code"),
+    [("enroll", "PAYMENT_METHOD_OPERATION_IN_PROGRESS"), ("delete", "PAYMENT_METHOD_DELETE_IN_PROGRESS")],
+)
 def test_a_live_lease_answers_409_and_the_sweep_frees_a_dead_holders_lease(tenant, operation, code):
     pm = created(tenant.client, REJECTED)  # vic in error: retryable
     _lease(pm["id"], tenant.id, operation, seconds=300)
@@ -177,8 +191,11 @@ def test_a_live_lease_answers_409_and_the_sweep_frees_a_dead_holders_lease(tenan
     assert len(_leases(pm["id"])) == 1  # a live lease survives the sweep
 
     with session_scope() as session:  # its holder died: the lease runs out
-        session.execute(update(OperationLease).where(OperationLease.resource_id == pm["id"])
-                        .values(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)))
+        session.execute(
+            update(OperationLease)
+            .where(OperationLease.resource_id == pm["id"])
+            .values(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1))
+        )
     assert release_stale_operation_leases() >= 1
     assert _leases(pm["id"]) == []
     assert_problem(retry(tenant.client, pm["id"]), 422, "CARD_REJECTED")
@@ -230,14 +247,27 @@ def test_provider_errors_are_kept_90_days(tenant):
     now = dt.datetime.now(dt.UTC)
     with session_scope() as session:
         for days in (91, 89):
-            session.add(ProviderError(id=new_id("prv_"), tenant_id=tenant.id, code="CARD_REJECTED", title="t",
-                                      detail="d", provider="vic", operation="enrollment", rail="agentic-token",
-                                      payment_method_id=pm["id"], occurred_at=now - dt.timedelta(days=days)))
+            session.add(
+                ProviderError(
+                    id=new_id("prv_"),
+                    tenant_id=tenant.id,
+                    code="CARD_REJECTED",
+                    title="t",
+                    detail="d",
+                    provider="vic",
+                    operation="enrollment",
+                    rail="agentic-token",
+                    payment_method_id=pm["id"],
+                    occurred_at=now - dt.timedelta(days=days),
+                )
+            )
     assert len(tenant.client.get(f"{BASE}/{pm['id']}/errors").json["data"]) == 3
 
     assert purge_provider_errors_task() >= 1
 
-    ages = [(now - dt.datetime.fromisoformat(e["occurred_at"])).days
-            for e in tenant.client.get(f"{BASE}/{pm['id']}/errors").json["data"]]
+    ages = [
+        (now - dt.datetime.fromisoformat(e["occurred_at"])).days
+        for e in tenant.client.get(f"{BASE}/{pm['id']}/errors").json["data"]
+    ]
     assert ages == [0, 89]
     assert pm_row(pm["id"]).status == "active"

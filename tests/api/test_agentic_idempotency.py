@@ -75,9 +75,11 @@ def test_same_key_with_a_different_body_is_a_conflict(tenant):
     consumer = _consumer()
     assert create(tenant.client, token_id, key="k-2", consumer=consumer).status == 201
 
-    for changed in ({"consumer": {**consumer, "email": "eve@example.com"}},
-                    {"consumer": _consumer()},
-                    {"consumer": consumer, "agent_id": "agt_x"}):
+    for changed in (
+        {"consumer": {**consumer, "email": "eve@example.com"}},
+        {"consumer": _consumer()},
+        {"consumer": consumer, "agent_id": "agt_x"},
+    ):
         assert_problem(create(tenant.client, token_id, key="k-2", **changed), 409, "IDEMPOTENCY_CONFLICT")
     other_token = card_token(tenant.client, VISA)
     assert_problem(create(tenant.client, other_token, key="k-2", consumer=consumer), 409, "IDEMPOTENCY_CONFLICT")
@@ -89,7 +91,8 @@ def test_same_key_while_running_is_in_progress(tenant):
     consumer = _consumer()
     answers = {}
     thread = threading.Thread(
-        target=lambda: answers.setdefault("first", create(tenant.client, token_id, key="k-3", consumer=consumer)))
+        target=lambda: answers.setdefault("first", create(tenant.client, token_id, key="k-3", consumer=consumer))
+    )
     thread.start()
     wait_until(lambda: (record := _record(tenant.id, "k-3")) and record.resource_id, timeout=5)
 
@@ -108,8 +111,14 @@ def test_a_conclusive_failure_replays_the_same_code_and_status(tenant):
     consumer = _consumer()
     first = assert_problem(create(tenant.client, missing, key="k-4", consumer=consumer), 400, "INVALID_TOKEN")
     # the token now exists, but the key's answer is settled
-    made = tenant.client.post("/tokens", {"type": "card", "id": missing, "data": {
-        "number": AMEX, "expiration_month": 12, "expiration_year": dt.date.today().year + 2}})
+    made = tenant.client.post(
+        "/tokens",
+        {
+            "type": "card",
+            "id": missing,
+            "data": {"number": AMEX, "expiration_month": 12, "expiration_year": dt.date.today().year + 2},
+        },
+    )
     assert made.status == 201, made
 
     for _ in range(2):
@@ -137,8 +146,9 @@ def test_an_unknown_outcome_is_terminal(tenant, monkeypatch):
     monkeypatch.setattr(payment_methods, "commit", lossy)
     token_id = card_token(tenant.client, AMEX)
     consumer = _consumer()
-    problem = assert_problem(create(tenant.client, token_id, key="k-7", consumer=consumer), 409,
-                             "CREATE_OUTCOME_UNKNOWN")
+    problem = assert_problem(
+        create(tenant.client, token_id, key="k-7", consumer=consumer), 409, "CREATE_OUTCOME_UNKNOWN"
+    )
     assert "consumer_id" in problem["detail"]
     monkeypatch.setattr(payment_methods, "commit", real_commit)
 
@@ -155,16 +165,32 @@ def test_a_key_left_running_by_a_dead_request_is_settled_on_replay(tenant):
 
     past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
     with session_scope() as session:  # died before its payment method was committed
-        session.add(IdempotencyRecord(tenant_id=tenant.id, scope="payment-method.create", key="k-dead",
-                                      request_hash=request_hash(payload), owner="op_dead", expires_at=past))
+        session.add(
+            IdempotencyRecord(
+                tenant_id=tenant.id,
+                scope="payment-method.create",
+                key="k-dead",
+                request_hash=request_hash(payload),
+                owner="op_dead",
+                expires_at=past,
+            )
+        )
     for _ in range(2):
         assert_problem(tenant.client.post(BASE, payload, headers=key_header("k-dead")), 409, "CREATE_OUTCOME_UNKNOWN")
 
     committed = create(tenant.client, token_id, consumer=payload["consumer"]).json  # died after its commit
     with session_scope() as session:
-        session.add(IdempotencyRecord(tenant_id=tenant.id, scope="payment-method.create", key="k-late",
-                                      request_hash=request_hash(payload), owner="op_dead", expires_at=past,
-                                      resource_id=committed["id"]))
+        session.add(
+            IdempotencyRecord(
+                tenant_id=tenant.id,
+                scope="payment-method.create",
+                key="k-late",
+                request_hash=request_hash(payload),
+                owner="op_dead",
+                expires_at=past,
+                resource_id=committed["id"],
+            )
+        )
     replay = tenant.client.post(BASE, payload, headers=key_header("k-late"))
     assert replay.status == 201 and replay.json["id"] == committed["id"]
     assert _record(tenant.id, "k-late").state == "succeeded"
@@ -190,8 +216,11 @@ def test_records_never_expire(tenant):
     first = create(tenant.client, token_id, key="k-9", consumer=consumer).json
     long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=3 * 365)
     with session_scope() as session:
-        session.execute(update(IdempotencyRecord).where(IdempotencyRecord.key == "k-9")
-                        .values(created_at=long_ago, completed_at=long_ago))
+        session.execute(
+            update(IdempotencyRecord)
+            .where(IdempotencyRecord.key == "k-9")
+            .values(created_at=long_ago, completed_at=long_ago)
+        )
     assert create(tenant.client, token_id, key="k-9", consumer=consumer).json["id"] == first["id"]
     assert_problem(create(tenant.client, token_id, key="k-9"), 409, "IDEMPOTENCY_CONFLICT")
 
@@ -228,8 +257,9 @@ def test_twenty_concurrent_creates_with_one_key_make_one_payment_method(tenant, 
     assert len(created_ids) == 1
     assert _of_consumer(tenant.client, consumer["id"]) == list(created_ids)
     with session_scope() as session:
-        rows = session.exec(select(PaymentMethod).where(PaymentMethod.tenant_id == tenant.id,
-                                                        PaymentMethod.idempotency_key == "k-race")).all()
+        rows = session.exec(
+            select(PaymentMethod).where(PaymentMethod.tenant_id == tenant.id, PaymentMethod.idempotency_key == "k-race")
+        ).all()
     assert [row.id for row in rows] == list(created_ids)
     assert provider_requests(sandbox, "agentic.vic.enrollments.create", number) == 1
     assert create(tenant.client, token_id, key="k-race", consumer=consumer).json["id"] in created_ids
@@ -238,8 +268,11 @@ def test_twenty_concurrent_creates_with_one_key_make_one_payment_method(tenant, 
 def test_key_validation(tenant):
     token_id = card_token(tenant.client, AMEX)
     for bad in ("x" * 256, "caf\u00e9"):
-        answer = tenant.client.post(BASE, body(token_id), headers=key_header(bad) if bad.isascii() else
-                                    {"TS-IDEMPOTENCY-KEY": bad.encode().decode("latin-1")})
+        answer = tenant.client.post(
+            BASE,
+            body(token_id),
+            headers=key_header(bad) if bad.isascii() else {"TS-IDEMPOTENCY-KEY": bad.encode().decode("latin-1")},
+        )
         problem = assert_problem(answer, 400, "VALIDATION_ERROR")
         assert list(problem["errors"]) == ["TS-IDEMPOTENCY-KEY"]
     assert tenant.client.get(BASE).json["data"] == []

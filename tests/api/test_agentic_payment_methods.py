@@ -78,8 +78,9 @@ def test_rails_after_create_follow_the_sandbox_table(tenant, number, expected):
 
 def test_a_visa_payment_method_in_full(tenant):
     token_id = card_token(tenant.client, VISA)
-    answer = create(tenant.client, token_id, consumer={"email": "ada@example.com", "country_code": "gb",
-                                                       "language_code": "en-gb"})
+    answer = create(
+        tenant.client, token_id, consumer={"email": "ada@example.com", "country_code": "gb", "language_code": "en-gb"}
+    )
 
     assert answer.status == 201
     pm = answer.json
@@ -120,8 +121,9 @@ def test_each_rail_is_its_own_job_and_they_run_in_parallel(tenant):
     thread = threading.Thread(target=lambda: answers.setdefault("create", create(tenant.client, token_id)))
     thread.start()
     listed = wait_until(lambda: (page := tenant.client.get(BASE).json["data"]) and page[0], timeout=5)
-    seen = wait_until(lambda: (pm := get(tenant.client, listed["id"])) and outcome(pm)["psp"] == "enabled" and pm,
-                      timeout=5)
+    seen = wait_until(
+        lambda: (pm := get(tenant.client, listed["id"])) and outcome(pm)["psp"] == "enabled" and pm, timeout=5
+    )
     assert outcome(seen)["vic"] == "pending"  # vic's call is still in flight on another worker
     thread.join(30)
     elapsed = time.monotonic() - started
@@ -209,7 +211,8 @@ def test_a_failed_rail_is_enabled_by_a_retry_which_backfills_the_display(tenant)
     assert later(answer.json, pm)
     assert get(tenant.client, pm["id"]) == answer.json
     assert [job.result.get("rail_status") for job in jobs_of(pm["id"]) if job.status == "succeeded"].count(
-        "enabled") == 2
+        "enabled"
+    ) == 2
 
 
 def test_a_pending_rail_can_be_retried(tenant, monkeypatch):
@@ -238,8 +241,9 @@ def test_retry_validation_and_errors(tenant):
     problem = assert_problem(retry(client, pm["id"], "spt", "vic"), 400, "VALIDATION_ERROR")
     assert list(problem["errors"]) == ["provider"]
     assert problem["title"].startswith("provider: ")
-    problem = assert_problem(client.post(f"{BASE}/{pm['id']}/rails/retry", {"rail": "card", "provider": "x"}), 400,
-                             "VALIDATION_ERROR")
+    problem = assert_problem(
+        client.post(f"{BASE}/{pm['id']}/rails/retry", {"rail": "card", "provider": "x"}), 400, "VALIDATION_ERROR"
+    )
     assert set(problem["errors"]) == {"rail", "provider"}
     assert_problem(client.post(f"{BASE}/{pm['id']}/rails/retry", {"rail": "spt"}), 400, "VALIDATION_ERROR")
     assert_problem(retry(client, amex["id"], "agentic-token", "vic"), 400, "RAIL_NOT_FOUND")
@@ -335,8 +339,9 @@ def test_list_pages_newest_first_with_filters(tenant):
     client = tenant.client
     consumer_id = a_uuid()
     token_id = card_token(client, AMEX)
-    mine = [create(client, token_id, consumer={"email": "c@example.com", "id": consumer_id}).json["id"]
-            for _ in range(3)]
+    mine = [
+        create(client, token_id, consumer={"email": "c@example.com", "id": consumer_id}).json["id"] for _ in range(3)
+    ]
     other = create(client, token_id).json["id"]
     gone = create(client, token_id, consumer={"email": "c@example.com", "id": consumer_id}).json["id"]
     assert client.delete(f"{BASE}/{gone}").status == 204
@@ -373,10 +378,12 @@ def test_reads_do_not_move_updated_at(tenant):
 
 def test_another_tenants_payment_method_is_not_found(tenant, other_tenant):
     pm = created(tenant.client, AMEX)
-    for answer in (other_tenant.client.get(f"{BASE}/{pm['id']}"),
-                   other_tenant.client.get(f"{BASE}/{pm['id']}/errors"),
-                   other_tenant.client.delete(f"{BASE}/{pm['id']}"),
-                   retry(other_tenant.client, pm["id"], "spt", "psp")):
+    for answer in (
+        other_tenant.client.get(f"{BASE}/{pm['id']}"),
+        other_tenant.client.get(f"{BASE}/{pm['id']}/errors"),
+        other_tenant.client.delete(f"{BASE}/{pm['id']}"),
+        retry(other_tenant.client, pm["id"], "spt", "psp"),
+    ):
         assert_problem(answer, 404, "PAYMENT_METHOD_NOT_FOUND")
     assert other_tenant.client.get(BASE).json["data"] == []
 
@@ -388,9 +395,12 @@ def test_permissions(tenant, limited):
     assert pm.status == 201, pm  # no token read permission needed
     pm_id = pm.json["id"]
     assert retry(public, pm_id, "spt", "psp").status == 400  # allowed, but the rail is enabled
-    for answer, permission in ((public.get(BASE), "get"), (public.get(f"{BASE}/{pm_id}"), "get"),
-                               (public.get(f"{BASE}/{pm_id}/errors"), "get"),
-                               (public.delete(f"{BASE}/{pm_id}"), "delete")):
+    for answer, permission in (
+        (public.get(BASE), "get"),
+        (public.get(f"{BASE}/{pm_id}"), "get"),
+        (public.get(f"{BASE}/{pm_id}/errors"), "get"),
+        (public.delete(f"{BASE}/{pm_id}"), "delete"),
+    ):
         assert answer.status == 403, answer
         assert f"agentic:payment-method:{permission}" in answer.json["detail"]
     reader = limited(tenant, ["agentic:payment-method:get"])

@@ -51,8 +51,14 @@ class Scripted:
             def _answer(self):
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length) if length else b""
-                scripted.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
-                                          "body": json.loads(body) if body else None})
+                scripted.requests.append(
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "headers": dict(self.headers),
+                        "body": json.loads(body) if body else None,
+                    }
+                )
                 status, payload, delay = scripted.answers.pop(0)
                 if delay:
                     threading.Event().wait(delay)
@@ -72,8 +78,9 @@ class Scripted:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def adapter(self, read_timeout: float = 2.0) -> HttpAgenticProvider:
-        return HttpAgenticProvider("vic", f"http://127.0.0.1:{self.server.server_port}/vic", connect_timeout=1,
-                                   read_timeout=read_timeout)
+        return HttpAgenticProvider(
+            "vic", f"http://127.0.0.1:{self.server.server_port}/vic", connect_timeout=1, read_timeout=read_timeout
+        )
 
     def close(self):
         self.server.shutdown()
@@ -93,9 +100,19 @@ def scripted():
         server.close()
 
 
-ENROLLED = {"id": "enr_1", "provider": "vic", "status": "enabled", "provider_ids": {"a": "b", "n": 1},
-            "card": {"brand": "visa", "bin": "42424242", "pan": "4242424242424242", "product": {"code": "A"},
-                     "display": {"art_url": "x", "evil": "y"}}}
+ENROLLED = {
+    "id": "enr_1",
+    "provider": "vic",
+    "status": "enabled",
+    "provider_ids": {"a": "b", "n": 1},
+    "card": {
+        "brand": "visa",
+        "bin": "42424242",
+        "pan": "4242424242424242",
+        "product": {"code": "A"},
+        "display": {"art_url": "x", "evil": "y"},
+    },
+}
 
 
 def test_an_enrollment_is_sent_with_the_key_and_read_back_reduced(scripted):
@@ -107,17 +124,31 @@ def test_an_enrollment_is_sent_with_the_key_and_read_back_reduced(scripted):
     assert sent["body"]["consumer"] == {"id": "c1", "email": "a@example.com"}
     assert enrollment.id == "enr_1" and enrollment.status == "enabled"
     assert enrollment.provider_ids == {"a": "b"}
-    assert enrollment.card == {"brand": "visa", "bin": "42424242", "type": "card", "display": {
-        "art_url": "x", "background_color": None, "foreground_color": None, "description": None,
-        "issuer_name": None}}
+    assert enrollment.card == {
+        "brand": "visa",
+        "bin": "42424242",
+        "type": "card",
+        "display": {
+            "art_url": "x",
+            "background_color": None,
+            "foreground_color": None,
+            "description": None,
+            "issuer_name": None,
+        },
+    }
     assert "4242424242424242" not in repr(CARD)
 
 
 @pytest.mark.parametrize(
     ("status", "payload", "code", "provider_code", "http"),
     [
-        (422, {"code": "CARD_REJECTED", "message": "secret text", "provider_correlation_id": "corr_1"},
-         "CARD_REJECTED", "CARD_REJECTED", 422),
+        (
+            422,
+            {"code": "CARD_REJECTED", "message": "secret text", "provider_correlation_id": "corr_1"},
+            "CARD_REJECTED",
+            "CARD_REJECTED",
+            422,
+        ),
         (422, {"code": "UNSUPPORTED_CARD_NETWORK"}, "PROVIDER_ENROLLMENT_FAILED", "UNSUPPORTED_CARD_NETWORK", 422),
         (409, {"code": "RAIL_ALREADY_ENROLLED"}, "RAIL_ALREADY_ENROLLED", "RAIL_ALREADY_ENROLLED", 409),
         (422, {"code": "RAIL_ENROLLMENT_INVALID"}, "RAIL_ENROLLMENT_INVALID", "RAIL_ENROLLMENT_INVALID", 422),
@@ -178,8 +209,10 @@ def test_rails_follow_the_brand():
 
 def test_merge_card_fills_gaps_and_backfills_display_only():
     current = {"type": "card", "brand": "visa", "last4": "4242", "display": {"art_url": None, "description": "old"}}
-    merged, changed = merge_card(current, display_card({"brand": "mastercard", "bin": "4242", "display": {
-        "art_url": "new", "description": "new"}}))
+    merged, changed = merge_card(
+        current,
+        display_card({"brand": "mastercard", "bin": "4242", "display": {"art_url": "new", "description": "new"}}),
+    )
     assert changed
     assert merged["brand"] == "visa" and merged["bin"] == "4242"
     assert merged["display"]["art_url"] == "new" and merged["display"]["description"] == "old"
@@ -198,8 +231,10 @@ def test_unassigned_country_codes_are_refused(value):
         normalize_country_code(value)
 
 
-@pytest.mark.parametrize(("value", "expected"), [("en", "en"), ("en-gb", "en-GB"), ("iw", "he"),
-                                                 ("zh-hant-tw", "zh-Hant-TW"), ("de-DE-1996", "de-DE-1996")])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("en", "en"), ("en-gb", "en-GB"), ("iw", "he"), ("zh-hant-tw", "zh-Hant-TW"), ("de-DE-1996", "de-DE-1996")],
+)
 def test_language_codes_are_canonicalised(value, expected):
     assert canonical_language_code(value) == expected
 
@@ -220,8 +255,9 @@ def _vic_enroll(monkeypatch, behaviour):
     def enroll(self, card, consumer, *, attempt, idempotency_key):
         if self.name == "vic":
             calls.append(idempotency_key)
-            return behaviour(len(calls), lambda: real(self, card, consumer, attempt=attempt,
-                                                      idempotency_key=idempotency_key))
+            return behaviour(
+                len(calls), lambda: real(self, card, consumer, attempt=attempt, idempotency_key=idempotency_key)
+            )
         return real(self, card, consumer, attempt=attempt, idempotency_key=idempotency_key)
 
     monkeypatch.setattr(providers.HttpAgenticProvider, "enroll", enroll)
@@ -262,12 +298,18 @@ def test_retry_answers_the_providers_rejection(tenant, monkeypatch, code, status
     pm = created(tenant.client, FAILS_ON_CREATE)
 
     def rejects(call_number, proceed):
-        raise EnrollmentFailed(code, "rejected", provider_code=code, correlation_id="corr_9",
-                               status=409 if code == "RAIL_ALREADY_ENROLLED" else 422)
+        raise EnrollmentFailed(
+            code,
+            "rejected",
+            provider_code=code,
+            correlation_id="corr_9",
+            status=409 if code == "RAIL_ALREADY_ENROLLED" else 422,
+        )
 
     _vic_enroll(monkeypatch, rejects)
-    problem = assert_problem(tenant.client.post(f"{BASE}/{pm['id']}/rails/retry",
-                                                {"rail": "agentic-token", "provider": "vic"}), status, code)
+    problem = assert_problem(
+        tenant.client.post(f"{BASE}/{pm['id']}/rails/retry", {"rail": "agentic-token", "provider": "vic"}), status, code
+    )
     assert problem["debug"] == {"provider_correlation": "corr_9"}
     assert outcome(get(tenant.client, pm["id"]))["vic"] == code
 
@@ -290,8 +332,9 @@ def _slow_vic(monkeypatch, seconds: float = 1.0):
     return _vic_enroll(monkeypatch, slow)
 
 
-def test_rails_still_running_when_the_wait_ends_are_pending_and_their_outcome_is_an_event(tenant, receiver,
-                                                                                          monkeypatch):
+def test_rails_still_running_when_the_wait_ends_are_pending_and_their_outcome_is_an_event(
+    tenant, receiver, monkeypatch
+):
     subscribe(tenant, receiver.url)
     _no_wait(monkeypatch)
     _slow_vic(monkeypatch)
@@ -303,8 +346,7 @@ def test_rails_still_running_when_the_wait_ends_are_pending_and_their_outcome_is
     hits = receiver.wait_for(lambda r: r.json["event"]["data"]["rail"]["provider"] == "vic", timeout=20)
     assert hits[0].json["event"]["data"]["rail"]["status"] == "enabled"
     events = rail_events(tenant.id, pm["id"])
-    assert sorted(e["rail"]["provider"] for e in events) == sorted(p for p, s in outcome(pm).items()
-                                                                   if s == "pending")
+    assert sorted(e["rail"]["provider"] for e in events) == sorted(p for p, s in outcome(pm).items() if s == "pending")
 
 
 def test_a_retry_still_running_when_the_wait_ends_is_shown_pending(tenant, monkeypatch):
@@ -331,7 +373,10 @@ def test_a_delete_still_running_when_the_wait_ends_is_409_then_204(tenant, monke
     monkeypatch.setattr(providers.HttpAgenticProvider, "delete_enrollment", slow_delete)
     assert_problem(tenant.client.delete(f"{BASE}/{pm['id']}"), 409, "PAYMENT_METHOD_DELETE_IN_PROGRESS")
     assert_problem(tenant.client.delete(f"{BASE}/{pm['id']}"), 409, "PAYMENT_METHOD_DELETE_IN_PROGRESS")
-    assert_problem(tenant.client.post(f"{BASE}/{pm['id']}/rails/retry", {"rail": "spt", "provider": "psp"}), 409,
-                   "PAYMENT_METHOD_DELETE_IN_PROGRESS")
+    assert_problem(
+        tenant.client.post(f"{BASE}/{pm['id']}/rails/retry", {"rail": "spt", "provider": "psp"}),
+        409,
+        "PAYMENT_METHOD_DELETE_IN_PROGRESS",
+    )
     wait_until(lambda: get(tenant.client, pm["id"])["status"] == "deleted", timeout=20)
     assert tenant.client.delete(f"{BASE}/{pm['id']}").status == 204

@@ -104,8 +104,10 @@ def get(client, pm_id: str) -> dict:
 
 def settled(client, pm_id: str, timeout: float = 30) -> dict:
     """The payment method once no rail is pending."""
-    return wait_until(lambda: (pm := get(client, pm_id)) and all(r["status"] != "pending" for r in pm["rails"])
-                      and pm, timeout=timeout)
+    return wait_until(
+        lambda: (pm := get(client, pm_id)) and all(r["status"] != "pending" for r in pm["rails"]) and pm,
+        timeout=timeout,
+    )
 
 
 def assert_problem(answer, status: int, code: str) -> dict:
@@ -138,8 +140,13 @@ def provider_requests(sandbox: str, endpoint: str, pan: str) -> int:
 
 def rail_rows(pm_id: str) -> list[PaymentMethodRail]:
     with session_scope() as session:
-        return list(session.exec(select(PaymentMethodRail).where(PaymentMethodRail.payment_method_id == pm_id)
-                                 .order_by(PaymentMethodRail.position)).all())
+        return list(
+            session.exec(
+                select(PaymentMethodRail)
+                .where(PaymentMethodRail.payment_method_id == pm_id)
+                .order_by(PaymentMethodRail.position)
+            ).all()
+        )
 
 
 def pm_row(pm_id: str) -> PaymentMethod:
@@ -152,15 +159,20 @@ def jobs_of(pm_id: str) -> list[Job]:
     subjects = [str(r.id) for r in rail_rows(pm_id)]
     with session_scope() as session:
         rows = session.exec(select(Job).order_by(Job.created_at)).all()
-    return [j for j in rows if (j.subject_type == "rail" and j.subject_id in subjects)
-            or (j.subject_type == "payment_method" and j.subject_id == pm_id)]
+    return [
+        j
+        for j in rows
+        if (j.subject_type == "rail" and j.subject_id in subjects)
+        or (j.subject_type == "payment_method" and j.subject_id == pm_id)
+    ]
 
 
 def rail_events(tenant_id, pm_id: str) -> list[dict]:
     """The data of the rail events about one payment method, oldest first."""
     with session_scope() as session:
-        rows = session.exec(select(Event).where(Event.tenant_id == tenant_id, Event.type == RAIL_EVENT)
-                            .order_by(Event.created_at)).all()
+        rows = session.exec(
+            select(Event).where(Event.tenant_id == tenant_id, Event.type == RAIL_EVENT).order_by(Event.created_at)
+        ).all()
     return [e.data for e in rows if e.data["payment_method"]["id"] == pm_id]
 
 

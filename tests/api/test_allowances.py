@@ -77,8 +77,10 @@ def test_create_validates_amount_currency_and_expiry(tenant):
         ({"amount": {"value": "abc", "currency": "USD"}}, "amount.value"),
         ({"amount": {"value": "1.00", "currency": "ZZZ"}}, "amount.currency"),
         ({"amount": usd("1.00"), "expires_at": "2001-01-01T00:00:00Z"}, "expires_at"),
-        ({"amount": usd("1.00"), "expires_at": (dt.datetime.now(dt.UTC) + dt.timedelta(days=400)).isoformat()},
-         "expires_at"),
+        (
+            {"amount": usd("1.00"), "expires_at": (dt.datetime.now(dt.UTC) + dt.timedelta(days=400)).isoformat()},
+            "expires_at",
+        ),
     ]
     for extra, field in cases:
         answer = tenant.client.post(ALLOWANCES, {"payment_method_id": pm["id"], **extra})
@@ -90,12 +92,18 @@ def test_create_validates_amount_currency_and_expiry(tenant):
 
 
 def test_create_errors_of_the_payment_method(tenant):
-    assert_problem(tenant.client.post(ALLOWANCES, {"payment_method_id": "pm_nothing", "amount": usd("1.00")}),
-                   404, "PAYMENT_METHOD_NOT_FOUND")
+    assert_problem(
+        tenant.client.post(ALLOWANCES, {"payment_method_id": "pm_nothing", "amount": usd("1.00")}),
+        404,
+        "PAYMENT_METHOD_NOT_FOUND",
+    )
     pm = created(tenant.client)
     assert tenant.client.delete(f"{BASE}/{pm['id']}").status == 204
-    assert_problem(tenant.client.post(ALLOWANCES, {"payment_method_id": pm["id"], "amount": usd("1.00")}),
-                   400, "PAYMENT_METHOD_DELETED")
+    assert_problem(
+        tenant.client.post(ALLOWANCES, {"payment_method_id": pm["id"], "amount": usd("1.00")}),
+        400,
+        "PAYMENT_METHOD_DELETED",
+    )
     # a payment method whose every rail failed (the rails' outcome written as an enrollment failure would)
     pm = created(tenant.client, REJECTED)
     with session_scope() as session:
@@ -103,8 +111,9 @@ def test_create_errors_of_the_payment_method(tenant):
             current = session.get(PaymentMethodRail, rail.id)
             current.status, current.error_code = "error", "PROVIDER_ENROLLMENT_FAILED"
             session.add(current)
-    assert_problem(tenant.client.post(ALLOWANCES, {"payment_method_id": pm["id"], "amount": usd("1.00")}),
-                   400, "NO_ACTIVE_RAILS")
+    assert_problem(
+        tenant.client.post(ALLOWANCES, {"payment_method_id": pm["id"], "amount": usd("1.00")}), 400, "NO_ACTIVE_RAILS"
+    )
 
 
 def test_create_with_an_idempotency_key_answers_the_same_allowance(tenant):
@@ -178,8 +187,9 @@ def test_three_wrong_codes_fail_the_verification(tenant):
 
 def test_verification_errors(tenant):
     alw = allowance(tenant.client)
-    assert_problem(verify(tenant.client, alw["id"], "start", rail="spt", provider="psp"), 400,
-                   "VERIFICATION_NOT_REQUIRED")
+    assert_problem(
+        verify(tenant.client, alw["id"], "start", rail="spt", provider="psp"), 400, "VERIFICATION_NOT_REQUIRED"
+    )
     assert_problem(verify(tenant.client, alw["id"], "start", provider="psp"), 400, "VALIDATION_ERROR")
     assert_problem(verify(tenant.client, alw["id"], "start", provider="agentpay"), 400, "RAIL_NOT_FOUND")
     assert_problem(verify(tenant.client, alw["id"], "submit_otp"), 400, "VALIDATION_ERROR")
@@ -196,9 +206,11 @@ def test_update_changes_amount_description_and_expiry_at_the_provider_first(tena
     alw = allowance(tenant.client, AMEX, "50.00", description="first")
     assert mint(tenant.client, alw["id"], "20.00").status == 201
     expires = (dt.datetime.now(dt.UTC) + dt.timedelta(days=60)).replace(microsecond=0)
-    answer = tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", {"amount": usd("80"), "description": None,
-                                                               "expires_at": expires.isoformat()},
-                                 content_type="application/merge-patch+json")
+    answer = tenant.client.patch(
+        f"{ALLOWANCES}/{alw['id']}",
+        {"amount": usd("80"), "description": None, "expires_at": expires.isoformat()},
+        content_type="application/merge-patch+json",
+    )
     assert answer.status == 200, answer
     assert answer.json["amount"] == usd("80.00")
     assert answer.json["amount_available"] == usd("60.00")
@@ -225,10 +237,8 @@ def test_delete_cancels_at_every_provider_then_nothing_more_is_minted(tenant):
     assert tenant.client.delete(f"{ALLOWANCES}/{alw['id']}").status == 204
     assert_problem(mint(tenant.client, alw["id"]), 400, "ALLOWANCE_CANCELLED")
     assert_problem(verify(tenant.client, alw["id"], "start"), 400, "ALLOWANCE_CANCELLED")
-    assert_problem(tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", {"description": "x"}), 400,
-                   "ALLOWANCE_CANCELLED")
-    assert {"allowance": {"id": alw["id"], "status": "cancelled"}} in events_of(tenant.id,
-                                                                                  "agentic.allowance.updated")
+    assert_problem(tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", {"description": "x"}), 400, "ALLOWANCE_CANCELLED")
+    assert {"allowance": {"id": alw["id"], "status": "cancelled"}} in events_of(tenant.id, "agentic.allowance.updated")
 
 
 def test_a_failed_cancellation_answers_500_and_the_repeated_delete_resumes_it(tenant):
@@ -259,8 +269,9 @@ def test_deleting_the_payment_method_cancels_its_allowances(tenant):
 
 def test_an_allowance_of_a_visa_card_is_usable_on_spt_before_verification(tenant):
     alw = allowance(tenant.client, VISA, "30.00")
-    assert_problem(mint(tenant.client, alw["id"], rail="agentic-token", provider="vic", fmt="card"), 400,
-                   "RAIL_NOT_ACTIVE")
+    assert_problem(
+        mint(tenant.client, alw["id"], rail="agentic-token", provider="vic", fmt="card"), 400, "RAIL_NOT_ACTIVE"
+    )
     answer = mint(tenant.client, alw["id"], "30.00")
     assert answer.status == 201, answer
     assert amounts(read(tenant.client, alw["id"])) == (Decimal(30), Decimal(0), Decimal(0), Decimal(30))
@@ -283,8 +294,10 @@ def test_allowance_and_credential_events_are_delivered(tenant, receiver):
     alw = allowance(tenant.client, AMEX)
     credential = mint(tenant.client, alw["id"], "2.00").json
     hits = receiver.wait_for(lambda r: r.json["event"]["type"] == "agentic.credential.created", timeout=20)
-    assert hits[0].json["event"]["data"] == {"credential": {"id": credential["id"]},
-                                             "allowance": {"id": alw["id"], "status": "active"}}
+    assert hits[0].json["event"]["data"] == {
+        "credential": {"id": credential["id"]},
+        "allowance": {"id": alw["id"], "status": "active"},
+    }
     updated = receiver.wait_for(lambda r: r.json["event"]["type"] == "agentic.allowance.updated", timeout=20)
     assert updated[0].json["event"]["data"] == {"allowance": {"id": alw["id"], "status": "active"}}
 
@@ -293,8 +306,11 @@ def test_framing_problems_take_the_agentic_form(tenant, api):
     alw = allowance(tenant.client, AMEX)
     assert_problem(tenant.client.post(ALLOWANCES, raw=b"{", content_type="application/json"), 400, "INVALID_BODY")
     assert_problem(tenant.client.post(ALLOWANCES, {"amount": usd("1.00")}), 400, "VALIDATION_ERROR")
-    assert_problem(tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", raw=b"x", content_type="text/plain"), 415,
-                   "UNSUPPORTED_MEDIA_TYPE")
+    assert_problem(
+        tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", raw=b"x", content_type="text/plain"),
+        415,
+        "UNSUPPORTED_MEDIA_TYPE",
+    )
     assert_problem(api.client().get(ALLOWANCES), 401, "UNAUTHORIZED")
     assert_problem(tenant.client.get(f"{ALLOWANCES}/{alw['id']}/nothing"), 404, "NOT_FOUND")
     assert_problem(tenant.client.put(f"{ALLOWANCES}/{alw['id']}", {}), 405, "METHOD_NOT_ALLOWED")

@@ -65,8 +65,10 @@ def test_an_identifier_mint_moves_the_amount_to_spent_and_returns_the_value_once
 def admin_count(tenant, alw_id: str) -> int:
     """How many credentials the sandbox minted for the allowance's provider allowances."""
     with session_scope() as session:
-        ids = [r.provider_allowance_id for r in session.exec(
-            select(AllowanceRail).where(AllowanceRail.allowance_id == alw_id)).all()]
+        ids = [
+            r.provider_allowance_id
+            for r in session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == alw_id)).all()
+        ]
     sandbox = f"http://127.0.0.1:{SANDBOX_PORT}"
     return sum(admin(sandbox, "credentials", allowance_id=i)["count"] for i in ids if i)
 
@@ -87,17 +89,22 @@ def test_mint_errors_before_any_provider_call(tenant):
     assert_problem(mint(tenant.client, alw["id"], fmt="card"), 400, "VALIDATION_ERROR")
     assert_problem(mint(tenant.client, alw["id"], provider="vic"), 400, "VALIDATION_ERROR")
     assert_problem(mint(tenant.client, alw["id"], fmt="mpp"), 400, "VALIDATION_ERROR")
-    assert_problem(mint(tenant.client, alw["id"], rail="agentic-token", provider="agentpay", fmt="card"), 400,
-                   "RAIL_NOT_FOUND")
-    assert_problem(mint(tenant.client, alw["id"], rail="agentic-token", provider="vic", fmt="card"), 400,
-                   "RAIL_NOT_ACTIVE")
+    assert_problem(
+        mint(tenant.client, alw["id"], rail="agentic-token", provider="agentpay", fmt="card"), 400, "RAIL_NOT_FOUND"
+    )
+    assert_problem(
+        mint(tenant.client, alw["id"], rail="agentic-token", provider="vic", fmt="card"), 400, "RAIL_NOT_ACTIVE"
+    )
     assert_problem(mint(tenant.client, alw["id"], "20.01"), 400, "ALLOWANCE_AMOUNT_EXCEEDED")
-    other = tenant.client.post(f"{ALLOWANCES}/{alw['id']}/credentials", {
-        "rail": "spt", "provider": "psp", "format": "identifier", "amount": {"value": "1", "currency": "EUR"}})
+    other = tenant.client.post(
+        f"{ALLOWANCES}/{alw['id']}/credentials",
+        {"rail": "spt", "provider": "psp", "format": "identifier", "amount": {"value": "1", "currency": "EUR"}},
+    )
     assert_problem(other, 400, "VALIDATION_ERROR")
     assert_problem(mint(tenant.client, "alw_nothing"), 404, "ALLOWANCE_NOT_FOUND")
-    assert_problem(tenant.client.get(f"{ALLOWANCES}/{alw['id']}/credentials/pcr_nothing"), 404,
-                   "PAYMENT_CREDENTIAL_NOT_FOUND")
+    assert_problem(
+        tenant.client.get(f"{ALLOWANCES}/{alw['id']}/credentials/pcr_nothing"), 404, "PAYMENT_CREDENTIAL_NOT_FOUND"
+    )
     assert amounts(read(tenant.client, alw["id"])) == (Decimal(20), Decimal(20), Decimal(0), Decimal(0))
 
 
@@ -195,11 +202,21 @@ def test_an_unreachable_or_unsafe_key_set_clears_the_amount_without_a_provider_c
     closed = f"http://127.0.0.1:{free_port()}/jwks.json"
     answer = mint(tenant.client, alw["id"], "7.00", fmt="mpp", mpp={"key_set_url": closed, "challenge": "c"})
     assert_problem(answer, 502, "MPP_KEY_UNAVAILABLE")
-    unsafe = mint(tenant.client, alw["id"], "7.00", fmt="mpp",
-                  mpp={"key_set_url": "ftp://merchant.example/jwks.json", "challenge": "c"})
+    unsafe = mint(
+        tenant.client,
+        alw["id"],
+        "7.00",
+        fmt="mpp",
+        mpp={"key_set_url": "ftp://merchant.example/jwks.json", "challenge": "c"},
+    )
     assert "mpp.key_set_url" in assert_problem(unsafe, 400, "VALIDATION_ERROR")["errors"]
-    userinfo = mint(tenant.client, alw["id"], "7.00", fmt="mpp",
-                    mpp={"key_set_url": "http://user@merchant.example/jwks.json", "challenge": "c"})
+    userinfo = mint(
+        tenant.client,
+        alw["id"],
+        "7.00",
+        fmt="mpp",
+        mpp={"key_set_url": "http://user@merchant.example/jwks.json", "challenge": "c"},
+    )
     assert_problem(userinfo, 400, "VALIDATION_ERROR")
     assert amounts(read(tenant.client, alw["id"])) == (Decimal(30), Decimal(30), Decimal(0), Decimal(0))
     assert admin_count(tenant, alw["id"]) == 0

@@ -74,8 +74,7 @@ def _reserve_without_worker(tenant, alw_id: str, value: str, monkeypatch) -> Job
 def _stale_lease(alw_id: str) -> None:
     past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
     with session_scope() as session:
-        session.execute(update(OperationLease).where(OperationLease.resource_id == alw_id)
-                        .values(expires_at=past))
+        session.execute(update(OperationLease).where(OperationLease.resource_id == alw_id).values(expires_at=past))
 
 
 def test_a_mint_whose_worker_died_before_the_call_is_settled_by_the_sweep(tenant, monkeypatch):
@@ -84,11 +83,13 @@ def test_a_mint_whose_worker_died_before_the_call_is_settled_by_the_sweep(tenant
     assert amounts(read(tenant.client, alw["id"])) == (Decimal(50), Decimal(40), Decimal(10), Decimal(0))
     # while its lease is live, the reservation holds and blocks the allowance's other operations
     assert_problem(mint(tenant.client, alw["id"], "1.00"), 409, "ALLOWANCE_CREDENTIAL_IN_PROGRESS")
-    assert_problem(tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", {"description": "x"}), 409,
-                   "ALLOWANCE_CREDENTIAL_IN_PROGRESS")
+    assert_problem(
+        tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", {"description": "x"}), 409, "ALLOWANCE_CREDENTIAL_IN_PROGRESS"
+    )
     assert_problem(tenant.client.delete(f"{ALLOWANCES}/{alw['id']}"), 409, "ALLOWANCE_CREDENTIAL_IN_PROGRESS")
-    assert_problem(tenant.client.delete(f"{BASE}/{alw['payment_method_id']}"), 409,
-                   "PAYMENT_METHOD_OPERATION_IN_PROGRESS")
+    assert_problem(
+        tenant.client.delete(f"{BASE}/{alw['payment_method_id']}"), 409, "PAYMENT_METHOD_OPERATION_IN_PROGRESS"
+    )
     sweep_allowances()
     assert amounts(read(tenant.client, alw["id"]))[2] == Decimal(10)
 
@@ -144,13 +145,25 @@ def test_a_stale_reservation_becomes_spent_on_update_cancellation_or_verificatio
 def _lease(alw_id: str, tenant_id, operation: str) -> None:
     now = dt.datetime.now(dt.UTC)
     with session_scope() as session:
-        session.add(OperationLease(resource_id=alw_id, tenant_id=tenant_id, operation=operation, owner="op_someone",
-                                   acquired_at=now, expires_at=now + dt.timedelta(seconds=60)))
+        session.add(
+            OperationLease(
+                resource_id=alw_id,
+                tenant_id=tenant_id,
+                operation=operation,
+                owner="op_someone",
+                acquired_at=now,
+                expires_at=now + dt.timedelta(seconds=60),
+            )
+        )
 
 
 def test_the_in_progress_codes_of_each_operation(tenant):
-    codes = {"update": "ALLOWANCE_UPDATE_IN_PROGRESS", "setup": "ALLOWANCE_UPDATE_IN_PROGRESS",
-             "verify": "ALLOWANCE_VERIFICATION_IN_PROGRESS", "cancel": "ALLOWANCE_DELETE_IN_PROGRESS"}
+    codes = {
+        "update": "ALLOWANCE_UPDATE_IN_PROGRESS",
+        "setup": "ALLOWANCE_UPDATE_IN_PROGRESS",
+        "verify": "ALLOWANCE_VERIFICATION_IN_PROGRESS",
+        "cancel": "ALLOWANCE_DELETE_IN_PROGRESS",
+    }
     for operation, code in codes.items():
         alw = allowance(tenant.client)
         _lease(alw["id"], tenant.id, operation)
@@ -164,8 +177,11 @@ def test_the_in_progress_codes_of_each_operation(tenant):
 def test_expiry_is_terminal_and_swept(tenant):
     alw = allowance(tenant.client, AMEX, "20.00")
     with session_scope() as session:
-        session.execute(update(Allowance).where(Allowance.id == alw["id"])
-                        .values(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)))
+        session.execute(
+            update(Allowance)
+            .where(Allowance.id == alw["id"])
+            .values(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1))
+        )
     assert read(tenant.client, alw["id"])["status"] == "expired"
     assert_problem(mint(tenant.client, alw["id"], "1.00"), 400, "ALLOWANCE_EXPIRED")
     assert_problem(tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", {"description": "x"}), 400, "ALLOWANCE_EXPIRED")
@@ -183,9 +199,12 @@ def test_a_provider_refusing_an_update_leaves_the_allowance_unchanged(tenant):
     with session_scope() as session:
         [rail] = session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == alw["id"])).all()
     # the provider cancelled its allowance on its side: it refuses every update
-    answer = urllib3.request("POST", f"http://127.0.0.1:{SANDBOX_PORT}/agentic/psp/allowances/"
-                             f"{rail.provider_allowance_id}/cancel", body=b"{}",
-                             headers={"Content-Type": "application/json", "Idempotency-Key": str(uuid.uuid4())})
+    answer = urllib3.request(
+        "POST",
+        f"http://127.0.0.1:{SANDBOX_PORT}/agentic/psp/allowances/{rail.provider_allowance_id}/cancel",
+        body=b"{}",
+        headers={"Content-Type": "application/json", "Idempotency-Key": str(uuid.uuid4())},
+    )
     assert answer.status == 200, answer.data
     refused = tenant.client.patch(f"{ALLOWANCES}/{alw['id']}", {"amount": usd("30.00"), "description": "new"})
     assert_problem(refused, 422, "PROVIDER_ALLOWANCE_UPDATE_FAILED")
@@ -235,8 +254,7 @@ def test_a_key_held_by_a_running_mint_answers_in_progress_and_then_its_outcome(t
     assert amounts(read(tenant.client, alw["id"])) == (Decimal(30), Decimal(30), Decimal(0), Decimal(0))
 
 
-def test_a_key_whose_mint_succeeded_after_its_request_stopped_waiting_answers_payload_unavailable(
-        tenant, monkeypatch):
+def test_a_key_whose_mint_succeeded_after_its_request_stopped_waiting_answers_payload_unavailable(tenant, monkeypatch):
     alw = allowance(tenant.client, AMEX, "30.00")
 
     async def no_wait(self, job_ids, *, timeout):
@@ -255,8 +273,11 @@ def test_a_key_whose_mint_succeeded_after_its_request_stopped_waiting_answers_pa
     [issued] = credential_rows(alw["id"])
     assert issued.sealed is not None and b"spt_" not in issued.sealed  # encrypted while it waits
     with session_scope() as session:  # nobody takes it: ten minutes on, the sweep destroys it
-        session.execute(update(PaymentCredential).where(PaymentCredential.id == pending.id)
-                        .values(created_at=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=11)))
+        session.execute(
+            update(PaymentCredential)
+            .where(PaymentCredential.id == pending.id)
+            .values(created_at=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=11))
+        )
     sweep_allowances()
     assert [r.sealed for r in credential_rows(alw["id"])] == [None]
 
@@ -268,8 +289,11 @@ def test_a_stopped_payment_method_delete_blocks_minting_and_resumes(tenant):
     assert read(tenant.client, alw["id"])["status"] == "pending_verification"
     assert_problem(mint(tenant.client, alw["id"], "1.00"), 400, "PAYMENT_METHOD_DELETED")
     assert_problem(verify(tenant.client, alw["id"], "start"), 400, "PAYMENT_METHOD_DELETED")
-    assert_problem(tenant.client.post(ALLOWANCES, {"payment_method_id": alw["payment_method_id"],
-                                                   "amount": usd("1.00")}), 400, "PAYMENT_METHOD_DELETED")
+    assert_problem(
+        tenant.client.post(ALLOWANCES, {"payment_method_id": alw["payment_method_id"], "amount": usd("1.00")}),
+        400,
+        "PAYMENT_METHOD_DELETED",
+    )
     # the repeated DELETE resumes and succeeds
     assert tenant.client.delete(pm_path).status == 204
     assert read(tenant.client, alw["id"])["status"] == "cancelled"
@@ -290,8 +314,11 @@ def test_deleting_the_payment_method_leaves_an_expired_allowance_expired(tenant)
     alw = allowance(tenant.client, AMEX, "20.00")
     live = tenant.client.post(ALLOWANCES, {"payment_method_id": alw["payment_method_id"], "amount": usd("5.00")}).json
     with session_scope() as session:
-        session.execute(update(Allowance).where(Allowance.id == alw["id"])
-                        .values(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)))
+        session.execute(
+            update(Allowance)
+            .where(Allowance.id == alw["id"])
+            .values(expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1))
+        )
     assert tenant.client.delete(f"{BASE}/{alw['payment_method_id']}").status == 204
     assert read(tenant.client, alw["id"])["status"] == "expired"
     assert read(tenant.client, live["id"])["status"] == "cancelled"

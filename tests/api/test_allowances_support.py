@@ -27,8 +27,11 @@ def usd(value: str) -> dict:
 def new_allowance(client, number: str = VISA, amount: str = "100.00", *, key: str | None = None, **extra):
     """A payment method of ``number`` and a POST /agentic/allowances on it; the answer."""
     pm = created(client, number)
-    return client.post(ALLOWANCES, {"payment_method_id": pm["id"], "amount": usd(amount), **extra},
-                       headers=key_header(key) if key else None)
+    return client.post(
+        ALLOWANCES,
+        {"payment_method_id": pm["id"], "amount": usd(amount), **extra},
+        headers=key_header(key) if key else None,
+    )
 
 
 def allowance(client, number: str = VISA, amount: str = "100.00", **extra) -> dict:
@@ -43,8 +46,9 @@ def rails(alw: dict) -> dict[str, dict]:
     return {r["provider"]: r for r in alw["rails"]}
 
 
-def verify(client, alw_id: str, action: str, otp: str | None = None, rail: str = "agentic-token",
-           provider: str = "vic"):
+def verify(
+    client, alw_id: str, action: str, otp: str | None = None, rail: str = "agentic-token", provider: str = "vic"
+):
     body = {"rail": rail, "provider": provider, "action": action}
     if otp is not None:
         body["otp"] = otp
@@ -60,8 +64,17 @@ def verified(client, number: str = VISA, amount: str = "100.00") -> dict:
     return read(client, alw["id"])
 
 
-def mint(client, alw_id: str, value: str = "10.00", *, rail: str = "spt", provider: str = "psp",
-         fmt: str = "identifier", key: str | None = None, **extra):
+def mint(
+    client,
+    alw_id: str,
+    value: str = "10.00",
+    *,
+    rail: str = "spt",
+    provider: str = "psp",
+    fmt: str = "identifier",
+    key: str | None = None,
+    **extra,
+):
     body = {"rail": rail, "provider": provider, "format": fmt, "amount": usd(value), **extra}
     return client.post(f"{ALLOWANCES}/{alw_id}/credentials", body, headers=key_header(key) if key else None)
 
@@ -74,8 +87,9 @@ def read(client, alw_id: str) -> dict:
 
 def amounts(alw: dict) -> tuple[Decimal, Decimal, Decimal, Decimal]:
     """``(amount, available, reserved, spent)`` as Decimals, asserting they add up."""
-    total, available, reserved, spent = (Decimal(alw[name]["value"]) for name in (
-        "amount", "amount_available", "amount_reserved", "amount_spent"))
+    total, available, reserved, spent = (
+        Decimal(alw[name]["value"]) for name in ("amount", "amount_available", "amount_reserved", "amount_spent")
+    )
     assert available + reserved + spent == total, alw
     return total, available, reserved, spent
 
@@ -92,6 +106,7 @@ def credential_rows(alw_id: str) -> list[PaymentCredential]:
 
 def events_of(tenant_id, event_type: str) -> list[dict]:
     with session_scope() as session:
-        rows = session.exec(select(Event).where(Event.tenant_id == tenant_id, Event.type == event_type)
-                            .order_by(Event.created_at)).all()
+        rows = session.exec(
+            select(Event).where(Event.tenant_id == tenant_id, Event.type == event_type).order_by(Event.created_at)
+        ).all()
     return [e.data for e in rows]

@@ -11,9 +11,7 @@ from tests.api.test_framework import assert_problem
 
 
 def create(client, *, name="app", type="server_to_server", permissions=None):
-    answer = client.post(
-        "/applications", {"name": name, "type": type, "permissions": permissions or []}
-    )
+    answer = client.post("/applications", {"name": name, "type": type, "permissions": permissions or []})
     assert answer.status == 201, answer
     return answer.json
 
@@ -114,8 +112,9 @@ def test_legacy_permission_names_are_mapped_to_their_replacement(api, tenant, le
     stored = tenant.client.get(f"/applications/{answer.json['id']}")
     assert stored.json["permissions"] == [replacement]
     assert "Deprecation" not in stored.headers
-    plain = tenant.client.post("/applications", {"name": "new", "type": "server_to_server",
-                                                 "permissions": [replacement]})
+    plain = tenant.client.post(
+        "/applications", {"name": "new", "type": "server_to_server", "permissions": [replacement]}
+    )
     assert plain.status == 201 and "Deprecation" not in plain.headers
 
 
@@ -152,9 +151,7 @@ def test_client_side_applications_hold_create_permissions_only(api, tenant, app_
         body = assert_problem(answer, 400)
         assert refused in " ".join(body["errors"]["permissions"])
     # and an update cannot widen them either
-    answer = tenant.client.put(
-        f"/applications/{created['id']}", {"name": "browser", "permissions": ["tenant:read"]}
-    )
+    answer = tenant.client.put(f"/applications/{created['id']}", {"name": "browser", "permissions": ["tenant:read"]})
     assert_problem(answer, 400)
     assert tenant.client.get(f"/applications/{created['id']}").json["permissions"] == sorted(
         ["token:pci:create", "token:general:create"]

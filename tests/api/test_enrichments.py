@@ -19,19 +19,23 @@ def bank_token(client, account: str, routing: str = "021000021") -> str:
     return answer.json["id"]
 
 
-@pytest.mark.parametrize("routing, account, status", [
-    ("021000021", "00001", "enabled"),
-    ("021000021", "00002", "disabled"),
-    ("021000021", "00003", "error"),
-    ("011000015", "00001", "error"),
-])
+@pytest.mark.parametrize(
+    "routing, account, status",
+    [
+        ("021000021", "00001", "enabled"),
+        ("021000021", "00002", "disabled"),
+        ("021000021", "00003", "error"),
+        ("011000015", "00001", "error"),
+    ],
+)
 def test_the_sandbox_answers_each_documented_outcome_through_a_job(tenant, routing, account, status):
     token_id = bank_token(tenant.client, account, routing)
     answer = tenant.client.post(PATH, {"token_id": token_id})
     assert (answer.status, answer.json) == (200, {"status": status}), answer
     with session_scope() as session:
-        job = session.exec(select(Job).where(Job.tenant_id == tenant.id,
-                                             Job.kind == "enrichments.bank_account_verify")).one()
+        job = session.exec(
+            select(Job).where(Job.tenant_id == tenant.id, Job.kind == "enrichments.bank_account_verify")
+        ).one()
         assert (job.status, job.subject_id, job.result) == ("succeeded", token_id, {"status": status})
         used = session.exec(select(AuditLog).where(AuditLog.tenant_id == tenant.id, AuditLog.operation == "use")).one()
         assert used.entity_id == token_id

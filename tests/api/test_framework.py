@@ -97,13 +97,9 @@ def test_oversized_body_is_413(api, tenant):
 
 
 def test_non_json_content_type_is_415(api, tenant):
-    answer = tenant.client.post(
-        "/applications", raw=b'{"name": "n", "type": "public"}', content_type="text/plain"
-    )
+    answer = tenant.client.post("/applications", raw=b'{"name": "n", "type": "public"}', content_type="text/plain")
     assert_problem(answer, 415)
-    answer = tenant.client.put(
-        "/tenants/self", raw=b"name=x", content_type="application/x-www-form-urlencoded"
-    )
+    answer = tenant.client.put("/tenants/self", raw=b"name=x", content_type="application/x-www-form-urlencoded")
     assert_problem(answer, 415)
 
 
@@ -462,8 +458,19 @@ def test_served_answers_fit_the_description(api, tenant):
         answer = tenant.client.request(method, path, body, **kw)
         assert answer.status == status, answer
         content = doc["paths"][template][method.lower()]["responses"][str(status)]["content"]
-        pointer = "/".join(("", "paths", template.replace("~", "~0").replace("/", "~1"), method.lower(),
-                            "responses", str(status), "content", next(iter(content)).replace("/", "~1"), "schema"))
+        pointer = "/".join(
+            (
+                "",
+                "paths",
+                template.replace("~", "~0").replace("/", "~1"),
+                method.lower(),
+                "responses",
+                str(status),
+                "content",
+                next(iter(content)).replace("/", "~1"),
+                "schema",
+            )
+        )
         validator = Draft202012Validator({"$ref": "urn:tessera#" + pointer}, registry=registry)
         errors = list(validator.iter_errors(answer.json))
         assert not errors, (method, path, [e.message for e in errors[:3]])

@@ -18,8 +18,9 @@ from storage.models import AuditLog
 
 
 def _caller(tenant) -> Caller:
-    return Caller(tenant_id=tenant.id, tenant_type="test", application_id=None, application_type=None,
-                  permissions=frozenset())
+    return Caller(
+        tenant_id=tenant.id, tenant_type="test", application_id=None, application_type=None, permissions=frozenset()
+    )
 
 
 def _log_unit(session, caller: Caller, entity_id: str, *, fail: bool = False, row_id: uuid.UUID | None = None):
@@ -36,9 +37,11 @@ def _log_unit(session, caller: Caller, entity_id: str, *, fail: bool = False, ro
 
 def _logged(tenant, entity_ids: list[str]) -> list[str]:
     with session_scope() as session:
-        return sorted(session.execute(
-            select(AuditLog.entity_id).where(AuditLog.tenant_id == tenant.id, AuditLog.entity_id.in_(entity_ids))
-        ).scalars())
+        return sorted(
+            session.execute(
+                select(AuditLog.entity_id).where(AuditLog.tenant_id == tenant.id, AuditLog.entity_id.in_(entity_ids))
+            ).scalars()
+        )
 
 
 def _run_together(units: list[tuple]) -> list:
@@ -77,9 +80,13 @@ def test_a_conflict_in_the_shared_statement_is_answered_by_the_unit_that_caused_
     caller = _caller(tenant)
     taken = uuid.uuid4()
     ids = [f"group-{n}-{uuid.uuid4()}" for n in range(3)]
-    outcomes = _run_together([((_log_unit, caller, ids[0]), {"row_id": taken}),
-                              ((_log_unit, caller, ids[1]), {}),
-                              ((_log_unit, caller, ids[2]), {"row_id": taken})])
+    outcomes = _run_together(
+        [
+            ((_log_unit, caller, ids[0]), {"row_id": taken}),
+            ((_log_unit, caller, ids[1]), {}),
+            ((_log_unit, caller, ids[2]), {"row_id": taken}),
+        ]
+    )
     assert isinstance(outcomes[2], IntegrityError)
     assert isinstance(outcomes[0], int) and isinstance(outcomes[1], int)
     assert _logged(tenant, ids) == sorted(ids[:2])

@@ -181,8 +181,15 @@ def test_bad_cursor_is_400(api, tenant, start):
 
 @pytest.mark.parametrize(
     "query",
-    ["size=0", "size=101", "size=x", "start_date=yesterday", "end_date=2026-13-01", "entity_id=a%00b",
-     "entity_type=%00"],
+    [
+        "size=0",
+        "size=101",
+        "size=x",
+        "start_date=yesterday",
+        "end_date=2026-13-01",
+        "entity_id=a%00b",
+        "entity_type=%00",
+    ],
 )
 def test_bad_query_is_400(api, tenant, query):
     assert_problem(tenant.client.get(f"/logs?{query}"), 400)

@@ -60,14 +60,21 @@ def test_malformed_json_is_400_and_writes_nothing(api, tenant, raw, path):
 
 
 def test_malformed_json_on_a_model_body_is_400(api, tenant):
-    for raw in (b'{"name":"' + b"\\ud800" + b'","type":"public"}', b'{"name":' + b"7" * 5000 + b"}",
-                b'{"name":' + b"[" * 4000 + b"]" * 4000 + b"}"):
+    for raw in (
+        b'{"name":"' + b"\\ud800" + b'","type":"public"}',
+        b'{"name":' + b"7" * 5000 + b"}",
+        b'{"name":' + b"[" * 4000 + b"]" * 4000 + b"}",
+    ):
         assert_problem(tenant.client.post("/applications", raw=raw), 400)
 
 
 def test_nul_in_a_path_segment_is_a_4xx(api, tenant):
-    for target in ("/tokens/abc%00def", "/applications/%00", "/agentic/payment-methods/pm_%00",
-                   "/webhooks/%00/deliveries"):
+    for target in (
+        "/tokens/abc%00def",
+        "/applications/%00",
+        "/agentic/payment-methods/pm_%00",
+        "/webhooks/%00/deliveries",
+    ):
         answer = tenant.client.get(target)
         assert answer.status in (400, 404), (target, answer)
         assert_problem(answer, answer.status)
@@ -135,17 +142,26 @@ def _multipart(boundary: bytes, parts: list[tuple[bytes, bytes]]) -> bytes:
     [
         pytest.param("multipart/form-data; boundary=abc", b"--zzz\r\nbroken\r\n\r\n", id="wrong-boundary"),
         pytest.param("multipart/form-data", b"--abc\r\n\r\nx\r\n--abc--\r\n", id="no-boundary"),
-        pytest.param("multipart/form-data; boundary=abc", b"--abc\r\nContent-Disposition: form-data; "
-                     b"name=\"document\"\r\n\r\nunterminated", id="unterminated"),
-        pytest.param("multipart/form-data; boundary=abc",
-                     _multipart(b"abc", [(b'Content-Disposition: form-data; name="document"; filename="a\x00b.txt"',
-                                          b"hello")]), id="nul-in-filename"),
-        pytest.param("multipart/form-data; boundary=abc",
-                     _multipart(b"abc", [(b'Content-Disposition: form-data; name="docu\x00ment"', b"hello")]),
-                     id="nul-in-name"),
-        pytest.param("multipart/form-data; boundary=abc",
-                     _multipart(b"abc", [(b'Content-Disposition: form-data; name="document"; filename="\xff\xfe"',
-                                          b"hello")]), id="non-utf8-filename"),
+        pytest.param(
+            "multipart/form-data; boundary=abc",
+            b'--abc\r\nContent-Disposition: form-data; name="document"\r\n\r\nunterminated',
+            id="unterminated",
+        ),
+        pytest.param(
+            "multipart/form-data; boundary=abc",
+            _multipart(b"abc", [(b'Content-Disposition: form-data; name="document"; filename="a\x00b.txt"', b"hello")]),
+            id="nul-in-filename",
+        ),
+        pytest.param(
+            "multipart/form-data; boundary=abc",
+            _multipart(b"abc", [(b'Content-Disposition: form-data; name="docu\x00ment"', b"hello")]),
+            id="nul-in-name",
+        ),
+        pytest.param(
+            "multipart/form-data; boundary=abc",
+            _multipart(b"abc", [(b'Content-Disposition: form-data; name="document"; filename="\xff\xfe"', b"hello")]),
+            id="non-utf8-filename",
+        ),
         pytest.param("multipart/form-data; boundary=" + "b" * 200, b"--" + b"b" * 200 + b"\r\n", id="long-boundary"),
     ],
 )

@@ -116,8 +116,13 @@ def test_visa_is_provisioned_active_with_full_card_art(tenant, sandbox, receiver
     assert details["issuer"]["country"] == "US"
     assert details["issuer_country"]["alpha2"] == "US"
     assert details["additional"] == []
-    assert created["card"] == {"brand": "visa", "bin": "424242", "last4": "4242", "expiration_month": 7,
-                               "expiration_year": YEAR}
+    assert created["card"] == {
+        "brand": "visa",
+        "bin": "424242",
+        "last4": "4242",
+        "expiration_month": 7,
+        "expiration_year": YEAR,
+    }
     assert created["par"].startswith("SBX1") and len(created["par"]) == 29
     assert created["token_id"] is None and created["token_intent_id"] is None
     reference = created["_extras"]["network_reference"]
@@ -163,8 +168,12 @@ def test_a_declined_card_answers_422_and_leaves_nothing(tenant, sandbox, receive
         (job,) = session.exec(select(Job).where(Job.tenant_id == tenant.id, Job.kind == network_tokens.PROVISION_TASK))
         assert job.status == "failed" and job.attempts == 1
         # the create answered 422 itself: no network-token.failed event
-        assert session.exec(select(Event).where(Event.tenant_id == tenant.id,
-                                                Event.type == "network-token.failed")).first() is None
+        assert (
+            session.exec(
+                select(Event).where(Event.tenant_id == tenant.id, Event.type == "network-token.failed")
+            ).first()
+            is None
+        )
 
 
 def test_an_unsupported_network_answers_422(tenant, sandbox):
@@ -245,8 +254,9 @@ def test_a_token_without_expiration_needs_the_override_pair(tenant, sandbox):
     refused = tenant.client.post("/network-tokens", {"token_id": token["id"]})
     assert refused.status == 400
     assert set(refused.json["errors"]) == {"expiration_month", "expiration_year"}
-    created = tenant.client.post("/network-tokens", {"token_id": token["id"], "expiration_month": 3,
-                                                     "expiration_year": YEAR + 1})
+    created = tenant.client.post(
+        "/network-tokens", {"token_id": token["id"], "expiration_month": 3, "expiration_year": YEAR + 1}
+    )
     assert created.status == 201, created
     assert created.json["card"]["expiration_month"] == 3
 
@@ -256,9 +266,13 @@ def test_overrides_show_on_the_card_and_leave_the_source_unchanged(tenant, sandb
     assert token.status == 201, token
     created = tenant.client.post(
         "/network-tokens",
-        {"token_id": token.json["id"], "expiration_month": 11, "expiration_year": YEAR + 1,
-         "cardholder_info": {"name": "Ada Lovelace", "address": {"line1": "1 Main St", "country_code": "GB"}},
-         "merchant_id": str(uuid.uuid4())},
+        {
+            "token_id": token.json["id"],
+            "expiration_month": 11,
+            "expiration_year": YEAR + 1,
+            "cardholder_info": {"name": "Ada Lovelace", "address": {"line1": "1 Main St", "country_code": "GB"}},
+            "merchant_id": str(uuid.uuid4()),
+        },
     )
     assert created.status == 201, created
     body = created.json
@@ -294,8 +308,7 @@ def test_a_production_tenant_without_a_live_network_gets_422(api):
     assert _rows(production.id) == []
 
 
-def test_a_failure_after_the_202_answer_removes_the_record_and_emits_network_token_failed(tenant, sandbox,
-                                                                                          receiver):
+def test_a_failure_after_the_202_answer_removes_the_record_and_emits_network_token_failed(tenant, sandbox, receiver):
     from domain.tenancy.auth import authenticate
 
     _subscribe(tenant, receiver)
@@ -396,8 +409,11 @@ def test_a_network_token_removed_by_a_failed_provisioning_answers_404_naming_it(
     answer = _create(tenant.client, DECLINED)
     assert answer.status == 422
     with session_scope() as session:
-        job = session.exec(select(Job).where(Job.tenant_id == tenant.id, Job.kind == network_tokens.PROVISION_TASK,
-                                             Job.status == "failed")).one()
+        job = session.exec(
+            select(Job).where(
+                Job.tenant_id == tenant.id, Job.kind == network_tokens.PROVISION_TASK, Job.status == "failed"
+            )
+        ).one()
     removed = tenant.client.get(f"/network-tokens/{job.subject_id}")
     assert removed.status == 404
     assert removed.json["code"] == "card_not_eligible"
@@ -421,10 +437,12 @@ def test_cryptograms_are_fresh_with_the_brand_eci_and_never_stored(tenant, sandb
     assert other.json["eci"] == "02"
     cryptograms = [first.json["cryptogram"], second.json["cryptogram"], other.json["cryptogram"]]
     with session_scope() as session:
-        crypto_jobs = session.exec(select(Job).where(Job.tenant_id == tenant.id,
-                                                     Job.kind == network_tokens.CRYPTOGRAM_TASK)).all()
+        crypto_jobs = session.exec(
+            select(Job).where(Job.tenant_id == tenant.id, Job.kind == network_tokens.CRYPTOGRAM_TASK)
+        ).all()
         stored = json.dumps([job.result for job in crypto_jobs]) + json.dumps(
-            [e.data for e in session.exec(select(Event).where(Event.tenant_id == tenant.id)).all()])
+            [e.data for e in session.exec(select(Event).where(Event.tenant_id == tenant.id)).all()]
+        )
         rows = session.exec(select(NetworkToken).where(NetworkToken.tenant_id == tenant.id)).all()
     assert len(crypto_jobs) == 3
     assert all(job.result == {"eci": job.result["eci"], "delivered": True} for job in crypto_jobs)
@@ -485,8 +503,11 @@ def test_deleting_an_inactive_network_token_deletes_what_the_network_issues(tena
 
     def network_delete_job() -> Job | None:
         with session_scope() as session:
-            return session.exec(select(Job).where(Job.tenant_id == tenant.id, Job.kind == network_tokens.DELETE_TASK,
-                                                  Job.status == "succeeded")).first()
+            return session.exec(
+                select(Job).where(
+                    Job.tenant_id == tenant.id, Job.kind == network_tokens.DELETE_TASK, Job.status == "succeeded"
+                )
+            ).first()
 
     job = wait_until(network_delete_job, timeout=30)
     deleted = [t for t in _admin_tokens(sandbox, pan=SLOW) if t["id"] == job.subject_id]

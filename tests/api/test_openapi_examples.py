@@ -10,8 +10,11 @@ import uuid
 import urllib3
 
 #: Citations of documents users do not have ("core document section 7", "spec 001", "rules 1, 7, 8" ...).
-_CITATION = re.compile(r"core document|second document|§|\bspec\b|\bspec's\b|\bsections? \d|\breference\b"
-                       r"|\brules? \d|:data:`", re.I)
+_CITATION = re.compile(
+    r"core document|second document|§|\bspec\b|\bspec's\b|\bsections? \d|\breference\b"
+    r"|\brules? \d|:data:`",
+    re.I,
+)
 #: Values no real answer holds: what a generator writes when it knows nothing of the field.
 _PLACEHOLDERS = {"string", "text", "..."}
 #: Operations whose body is forwarded to a destination as it is (any media type): no example to send.
@@ -19,8 +22,13 @@ _PASS_THROUGH = {"/proxy", "/proxy/{tail}"}
 #: Wallet operations that need what a fresh tenant lacks: key material only a wallet or a certificate
 #: authority makes (signed payment data, a merchant key pair) or a domain registered first. They may answer
 #: 422 (refused for content or set-up); a refusal of their shape would be 400.
-_NEEDS_WALLET_SET_UP = {"/wallet-a", "/wallet-b", "/wallet-a/merchant-certificates", "/wallet-b/merchant-keys",
-                        "/wallet-a/session"}
+_NEEDS_WALLET_SET_UP = {
+    "/wallet-a",
+    "/wallet-b",
+    "/wallet-a/merchant-certificates",
+    "/wallet-b/merchant-keys",
+    "/wallet-a/session",
+}
 #: How a problem says that an id the request names does not exist in the tenant.
 _UNKNOWN_ID = re.compile(r"unknown id|no .* with this id exists|not found", re.I)
 
@@ -52,8 +60,12 @@ def _texts(value, path=""):
 
 def test_the_description_cites_no_outside_document(api):
     doc = api.client().get("/openapi.json").json
-    cited = [(where, text[max(0, m.start() - 40):m.end() + 40])
-             for where, text in _texts(doc) for m in [_CITATION.search(text)] if m]
+    cited = [
+        (where, text[max(0, m.start() - 40) : m.end() + 40])
+        for where, text in _texts(doc)
+        for m in [_CITATION.search(text)]
+        if m
+    ]
     assert cited == []
 
 
@@ -75,8 +87,10 @@ def _send(client, method: str, path: str, media: str, example):
 
         return client.request(method, path, raw=urlencode(example).encode(), content_type=media)
     if media == "multipart/form-data":
-        fields = {key: (f"{key}.pdf", b"%PDF-1.4 example", "application/pdf") if value == "..." else value
-                  for key, value in example.items()}
+        fields = {
+            key: (f"{key}.pdf", b"%PDF-1.4 example", "application/pdf") if value == "..." else value
+            for key, value in example.items()
+        }
         body, content_type = urllib3.encode_multipart_formdata(fields)
         return client.request(method, path, raw=body, content_type=content_type)
     raise AssertionError(f"{method} {path}: no way to send {media}")
@@ -134,8 +148,19 @@ def test_every_answer_example_fits_its_schema_with_real_values(api):
                     if "example" not in content or not media.endswith("json"):
                         continue
                     checked += 1
-                    pointer = "/".join(("", "paths", template.replace("~", "~0").replace("/", "~1"), method,
-                                        "responses", status, "content", media.replace("/", "~1"), "schema"))
+                    pointer = "/".join(
+                        (
+                            "",
+                            "paths",
+                            template.replace("~", "~0").replace("/", "~1"),
+                            method,
+                            "responses",
+                            status,
+                            "content",
+                            media.replace("/", "~1"),
+                            "schema",
+                        )
+                    )
                     validator = Draft202012Validator({"$ref": "urn:tessera#" + pointer}, registry=registry)
                     errors = [e.message for e in validator.iter_errors(content["example"])]
                     placeholders = [where for where, value in _strings(content["example"]) if value in _PLACEHOLDERS]

@@ -44,8 +44,13 @@ def test_no_server_error_and_answers_fit_the_description(api):
     for _ in range(5):  # more passes of fresh examples until the wanted number went out
         for operation in operations:
 
-            @settings(max_examples=examples, deadline=None, derandomize=not wanted, database=None,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                derandomize=not wanted,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=operation.as_strategy())
             def run(case):
                 calls.append(case.call_and_validate(checks=CHECKS, timeout=REQUEST_TIMEOUT).status_code)

@@ -79,8 +79,10 @@ def test_every_setting_accepts_its_strings(api, tenant):
     ("settings", "bad"),
     [
         ({"fingerprint_tokens": True}, ["settings.fingerprint_tokens"]),
-        ({"disable_ephemeral_proxy": False, "deduplicate_tokens": True},
-         ["settings.disable_ephemeral_proxy", "settings.deduplicate_tokens"]),
+        (
+            {"disable_ephemeral_proxy": False, "deduplicate_tokens": True},
+            ["settings.disable_ephemeral_proxy", "settings.deduplicate_tokens"],
+        ),
         ({"fingerprint_tokens": 1}, ["settings.fingerprint_tokens"]),
         ({"fingerprint_tokens": "yes"}, ["settings.fingerprint_tokens"]),
         ({"fingerprint_tokens": "TRUE"}, ["settings.fingerprint_tokens"]),

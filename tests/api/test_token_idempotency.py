@@ -34,8 +34,11 @@ def test_a_repeated_key_answers_the_original_token_and_creates_nothing(tenant, o
     assert elsewhere.status == 201 and elsewhere.json["id"] != first.json["id"]
     # the answer is kept sealed (it holds card data)
     with session_scope() as session:
-        sealed = session.execute(select(TokenIdempotencyKey.answer_ct).where(
-            TokenIdempotencyKey.tenant_id == tenant.id, TokenIdempotencyKey.key == "order-1")).scalar_one()
+        sealed = session.execute(
+            select(TokenIdempotencyKey.answer_ct).where(
+                TokenIdempotencyKey.tenant_id == tenant.id, TokenIdempotencyKey.key == "order-1"
+            )
+        ).scalar_one()
     assert b"4242424242424242" not in sealed
     # without a key, every request creates
     assert tenant.client.post("/tokens", card()).json["id"] != tenant.client.post("/tokens", card()).json["id"]
@@ -84,18 +87,24 @@ def test_keys_are_kept_24_hours_then_taken_over_and_swept(tenant):
     first = tenant.client.post("/tokens", card(), headers={KEY: "old"}).json
     day_ago = dt.datetime.now(dt.UTC) - idempotency.RETENTION - dt.timedelta(seconds=1)
     with session_scope() as session:
-        session.execute(update(TokenIdempotencyKey).where(TokenIdempotencyKey.tenant_id == tenant.id)
-                        .values(created_at=day_ago))
+        session.execute(
+            update(TokenIdempotencyKey).where(TokenIdempotencyKey.tenant_id == tenant.id).values(created_at=day_ago)
+        )
     assert tenant.client.post("/tokens", card(), headers={KEY: "fresh"}).status == 201
     later = tenant.client.post("/tokens", card(), headers={KEY: "old"})
     assert later.status == 201 and later.json["id"] != first["id"]  # past 24 hours: a new creation
     with session_scope() as session:
-        session.execute(update(TokenIdempotencyKey).where(TokenIdempotencyKey.tenant_id == tenant.id,
-                                                          TokenIdempotencyKey.key == "fresh")
-                        .values(created_at=day_ago))
+        session.execute(
+            update(TokenIdempotencyKey)
+            .where(TokenIdempotencyKey.tenant_id == tenant.id, TokenIdempotencyKey.key == "fresh")
+            .values(created_at=day_ago)
+        )
     with session_scope() as session:
         assert idempotency.forget_old_keys(session, now=dt.datetime.now(dt.UTC)) >= 1
     with session_scope() as session:
-        kept = session.execute(select(TokenIdempotencyKey.key).where(
-            TokenIdempotencyKey.tenant_id == tenant.id)).scalars().all()
+        kept = (
+            session.execute(select(TokenIdempotencyKey.key).where(TokenIdempotencyKey.tenant_id == tenant.id))
+            .scalars()
+            .all()
+        )
     assert kept == ["old"]

@@ -60,8 +60,13 @@ def test_create_read_delete_masked_and_encrypted(tenant):
 
     row = _row(created["id"])
     assert VISA.encode() not in row.data_ct and b"Ada" not in row.data_ct
-    assert _plain(row) == {"number": VISA, "expiration_month": 5, "expiration_year": YEAR, "cvc": "123",
-                           "name": "Ada Lovelace"}
+    assert _plain(row) == {
+        "number": VISA,
+        "expiration_month": 5,
+        "expiration_year": YEAR,
+        "cvc": "123",
+        "name": "Ada Lovelace",
+    }
 
     assert tenant.client.delete(f"/token-intents/{created['id']}").status == 204
     assert tenant.client.get(f"/token-intents/{created['id']}").status == 404
@@ -94,8 +99,9 @@ def test_validation(tenant):
     assert wrong_type.status == 400 and "type" in wrong_type.json["errors"]
     bad_number = _intent(tenant.client, "4242424242424241")
     assert bad_number.status == 400 and set(bad_number.json["errors"]) == {"data.number"}
-    impossible = tenant.client.post("/token-intents", {"type": "card", "data": {"number": VISA, "expiration_month": 13,
-                                                                                 "expiration_year": 2020}})
+    impossible = tenant.client.post(
+        "/token-intents", {"type": "card", "data": {"number": VISA, "expiration_month": 13, "expiration_year": 2020}}
+    )
     assert impossible.status == 400 and set(impossible.json["errors"]) == {"data.expiration_month"}
     extra = tenant.client.post("/token-intents", {"type": "card", "data": {"number": VISA, "pin": "1"}})
     assert extra.status == 400 and "data.pin" in extra.json["errors"]
@@ -116,8 +122,11 @@ def test_permissions_and_isolation(tenant, other_tenant, limited):
     assert _intent(deleter).status == 403
     assert reader.delete(path).status == 403
     assert creator.delete(path).status == 403
-    for answer in (other_tenant.client.get(path), other_tenant.client.delete(path),
-                   other_tenant.client.post(f"{path}/convert", {})):
+    for answer in (
+        other_tenant.client.get(path),
+        other_tenant.client.delete(path),
+        other_tenant.client.post(f"{path}/convert", {}),
+    ):
         assert answer.status == 404, answer
     refused = other_tenant.client.post("/network-tokens", {"token_intent_id": created["id"]})
     assert refused.status == 400 and "token_intent_id" in refused.json["errors"]
@@ -177,8 +186,9 @@ def test_convert_always_updates_an_existing_duplicate(tenant):
     settings = {"deduplicate_tokens": "true", "token_deduplication_behavior": "read_existing"}
     updated = tenant.client.put("/tenants/self", {"name": "acme", "settings": settings})
     assert updated.status == 200, updated
-    existing = tenant.client.post("/tokens", {"type": "card", "data": {"number": VISA, "expiration_month": 1,
-                                                                       "expiration_year": YEAR}}).json
+    existing = tenant.client.post(
+        "/tokens", {"type": "card", "data": {"number": VISA, "expiration_month": 1, "expiration_year": YEAR}}
+    ).json
     intent = _created(tenant.client)  # the same number, another expiration
     converted = tenant.client.post(f"/token-intents/{intent['id']}/convert", {})
     assert converted.status == 201, converted
@@ -192,8 +202,11 @@ def test_convert_rules_and_permissions(tenant, limited):
     path = f"/token-intents/{intent['id']}/convert"
     refused = tenant.client.post(path, {"type": "bank", "data": {}, "color": "red"})
     assert refused.status == 400
-    assert refused.json["errors"] == {"type": ["comes from the token intent"], "data": ["comes from the token intent"],
-                                      "color": ["This property is not allowed."]}
+    assert refused.json["errors"] == {
+        "type": ["comes from the token intent"],
+        "data": ["comes from the token intent"],
+        "color": ["This property is not allowed."],
+    }
     assert tenant.client.post(path, ["not", "an", "object"]).status == 400
     assert limited(tenant, ["token-intent:read"]).post(path, {}).status == 403
     assert limited(tenant, ["token:pci:create"]).post(path, {}).status == 403
@@ -210,9 +223,15 @@ def test_an_intent_without_expiration_sources_a_network_token_with_overrides(ten
     assert intent["data"]["expiration_month"] is None
     missing = tenant.client.post("/network-tokens", {"token_intent_id": intent["id"]})
     assert missing.status == 400 and set(missing.json["errors"]) == {"expiration_month", "expiration_year"}
-    created = tenant.client.post("/network-tokens", {"token_intent_id": intent["id"], "expiration_month": 9,
-                                                     "expiration_year": YEAR})
+    created = tenant.client.post(
+        "/network-tokens", {"token_intent_id": intent["id"], "expiration_month": 9, "expiration_year": YEAR}
+    )
     assert created.status == 201, created
-    assert created.json["card"] == {"brand": "mastercard", "bin": "555555", "last4": "4444", "expiration_month": 9,
-                                    "expiration_year": YEAR}
+    assert created.json["card"] == {
+        "brand": "mastercard",
+        "bin": "555555",
+        "last4": "4444",
+        "expiration_month": 9,
+        "expiration_year": YEAR,
+    }
     assert created.json["status"] == "active"

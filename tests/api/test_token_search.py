@@ -49,8 +49,14 @@ def test_list_filters(tenant):
 
 @pytest.mark.parametrize(
     "query",
-    ["?id=x", "?metadata.a=1&metadata.b=2", "?metadata.a=1&metadata.a=2", "?fingerprint=x", "?type=passport",
-     "?metadata.=x"],
+    [
+        "?id=x",
+        "?metadata.a=1&metadata.b=2",
+        "?metadata.a=1&metadata.a=2",
+        "?fingerprint=x",
+        "?type=passport",
+        "?metadata.=x",
+    ],
 )
 def test_list_refuses_unsupported_parameters(tenant, query):
     answer = tenant.client.get(f"/v2/tokens{query}")
@@ -79,10 +85,18 @@ def test_list_shows_only_readable_classifications(tenant, limited):
 
 
 def test_search_supported_forms(tenant, other_tenant):
-    visa = create(tenant.client, card(id="visa-1", metadata={"customer": "c-1", "tier": "Gold"},
-                                      search_indexes=["{{ data.number | last4 }}", "{{ data.expiration_year }}"]))
-    master = create(tenant.client, card(MASTERCARD, metadata={"customer": "c-1", "tier": "gold"},
-                                        search_indexes=["{{ data.number | last4 }}"]))
+    visa = create(
+        tenant.client,
+        card(
+            id="visa-1",
+            metadata={"customer": "c-1", "tier": "Gold"},
+            search_indexes=["{{ data.number | last4 }}", "{{ data.expiration_year }}"],
+        ),
+    )
+    master = create(
+        tenant.client,
+        card(MASTERCARD, metadata={"customer": "c-1", "tier": "gold"}, search_indexes=["{{ data.number | last4 }}"]),
+    )
     create(other_tenant.client, card(metadata={"customer": "c-1"}, search_indexes=["{{ data.number | last4 }}"]))
 
     assert _ids(_search(tenant.client, "id:visa-1")) == ["visa-1"]

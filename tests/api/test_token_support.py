@@ -52,9 +52,7 @@ def expire_now(tenant_id, token_id: str) -> None:
     """Move a token's expires_at into the past (as if time had passed)."""
     past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
     with session_scope() as session:
-        session.execute(
-            update(Token).where(Token.tenant_id == tenant_id, Token.id == token_id).values(expires_at=past)
-        )
+        session.execute(update(Token).where(Token.tenant_id == tenant_id, Token.id == token_id).values(expires_at=past))
 
 
 def stored(tenant_id, token_id: str) -> Token | None:
@@ -84,7 +82,8 @@ def log_operations(tenant_id, token_id: str) -> list[str]:
     """The operations of the log rows about one token, oldest first."""
     with session_scope() as session:
         rows = session.exec(
-            select(AuditLog).where(AuditLog.tenant_id == tenant_id, AuditLog.entity_id == token_id)
+            select(AuditLog)
+            .where(AuditLog.tenant_id == tenant_id, AuditLog.entity_id == token_id)
             .order_by(AuditLog.created_at)
         ).all()
     return [row.operation for row in rows]

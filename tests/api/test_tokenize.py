@@ -124,12 +124,22 @@ def test_nesting_is_bounded(tenant):
 
 
 def test_card_field_rules(tenant):
-    bad = {"number": "4242-4242-4242-4242", "expiration_month": 13, "expiration_year": EXPIRY_YEAR, "cvc": "12",
-           "name": 7, "pin": "1234"}
+    bad = {
+        "number": "4242-4242-4242-4242",
+        "expiration_month": 13,
+        "expiration_year": EXPIRY_YEAR,
+        "cvc": "12",
+        "name": 7,
+        "pin": "1234",
+    }
     answer = tenant.client.post("/tokenize", {"type": "card", "data": bad})
     assert answer.status == 400
     assert set(answer.json["errors"]) == {
-        "data.number", "data.expiration_month", "data.cvc", "data.name", "data.pin",
+        "data.number",
+        "data.expiration_month",
+        "data.cvc",
+        "data.name",
+        "data.pin",
     }
 
 
@@ -188,8 +198,13 @@ def test_fingerprint_tokens_setting_and_batch_deduplication(tenant):
 
 def test_deduplication_stays_within_a_classification(tenant):
     def request(container: str) -> dict:
-        return {"type": "token", "data": "same", "containers": [container], "deduplicate_token": True,
-                "fingerprint_expression": "{{ data }}"}
+        return {
+            "type": "token",
+            "data": "same",
+            "containers": [container],
+            "deduplicate_token": True,
+            "fingerprint_expression": "{{ data }}",
+        }
 
     answer = tenant.client.post("/tokenize", [request("/general/high/"), request("/pci/high/"), request("/pci/low/")])
     assert answer.status == 201
@@ -208,8 +223,10 @@ def _psp(**metadata) -> dict:
 
 
 def test_psp_forward_converts_the_card(tenant):
-    answer = tenant.client.post("/connections/psp-forward/tokenize",
-                                _psp(metadata={"order": "o-1"}, search_indexes=["{{ data.expiration_month }}"]))
+    answer = tenant.client.post(
+        "/connections/psp-forward/tokenize",
+        _psp(metadata={"order": "o-1"}, search_indexes=["{{ data.expiration_month }}"]),
+    )
     assert answer.status == 201, answer
     token = answer.json
     assert token["type"] == "card"
@@ -221,15 +238,21 @@ def test_psp_forward_converts_the_card(tenant):
 
 
 def test_psp_forward_validation(tenant):
-    body = {"card": {"number": "123", "exp_month": "7", "exp_year": "26", "zip": "1"},
-            "metadata": {"containers": ["/general/high/"], "parent_id": "p"}, "extra": 1}
+    body = {
+        "card": {"number": "123", "exp_month": "7", "exp_year": "26", "zip": "1"},
+        "metadata": {"containers": ["/general/high/"], "parent_id": "p"},
+        "extra": 1,
+    }
     answer = tenant.client.post("/connections/psp-forward/tokenize", body)
     assert answer.status == 400
-    assert set(answer.json["errors"]) == {"card.exp_month", "card.exp_year", "card.zip", "metadata.parent_id",
-                                          "extra"}
-    answer = tenant.client.post("/connections/psp-forward/tokenize",
-                                {"card": {"number": VISA, "exp_month": "13", "exp_year": "0999"},
-                                 "metadata": {"containers": ["/general/high/"]}})
+    assert set(answer.json["errors"]) == {"card.exp_month", "card.exp_year", "card.zip", "metadata.parent_id", "extra"}
+    answer = tenant.client.post(
+        "/connections/psp-forward/tokenize",
+        {
+            "card": {"number": VISA, "exp_month": "13", "exp_year": "0999"},
+            "metadata": {"containers": ["/general/high/"]},
+        },
+    )
     assert answer.status == 400
     assert set(answer.json["errors"]) == {"card.exp_month", "card.exp_year", "metadata.containers[0]"}
     assert listed_ids(tenant.client) == []

@@ -44,9 +44,23 @@ def test_create_card_and_read_it_back(tenant, receiver):
     assert token["fingerprint"] and token["fingerprint_expression"] == "{{ data.number }}"
     assert token["created_by"] == str(tenant.application_id)
     assert set(token) == {
-        "id", "tenant_id", "type", "data", "mask", "containers", "metadata", "search_indexes", "fingerprint",
-        "fingerprint_expression", "deduplicate_token", "parent_id", "created_by", "created_at", "modified_by",
-        "modified_at", "expires_at",
+        "id",
+        "tenant_id",
+        "type",
+        "data",
+        "mask",
+        "containers",
+        "metadata",
+        "search_indexes",
+        "fingerprint",
+        "fingerprint_expression",
+        "deduplicate_token",
+        "parent_id",
+        "created_by",
+        "created_at",
+        "modified_by",
+        "modified_at",
+        "expires_at",
     }
     read = tenant.client.get(f"/tokens/{token['id']}")
     assert read.status == 200
@@ -86,8 +100,12 @@ def test_read_levels_complete_masked_absent(tenant, limited):
 
 
 def test_custom_mask_and_containers(tenant, limited):
-    token = create(tenant.client, bank(mask={"account_number": "{{ data.account_number | last4 }}"},
-                                       containers=["/bank/moderate/", "/bank/high/"]))
+    token = create(
+        tenant.client,
+        bank(
+            mask={"account_number": "{{ data.account_number | last4 }}"}, containers=["/bank/moderate/", "/bank/high/"]
+        ),
+    )
     assert token["containers"] == ["/bank/moderate/", "/bank/high/"]
     moderate = limited(tenant, ["token:bank:read:moderate"])
     assert moderate.get(f"/tokens/{token['id']}").json["data"]["routing_number"]  # lowest container level
@@ -149,8 +167,9 @@ def test_alias_and_conflict(tenant, other_tenant):
     assert tenant.client.get("/tokens/cust_42:card.1").json["data"]["number"] == VISA
     again = tenant.client.post("/tokens", card(MASTERCARD, id="cust_42:card.1"))
     assert again.status == 409
-    twice = tenant.client.post("/tokenize", [{"type": "token", "data": 1, "id": "dup"},
-                                             {"type": "token", "data": 2, "id": "dup"}])
+    twice = tenant.client.post(
+        "/tokenize", [{"type": "token", "data": 1, "id": "dup"}, {"type": "token", "data": 2, "id": "dup"}]
+    )
     assert twice.status == 400
     assert set(twice.json["errors"]) == {"[1].id"}
     # the same alias in another tenant is another token
@@ -215,8 +234,9 @@ def test_merge_patch(tenant, receiver):
     subscribe(tenant, receiver.url)
     token = create(tenant.client, card(metadata={"a": "1", "b": "2"}, search_indexes=["{{ data.number | last4 }}"]))
     assert tenant.client.patch(f"/tokens/{token['id']}", {"metadata": {"a": "x"}}).status == 415
-    answer = _patch(tenant.client, token["id"], {"data": {"expiration_month": 1, "name": "Ada"},
-                                                  "metadata": {"a": None, "c": "3"}})
+    answer = _patch(
+        tenant.client, token["id"], {"data": {"expiration_month": 1, "name": "Ada"}, "metadata": {"a": None, "c": "3"}}
+    )
     assert answer.status == 200, answer
     patched = answer.json
     assert patched["data"] == {"number": VISA, "expiration_month": 1, "expiration_year": EXPIRY_YEAR, "name": "Ada"}
@@ -257,10 +277,21 @@ def test_merge_patch_validation(tenant, limited):
 
 
 def test_merge_patch_removes_to_defaults(tenant):
-    token = create(tenant.client, {"type": "token", "data": {"a": 1}, "mask": "{{ data.a }}",
-                                   "containers": ["/general/low/"], "fingerprint_expression": "{{ data.a }}"})
-    patched = _patch(tenant.client, token["id"], {"mask": None, "containers": None,
-                                                  "fingerprint_expression": None, "privacy": {"x": 1}}).json
+    token = create(
+        tenant.client,
+        {
+            "type": "token",
+            "data": {"a": 1},
+            "mask": "{{ data.a }}",
+            "containers": ["/general/low/"],
+            "fingerprint_expression": "{{ data.a }}",
+        },
+    )
+    patched = _patch(
+        tenant.client,
+        token["id"],
+        {"mask": None, "containers": None, "fingerprint_expression": None, "privacy": {"x": 1}},
+    ).json
     assert patched["mask"] is None
     assert patched["containers"] == ["/general/high/"]
     assert patched["fingerprint"] is None and patched["fingerprint_expression"] is None
@@ -302,7 +333,8 @@ def test_children_and_delete(tenant, limited, receiver):
         assert tenant.client.get(f"/tokens/{gone['id']}").status == 404
     assert tenant.client.get(f"/tokens/{unrelated['id']}").status == 200
     assert ("token.deleted", {"token": {"id": grandchild["id"], "type": "token"}}) in events_of(
-        tenant.id, grandchild["id"])
+        tenant.id, grandchild["id"]
+    )
     assert log_operations(tenant.id, parent["id"])[-1] == "delete"
     assert tenant.client.delete(f"/tokens/{parent['id']}").status == 404
 
@@ -348,10 +380,24 @@ def test_deduplication_by_request_flag(tenant):
     first = create(tenant.client, card(deduplicate_token=True))
     assert create(tenant.client, card(deduplicate_token=True))["id"] == first["id"]
     assert create(tenant.client, card())["id"] != first["id"]  # tenant setting is 'false'
-    custom = create(tenant.client, {"type": "token", "data": {"email": "a@b.c", "n": 1},
-                                    "fingerprint_expression": "{{ data.email }}", "deduplicate_token": True})
-    same = create(tenant.client, {"type": "token", "data": {"email": "a@b.c", "n": 2},
-                                  "fingerprint_expression": "{{ data.email }}", "deduplicate_token": True})
+    custom = create(
+        tenant.client,
+        {
+            "type": "token",
+            "data": {"email": "a@b.c", "n": 1},
+            "fingerprint_expression": "{{ data.email }}",
+            "deduplicate_token": True,
+        },
+    )
+    same = create(
+        tenant.client,
+        {
+            "type": "token",
+            "data": {"email": "a@b.c", "n": 2},
+            "fingerprint_expression": "{{ data.email }}",
+            "deduplicate_token": True,
+        },
+    )
     assert same["id"] == custom["id"] and same["data"]["n"] == 2
 
 

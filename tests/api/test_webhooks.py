@@ -354,9 +354,12 @@ def test_the_disabled_notice_is_a_recorded_job(tenant, receiver):
     def notice():
         with session_scope() as session:
             return session.exec(
-                select(Job).where(Job.kind == webhooks.NOTIFY_TASK, Job.subject_type == "webhook",
-                                  Job.subject_id == hook["id"],
-                                  Job.status == "succeeded")
+                select(Job).where(
+                    Job.kind == webhooks.NOTIFY_TASK,
+                    Job.subject_type == "webhook",
+                    Job.subject_id == hook["id"],
+                    Job.status == "succeeded",
+                )
             ).first()
 
     job = wait_until(notice, timeout=20)
@@ -368,9 +371,15 @@ def test_two_workers_leasing_one_batch_at_once_share_it_without_overlap(tenant, 
     with session_scope() as session:
         for _ in range(60):
             events.emit(session, tenant_id=tenant.id, type="token.created", data={}, trace_id=None)
-        ids = list(session.exec(select(WebhookDelivery.id).where(WebhookDelivery.tenant_id == tenant.id,
-                                                                 WebhookDelivery.status == "pending")).all())
+        ids = list(
+            session.exec(
+                select(WebhookDelivery.id).where(
+                    WebhookDelivery.tenant_id == tenant.id, WebhookDelivery.status == "pending"
+                )
+            ).all()
+        )
         session.info.clear()  # keep the worker out of it: the two "workers" below race for the rows
+
     def lease(owner: str) -> list:
         with session_scope() as session:
             prepared, closed = webhooks.lease_batch(session, ids, owner, lease_seconds=60)

@@ -91,9 +91,10 @@ class FaultyProxy:
         if fault is not None and fault.kind == "5xx":
             return web.Response(status=503, text='{"error": "unavailable"}', content_type="application/json")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-        async with aiohttp.ClientSession() as http, http.request(
-            request.method, self.sandbox + request.path_qs, data=body or None, headers=headers
-        ) as answer:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.request(request.method, self.sandbox + request.path_qs, data=body or None, headers=headers) as answer,
+        ):
             payload, status = await answer.read(), answer.status
         if fault is not None and fault.kind == "hold":
             while not self.release.is_set():  # the worker is killed meanwhile
@@ -161,8 +162,9 @@ def _answers(base_url: str) -> bool:
 
 
 @contextlib.contextmanager
-def platform(tenant_name: str = "chaos", extra_env: dict[str, str] | None = None, *,
-             database_server: str = TEST_DATABASE_URL):
+def platform(
+    tenant_name: str = "chaos", extra_env: dict[str, str] | None = None, *, database_server: str = TEST_DATABASE_URL
+):
     """Start :class:`Platform` (api and beat; workers with :meth:`Platform.start_worker`) on a database
     of its own on ``database_server``'s server; everything is stopped and dropped afterwards."""
     import json
@@ -175,18 +177,26 @@ def platform(tenant_name: str = "chaos", extra_env: dict[str, str] | None = None
     proxy = FaultyProxy(sandbox)
     stop_proxy = serve(proxy.app, proxy_port)
     receiver = WebhookReceiver().start()
-    database_url, work_dir, env = own_platform(f"chaos{os.urandom(2).hex()}", f"http://127.0.0.1:{proxy_port}",
-                                               api_port, {**CHAOS_ENV, **(extra_env or {})},
-                                               database_server=database_server)
+    database_url, work_dir, env = own_platform(
+        f"chaos{os.urandom(2).hex()}",
+        f"http://127.0.0.1:{proxy_port}",
+        api_port,
+        {**CHAOS_ENV, **(extra_env or {})},
+        database_server=database_server,
+    )
     processes = Processes(work_dir, env)
     api_url = f"http://127.0.0.1:{api_port}"
     try:
         processes.start("api", "api")
         processes.start("beat", "beat")
-        tenant = json.loads(processes.run("tenants", "create", "--name", tenant_name, "--owner-email",
-                                          f"{tenant_name}@example.com", "--json"))
-        running = Platform(processes, api_url, sandbox, proxy, receiver, database_url,
-                           ApiClient(api_url, tenant["api_key"]))
+        tenant = json.loads(
+            processes.run(
+                "tenants", "create", "--name", tenant_name, "--owner-email", f"{tenant_name}@example.com", "--json"
+            )
+        )
+        running = Platform(
+            processes, api_url, sandbox, proxy, receiver, database_url, ApiClient(api_url, tenant["api_key"])
+        )
         running.healthy_within(60)
         yield running
     except BaseException:

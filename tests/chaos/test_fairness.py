@@ -42,36 +42,57 @@ def test_a_tenant_flooding_a_bad_receiver_does_not_delay_another_tenant(kind, re
     try:
         with platform("chaos-fair") as p:
             flooder = p.client
-            other = ApiClient(p.api_url, json.loads(p.processes.run(
-                "tenants", "create", "--name", "patient", "--owner-email", "patient@example.com",
-                "--json"))["api_key"])
+            other = ApiClient(
+                p.api_url,
+                json.loads(
+                    p.processes.run(
+                        "tenants", "create", "--name", "patient", "--owner-email", "patient@example.com", "--json"
+                    )
+                )["api_key"],
+            )
             for client, receiver in ((flooder, bad), (other, fast)):
                 hook = client.post("/webhooks", {"name": "fair", "url": receiver.url, "events": ["token.created"]})
                 assert hook.status == 201, hook
             flood = [_card(flooder, fresh_visa()) for _ in range(flood_size)]  # queued before any worker runs
             p.start_worker(concurrency=2)
-            wait_until(lambda: p.sql("SELECT count(*) AS n FROM webhook_deliveries d JOIN jobs j ON j.id = d.id "
-                                     "WHERE j.lease_expires_at > now() AND j.status = 'running'")[0]["n"],
-                       timeout=60)  # the flood is in flight
+            wait_until(
+                lambda: p.sql(
+                    "SELECT count(*) AS n FROM webhook_deliveries d JOIN jobs j ON j.id = d.id "
+                    "WHERE j.lease_expires_at > now() AND j.status = 'running'"
+                )[0]["n"],
+                timeout=60,
+            )  # the flood is in flight
 
             started = time.monotonic()
             token_id = _card(other, fresh_visa())
             network = _provision(dataclasses.replace(p, client=other))
             fast.wait_for(lambda r: token_id.encode() in r.body, timeout=BOUND_SECONDS)
             delivered_in = time.monotonic() - started
-            wait_until(lambda: other.get(f"/network-tokens/{network['id']}").json["status"] != "inactive",
-                       timeout=BOUND_SECONDS, interval=0.2)
+            wait_until(
+                lambda: other.get(f"/network-tokens/{network['id']}").json["status"] != "inactive",
+                timeout=BOUND_SECONDS,
+                interval=0.2,
+            )
             provisioned_in = time.monotonic() - started
 
             # the flood is not lost, only paced: each of A's deliveries ends, delivered once or failed
             # after its retries (the retry schedule of the test run: 1, 1, 2 s)
             final = "succeeded" if kind == "slow" else "failed"
-            wait_until(lambda: p.sql("SELECT count(*) AS n FROM webhook_deliveries d JOIN jobs j ON j.id = d.id "
-                                     "JOIN webhooks w ON w.id = d.webhook_id WHERE w.url = :url AND "
-                                     "CASE WHEN j.status IN ('failed', 'dead', 'cancelled') THEN 'failed' "
-                                     "ELSE j.status END = :final",
-                                     url=bad.url, final=final)[0]["n"] >= flood_size,
-                       timeout=90 + flood_size * delay / 20, interval=1)
+            wait_until(
+                lambda: (
+                    p.sql(
+                        "SELECT count(*) AS n FROM webhook_deliveries d JOIN jobs j ON j.id = d.id "
+                        "JOIN webhooks w ON w.id = d.webhook_id WHERE w.url = :url AND "
+                        "CASE WHEN j.status IN ('failed', 'dead', 'cancelled') THEN 'failed' "
+                        "ELSE j.status END = :final",
+                        url=bad.url,
+                        final=final,
+                    )[0]["n"]
+                    >= flood_size
+                ),
+                timeout=90 + flood_size * delay / 20,
+                interval=1,
+            )
             copies = 0
             if kind == "slow":  # every event arrived as one message (a copy after a timeout keeps its id)
                 messages: dict[str, set[str]] = {}
@@ -81,9 +102,11 @@ def test_a_tenant_flooding_a_bad_receiver_does_not_delay_another_tenant(kind, re
                 assert sorted(messages) == sorted(flood) and all(len(ids) == 1 for ids in messages.values())
                 copies = len(bad.received) - len(flood)
             assert not p.unfinished_work()
-            print(f"fairness, {kind} receiver: tenant B delivered in {delivered_in:.1f} s and provisioned in "
-                  f"{provisioned_in:.1f} s (bound {BOUND_SECONDS} s); A's {flood_size} deliveries all "
-                  f"{final} {time.monotonic() - started:.1f} s after B started ({copies} copies after timeouts)")
+            print(
+                f"fairness, {kind} receiver: tenant B delivered in {delivered_in:.1f} s and provisioned in "
+                f"{provisioned_in:.1f} s (bound {BOUND_SECONDS} s); A's {flood_size} deliveries all "
+                f"{final} {time.monotonic() - started:.1f} s after B started ({copies} copies after timeouts)"
+            )
     finally:
         bad.release.set()
         bad.stop()

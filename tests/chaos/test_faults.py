@@ -49,8 +49,23 @@ class RedisServer:
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         import redis
 
         wait_until(lambda: _pings(redis.Redis.from_url(self.url)), timeout=20, interval=0.1)
@@ -86,8 +101,9 @@ def own_redis():
 
 
 def _subscribe(p: Platform) -> None:
-    hook = p.client.post("/webhooks", {"name": "faults", "url": p.receiver.url,
-                                       "events": ["token.created", "network-token.created"]})
+    hook = p.client.post(
+        "/webhooks", {"name": "faults", "url": p.receiver.url, "events": ["token.created", "network-token.created"]}
+    )
     assert hook.status == 201, hook
 
 
@@ -125,8 +141,10 @@ def test_a_redis_restart_with_work_queued_loses_nothing(own_redis, redis_flushed
                 wait_until(lambda s=subject: _provisioned(p, s), timeout=120, interval=0.5)
                 _provisioned_once(p, subject)
             p.processes.kill(worker)
-            print(f"redis restart: {queued} messages lost with it, {len(token_ids)} deliveries and "
-                  f"{len(network)} provisionings done once each; api back in {took:.1f} s")
+            print(
+                f"redis restart: {queued} messages lost with it, {len(token_ids)} deliveries and "
+                f"{len(network)} provisionings done once each; api back in {took:.1f} s"
+            )
         assert not p.unfinished_work()
 
 
@@ -151,8 +169,17 @@ class PostgresCluster:
 
     def _ctl(self, *args: str) -> None:
         options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
-        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"),
-                  "-o", options, "-w", *args)
+        self._run(
+            str(self.bin_dir / "pg_ctl"),
+            "-D",
+            str(self.dir / "data"),
+            "-l",
+            str(self.dir / "log"),
+            "-o",
+            options,
+            "-w",
+            *args,
+        )
 
     def start(self) -> None:
         self._run(str(self.bin_dir / "initdb"), "-D", str(self.dir / "data"), "-A", "trust", "-U", "postgres")
@@ -198,8 +225,17 @@ class Load:
 
         while not self.stop.is_set():
             try:
-                answer = self.client.post("/tokens", {"type": "card", "data": {
-                    "number": fresh_visa(), "expiration_month": 5, "expiration_year": time.gmtime().tm_year + 2}})
+                answer = self.client.post(
+                    "/tokens",
+                    {
+                        "type": "card",
+                        "data": {
+                            "number": fresh_visa(),
+                            "expiration_month": 5,
+                            "expiration_year": time.gmtime().tm_year + 2,
+                        },
+                    },
+                )
             except Exception:
                 self.statuses.append(0)
                 time.sleep(0.05)
@@ -235,16 +271,22 @@ def test_a_postgresql_restart_under_load_loses_nothing(own_postgres, redis_flush
         assert all(s in (0, 503) for s in refused), refused  # 503 while it is down (or no answer), never a 500
         assert not p.unfinished_work()
         p.processes.kill(worker)
-        print(f"postgresql restart: {len(load.created)} tokens acknowledged and kept, {len(refused)} refused "
-              f"while it was down; api back in {took:.1f} s; {len(network)} provisionings done once; "
-              f"load normal {time.monotonic() - restarted:.1f} s after the crash")
+        print(
+            f"postgresql restart: {len(load.created)} tokens acknowledged and kept, {len(refused)} refused "
+            f"while it was down; api back in {took:.1f} s; {len(network)} provisionings done once; "
+            f"load normal {time.monotonic() - restarted:.1f} s after the crash"
+        )
 
 
-@pytest.mark.parametrize("fault", [
-    Fault("slow", lambda m, path: m == "POST" and path == "/card-network/network-tokens", seconds=5.0),
-    Fault("drop", lambda m, path: m == "POST" and path == "/card-network/network-tokens"),
-    Fault("5xx", lambda m, path: m == "POST" and path == "/card-network/network-tokens", count=2),
-], ids=["slow", "drop", "5xx"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault("slow", lambda m, path: m == "POST" and path == "/card-network/network-tokens", seconds=5.0),
+        Fault("drop", lambda m, path: m == "POST" and path == "/card-network/network-tokens"),
+        Fault("5xx", lambda m, path: m == "POST" and path == "/card-network/network-tokens", count=2),
+    ],
+    ids=["slow", "drop", "5xx"],
+)
 def test_a_faulty_provider_ends_each_job_final_with_one_side_effect(faulty, fault):
     p = faulty
     fault.hit.clear()

@@ -33,8 +33,9 @@ YEAR = time.gmtime().tm_year + 2
 
 
 def _card(client: ApiClient, number: str) -> str:
-    answer = client.post("/tokens", {"type": "card", "data": {"number": number, "expiration_month": 5,
-                                                              "expiration_year": YEAR}})
+    answer = client.post(
+        "/tokens", {"type": "card", "data": {"number": number, "expiration_month": 5, "expiration_year": YEAR}}
+    )
     assert answer.status == 201, answer
     return answer.json["id"]
 
@@ -44,8 +45,9 @@ def _card(client: ApiClient, number: str) -> str:
 
 def _provision(p: Platform) -> dict:
     number = fresh_visa()
-    answer = p.client.post("/network-tokens", {"data": {"number": number, "expiration_month": 12,
-                                                        "expiration_year": YEAR}})
+    answer = p.client.post(
+        "/network-tokens", {"data": {"number": number, "expiration_month": 12, "expiration_year": YEAR}}
+    )
     assert answer.status in (201, 202), answer
     return {"id": answer.json["id"], "number": number}
 
@@ -66,9 +68,13 @@ def _provisioned_once(p: Platform, subject: dict) -> None:
 
 def _enroll(p: Platform) -> dict:
     number = fresh_visa()
-    answer = p.client.post("/agentic/payment-methods", {
-        "source": {"type": "svc_card_token", "token_id": _card(p.client, number)},
-        "consumer": {"email": "chaos@example.com"}})
+    answer = p.client.post(
+        "/agentic/payment-methods",
+        {
+            "source": {"type": "svc_card_token", "token_id": _card(p.client, number)},
+            "consumer": {"email": "chaos@example.com"},
+        },
+    )
     assert answer.status == 201, answer
     return {"id": answer.json["id"], "number": number}
 
@@ -80,8 +86,10 @@ def _enrolled(p: Platform, subject: dict) -> bool:
 
 def _enrolled_once(p: Platform, subject: dict) -> None:
     pm = p.client.get(f"/agentic/payment-methods/{subject['id']}").json
-    assert set(outcome(pm).values()) == {"enabled"}, (pm["rails"], p.sql(
-        "SELECT kind, status, attempts, last_error FROM jobs WHERE kind = 'agentic.enroll_rail'"))
+    assert set(outcome(pm).values()) == {"enabled"}, (
+        pm["rails"],
+        p.sql("SELECT kind, status, attempts, last_error FROM jobs WHERE kind = 'agentic.enroll_rail'"),
+    )
     for provider in outcome(pm):
         assert len(provider_enrollments(p.sandbox, provider, subject["number"])) == 1
 
@@ -102,20 +110,24 @@ def _copies(p: Platform, subject: dict) -> list:
 
 #: A delivery's public status (from its job) selected as ``status``, ``FROM webhook_deliveries d`` joined
 #: to its job ``j``; the caller adds joins and the WHERE clause.
-DELIVERY_STATUS_SQL = ("SELECT CASE WHEN j.status IN ('queued', 'running') THEN 'pending' "
-                       "WHEN j.status = 'succeeded' THEN 'succeeded' ELSE 'failed' END AS status "
-                       "FROM webhook_deliveries d JOIN jobs j ON j.id = d.id ")
+DELIVERY_STATUS_SQL = (
+    "SELECT CASE WHEN j.status IN ('queued', 'running') THEN 'pending' "
+    "WHEN j.status = 'succeeded' THEN 'succeeded' ELSE 'failed' END AS status "
+    "FROM webhook_deliveries d JOIN jobs j ON j.id = d.id "
+)
 
 
 def _delivered(p: Platform, subject: dict) -> bool:
-    rows = p.sql(DELIVERY_STATUS_SQL + "JOIN events e ON e.id = d.event_id WHERE e.data::text LIKE :id",
-                 id=f"%{subject['id']}%")
+    rows = p.sql(
+        DELIVERY_STATUS_SQL + "JOIN events e ON e.id = d.event_id WHERE e.data::text LIKE :id", id=f"%{subject['id']}%"
+    )
     return bool(rows) and all(row["status"] != "pending" for row in rows)
 
 
 def _delivered_once(p: Platform, subject: dict) -> None:
-    rows = p.sql(DELIVERY_STATUS_SQL + "JOIN events e ON e.id = d.event_id WHERE e.data::text LIKE :id",
-                 id=f"%{subject['id']}%")
+    rows = p.sql(
+        DELIVERY_STATUS_SQL + "JOIN events e ON e.id = d.event_id WHERE e.data::text LIKE :id", id=f"%{subject['id']}%"
+    )
     assert [row["status"] for row in rows] == ["succeeded"], rows  # one delivery row, delivered
     copies = _copies(p, subject)
     # at least once: the killed attempt reached the receiver, the retry is the same message (same id),
@@ -133,8 +145,9 @@ def _update_accounts(p: Platform) -> dict:
     job = p.client.post("/account-updater/jobs").json
     rows = "".join(f"{token},{YEAR % 100:02d},05,\n" for token in tokens)
     body = "token,expiration_year,expiration_month,merchant_id\n" + rows
-    put = urllib3.request("PUT", job["upload_url"], body=body.encode(),
-                          headers={"Content-Type": "application/octet-stream"})
+    put = urllib3.request(
+        "PUT", job["upload_url"], body=body.encode(), headers={"Content-Type": "application/octet-stream"}
+    )
     assert put.status == 200, put.data
     return {"id": job["id"], "tokens": tokens}
 
@@ -152,8 +165,9 @@ def _updated_once(p: Platform, subject: dict) -> None:
     assert new_ids and len(new_ids) == len(set(new_ids)), rows
     for new_id in new_ids:  # each new token was written once and announced once
         assert p.client.get(f"/tokens/{new_id}").status == 200
-        events = p.sql("SELECT count(*) AS n FROM events WHERE type = 'token.created' AND data::text LIKE :id",
-                       id=f"%{new_id}%")
+        events = p.sql(
+            "SELECT count(*) AS n FROM events WHERE type = 'token.created' AND data::text LIKE :id", id=f"%{new_id}%"
+        )
         assert events[0]["n"] == 1, new_id
 
 
@@ -171,16 +185,28 @@ class JobKind:
 
 
 JOB_KINDS = [
-    JobKind("network_tokens.provision", _provision,
-            lambda method, path: method == "POST" and path == "/card-network/network-tokens",
-            _provisioned, _provisioned_once),
-    JobKind("agentic.enroll_rail", _enroll,
-            lambda method, path: method == "POST" and path.startswith("/agentic/") and path.endswith("/enrollments"),
-            _enrolled, _enrolled_once),
+    JobKind(
+        "network_tokens.provision",
+        _provision,
+        lambda method, path: method == "POST" and path == "/card-network/network-tokens",
+        _provisioned,
+        _provisioned_once,
+    ),
+    JobKind(
+        "agentic.enroll_rail",
+        _enroll,
+        lambda method, path: method == "POST" and path.startswith("/agentic/") and path.endswith("/enrollments"),
+        _enrolled,
+        _enrolled_once,
+    ),
     JobKind("webhooks.deliver", _deliver, None, _delivered, _delivered_once),
-    JobKind("account_updater.process_chunk", _update_accounts,
-            lambda method, path: method == "POST" and path == "/card-network/account-updates",
-            _updated, _updated_once),
+    JobKind(
+        "account_updater.process_chunk",
+        _update_accounts,
+        lambda method, path: method == "POST" and path == "/card-network/account-updates",
+        _updated,
+        _updated_once,
+    ),
 ]
 
 #: Counts per kind, printed at the end of the module (the report's figures).
@@ -240,20 +266,20 @@ def test_a_worker_killed_mid_job_loses_nothing_and_does_nothing_twice(running):
 #: Modules of job tasks that need no kill round of their own, and why.
 SAME_AS_COVERED = {
     "tasks.mail": "the same JobTask lease and relay as the kinds above; its side effect is a mail, whose "
-                  "at-least-once sending is tested in tests/admin",
+    "at-least-once sending is tested in tests/admin",
     "tasks.reactors": "a reactor run is one attempt by design (customer code is never run twice): "
-                      "tests/worker/test_reactor_kill.py SIGKILLs a worker's process group mid-run and checks "
-                      "the run ends failed (500) and the code ran once; builds repeat an idempotent npm install",
+    "tests/worker/test_reactor_kill.py SIGKILLs a worker's process group mid-run and checks "
+    "the run ends failed (500) and the code ran once; builds repeat an idempotent npm install",
     "tasks.wallets": "the same JobTask lease and relay as the kinds above; a merchant session is one attempt "
-                     "and reads only, domain registration and removal carry the job id as the gateway's "
-                     "idempotency key",
+    "and reads only, domain registration and removal carry the job id as the gateway's "
+    "idempotency key",
     "tasks.documents": "the same JobTask lease and relay as the kinds above; a purge deletes an S3 object "
-                       "and a row, both idempotent, and the documents sweep removes what a dead letter leaves",
+    "and a row, both idempotent, and the documents sweep removes what a dead letter leaves",
     "tasks.keys": "tests/worker/test_key_rotation_kill.py SIGKILLs a worker's process group mid rotation and "
-                  "checks another worker resumes it with nothing lost or sealed twice; rewrap and purge passes "
-                  "write each row only if it is still what they read",
+    "checks another worker resumes it with nothing lost or sealed twice; rewrap and purge passes "
+    "write each row only if it is still what they read",
     "tasks.enrichments": "the same JobTask lease and relay as the kinds above; a bank account verification "
-                         "only reads at the provider, so a repeated attempt changes nothing",
+    "only reads at the provider, so a repeated attempt changes nothing",
 }
 
 
@@ -265,11 +291,17 @@ def test_every_module_of_jobs_has_a_kind_in_the_kill_list():
     from workers.celery_app import celery_app
 
     celery_app.loader.import_default_modules()  # the task modules, as a worker imports them
-    modules = {type(task).__module__ if isinstance(task, JobTask) else task.__module__
-               for name, task in celery_app.tasks.items()
-               if isinstance(task, JobTask) or name == "webhooks.deliver"}
-    covered = {celery_app.tasks[kind.name].__module__ if not isinstance(celery_app.tasks[kind.name], JobTask)
-               else type(celery_app.tasks[kind.name]).__module__ for kind in JOB_KINDS}
+    modules = {
+        type(task).__module__ if isinstance(task, JobTask) else task.__module__
+        for name, task in celery_app.tasks.items()
+        if isinstance(task, JobTask) or name == "webhooks.deliver"
+    }
+    covered = {
+        celery_app.tasks[kind.name].__module__
+        if not isinstance(celery_app.tasks[kind.name], JobTask)
+        else type(celery_app.tasks[kind.name]).__module__
+        for kind in JOB_KINDS
+    }
     assert covered <= modules and len(covered) == len(JOB_KINDS)  # each kind names a real task
     modules = {module for module in modules if module.startswith("tasks.")}  # not the tests' own probes
     missing = sorted(modules - covered - set(SAME_AS_COVERED))

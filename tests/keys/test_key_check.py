@@ -78,6 +78,11 @@ def test_keys_status_prints_the_contract(database):
     report = json.loads(done.stdout)
     assert report["wrapping"] == "master" and report["key_check"] == "ok"
     assert isinstance(report["data_keys_under_previous"], int)
-    wrong = subprocess.run([*TESSERA, "keys", "status", "--json"], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "TESSERA_MASTER_KEY": _key()})
+    wrong = subprocess.run(
+        [*TESSERA, "keys", "status", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TESSERA_MASTER_KEY": _key()},
+    )
     assert wrong.returncode == 1 and json.loads(wrong.stdout)["key_check"] == "mismatch"

@@ -45,11 +45,16 @@ def _populate(tenant) -> dict:
     assert twin.status in (200, 201), twin
     document = upload(c, os.urandom(300_000))
     assert document.status == 201, document
-    proxy = c.post("/proxies", {"name": "p", "destination_url": "https://api.example.com",
-                                "configuration": {"SECRET": "s3cr3t"}})
+    proxy = c.post(
+        "/proxies", {"name": "p", "destination_url": "https://api.example.com", "configuration": {"SECRET": "s3cr3t"}}
+    )
     assert proxy.status == 201, proxy
-    return {"token": token.json, "document": document.json, "proxy": proxy.json,
-            "secret": c.get("/webhooks/signing-key").json}
+    return {
+        "token": token.json,
+        "document": document.json,
+        "proxy": proxy.json,
+        "secret": c.get("/webhooks/signing-key").json,
+    }
 
 
 def _read_back(tenant, made: dict) -> dict:
@@ -75,8 +80,9 @@ def test_a_rotation_re_encrypts_every_value_and_destroys_the_old_version(tenant)
     with session_scope() as session:
         rotation = service.start_rotation(session, tenant.id)
         assert rotation.version == 2 and rotation.total == 4  # token, document, proxy configuration, signing secret
-    done = wait_until(lambda: (s := _status(tenant.id))["rotation"]["status"] == "completed" and s, timeout=90,
-                      interval=0.2)
+    done = wait_until(
+        lambda: (s := _status(tenant.id))["rotation"]["status"] == "completed" and s, timeout=90, interval=0.2
+    )
     assert done["active_version"] == 2
     (v1,) = [v for v in done["versions"] if v["version"] == 1]
     (v2,) = [v for v in done["versions"] if v["version"] == 2]
@@ -86,11 +92,14 @@ def test_a_rotation_re_encrypts_every_value_and_destroys_the_old_version(tenant)
     with session_scope() as session:
         row = session.get(TenantDataKey, (tenant.id, 1))
         assert row.wrapped_key is None  # the key bytes are gone, not only flagged
-        token = session.exec(select(Token).where(Token.tenant_id == tenant.id,
-                                                 Token.id == made["token"]["id"])).one()
+        token = session.exec(select(Token).where(Token.tenant_id == tenant.id, Token.id == made["token"]["id"])).one()
         assert token.data_ct[:5] == version_head(2)
-        events = [(a.entity_id, a.operation) for a in session.exec(
-            select(AuditLog).where(AuditLog.tenant_id == tenant.id, AuditLog.entity_type == "key")).all()]
+        events = [
+            (a.entity_id, a.operation)
+            for a in session.exec(
+                select(AuditLog).where(AuditLog.tenant_id == tenant.id, AuditLog.entity_type == "key")
+            ).all()
+        ]
     assert ("data-key-v2", "create") in events and ("data-key-v1", "delete") in events
     get_keyring().forget(tenant.id)  # as a new process would: nothing cached
     after = _read_back(tenant, made)
@@ -113,8 +122,9 @@ def test_an_interrupted_pass_resumes_with_nothing_lost_or_sealed_twice(tenant):
             session.expunge(job)
         partial = service.rotate_pass(job, budget_seconds=0.0)
         assert partial is not None and partial.remaining
-        done = wait_until(lambda: (s := _status(tenant.id))["rotation"]["status"] == "completed" and s, timeout=90,
-                          interval=0.2)
+        done = wait_until(
+            lambda: (s := _status(tenant.id))["rotation"]["status"] == "completed" and s, timeout=90, interval=0.2
+        )
     finally:
         service.CHUNK = saved
     with session_scope() as session:
@@ -151,8 +161,9 @@ def new_master_key():
 def _rewrap() -> dict:
     with session_scope() as session:
         service.start_rewrap(session)
-    return wait_until(lambda: (s := _settled())["data_keys_under_previous"] == 0 and s["done"] and s, timeout=120,
-                      interval=0.2)
+    return wait_until(
+        lambda: (s := _settled())["data_keys_under_previous"] == 0 and s["done"] and s, timeout=120, interval=0.2
+    )
 
 
 def _settled() -> dict:
@@ -175,7 +186,11 @@ def test_rewrap_moves_every_wrapped_key_under_the_new_master_key(tenant, new_mas
     use(new, None)  # the previous key removed from the settings
     with session_scope() as session:
         assert service.status(session) | {"wrapped_by": None} == {
-            "wrapping": "master", "wrapped_by": None, "key_check": "ok", "data_keys_under_previous": 0}
+            "wrapping": "master",
+            "wrapped_by": None,
+            "key_check": "ok",
+            "data_keys_under_previous": 0,
+        }
         rows = session.exec(select(TenantIndexKey.wrapped_by).where(TenantIndexKey.tenant_id == tenant.id)).all()
     assert rows == [get_keyring().current.wrapped_by]
     assert c.get(f"/tokens/{token}").json["data"] == {"kept": True}

@@ -40,8 +40,13 @@ def record(*, max_attempts: int = 2, tenant_id=None, trace_id: str | None = None
     """Record a probe job (its task is sent on commit unless ``fields`` make it not due yet)."""
     with session_scope() as session:
         job = jobs.record(
-            session, kind=KIND, tenant_id=tenant_id, subject_type="probe", subject_id="probe",
-            trace_id=trace_id, max_attempts=max_attempts
+            session,
+            kind=KIND,
+            tenant_id=tenant_id,
+            subject_type="probe",
+            subject_id="probe",
+            trace_id=trace_id,
+            max_attempts=max_attempts,
         )
         for name, value in fields.items():
             setattr(job, name, value)

@@ -60,6 +60,7 @@ def _mask(secret: str) -> str:
 
 def redact(text: str) -> str:
     """``text`` with every secret :func:`find_secrets` would name masked (for failure reports)."""
+
     def card(match: re.Match) -> str:
         number = re.sub(r"[ -]", "", match.group(0))
         return _mask(number) if number in TEST_CARDS or luhn_valid(number) else match.group(0)

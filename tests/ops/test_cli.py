@@ -160,8 +160,9 @@ def test_the_console_shows_units_of_work_not_periodic_noise(platform, receiver):
     first = ops.heartbeats(settings)["beat"]
     assert first.pid == beat.popen.pid and first.every == ops.HEARTBEAT_SECONDS
 
-    created = json.loads(platform.run("tenants", "create", "--name", "console", "--owner-email",
-                                      "console@example.com", "--json").stdout)
+    created = json.loads(
+        platform.run("tenants", "create", "--name", "console", "--owner-email", "console@example.com", "--json").stdout
+    )
     client = ApiClient(platform.api_url, created["api_key"])
     hook = client.post("/webhooks", {"name": "c", "url": receiver.url, "events": ["token.created"]})
     assert hook.status == 201, hook
@@ -197,6 +198,7 @@ def test_dev_prints_its_banner_last_and_then_stays_quiet(tmp_path):
     out = (tmp_path / "dev.out").open("wb")
     dev = subprocess.Popen([*TESSERA, "dev"], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+
         def banner_shown():
             assert dev.poll() is None, (tmp_path / "dev.out").read_text()
             return "Tessera is running at" in (tmp_path / "dev.out").read_text()
@@ -206,8 +208,8 @@ def test_dev_prints_its_banner_last_and_then_stays_quiet(tmp_path):
         text = (tmp_path / "dev.out").read_text()
         time.sleep(12)  # two runs of the 5 s sweeps and the relay
         later = (tmp_path / "dev.out").read_text()
-        assert later == text, later[len(text):][:2000]  # nothing printed after the banner
-        banner = text[text.index("Tessera is running at"):]
+        assert later == text, later[len(text) :][:2000]  # nothing printed after the banner
+        banner = text[text.index("Tessera is running at") :]
         assert f"http://127.0.0.1:{port}" in banner
         assert str(tmp_path / "data") in banner and str(tmp_path / "data" / "mail") in banner
         assert "tessera flower" in banner
@@ -224,9 +226,14 @@ def test_dev_prints_its_banner_last_and_then_stays_quiet(tmp_path):
 # ---- polish: help, pipes, announcements ----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("group", "subcommands"), [
-    ("jobs", ["list", "show", "retry", "cancel"]), ("tenants", ["create", "list"]), (None, ["dev", "jobs"]),
-])
+@pytest.mark.parametrize(
+    ("group", "subcommands"),
+    [
+        ("jobs", ["list", "show", "retry", "cancel"]),
+        ("tenants", ["create", "list"]),
+        (None, ["dev", "jobs"]),
+    ],
+)
 def test_a_group_without_its_subcommand_lists_the_subcommands(group, subcommands):
     done = tessera(*([group] if group else []))
     assert done.returncode == 2 and done.stdout == ""
@@ -249,11 +256,17 @@ def test_every_option_has_help_text():
     assert missing == []
 
 
-@pytest.mark.parametrize(("command", "words"), [
-    ("worker", ["celery worker", "TESSERA_BROKER_URL", "TESSERA_WORKER_CONCURRENCY", "TESSERA_PROVIDER_CONCURRENCY"]),
-    ("beat", ["celery beat", "TESSERA_BROKER_URL", "celerybeat-schedule"]),
-    ("flower", ["pass through to Flower", "TESSERA_FLOWER_PASSWORD", "TESSERA_BROKER_URL"]),
-])
+@pytest.mark.parametrize(
+    ("command", "words"),
+    [
+        (
+            "worker",
+            ["celery worker", "TESSERA_BROKER_URL", "TESSERA_WORKER_CONCURRENCY", "TESSERA_PROVIDER_CONCURRENCY"],
+        ),
+        ("beat", ["celery beat", "TESSERA_BROKER_URL", "celerybeat-schedule"]),
+        ("flower", ["pass through to Flower", "TESSERA_FLOWER_PASSWORD", "TESSERA_BROKER_URL"]),
+    ],
+)
 def test_worker_beat_and_flower_help_say_what_passes_through_and_which_settings_matter(command, words):
     done = tessera(command, "--help")
     assert done.returncode == 0
@@ -262,12 +275,15 @@ def test_worker_beat_and_flower_help_say_what_passes_through_and_which_settings_
 
 
 def test_output_cut_short_by_its_reader_ends_quietly(database):
-    code = ("import os, sys\nread, write = os.pipe()\nos.close(read)\nos.dup2(write, 1)\n"
-            "from tessera.cli import main\nsys.exit(main(['tenants', 'list']))\n")
+    code = (
+        "import os, sys\nread, write = os.pipe()\nos.close(read)\nos.dup2(write, 1)\n"
+        "from tessera.cli import main\nsys.exit(main(['tenants', 'list']))\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert [line.split(",")[0] for line in done.stderr.splitlines()] == [
-        f"tessera: database {make_url(os.environ['TESSERA_DATABASE_URL']).render_as_string(hide_password=True)}"]
+        f"tessera: database {make_url(os.environ['TESSERA_DATABASE_URL']).render_as_string(hide_password=True)}"
+    ]
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
@@ -308,25 +324,36 @@ def test_a_cancelled_delivery_reads_cancelled():
 
 
 def test_settings_come_from_a_dot_env_file_in_the_working_folder_and_each_command_names_what_it_reads(
-        database, tmp_path):
+    database, tmp_path
+):
     """``tenants list`` run in a folder whose ``.env`` names the database, with no TESSERA_DATABASE_URL in
     the environment, reaches that database and says so first (the environment still wins over .env)."""
     name = f"dotenv-{uuid.uuid4().hex[:8]}"
     assert tessera("tenants", "create", "--name", name, "--owner-email", f"{name}@example.com").returncode == 0
-    (tmp_path / ".env").write_text(f"# the settings of this folder\nTESSERA_DATABASE_URL={database}\n"
-                                   "TESSERA_BROKER_URL=redis://127.0.0.1:6399/3\n")
+    (tmp_path / ".env").write_text(
+        f"# the settings of this folder\nTESSERA_DATABASE_URL={database}\nTESSERA_BROKER_URL=redis://127.0.0.1:6399/3\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("TESSERA_DATABASE_URL", "TESSERA_BROKER_URL")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([*TESSERA, "tenants", "list"], capture_output=True, text=True, timeout=60, env=env,
-                          cwd=tmp_path)
+    done = subprocess.run(
+        [*TESSERA, "tenants", "list"], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert name in done.stdout
     shown = make_url(database).render_as_string(hide_password=True)
-    assert done.stderr.splitlines()[0] == (f"tessera: database {shown}, broker redis://127.0.0.1:6399/3 (settings "
-                                           f"from the environment and {tmp_path / '.env'})")
+    assert done.stderr.splitlines()[0] == (
+        f"tessera: database {shown}, broker redis://127.0.0.1:6399/3 (settings "
+        f"from the environment and {tmp_path / '.env'})"
+    )
     env["TESSERA_BROKER_URL"] = "redis://127.0.0.1:6398/4"
-    again = subprocess.run([*TESSERA, "queues", "--json", "--timeout", "0.1"], capture_output=True, text=True,
-                           timeout=60, env=env, cwd=tmp_path)
+    again = subprocess.run(
+        [*TESSERA, "queues", "--json", "--timeout", "0.1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
     assert again.stderr.splitlines()[0].startswith(f"tessera: database {shown}, broker redis://127.0.0.1:6398/4 ")
 
 

@@ -157,7 +157,8 @@ def test_customer_code_runs_in_a_service_of_its_own_with_no_route_to_the_stores(
     assert "egress" in reactors["networks"] and not networks["egress"].get("internal")
     assert reactors["cap_drop"] == ["ALL"]
     assert {"no-new-privileges:true", "seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"} == set(
-        reactors["security_opt"])
+        reactors["security_opt"]
+    )
     text = (ROOT / "docker-compose.yml").read_text()
     for option in ("seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"):
         assert f"* {option}:" in text, f"{option} is not explained"
@@ -170,8 +171,17 @@ SEALED_ROLES = ("api", "worker", "reactors", "beat")
 def test_every_secret_is_a_file_given_only_to_the_services_that_need_it(compose):
     text = (ROOT / "docker-compose.yml").read_text()
     # no secret in the environment or on a command line, no literal password or default
-    for variable in ("TESSERA_MASTER_KEY", "POSTGRES_PASSWORD", "REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY",
-                     "TESSERA_FLOWER_PASSWORD", "MINIO_ROOT_PASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"):
+    for variable in (
+        "TESSERA_MASTER_KEY",
+        "POSTGRES_PASSWORD",
+        "REDIS_PASSWORD",
+        "S3_ACCESS_KEY",
+        "S3_SECRET_KEY",
+        "TESSERA_FLOWER_PASSWORD",
+        "MINIO_ROOT_PASSWORD",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_ACCESS_KEY_ID",
+    ):
         assert not re.search(rf"\b{variable}\s*:", text), variable
         assert "${" + variable not in text, variable
     assert "tessera:tessera@" not in text and "--requirepass" not in text
@@ -217,16 +227,24 @@ def test_the_secrets_script_writes_every_secret_once(compose, tmp_path):
     credentials = (folder / "aws_credentials").read_text()
     assert (folder / "s3_secret_key").read_text().strip() in credentials and "[default]" in credentials
     # run again: nothing is replaced (a new master key over the same database opens nothing)
-    result = subprocess.run(["sh", str(ROOT / "scripts" / "make-secrets.sh"), str(folder)], check=True,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["sh", str(ROOT / "scripts" / "make-secrets.sh"), str(folder)], check=True, capture_output=True, text=True
+    )
     assert (folder / "master_key").read_text() == key and "wrote" not in result.stdout
     # the platform reads them as written
     env = {file_variable(n): str(folder / n) for n in ("master_key", "database_url", "broker_url", "redis_url")}
     probe = subprocess.run(
-        [sys.executable, "-c",
-         "from config.settings import Settings; s = Settings(); "
-         "print(len(s.master_key.get_secret_value()), s.database_url.split('@')[1], s.broker_url.split('@')[1])"],
-        cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True)
+        [
+            sys.executable,
+            "-c",
+            "from config.settings import Settings; s = Settings(); "
+            "print(len(s.master_key.get_secret_value()), s.database_url.split('@')[1], s.broker_url.split('@')[1])",
+        ],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.split() == ["44", "postgres:5432/tessera", "redis:6379/0"], probe.stderr
 
 
@@ -259,10 +277,8 @@ def test_the_tls_proxy_fronts_the_api_flower_and_s3(compose):
     assert re.fullmatch(r"caddy:\d+\.\d+\.\d+", proxy["image"]), proxy["image"]  # an exact version
     mount = next(v for v in proxy["volumes"] if v.endswith(":/etc/caddy/Caddyfile:ro"))
     caddyfile = (ROOT / mount.split(":")[0]).read_text()
-    sites = dict(re.findall(r"^\{\$(\w+_DOMAIN):[\w.]+\} \{\n(?:.*\n)*?\treverse_proxy (\S+)\n", caddyfile,
-                            re.M))
-    assert sites == {"API_DOMAIN": "api:8080", "FLOWER_DOMAIN": "flower:5555",
-                     "S3_DOMAIN": "s3:9000"}, sites
+    sites = dict(re.findall(r"^\{\$(\w+_DOMAIN):[\w.]+\} \{\n(?:.*\n)*?\treverse_proxy (\S+)\n", caddyfile, re.M))
+    assert sites == {"API_DOMAIN": "api:8080", "FLOWER_DOMAIN": "flower:5555", "S3_DOMAIN": "s3:9000"}, sites
     assert set(sites) <= set(proxy["environment"])
     assert "ACME" in caddyfile and "tls /certs/" in caddyfile  # the certificate source is documented
     assert "caddy_data:/data" in proxy["volumes"] and "caddy_data" in compose["volumes"]
@@ -305,8 +321,9 @@ def test_no_literal_secret_in_any_environment(compose):
 def _variables_read(compose: dict) -> set[str]:
     """Every variable docker-compose.yml reads: interpolated (``${NAME...}``) or passed through (a
     service's environment entry without a value)."""
-    text = "\n".join(line for line in (ROOT / "docker-compose.yml").read_text().splitlines()
-                     if not line.lstrip().startswith("#"))
+    text = "\n".join(
+        line for line in (ROOT / "docker-compose.yml").read_text().splitlines() if not line.lstrip().startswith("#")
+    )
     names = set(re.findall(r"\$\{(\w+)", text))
     for service in compose["services"].values():
         names |= {name for name, value in (service.get("environment") or {}).items() if value is None}
@@ -320,9 +337,18 @@ def test_every_variable_compose_reads_is_in_env_example(compose):
     assert read - listed == set(), "missing from .env.example"
     assert listed - read - {"COMPOSE_PROFILES"} == set(), "listed in .env.example but never read"
     # what an operator must be able to set without editing the file
-    assert {"TESSERA_SMTP_URL", "TESSERA_PUBLIC_BASE_URL", "TESSERA_CARD_NETWORK_URL", "TESSERA_VIC_URL",
-            "TESSERA_AGENTPAY_URL", "TESSERA_PSP_URL", "TESSERA_KMS_KEY_ID", "TESSERA_API_WORKERS",
-            "TESSERA_WORKER_CONCURRENCY", "TESSERA_S3_PUBLIC_ENDPOINT_URL"} <= read
+    assert {
+        "TESSERA_SMTP_URL",
+        "TESSERA_PUBLIC_BASE_URL",
+        "TESSERA_CARD_NETWORK_URL",
+        "TESSERA_VIC_URL",
+        "TESSERA_AGENTPAY_URL",
+        "TESSERA_PSP_URL",
+        "TESSERA_KMS_KEY_ID",
+        "TESSERA_API_WORKERS",
+        "TESSERA_WORKER_CONCURRENCY",
+        "TESSERA_S3_PUBLIC_ENDPOINT_URL",
+    } <= read
     for name in read & set(re.findall(r"^(\w+)=", example, re.M)):
         assert not re.search(r"PASSWORD|SECRET", name), name  # secrets are files, never in .env
     known = {f"TESSERA_{name.upper()}" for name in Settings.model_fields}

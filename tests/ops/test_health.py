@@ -66,9 +66,7 @@ def test_heartbeats_in_redis_say_who_is_alive(redis_flushed):
 
 
 def test_heartbeats_without_redis_are_files_in_the_data_dir(tmp_path):
-    settings = get_settings().model_copy(
-        update={"data_dir": tmp_path, "redis_url": None, "broker_url": None}
-    )
+    settings = get_settings().model_copy(update={"data_dir": tmp_path, "redis_url": None, "broker_url": None})
     ops.record_heartbeat(settings, "relay")
     assert (tmp_path / "heartbeats" / "relay.json").is_file()
     assert ops.heartbeats(settings)["relay"].alive()

@@ -169,7 +169,9 @@ def test_queues_exits_non_zero_when_beat_or_every_worker_is_missing(worker):
         alone = subprocess.run(
             [*TESSERA, "queues", "--json", "--timeout", "0.5"],
             env={**os.environ, "TESSERA_REDIS_KEY_PREFIX": f"{settings.redis_key_prefix}alone{os.urandom(3).hex()}:"},
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     finally:
         ops.forget_heartbeat(settings, "beat")

@@ -109,7 +109,5 @@ def test_no_secret_reaches_a_log_line():
     assert CAPTURE in logging.getLogger().handlers
     assert CAPTURE.count > 0
     assert any(line.get("logger") == "tessera.api.access" for line in CAPTURE.json_lines())
-    report = "\n".join(
-        f"{test} [{logger}] {found}: {line}" for test, logger, found, line in CAPTURE.findings[:50]
-    )
+    report = "\n".join(f"{test} [{logger}] {found}: {line}" for test, logger, found, line in CAPTURE.findings[:50])
     assert not CAPTURE.findings, f"{len(CAPTURE.findings)} log records hold secrets:\n{report}"

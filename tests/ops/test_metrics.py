@@ -81,14 +81,17 @@ def test_job_retries_and_dead_letters_are_counted(worker):
     job = probe.record(max_attempts=2)
     wait_until(lambda: probe.read(job.id).status == "dead")
     after = wait_until(
-        lambda: (s := scrape_local()[0])
-        and value(s, "tessera_task_failures_total", task=probe.KIND, reason="dead")
-        > value(before, "tessera_task_failures_total", task=probe.KIND, reason="dead")
-        and s
+        lambda: (
+            (s := scrape_local()[0])
+            and value(s, "tessera_task_failures_total", task=probe.KIND, reason="dead")
+            > value(before, "tessera_task_failures_total", task=probe.KIND, reason="dead")
+            and s
+        )
     )
-    assert value(after, "tessera_task_retries_total", task=probe.KIND) >= value(
-        before, "tessera_task_retries_total", task=probe.KIND
-    ) + 1
+    assert (
+        value(after, "tessera_task_retries_total", task=probe.KIND)
+        >= value(before, "tessera_task_retries_total", task=probe.KIND) + 1
+    )
     assert value(after, "tessera_tasks_total", task=probe.KIND, outcome="retrying") >= 1
     assert value(after, "tessera_tasks_total", task=probe.KIND, outcome="dead") >= 1
     assert value(after, "tessera_jobs", kind=probe.KIND, state="dead") >= 1
@@ -136,8 +139,14 @@ def test_oldest_waiting_work_and_the_outbox_backlog_per_queue(api, tenant):
         event = Event(tenant_id=tenant.id, type="token.created", data={})
         session.add_all([waiting, held, later, webhook, event])
         session.flush()
-        delivery_job = Job(kind="webhooks.deliver", tenant_id=tenant.id, subject_type="webhook",
-                           subject_id=str(webhook.id), status="queued", due_at=now - dt.timedelta(seconds=300))
+        delivery_job = Job(
+            kind="webhooks.deliver",
+            tenant_id=tenant.id,
+            subject_type="webhook",
+            subject_id=str(webhook.id),
+            status="queued",
+            due_at=now - dt.timedelta(seconds=300),
+        )
         session.add(delivery_job)
         session.flush()
         delivery = WebhookDelivery(id=delivery_job.id, tenant_id=tenant.id, webhook_id=webhook.id, event_id=event.id)

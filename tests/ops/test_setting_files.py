@@ -19,8 +19,9 @@ def clean_env(monkeypatch, tmp_path):
 
 def test_every_file_setting_is_a_setting():
     assert set(FILE_SETTINGS) <= set(Settings.model_fields)
-    assert {"master_key", "master_key_previous", "flower_password", "database_url", "broker_url",
-            "redis_url"} <= set(FILE_SETTINGS)
+    assert {"master_key", "master_key_previous", "flower_password", "database_url", "broker_url", "redis_url"} <= set(
+        FILE_SETTINGS
+    )
 
 
 def test_each_secret_is_read_from_its_file(clean_env, tmp_path):

@@ -61,10 +61,16 @@ def _job(job_id: uuid.UUID) -> Job:
 
 def _leased(webhook_id: str) -> WebhookDelivery | None:
     with session_scope() as session:
-        query = (select(WebhookDelivery).join(Job, Job.id == WebhookDelivery.id)
-                 .where(WebhookDelivery.webhook_id == uuid.UUID(webhook_id), Job.status == "running",
-                        Job.lease_owner.is_not(None))
-                 .order_by(WebhookDelivery.created_at))
+        query = (
+            select(WebhookDelivery)
+            .join(Job, Job.id == WebhookDelivery.id)
+            .where(
+                WebhookDelivery.webhook_id == uuid.UUID(webhook_id),
+                Job.status == "running",
+                Job.lease_owner.is_not(None),
+            )
+            .order_by(WebhookDelivery.created_at)
+        )
         return session.exec(query).first()
 
 
@@ -170,8 +176,10 @@ def test_sigterm_warm_shutdown_finishes_the_running_task_and_leaves_the_rest_que
     assert ready["status"] == "ready", ready
     # one `tessera worker`: its prefork node and its providers and reactors (thread pool) nodes
     assert len(ready["workers"]) == 3 and all(w["heartbeat_age_seconds"] < 30 for w in ready["workers"]), ready
-    nodes = sorted("providers" if "-providers@" in w["name"] else "reactors" if "-reactors@" in w["name"]
-                   else "prefork" for w in ready["workers"])
+    nodes = sorted(
+        "providers" if "-providers@" in w["name"] else "reactors" if "-reactors@" in w["name"] else "prefork"
+        for w in ready["workers"]
+    )
     assert nodes == ["prefork", "providers", "reactors"], ready
 
     second_worker.signal(signal.SIGTERM)

@@ -28,6 +28,7 @@ def test_tessera_worker_runs_the_providers_and_reactors_queues_on_threads_beside
     worker = platform.start_worker("--concurrency", "1", "-n", "pools@%h")
     app = create_app(platform.settings())
     try:
+
         def nodes():
             found = app.control.inspect(timeout=1.0).stats() or {}
             return found if len(found) == 3 else None

@@ -42,8 +42,14 @@ def _card(vault, **extra) -> str:
 
 def _run(vault, caller, body: bytes | None, *, headers=(), content_type=JSON, encrypted=None):
     with session_scope() as session:
-        return detokenize(caller, SqlValueLoader(session), headers=list(headers), body=body,
-                          content_type=content_type, encrypted_header=encrypted)
+        return detokenize(
+            caller,
+            SqlValueLoader(session),
+            headers=list(headers),
+            body=body,
+            content_type=content_type,
+            encrypted_header=encrypted,
+        )
 
 
 def _refused(vault, caller, body: bytes, **kw) -> ProxyError:
@@ -59,15 +65,18 @@ def _refused(vault, caller, body: bytes, **kw) -> ProxyError:
 
 def test_json_body_forms(vault):
     card = _card(vault, metadata={"ref": "order-1"})
-    secret = _token(vault, {"type": "token", "data": "s3cr\"et"})
+    secret = _token(vault, {"type": "token", "data": 's3cr"et'})
     body = (
-        '{"number": "{{ C | json: \\"$.number\\" }}", "month": {{ C | json: "$.expiration_month" }},'
-        ' "exp": "{{ C | card_exp: \'MM/YY\' }}", "card": {{ C }}, "ref": "{{ token: C | json: '
-        '\'$.metadata.ref\' }}", "text": "x{{ S }}y", "plain": {{ S }}, "cvc": "{{ C, json: '
-        '\'$.cvc\', pad_left: 4, \'0\' }}"}'
-    ).replace("C", card).replace("S", secret)
-    out = _run(vault, vault.caller("proxy:invoke", "token:pci:use:proxy", "token:general:use:proxy"),
-               body.encode())
+        (
+            '{"number": "{{ C | json: \\"$.number\\" }}", "month": {{ C | json: "$.expiration_month" }},'
+            ' "exp": "{{ C | card_exp: \'MM/YY\' }}", "card": {{ C }}, "ref": "{{ token: C | json: '
+            '\'$.metadata.ref\' }}", "text": "x{{ S }}y", "plain": {{ S }}, "cvc": "{{ C, json: '
+            "'$.cvc', pad_left: 4, '0' }}\"}"
+        )
+        .replace("C", card)
+        .replace("S", secret)
+    )
+    out = _run(vault, vault.caller("proxy:invoke", "token:pci:use:proxy", "token:general:use:proxy"), body.encode())
     assert json.loads(out.body) == {
         "number": PAN,
         "month": 12,
@@ -89,8 +98,10 @@ def test_usage_counts_detokenized_tokens(vault):
             session.delete(row)
     _run(vault, vault.caller(), f'"{{{{ {card} | json: "$.number" | last4 }}}}"'.encode(), content_type="text/plain")
     with session_scope() as session:
-        ids = [row.token_id for row in session.exec(
-            select(TokenActivity).where(TokenActivity.tenant_id == vault.tenant_id))]
+        ids = [
+            row.token_id
+            for row in session.exec(select(TokenActivity).where(TokenActivity.tenant_id == vault.tenant_id))
+        ]
     assert ids == [card]
 
 
@@ -106,9 +117,13 @@ def test_form_xml_text_and_headers(vault):
     assert out.body.decode().startswith('<card n="{&quot;cvc&quot;:&quot;123&quot;')
     assert f"<pan>{PAN}</pan>" in out.body.decode()
 
-    out = _run(vault, caller, f"pan={{{{ {card} | json: '$.number' | reveal_last: 4 }}}}".encode(),
-               content_type="text/plain", headers=[("Authorization", f"Basic {{{{ {card} | json: '$.number' | "
-                                                   "to_base64 }}"), ("Accept", "*/*")])
+    out = _run(
+        vault,
+        caller,
+        f"pan={{{{ {card} | json: '$.number' | reveal_last: 4 }}}}".encode(),
+        content_type="text/plain",
+        headers=[("Authorization", f"Basic {{{{ {card} | json: '$.number' | to_base64 }}}}"), ("Accept", "*/*")],
+    )
     assert out.body == b"pan=XXXXXXXXXXXX4242"
     assert out.headers == [("Authorization", "Basic " + base64.b64encode(PAN.encode()).decode()), ("Accept", "*/*")]
 
@@ -158,13 +173,15 @@ def test_at_most_twenty_distinct_tokens(vault):
 
 def test_render_errors_never_quote_values(vault):
     card = _card(vault)
-    for source in (f"{{{{ {card} | json: '$.number' | divided_by: 0 }}}}",
-                   f"{{{{ {card} | json: '$.number' | map: 'a' }}}}",
-                   f"{{{{ {card} | json: '$.number' | slice: 'x' }}}}",
-                   f"{{{{ {card} | json: '$.number' | card_exp }}}}",
-                   f"{{{{ {card} | nosuchfilter }}}}",
-                   f"{{{{ {card} | json: '$..x' }}}}",
-                   f"{{{{ {card} garbage }}}}"):
+    for source in (
+        f"{{{{ {card} | json: '$.number' | divided_by: 0 }}}}",
+        f"{{{{ {card} | json: '$.number' | map: 'a' }}}}",
+        f"{{{{ {card} | json: '$.number' | slice: 'x' }}}}",
+        f"{{{{ {card} | json: '$.number' | card_exp }}}}",
+        f"{{{{ {card} | nosuchfilter }}}}",
+        f"{{{{ {card} | json: '$..x' }}}}",
+        f"{{{{ {card} garbage }}}}",
+    ):
         error = _refused(vault, vault.caller(), source.encode(), content_type="text/plain")
         assert error.status == 400
 
@@ -173,8 +190,9 @@ def test_network_tokens(vault):
     with session_scope() as session:
         row = NetworkToken(tenant_id=vault.tenant_id, status="active", card={"last4": "4242"})
         dpan = {"number": "4895370012003478", "expiration_month": 11, "expiration_year": 2031}
-        row.data_ct = get_keyring().encrypt(session, vault.tenant_id, network_tokens.DATA_PURPOSE, str(row.id),
-                                            json.dumps(dpan).encode())
+        row.data_ct = get_keyring().encrypt(
+            session, vault.tenant_id, network_tokens.DATA_PURPOSE, str(row.id), json.dumps(dpan).encode()
+        )
         session.add(row)
         inactive = NetworkToken(tenant_id=vault.tenant_id, status="inactive")
         session.add(inactive)
@@ -182,9 +200,9 @@ def test_network_tokens(vault):
     source += f'{row.id} | json: "$.cryptogram" }}}}"}}'
     out = _run(vault, vault.caller("proxy:invoke"), source.encode(), content_type="text/plain")
     assert out.body.decode() == '{"n": "4895370012003478", "c": ""}'  # no cryptogram, ever
-    error = _refused(vault, vault.caller(), f'{{{{ network_token: {inactive.id} }}}}'.encode())
+    error = _refused(vault, vault.caller(), f"{{{{ network_token: {inactive.id} }}}}".encode())
     assert error.status == 422
-    error = _refused(vault, vault.caller(), b'{{ network_token: not-a-uuid }}')
+    error = _refused(vault, vault.caller(), b"{{ network_token: not-a-uuid }}")
     assert error.status == 400
 
 
@@ -192,8 +210,10 @@ def test_token_intents(vault):
     with session_scope() as session:
         intent = token_intents.create_intent(session, vault.caller(), type="card", data=CARD)
     source = f'{{{{ token_intent: {intent["id"]} | json: "$.data.number" }}}}'.encode()
-    assert _run(vault, vault.caller("proxy:invoke", "token:pci:use:proxy"), source,
-                content_type="text/plain").body == PAN.encode()
+    assert (
+        _run(vault, vault.caller("proxy:invoke", "token:pci:use:proxy"), source, content_type="text/plain").body
+        == PAN.encode()
+    )
     assert _refused(vault, vault.caller("proxy:invoke"), source).status == 403
 
 
@@ -221,11 +241,16 @@ def test_encrypted_single_and_multiple_forms(vault):
     out = _run(vault, caller, body, encrypted=single)
     assert json.loads(out.body) == {"pan": PAN, "exp": "12/30"}
 
-    multiple = _encrypted(vault, {"card": {"type": "card", "data": CARD},
-                                  "bank": {"type": "bank", "data": {"routing_number": "110000000",
-                                                                    "account_number": "000123456789"}}})
-    body = (b'["{{ encrypted | json: \'$.card.data.number\' }}", '
-            b'"{{ encrypted | json: \'$.bank.data.account_number\' }}"]')
+    multiple = _encrypted(
+        vault,
+        {
+            "card": {"type": "card", "data": CARD},
+            "bank": {"type": "bank", "data": {"routing_number": "110000000", "account_number": "000123456789"}},
+        },
+    )
+    body = (
+        b"[\"{{ encrypted | json: '$.card.data.number' }}\", \"{{ encrypted | json: '$.bank.data.account_number' }}\"]"
+    )
     out = _run(vault, caller, body, encrypted=multiple)
     assert json.loads(out.body) == [PAN, "000123456789"]
 
@@ -243,23 +268,38 @@ def test_encrypted_single_and_multiple_forms(vault):
         ("abc,json: '$.a',last4", "token", "abc", "{{ value | json: '$.a' | last4 }}"),
         ("token:abc | pad_left: 5, '0'", "token", "abc", "{{ value | pad_left: 5, '0' }}"),
         ("encrypted, json: '$.a'", None, None, "{{ value | json: '$.a' }}"),
-        ("abc | json: '$.a', slice: 0, 2, to_number", "token", "abc",
-         "{{ value | json: '$.a' | slice: 0, 2 | to_number }}"),
+        (
+            "abc | json: '$.a', slice: 0, 2, to_number",
+            "token",
+            "abc",
+            "{{ value | json: '$.a' | slice: 0, 2 | to_number }}",
+        ),
     ],
 )
 def test_expression_heads_and_commas(inner, kind, ref_id, piped):
     """Commas standing for pipes are read by the expression engine's one rule (``domain.tokens.expressions``)."""
     expression = parse_expression(inner, where="body")
     assert (expression.ref.kind if expression.ref else None, expression.ref.id if expression.ref else None) == (
-        kind, ref_id)
+        kind,
+        ref_id,
+    )
     value = {"value": {"a": "42424242"}} if "json" in piped else {"value": "12"}
     assert evaluate(expression.source, value) == evaluate(piped, value)
 
 
 def test_body_kinds():
-    assert [body_kind(t) for t in ("application/json; charset=utf-8", "application/vnd.api+json",
-                                   "application/x-www-form-urlencoded", "text/xml", "application/soap+xml",
-                                   "text/plain", None)] == ["json", "json", "form", "xml", "xml", "text", "text"]
+    assert [
+        body_kind(t)
+        for t in (
+            "application/json; charset=utf-8",
+            "application/vnd.api+json",
+            "application/x-www-form-urlencoded",
+            "text/xml",
+            "application/soap+xml",
+            "text/plain",
+            None,
+        )
+    ] == ["json", "json", "form", "xml", "xml", "text", "text"]
 
 
 def test_cvc_past_retention_is_not_detokenized(vault):
@@ -299,8 +339,9 @@ def test_one_query_per_kind_and_errors_name_their_place(vault):
     assert len([s for s in reads if "FROM tokens" in s]) == 1
     assert len([s for s in reads if "FROM token_intents" in s]) == 1
 
-    error = _refused(vault, vault.caller("proxy:invoke"), b"{}",
-                     headers=[("X-Card", f"{{{{ {cards[0]} | json: '$.number' }}}}")])
+    error = _refused(
+        vault, vault.caller("proxy:invoke"), b"{}", headers=[("X-Card", f"{{{{ {cards[0]} | json: '$.number' }}}}")]
+    )
     assert error.status == 403 and list(error.errors) == ["headers.X-Card"]
 
 
@@ -309,7 +350,10 @@ def test_json_string_state_follows_escapes():
 
     text = json.dumps({"a": 'x" {{ a }}', "c": "\\{{ c }}"})[:-1] + ', "b": {{ b }}}'
     assert [(s.expression.ref.id, s.in_json_string) for s in _json_sites(text, "body")] == [
-        ("a", True), ("c", True), ("b", False)]
+        ("a", True),
+        ("c", True),
+        ("b", False),
+    ]
 
 
 def test_expired_tokens_are_unknown_and_the_token_object_is_json(vault):
@@ -322,7 +366,7 @@ def test_expired_tokens_are_unknown_and_the_token_object_is_json(vault):
         session.add(row)
     error = _refused(vault, vault.caller(), f'"{{{{ {card} }}}}{{{{ {gone} }}}}"'.encode())
     assert error.status == 400 and gone in error.detail and card not in error.detail
-    out = _run(vault, vault.caller(), f'{{{{ token: {card} }}}}'.encode())
+    out = _run(vault, vault.caller(), f"{{{{ token: {card} }}}}".encode())
     record = json.loads(out.body)
     assert record["id"] == card and record["tenant_id"] == str(vault.tenant_id)
     assert record["metadata"] == {"ref": "order-2"} and record["data"]["number"] == PAN

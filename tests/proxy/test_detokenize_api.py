@@ -79,9 +79,12 @@ def test_the_callers_use_and_read_rights(tenant, limited):
 
 def test_bad_input_is_a_problem_with_errors(tenant, other_tenant):
     card = _card(tenant)
-    for body in ({"n": "{{ nope-1 }}"}, {"n": "{{ x | nofilter }}"},
-                 {"n": "{{ network_token: 2c5f3b3e-0a4e-4a8e-9d7e-1a2b3c4d5e6f }}"},
-                 {"n": "{{ encrypted | json: '$.data' }}"}):
+    for body in (
+        {"n": "{{ nope-1 }}"},
+        {"n": "{{ x | nofilter }}"},
+        {"n": "{{ network_token: 2c5f3b3e-0a4e-4a8e-9d7e-1a2b3c4d5e6f }}"},
+        {"n": "{{ encrypted | json: '$.data' }}"},
+    ):
         answer = tenant.client.post("/detokenize", body)
         assert answer.status == 400 and answer.json["errors"], (body, answer)
     assert tenant.client.post("/detokenize", "just a string").status == 400

@@ -102,15 +102,26 @@ def _proxy_error(answer, status: int) -> dict:
 
 def test_ephemeral_proxy_forwards_and_detokenizes(tenant, upstream):
     card = _card(tenant)
-    body = {"number": f"{{{{ {card} | json: '$.number' }}}}", "last4": f"{{{{ {card} | json: '$.number' | last4 }}}}",
-            "month": f"{{{{ {card} | json: '$.expiration_month' }}}}", "plain": "kept"}
+    body = {
+        "number": f"{{{{ {card} | json: '$.number' }}}}",
+        "last4": f"{{{{ {card} | json: '$.number' | last4 }}}}",
+        "month": f"{{{{ {card} | json: '$.expiration_month' }}}}",
+        "plain": "kept",
+    }
     answer = tenant.client.post(
         "/proxy/charges/%3Aa?amount=10&currency=eur",
-        raw=json.dumps(body).replace(f'"{{{{ {card} | json: \'$.expiration_month\' }}}}"',
-                                     f"{{{{ {card} | json: '$.expiration_month' }}}}").encode(),
-        headers={URL: upstream.base() + "/base//", "Authorization": "Bearer dest-secret",
-                 "TS-PROXY-KEEP-ALIVE": "timeout=5", "TS-PROXY-CONNECTION": "keep-alive",
-                 "TS-ENCRYPTED": "x", "X-Custom": "1", "Proxy-Authorization": "Basic x"},
+        raw=json.dumps(body)
+        .replace(f"\"{{{{ {card} | json: '$.expiration_month' }}}}\"", f"{{{{ {card} | json: '$.expiration_month' }}}}")
+        .encode(),
+        headers={
+            URL: upstream.base() + "/base//",
+            "Authorization": "Bearer dest-secret",
+            "TS-PROXY-KEEP-ALIVE": "timeout=5",
+            "TS-PROXY-CONNECTION": "keep-alive",
+            "TS-ENCRYPTED": "x",
+            "X-Custom": "1",
+            "Proxy-Authorization": "Basic x",
+        },
     )
     assert answer.status == 201, answer
     assert answer.headers[STATUS] == "201" and answer.headers["X-Upstream"] == "yes"
@@ -136,7 +147,8 @@ def test_every_method_and_the_bare_path(tenant, upstream):
         answer = tenant.client.request(method, "/proxy?q=1", headers={URL: upstream.base()})
         assert answer.status == 201 and answer.headers[STATUS] == "201", answer
     assert [(s.method, s.path) for s in upstream.received] == [
-        (m, "/?q=1") for m in ("GET", "PUT", "PATCH", "DELETE", "POST")]
+        (m, "/?q=1") for m in ("GET", "PUT", "PATCH", "DELETE", "POST")
+    ]
 
 
 def test_destination_answers_are_returned_unchanged(tenant, upstream):
@@ -216,15 +228,15 @@ def test_detokenization_rights_and_limits(tenant, upstream):
     assert legacy.post("/proxy", {"n": f"{{{{ {token} }}}}"}, headers={URL: upstream.base()}).status == 201
     error = _proxy_error(tenant.client.post("/proxy", {"n": "{{ nope-1 }}"}, headers={URL: upstream.base()}), 400)
     assert "nope-1" in error["detail"]
-    error = _proxy_error(tenant.client.post("/proxy", {"n": "{{ x | nofilter }}"}, headers={URL: upstream.base()}),
-                         400)
+    error = _proxy_error(tenant.client.post("/proxy", {"n": "{{ x | nofilter }}"}, headers={URL: upstream.base()}), 400)
     assert error["title"] == "Invalid detokenization expression"
     ids = [tenant.client.post("/tokens", {"type": "token", "data": str(i)}).json["id"] for i in range(21)]
     twenty = {str(i): f"{{{{ {token_id} }}}}" for i, token_id in enumerate(ids[:20])}
     assert tenant.client.post("/proxy", twenty, headers={URL: upstream.base()}).status == 201
     assert upstream.received[-1].json == {str(i): str(i) for i in range(20)}
-    error = _proxy_error(tenant.client.post("/proxy", {**twenty, "x": f"{{{{ {ids[20]} }}}}"},
-                                            headers={URL: upstream.base()}), 400)
+    error = _proxy_error(
+        tenant.client.post("/proxy", {**twenty, "x": f"{{{{ {ids[20]} }}}}"}, headers={URL: upstream.base()}), 400
+    )
     assert "at most 20 tokens" in error["detail"]
     assert all(CARD["number"] not in json.dumps(s.headers) for s in upstream.received)
 
@@ -251,8 +263,9 @@ def test_disable_ephemeral_proxy(tenant, upstream):
 
 def test_pre_configured_proxy_by_header_and_by_query(tenant, other_tenant, upstream):
     proxy = _proxy(tenant, upstream)
-    answer = tenant.client.post("/proxy/charges?a=1", {"x": 1},
-                                headers={KEY: proxy["key"], URL: "https://ignored.example.com"})
+    answer = tenant.client.post(
+        "/proxy/charges?a=1", {"x": 1}, headers={KEY: proxy["key"], URL: "https://ignored.example.com"}
+    )
     assert answer.status == 201, answer
     answer = tenant.client.get(f"/proxy/charges?ts-proxy-key={proxy['key']}&a=2")
     assert answer.status == 201, answer
@@ -269,8 +282,9 @@ def test_pre_configured_proxy_by_header_and_by_query(tenant, other_tenant, upstr
 
 def test_anonymous_proxy_uses_its_application(tenant, limited, upstream):
     card = _card(tenant)
-    detokenizer = tenant.client.post("/applications", {"name": "proxy app", "type": "server_to_server",
-                                                       "permissions": USE}).json
+    detokenizer = tenant.client.post(
+        "/applications", {"name": "proxy app", "type": "server_to_server", "permissions": USE}
+    ).json
     proxy = _proxy(tenant, upstream, require_auth=False, application={"id": detokenizer["id"]})
     anonymous = tenant.client.with_key(None)
     answer = anonymous.post("/proxy", {"n": f"{{{{ {card} | json: '$.number' }}}}"}, headers={KEY: proxy["key"]})
@@ -286,14 +300,19 @@ def test_anonymous_proxy_uses_its_application(tenant, limited, upstream):
 
 
 def test_transforms(tenant, upstream):
-    proxy = _proxy(tenant, upstream, request_transforms=[
-        {"type": "append_header", "location": "X-Merchant", "value": "m-1"},
-        {"type": "append_json", "location": "$.meta.source", "value": "proxy"},
-        {"type": "tokenize", "location": "$.secret", "token": {"type": "token"}},
-    ], response_transforms=[
-        {"type": "mask", "matcher": "jsonpath", "expression": "$.card.number"},
-        {"type": "append_header", "location": "X-Masked", "value": "1"},
-    ])
+    proxy = _proxy(
+        tenant,
+        upstream,
+        request_transforms=[
+            {"type": "append_header", "location": "X-Merchant", "value": "m-1"},
+            {"type": "append_json", "location": "$.meta.source", "value": "proxy"},
+            {"type": "tokenize", "location": "$.secret", "token": {"type": "token"}},
+        ],
+        response_transforms=[
+            {"type": "mask", "matcher": "jsonpath", "expression": "$.card.number"},
+            {"type": "append_header", "location": "X-Masked", "value": "1"},
+        ],
+    )
     answer = tenant.client.post("/proxy/answer", {"secret": "s3cret"}, headers={KEY: proxy["key"]})
     assert answer.status == 200, answer
     assert answer.json == {"card": {"number": "*" * 16}, "note": "x"} and answer.headers["X-Masked"] == "1"
@@ -306,22 +325,40 @@ def test_transforms(tenant, upstream):
 
 
 def test_code_transforms_run_in_a_worker_with_the_proxy_configuration(tenant, upstream):
-    rewrite = ("module.exports = async (req) => ({ body: {...req.args.body, merchant: req.configuration.MERCHANT}, "
-               "headers: {...req.args.headers, 'X-Code': 'yes'} });")
-    masked = ("module.exports = async (req) => ({ body: {...req.args.body, "
-              "card: {number: req.args.body.card.number.replace(/[0-9]/g, '#')}} });")
-    proxy = _proxy(tenant, upstream, name="code", configuration={"MERCHANT": "m-42"},
-                   request_transforms=[{"type": "code", "code": rewrite, "runtime": {"image": "node22"}}],
-                   response_transforms=[{"type": "code", "code": masked, "runtime": {"image": "node22"}}])
+    rewrite = (
+        "module.exports = async (req) => ({ body: {...req.args.body, merchant: req.configuration.MERCHANT}, "
+        "headers: {...req.args.headers, 'X-Code': 'yes'} });"
+    )
+    masked = (
+        "module.exports = async (req) => ({ body: {...req.args.body, "
+        "card: {number: req.args.body.card.number.replace(/[0-9]/g, '#')}} });"
+    )
+    proxy = _proxy(
+        tenant,
+        upstream,
+        name="code",
+        configuration={"MERCHANT": "m-42"},
+        request_transforms=[{"type": "code", "code": rewrite, "runtime": {"image": "node22"}}],
+        response_transforms=[{"type": "code", "code": masked, "runtime": {"image": "node22"}}],
+    )
     answer = tenant.client.post("/proxy/answer", {"a": 1}, headers={KEY: proxy["key"]})
     assert answer.status == 200, answer
     seen = upstream.received[-1]
     assert seen.json == {"a": 1, "merchant": "m-42"} and seen.header("X-Code") == "yes"
     assert answer.json["card"] == {"number": "#" * 16}  # the response side ran too
-    thrower = _proxy(tenant, upstream, name="thrower", request_transforms=[
-        {"type": "code", "code": "const { BadRequestError } = require('@tessera/reactor');"
-                                 "module.exports = async () => { throw new BadRequestError('no way'); };",
-         "runtime": {"image": "node22"}}])
+    thrower = _proxy(
+        tenant,
+        upstream,
+        name="thrower",
+        request_transforms=[
+            {
+                "type": "code",
+                "code": "const { BadRequestError } = require('@tessera/reactor');"
+                "module.exports = async () => { throw new BadRequestError('no way'); };",
+                "runtime": {"image": "node22"},
+            }
+        ],
+    )
     error = _proxy_error(tenant.client.post("/proxy", {"a": 1}, headers={KEY: thrower["key"]}), 400)
     assert "no way" in error["detail"]
 
@@ -343,30 +380,42 @@ def test_new_code_transforms_need_a_node_runtime_image(tenant, upstream):
         assert answer.status == 400, answer
         [message] = answer.json["errors"][f"{side}_transform.runtime.image"]
         assert "Node runtime image is required" in message and "discriminator" not in json.dumps(answer.json)
-    answer = tenant.client.post("/proxies", {**base, "request_transform": {"code": code,
-                                                                           "runtime": {"image": "node22"}}})
+    answer = tenant.client.post(
+        "/proxies", {**base, "request_transform": {"code": code, "runtime": {"image": "node22"}}}
+    )
     assert answer.status == 201 and answer.headers["Deprecation"], answer
     assert answer.json["request_transforms"] == [{"type": "code", "code": code, "runtime": {"image": "node22"}}]
     # a proxy stored before the rule keeps its code transform through a merge patch of other fields
     legacy = _proxy(tenant, upstream, name="legacy")
     with session_scope() as session:
         session.get(Proxy, uuid.UUID(legacy["id"])).request_transforms = [{"type": "code", "code": code}]
-    patched = tenant.client.patch(f"/proxies/{legacy['id']}", {"name": "renamed"},
-                                  content_type="application/merge-patch+json")
+    patched = tenant.client.patch(
+        f"/proxies/{legacy['id']}", {"name": "renamed"}, content_type="application/merge-patch+json"
+    )
     assert patched.status == 200 and patched.json["request_transforms"] == [{"type": "code", "code": code}], patched
-    added = tenant.client.patch(f"/proxies/{legacy['id']}", {"response_transforms": [{"type": "code", "code": "x"}]},
-                                content_type="application/merge-patch+json")
+    added = tenant.client.patch(
+        f"/proxies/{legacy['id']}",
+        {"response_transforms": [{"type": "code", "code": "x"}]},
+        content_type="application/merge-patch+json",
+    )
     assert added.status == 400 and list(added.json["errors"]) == ["response_transforms[0].runtime.image"], added
 
 
 def test_proxies_crud_pagination_and_merge_patch(tenant, limited, upstream):
-    answer = tenant.client.post("/proxies", {"name": "alpha one", "destination_url": upstream.base() + "/v1/",
-                                             "configuration": {"user": "u", "password": "p"},
-                                             "request_transform": {"type": "append_text", "value": "!"}})
+    answer = tenant.client.post(
+        "/proxies",
+        {
+            "name": "alpha one",
+            "destination_url": upstream.base() + "/v1/",
+            "configuration": {"user": "u", "password": "p"},
+            "request_transform": {"type": "append_text", "value": "!"},
+        },
+    )
     assert answer.status == 201 and answer.headers["Deprecation"] == "@1759881600", answer
     created = answer.json
     assert created["key"].startswith("pxk_") and created["request_transforms"] == [
-        {"type": "append_text", "value": "!"}]
+        {"type": "append_text", "value": "!"}
+    ]
     assert created["destination_url"] == upstream.base() + "/v1" and created["require_auth"] is True
     _proxy(tenant, upstream, name="beta")
     _proxy(tenant, upstream, name="Alpha two")
@@ -378,15 +427,20 @@ def test_proxies_crud_pagination_and_merge_patch(tenant, limited, upstream):
     assert len(rest["data"]) == 1 and "next" not in rest["pagination"]
     assert {p["name"] for p in page["data"] + rest["data"]} == {"alpha one", "beta", "Alpha two"}
     assert {p["name"] for p in tenant.client.get("/proxies?name=ALPHA").json["data"]} == {"alpha one", "Alpha two"}
-    patched = tenant.client.patch(f"/proxies/{created['id']}", {"configuration": {"password": None, "extra": "e"},
-                                                                 "require_auth": False},
-                                  content_type="application/merge-patch+json")
+    patched = tenant.client.patch(
+        f"/proxies/{created['id']}",
+        {"configuration": {"password": None, "extra": "e"}, "require_auth": False},
+        content_type="application/merge-patch+json",
+    )
     assert patched.status == 200 and "Deprecation" not in patched.headers, patched
     assert patched.json["configuration"] == {"user": "u", "extra": "e"} and patched.json["require_auth"] is False
     assert patched.json["name"] == "alpha one" and patched.json["request_transforms"] == created["request_transforms"]
     assert tenant.client.patch(f"/proxies/{created['id']}", {"name": "x"}).status == 415
-    bad = tenant.client.patch(f"/proxies/{created['id']}", {"destination_url": "http://a.example.com"},
-                              content_type="application/merge-patch+json")
+    bad = tenant.client.patch(
+        f"/proxies/{created['id']}",
+        {"destination_url": "http://a.example.com"},
+        content_type="application/merge-patch+json",
+    )
     assert bad.status == 400 and "destination_url" in bad.json["errors"]
     replaced = tenant.client.put(f"/proxies/{created['id']}", {"name": "gamma", "destination_url": upstream.base()})
     assert replaced.status == 200 and replaced.json["configuration"] == {} and replaced.json["require_auth"] is True
@@ -394,8 +448,9 @@ def test_proxies_crud_pagination_and_merge_patch(tenant, limited, upstream):
     shut = tenant.client.post("/proxies", {"name": "r", "destination_url": upstream.base(), "request_reactor_id": "x"})
     assert shut.status == 400 and "request_reactor_id" in shut.json["errors"]
     mask = {"type": "mask", "matcher": "regex", "expression": "("}
-    bad = tenant.client.post("/proxies", {"name": "r", "destination_url": upstream.base(),
-                                          "request_transforms": [mask]})
+    bad = tenant.client.post(
+        "/proxies", {"name": "r", "destination_url": upstream.base(), "request_transforms": [mask]}
+    )
     assert bad.status == 400 and list(bad.json["errors"]) == ["request_transforms[0].expression"]
     reader = limited(tenant, ["proxy:read"])
     assert reader.get(f"/proxies/{created['id']}").status == 200
@@ -460,8 +515,10 @@ def test_destinations_below_tls_1_2_are_refused(tenant, upstream, destination, t
             client = ssl.create_default_context(cafile=str(destination.ca))
             client.minimum_version = ssl.TLSVersion.TLSv1
             client.set_ciphers("DEFAULT:@SECLEVEL=0")
-            with socket.create_connection(("127.0.0.1", port)) as raw, client.wrap_socket(
-                    raw, server_hostname=DEST) as tls:
+            with (
+                socket.create_connection(("127.0.0.1", port)) as raw,
+                client.wrap_socket(raw, server_hostname=DEST) as tls,
+            ):
                 assert tls.version() == "TLSv1.1"
             # the proxy offers TLS 1.2 at least: the handshake fails (the server resets it) and nothing is sent
             _proxy_error(tenant.client.get("/proxy", headers={URL: f"https://{DEST}:{port}"}), 502)
@@ -476,15 +533,21 @@ def test_a_change_of_a_proxy_applies_to_the_next_invocation(tenant, proxy_api, u
     anonymous = proxy_api.client()
     assert tenant.client.post("/proxy/a", {"x": 1}, headers={KEY: proxy["key"]}).status == 201
     _proxy_error(anonymous.post("/proxy/a", {"x": 1}, headers={KEY: proxy["key"]}), 401)
-    patched = tenant.client.patch(f"/proxies/{proxy['id']}", {"destination_url": upstream.base() + "/v2",
-                                                              "require_auth": False},
-                                  content_type="application/merge-patch+json")
+    patched = tenant.client.patch(
+        f"/proxies/{proxy['id']}",
+        {"destination_url": upstream.base() + "/v2", "require_auth": False},
+        content_type="application/merge-patch+json",
+    )
     assert patched.status == 200, patched
     assert anonymous.post("/proxy/b", {"x": 2}, headers={KEY: proxy["key"]}).status == 201
-    replaced = tenant.client.put(f"/proxies/{proxy['id']}", {"name": "charges", "destination_url": upstream.base(),
-                                                             "response_transforms": [
-                                                                 {"type": "append_header", "location": "X-Seen",
-                                                                  "value": "yes"}]})
+    replaced = tenant.client.put(
+        f"/proxies/{proxy['id']}",
+        {
+            "name": "charges",
+            "destination_url": upstream.base(),
+            "response_transforms": [{"type": "append_header", "location": "X-Seen", "value": "yes"}],
+        },
+    )
     assert replaced.status == 200, replaced
     answer = tenant.client.post("/proxy/c", {"x": 3}, headers={KEY: proxy["key"]})
     assert answer.status == 201 and answer.headers["X-Seen"] == "yes", answer

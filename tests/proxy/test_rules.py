@@ -18,15 +18,19 @@ def test_header_names_follow_the_prefix_setting():
     assert names.key_query == f"{prefix.lower()}-proxy-key"
     other = proxy_header_names("ACME")
     assert (other.url, other.keep_alive, other.connection, other.encrypted, other.destination_status) == (
-        "ACME-PROXY-URL", "ACME-PROXY-KEEP-ALIVE", "ACME-PROXY-CONNECTION", "ACME-ENCRYPTED",
+        "ACME-PROXY-URL",
+        "ACME-PROXY-KEEP-ALIVE",
+        "ACME-PROXY-CONNECTION",
+        "ACME-ENCRYPTED",
         "ACME-PROXY-DESTINATION-STATUS",
     )
     assert other.key_query == "acme-proxy-key" and other.own_prefix == "acme-"
 
 
 def test_destination_composition():
-    url = destination_url("https://api.example.com/v1///", "/charges/ch_1", "a=1&ts-proxy-key=secret&b=%20x",
-                          key_query=NAMES.key_query)
+    url = destination_url(
+        "https://api.example.com/v1///", "/charges/ch_1", "a=1&ts-proxy-key=secret&b=%20x", key_query=NAMES.key_query
+    )
     assert url == "https://api.example.com/v1/charges/ch_1?a=1&b=%20x"
     assert destination_url("https://api.example.com", "", "", key_query=NAMES.key_query) == "https://api.example.com"
     assert destination_url("https://api.example.com:8443/", "/x", "TS-Proxy-Key=k", key_query=NAMES.key_query) == (
@@ -75,11 +79,27 @@ def test_one_label_hosts_are_dns_names(base):
     assert check_destination_base(base) == base.rstrip("/")
 
 
-@pytest.mark.parametrize("path", [
-    "/../admin", "/a/%2e%2e/b", "/./x", "noslash", "/a\\b",
-    "/%2F..%2F..%2Fadmin", "/..;/x", "/.;a=1/x", "/%252e%252e/x", "/%25252e%25252e/x", "/%2e%2e%3b/x",
-    "/a%2fb", "/a%5cb", "/a%255Cb", "/a%250Ab", "/%2525252525252e",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/../admin",
+        "/a/%2e%2e/b",
+        "/./x",
+        "noslash",
+        "/a\\b",
+        "/%2F..%2F..%2Fadmin",
+        "/..;/x",
+        "/.;a=1/x",
+        "/%252e%252e/x",
+        "/%25252e%25252e/x",
+        "/%2e%2e%3b/x",
+        "/a%2fb",
+        "/a%5cb",
+        "/a%255Cb",
+        "/a%250Ab",
+        "/%2525252525252e",
+    ],
+)
 def test_paths_with_dot_segments_are_refused(path):
     with pytest.raises(ProxyError) as caught:
         destination_url("https://api.example.com/tenant-a", path, "", key_query=NAMES.key_query)

@@ -48,21 +48,35 @@ def test_create_shows_the_key_once_and_stores_its_digest_only(vault):
 
 
 def test_deprecated_and_shut_down_fields():
-    request = ProxyRequest.model_validate({**BASE, "request_transforms": [],
-                                           "response_transform": {"type": "append_text", "value": "x"}})
+    request = ProxyRequest.model_validate(
+        {**BASE, "request_transforms": [], "response_transform": {"type": "append_text", "value": "x"}}
+    )
     assert [t.type for t in request.response_transforms] == ["append_text"]
     with pytest.raises(ValidationError) as caught:
         ProxyRequest.model_validate({**BASE, "request_transform": {"type": "append_text", "value": "x"}})
     assert "request_transforms" in str(caught.value)
     with pytest.raises(ValidationError) as caught:
-        ProxyRequest.model_validate({**BASE, "request_reactor_id": str(uuid.uuid4()), "response_reactor_id": "r",
-                                     "destination_url": "http://10.0.0.1", "name": " ", "unknown": 1})
+        ProxyRequest.model_validate(
+            {
+                **BASE,
+                "request_reactor_id": str(uuid.uuid4()),
+                "response_reactor_id": "r",
+                "destination_url": "http://10.0.0.1",
+                "name": " ",
+                "unknown": 1,
+            }
+        )
     errors = validation_errors(caught.value, union_tags=TRANSFORM_TAGS)
     assert set(errors) == {"request_reactor_id", "response_reactor_id", "destination_url", "name", "unknown"}
     assert "March 31, 2023" in errors["request_reactor_id"][0]
     with pytest.raises(ValidationError) as caught:
-        ProxyRequest.model_validate({**BASE, "request_transforms": [],
-                                     "request_transform": {"type": "mask", "matcher": "regex", "expression": "("}})
+        ProxyRequest.model_validate(
+            {
+                **BASE,
+                "request_transforms": [],
+                "request_transform": {"type": "mask", "matcher": "regex", "expression": "("},
+            }
+        )
     assert list(validation_errors(caught.value, union_tags=TRANSFORM_TAGS)) == ["request_transform.expression"]
 
 
@@ -112,22 +126,37 @@ def test_update_patch_delete_and_log_rows(vault):
     created = _create(vault)
     with session_scope() as session:
         caller = vault.caller()
-        replaced = service.update_proxy(session, caller, created["id"], ProxyRequest.model_validate(
-            {"name": "Replaced", "destination_url": "https://other.example.com"}))
+        replaced = service.update_proxy(
+            session,
+            caller,
+            created["id"],
+            ProxyRequest.model_validate({"name": "Replaced", "destination_url": "https://other.example.com"}),
+        )
         assert replaced["request_transforms"] == [] and replaced["configuration"] == {}
         assert replaced["modified_at"] is not None
-        patched = service.patch_proxy(session, caller, created["id"], {
-            "configuration": {"A": "1"}, "require_auth": False,
-            "response_transform": {"type": "mask", "matcher": "regex", "expression": "\\d"},
-        })
+        patched = service.patch_proxy(
+            session,
+            caller,
+            created["id"],
+            {
+                "configuration": {"A": "1"},
+                "require_auth": False,
+                "response_transform": {"type": "mask", "matcher": "regex", "expression": "\\d"},
+            },
+        )
         assert patched["name"] == "Replaced" and patched["configuration"] == {"A": "1"}
         assert patched["response_transforms"] == [
-            {"type": "mask", "matcher": "regex", "expression": "\\d", "replacement": "*"}]
+            {"type": "mask", "matcher": "regex", "expression": "\\d", "replacement": "*"}
+        ]
         patched = service.patch_proxy(session, caller, created["id"], {"configuration": {"A": None, "B": "2"}})
         assert patched["configuration"] == {"B": "2"}
         with pytest.raises(Problem) as caught:
-            service.patch_proxy(session, caller, created["id"], {"destination_url": "https://127.0.0.1",
-                                                                 "request_transforms": [{"type": "x"}]})
+            service.patch_proxy(
+                session,
+                caller,
+                created["id"],
+                {"destination_url": "https://127.0.0.1", "request_transforms": [{"type": "x"}]},
+            )
         assert caught.value.status == 400
         assert set(caught.value.errors) == {"destination_url", "request_transforms[0]"}
         assert service.read_proxy(session, caller, created["id"])["destination_url"] == "https://other.example.com"
@@ -136,8 +165,9 @@ def test_update_patch_delete_and_log_rows(vault):
             service.read_proxy(session, caller, created["id"])
         assert caught.value.status == 404
     with session_scope() as session:
-        rows = session.exec(select(AuditLog).where(AuditLog.entity_id == str(created["id"]))
-                            .order_by(AuditLog.created_at)).all()
+        rows = session.exec(
+            select(AuditLog).where(AuditLog.entity_id == str(created["id"])).order_by(AuditLog.created_at)
+        ).all()
     assert [r.operation for r in rows] == ["create", "update", "update", "update", "read", "delete"]
     assert {r.entity_type for r in rows} == {"proxy"}
     assert not any("sk_live" in r.message for r in rows)

@@ -52,26 +52,33 @@ def _message(body, headers=()) -> Message:
 
 
 def test_transforms_run_in_order():
-    transforms = load_transforms([
-        {"type": "tokenize", "location": "$.card", "token": {"type": "card", "metadata": {"from": "proxy"}}},
-        {"type": "append_json", "location": "$.meta.source", "value": {"v": 1}},
-        {"type": "mask", "matcher": "jsonpath", "expression": "$.items[*].number"},
-        {"type": "append_header", "location": "X-Extra", "value": "1"},
-    ])
+    transforms = load_transforms(
+        [
+            {"type": "tokenize", "location": "$.card", "token": {"type": "card", "metadata": {"from": "proxy"}}},
+            {"type": "append_json", "location": "$.meta.source", "value": {"v": 1}},
+            {"type": "mask", "matcher": "jsonpath", "expression": "$.items[*].number"},
+            {"type": "append_header", "location": "X-Extra", "value": "1"},
+        ]
+    )
     recorder = Recorder()
     out = run_request(transforms, _message(BODY, [("Accept", "*/*")]), recorder)
-    assert json.loads(out.body) == {"card": "tok_0", "items": [{"number": "*"}, {"number": "*"}],
-                                    "meta": {"source": {"v": 1}}}
+    assert json.loads(out.body) == {
+        "card": "tok_0",
+        "items": [{"number": "*"}, {"number": "*"}],
+        "meta": {"source": {"v": 1}},
+    }
     assert recorder.requests == [{"type": "card", "metadata": {"from": "proxy"}, "data": BODY["card"]}]
     assert out.headers == [("Accept", "*/*"), ("X-Extra", "1")]
 
 
 def test_mask_by_regex_and_append_text():
-    transforms = load_transforms([
-        {"type": "mask", "matcher": "regex", "expression": r"cvc=(\d+)&pan=\d{6}(\d+)\d{4}", "replacement": "#"},
-        {"type": "mask", "matcher": "regex", "expression": "secret"},
-        {"type": "append_text", "value": "&end=1"},
-    ])
+    transforms = load_transforms(
+        [
+            {"type": "mask", "matcher": "regex", "expression": r"cvc=(\d+)&pan=\d{6}(\d+)\d{4}", "replacement": "#"},
+            {"type": "mask", "matcher": "regex", "expression": "secret"},
+            {"type": "append_text", "value": "&end=1"},
+        ]
+    )
     out = run_request(transforms, Message([], b"cvc=123&pan=4242424242424242&secret", None), Recorder())
     assert out.body == b"cvc=###&pan=424242######4242&******&end=1"
 
@@ -97,11 +104,13 @@ def test_code_transforms_are_stored_but_wait_for_their_runtime():
 
 
 def test_code_transforms_run_through_the_code_runner_in_order():
-    transforms = load_transforms([
-        {"type": "append_header", "location": "X-Before", "value": "1"},
-        {"type": "code", "code": "module.exports = async (req) => req;"},
-        {"type": "append_text", "value": "!"},
-    ])
+    transforms = load_transforms(
+        [
+            {"type": "append_header", "location": "X-Before", "value": "1"},
+            {"type": "code", "code": "module.exports = async (req) => req;"},
+            {"type": "append_text", "value": "!"},
+        ]
+    )
     seen = []
 
     async def runner(transform, message, side):
@@ -131,21 +140,30 @@ def test_transforms_that_do_not_fit_the_body():
 
 def test_validation_errors_per_field():
     with pytest.raises(ValidationError) as caught:
-        TypeAdapter(TransformList).validate_python([
-            {"type": "mask", "matcher": "regex", "expression": "("},
-            {"type": "mask", "matcher": "jsonpath", "expression": "a.b"},
-            {"type": "append_json", "location": "$..a", "value": 1},
-            {"type": "append_header", "location": "Bad Name", "value": "x"},
-            {"type": "append_header", "location": "X-A", "value": "a\r\nb"},
-            {"type": "tokenize", "location": "$.a", "token": {"data": 1}},
-            {"type": "code", "code": "x" * 50_001, "runtime": {"image": "node22"}},
-            {"type": "shell"},
-            {"type": "append_text", "value": "x", "other": 1},
-        ])
+        TypeAdapter(TransformList).validate_python(
+            [
+                {"type": "mask", "matcher": "regex", "expression": "("},
+                {"type": "mask", "matcher": "jsonpath", "expression": "a.b"},
+                {"type": "append_json", "location": "$..a", "value": 1},
+                {"type": "append_header", "location": "Bad Name", "value": "x"},
+                {"type": "append_header", "location": "X-A", "value": "a\r\nb"},
+                {"type": "tokenize", "location": "$.a", "token": {"data": 1}},
+                {"type": "code", "code": "x" * 50_001, "runtime": {"image": "node22"}},
+                {"type": "shell"},
+                {"type": "append_text", "value": "x", "other": 1},
+            ]
+        )
     errors = validation_errors(caught.value, union_tags=TRANSFORM_TAGS)
     assert sorted(errors) == [
-        "[0].expression", "[1].expression", "[2].location", "[3].location", "[4].value", "[5].token",
-        "[6].code", "[7]", "[8].other",
+        "[0].expression",
+        "[1].expression",
+        "[2].location",
+        "[3].location",
+        "[4].value",
+        "[5].token",
+        "[6].code",
+        "[7]",
+        "[8].other",
     ]
 
 

@@ -53,20 +53,23 @@ class Upstream:
     async def _handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         peer = request.transport.get_extra_info("peername") if request.transport is not None else None
-        self.received.append(Seen(request.method, request.raw_path, list(request.headers.items()), body,
-                                  tuple(peer) if peer else None))
+        self.received.append(
+            Seen(request.method, request.raw_path, list(request.headers.items()), body, tuple(peer) if peer else None)
+        )
         path = request.path
         if path.endswith("/slow"):
             await asyncio.sleep(self.slow_seconds)
         if "/status/" in path:
-            return web.Response(status=int(path.rsplit("/", 1)[1]), text='{"error": "declined"}',
-                                content_type="application/json")
+            return web.Response(
+                status=int(path.rsplit("/", 1)[1]), text='{"error": "declined"}', content_type="application/json"
+            )
         if path.endswith("/redirect"):
             return web.Response(status=302, headers={"Location": self.location})
         if path.endswith("/answer"):
             return web.Response(status=200, body=self.answer_body, content_type="application/json")
-        return web.Response(status=201, text='{"ok": true}', content_type="application/json",
-                            headers={"X-Upstream": "yes"})
+        return web.Response(
+            status=201, text='{"ok": true}', content_type="application/json", headers={"X-Upstream": "yes"}
+        )
 
 
 def start_upstream(folder: Path):

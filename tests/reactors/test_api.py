@@ -29,8 +29,7 @@ def advisories(tmp_path_factory):
     import os
 
     path = tmp_path_factory.mktemp("advisories") / "advisories.json"
-    path.write_text(json.dumps([{"name": "is-number", "version": "6.0.0", "severity": "HIGH",
-                                 "id": "CVE-2099-0001"}]))
+    path.write_text(json.dumps([{"name": "is-number", "version": "6.0.0", "severity": "HIGH", "id": "CVE-2099-0001"}]))
     os.environ["TESSERA_REACTOR_ADVISORIES"] = str(path)
     reload_settings()
     yield path
@@ -74,9 +73,18 @@ def test_create_builds_to_active_then_read_list_update_delete(tenant):
     assert created.status == 201, created
     assert created.json["state"] == "creating"
     assert created.json["requested"]["reactor"] == {
-        "code": ECHO, "configuration": {"KEY": "v"},
-        "runtime": {"image": "node22", "dependencies": {}, "resolutions": {}, "timeout": 10, "resources": "standard",
-                    "warm_concurrency": 0, "permissions": []}}
+        "code": ECHO,
+        "configuration": {"KEY": "v"},
+        "runtime": {
+            "image": "node22",
+            "dependencies": {},
+            "resolutions": {},
+            "timeout": 10,
+            "resources": "standard",
+            "warm_concurrency": 0,
+            "permissions": [],
+        },
+    }
     reactor = settled(c, created.json["id"])
     assert reactor["state"] == "active"
     assert "requested" not in reactor
@@ -101,25 +109,28 @@ def test_create_builds_to_active_then_read_list_update_delete(tenant):
     assert c.get(f"/reactors/{reactor['id']}").status == 404
 
 
-@pytest.mark.parametrize(("fields", "path"), [
-    ({"runtime": {"image": "node-svc"}}, "runtime.image"),
-    ({"runtime": {}}, "runtime.image"),
-    ({"runtime": None}, "runtime.image"),
-    ({"runtime": {"image": "node20"}}, "runtime.image"),
-    ({"application": {"id": str(uuid.uuid4())}}, "application.id"),
-    ({"runtime": {"image": "node22", "timeout": 31}}, "runtime.timeout"),
-    ({"runtime": {"image": "node22", "timeout": 0}}, "runtime.timeout"),
-    ({"runtime": {"image": "node22", "resources": "huge"}}, "runtime.resources"),
-    ({"runtime": {"image": "node22", "warm_concurrency": -1}}, "runtime.warm_concurrency"),
-    ({"runtime": {"image": "node22", "dependencies": {"is-odd": "^3.0.1"}}}, "runtime.dependencies"),
-    ({"runtime": {"image": "node22", "resolutions": {"is-number": "latest"}}}, "runtime.resolutions"),
-    ({"runtime": {"image": "node22", "permissions": ["nope:nothing"]}}, "runtime.permissions"),
-    ({"runtime": {"image": "node22", "cpu": 2}}, "runtime.cpu"),
-    ({"name": "n" * 201}, "name"),
-    ({"code": "x" * 50_001}, "code"),
-    ({"code": ""}, "code"),
-    ({"configuration": {"a": 1}}, "configuration.a"),
-])
+@pytest.mark.parametrize(
+    ("fields", "path"),
+    [
+        ({"runtime": {"image": "node-svc"}}, "runtime.image"),
+        ({"runtime": {}}, "runtime.image"),
+        ({"runtime": None}, "runtime.image"),
+        ({"runtime": {"image": "node20"}}, "runtime.image"),
+        ({"application": {"id": str(uuid.uuid4())}}, "application.id"),
+        ({"runtime": {"image": "node22", "timeout": 31}}, "runtime.timeout"),
+        ({"runtime": {"image": "node22", "timeout": 0}}, "runtime.timeout"),
+        ({"runtime": {"image": "node22", "resources": "huge"}}, "runtime.resources"),
+        ({"runtime": {"image": "node22", "warm_concurrency": -1}}, "runtime.warm_concurrency"),
+        ({"runtime": {"image": "node22", "dependencies": {"is-odd": "^3.0.1"}}}, "runtime.dependencies"),
+        ({"runtime": {"image": "node22", "resolutions": {"is-number": "latest"}}}, "runtime.resolutions"),
+        ({"runtime": {"image": "node22", "permissions": ["nope:nothing"]}}, "runtime.permissions"),
+        ({"runtime": {"image": "node22", "cpu": 2}}, "runtime.cpu"),
+        ({"name": "n" * 201}, "name"),
+        ({"code": "x" * 50_001}, "code"),
+        ({"code": ""}, "code"),
+        ({"configuration": {"a": 1}}, "configuration.a"),
+    ],
+)
 def test_invalid_bodies_answer_400_naming_the_field(tenant, fields, path):
     answer = tenant.client.post("/reactors", {**body(), **fields})
     assert answer.status == 400, answer
@@ -149,11 +160,15 @@ def test_patch_needs_merge_patch_json_and_answers_204(tenant):
     reactor = active(c, configuration={"A": "1", "B": "2"})
     assert c.patch(f"/reactors/{reactor['id']}", {"name": "x"}).status == 415
     assert c.get(f"/reactors/{reactor['id']}").json["state"] == "active"
-    bad = c.patch(f"/reactors/{reactor['id']}", {"runtime": {"timeout": 99}},
-                  content_type="application/merge-patch+json")
+    bad = c.patch(
+        f"/reactors/{reactor['id']}", {"runtime": {"timeout": 99}}, content_type="application/merge-patch+json"
+    )
     assert bad.status == 400 and "runtime.timeout" in bad.json["errors"], bad
-    answer = c.patch(f"/reactors/{reactor['id']}", {"configuration": {"A": None, "C": "3"}, "name": "patched"},
-                     content_type="application/merge-patch+json")
+    answer = c.patch(
+        f"/reactors/{reactor['id']}",
+        {"configuration": {"A": None, "C": "3"}, "name": "patched"},
+        content_type="application/merge-patch+json",
+    )
     assert answer.status == 204, answer
     after = settled(c, reactor["id"])
     assert (after["state"], after["name"], after["configuration"]) == ("active", "patched", {"B": "2", "C": "3"})
@@ -167,8 +182,13 @@ def test_update_and_delete_answer_409_while_a_build_runs(tenant):
     c = tenant.client
     reactor = active(c)
     with session_scope() as session:  # a build in flight, held still for the test (no task is sent)
-        build = Job(kind="reactors.build", tenant_id=tenant.id, subject_type="reactor", subject_id=reactor["id"],
-                    status="running")
+        build = Job(
+            kind="reactors.build",
+            tenant_id=tenant.id,
+            subject_type="reactor",
+            subject_id=reactor["id"],
+            status="running",
+        )
         session.add(build)
         row = session.get(Reactor, uuid.UUID(reactor["id"]))
         row.state, row.build_job_id = "updating", build.id
@@ -205,14 +225,21 @@ def test_vulnerable_dependencies_fail_a_create_and_outdate_an_update(tenant):
     assert failed["state"] == "failed"
     assert failed["requested"]["error_code"] == "vulnerabilities_detected"
     assert failed["requested"]["error_details"]["vulnerabilities"] == [
-        {"name": "is-number", "version": "6.0.0", "severity": "HIGH", "id": "CVE-2099-0001",
-         "dependency_path": ["is-odd", "is-number"]}]
+        {
+            "name": "is-number",
+            "version": "6.0.0",
+            "severity": "HIGH",
+            "id": "CVE-2099-0001",
+            "dependency_path": ["is-odd", "is-number"],
+        }
+    ]
     assert react(c, failed["id"]).status == 409
 
     serving = active(c)
     new_code = "const isOdd = require('is-odd'); module.exports = async () => ({ raw: isOdd(3) });"
-    answer = c.put(f"/reactors/{serving['id']}",
-                   body(new_code, runtime={"image": "node22", "dependencies": VULNERABLE}))
+    answer = c.put(
+        f"/reactors/{serving['id']}", body(new_code, runtime={"image": "node22", "dependencies": VULNERABLE})
+    )
     assert answer.status == 200, answer
     outdated = settled(c, serving["id"])
     assert outdated["state"] == "outdated"
@@ -229,8 +256,9 @@ def test_vulnerable_dependencies_fail_a_create_and_outdate_an_update(tenant):
 
     # a remediated version (no vulnerable package) builds and serves
     fixed = "const isNumber = require('is-number'); module.exports = async () => ({ raw: isNumber(3) });"
-    c.put(f"/reactors/{serving['id']}",
-          body(fixed, runtime={"image": "node22", "dependencies": {"is-number": "7.0.0"}}))
+    c.put(
+        f"/reactors/{serving['id']}", body(fixed, runtime={"image": "node22", "dependencies": {"is-number": "7.0.0"}})
+    )
     assert settled(c, serving["id"])["state"] == "active"
     assert react(c, serving["id"]).json == {"raw": True}
 
@@ -243,20 +271,29 @@ def test_react_detokenizes_the_arguments_and_passes_the_configuration(tenant):
     token = c.post("/tokens", {"type": "token", "data": {"number": "4242424242424242"}})
     assert token.status == 201, token
     reactor = active(c, configuration={"SECRET": "s"})
-    answer = react(c, reactor["id"], {"card": f"{{{{ {token.json['id']} | json: \"$.number\" }}}}", "n": 1})
+    answer = react(c, reactor["id"], {"card": f'{{{{ {token.json["id"]} | json: "$.number" }}}}', "n": 1})
     assert answer.status == 200, answer
     assert answer.json == {"raw": {"args": {"card": "4242424242424242", "n": 1}, "configuration": {"SECRET": "s"}}}
     unknown = react(c, reactor["id"], {"card": "{{ 00000000-0000-0000-0000-000000000000 }}"})
     assert unknown.status == 400, unknown
 
 
-@pytest.mark.parametrize(("name", "status"), [
-    ("BadRequestError", 400), ("InvalidReactorConfigurationError", 400), ("AuthenticationError", 401),
-    ("InvalidPaymentMethodError", 402), ("RateLimitError", 429), ("VendorError", 500),
-])
+@pytest.mark.parametrize(
+    ("name", "status"),
+    [
+        ("BadRequestError", 400),
+        ("InvalidReactorConfigurationError", 400),
+        ("AuthenticationError", 401),
+        ("InvalidPaymentMethodError", 402),
+        ("RateLimitError", 429),
+        ("VendorError", 500),
+    ],
+)
 def test_thrown_error_classes_answer_their_status(tenant, name, status):
-    code = (f"const {{ {name} }} = require('@tessera/reactor');"
-            f"module.exports = async () => {{ throw new {name}('vendor said no', {{ 'args.x': 'bad' }}); }};")
+    code = (
+        f"const {{ {name} }} = require('@tessera/reactor');"
+        f"module.exports = async () => {{ throw new {name}('vendor said no', {{ 'args.x': 'bad' }}); }};"
+    )
     reactor = active(tenant.client, code)
     answer = react(tenant.client, reactor["id"])
     assert answer.status == status, answer
@@ -269,8 +306,10 @@ def test_code_that_does_not_load_fails_its_build_and_an_unhandled_error_answers_
     now loads the code once in the sandbox and refuses it (``invalid_code``), and an unhandled error's
     name and message reach the caller, without the request data it quotes."""
     c = tenant.client
-    for code, why in [("module.exports = 42;", "not_a_function"),
-                      ("module.exports = async (", "syntax at line 1: SyntaxError")]:
+    for code, why in [
+        ("module.exports = 42;", "not_a_function"),
+        ("module.exports = async (", "syntax at line 1: SyntaxError"),
+    ]:
         created = c.post("/reactors", body(code))
         assert created.status == 201, created
         failed = settled(c, created.json["id"])
@@ -296,8 +335,9 @@ def test_a_scan_the_registry_refuses_fails_the_build_at_once_naming_the_setting(
 
     class Refusing:
         def build(self, runtime, **_):
-            raise AuditRefused("405 Method Not Allowed - POST https://registry.example/-/npm/v1/security/audits/quick",
-                               405)
+            raise AuditRefused(
+                "405 Method Not Allowed - POST https://registry.example/-/npm/v1/security/audits/quick", 405
+            )
 
     monkeypatch.setattr(tasks.reactors, "reactor_runtime", Refusing)
     created = tenant.client.post("/reactors", body())
@@ -307,14 +347,16 @@ def test_a_scan_the_registry_refuses_fails_the_build_at_once_naming_the_setting(
     assert "TESSERA_REACTOR_ADVISORIES" in failed["requested"]["error_message"]
     assert "HTTP 405" in failed["requested"]["error_message"]
     with session_scope() as session:
-        build = session.exec(select(Job).where(Job.kind == "reactors.build",
-                                               Job.subject_id == created.json["id"])).one()
+        build = session.exec(
+            select(Job).where(Job.kind == "reactors.build", Job.subject_id == created.json["id"])
+        ).one()
         assert build.attempts == 1
 
 
 def test_a_reactor_looping_forever_is_killed_at_its_timeout_and_the_worker_goes_on(tenant):
-    looping = active(tenant.client, "module.exports = async () => { for (;;) {} };",
-                     runtime={"image": "node22", "timeout": 1})
+    looping = active(
+        tenant.client, "module.exports = async () => { for (;;) {} };", runtime={"image": "node22", "timeout": 1}
+    )
     answer = react(tenant.client, looping["id"])
     assert answer.status == 500, answer
     assert answer.json["title"] == "Reactor Timeout"
@@ -380,10 +422,14 @@ def test_react_async_then_the_result_and_the_event(tenant):
     with session_scope() as session:
         found = session.exec(select(Event).where(Event.tenant_id == tenant.id)).all()
     assert [(e.type, e.data["request_id"]) for e in found if e.type.startswith("reactor.")] == [
-        ("reactor.invocation.completed", request_id)]
+        ("reactor.invocation.completed", request_id)
+    ]
 
-    failing = active(c, "const { RateLimitError } = require('@tessera/reactor');"
-                        "module.exports = async () => { throw new RateLimitError('slow down'); };")
+    failing = active(
+        c,
+        "const { RateLimitError } = require('@tessera/reactor');"
+        "module.exports = async () => { throw new RateLimitError('slow down'); };",
+    )
     started = c.post(f"/reactors/{failing['id']}/react-async", {"args": {}})
     request_id = started.json["async_reactor_request_id"]
     end = time.monotonic() + 60
@@ -391,18 +437,26 @@ def test_react_async_then_the_result_and_the_event(tenant):
         time.sleep(0.1)
     assert (result.status, result.json["detail"]) == (429, "slow down")
     with session_scope() as session:
-        types = [e.type for e in session.exec(select(Event).where(Event.tenant_id == tenant.id)).all()
-                 if e.data.get("request_id") == request_id]
+        types = [
+            e.type
+            for e in session.exec(select(Event).where(Event.tenant_id == tenant.id)).all()
+            if e.data.get("request_id") == request_id
+        ]
     assert types == ["reactor.invocation.failed"]
 
 
 # ---- reactor formulas ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("method", "path"), [
-    ("POST", "/reactor-formulas"), ("GET", "/reactor-formulas"), ("GET", "/reactor-formulas/abc"),
-    ("PUT", "/reactor-formulas/abc"),
-])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/reactor-formulas"),
+        ("GET", "/reactor-formulas"),
+        ("GET", "/reactor-formulas/abc"),
+        ("PUT", "/reactor-formulas/abc"),
+    ],
+)
 def test_reactor_formulas_are_gone(tenant, method, path):
     answer = tenant.client.request(method, path, {"name": "f"} if method in ("POST", "PUT") else None)
     assert answer.status == 410, answer

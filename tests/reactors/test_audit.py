@@ -22,8 +22,15 @@ from infra.node_runtime import packages
 
 # npm caches what it learnt of an advisory by its number (in the user's npm cache): a fresh number
 # per run keeps an earlier run's answer out of this one.
-ADVISORY = {"id": random.randrange(10**6, 10**9), "url": "https://github.com/advisories/GHSA-2222-3333-4444",
-            "title": "test advisory", "severity": "high", "vulnerable_versions": "<7.0.0", "cwe": [], "cvss": {}}
+ADVISORY = {
+    "id": random.randrange(10**6, 10**9),
+    "url": "https://github.com/advisories/GHSA-2222-3333-4444",
+    "title": "test advisory",
+    "severity": "high",
+    "vulnerable_versions": "<7.0.0",
+    "cwe": [],
+    "cvss": {},
+}
 
 
 class AdvisoryService(http.server.ThreadingHTTPServer):
@@ -70,8 +77,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         for manifest in self.server.installed.glob("**/node_modules/**/package.json"):
             data = json.loads(manifest.read_text())
             if data.get("name") == name:
-                versions[data["version"]] = {"name": name, "version": data["version"],
-                                             "dependencies": data.get("dependencies", {})}
+                versions[data["version"]] = {
+                    "name": name,
+                    "version": data["version"],
+                    "dependencies": data.get("dependencies", {}),
+                }
         if not versions:
             return self._answer(404, {"error": "not found"})
         return self._answer(200, {"name": name, "versions": versions, "dist-tags": {"latest": max(versions)}})
@@ -95,21 +105,30 @@ def test_npm_audit_reports_a_high_advisory_on_an_indirect_dependency(tmp_path, s
     build = rt.build(Runtime(image="node22", dependencies={"is-odd": "3.0.1"}))
     assert service.asked == [{"is-number": ["6.0.0"], "is-odd": ["3.0.1"]}]
     assert build.state == "vulnerabilities_detected"
-    assert build.error_details() == {"vulnerabilities": [
-        {"name": "is-number", "version": "6.0.0", "severity": "HIGH", "id": "GHSA-2222-3333-4444",
-         "dependency_path": ["is-odd", "is-number"]},
-    ]}
+    assert build.error_details() == {
+        "vulnerabilities": [
+            {
+                "name": "is-number",
+                "version": "6.0.0",
+                "severity": "HIGH",
+                "id": "GHSA-2222-3333-4444",
+                "dependency_path": ["is-odd", "is-number"],
+            },
+        ]
+    }
 
 
 def test_npm_audit_with_a_moderate_advisory_builds_ok(tmp_path, service):
     number = ADVISORY["id"] + 1
-    service.advisories = {"is-odd": [{**ADVISORY, "id": number, "url": "", "severity": "moderate",
-                                      "vulnerable_versions": "<=3.0.1"}]}
+    service.advisories = {
+        "is-odd": [{**ADVISORY, "id": number, "url": "", "severity": "moderate", "vulnerable_versions": "<=3.0.1"}]
+    }
     rt = ReactorRuntime(tmp_path, audit_registry=service.url)
     build = rt.build(Runtime(image="node22", dependencies={"is-odd": "3.0.1"}))
     assert build.state == "ok"
     assert [v.as_dict() for v in build.vulnerabilities] == [
-        {"name": "is-odd", "version": "3.0.1", "severity": "MEDIUM", "id": str(number), "dependency_path": ["is-odd"]}]
+        {"name": "is-odd", "version": "3.0.1", "severity": "MEDIUM", "id": str(number), "dependency_path": ["is-odd"]}
+    ]
 
 
 def test_an_advisory_service_that_does_not_answer_fails_the_scan(tmp_path, service):

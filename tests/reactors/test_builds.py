@@ -22,11 +22,15 @@ DEPENDENCIES = {"is-odd": "3.0.1"}
 @pytest.fixture(scope="module")
 def advisory_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("advisories") / "advisories.json"
-    path.write_text(json.dumps([
-        {"name": "is-number", "version": "6.0.0", "severity": "HIGH", "id": "CVE-2099-0001"},
-        {"name": "is-number", "version": "4.0.0", "severity": "CRITICAL", "id": "CVE-2099-0002"},
-        {"name": "is-odd", "version": "3.0.1", "severity": "low", "id": "GHSA-aaaa-bbbb-cccc"},
-    ]))
+    path.write_text(
+        json.dumps(
+            [
+                {"name": "is-number", "version": "6.0.0", "severity": "HIGH", "id": "CVE-2099-0001"},
+                {"name": "is-number", "version": "4.0.0", "severity": "CRITICAL", "id": "CVE-2099-0002"},
+                {"name": "is-odd", "version": "3.0.1", "severity": "low", "id": "GHSA-aaaa-bbbb-cccc"},
+            ]
+        )
+    )
     return path
 
 
@@ -40,29 +44,46 @@ def scanned(tmp_path_factory, advisory_file):
 def test_a_high_advisory_on_an_installed_package_fails_the_build(scanned):
     build = scanned.build(Runtime(image="node22", dependencies=DEPENDENCIES))
     assert build.state == "vulnerabilities_detected"
-    assert build.error_details() == {"vulnerabilities": [
-        {"name": "is-number", "version": "6.0.0", "severity": "HIGH", "id": "CVE-2099-0001",
-         "dependency_path": ["is-odd", "is-number"]},
-        {"name": "is-odd", "version": "3.0.1", "severity": "LOW", "id": "GHSA-aaaa-bbbb-cccc",
-         "dependency_path": ["is-odd"]},
-    ]}
-    installed = (scanned.dependencies_dir / build.dependency_key / "node_modules")
+    assert build.error_details() == {
+        "vulnerabilities": [
+            {
+                "name": "is-number",
+                "version": "6.0.0",
+                "severity": "HIGH",
+                "id": "CVE-2099-0001",
+                "dependency_path": ["is-odd", "is-number"],
+            },
+            {
+                "name": "is-odd",
+                "version": "3.0.1",
+                "severity": "LOW",
+                "id": "GHSA-aaaa-bbbb-cccc",
+                "dependency_path": ["is-odd"],
+            },
+        ]
+    }
+    installed = scanned.dependencies_dir / build.dependency_key / "node_modules"
     assert json.loads((installed / "is-number" / "package.json").read_text())["version"] == "6.0.0"
 
 
 def test_resolutions_override_an_indirect_version_and_the_scan_sees_it(scanned):
     build = scanned.build(Runtime(image="node22", dependencies=DEPENDENCIES, resolutions={"is-number": "4.0.0"}))
     assert [(v["name"], v["version"], v["severity"]) for v in build.error_details()["vulnerabilities"]] == [
-        ("is-number", "4.0.0", "CRITICAL"), ("is-odd", "3.0.1", "LOW")]
+        ("is-number", "4.0.0", "CRITICAL"),
+        ("is-odd", "3.0.1", "LOW"),
+    ]
 
 
 def test_only_low_findings_build_ok_and_the_code_requires_its_dependencies(scanned):
     build = scanned.build(Runtime(image="node22", dependencies={"is-number": "7.0.0"}))
     assert (build.state, build.vulnerabilities) == ("ok", [])
-    r = reactor("""
+    r = reactor(
+        """
         const isNumber = require('is-number');
         module.exports = async (req) => ({ raw: [isNumber(req.args.a), isNumber(req.args.b)] });
-    """, dependencies={"is-number": "7.0.0"})
+    """,
+        dependencies={"is-number": "7.0.0"},
+    )
     assert scanned.invoke(r, args={"a": "12", "b": "x"}).raw == [True, False]
 
 
@@ -75,7 +96,8 @@ def test_installs_are_cached_by_dependency_set(scanned):
     assert first.key == packages.dependency_key({"is-number": "7.0.0"}, {})
     assert first.key != packages.dependency_key({"is-number": "7.0.0"}, {"is-number": "4.0.0"})
     assert packages.dependency_key({"a": "1.0.0", "b": "2.0.0"}, {}) == packages.dependency_key(
-        {"b": "2.0.0", "a": "1.0.0"}, {})
+        {"b": "2.0.0", "a": "1.0.0"}, {}
+    )
 
 
 def test_an_unknown_version_fails_the_install(tmp_path):
@@ -125,11 +147,14 @@ def test_code_with_a_syntax_error_fails_the_build_naming_the_line(scanned):
     assert scanned.loads(broken) == 0  # the check's process is not one of the version's warm ones
 
 
-@pytest.mark.parametrize("code, part", [
-    ("module.exports = 42;", "not_a_function"),
-    ("throw new Error('no config');", "load: Error: no config"),
-    ("const x = require('not-installed'); module.exports = async () => x;", "Cannot find module 'not-installed'"),
-])
+@pytest.mark.parametrize(
+    "code, part",
+    [
+        ("module.exports = 42;", "not_a_function"),
+        ("throw new Error('no config');", "load: Error: no config"),
+        ("const x = require('not-installed'); module.exports = async () => x;", "Cannot find module 'not-installed'"),
+    ],
+)
 def test_code_that_does_not_load_fails_the_build(scanned, code, part):
     version = reactor(code)
     build = scanned.build(version.runtime, version=version)

@@ -25,8 +25,10 @@ from tests.helpers import wait_until
 
 from .test_api import active, react
 
-SLEEP = ("module.exports = async (req) => { await new Promise((r) => setTimeout(r, req.args.ms)); "
-         "return { raw: 'slept' }; };")
+SLEEP = (
+    "module.exports = async (req) => { await new Promise((r) => setTimeout(r, req.args.ms)); "
+    "return { raw: 'slept' }; };"
+)
 
 
 def _keys(tenant_id, reactor_id) -> list[str]:
@@ -37,8 +39,9 @@ def _keys(tenant_id, reactor_id) -> list[str]:
 def test_a_reactor_cannot_be_given_permissions_its_creator_lacks(tenant):
     limited = app_with_permissions(tenant, ["reactor:create", "reactor:read", "reactor:update", "reactor:invoke"])
     asked = {"image": "node22", "permissions": ["token:pci:create", "token:pci:read:high"]}
-    refused = limited.post("/reactors", {"name": "grab", "code": "module.exports = async () => ({});",
-                                         "runtime": asked})
+    refused = limited.post(
+        "/reactors", {"name": "grab", "code": "module.exports = async () => ({});", "runtime": asked}
+    )
     assert refused.status == 403, refused
     assert "token:pci:create" in refused.json["detail"] and "token:pci:read:high" in refused.json["detail"]
     assert set(refused.json["errors"]) == {"runtime.permissions"}
@@ -47,8 +50,9 @@ def test_a_reactor_cannot_be_given_permissions_its_creator_lacks(tenant):
 
     # the creator may give what it holds; an update asking for more is refused the same way
     reactor = active(limited, "module.exports = async () => ({ raw: 1 });")
-    update = limited.put(f"/reactors/{reactor['id']}", {"name": "grab", "code": "module.exports = async () => ({});",
-                                                        "runtime": asked})
+    update = limited.put(
+        f"/reactors/{reactor['id']}", {"name": "grab", "code": "module.exports = async () => ({});", "runtime": asked}
+    )
     assert update.status == 403, update
     # the management key holds both: it may give them
     held = active(tenant.client, "module.exports = async () => ({ raw: 1 });", runtime=asked)
@@ -57,17 +61,22 @@ def test_a_reactor_cannot_be_given_permissions_its_creator_lacks(tenant):
 
 def test_a_proxy_code_transform_cannot_be_given_permissions_its_creator_lacks(tenant):
     limited = app_with_permissions(tenant, ["proxy:create"])
-    transform = {"type": "code", "code": "module.exports = async (r) => r.args;",
-                 "runtime": {"image": "node22", "permissions": ["token:pci:read:high"]}}
-    refused = limited.post("/proxies", {"name": "p", "destination_url": "https://api.example.com",
-                                        "request_transforms": [transform]})
+    transform = {
+        "type": "code",
+        "code": "module.exports = async (r) => r.args;",
+        "runtime": {"image": "node22", "permissions": ["token:pci:read:high"]},
+    }
+    refused = limited.post(
+        "/proxies", {"name": "p", "destination_url": "https://api.example.com", "request_transforms": [transform]}
+    )
     assert refused.status == 403, refused
     assert "token:pci:read:high" in refused.json["detail"]
 
 
 def test_the_end_code_broadcast_reaches_the_worker():
-    replies = celery_app.control.broadcast(END_CODE_COMMAND, arguments={"prefix": "nobody:reactor:none:"},
-                                           reply=True, timeout=3)
+    replies = celery_app.control.broadcast(
+        END_CODE_COMMAND, arguments={"prefix": "nobody:reactor:none:"}, reply=True, timeout=3
+    )
     assert replies and all(next(iter(r.values())) == {"ok": "0 ended"} for r in replies), replies
 
 
@@ -81,8 +90,10 @@ def test_deleting_a_reactor_ends_its_processes_on_the_worker_within_seconds(tena
     assert pids
     assert c.delete(f"/reactors/{reactor['id']}").status == 204
     wait_until(lambda: not _keys(tenant.id, reactor["id"]), timeout=5, interval=0.05)
-    assert wait_until(lambda: all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE
-                                  for p in pids), timeout=5)
+    assert wait_until(
+        lambda: all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids),
+        timeout=5,
+    )
 
 
 @pytest.fixture
@@ -97,8 +108,11 @@ def two_slots():
 
 def _running(tenant_id) -> int:
     with session_scope() as session:
-        return session.exec(select(func.count()).select_from(Job).where(
-            Job.kind == "reactors.run", Job.tenant_id == tenant_id, Job.status == "running")).one()
+        return session.exec(
+            select(func.count())
+            .select_from(Job)
+            .where(Job.kind == "reactors.run", Job.tenant_id == tenant_id, Job.status == "running")
+        ).one()
 
 
 def test_a_tenant_alone_uses_every_slot_and_another_tenant_is_not_starved(tenant, other_tenant, two_slots):
@@ -133,8 +147,11 @@ def test_a_tenant_alone_uses_every_slot_and_another_tenant_is_not_starved(tenant
     assert peak[0] <= 2  # A never held more than the slots
     for s in started:  # A's backlog drains in full (nothing dropped by the fair picking)
         request_id = s.json["async_reactor_request_id"]
-        assert wait_until(lambda rid=request_id: a.get(f"/reactors/{sleeper['id']}/results/{rid}").status == 200,
-                          timeout=60, interval=0.2)
+        assert wait_until(
+            lambda rid=request_id: a.get(f"/reactors/{sleeper['id']}/results/{rid}").status == 200,
+            timeout=60,
+            interval=0.2,
+        )
 
 
 def test_without_the_sandbox_reactors_answer_503_and_nothing_runs(tenant):
@@ -143,8 +160,9 @@ def test_without_the_sandbox_reactors_answer_503_and_nothing_runs(tenant):
     os.environ["TESSERA_REACTOR_BWRAP"] = "/nonexistent/bwrap"
     reload_settings()
     try:
-        created = c.post("/reactors", {"name": "n", "code": "module.exports = async () => ({});",
-                                       "runtime": {"image": "node22"}})
+        created = c.post(
+            "/reactors", {"name": "n", "code": "module.exports = async () => ({});", "runtime": {"image": "node22"}}
+        )
         invoked = react(c, reactor["id"])
         later = c.post(f"/reactors/{reactor['id']}/react-async", {"args": {}})
     finally:

@@ -76,8 +76,13 @@ def test_each_error_class_answers_its_status(runtime, name):
     problem = problem_of(runtime, r, args={"why": "expired"})
     status, title = REACTOR_ERRORS[name]
     assert problem.status == status
-    assert problem.body() == {"type": "about:blank", "title": title, "status": status,
-                              "detail": "vendor said no: expired", "errors": {"args.why": ["bad"]}}
+    assert problem.body() == {
+        "type": "about:blank",
+        "title": title,
+        "status": status,
+        "detail": "vendor said no: expired",
+        "errors": {"args.why": ["bad"]},
+    }
 
 
 def test_statuses_are_those_of_section_7():
@@ -116,12 +121,15 @@ def test_an_error_named_like_a_class_but_not_from_the_module_is_unhandled(runtim
     assert problem_of(runtime, r).status == 500
 
 
-@pytest.mark.parametrize("code", [
-    "module.exports = 42;",
-    "module.exports = { handler: 1 };",
-    "module.exports = async (req) => { return req.args.",
-    "throw new Error('no config');",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "module.exports = 42;",
+        "module.exports = { handler: 1 };",
+        "module.exports = async (req) => { return req.args.",
+        "throw new Error('no config');",
+    ],
+)
 def test_code_that_is_not_a_valid_function_is_422(runtime, code):
     problem = problem_of(runtime, reactor(code))
     assert problem.status == 422
@@ -149,8 +157,10 @@ def test_a_tokenize_block_is_passed_back_for_the_platform(runtime):
     """)
     answer = runtime.invoke(r, args={"number": "4242424242424242"})
     assert answer.raw == {"charged": True}
-    assert answer.tokenize == {"type": "card", "data": {"number": "4242424242424242", "expiration_month": 12,
-                                                        "expiration_year": 2031}}
+    assert answer.tokenize == {
+        "type": "card",
+        "data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2031},
+    }
 
 
 # Inside its PID namespace every process is pid 1: a process is told apart by an id it draws at start.
@@ -194,13 +204,16 @@ def test_warm_reuse_loads_the_code_once(runtime):
 
 
 def test_warm_concurrency_keeps_that_many_processes_and_extra_calls_fan_out(runtime):
-    r = reactor("""
+    r = reactor(
+        """
         const ident = require('crypto').randomUUID();
         module.exports = async (req) => {
           await new Promise((resolve) => setTimeout(resolve, req.args.wait));
           return { raw: ident };
         };
-    """, warm_concurrency=2)
+    """,
+        warm_concurrency=2,
+    )
     assert runtime.warm(r) == 2
     assert runtime.loads(r) == 2
     with ThreadPoolExecutor(4) as executor:
@@ -221,9 +234,12 @@ def test_memory_is_capped_and_the_pool_survives(runtime):
     assert problem.status == 500
     assert runtime.invoke(r, args={}).raw == "fine"
 
-    heap = reactor("""
+    heap = reactor(
+        """
         module.exports = async () => { const keep = []; for (;;) keep.push(new Array(1e6).fill(1.5)); };
-    """, timeout=30)
+    """,
+        timeout=30,
+    )
     assert problem_of(runtime, heap).status == 500
 
 
@@ -257,8 +273,17 @@ def test_the_code_cannot_read_the_platform_files_environment_or_start_processes(
     assert raw["cwd"] == raw["dir"]
     assert not [k for k in raw["env"] if k.startswith(("TESSERA_", "AWS_"))]
     assert "s3cr3t" not in json.dumps(raw["env"])
-    assert set(raw["env"]) <= {"NODE_ENV", "TZ", "LANG", "HOME", "TMPDIR", "PWD", "UV_THREADPOOL_SIZE",
-                               "NODE_PATH", "NODE_EXTRA_CA_CERTS"}
+    assert set(raw["env"]) <= {
+        "NODE_ENV",
+        "TZ",
+        "LANG",
+        "HOME",
+        "TMPDIR",
+        "PWD",
+        "UV_THREADPOOL_SIZE",
+        "NODE_PATH",
+        "NODE_EXTRA_CA_CERTS",
+    }
     assert os.environ["AWS_SECRET_ACCESS_KEY"] not in json.dumps(raw["env"])
 
 
@@ -292,8 +317,10 @@ def test_outbound_fetch_reaches_an_allowed_destination_through_the_egress_proxy(
             } });
         """)
         url = f"http://127.0.0.1:{port}/charge"
-        assert allowed.invoke(r, args={"url": url}).raw == {"fetch": {"path": "/charge"},
-                                                            "http": {"path": "/charge/http"}}
+        assert allowed.invoke(r, args={"url": url}).raw == {
+            "fetch": {"path": "/charge"},
+            "http": {"path": "/charge/http"},
+        }
         assert allowed.pool.egress.refused == 0
     finally:
         allowed.close()
@@ -309,19 +336,22 @@ def test_console_output_does_not_break_the_protocol(runtime):
     assert runtime.invoke(r, args={}).raw == 1
 
 
-@pytest.mark.parametrize(("fields", "field"), [
-    ({"image": "node-svc"}, "image"),
-    ({}, "image"),
-    ({"image": "node20"}, "image"),
-    ({"image": "node22", "timeout": 31}, "timeout"),
-    ({"image": "node22", "timeout": 0}, "timeout"),
-    ({"image": "node22", "resources": "huge"}, "resources"),
-    ({"image": "node22", "warm_concurrency": -1}, "warm_concurrency"),
-    ({"image": "node22", "dependencies": {"lodash": "^4.17.21"}}, "dependencies"),
-    ({"image": "node22", "dependencies": {"lodash": "latest"}}, "dependencies"),
-    ({"image": "node22", "dependencies": {"../etc": "1.0.0"}}, "dependencies"),
-    ({"image": "node22", "resolutions": {"qs": "git+https://example.com/qs.git"}}, "resolutions"),
-])
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"image": "node-svc"}, "image"),
+        ({}, "image"),
+        ({"image": "node20"}, "image"),
+        ({"image": "node22", "timeout": 31}, "timeout"),
+        ({"image": "node22", "timeout": 0}, "timeout"),
+        ({"image": "node22", "resources": "huge"}, "resources"),
+        ({"image": "node22", "warm_concurrency": -1}, "warm_concurrency"),
+        ({"image": "node22", "dependencies": {"lodash": "^4.17.21"}}, "dependencies"),
+        ({"image": "node22", "dependencies": {"lodash": "latest"}}, "dependencies"),
+        ({"image": "node22", "dependencies": {"../etc": "1.0.0"}}, "dependencies"),
+        ({"image": "node22", "resolutions": {"qs": "git+https://example.com/qs.git"}}, "resolutions"),
+    ],
+)
 def test_runtime_fields_are_validated(fields, field):
     with pytest.raises(ValidationError) as caught:
         Runtime(**fields)
@@ -331,7 +361,12 @@ def test_runtime_fields_are_validated(fields, field):
 def test_runtime_defaults_follow_the_spec():
     rt = Runtime(image="node22", dependencies={"@scope/pkg": "1.2.3-rc.1"})
     assert (rt.timeout, rt.resources, rt.warm_concurrency, rt.permissions, rt.resolutions) == (
-        10, "standard", 0, [], {})
+        10,
+        "standard",
+        0,
+        [],
+        {},
+    )
 
 
 def test_a_process_that_ends_while_idle_is_replaced(runtime):
@@ -389,10 +424,13 @@ def test_the_system_node_is_refused_unless_it_is_22(monkeypatch):
 
 @pytest.mark.parametrize("resources", ["standard", "large", "xlarge"])
 def test_resources_set_the_heap_and_data_limits_of_the_process(runtime, resources):
-    r = reactor("""
+    r = reactor(
+        """
         const v8 = require('v8');
         module.exports = async () => ({ raw: { heap: v8.getHeapStatistics().heap_size_limit } });
-    """, resources=resources)
+    """,
+        resources=resources,
+    )
     raw = runtime.invoke(r, args={}).raw
     memory = RESOURCES[resources]
     (node_pid,) = runtime.pool.node_pids(r.key)

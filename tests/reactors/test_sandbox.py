@@ -133,24 +133,29 @@ def test_the_platforms_services_are_unreachable_though_the_host_reaches_them(run
     redis_host, redis_port = _redis()
     assert _reachable(pg_host, pg_port) and _reachable(redis_host, redis_port) and _reachable("127.0.0.1", local_http)
     refused_before = runtime.pool.egress.refused
-    out = probe(runtime, tcp={
-        "postgres": {"host": pg_host, "port": pg_port},
-        "postgres_v6": {"host": "::1", "port": pg_port},
-        "redis": {"host": redis_host, "port": redis_port},
-        "redis_v6": {"host": "::1", "port": redis_port},
-        "api": {"host": "127.0.0.1", "port": local_http},
-        "postgres_socket": {"path": f"/var/run/postgresql/.s.PGSQL.{pg_port}"},
-        "metadata": {"host": "169.254.169.254", "port": 80},
-    }, egress={
-        "egress_postgres": f"127.0.0.1:{pg_port}",
-        "egress_redis": f"localhost:{redis_port}",
-        "egress_redis_v6": f"[::1]:{redis_port}",
-        "egress_metadata": "169.254.169.254:80",
-        "egress_private": "10.0.0.1:443",
-    }, fetch={
-        "fetch_api": f"http://127.0.0.1:{local_http}/",
-        "fetch_redis": f"http://localhost:{redis_port}/",
-    })
+    out = probe(
+        runtime,
+        tcp={
+            "postgres": {"host": pg_host, "port": pg_port},
+            "postgres_v6": {"host": "::1", "port": pg_port},
+            "redis": {"host": redis_host, "port": redis_port},
+            "redis_v6": {"host": "::1", "port": redis_port},
+            "api": {"host": "127.0.0.1", "port": local_http},
+            "postgres_socket": {"path": f"/var/run/postgresql/.s.PGSQL.{pg_port}"},
+            "metadata": {"host": "169.254.169.254", "port": 80},
+        },
+        egress={
+            "egress_postgres": f"127.0.0.1:{pg_port}",
+            "egress_redis": f"localhost:{redis_port}",
+            "egress_redis_v6": f"[::1]:{redis_port}",
+            "egress_metadata": "169.254.169.254:80",
+            "egress_private": "10.0.0.1:443",
+        },
+        fetch={
+            "fetch_api": f"http://127.0.0.1:{local_http}/",
+            "fetch_redis": f"http://localhost:{redis_port}/",
+        },
+    )
     reload_settings()
     for name in ("postgres", "postgres_v6", "redis", "redis_v6", "api", "postgres_socket", "metadata"):
         assert out[name] != "CONNECTED", (name, out)
@@ -165,8 +170,13 @@ def test_the_platforms_services_are_unreachable_though_the_host_reaches_them(run
 def test_the_egress_proxy_vets_the_resolved_address_and_allows_public_ones():
     assert parse_connect(b"CONNECT api.example.com:443 HTTP/1.1\r\nHost: x\r\n\r\n") == ("api.example.com", 443)
     assert parse_connect(b"CONNECT [::1]:6379 HTTP/1.1\r\n\r\n") == ("::1", 6379)
-    for head in (b"GET http://x/ HTTP/1.1\r\n\r\n", b"CONNECT x HTTP/1.1\r\n\r\n", b"CONNECT a@b:1 HTTP/1.1\r\n\r\n",
-                 b"CONNECT x:0 HTTP/1.1\r\n\r\n", b"CONNECT x:99999 HTTP/1.1\r\n\r\n"):
+    for head in (
+        b"GET http://x/ HTTP/1.1\r\n\r\n",
+        b"CONNECT x HTTP/1.1\r\n\r\n",
+        b"CONNECT a@b:1 HTTP/1.1\r\n\r\n",
+        b"CONNECT x:0 HTTP/1.1\r\n\r\n",
+        b"CONNECT x:99999 HTTP/1.1\r\n\r\n",
+    ):
         with pytest.raises(ValueError):
             parse_connect(head)
     # A public address passes the guard (no connection is made here: this machine reaches no internet).
@@ -181,11 +191,16 @@ def test_the_egress_proxy_vets_the_resolved_address_and_allows_public_ones():
 def test_an_allowlisted_pair_is_reachable_and_nothing_else(tmp_path, local_http):
     allowed = ReactorRuntime(tmp_path, pool=NodePool(egress_allow=frozenset({f"127.0.0.1:{local_http}"})))
     try:
-        out = allowed.invoke(tenant_reactor("tenant-a", PROBE), args={"fetch": {
-            "allowed": f"http://127.0.0.1:{local_http}/",
-            "other_port": f"http://127.0.0.1:{_redis()[1]}/",
-            "other_name": f"http://localhost:{local_http}/",
-        }}).raw
+        out = allowed.invoke(
+            tenant_reactor("tenant-a", PROBE),
+            args={
+                "fetch": {
+                    "allowed": f"http://127.0.0.1:{local_http}/",
+                    "other_port": f"http://127.0.0.1:{_redis()[1]}/",
+                    "other_name": f"http://localhost:{local_http}/",
+                }
+            },
+        ).raw
     finally:
         allowed.close()
     assert out["allowed"] == 204
@@ -200,15 +215,26 @@ def test_no_signal_reaches_the_worker_pid_1_or_another_tenants_process(runtime):
     other = tenant_reactor("tenant-b", "module.exports = async () => ({ raw: 'still here' });")
     assert runtime.invoke(other, args={}).raw == "still here"
     (other_pid,) = runtime.pool.node_pids(other.key)
-    out = probe(runtime, signal={"worker": os.getpid(), "pid1": 1, "group": 0, "other": other_pid},
-                stop={"stop_other": other_pid, "stop_worker": os.getpid()})
-    assert out == {"worker": "EPERM", "pid1": "EPERM", "group": "EPERM", "other": "EPERM",
-                   "stop_other": "EPERM", "stop_worker": "EPERM"}
+    out = probe(
+        runtime,
+        signal={"worker": os.getpid(), "pid1": 1, "group": 0, "other": other_pid},
+        stop={"stop_other": other_pid, "stop_worker": os.getpid()},
+    )
+    assert out == {
+        "worker": "EPERM",
+        "pid1": "EPERM",
+        "group": "EPERM",
+        "other": "EPERM",
+        "stop_other": "EPERM",
+        "stop_worker": "EPERM",
+    }
     assert runtime.invoke(other, args={}).raw == "still here"  # not stopped: it answers
 
 
 def test_no_child_process_no_thread_and_only_its_own_processes_in_view(runtime):
-    r = tenant_reactor("tenant-a", """
+    r = tenant_reactor(
+        "tenant-a",
+        """
         const fs = require('fs');
         const attempt = (f) => { try { f(); return 'allowed'; } catch (e) { return e.code || e.name; } };
         module.exports = async () => ({ raw: {
@@ -216,7 +242,8 @@ def test_no_child_process_no_thread_and_only_its_own_processes_in_view(runtime):
           worker: attempt(() => new (require('worker_threads').Worker)('1', { eval: true })),
           pid: process.pid,
         } });
-    """)
+    """,
+    )
     raw = runtime.invoke(r, args={}).raw
     assert raw == {"spawn": "ERR_ACCESS_DENIED", "worker": "ERR_ACCESS_DENIED", "pid": 1}
     (node_pid,) = runtime.pool.node_pids(r.key)
@@ -229,7 +256,9 @@ def test_no_child_process_no_thread_and_only_its_own_processes_in_view(runtime):
 def test_sqlite_and_the_hosts_files_are_out_of_reach_and_tmp_is_private(runtime, tmp_path):
     secret = tmp_path / "tessera.db"
     secret.write_text("every tenant's rows")
-    r = tenant_reactor("tenant-a", """
+    r = tenant_reactor(
+        "tenant-a",
+        """
         const fs = require('fs');
         const attempt = (f) => {
           try { const v = f(); return v === undefined ? 'allowed' : v; } catch (e) { return e.code || e.name; }
@@ -242,7 +271,8 @@ def test_sqlite_and_the_hosts_files_are_out_of_reach_and_tmp_is_private(runtime,
           write_tmp: attempt(() => fs.writeFileSync('/tmp/mine', 'x')),
           big_tmp: attempt(() => fs.writeFileSync('/tmp/big', Buffer.alloc(32 << 20))),
         } });
-    """)
+    """,
+    )
     raw = runtime.invoke(r, args={"db": str(secret)}).raw
     assert raw["sqlite"] == "ERR_UNKNOWN_BUILTIN_MODULE"
     assert raw["read_db"] in ("ENOENT", "ERR_ACCESS_DENIED")  # not in its file system at all
@@ -265,8 +295,9 @@ def test_never_root_no_capability_seccomp_on_and_limits_set(runtime):
     r = tenant_reactor("tenant-a", "module.exports = async () => ({ raw: 1 });", resources="standard")
     runtime.invoke(r, args={})
     (node_pid,) = runtime.pool.node_pids(r.key)
-    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{node_pid}/status").read_text().splitlines()
-                  if ":\t" in line)
+    status = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{node_pid}/status").read_text().splitlines() if ":\t" in line
+    )
     assert status["CapEff"].strip() == status["CapPrm"].strip() == status["CapBnd"].strip() == "0000000000000000"
     assert status["NoNewPrivs"].strip() == "1"
     assert status["Seccomp"].strip() == "2"
@@ -308,8 +339,9 @@ def test_an_idle_process_is_reaped_after_its_idle_time(tmp_path):
         assert rt.pool.reap(time.monotonic() + 30) == 0
         assert rt.pool.reap(time.monotonic() + 61) == 1
         assert not rt.pool.pids(r.key)
-        assert wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
-                          timeout=5)
+        assert wait_until(
+            lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, timeout=5
+        )
     finally:
         rt.close()
 

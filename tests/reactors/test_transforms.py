@@ -31,8 +31,9 @@ def run(caller, code: str, message: Message, side: str = "request", **kw) -> Mes
     return asyncio.run(runner(CodeTransform(type="code", code=code, runtime={"image": "node22"}), message, side))
 
 
-JSON_REQUEST = Message([("Content-Type", "application/json"), ("X-In", "1")], b'{"card": "4242", "n": 2}',
-                       "application/json")
+JSON_REQUEST = Message(
+    [("Content-Type", "application/json"), ("X-In", "1")], b'{"card": "4242", "n": 2}', "application/json"
+)
 
 
 def test_a_request_transform_rewrites_body_and_headers(caller):
@@ -53,8 +54,10 @@ def test_a_response_transform_on_text_and_one_returning_nothing(caller):
 
 
 def test_a_thrown_error_is_a_proxy_error_with_its_status(caller):
-    code = ("const { BadRequestError } = require('@tessera/reactor');"
-            "module.exports = async () => { throw new BadRequestError('no card'); };")
+    code = (
+        "const { BadRequestError } = require('@tessera/reactor');"
+        "module.exports = async () => { throw new BadRequestError('no card'); };"
+    )
     with pytest.raises(ProxyError) as caught:
         run(caller, code, JSON_REQUEST)
     assert caught.value.body()["proxy_error"]["status"] == 400
@@ -67,13 +70,17 @@ def test_a_thrown_error_is_a_proxy_error_with_its_status(caller):
 
 def test_a_critical_advisory_on_a_dependency_blocks_the_invocation(caller, tmp_path):
     advisories = tmp_path / "advisories.json"
-    advisories.write_text(json.dumps([{"name": "is-number", "version": "7.0.0", "severity": "CRITICAL",
-                                       "id": "CVE-2099-0007"}]))
+    advisories.write_text(
+        json.dumps([{"name": "is-number", "version": "7.0.0", "severity": "CRITICAL", "id": "CVE-2099-0007"}])
+    )
     os.environ["TESSERA_REACTOR_ADVISORIES"] = str(advisories)
     reload_settings()
     try:
-        transform = CodeTransform(type="code", code="module.exports = async () => ({ body: 'ran' });",
-                                  runtime={"image": "node22", "dependencies": {"is-number": "7.0.0"}})
+        transform = CodeTransform(
+            type="code",
+            code="module.exports = async () => ({ body: 'ran' });",
+            runtime={"image": "node22", "dependencies": {"is-number": "7.0.0"}},
+        )
         with pytest.raises(ProxyError) as caught:
             asyncio.run(code_transform_runner(caller, proxy_id=uuid.uuid4())(transform, JSON_REQUEST, "request"))
     finally:

@@ -230,7 +230,11 @@ def test_a_call_of_3000_rows_answers_every_row():
     body = json.dumps({"merchant_id": "SANDBOX", "tenant_type": "test", "items": items}).encode()
     with sandbox_process() as (_process, base_url):
         answer = urllib3.request(
-            "POST", base_url + UPDATES, body=body, retries=False, timeout=30,
+            "POST",
+            base_url + UPDATES,
+            body=body,
+            retries=False,
+            timeout=30,
             headers={"Content-Type": "application/json"},
         )
     assert answer.status == 200 and len(answer.json()["results"]) == 3000

@@ -111,15 +111,19 @@ def test_setup_answers_per_the_table(sandbox, providers, pan, provider, status):
 def test_vic_rejects_the_setup_of_the_rejected_card(sandbox, providers):
     failure = rejection(lambda: set_up(sandbox, providers["vic"], SETUP_REJECTED))
 
-    assert (failure.code, failure.status, failure.provider_code) == ("PROVIDER_ALLOWANCE_FAILED", 422,
-                                                                     "PROVIDER_ALLOWANCE_FAILED")
+    assert (failure.code, failure.status, failure.provider_code) == (
+        "PROVIDER_ALLOWANCE_FAILED",
+        422,
+        "PROVIDER_ALLOWANCE_FAILED",
+    )
     assert failure.correlation_id.startswith("corr_")
     assert admin(sandbox, "allowances", provider="vic")["count"] == 0
 
 
 def test_setup_on_an_enrollment_the_provider_does_not_hold_fails(sandbox, providers):
-    failure = rejection(lambda: providers["vic"].create_allowance("enr_unknown", USD_100, in_days(1), None,
-                                                                  idempotency_key="k"))
+    failure = rejection(
+        lambda: providers["vic"].create_allowance("enr_unknown", USD_100, in_days(1), None, idempotency_key="k")
+    )
 
     assert (failure.code, failure.provider_code) == ("PROVIDER_ALLOWANCE_FAILED", "ENROLLMENT_NOT_FOUND")
 
@@ -184,8 +188,11 @@ def test_a_replayed_wrong_code_is_answered_again_and_counted_once(sandbox, provi
     vic.start_verification(allowance.id, idempotency_key="start")
 
     answers = [rejection(lambda: vic.submit_otp(allowance.id, "999999", idempotency_key="otp-1")) for _ in range(3)]
-    replayed = sandbox.post(f"/agentic/vic/allowances/{allowance.id}/verification/otp", {"otp": "999999"},
-                            headers={"Idempotency-Key": "otp-1"})
+    replayed = sandbox.post(
+        f"/agentic/vic/allowances/{allowance.id}/verification/otp",
+        {"otp": "999999"},
+        headers={"Idempotency-Key": "otp-1"},
+    )
 
     assert {(error.code, error.attempts_remaining) for error in answers} == {("INVALID_OTP", 2)}
     assert replayed.headers["Idempotent-Replayed"] == "true"
@@ -216,8 +223,11 @@ def test_vic_has_no_verification_for_its_card_and_the_allowance_stays_inactive(s
     allowance = set_up(sandbox, vic, NO_VERIFICATION)
 
     failure = rejection(lambda: vic.start_verification(allowance.id, idempotency_key="k"))
-    mint = rejection(lambda: vic.mint_credential(allowance.id, credential_format="card", amount=USD_100, mpp=None,
-                                                 idempotency_key="mint"))
+    mint = rejection(
+        lambda: vic.mint_credential(
+            allowance.id, credential_format="card", amount=USD_100, mpp=None, idempotency_key="mint"
+        )
+    )
 
     assert (failure.code, failure.status) == ("VERIFICATION_NOT_SUPPORTED", 422)
     assert held(sandbox)[0]["status"] == "inactive"
@@ -237,8 +247,13 @@ def test_card_formats_mint_numbers_of_the_sandbox_range(sandbox, providers, pan,
     adapter = providers[provider]
     allowance = verified(sandbox, adapter, pan)
 
-    minted = adapter.mint_credential(allowance.id, credential_format=credential_format,
-                                     amount=Amount(Decimal("25.00"), "USD"), mpp=None, idempotency_key="mint")
+    minted = adapter.mint_credential(
+        allowance.id,
+        credential_format=credential_format,
+        amount=Amount(Decimal("25.00"), "USD"),
+        mpp=None,
+        idempotency_key="mint",
+    )
 
     value = minted.credential
     assert set(value) == {"number", "expiration_month", "expiration_year", "cvc"}
@@ -255,8 +270,13 @@ def test_card_formats_mint_numbers_of_the_sandbox_range(sandbox, providers, pan,
 def test_psp_mints_identifiers(sandbox, providers, pan):
     allowance = set_up(sandbox, providers["psp"], pan)
 
-    minted = providers["psp"].mint_credential(allowance.id, credential_format="identifier",
-                                              amount=Amount(Decimal("9.99"), "USD"), mpp=None, idempotency_key="m")
+    minted = providers["psp"].mint_credential(
+        allowance.id,
+        credential_format="identifier",
+        amount=Amount(Decimal("9.99"), "USD"),
+        mpp=None,
+        idempotency_key="m",
+    )
 
     assert re.fullmatch(r"spt_[0-9a-f]{24}", minted.credential["id"]) and set(minted.credential) == {"id"}
 
@@ -275,13 +295,20 @@ def test_mpp_tokens_are_sealed_for_the_merchants_key(sandbox, providers, pan, pr
     signing_only = OKPKey.generate_key("Ed25519", parameters={"kid": "sig"}).as_dict(private=False)
     key_set = {"keys": [signing_only, key.as_dict(private=False)]}
 
-    minted = adapter.mint_credential(allowance.id, credential_format="mpp", amount=Amount(Decimal("12.50"), "USD"),
-                                     mpp=MppRequest(key_set, "challenge-42"), idempotency_key="mpp")
+    minted = adapter.mint_credential(
+        allowance.id,
+        credential_format="mpp",
+        amount=Amount(Decimal("12.50"), "USD"),
+        mpp=MppRequest(key_set, "challenge-42"),
+        idempotency_key="mpp",
+    )
 
     sealed = jwe.decrypt_compact(minted.credential["token"], key)
     claims = json.loads(sealed.plaintext)
     assert (sealed.protected["alg"], sealed.protected["enc"], sealed.protected["kid"]) == (
-        "ECDH-ES", "A256GCM", key.kid
+        "ECDH-ES",
+        "A256GCM",
+        key.kid,
     )
     assert (claims["challenge"], claims["credential_id"], claims["provider"]) == ("challenge-42", minted.id, provider)
     assert claims["amount"] == {"value": "12.50", "currency": "USD"}
@@ -296,8 +323,11 @@ def test_an_mpp_key_set_without_an_encryption_key_fails_the_mint(sandbox, provid
     allowance = set_up(sandbox, providers["psp"], AMEX)
     key_set = {"keys": [OKPKey.generate_key("Ed25519").as_dict(private=False)]}
 
-    failure = rejection(lambda: providers["psp"].mint_credential(
-        allowance.id, credential_format="mpp", amount=USD_100, mpp=MppRequest(key_set, "c"), idempotency_key="m"))
+    failure = rejection(
+        lambda: providers["psp"].mint_credential(
+            allowance.id, credential_format="mpp", amount=USD_100, mpp=MppRequest(key_set, "c"), idempotency_key="m"
+        )
+    )
 
     assert (failure.code, failure.provider_code) == ("PROVIDER_CREDENTIALS_FAILED", "MPP_KEY_UNSUPPORTED")
     assert admin(sandbox, "credentials")["count"] == 0
@@ -309,8 +339,14 @@ def test_a_replayed_mint_answers_the_same_credential_and_spends_once(sandbox, pr
     ten = Amount(Decimal("10.00"), "USD")
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        minted = list(pool.map(lambda _: vic.mint_credential(allowance.id, credential_format="card", amount=ten,
-                                                             mpp=None, idempotency_key="mint-1"), range(4)))
+        minted = list(
+            pool.map(
+                lambda _: vic.mint_credential(
+                    allowance.id, credential_format="card", amount=ten, mpp=None, idempotency_key="mint-1"
+                ),
+                range(4),
+            )
+        )
     other = vic.mint_credential(allowance.id, credential_format="card", amount=ten, mpp=None, idempotency_key="mint-2")
 
     assert {credential.id for credential in minted} == {minted[0].id} != {other.id}
@@ -322,12 +358,23 @@ def test_a_replayed_mint_answers_the_same_credential_and_spends_once(sandbox, pr
 def test_a_mint_over_what_is_left_is_refused(sandbox, providers):
     psp = providers["psp"]
     allowance = set_up(sandbox, psp, VISA, amount=Amount(Decimal("30.00"), "USD"))
-    psp.mint_credential(allowance.id, credential_format="identifier", amount=Amount(Decimal("20.00"), "USD"),
-                        mpp=None, idempotency_key="m1")
+    psp.mint_credential(
+        allowance.id,
+        credential_format="identifier",
+        amount=Amount(Decimal("20.00"), "USD"),
+        mpp=None,
+        idempotency_key="m1",
+    )
 
-    failure = rejection(lambda: psp.mint_credential(allowance.id, credential_format="identifier",
-                                                    amount=Amount(Decimal("10.01"), "USD"), mpp=None,
-                                                    idempotency_key="m2"))
+    failure = rejection(
+        lambda: psp.mint_credential(
+            allowance.id,
+            credential_format="identifier",
+            amount=Amount(Decimal("10.01"), "USD"),
+            mpp=None,
+            idempotency_key="m2",
+        )
+    )
 
     assert (failure.code, failure.provider_code) == ("PROVIDER_CREDENTIALS_FAILED", "AMOUNT_EXCEEDED")
     assert admin(sandbox, "credentials")["count"] == 1
@@ -340,8 +387,11 @@ def test_every_mint_fails_conclusively_for_the_failing_card_and_replays(sandbox,
     credential_format = "card" if provider == "vic" else "identifier"
 
     def mint(key):
-        return rejection(lambda: adapter.mint_credential(allowance.id, credential_format=credential_format,
-                                                         amount=USD_100, mpp=None, idempotency_key=key))
+        return rejection(
+            lambda: adapter.mint_credential(
+                allowance.id, credential_format=credential_format, amount=USD_100, mpp=None, idempotency_key=key
+            )
+        )
 
     first, replay, fresh = mint("m1"), mint("m1"), mint("m2")
 
@@ -368,14 +418,16 @@ def test_the_hanging_mint_is_an_unknown_outcome_not_a_failure(sandbox, providers
 
 
 def test_a_patient_caller_gets_the_hanging_mints_late_504_as_transient(sandbox, sandbox_url):
-    patient = HttpAgenticProvider("psp", f"{sandbox_url}/agentic/psp", connect_timeout=1.0,
-                                  read_timeout=HANG_SECONDS + 3)
+    patient = HttpAgenticProvider(
+        "psp", f"{sandbox_url}/agentic/psp", connect_timeout=1.0, read_timeout=HANG_SECONDS + 3
+    )
     allowance = set_up(sandbox, patient, MINT_HANGS)
 
     started = time.monotonic()
     with pytest.raises(TransientError, match="504"):
-        patient.mint_credential(allowance.id, credential_format="identifier", amount=USD_100, mpp=None,
-                                idempotency_key="m")
+        patient.mint_credential(
+            allowance.id, credential_format="identifier", amount=USD_100, mpp=None, idempotency_key="m"
+        )
 
     assert time.monotonic() - started >= HANG_SECONDS
     assert admin(sandbox, "credentials")["count"] == 0
@@ -389,8 +441,11 @@ def test_an_expired_allowance_mints_and_changes_no_more(sandbox, providers):
     allowance = psp.create_allowance(enrolled, USD_100, soon, None, idempotency_key="k")
     time.sleep(max(0.0, (soon - datetime.datetime.now(datetime.UTC)).total_seconds()) + 0.1)
 
-    mint = rejection(lambda: psp.mint_credential(allowance.id, credential_format="identifier", amount=USD_100,
-                                                 mpp=None, idempotency_key="m"))
+    mint = rejection(
+        lambda: psp.mint_credential(
+            allowance.id, credential_format="identifier", amount=USD_100, mpp=None, idempotency_key="m"
+        )
+    )
     update = rejection(lambda: psp.update_allowance(allowance.id, expires_at=in_days(1), idempotency_key="u"))
 
     assert (mint.code, mint.provider_code) == ("PROVIDER_CREDENTIALS_FAILED", "ALLOWANCE_EXPIRED")
@@ -403,10 +458,12 @@ def test_an_update_changes_amount_and_expiry_and_replays(sandbox, providers):
     allowance = verified(sandbox, vic, VISA)
     new_expiry = in_days(60)
 
-    updated = vic.update_allowance(allowance.id, amount=Amount(Decimal("150.00"), "USD"), expires_at=new_expiry,
-                                   idempotency_key="u1")
-    replayed = vic.update_allowance(allowance.id, amount=Amount(Decimal("150.00"), "USD"), expires_at=new_expiry,
-                                    idempotency_key="u1")
+    updated = vic.update_allowance(
+        allowance.id, amount=Amount(Decimal("150.00"), "USD"), expires_at=new_expiry, idempotency_key="u1"
+    )
+    replayed = vic.update_allowance(
+        allowance.id, amount=Amount(Decimal("150.00"), "USD"), expires_at=new_expiry, idempotency_key="u1"
+    )
 
     assert updated == replayed
     assert (updated.amount.value, updated.expires_at, updated.status) == (Decimal("150.00"), new_expiry, "active")
@@ -416,21 +473,31 @@ def test_an_update_changes_amount_and_expiry_and_replays(sandbox, providers):
 def test_an_update_below_what_was_spent_is_refused_and_changes_nothing(sandbox, providers):
     psp = providers["psp"]
     allowance = set_up(sandbox, psp, AMEX)
-    psp.mint_credential(allowance.id, credential_format="identifier", amount=Amount(Decimal("40.00"), "USD"),
-                        mpp=None, idempotency_key="m")
+    psp.mint_credential(
+        allowance.id,
+        credential_format="identifier",
+        amount=Amount(Decimal("40.00"), "USD"),
+        mpp=None,
+        idempotency_key="m",
+    )
 
-    below = rejection(lambda: psp.update_allowance(allowance.id, amount=Amount(Decimal("39.99"), "USD"),
-                                                   idempotency_key="u1"))
-    currency = rejection(lambda: psp.update_allowance(allowance.id, amount=Amount(Decimal("100.00"), "EUR"),
-                                                      idempotency_key="u2"))
+    below = rejection(
+        lambda: psp.update_allowance(allowance.id, amount=Amount(Decimal("39.99"), "USD"), idempotency_key="u1")
+    )
+    currency = rejection(
+        lambda: psp.update_allowance(allowance.id, amount=Amount(Decimal("100.00"), "EUR"), idempotency_key="u2")
+    )
 
     assert (below.code, below.status, below.provider_code) == (
-        "PROVIDER_ALLOWANCE_UPDATE_FAILED", 422, "AMOUNT_BELOW_SPENT"
+        "PROVIDER_ALLOWANCE_UPDATE_FAILED",
+        422,
+        "AMOUNT_BELOW_SPENT",
     )
     assert (currency.code, currency.provider_code) == ("PROVIDER_ALLOWANCE_UPDATE_FAILED", "CURRENCY_MISMATCH")
     assert held(sandbox)[0]["amount"] == {"value": "100.00", "currency": "USD"}
-    assert psp.update_allowance(allowance.id, amount=Amount(Decimal("40.00"), "USD"),
-                                idempotency_key="u3").amount.value == Decimal("40.00")
+    assert psp.update_allowance(
+        allowance.id, amount=Amount(Decimal("40.00"), "USD"), idempotency_key="u3"
+    ).amount.value == Decimal("40.00")
 
 
 def test_cancel_stops_the_allowance_and_is_idempotent(sandbox, providers):
@@ -440,8 +507,11 @@ def test_cancel_stops_the_allowance_and_is_idempotent(sandbox, providers):
     vic.cancel_allowance(allowance.id, idempotency_key="c1")
     vic.cancel_allowance(allowance.id, idempotency_key="c2")
     vic.cancel_allowance("pal_unknown", idempotency_key="c3")
-    mint = rejection(lambda: vic.mint_credential(allowance.id, credential_format="card", amount=USD_100, mpp=None,
-                                                 idempotency_key="m"))
+    mint = rejection(
+        lambda: vic.mint_credential(
+            allowance.id, credential_format="card", amount=USD_100, mpp=None, idempotency_key="m"
+        )
+    )
     update = rejection(lambda: vic.update_allowance(allowance.id, description="x", idempotency_key="u"))
 
     assert held(sandbox)[0]["status"] == "cancelled"
@@ -476,19 +546,34 @@ def test_the_cancel_failing_card_cancels_at_psp_the_first_time(sandbox, provider
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
-        ("", {"enrollment_id": "e", "amount": {"value": 10, "currency": "USD"}, "expires_at": "2999-01-01T00:00:00Z"},
-         "amount.value"),
-        ("", {"enrollment_id": "e", "amount": {"value": "10", "currency": "usd"}, "expires_at": "2999-01-01T00:00:00Z"},
-         "amount.currency"),
-        ("", {"enrollment_id": "e", "amount": {"value": "10", "currency": "USD"}, "expires_at": "2000-01-01T00:00:00Z"},
-         "expires_at"),
+        (
+            "",
+            {"enrollment_id": "e", "amount": {"value": 10, "currency": "USD"}, "expires_at": "2999-01-01T00:00:00Z"},
+            "amount.value",
+        ),
+        (
+            "",
+            {"enrollment_id": "e", "amount": {"value": "10", "currency": "usd"}, "expires_at": "2999-01-01T00:00:00Z"},
+            "amount.currency",
+        ),
+        (
+            "",
+            {"enrollment_id": "e", "amount": {"value": "10", "currency": "USD"}, "expires_at": "2000-01-01T00:00:00Z"},
+            "expires_at",
+        ),
         ("", {"amount": {"value": "10", "currency": "USD"}, "expires_at": "2999-01-01T00:00:00"}, "enrollment_id"),
         ("/credentials", {"format": "identifier", "amount": {"value": "1", "currency": "USD"}}, "format"),
         ("/credentials", {"format": "card", "amount": {"value": "0", "currency": "USD"}}, "amount.value"),
         ("/credentials", {"format": "mpp", "amount": {"value": "1", "currency": "USD"}}, "mpp"),
-        ("/credentials", {"format": "mpp", "amount": {"value": "1", "currency": "USD"},
-                          "mpp": {"key_set": {"keys": [{"kty": "OKP", "d": "x"}]}, "challenge": "c"}},
-         "mpp.key_set"),
+        (
+            "/credentials",
+            {
+                "format": "mpp",
+                "amount": {"value": "1", "currency": "USD"},
+                "mpp": {"key_set": {"keys": [{"kty": "OKP", "d": "x"}]}, "challenge": "c"},
+            },
+            "mpp.key_set",
+        ),
         ("/verification/otp", {"otp": 0}, "otp"),
     ],
 )
@@ -506,8 +591,9 @@ def test_the_adapter_refuses_a_format_the_rail_does_not_allow_without_calling(sa
     allowance = set_up(sandbox, providers["psp"], VISA)
 
     with pytest.raises(ValueError, match="card"):
-        providers["psp"].mint_credential(allowance.id, credential_format="card", amount=USD_100, mpp=None,
-                                         idempotency_key="m")
+        providers["psp"].mint_credential(
+            allowance.id, credential_format="card", amount=USD_100, mpp=None, idempotency_key="m"
+        )
 
     assert admin(sandbox, "requests", endpoint="agentic.psp.credentials.create")["total"] == 0
 

@@ -31,23 +31,100 @@ from domain.tokens.expressions import (
 
 PAN = "4111111111111111"
 CVC = "737"
-CONTEXT = make_context("card", {"number": PAN, "expiration_month": 4, "expiration_year": 2031, "cvc": CVC,
-                                "name": "Ada L", "nested": {"list": [1, "two", {"three": 3}]}},
-                       {"customer": "c-1"})
-FUZZ = settings(max_examples=int(os.environ.get("TESSERA_FUZZ_EXAMPLES", "300")), deadline=None, database=None,
-                suppress_health_check=list(HealthCheck))
+CONTEXT = make_context(
+    "card",
+    {
+        "number": PAN,
+        "expiration_month": 4,
+        "expiration_year": 2031,
+        "cvc": CVC,
+        "name": "Ada L",
+        "nested": {"list": [1, "two", {"three": 3}]},
+    },
+    {"customer": "c-1"},
+)
+FUZZ = settings(
+    max_examples=int(os.environ.get("TESSERA_FUZZ_EXAMPLES", "300")),
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 FILTERS = sorted(environment.filters)
-FRAGMENTS = st.sampled_from([
-    "{{", "}}", "{%", "%}", " ", "|", ":", ",", "'", '"', ".", "[", "]", "(", ")", "..", "-",
-    "data", "data.number", "data.cvc", "data.nested.list", "data.nested.list[2].three", "metadata.customer",
-    "type", "data.nope", "for x in", "endfor", "if", "else", "endif", "unless", "endunless", "case", "when",
-    "endcase", "assign", "capture", "endcapture", "raw", "endraw", "comment", "endcomment", "cycle",
-    "increment", "tablerow", "endtablerow", "include", "render", "limit:", "offset:", "reversed", "(1..5)",
-    "(1..999999999)", "0", "1", "-1", "99999999999999999999", "3.5", "true", "nil", "empty", "blank",
-    "'$.number'", '"$"', "'$..*'", "'MM/YY'", "'*'", "x", "forloop.index",
-    *FILTERS,
-])
+FRAGMENTS = st.sampled_from(
+    [
+        "{{",
+        "}}",
+        "{%",
+        "%}",
+        " ",
+        "|",
+        ":",
+        ",",
+        "'",
+        '"',
+        ".",
+        "[",
+        "]",
+        "(",
+        ")",
+        "..",
+        "-",
+        "data",
+        "data.number",
+        "data.cvc",
+        "data.nested.list",
+        "data.nested.list[2].three",
+        "metadata.customer",
+        "type",
+        "data.nope",
+        "for x in",
+        "endfor",
+        "if",
+        "else",
+        "endif",
+        "unless",
+        "endunless",
+        "case",
+        "when",
+        "endcase",
+        "assign",
+        "capture",
+        "endcapture",
+        "raw",
+        "endraw",
+        "comment",
+        "endcomment",
+        "cycle",
+        "increment",
+        "tablerow",
+        "endtablerow",
+        "include",
+        "render",
+        "limit:",
+        "offset:",
+        "reversed",
+        "(1..5)",
+        "(1..999999999)",
+        "0",
+        "1",
+        "-1",
+        "99999999999999999999",
+        "3.5",
+        "true",
+        "nil",
+        "empty",
+        "blank",
+        "'$.number'",
+        '"$"',
+        "'$..*'",
+        "'MM/YY'",
+        "'*'",
+        "x",
+        "forloop.index",
+        *FILTERS,
+    ]
+)
 TEMPLATES = st.lists(FRAGMENTS, max_size=24).map("".join) | st.text(max_size=200)
 
 
@@ -75,8 +152,11 @@ def test_render_and_evaluate_answer_or_refuse_with_expression_error(template):
 
 
 JSON_LEAVES = st.one_of(TEMPLATES, st.integers(), st.booleans(), st.none(), st.floats(allow_nan=False))
-MASKS = st.recursive(JSON_LEAVES, lambda inner: st.lists(inner, max_size=4)
-                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+MASKS = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 @FUZZ
@@ -91,10 +171,36 @@ def test_a_mask_is_applied_or_refused_with_expression_error(mask):
         _clean(err)
 
 
-INNER = (st.lists(st.sampled_from([
-    "token:", "network_token:", "token_intent:", "encrypted", "9f1c0c3e-7d7e-4c41-8d0e-3c8a7a0b9f10", "tok_1",
-    " ", "|", ",", "json:", '"$.number"', "'$.data.number'", "last4", "reveal_last: 4", "to_number", ":", "'",
-    '"', "{", "}", "\\n", "\\", *FILTERS]), max_size=12).map("".join) | st.text(max_size=120))
+INNER = st.lists(
+    st.sampled_from(
+        [
+            "token:",
+            "network_token:",
+            "token_intent:",
+            "encrypted",
+            "9f1c0c3e-7d7e-4c41-8d0e-3c8a7a0b9f10",
+            "tok_1",
+            " ",
+            "|",
+            ",",
+            "json:",
+            '"$.number"',
+            "'$.data.number'",
+            "last4",
+            "reveal_last: 4",
+            "to_number",
+            ":",
+            "'",
+            '"',
+            "{",
+            "}",
+            "\\n",
+            "\\",
+            *FILTERS,
+        ]
+    ),
+    max_size=12,
+).map("".join) | st.text(max_size=120)
 
 
 @FUZZ

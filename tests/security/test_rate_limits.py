@@ -34,8 +34,14 @@ def test_the_per_ip_limits_hold_under_concurrency(api, tenant):
     from app.main import init_app
     from config.settings import get_settings
 
-    settings = get_settings().model_copy(update={"rate_limit_enabled": True, "rate_limit_token_list": 20,
-                                                 "rate_limit_window_seconds": 60, "rate_limit_block_seconds": 60})
+    settings = get_settings().model_copy(
+        update={
+            "rate_limit_enabled": True,
+            "rate_limit_token_list": 20,
+            "rate_limit_window_seconds": 60,
+            "rate_limit_block_seconds": 60,
+        }
+    )
     port = free_port()
     stop = serve_in_thread(lambda: init_app(settings), port)
     try:

@@ -36,8 +36,9 @@ def test_the_scanner_sees_a_private_key_and_each_channel_records_findings():
 
 def _workload(tenant, receiver) -> None:
     client = tenant.client
-    hook = client.post("/webhooks", {"name": "scan", "url": receiver.url,
-                                     "events": ["token.created", "network-token.created"]})
+    hook = client.post(
+        "/webhooks", {"name": "scan", "url": receiver.url, "events": ["token.created", "network-token.created"]}
+    )
     assert hook.status == 201, hook
     assert client.get("/webhooks/signing-key").json["key"].startswith("whsec_")
     token = client.post("/tokens", {"type": "card", "data": CARD, "metadata": {"note": "scan"}})
@@ -46,8 +47,9 @@ def _workload(tenant, receiver) -> None:
     network = client.post("/network-tokens", {"data": {k: v for k, v in CARD.items() if k != "cvc"}})
     assert network.status in (201, 202), network
     settled(client, created(client)["id"])
-    application = client.post("/applications", {"name": "scan", "type": "server_to_server",
-                                                 "permissions": ["token:create"]})
+    application = client.post(
+        "/applications", {"name": "scan", "type": "server_to_server", "permissions": ["token:create"]}
+    )
     assert application.status == 201, application
     # refused requests that carry secrets where they do not belong: the problems must not repeat them
     refusals = [

@@ -41,12 +41,12 @@ def _year() -> int:
 
 
 def _network_token(client: ApiClient) -> str:
-    answer = client.post("/network-tokens", {"data": {"number": "4242424242424242", "expiration_month": 12,
-                                                      "expiration_year": _year()}})
+    answer = client.post(
+        "/network-tokens", {"data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": _year()}}
+    )
     assert answer.status in (200, 201, 202), answer
     token_id = answer.json["id"]
-    wait_until(lambda: client.get(f"/network-tokens/{token_id}").json["status"] != "pending", timeout=30,
-               interval=0.2)
+    wait_until(lambda: client.get(f"/network-tokens/{token_id}").json["status"] != "pending", timeout=30, interval=0.2)
     return token_id
 
 
@@ -55,8 +55,9 @@ def _payment_method(client: ApiClient) -> str:
 
 
 def _bank_token(client: ApiClient) -> str:
-    answer = client.post("/tokens", {"type": "bank", "data": {"routing_number": "110000000",
-                                                              "account_number": "000123456789"}})
+    answer = client.post(
+        "/tokens", {"type": "bank", "data": {"routing_number": "110000000", "account_number": "000123456789"}}
+    )
     assert answer.status == 201, answer
     return answer.json["id"]
 
@@ -93,15 +94,20 @@ def _allowance(client: ApiClient) -> str:
 
 
 def _credential(client: ApiClient, collection: str) -> str:
-    answer = client.post(collection, {"rail": "spt", "provider": "psp", "format": "identifier",
-                                      "amount": usd("1.00")})
+    answer = client.post(collection, {"rail": "spt", "provider": "psp", "format": "identifier", "amount": usd("1.00")})
     assert answer.status == 201, answer
     return answer.json["id"]
 
 
 def _reactor(client: ApiClient) -> str:
-    answer = client.post("/reactors", {"name": "isolated", "runtime": {"image": "node22"},
-                                       "code": "module.exports = async (req) => ({ raw: req.args });"})
+    answer = client.post(
+        "/reactors",
+        {
+            "name": "isolated",
+            "runtime": {"image": "node22"},
+            "code": "module.exports = async (req) => ({ raw: req.args });",
+        },
+    )
     assert answer.status == 201, answer
     return reactor_settled(client, answer.json["id"], states=("active",))["id"]
 
@@ -215,8 +221,7 @@ class Resources:
     def _make(self, collection: str) -> str | None:
         if collection in self.ids or collection in self.missing:
             return self.ids.get(collection)
-        template = next((p for p in self.paths if PARAM.sub("{}", p) == collection and "post" in self.paths[p]),
-                        None)
+        template = next((p for p in self.paths if PARAM.sub("{}", p) == collection and "post" in self.paths[p]), None)
         made, tried = None, ""
         for key, maker in MAKERS.items():
             if key == collection:
@@ -289,8 +294,9 @@ def matrix(api, receiver_module):
     document = owner_a.client.get("/openapi.json").json
     resources = Resources(document, owner_a.client)
     # a webhook of A's with a delivery: the nested delivery id is then real
-    hook = owner_a.client.post("/webhooks", {"name": "isolated", "url": receiver_module.url,
-                                             "events": ["token.created"]})
+    hook = owner_a.client.post(
+        "/webhooks", {"name": "isolated", "url": receiver_module.url, "events": ["token.created"]}
+    )
     assert hook.status == 201, hook
     resources.ids["/webhooks"] = hook.json["id"]
     _token(owner_a.client)
@@ -312,9 +318,14 @@ def receiver_module():
 
 def _id_paths(document: dict) -> list[str]:
     """Paths with an id that some operation answers (a shut-down path answers 410 to everyone)."""
-    return [path for path, operations in document["paths"].items()
-            if "{" in path and path not in SELF and path not in NOT_IDS
-            and any(_answers(operation) for operation in operations.values())]
+    return [
+        path
+        for path, operations in document["paths"].items()
+        if "{" in path
+        and path not in SELF
+        and path not in NOT_IDS
+        and any(_answers(operation) for operation in operations.values())
+    ]
 
 
 def test_every_id_path_is_covered(matrix):
@@ -374,24 +385,28 @@ def test_tenant_b_gets_404_for_every_id_of_tenant_a_and_nothing_changes(matrix):
             body = BODIES.get((method.upper(), path), _example(operation))
             kind = _media_type(operation)
             answer = client_b.request(method.upper(), _resolve(path, values), body, content_type=kind)
-            nowhere = client_b.request(method.upper(), _resolve(path, {k: str(uuid.uuid4()) for k in values}), body,
-                                       content_type=kind)
+            nowhere = client_b.request(
+                method.upper(), _resolve(path, {k: str(uuid.uuid4()) for k in values}), body, content_type=kind
+            )
             calls += 1
             if answer.status == 400 and _problem(answer) == _problem(nowhere):
                 invalid_bodies.append((method.upper(), path, values, body, kind))
             elif answer.status != 404:
                 wrong.append(f"{method.upper()} {path}: {answer.status} {answer.raw[:200]!r}")
             elif _problem(answer) != _problem(nowhere):
-                wrong.append(f"{method.upper()} {path}: {_problem(answer)} differs from a missing id's "
-                             f"{_problem(nowhere)}")
+                wrong.append(
+                    f"{method.upper()} {path}: {_problem(answer)} differs from a missing id's {_problem(nowhere)}"
+                )
     after = {c: _read(client_a, c, i) for c, i in collections.items()}
     changed = [c for c in collections if before[c] != after[c]]
     for method, path, values, body, kind in invalid_bodies:  # after the comparison: A's call may not change A
         own = client_a.request(method, _resolve(path, values), body, content_type=kind)
         if own.status != 400:
             wrong.append(f"{method} {path}: refused (400) to B but answered {own.status} to A with the same body")
-    print(f"tenant isolation: {calls} cross-tenant calls over {len(_id_paths(document))} paths; "
-          f"{len(invalid_bodies)} refused as invalid for everyone")
+    print(
+        f"tenant isolation: {calls} cross-tenant calls over {len(_id_paths(document))} paths; "
+        f"{len(invalid_bodies)} refused as invalid for everyone"
+    )
     assert not wrong, "\n".join(wrong)
     assert not changed, f"tenant A's resources changed: {changed}"
     assert calls >= 40 and len(invalid_bodies) < calls / 4

@@ -11,18 +11,35 @@ from domain.agentic.allowances import key_set_url_errors, money, parse_money
 from infra import http
 
 
-@pytest.mark.parametrize(("value", "currency", "parsed"), [
-    ("25.00", "USD", Decimal("25.00")), ("25.5", "USD", Decimal("25.5")), (12, "JPY", Decimal(12)),
-    ("1.234", "BHD", Decimal("1.234")), (2.5, "EUR", Decimal("2.5")),
-])
+@pytest.mark.parametrize(
+    ("value", "currency", "parsed"),
+    [
+        ("25.00", "USD", Decimal("25.00")),
+        ("25.5", "USD", Decimal("25.5")),
+        (12, "JPY", Decimal(12)),
+        ("1.234", "BHD", Decimal("1.234")),
+        (2.5, "EUR", Decimal("2.5")),
+    ],
+)
 def test_amounts_parse_exactly(value, currency, parsed):
     assert parse_money(value, currency) == (parsed, [])
 
 
-@pytest.mark.parametrize(("value", "currency"), [
-    ("1.001", "USD"), ("1.5", "JPY"), ("0", "USD"), ("-1", "USD"), ("1e3", "USD"), ("NaN", "USD"), (True, "USD"),
-    ("1" * 16, "USD"), (None, "USD"), ("abc", "USD"),
-])
+@pytest.mark.parametrize(
+    ("value", "currency"),
+    [
+        ("1.001", "USD"),
+        ("1.5", "JPY"),
+        ("0", "USD"),
+        ("-1", "USD"),
+        ("1e3", "USD"),
+        ("NaN", "USD"),
+        (True, "USD"),
+        ("1" * 16, "USD"),
+        (None, "USD"),
+        ("abc", "USD"),
+    ],
+)
 def test_bad_amounts_are_refused(value, currency):
     parsed, messages = parse_money(value, currency)
     assert parsed is None and messages
@@ -34,10 +51,18 @@ def test_amounts_are_shown_with_the_currency_minor_unit():
     assert money(Decimal("1.2340"), "BHD") == {"value": "1.234", "currency": "BHD"}
 
 
-@pytest.mark.parametrize("url", [
-    "http://127.0.0.1/jwks.json", "http://10.0.0.7/jwks.json", "http://169.254.169.254/latest", "http://[::1]/k",
-    "http://localhost/jwks.json", "ftp://merchant.example/jwks.json", "http://user@merchant.example/k",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1/jwks.json",
+        "http://10.0.0.7/jwks.json",
+        "http://169.254.169.254/latest",
+        "http://[::1]/k",
+        "http://localhost/jwks.json",
+        "ftp://merchant.example/jwks.json",
+        "http://user@merchant.example/k",
+    ],
+)
 def test_unsafe_key_set_addresses_are_refused(url):
     assert key_set_url_errors(url, allow_private=False)
 

@@ -265,13 +265,9 @@ def test_card_is_valid_through_the_last_day_of_its_month():
     data, errors = validate_card(full_card(expiration_month=6, expiration_year=2025), today=TODAY)
     assert errors == {}
     assert data["expiration_month"] == 6
-    _, errors = validate_card(
-        full_card(expiration_month=6, expiration_year=2025), today=datetime.date(2025, 6, 30)
-    )
+    _, errors = validate_card(full_card(expiration_month=6, expiration_year=2025), today=datetime.date(2025, 6, 30))
     assert errors == {}
-    _, errors = validate_card(
-        full_card(expiration_month=6, expiration_year=2025), today=datetime.date(2025, 7, 1)
-    )
+    _, errors = validate_card(full_card(expiration_month=6, expiration_year=2025), today=datetime.date(2025, 7, 1))
     assert errors
 
 

@@ -136,9 +136,7 @@ def test_bad_login_is_permanent(smtp_server: tuple[Controller, CollectingHandler
     assert handler.messages == []
 
 
-def test_5xx_recipient_refused_is_permanent(
-    smtp_server: tuple[Controller, CollectingHandler], tmp_path: Path
-) -> None:
+def test_5xx_recipient_refused_is_permanent(smtp_server: tuple[Controller, CollectingHandler], tmp_path: Path) -> None:
     controller, _handler = smtp_server
     with pytest.raises(MailError) as info:
         send_mail(
@@ -168,9 +166,7 @@ def test_4xx_is_transient(smtp_server: tuple[Controller, CollectingHandler], tmp
     assert info.value.smtp_code == 451
 
 
-def test_starttls_not_offered_is_permanent(
-    smtp_server: tuple[Controller, CollectingHandler], tmp_path: Path
-) -> None:
+def test_starttls_not_offered_is_permanent(smtp_server: tuple[Controller, CollectingHandler], tmp_path: Path) -> None:
     controller, handler = smtp_server
     with pytest.raises(MailError) as info:
         send_mail(
@@ -200,9 +196,7 @@ def test_refused_port_is_transient(tmp_path: Path) -> None:
     assert isinstance(info.value, Exception)
 
 
-@pytest.mark.parametrize(
-    "url", ["http://127.0.0.1:25", "smtp://", "smtp://h:notaport", "smtp://h?starttls=maybe"]
-)
+@pytest.mark.parametrize("url", ["http://127.0.0.1:25", "smtp://", "smtp://h:notaport", "smtp://h?starttls=maybe"])
 def test_invalid_smtp_url_is_permanent(url: str, tmp_path: Path) -> None:
     with pytest.raises(MailError) as info:
         send_mail(to="a@example.com", subject="s", text="t", smtp_url=url, data_dir=tmp_path, sender=SENDER)

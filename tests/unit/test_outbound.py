@@ -506,9 +506,7 @@ def tls_server(tmp_path: Path) -> Iterator[TLSServer]:
         yield srv
 
 
-def test_https_pinned_ip_with_sni_and_verification(
-    tls_server: TLSServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_https_pinned_ip_with_sni_and_verification(tls_server: TLSServer, monkeypatch: pytest.MonkeyPatch) -> None:
     lookups: list[object] = []
     real_getaddrinfo: Callable[..., object] = socket.getaddrinfo
 

@@ -57,10 +57,23 @@ def _current_wallet_a_ca():
     window = {"not_before": now - dt.timedelta(days=1), "not_after": now + dt.timedelta(days=3650)}
     ca = WalletACA()
     ca.root = certificate("Test Root CA", ca.root_key, ca=True, **window)
-    ca.intermediate = certificate("Test Application Integration CA", ca.intermediate_key, issuer=ca.root,
-                                  issuer_key=ca.root_key, ca=True, marker=INTERMEDIATE_OID, **window)
-    ca.leaf = certificate("test-smp-broker-sign", ca.leaf_key, issuer=ca.intermediate,
-                          issuer_key=ca.intermediate_key, marker=LEAF_OID, **window)
+    ca.intermediate = certificate(
+        "Test Application Integration CA",
+        ca.intermediate_key,
+        issuer=ca.root,
+        issuer_key=ca.root_key,
+        ca=True,
+        marker=INTERMEDIATE_OID,
+        **window,
+    )
+    ca.leaf = certificate(
+        "test-smp-broker-sign",
+        ca.leaf_key,
+        issuer=ca.intermediate,
+        issuer_key=ca.intermediate_key,
+        marker=LEAF_OID,
+        **window,
+    )
     return ca
 
 
@@ -70,8 +83,10 @@ def _write_anchors():
     from tests.wallets.issuers import WalletBIssuer, pem
 
     ca = _current_wallet_a_ca()
-    issuer = WalletBIssuer(intermediate_expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=30),
-                           root_expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=3650))
+    issuer = WalletBIssuer(
+        intermediate_expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=30),
+        root_expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(days=3650),
+    )
     root_path, keys_path = os.environ.get("TESSERA_WALLET_A_ROOT_CA"), os.environ.get("TESSERA_WALLET_B_ROOT_KEYS")
     if root_path:
         Path(root_path).write_bytes(pem(ca.root))
@@ -108,8 +123,14 @@ def _tls_identity(folder: Path) -> tuple[Path, Path]:
     key = new_key()
     now = dt.datetime.now(dt.UTC)
     names = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
-    cert = certificate("127.0.0.1", key, ca=True, extra=(names,), not_before=now - dt.timedelta(days=1),
-                       not_after=now + dt.timedelta(days=30))
+    cert = certificate(
+        "127.0.0.1",
+        key,
+        ca=True,
+        extra=(names,),
+        not_before=now - dt.timedelta(days=1),
+        not_after=now + dt.timedelta(days=30),
+    )
     cert_path = Path(os.environ.get("TESSERA_WALLET_A_DOMAIN_CA_CERTS") or folder / "wallet-domains-ca.pem")
     cert_path.write_bytes(pem(cert))
     key_path = cert_path.with_suffix(".key")
@@ -135,8 +156,11 @@ def domain_files() -> DomainFiles:
         def do_GET(self):
             domain, _, rest = self.path.lstrip("/").partition("/")
             files.requests.append(domain)
-            body = files.served.get(domain) if rest == ".well-known/apple-developer-merchantid-domain-association" \
+            body = (
+                files.served.get(domain)
+                if rest == ".well-known/apple-developer-merchantid-domain-association"
                 else None
+            )
             self.send_response(200 if body is not None else 404)
             self.send_header("Content-Length", str(len(body or b"")))
             self.end_headers()

@@ -81,8 +81,9 @@ def pem(cert: x509.Certificate) -> bytes:
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     """``key`` as unencrypted PKCS#8 PEM."""
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def spki(key: ec.EllipticCurvePublicKey) -> bytes:
@@ -112,7 +113,8 @@ class Merchant:
     def certificate(self) -> x509.Certificate:
         value = b"\x0c\x40" + self.id_hash.hex().upper().encode()  # DER UTF8String of 64 hex digits
         return certificate(
-            f"Payment Processing:{self.identifier}", self.key,
+            f"Payment Processing:{self.identifier}",
+            self.key,
             extra=(x509.UnrecognizedExtension(MERCHANT_ID_OID, value),),
         )
 
@@ -142,12 +144,20 @@ class WalletACA:
     def __post_init__(self) -> None:
         self.root = certificate("Test Root CA", self.root_key, ca=True)
         self.intermediate = certificate(
-            "Test Application Integration CA", self.intermediate_key, issuer=self.root, issuer_key=self.root_key,
-            ca=self.intermediate_ca, marker=self.intermediate_marker,
+            "Test Application Integration CA",
+            self.intermediate_key,
+            issuer=self.root,
+            issuer_key=self.root_key,
+            ca=self.intermediate_ca,
+            marker=self.intermediate_marker,
         )
         self.leaf = certificate(
-            "test-smp-broker-sign", self.leaf_key, issuer=self.intermediate, issuer_key=self.intermediate_key,
-            marker=self.leaf_marker, not_after=self.leaf_not_after,
+            "test-smp-broker-sign",
+            self.leaf_key,
+            issuer=self.intermediate,
+            issuer_key=self.intermediate_key,
+            marker=self.leaf_marker,
+            not_after=self.leaf_not_after,
         )
 
     def sign(
@@ -174,23 +184,32 @@ class WalletACA:
         # RFC 5652 section 5.4: the signature covers the DER of the attributes as a SET OF.
         signature = (signer_key or self.leaf_key).sign(signed_attrs.dump(), ec.ECDSA(hashes.SHA256()))
         leaf = asn1_x509.Certificate.load(self.leaf.public_bytes(serialization.Encoding.DER))
-        signer = cms.SignerInfo({
-            "version": "v1",
-            "sid": cms.SignerIdentifier({"issuer_and_serial_number": cms.IssuerAndSerialNumber(
-                {"issuer": leaf.issuer, "serial_number": leaf.serial_number})}),
-            "digest_algorithm": algos.DigestAlgorithm({"algorithm": digest_algorithm}),
-            "signed_attrs": signed_attrs,
-            "signature_algorithm": algos.SignedDigestAlgorithm({"algorithm": "sha256_ecdsa"}),
-            "signature": signature,
-        })
+        signer = cms.SignerInfo(
+            {
+                "version": "v1",
+                "sid": cms.SignerIdentifier(
+                    {
+                        "issuer_and_serial_number": cms.IssuerAndSerialNumber(
+                            {"issuer": leaf.issuer, "serial_number": leaf.serial_number}
+                        )
+                    }
+                ),
+                "digest_algorithm": algos.DigestAlgorithm({"algorithm": digest_algorithm}),
+                "signed_attrs": signed_attrs,
+                "signature_algorithm": algos.SignedDigestAlgorithm({"algorithm": "sha256_ecdsa"}),
+                "signature": signature,
+            }
+        )
         chain = certificates if certificates is not None else [self.leaf, self.intermediate]
-        signed_data = cms.SignedData({
-            "version": "v1",
-            "digest_algorithms": [algos.DigestAlgorithm({"algorithm": digest_algorithm})],
-            "encap_content_info": {"content_type": "data"},
-            "certificates": [asn1_x509.Certificate.load(c.public_bytes(serialization.Encoding.DER)) for c in chain],
-            "signer_infos": [signer],
-        })
+        signed_data = cms.SignedData(
+            {
+                "version": "v1",
+                "digest_algorithms": [algos.DigestAlgorithm({"algorithm": digest_algorithm})],
+                "encap_content_info": {"content_type": "data"},
+                "certificates": [asn1_x509.Certificate.load(c.public_bytes(serialization.Encoding.DER)) for c in chain],
+                "signer_infos": [signer],
+            }
+        )
         return cms.ContentInfo({"content_type": "signed_data", "content": signed_data}).dump()
 
     def token(
@@ -220,8 +239,12 @@ class WalletACA:
         if application_data:
             header["applicationData"] = application_data.hex()
         content = ephemeral_der + data + transaction_id + application_data
-        return {"version": "EC_v1", "data": b64(data), "signature": b64(self.sign(content, **sign_options)),
-                "header": header}
+        return {
+            "version": "EC_v1",
+            "data": b64(data),
+            "signature": b64(self.sign(content, **sign_options)),
+            "header": header,
+        }
 
 
 def apple_payment(**overrides) -> dict:
@@ -273,8 +296,11 @@ class WalletBIssuer:
 
     def root_entry(self) -> dict:
         """This root as an entry of the provider's published key list."""
-        return {"keyValue": b64(spki(self.root_key.public_key())), "protocolVersion": "ECv2",
-                "keyExpiration": millis(self.root_expires_at)}
+        return {
+            "keyValue": b64(spki(self.root_key.public_key())),
+            "protocolVersion": "ECv2",
+            "keyExpiration": millis(self.root_expires_at),
+        }
 
     def token(
         self,
@@ -286,26 +312,31 @@ class WalletBIssuer:
     ) -> dict:
         """An ECv2 token sealing ``message`` (a dict, or raw plaintext bytes) for ``merchant_public_key``
         and ``recipient_id``; ``intermediate_signer`` signs the intermediate key instead of the root."""
-        signed_key = json.dumps({
-            "keyValue": b64(spki(self.intermediate_key.public_key())),
-            "keyExpiration": millis(self.intermediate_expires_at),
-        })
+        signed_key = json.dumps(
+            {
+                "keyValue": b64(spki(self.intermediate_key.public_key())),
+                "keyExpiration": millis(self.intermediate_expires_at),
+            }
+        )
         key_signature = (intermediate_signer or self.root_key).sign(
             ecv2_signed_string("Google", "ECv2", signed_key), ec.ECDSA(hashes.SHA256())
         )
         ephemeral = new_key()
-        point = ephemeral.public_key().public_bytes(serialization.Encoding.X962,
-                                                     serialization.PublicFormat.UncompressedPoint)
+        point = ephemeral.public_key().public_bytes(
+            serialization.Encoding.X962, serialization.PublicFormat.UncompressedPoint
+        )
         shared_secret = ephemeral.exchange(ec.ECDH(), merchant_public_key)
         material = hkdf_sha256(point + shared_secret, b"Google", 64)
         plaintext = message if isinstance(message, bytes) else json.dumps(message).encode()
         encryptor = Cipher(algorithms.AES(material[:32]), modes.CTR(bytes(16))).encryptor()
         ciphertext = encryptor.update(plaintext) + encryptor.finalize()
-        signed_message = json.dumps({
-            "encryptedMessage": b64(ciphertext),
-            "ephemeralPublicKey": b64(point),
-            "tag": b64(hmac.digest(material[32:], ciphertext, "sha256")),
-        })
+        signed_message = json.dumps(
+            {
+                "encryptedMessage": b64(ciphertext),
+                "ephemeralPublicKey": b64(point),
+                "tag": b64(hmac.digest(material[32:], ciphertext, "sha256")),
+            }
+        )
         return self.sign_message(signed_message, recipient_id) | {
             "intermediateSigningKey": {"signedKey": signed_key, "signatures": [b64(key_signature)]},
         }
@@ -320,8 +351,12 @@ class WalletBIssuer:
 
 def google_message(auth_method: str = "CRYPTOGRAM_3DS", *, expires_at: dt.datetime | None = None, **details) -> dict:
     """A decrypted ECv2 message for a card, expiring an hour after :data:`SIGNED_AT` by default."""
-    method_details = {"pan": "4895370012003478", "expirationMonth": 12, "expirationYear": 2029,
-                      "authMethod": auth_method}
+    method_details = {
+        "pan": "4895370012003478",
+        "expirationMonth": 12,
+        "expirationYear": 2029,
+        "authMethod": auth_method,
+    }
     if auth_method == "CRYPTOGRAM_3DS":
         method_details |= {"cryptogram": "AAAAAA8JjEB5hYZCE3ZkAAAAAAA=", "eciIndicator": "05"}
     method_details |= details

@@ -24,10 +24,12 @@ def unique(prefix: str = "shop") -> str:
 @pytest.fixture
 def served(domain_files: DomainFiles):
     """``served()``: a new domain whose association file the loopback server answers."""
+
     def make(prefix: str = "shop") -> str:
         domain = unique(prefix)
         domain_files.served[domain] = b"7B227073704964223A2246...association"
         return domain
+
     return make
 
 
@@ -99,26 +101,38 @@ def test_a_session_for_a_registered_domain(tenant, registered, limited):
     session = answer.json
     assert session["merchantIdentifier"] == str(tenant.id) and session["domainName"] == registered
     assert session["displayName"] == "Tessera Shop" and session["merchantSessionIdentifier"]
-    explicit = client.post("/wallet-a/session", {"display_name": "Tessera Shop", "domain": registered,
-                                                 "validation_url": SANDBOX_GATEWAY})
+    explicit = client.post(
+        "/wallet-a/session", {"display_name": "Tessera Shop", "domain": registered, "validation_url": SANDBOX_GATEWAY}
+    )
     assert explicit.status == 200
     with session_scope() as db:
         left = db.exec(select(func.count()).select_from(WalletSession).where(WalletSession.tenant_id == tenant.id))
         assert left.one() == 0  # read once
-    assert limited(tenant, ["wallet-a:manage"]).post(
-        "/wallet-a/session", {"display_name": "x", "domain": registered}).status == 403
+    assert (
+        limited(tenant, ["wallet-a:manage"])
+        .post("/wallet-a/session", {"display_name": "x", "domain": registered})
+        .status
+        == 403
+    )
 
 
 def test_session_refusals_are_distinguished_by_detail(tenant, registered):
     post = tenant.client.post
     unknown = post("/wallet-a/session", {"display_name": "Shop", "domain": unique()})
     assert unknown.status == 422 and "not registered" in unknown.json["detail"]
-    not_allowed = post("/wallet-a/session", {"display_name": "Shop", "domain": registered,
-                                             "validation_url": "https://evil.example.com/paymentSession"})
+    not_allowed = post(
+        "/wallet-a/session",
+        {"display_name": "Shop", "domain": registered, "validation_url": "https://evil.example.com/paymentSession"},
+    )
     assert not_allowed.status == 422 and "not an allowed gateway" in not_allowed.json["detail"]
-    other_env = post("/wallet-a/session", {
-        "display_name": "Shop", "domain": registered,
-        "validation_url": "https://apple-pay-gateway.apple.com/paymentservices/paymentSession"})
+    other_env = post(
+        "/wallet-a/session",
+        {
+            "display_name": "Shop",
+            "domain": registered,
+            "validation_url": "https://apple-pay-gateway.apple.com/paymentservices/paymentSession",
+        },
+    )
     assert other_env.status == 422
     assert "production" in other_env.json["detail"] and "sandbox" in other_env.json["detail"]
     too_long = post("/wallet-a/session", {"display_name": "x" * 65, "domain": registered})
@@ -131,8 +145,11 @@ def test_the_gateway_rejection_and_unavailability(tenant, registered):
     down = tenant.client.post("/wallet-a/session", {"display_name": "SANDBOX-UNAVAILABLE", "domain": registered})
     assert down.status == 503, down
     # the provider forgets the domain while the platform still lists it: the provider's own rejection
-    urllib3.request("POST", os.environ["TESSERA_SANDBOX_URL"] + "/wallet-gateway/sandbox/domains/remove",
-                    json={"merchant_id": str(tenant.id), "domain": registered})
+    urllib3.request(
+        "POST",
+        os.environ["TESSERA_SANDBOX_URL"] + "/wallet-gateway/sandbox/domains/remove",
+        json={"merchant_id": str(tenant.id), "domain": registered},
+    )
     refused = tenant.client.post("/wallet-a/session", {"display_name": "Shop", "domain": registered})
     assert refused.status == 422, refused
     assert refused.json["detail"].startswith("The wallet provider rejected the request: ")
@@ -145,8 +162,11 @@ def test_concurrent_registrations_of_one_tenant_all_land(tenant, served):
     names = [served() for _ in range(4)]
     twice = served()
     with ThreadPoolExecutor(max_workers=6) as pool:
-        answers = list(pool.map(lambda d: tenant.client.post("/wallet-a/domain-registration", {"domain": d}),
-                                [*names, twice, twice]))
+        answers = list(
+            pool.map(
+                lambda d: tenant.client.post("/wallet-a/domain-registration", {"domain": d}), [*names, twice, twice]
+            )
+        )
     assert [a.status for a in answers] == [200] * 6, answers
     listed = tenant.client.get("/wallet-a/domain-registration").json["domains"]
     assert sorted(d["domain"] for d in listed) == sorted([*names, twice])
@@ -158,8 +178,16 @@ def test_abandoned_session_requests_are_cleared(tenant, registered):
     from storage.types import utcnow
 
     with session_scope() as db:
-        db.add(WalletSession(tenant_id=tenant.id, validation_url=SANDBOX_GATEWAY, display_name="Shop",
-                             domain=registered, session_ct=b"sealed", created_at=utcnow() - dt.timedelta(hours=1)))
+        db.add(
+            WalletSession(
+                tenant_id=tenant.id,
+                validation_url=SANDBOX_GATEWAY,
+                display_name="Shop",
+                domain=registered,
+                session_ct=b"sealed",
+                created_at=utcnow() - dt.timedelta(hours=1),
+            )
+        )
     assert tenant.client.post("/wallet-a/session", {"display_name": "Shop", "domain": registered}).status == 200
     with session_scope() as db:
         left = db.exec(select(func.count()).select_from(WalletSession).where(WalletSession.tenant_id == tenant.id))

@@ -18,8 +18,13 @@ def test_every_refusal_has_its_own_code_and_a_4xx_problem_body():
     for cls in classes:
         problem = cls("what failed")
         assert 400 <= problem.status < 500
-        assert problem.body() == {"type": "about:blank", "title": cls.title_text, "status": cls.status_code,
-                                  "detail": "what failed", "code": cls.code}
+        assert problem.body() == {
+            "type": "about:blank",
+            "title": cls.title_text,
+            "status": cls.status_code,
+            "detail": "what failed",
+            "code": cls.code,
+        }
         assert str(problem) == "what failed"
 
 

@@ -40,7 +40,11 @@ B_TOKEN = ISSUER.token(google_message(), B_MERCHANT.public_key(), RECIPIENT)
 ROOTS = [wallet_b.RootSigningKey.from_json(ISSUER.root_entry())]
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=40)
     | st.text(st.characters(exclude_categories=()), max_size=8),  # lone surrogates included
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=5),
     max_leaves=25,
@@ -54,8 +58,9 @@ def decrypt_a(token):
 
 
 def decrypt_b(token):
-    return wallet_b.decrypt_token(token, recipient_id=RECIPIENT, merchant_keys=[B_MERCHANT], root_keys=ROOTS,
-                                  clock=CLOCK)
+    return wallet_b.decrypt_token(
+        token, recipient_id=RECIPIENT, merchant_keys=[B_MERCHANT], root_keys=ROOTS, clock=CLOCK
+    )
 
 
 def refused_or_exact(decrypt, token, number: str) -> None:
@@ -73,14 +78,24 @@ def test_wallet_a_any_json_is_refused_with_a_typed_error(value):
 
 
 @FUZZ
-@given(st.fixed_dictionaries({
-    "version": st.just("EC_v1") | field_values,
-    "data": field_values,
-    "signature": field_values,
-    "header": st.fixed_dictionaries({
-        "ephemeralPublicKey": field_values, "publicKeyHash": field_values, "transactionId": field_values,
-    }, optional={"applicationData": field_values}) | json_values,
-}))
+@given(
+    st.fixed_dictionaries(
+        {
+            "version": st.just("EC_v1") | field_values,
+            "data": field_values,
+            "signature": field_values,
+            "header": st.fixed_dictionaries(
+                {
+                    "ephemeralPublicKey": field_values,
+                    "publicKeyHash": field_values,
+                    "transactionId": field_values,
+                },
+                optional={"applicationData": field_values},
+            )
+            | json_values,
+        }
+    )
+)
 def test_wallet_a_token_shaped_garbage_is_refused_with_a_typed_error(token):
     refused_or_exact(decrypt_a, token, "4895370012003478")
 
@@ -100,8 +115,9 @@ def test_wallet_a_mutated_cms_signature_is_refused_with_a_typed_error(data):
 @given(json_values)
 def test_wallet_a_payment_data_parser_raises_only_payment_data_invalid(value):
     try:
-        wallet_a.parse_payment_data(value if isinstance(value, dict) else {"value": value},
-                                    transaction_id="00", signed_at=SIGNED_AT)
+        wallet_a.parse_payment_data(
+            value if isinstance(value, dict) else {"value": value}, transaction_id="00", signed_at=SIGNED_AT
+        )
     except PaymentDataInvalid:
         pass
 
@@ -122,15 +138,22 @@ def test_wallet_b_any_json_is_refused_with_a_typed_error(value):
 
 
 @FUZZ
-@given(st.fixed_dictionaries({
-    "protocolVersion": st.just("ECv2") | field_values,
-    "signature": field_values,
-    "signedMessage": field_values | json_values.map(json.dumps),
-    "intermediateSigningKey": st.fixed_dictionaries({
-        "signedKey": field_values | json_values.map(json.dumps),
-        "signatures": st.lists(field_values, max_size=3) | field_values,
-    }) | json_values,
-}))
+@given(
+    st.fixed_dictionaries(
+        {
+            "protocolVersion": st.just("ECv2") | field_values,
+            "signature": field_values,
+            "signedMessage": field_values | json_values.map(json.dumps),
+            "intermediateSigningKey": st.fixed_dictionaries(
+                {
+                    "signedKey": field_values | json_values.map(json.dumps),
+                    "signatures": st.lists(field_values, max_size=3) | field_values,
+                }
+            )
+            | json_values,
+        }
+    )
+)
 def test_wallet_b_token_shaped_garbage_is_refused_with_a_typed_error(token):
     refused_or_exact(decrypt_b, token, "4895370012003478")
 
@@ -157,8 +180,13 @@ def test_wallet_b_message_parser_raises_only_typed_errors(plaintext):
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["pan", "expirationMonth", "expirationYear", "authMethod", "cryptogram",
-                                        "eciIndicator"]), json_values, max_size=6))
+@given(
+    st.dictionaries(
+        st.sampled_from(["pan", "expirationMonth", "expirationYear", "authMethod", "cryptogram", "eciIndicator"]),
+        json_values,
+        max_size=6,
+    )
+)
 def test_wallet_b_card_details_with_wrong_field_types_raise_only_payment_data_invalid(details):
     message = google_message()
     message["paymentMethodDetails"] |= details

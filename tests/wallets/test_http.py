@@ -49,25 +49,42 @@ def merchant_pem(merchant: Merchant, *, days: int = 365) -> str:
     """The merchant's payment processing certificate, valid around today, as PEM text."""
     now = utcnow()
     value = b"\x0c\x40" + merchant.id_hash.hex().upper().encode()
-    cert = certificate(f"Payment Processing:{merchant.identifier}", merchant.key,
-                       extra=(x509.UnrecognizedExtension(MERCHANT_ID_OID, value),),
-                       not_before=now - dt.timedelta(days=2), not_after=now + dt.timedelta(days=days))
+    cert = certificate(
+        f"Payment Processing:{merchant.identifier}",
+        merchant.key,
+        extra=(x509.UnrecognizedExtension(MERCHANT_ID_OID, value),),
+        not_before=now - dt.timedelta(days=2),
+        not_after=now + dt.timedelta(days=days),
+    )
     return cert.public_bytes(serialization.Encoding.PEM).decode()
 
 
 def register(client, merchant: Merchant):
-    return client.post("/wallet-a/merchant-certificates",
-                       {"certificate": merchant_pem(merchant), "private_key": key_pem(merchant.key).decode()})
+    return client.post(
+        "/wallet-a/merchant-certificates",
+        {"certificate": merchant_pem(merchant), "private_key": key_pem(merchant.key).decode()},
+    )
 
 
-def apple_body(merchant: Merchant, *, ca: WalletACA = HTTP_CA, payment: dict | None = None,
-               transaction_id: bytes | None = None, **options) -> dict:
+def apple_body(
+    merchant: Merchant,
+    *,
+    ca: WalletACA = HTTP_CA,
+    payment: dict | None = None,
+    transaction_id: bytes | None = None,
+    **options,
+) -> dict:
     """A POST /wallet-a body: a token sealed for ``merchant``, signed now by ``ca``."""
     options.setdefault("signing_time", utcnow())
     tx = transaction_id or hashlib.sha256(str(utcnow().timestamp()).encode() + new_key_bytes()).digest()
     token = ca.token(payment or apple_payment(), merchant, transaction_id=tx, **options)
-    return {"apple_payment_data": {"paymentData": token, "transactionIdentifier": tx.hex().upper(),
-                                   "paymentMethod": {"network": "Visa"}}}
+    return {
+        "apple_payment_data": {
+            "paymentData": token,
+            "transactionIdentifier": tx.hex().upper(),
+            "paymentMethod": {"network": "Visa"},
+        }
+    }
 
 
 def new_key_bytes() -> bytes:
@@ -103,7 +120,9 @@ def test_merchant_certificates_are_added_listed_and_deleted_without_their_key(te
     listed = tenant.client.get("/wallet-a/merchant-certificates")
     assert listed.status == 200
     assert [c["public_key_hash"] for c in listed.json["data"]] == [
-        base64.b64encode(first.key_hash).decode(), base64.b64encode(second.key_hash).decode()]
+        base64.b64encode(first.key_hash).decode(),
+        base64.b64encode(second.key_hash).decode(),
+    ]
     assert "PRIVATE" not in listed.raw.decode()
     assert other_tenant.client.get("/wallet-a/merchant-certificates").json["data"] == []
     with session_scope() as session:
@@ -120,8 +139,9 @@ def test_merchant_certificates_are_added_listed_and_deleted_without_their_key(te
 
 def test_unusable_merchant_certificates_are_refused(tenant):
     m = Merchant()
-    wrong_key = tenant.client.post("/wallet-a/merchant-certificates",
-                                   {"certificate": merchant_pem(m), "private_key": key_pem(new_key()).decode()})
+    wrong_key = tenant.client.post(
+        "/wallet-a/merchant-certificates", {"certificate": merchant_pem(m), "private_key": key_pem(new_key()).decode()}
+    )
     assert wrong_key.status == 422 and wrong_key.json["code"] == "merchant_certificate_invalid"
     assert "does not belong" in wrong_key.json["detail"]
     garbage = tenant.client.post("/wallet-a/merchant-certificates", {"certificate": "x", "private_key": "y"})
@@ -203,14 +223,16 @@ def _tampered_data(body: dict) -> dict:
 
 def _tampered_signature(body: dict) -> dict:
     body["apple_payment_data"]["paymentData"]["signature"] = flip(
-        body["apple_payment_data"]["paymentData"]["signature"])
+        body["apple_payment_data"]["paymentData"]["signature"]
+    )
     return body
 
 
 def _tampered_ephemeral_key(body: dict) -> dict:
     header = body["apple_payment_data"]["paymentData"]["header"]
-    other = new_key().public_key().public_bytes(serialization.Encoding.DER,
-                                                serialization.PublicFormat.SubjectPublicKeyInfo)
+    other = (
+        new_key().public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     header["ephemeralPublicKey"] = base64.b64encode(other).decode()
     return body
 
@@ -220,12 +242,15 @@ def _mismatched_identifier(body: dict) -> dict:
     return body
 
 
-@pytest.mark.parametrize(("tamper", "status", "code"), [
-    (_tampered_data, 422, "message_digest_mismatch"),
-    (_tampered_signature, 422, "signature_invalid"),
-    (_tampered_ephemeral_key, 422, "message_digest_mismatch"),
-    (_mismatched_identifier, 400, "malformed_token"),
-])
+@pytest.mark.parametrize(
+    ("tamper", "status", "code"),
+    [
+        (_tampered_data, 422, "message_digest_mismatch"),
+        (_tampered_signature, 422, "signature_invalid"),
+        (_tampered_ephemeral_key, 422, "message_digest_mismatch"),
+        (_mismatched_identifier, 400, "malformed_token"),
+    ],
+)
 def test_tampered_tokens_are_refused_and_nothing_is_stored(tenant, merchant, tamper, status, code):
     answer = tenant.client.post("/wallet-a", tamper(apple_body(merchant)))
     assert answer.status == status, answer
@@ -238,9 +263,16 @@ def _expired_intermediate_ca() -> WalletACA:
     """The trusted chain with its intermediate (same key and name) expired yesterday."""
     now = utcnow()
     ca = copy.copy(HTTP_CA)
-    ca.intermediate = certificate("Test Application Integration CA", ca.intermediate_key, issuer=HTTP_CA.root,
-                                  issuer_key=HTTP_CA.root_key, ca=True, marker=INTERMEDIATE_OID,
-                                  not_before=now - dt.timedelta(days=30), not_after=now - dt.timedelta(days=1))
+    ca.intermediate = certificate(
+        "Test Application Integration CA",
+        ca.intermediate_key,
+        issuer=HTTP_CA.root,
+        issuer_key=HTTP_CA.root_key,
+        ca=True,
+        marker=INTERMEDIATE_OID,
+        not_before=now - dt.timedelta(days=30),
+        not_after=now - dt.timedelta(days=1),
+    )
     return ca
 
 
@@ -274,11 +306,13 @@ def test_a_tenant_without_certificates_is_told_how_to_add_one(tenant):
 
 
 def test_mpan_and_emv_tokens(tenant, merchant):
-    mpan = tenant.client.post("/wallet-a", apple_body(
-        merchant, payment=apple_payment(merchantTokenIdentifier="DNITHE302308980427388297")))
+    mpan = tenant.client.post(
+        "/wallet-a", apple_body(merchant, payment=apple_payment(merchantTokenIdentifier="DNITHE302308980427388297"))
+    )
     assert mpan.status == 201 and mpan.json["wallet_a"]["type"] == "mpan"
-    emv = tenant.client.post("/wallet-a", apple_body(
-        merchant, payment=apple_payment(paymentDataType="EMV", paymentData={"emvData": "AAEC"})))
+    emv = tenant.client.post(
+        "/wallet-a", apple_body(merchant, payment=apple_payment(paymentDataType="EMV", paymentData={"emvData": "AAEC"}))
+    )
     assert emv.status == 201, emv
     assert emv.json["wallet_a"]["payment_data_type"] == "EMV" and emv.json["wallet_a"]["authentication"] is None
 
@@ -295,8 +329,15 @@ def b_key(tenant):
     return key
 
 
-def google_body(tenant, key, auth_method="CRYPTOGRAM_3DS", *, issuer: WalletBIssuer = HTTP_ISSUER,
-                recipient: str | None = None, **message) -> dict:
+def google_body(
+    tenant,
+    key,
+    auth_method="CRYPTOGRAM_3DS",
+    *,
+    issuer: WalletBIssuer = HTTP_ISSUER,
+    recipient: str | None = None,
+    **message,
+) -> dict:
     message.setdefault("expires_at", utcnow() + dt.timedelta(hours=1))
     body = google_message(auth_method, **message)
     body["messageId"] = f"msg-{new_key_bytes().hex()[:16]}"
@@ -366,13 +407,16 @@ def test_wallet_b_keys_are_listed_and_deleted(tenant, b_key):
 # ---- the shut-down connections -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("method", "path", "replacement"), [
-    ("POST", "/connections/wallet-a/session", "/wallet-a/session"),
-    ("POST", "/connections/apple-pay/domain-registration", "/wallet-a/domain-registration"),
-    ("GET", "/connections/wallet-a/domain-registration", "/wallet-a/domain-registration"),
-    ("POST", "/connections/wallet-a", "/wallet-a"),
-    ("POST", "/connections/google-pay", "/wallet-b"),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "replacement"),
+    [
+        ("POST", "/connections/wallet-a/session", "/wallet-a/session"),
+        ("POST", "/connections/apple-pay/domain-registration", "/wallet-a/domain-registration"),
+        ("GET", "/connections/wallet-a/domain-registration", "/wallet-a/domain-registration"),
+        ("POST", "/connections/wallet-a", "/wallet-a"),
+        ("POST", "/connections/google-pay", "/wallet-b"),
+    ],
+)
 def test_wallet_connections_are_gone(tenant, method, path, replacement):
     answer = tenant.client.request(method, path, body={})
     assert answer.status == 410, answer
@@ -387,11 +431,13 @@ def test_other_connections_are_not_wallets(tenant):
 
 
 def _proxy(tenant, body: dict, *permissions: str):
-    caller = Caller(tenant.id, "test", tenant.application_id, "server_to_server",
-                    frozenset(permissions or ("proxy:invoke",)))
+    caller = Caller(
+        tenant.id, "test", tenant.application_id, "server_to_server", frozenset(permissions or ("proxy:invoke",))
+    )
     with session_scope() as session:
-        return detokenize(caller, SqlValueLoader(session), headers=[], body=json.dumps(body).encode(),
-                          content_type="application/json")
+        return detokenize(
+            caller, SqlValueLoader(session), headers=[], body=json.dumps(body).encode(), content_type="application/json"
+        )
 
 
 def test_proxy_expressions_read_a_wallet_token_and_use_up_its_cryptogram(tenant, merchant, b_key):
@@ -434,11 +480,17 @@ def test_the_public_vector_decrypts_over_http_with_its_root_and_a_fixed_clock(te
     from domain.wallets import service
 
     settings = service.get_settings()
-    monkeypatch.setattr(service, "get_settings",
-                        lambda: settings.model_copy(update={"wallet_a_root_ca": wallet_a_vector["root_path"]}))
+    monkeypatch.setattr(
+        service, "get_settings", lambda: settings.model_copy(update={"wallet_a_root_ca": wallet_a_vector["root_path"]})
+    )
     monkeypatch.setattr(service, "CLOCK", lambda: VECTOR_SIGNED_AT)
-    added = tenant.client.post("/wallet-a/merchant-certificates", {
-        "certificate": wallet_a_vector["certificate"].decode(), "private_key": wallet_a_vector["private_key"].decode()})
+    added = tenant.client.post(
+        "/wallet-a/merchant-certificates",
+        {
+            "certificate": wallet_a_vector["certificate"].decode(),
+            "private_key": wallet_a_vector["private_key"].decode(),
+        },
+    )
     assert added.status == 201, added
     assert added.json["public_key_hash"] == wallet_a_vector["token"]["header"]["publicKeyHash"]
     token = wallet_a_vector["token"]

@@ -54,8 +54,10 @@ def test_full_path_3dsecure_dpan(ca, merchant):
     payment = decrypt(token, [merchant], ca.root)
     assert payment.type == "dpan"
     assert payment.data.as_dict() == {"number": "4895370012003478", "expiration_month": 12, "expiration_year": 2029}
-    assert payment.authentication.as_dict() == {"threeds_cryptogram": "AgAAAAAABk4DWZ4C28yUQAAAAAA=",
-                                                "eci_indicator": "7"}
+    assert payment.authentication.as_dict() == {
+        "threeds_cryptogram": "AgAAAAAABk4DWZ4C28yUQAAAAAA=",
+        "eci_indicator": "7",
+    }
     assert (payment.currency_code, payment.transaction_amount) == ("978", 1250)
     assert payment.transaction_id == bytes(range(32)).hex()
     assert payment.signed_at == SIGNED_AT
@@ -63,8 +65,11 @@ def test_full_path_3dsecure_dpan(ca, merchant):
 
 
 def test_merchant_token_is_an_mpan_and_eci_may_be_absent(ca, merchant):
-    payment_data = apple_payment(merchantTokenIdentifier="DNITHE302308980427388297", cardholderName="",
-                                 paymentData={"onlinePaymentCryptogram": "AgAAAAAABk4DWZ4C28yUQAAAAAA="})
+    payment_data = apple_payment(
+        merchantTokenIdentifier="DNITHE302308980427388297",
+        cardholderName="",
+        paymentData={"onlinePaymentCryptogram": "AgAAAAAABk4DWZ4C28yUQAAAAAA="},
+    )
     payment = decrypt(ca.token(payment_data, merchant), [merchant], ca.root)
     assert payment.type == "mpan"
     assert payment.merchant_token_identifier == "DNITHE302308980427388297"
@@ -132,7 +137,11 @@ def test_a_chain_to_another_root_is_refused_even_when_the_token_carries_that_roo
 def test_leaf_issued_by_a_lookalike_intermediate_is_refused(ca, merchant):
     lookalike_key = new_key()
     lookalike = certificate(
-        "Test Application Integration CA", lookalike_key, issuer=ca.root, issuer_key=new_key(), ca=True,
+        "Test Application Integration CA",
+        lookalike_key,
+        issuer=ca.root,
+        issuer_key=new_key(),
+        ca=True,
         marker=INTERMEDIATE_OID,
     )
     token = ca.token(apple_payment(), merchant, certificates=[ca.leaf, lookalike])
@@ -237,8 +246,11 @@ def test_malformed_tokens_are_400_naming_the_field(ca, merchant, alter, message)
 def test_ephemeral_key_on_another_curve_is_malformed(ca, merchant):
     """A signed token whose ephemeral key is not P-256 is refused before any key agreement."""
     token = ca.token(apple_payment(), merchant)
-    der = ec.generate_private_key(ec.SECP384R1()).public_key().public_bytes(
-        Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+    der = (
+        ec.generate_private_key(ec.SECP384R1())
+        .public_key()
+        .public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+    )
     content = der + base64.b64decode(token["data"]) + bytes(range(32))
     token["header"]["ephemeralPublicKey"] = base64.b64encode(der).decode()
     token["signature"] = base64.b64encode(ca.sign(content)).decode()
@@ -253,8 +265,9 @@ def test_merchant_certificate_faults(merchant):
     plain = certificate("No merchant id", merchant.key)
     with pytest.raises(errors.MerchantCertificateInvalid, match="no readable merchant id extension"):
         wallet_a.MerchantKey.from_pem(pem(plain), key_pem(merchant.key))
-    bad_id = certificate("Bad merchant id", merchant.key, extra=(
-        x509.UnrecognizedExtension(wallet_a.MERCHANT_ID_OID, b"\x0c\x03abc"),))
+    bad_id = certificate(
+        "Bad merchant id", merchant.key, extra=(x509.UnrecognizedExtension(wallet_a.MERCHANT_ID_OID, b"\x0c\x03abc"),)
+    )
     with pytest.raises(errors.MerchantCertificateInvalid, match="64 hexadecimal digits"):
         wallet_a.MerchantKey.from_pem(pem(bad_id), key_pem(merchant.key))
     with pytest.raises(errors.MerchantCertificateInvalid, match="not valid PEM"):
@@ -265,18 +278,27 @@ def test_a_chain_verified_before_still_has_its_validity_checked(ca, merchant):
     token = ca.token(apple_payment(), merchant)
     assert decrypt(token, [merchant], ca.root).data.number == "4895370012003478"
     with pytest.raises(errors.CertificateInvalid, match="leaf certificate is outside its validity period"):
-        decrypt(token, [merchant], ca.root, at=ca.leaf.not_valid_after_utc + dt.timedelta(seconds=1),
-                signing_time_window=dt.timedelta(days=3650))
+        decrypt(
+            token,
+            [merchant],
+            ca.root,
+            at=ca.leaf.not_valid_after_utc + dt.timedelta(seconds=1),
+            signing_time_window=dt.timedelta(days=3650),
+        )
 
 
 def test_apple_payment_data_body_needs_the_matching_transaction_identifier(ca, merchant):
     token = ca.token(apple_payment(), merchant)
     keys = [merchant_key(merchant)]
     clock = fixed(SIGNED_AT)
-    body = {"paymentData": token, "transactionIdentifier": bytes(range(32)).hex().upper(),
-            "paymentMethod": {"network": "Visa"}}
+    body = {
+        "paymentData": token,
+        "transactionIdentifier": bytes(range(32)).hex().upper(),
+        "paymentMethod": {"network": "Visa"},
+    }
     assert wallet_a.decrypt_payment(body, merchant_keys=keys, root=ca.root, clock=clock).data.number == (
-        "4895370012003478")
+        "4895370012003478"
+    )
     for faulty, message in (
         (body | {"transactionIdentifier": "00" * 32}, "does not match"),
         ({"paymentData": token}, "transactionIdentifier must be a non-empty string"),

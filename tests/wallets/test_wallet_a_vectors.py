@@ -71,8 +71,10 @@ def test_vector_decrypts_to_its_published_plaintext(wallet_a_vector, merchant_ke
         "device_manufacturer_identifier": "050110030273",
         "expires_at": "2024-09-30T23:59:59.999999+00:00",
         "data": {"number": "5353756319181169", "expiration_month": 9, "expiration_year": 2024},
-        "authentication": {"threeds_cryptogram": "AMwBRjPWDnAgAA7Rls7mAoABFA==",
-                           "eci_indicator": payment.authentication.eci_indicator},
+        "authentication": {
+            "threeds_cryptogram": "AMwBRjPWDnAgAA7Rls7mAoABFA==",
+            "eci_indicator": payment.authentication.eci_indicator,
+        },
     }
     shown = repr(payment)
     assert "5353756319181169" not in shown and "AMwBRjPWDnAgAA7Rls7mAoABFA==" not in shown
@@ -107,10 +109,14 @@ def test_today_the_expired_apple_certificates_are_refused(wallet_a_vector, merch
     ("field", "alter"),
     [
         ("data", lambda token: token.update(data=flip(token["data"]))),
-        ("ephemeralPublicKey", lambda token: token["header"].update(
-            ephemeralPublicKey=flip(token["header"]["ephemeralPublicKey"], 40))),
-        ("transactionId", lambda token: token["header"].update(
-            transactionId="00" + token["header"]["transactionId"][2:])),
+        (
+            "ephemeralPublicKey",
+            lambda token: token["header"].update(ephemeralPublicKey=flip(token["header"]["ephemeralPublicKey"], 40)),
+        ),
+        (
+            "transactionId",
+            lambda token: token["header"].update(transactionId="00" + token["header"]["transactionId"][2:]),
+        ),
         ("applicationData", lambda token: token["header"].update(applicationData="deadbeef")),
     ],
 )

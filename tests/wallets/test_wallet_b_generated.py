@@ -42,8 +42,10 @@ def test_cryptogram_3ds_full_path(issuer, merchant):
     assert payment.auth_method == "CRYPTOGRAM_3DS"
     assert payment.resource_kind == "google_pay"
     assert payment.data.as_dict() == {"number": "4895370012003478", "expiration_month": 12, "expiration_year": 2029}
-    assert payment.authentication.as_dict() == {"threeds_cryptogram": "AAAAAA8JjEB5hYZCE3ZkAAAAAAA=",
-                                                "eci_indicator": "05"}
+    assert payment.authentication.as_dict() == {
+        "threeds_cryptogram": "AAAAAA8JjEB5hYZCE3ZkAAAAAAA=",
+        "eci_indicator": "05",
+    }
     assert payment.gateway_merchant_id == "tessera-test"
     assert payment.message_expires_at == SIGNED_AT + dt.timedelta(hours=1)
     shown = repr(payment)

@@ -45,7 +45,8 @@ def test_valid_token_decrypts_to_its_published_plaintext(wallet_b_vectors, setup
     assert payment.payment_method == "CARD"
     assert payment.authentication is None
     assert payment.resource_fields() == {
-        "auth_method": "PAN_ONLY", "message_id": expected["messageId"],
+        "auth_method": "PAN_ONLY",
+        "message_id": expected["messageId"],
         "data": {"number": "4111111111111111", "expiration_month": 12, "expiration_year": 2026},
         "authentication": None,
     }

@@ -43,8 +43,18 @@ def blocks(data: bytes, size: int = 7):
 
 
 def test_scan_cuts_byte_ranges_that_reread_to_the_same_rows():
-    body = ("\ufeff" + HEADER + "\r\n" + "a,29,01,\r\n" + "\r\n" + '"b\nquoted",29,02,"M,1"\r\n'
-            + "c,,,\r\n" + "d,30,12,SANDBOX\r\n" + "é,,,\r\n" + "f,,,").encode()
+    body = (
+        "\ufeff"
+        + HEADER
+        + "\r\n"
+        + "a,29,01,\r\n"
+        + "\r\n"
+        + '"b\nquoted",29,02,"M,1"\r\n'
+        + "c,,,\r\n"
+        + "d,30,12,SANDBOX\r\n"
+        + "é,,,\r\n"
+        + "f,,,"
+    ).encode()
 
     scan = au.scan_request(blocks(body), max_bytes=10_000, chunk_rows=2)
 
@@ -58,8 +68,12 @@ def test_scan_cuts_byte_ranges_that_reread_to_the_same_rows():
         part = body[chunk.start_byte : chunk.end_byte]
         rows += au.read_rows(blocks(part), scan.columns, start=chunk.start_byte, first_row=chunk.first_row)
     assert [(r.number, r.token, r.expiration_year, r.expiration_month, r.merchant_id) for r in rows] == [
-        (1, "a", "29", "01", ""), (2, "b\nquoted", "29", "02", "M,1"), (3, "c", "", "", ""),
-        (4, "d", "30", "12", "SANDBOX"), (5, "é", "", "", ""), (6, "f", "", "", ""),
+        (1, "a", "29", "01", ""),
+        (2, "b\nquoted", "29", "02", "M,1"),
+        (3, "c", "", "", ""),
+        (4, "d", "30", "12", "SANDBOX"),
+        (5, "é", "", "", ""),
+        (6, "f", "", "", ""),
     ]
 
 
@@ -109,15 +123,34 @@ def test_bulk_token_rows_are_the_rows_create_tokens_writes(tenant):
     with session_scope() as session:
         caller = system_caller(session.get(Tenant, tenant.id))
         request, errors = parse_token_request(
-            {"type": "card", "data": data, "containers": ["/pci/moderate/"], "metadata": {"k": "v"},
-             "id": "reference-" + uuid.uuid4().hex}, caller, now=now)
+            {
+                "type": "card",
+                "data": data,
+                "containers": ["/pci/moderate/"],
+                "metadata": {"k": "v"},
+                "id": "reference-" + uuid.uuid4().hex,
+            },
+            caller,
+            now=now,
+        )
         assert errors == {}
         (made,) = create_tokens(session, caller, [request], now=now)
         bulk = au._token_row(session, get_keyring(), tenant.id, "bulk", data, old, None, now)
         opened = json.loads(get_keyring().decrypt(session, tenant.id, "token", "bulk", bulk["data_ct"]))
     reference = made.token
-    for name in ("type", "mask", "containers", "search_indexes", "fingerprint", "fingerprint_expression",
-                 "deduplicate_token", "parent_id", "expires_at", "cvc_expires_at", "created_at"):
+    for name in (
+        "type",
+        "mask",
+        "containers",
+        "search_indexes",
+        "fingerprint",
+        "fingerprint_expression",
+        "deduplicate_token",
+        "parent_id",
+        "expires_at",
+        "cvc_expires_at",
+        "created_at",
+    ):
         assert bulk[name] == getattr(reference, name), name
     assert bulk["metadata"] == reference.meta
     assert opened == data
@@ -138,9 +171,16 @@ def _card(session, tenant_id, number: str) -> str:
 
     token_id = str(uuid.uuid4())
     plain = json.dumps({"number": number, "expiration_month": 5, "expiration_year": YEAR}).encode()
-    session.add(Token(tenant_id=tenant_id, id=token_id, type="card", containers=["/pci/high/"],
-                      mask=default_card_mask(), data_ct=get_keyring().encrypt(session, tenant_id, "token",
-                                                                             token_id, plain)))
+    session.add(
+        Token(
+            tenant_id=tenant_id,
+            id=token_id,
+            type="card",
+            containers=["/pci/high/"],
+            mask=default_card_mask(),
+            data_ct=get_keyring().encrypt(session, tenant_id, "token", token_id, plain),
+        )
+    )
     return token_id
 
 
@@ -160,8 +200,7 @@ def prepared_job(tenant_id, numbers: list[str], *, chunk_rows: int) -> uuid.UUID
     with session_scope() as session:
         assert au.start_processing(session, job_id)
         _quiet(session)
-    scan = au.scan_job_file(job_id, get_settings().model_copy(
-        update={"account_updater_chunk_rows": chunk_rows}))
+    scan = au.scan_job_file(job_id, get_settings().model_copy(update={"account_updater_chunk_rows": chunk_rows}))
     with session_scope() as session:
         au.apply_scan(session, job_id, scan)
         _quiet(session)
@@ -171,16 +210,24 @@ def prepared_job(tenant_id, numbers: list[str], *, chunk_rows: int) -> uuid.UUID
 def counts(tenant_id, job_id) -> dict:
     with session_scope() as session:
         job = session.get(AccountUpdaterJob, job_id)
-        chunks = session.scalars(select(AccountUpdaterChunk).where(AccountUpdaterChunk.job_id == job_id)
-                                 .order_by(AccountUpdaterChunk.number)).all()
+        chunks = session.scalars(
+            select(AccountUpdaterChunk).where(AccountUpdaterChunk.job_id == job_id).order_by(AccountUpdaterChunk.number)
+        ).all()
         new_ids = [au.new_token_id(job.id_seed, n) for n in range(1, (job.rows_total or 0) + 1)]
         return {
-            "tokens": session.scalar(select(func.count()).select_from(Token).where(
-                Token.tenant_id == tenant_id, Token.id.in_(new_ids))),
-            "logs": session.scalar(select(func.count()).select_from(AuditLog).where(
-                AuditLog.tenant_id == tenant_id, AuditLog.entity_id.in_(new_ids))),
-            "events": session.scalar(select(func.count()).select_from(Event).where(
-                Event.tenant_id == tenant_id, Event.type == "token.created")),
+            "tokens": session.scalar(
+                select(func.count()).select_from(Token).where(Token.tenant_id == tenant_id, Token.id.in_(new_ids))
+            ),
+            "logs": session.scalar(
+                select(func.count())
+                .select_from(AuditLog)
+                .where(AuditLog.tenant_id == tenant_id, AuditLog.entity_id.in_(new_ids))
+            ),
+            "events": session.scalar(
+                select(func.count())
+                .select_from(Event)
+                .where(Event.tenant_id == tenant_id, Event.type == "token.created")
+            ),
             "chunks_done": job.chunks_done,
             "rows_done": job.rows_done,
             "status": job.status,
@@ -190,8 +237,9 @@ def counts(tenant_id, job_id) -> dict:
 
 def _cancel_recorded_jobs(job_id) -> None:
     with session_scope() as session:
-        session.execute(update(Job).where(Job.subject_id == str(job_id), Job.status == "queued")
-                        .values(status="cancelled"))
+        session.execute(
+            update(Job).where(Job.subject_id == str(job_id), Job.status == "queued").values(status="cancelled")
+        )
 
 
 UPDATES = ["4000000000001018", "4000000000001026", "4242424242424242", "4000000000001059"]
@@ -224,15 +272,19 @@ def test_the_chunk_task_run_twice_does_its_work_once(tenant):
     job_id = prepared_job(tenant.id, UPDATES * 2, chunk_rows=4)
     try:
         with session_scope() as session:
-            chunk_jobs = session.scalars(select(Job.id).where(Job.subject_id == str(job_id), Job.kind == au.CHUNK_TASK)
-                                         .order_by(Job.subject_number)).all()
+            chunk_jobs = session.scalars(
+                select(Job.id)
+                .where(Job.subject_id == str(job_id), Job.kind == au.CHUNK_TASK)
+                .order_by(Job.subject_number)
+            ).all()
         assert len(chunk_jobs) == 2
         assert process_chunk.run(job_id=str(chunk_jobs[0])) == "succeeded"
         assert process_chunk.run(job_id=str(chunk_jobs[0])) == "skipped"  # the message delivered again
         assert process_chunk.run(job_id=str(chunk_jobs[1])) == "succeeded"
         with session_scope() as session:
-            (finish_job,) = session.scalars(select(Job).where(Job.subject_id == str(job_id),
-                                                              Job.kind == au.FINISH_TASK)).all()
+            (finish_job,) = session.scalars(
+                select(Job).where(Job.subject_id == str(job_id), Job.kind == au.FINISH_TASK)
+            ).all()
             _quiet(session)
         # The last chunk's commit sent the finish message: a live worker may win the lease before us.
         outcomes = [finish.run(job_id=str(finish_job.id)) for _ in range(2)]
@@ -243,8 +295,9 @@ def test_the_chunk_task_run_twice_does_its_work_once(tenant):
         assert after["tokens"] == 4 and after["logs"] == 4 and after["events"] == 4
         assert after["chunks_done"] == 2 and after["rows_done"] == 8
         with session_scope() as session:
-            events = session.scalars(select(Event).where(Event.tenant_id == tenant.id,
-                                                         Event.type == au.COMPLETED_EVENT)).all()
+            events = session.scalars(
+                select(Event).where(Event.tenant_id == tenant.id, Event.type == au.COMPLETED_EVENT)
+            ).all()
         assert [e.data for e in events] == [{"job": {"id": str(job_id), "status": "completed"}}]
     finally:
         _cancel_recorded_jobs(job_id)
@@ -275,8 +328,9 @@ class Gate:
                     self.send_header("content-length", "0")
                     self.end_headers()
                     return
-                answer = urllib3.request("POST", gate.upstream + self.path, body=body,
-                                         headers={"content-type": "application/json"})
+                answer = urllib3.request(
+                    "POST", gate.upstream + self.path, body=body, headers={"content-type": "application/json"}
+                )
                 self.send_response(answer.status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(answer.data)))
@@ -299,9 +353,22 @@ class Gate:
 def start_worker(env: dict[str, str], log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [str(Path(sys.executable).parent / "tessera"), "worker", "--concurrency", "1", "--pool", "prefork",
-             "--without-heartbeat", "--without-mingle", "--without-gossip"],
-            cwd=REPO, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                str(Path(sys.executable).parent / "tessera"),
+                "worker",
+                "--concurrency",
+                "1",
+                "--pool",
+                "prefork",
+                "--without-heartbeat",
+                "--without-mingle",
+                "--without-gossip",
+            ],
+            cwd=REPO,
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
 
@@ -330,8 +397,12 @@ def test_a_worker_sigkilled_mid_chunk_leaves_rows_and_tokens_exactly_once(tenant
             side.send_task(name, kwargs=kwargs)
 
     gate = Gate(sandbox, open_calls=1)
-    env = {"TESSERA_REDIS_KEY_PREFIX": prefix, "TESSERA_JOB_LEASE_SECONDS": "3",
-           "TESSERA_LOG_LEVEL": "WARNING", "TESSERA_SANDBOX_URL": gate.url}
+    env = {
+        "TESSERA_REDIS_KEY_PREFIX": prefix,
+        "TESSERA_JOB_LEASE_SECONDS": "3",
+        "TESSERA_LOG_LEVEL": "WARNING",
+        "TESSERA_SANDBOX_URL": gate.url,
+    }
     log_path = tmp_path / "workers.log"
     numbers = UPDATES * 3  # three chunks of four rows: six new tokens, nine result rows
     job_id = prepared_job(tenant.id, numbers, chunk_rows=4)
@@ -339,8 +410,9 @@ def test_a_worker_sigkilled_mid_chunk_leaves_rows_and_tokens_exactly_once(tenant
     second = None
     try:
         with session_scope() as session:  # hand the recorded chunk jobs to the subprocess worker only
-            chunk_jobs = session.scalars(select(Job).where(Job.subject_id == str(job_id),
-                                                         Job.kind == au.CHUNK_TASK)).all()
+            chunk_jobs = session.scalars(
+                select(Job).where(Job.subject_id == str(job_id), Job.kind == au.CHUNK_TASK)
+            ).all()
         send([(au.CHUNK_TASK, {"job_id": str(j.id)}) for j in chunk_jobs])
         assert gate.held.wait(60), log_path.read_text()[-3000:]  # one chunk done, the next waiting on the network
         kill_group(first)  # the whole worker (main process and pool child), as a machine dies
@@ -450,8 +522,9 @@ def test_the_whole_pipeline_runs_on_sqlite(tmp_path, s3_server, sandbox, monkeyp
             events = session.scalars(select(Event.type).where(Event.tenant_id == tenant_id)).all()
         assert (job.status, job.rows_done, made) == ("completed", 13, 6)
         assert sorted(events) == [au.COMPLETED_EVENT, *["token.created"] * 6]
-        rows = list(csv.reader(io.StringIO(
-            s3.get_client().get_object(Bucket=au.bucket(), Key=key)["Body"].read().decode())))
+        rows = list(
+            csv.reader(io.StringIO(s3.get_client().get_object(Bucket=au.bucket(), Key=key)["Body"].read().decode()))
+        )
         assert [r[6] for r in rows[1:]] == ["UPD_PAN", "UPD_EXP_DATE", "WRN_CLOSED_ACCOUNT"] * 3 + ["ERR_INVALID_TOKEN"]
     finally:
         engine.dispose()

@@ -79,9 +79,10 @@ class HoldingProxy:
         if held and self.before:  # the call never reaches the provider
             await self._hold(parts)
             return web.Response(status=503, body=b"{}", content_type="application/json")
-        async with aiohttp.ClientSession() as http, http.request(
-            request.method, self.sandbox + request.path_qs, data=body or None, headers=headers
-        ) as answer:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.request(request.method, self.sandbox + request.path_qs, data=body or None, headers=headers) as answer,
+        ):
             payload, status = await answer.read(), answer.status
         if held and not self.before:
             await self._hold(parts)
@@ -102,8 +103,15 @@ def processes(log_dir: Path):
 
     def start(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         log = open(log_dir / f"{name}.log", "wb")  # closed with the process below
-        child = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=Path(__file__).parents[2])
+        child = subprocess.Popen(
+            argv,
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=Path(__file__).parents[2],
+        )
         child.log = log
         started.append(child)
         return child
@@ -125,8 +133,10 @@ def processes(log_dir: Path):
 
 
 def _log_tail(log_dir: Path) -> str:
-    return "\n".join(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-30:])
-                     for path in sorted(log_dir.glob("*.log")))
+    return "\n".join(
+        f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-30:])
+        for path in sorted(log_dir.glob("*.log"))
+    )
 
 
 @pytest.fixture
@@ -163,8 +173,11 @@ def stack(prefix: str, proxy_port: int, *, log_prefix: str, **settings: str):
         with processes(log_dir) as start:
             start("api", [TESSERA, "api"], env)
             start("beat", [TESSERA, "beat"], env)
-            worker_a = start("worker-a", [TESSERA, "worker", "--concurrency", "2", "-n", "a@%h"],
-                             {**env, "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{proxy_port}"})
+            worker_a = start(
+                "worker-a",
+                [TESSERA, "worker", "--concurrency", "2", "-n", "a@%h"],
+                {**env, "TESSERA_SANDBOX_URL": f"http://127.0.0.1:{proxy_port}"},
+            )
             client = ApiClient(f"http://127.0.0.1:{api_port}", tenant.api_key)
             wait_until(lambda: _answers(client), timeout=60)
             yield start, worker_a, client, tenant, env
@@ -173,19 +186,27 @@ def stack(prefix: str, proxy_port: int, *, log_prefix: str, **settings: str):
         raise
 
 
-def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(
-    database, sandbox, isolated_prefix
-):
+def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(database, sandbox, isolated_prefix):
     proxy = HoldingProxy(sandbox)
     proxy_port = free_port()
     stop_proxy = serve_in_thread(proxy.app, proxy_port)
     try:
-        with stack(isolated_prefix, proxy_port, log_prefix="tessera-kill-") as (start, worker_a, client, tenant,
-                                                                                 common):
+        with stack(isolated_prefix, proxy_port, log_prefix="tessera-kill-") as (
+            start,
+            worker_a,
+            client,
+            tenant,
+            common,
+        ):
             number = fresh_visa()
 
-            created = client.post(BASE, {"source": {"type": "svc_card_token", "token_id": card_token(client, number)},
-                                         "consumer": {"email": "ada@example.com"}})
+            created = client.post(
+                BASE,
+                {
+                    "source": {"type": "svc_card_token", "token_id": card_token(client, number)},
+                    "consumer": {"email": "ada@example.com"},
+                },
+            )
 
             assert created.status == 201, created
             pm = created.json
@@ -198,6 +219,7 @@ def test_a_worker_killed_mid_enrollment_leaves_no_rail_pending_and_enrolls_once(
             assert worker_a.returncode == -signal.SIGKILL
 
             start("worker-b", [TESSERA, "worker", "--concurrency", "2", "-n", "b@%h"], common)
+
             def settled():
                 now = client.get(f"{BASE}/{pm['id']}").json
                 return "pending" not in outcome(now).values() and now

@@ -52,26 +52,41 @@ def test_a_worker_killed_mid_mint_leaves_the_amounts_adding_up(database, sandbox
     proxy_port = free_port()
     stop_proxy = serve_in_thread(proxy.app, proxy_port)
     try:
-        with stack(isolated_prefix, proxy_port, log_prefix="tessera-mint-kill-",
-                   TESSERA_OPERATION_LEASE_SECONDS="5") as (start, worker_a, client, _tenant, common):
+        with stack(
+            isolated_prefix, proxy_port, log_prefix="tessera-mint-kill-", TESSERA_OPERATION_LEASE_SECONDS="5"
+        ) as (start, worker_a, client, _tenant, common):
             token_id = card_token(client, AMEX)
-            answer = client.post(BASE, {"source": {"type": "svc_card_token", "token_id": token_id},
-                                        "consumer": {"email": "ada@example.com"}})
+            answer = client.post(
+                BASE,
+                {"source": {"type": "svc_card_token", "token_id": token_id}, "consumer": {"email": "ada@example.com"}},
+            )
             assert answer.status == 201, answer
             pm = answer.json
             wait_until(lambda: client.get(f"{BASE}/{pm['id']}").json["rails"][0]["status"] == "enabled", timeout=60)
-            created = client.post("/agentic/allowances", {"payment_method_id": pm["id"],
-                                                          "amount": {"value": "50.00", "currency": "USD"}})
+            created = client.post(
+                "/agentic/allowances", {"payment_method_id": pm["id"], "amount": {"value": "50.00", "currency": "USD"}}
+            )
             assert created.status == 201, created
             alw = created.json
-            wait_until(lambda: client.get(f"/agentic/allowances/{alw['id']}").json["rails"][0]["status"] == "active",
-                       timeout=60)
+            wait_until(
+                lambda: client.get(f"/agentic/allowances/{alw['id']}").json["rails"][0]["status"] == "active",
+                timeout=60,
+            )
 
             answers = []
-            minting = threading.Thread(target=lambda: answers.append(client.post(
-                f"/agentic/allowances/{alw['id']}/credentials",
-                {"rail": "spt", "provider": "psp", "format": "identifier",
-                 "amount": {"value": "10.00", "currency": "USD"}})))
+            minting = threading.Thread(
+                target=lambda: answers.append(
+                    client.post(
+                        f"/agentic/allowances/{alw['id']}/credentials",
+                        {
+                            "rail": "spt",
+                            "provider": "psp",
+                            "format": "identifier",
+                            "amount": {"value": "10.00", "currency": "USD"},
+                        },
+                    )
+                )
+            )
             minting.start()
             wait_until(lambda: len(proxy.held) == 1, timeout=60)
             assert _amounts(alw["id"]) == (Decimal(50), Decimal(40), Decimal(10), Decimal(0))
@@ -84,8 +99,10 @@ def test_a_worker_killed_mid_mint_leaves_the_amounts_adding_up(database, sandbox
                 [rail] = session.exec(select(AllowanceRail).where(AllowanceRail.allowance_id == alw["id"])).all()
 
             def minted() -> set[str]:
-                return {c["id"] for c in admin(sandbox, "credentials", allowance_id=rail.provider_allowance_id)[
-                    "credentials"]}
+                return {
+                    c["id"]
+                    for c in admin(sandbox, "credentials", allowance_id=rail.provider_allowance_id)["credentials"]
+                }
 
             at_the_kill = minted()
             assert len(at_the_kill) == (0 if before else 1)
@@ -111,9 +128,15 @@ def test_a_worker_killed_mid_mint_leaves_the_amounts_adding_up(database, sandbox
             assert _amounts(alw["id"]) == (Decimal(50), Decimal(40), Decimal(0), Decimal(10))
             assert minted() == at_the_kill  # the job run again found its mint settled: no second call
             # the allowance goes on: the rest can be minted
-            final = client.post(f"/agentic/allowances/{alw['id']}/credentials",
-                                {"rail": "spt", "provider": "psp", "format": "identifier",
-                                 "amount": {"value": "40.00", "currency": "USD"}})
+            final = client.post(
+                f"/agentic/allowances/{alw['id']}/credentials",
+                {
+                    "rail": "spt",
+                    "provider": "psp",
+                    "format": "identifier",
+                    "amount": {"value": "40.00", "currency": "USD"},
+                },
+            )
             assert final.status == 201, final
             assert _amounts(alw["id"]) == (Decimal(50), Decimal(0), Decimal(0), Decimal(50))
     finally:
@@ -131,17 +154,30 @@ def test_a_worker_killed_mid_setup_sets_the_rail_up_once(database, sandbox, isol
     proxy_port = free_port()
     stop_proxy = serve_in_thread(proxy.app, proxy_port)
     try:
-        with stack(isolated_prefix, proxy_port, log_prefix="tessera-setup-kill-") as (start, worker_a, client,
-                                                                                      _tenant, common):
+        with stack(isolated_prefix, proxy_port, log_prefix="tessera-setup-kill-") as (
+            start,
+            worker_a,
+            client,
+            _tenant,
+            common,
+        ):
             number = fresh_visa()
-            answer = client.post(BASE, {"source": {"type": "svc_card_token", "token_id": card_token(client, number)},
-                                        "consumer": {"email": "ada@example.com"}})
+            answer = client.post(
+                BASE,
+                {
+                    "source": {"type": "svc_card_token", "token_id": card_token(client, number)},
+                    "consumer": {"email": "ada@example.com"},
+                },
+            )
             assert answer.status == 201, answer
             pm = answer.json
-            wait_until(lambda: all(r["status"] == "enabled" for r in client.get(f"{BASE}/{pm['id']}").json["rails"]),
-                       timeout=60)
-            created = client.post("/agentic/allowances", {"payment_method_id": pm["id"],
-                                                          "amount": {"value": "50.00", "currency": "USD"}})
+            wait_until(
+                lambda: all(r["status"] == "enabled" for r in client.get(f"{BASE}/{pm['id']}").json["rails"]),
+                timeout=60,
+            )
+            created = client.post(
+                "/agentic/allowances", {"payment_method_id": pm["id"], "amount": {"value": "50.00", "currency": "USD"}}
+            )
             assert created.status == 201, created
             alw = created.json
             assert {r["status"] for r in alw["rails"]} == {"inactive"}  # both set-ups still running
@@ -153,8 +189,14 @@ def test_a_worker_killed_mid_setup_sets_the_rail_up_once(database, sandbox, isol
 
             def settled():
                 now = client.get(f"/agentic/allowances/{alw['id']}").json
-                return all(r["status"] == "active" or (r["provider"] == "vic" and r["status"] == "inactive")
-                           for r in now["rails"]) and now["status"] == "pending_verification" and now
+                return (
+                    all(
+                        r["status"] == "active" or (r["provider"] == "vic" and r["status"] == "inactive")
+                        for r in now["rails"]
+                    )
+                    and now["status"] == "pending_verification"
+                    and now
+                )
 
             def set_up():
                 with session_scope() as session:

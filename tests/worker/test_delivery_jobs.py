@@ -26,11 +26,13 @@ from tests.helpers import race
 
 def _tenant_with_webhooks(*urls: str) -> tuple[uuid.UUID, list[uuid.UUID]]:
     with session_scope() as session:
-        tenant_id = create_tenant(session, name="deliveries", owner_email=f"o-{uuid.uuid4().hex[:8]}@example.com"
-                                  ).tenant_id
+        tenant_id = create_tenant(
+            session, name="deliveries", owner_email=f"o-{uuid.uuid4().hex[:8]}@example.com"
+        ).tenant_id
     with session_scope() as session:
-        hooks = [Webhook(tenant_id=tenant_id, name=f"h{i}", url=url, events=["token.created"])
-                 for i, url in enumerate(urls)]
+        hooks = [
+            Webhook(tenant_id=tenant_id, name=f"h{i}", url=url, events=["token.created"]) for i, url in enumerate(urls)
+        ]
         session.add_all(hooks)
     return tenant_id, [h.id for h in hooks]
 
@@ -38,10 +40,13 @@ def _tenant_with_webhooks(*urls: str) -> tuple[uuid.UUID, list[uuid.UUID]]:
 def _emit(tenant_id: uuid.UUID, count: int = 1) -> tuple[list[uuid.UUID], list[tuple[str, dict]]]:
     """``count`` events; returns their delivery ids and the messages the commit would have sent."""
     with session_scope() as session:
-        emitted = [events.emit(session, tenant_id=tenant_id, type="token.created", data={"n": n}, trace_id="t-1")
-                   for n in range(count)]
-        ids = list(session.exec(select(WebhookDelivery.id).where(
-            WebhookDelivery.event_id.in_([e.id for e in emitted]))).all())
+        emitted = [
+            events.emit(session, tenant_id=tenant_id, type="token.created", data={"n": n}, trace_id="t-1")
+            for n in range(count)
+        ]
+        ids = list(
+            session.exec(select(WebhookDelivery.id).where(WebhookDelivery.event_id.in_([e.id for e in emitted]))).all()
+        )
         sent = take_pending(session)
     return ids, sent
 
@@ -61,12 +66,19 @@ def test_each_delivery_job_is_written_with_its_event_and_sent_in_one_batch_messa
     ids, sent = _emit(tenant_id, count=3)
     assert len(ids) == 6
     with session_scope() as session:
-        rows = session.exec(select(WebhookDelivery, Job).join(Job, Job.id == WebhookDelivery.id)
-                            .where(WebhookDelivery.id.in_(ids))).all()
+        rows = session.exec(
+            select(WebhookDelivery, Job).join(Job, Job.id == WebhookDelivery.id).where(WebhookDelivery.id.in_(ids))
+        ).all()
     assert len(rows) == 6
     for delivery, job in rows:
         assert (job.kind, job.status, job.attempts, job.tenant_id, job.subject_type, job.trace_id) == (
-            DELIVER_TASK, "queued", 0, tenant_id, "webhook", "t-1")
+            DELIVER_TASK,
+            "queued",
+            0,
+            tenant_id,
+            "webhook",
+            "t-1",
+        )
         assert job.subject_id == str(delivery.webhook_id) and delivery.webhook_id in hooks
         assert job.max_attempts == len(get_settings().webhook_retry_delays) + 1
         assert delivery.status == "pending" and delivery.completed_at is None
@@ -81,8 +93,10 @@ def test_the_rows_of_stage_events_are_jobs_and_deliveries_too(database):
     events.subscriptions.clear()
     with session_scope() as session:
         rows = Rows()
-        assert events.stage_events(session, rows, tenant_id=tenant_id, type="token.created", datas=[{}, {}],
-                                   trace_id=None) == 2
+        assert (
+            events.stage_events(session, rows, tenant_id=tenant_id, type="token.created", datas=[{}, {}], trace_id=None)
+            == 2
+        )
         insert_rows(session, rows)
         sent = take_pending(session)
     ids = sent[0][1]["delivery_ids"]
@@ -96,6 +110,7 @@ def test_the_rows_of_stage_events_are_jobs_and_deliveries_too(database):
 def test_two_workers_leasing_one_batch_each_win_different_rows_and_count_one_attempt(database):
     tenant_id, _ = _tenant_with_webhooks("https://example.com/race")
     ids, _ = _emit(tenant_id, count=80)
+
     def lease(owner: str) -> list[uuid.UUID]:
         with session_scope() as session:
             statement = jobs.lease_many_statement(ids, owner, lease_seconds=60).returning(Job.id)
@@ -135,8 +150,7 @@ def test_a_retry_is_the_job_queued_again_with_its_delay(database, receiver):
     with session_scope() as session:
         prepared, closed = webhooks.lease_batch(session, [delivery_id], "w", lease_seconds=60)
     assert [p.attempt_number for p in prepared] == [1] and not closed
-    results = [DeliveryResult(outcome="http_error", status_code=503, duration_ms=1, error="HTTP 503",
-                                       transient=True)]
+    results = [DeliveryResult(outcome="http_error", status_code=503, duration_ms=1, error="HTTP 503", transient=True)]
     with session_scope() as session:
         outcome = webhooks.record_outcomes(session, prepared, results, closed, settings)
         sent = take_pending(session)
@@ -144,7 +158,12 @@ def test_a_retry_is_the_job_queued_again_with_its_delay(database, receiver):
     assert sent == [(DELIVER_TASK, {"delivery_ids": [str(delivery_id)]})]  # a 30 s countdown
     job, delivery = _job(delivery_id), _delivery(delivery_id)
     assert (job.status, job.attempts, job.last_error, job.lease_owner, job.enqueued_at) == (
-        "queued", 1, "HTTP 503", None, None)
+        "queued",
+        1,
+        "HTTP 503",
+        None,
+        None,
+    )
     assert 25 < (job.due_at - dt.datetime.now(dt.UTC)).total_seconds() <= 30
     assert (delivery.status, delivery.last_status_code, delivery.completed_at) == ("pending", 503, None)
 
@@ -207,12 +226,16 @@ def test_deleting_a_webhook_deletes_its_deliveries_with_their_jobs(database):
 
     tenant_id, [hook, kept] = _tenant_with_webhooks("https://example.com/gone", "https://example.com/kept")
     ids, _ = _emit(tenant_id, count=2)
-    caller = Caller(tenant_id=tenant_id, tenant_type="test", application_id=None, application_type=None,
-                    permissions=frozenset())
+    caller = Caller(
+        tenant_id=tenant_id, tenant_type="test", application_id=None, application_type=None, permissions=frozenset()
+    )
     with session_scope() as session:
         webhooks.delete_webhook(session, caller, hook)
     with session_scope() as session:
-        left = session.exec(select(WebhookDelivery.webhook_id, Job.subject_id).join(Job, Job.id == WebhookDelivery.id)
-                            .where(Job.id.in_(ids))).all()
+        left = session.exec(
+            select(WebhookDelivery.webhook_id, Job.subject_id)
+            .join(Job, Job.id == WebhookDelivery.id)
+            .where(Job.id.in_(ids))
+        ).all()
         jobs_left = session.exec(select(Job.id).where(Job.id.in_(ids))).all()
     assert left == [(kept, str(kept))] * 2 and len(jobs_left) == 2  # no job is left without its delivery

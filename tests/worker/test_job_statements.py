@@ -64,22 +64,39 @@ def test_a_new_job_row_has_every_column_of_a_job():
 def test_a_staged_job_is_written_with_the_rows_and_its_task_is_sent_on_commit(database):
     rows = Rows()
     with session_scope() as session:
-        job_id = jobs.stage(session, rows, kind=LeasedJob.name, tenant_id=None, subject_type="script",
-                            subject_id="staged", trace_id="trace-1", max_attempts=3)
+        job_id = jobs.stage(
+            session,
+            rows,
+            kind=LeasedJob.name,
+            tenant_id=None,
+            subject_type="script",
+            subject_id="staged",
+            trace_id="trace-1",
+            max_attempts=3,
+        )
         stage_rows(session, rows)
         assert take_pending(session) == [(LeasedJob.name, {"job_id": str(job_id)})]
     job = _job(job_id)
     assert (job.kind, job.status, job.attempts, job.max_attempts, job.subject_type, job.subject_id, job.trace_id) == (
-        LeasedJob.name, "queued", 0, 3, "script", "staged", "trace-1")
+        LeasedJob.name,
+        "queued",
+        0,
+        3,
+        "script",
+        "staged",
+        "trace-1",
+    )
     assert job.due_at <= dt.datetime.now(dt.UTC)
 
 
 def test_a_leased_job_outcome_is_written_by_statements(worker):
     with session_scope() as session:
-        done = jobs.record(session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="ok",
-                           trace_id=None)
-        refused = jobs.record(session, kind=LeasedJob.name, tenant_id=None, subject_type="script",
-                              subject_id="permanent", trace_id=None)
+        done = jobs.record(
+            session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="ok", trace_id=None
+        )
+        refused = jobs.record(
+            session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="permanent", trace_id=None
+        )
     job = wait_until(lambda: (found := _job(done.id)).status == "succeeded" and found)
     assert job.result == {"subject": "ok"}
     assert (job.attempts, job.lease_owner, job.lease_expires_at) == (1, None, None)
@@ -94,8 +111,9 @@ def test_a_lease_runs_again_on_a_connection_the_server_closed(database):
         closed_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
     with session_scope() as session:
         assert session.execute(text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": closed_pid}).scalar()
-        job = jobs.record(session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="x",
-                          trace_id=None)
+        job = jobs.record(
+            session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="x", trace_id=None
+        )
         take_pending(session)  # no worker: the test takes the lease itself
     leased = jobs.lease_and_read(job.id, "tests:owner", lease_seconds=5, reads={"kind": Job.kind})
     assert leased is not None
@@ -106,8 +124,9 @@ def test_a_lease_runs_again_on_a_connection_the_server_closed(database):
 
 def test_read_first_sees_committed_rows_outside_a_transaction(database):
     with session_scope() as session:
-        job = jobs.record(session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="r",
-                          trace_id=None)
+        job = jobs.record(
+            session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="r", trace_id=None
+        )
         take_pending(session)
     assert tuple(read_first(select(Job.status, Job.subject_id).where(Job.id == job.id))) == ("queued", "r")
     assert read_first(select(Job.status).where(Job.id == uuid.uuid4())) is None
@@ -116,36 +135,67 @@ def test_read_first_sees_committed_rows_outside_a_transaction(database):
 def test_an_event_in_one_statement_is_delivered_to_the_enabled_webhooks_subscribed_to_it(database):
     tenant_id = _tenant_id()
     with session_scope() as session:
-        hooks = {name: Webhook(tenant_id=tenant_id, name=name, url=f"https://example.com/{name}", events=events,
-                               status=status)
-                 for name, events, status in (("subscribed", ["network-token.created", "token.created"], "enabled"),
-                                              ("other-type", ["token.created"], "enabled"),
-                                              ("disabled", ["network-token.created"], "disabled"))}
+        hooks = {
+            name: Webhook(
+                tenant_id=tenant_id, name=name, url=f"https://example.com/{name}", events=events, status=status
+            )
+            for name, events, status in (
+                ("subscribed", ["network-token.created", "token.created"], "enabled"),
+                ("other-type", ["token.created"], "enabled"),
+                ("disabled", ["network-token.created"], "disabled"),
+            )
+        }
         session.add_all(hooks.values())
     with session_scope() as session:
-        event_id = emit_event(session, tenant_id=tenant_id, type="network-token.created",
-                              data={"network_token": {"id": "n1", "status": "active"}}, trace_id="trace-2")
+        event_id = emit_event(
+            session,
+            tenant_id=tenant_id,
+            type="network-token.created",
+            data={"network_token": {"id": "n1", "status": "active"}},
+            trace_id="trace-2",
+        )
         sent = take_pending(session)
     with session_scope() as session:
         event = session.get(Event, event_id)
         deliveries = session.exec(select(WebhookDelivery).where(WebhookDelivery.event_id == event_id)).scalars().all()
         delivery_jobs = [session.get(Job, d.id) for d in deliveries]
     assert (event.type, event.data, event.trace_id) == (
-        "network-token.created", {"network_token": {"id": "n1", "status": "active"}}, "trace-2")
+        "network-token.created",
+        {"network_token": {"id": "n1", "status": "active"}},
+        "trace-2",
+    )
     assert [(d.webhook_id, d.status, d.tenant_id) for d in deliveries] == [
-        (hooks["subscribed"].id, "pending", tenant_id)]
+        (hooks["subscribed"].id, "pending", tenant_id)
+    ]
     # the delivery's work is the job with its id, written by the same statement
-    assert [(j.kind, j.status, j.attempts, j.max_attempts, j.tenant_id, j.subject_type, j.subject_id, j.trace_id)
-            for j in delivery_jobs] == [(DELIVER_TASK, "queued", 0, len(get_settings().webhook_retry_delays) + 1,
-                                         tenant_id, "webhook", str(hooks["subscribed"].id), "trace-2")]
+    assert [
+        (j.kind, j.status, j.attempts, j.max_attempts, j.tenant_id, j.subject_type, j.subject_id, j.trace_id)
+        for j in delivery_jobs
+    ] == [
+        (
+            DELIVER_TASK,
+            "queued",
+            0,
+            len(get_settings().webhook_retry_delays) + 1,
+            tenant_id,
+            "webhook",
+            str(hooks["subscribed"].id),
+            "trace-2",
+        )
+    ]
     assert sent == [(DELIVER_TASK, {"delivery_ids": [str(deliveries[0].id)]})]
 
 
 def test_an_event_without_a_subscribed_webhook_is_recorded_and_sends_nothing(database):
     tenant_id = _tenant_id()
     with session_scope() as session:
-        event_id = emit_event(session, tenant_id=tenant_id, type="network-token.deleted",
-                              data={"network_token": {"id": "n2", "status": "deleted"}}, trace_id=None)
+        event_id = emit_event(
+            session,
+            tenant_id=tenant_id,
+            type="network-token.deleted",
+            data={"network_token": {"id": "n2", "status": "deleted"}},
+            trace_id=None,
+        )
         assert take_pending(session) == []
     with session_scope() as session:
         assert session.get(Event, event_id).type == "network-token.deleted"
@@ -156,6 +206,7 @@ def test_token_activity_outside_a_transaction_is_counted_once(database):
     record_token_activity_unflushed(tenant_id, ["tok_a", "tok_a", "tok_b"])
     record_token_activity_unflushed(tenant_id, ["tok_a"])
     with session_scope() as session:
-        count = session.execute(select(func.count()).select_from(TokenActivity)
-                                .where(TokenActivity.tenant_id == tenant_id)).scalar()
+        count = session.execute(
+            select(func.count()).select_from(TokenActivity).where(TokenActivity.tenant_id == tenant_id)
+        ).scalar()
     assert count == 2

@@ -42,9 +42,15 @@ celery_app.register_task(ScriptedJob())
 
 def _record(subject: str, max_attempts: int = 5) -> Job:
     with session_scope() as session:
-        return jobs.record(session, kind=ScriptedJob.name, tenant_id=None, subject_type="script",
-                           subject_id=subject, trace_id=None,
-                           max_attempts=max_attempts)
+        return jobs.record(
+            session,
+            kind=ScriptedJob.name,
+            tenant_id=None,
+            subject_type="script",
+            subject_id=subject,
+            trace_id=None,
+            max_attempts=max_attempts,
+        )
 
 
 def _job(job_id) -> Job:
@@ -93,8 +99,14 @@ def test_only_one_worker_wins_the_lease(database):
 
 def test_a_job_whose_worker_died_is_released_and_relayed(worker):
     with session_scope() as session:  # recorded, then "the worker died" holding an expired lease
-        job = Job(kind=ScriptedJob.name, subject_id="transient:0", status="running", attempts=1,
-                  lease_owner="dead", lease_expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1))
+        job = Job(
+            kind=ScriptedJob.name,
+            subject_id="transient:0",
+            status="running",
+            attempts=1,
+            lease_owner="dead",
+            lease_expires_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1),
+        )
         session.add(job)
     with session_scope() as session:
         assert outbox.release_stale_leases(session) >= 1
@@ -112,8 +124,11 @@ class _States:
         from celery import signals
 
         self.job_id, self._runs = (str(job_id) if job_id is not None else None), []
-        self._signals = {signals.task_success: self._success, signals.task_retry: self._retry,
-                         signals.task_failure: self._failure}
+        self._signals = {
+            signals.task_success: self._success,
+            signals.task_retry: self._retry,
+            signals.task_failure: self._failure,
+        }
         for signal, receiver in self._signals.items():
             signal.connect(receiver, weak=False)
 
@@ -206,9 +221,15 @@ def test_beat_sends_the_relay_only_when_something_is_due(database):
 
 def test_replaying_a_dead_mail_job_sends_the_mail(worker, tenant):
     with session_scope() as session:
-        job = jobs.record(session, kind="mail.webhook_disabled", tenant_id=tenant.id, subject_type="webhook",
-                          subject_id=str(uuid4()),
-                          trace_id=None, max_attempts=1)
+        job = jobs.record(
+            session,
+            kind="mail.webhook_disabled",
+            tenant_id=tenant.id,
+            subject_type="webhook",
+            subject_id=str(uuid4()),
+            trace_id=None,
+            max_attempts=1,
+        )
     done = _settled(job.id, "succeeded")  # no such webhook: nothing to tell, succeeded without a mail
     assert done.result == {"sent": False}
     with session_scope() as session:

@@ -42,7 +42,8 @@ def _rotation(rotation_id: uuid.UUID) -> KeyRotation:
 
 
 def test_a_worker_killed_mid_rotation_leaves_nothing_lost_or_sealed_twice(
-    database, isolated_prefix  # noqa: F811 - the fixture imported above
+    database,
+    isolated_prefix,  # noqa: F811 - the fixture imported above
 ):
     from domain.tenancy.tenants import create_tenant
 
@@ -53,13 +54,26 @@ def test_a_worker_killed_mid_rotation_leaves_nothing_lost_or_sealed_twice(
         rows = []
         for index in range(TOKENS):
             token_id = f"tok-{index}"
-            rows.append({"tenant_id": tenant.tenant_id, "id": token_id, "type": "token", "containers": ["/general/"],
-                         "metadata": {}, "search_indexes": [], "created_at": utcnow(),
-                         "data_ct": keyring.encrypt(session, tenant.tenant_id, "token", token_id,
-                                                    json.dumps({"n": index}).encode())})
+            rows.append(
+                {
+                    "tenant_id": tenant.tenant_id,
+                    "id": token_id,
+                    "type": "token",
+                    "containers": ["/general/"],
+                    "metadata": {},
+                    "search_indexes": [],
+                    "created_at": utcnow(),
+                    "data_ct": keyring.encrypt(
+                        session, tenant.tenant_id, "token", token_id, json.dumps({"n": index}).encode()
+                    ),
+                }
+            )
         session.execute(insert(table_of(Token)), rows)
-    env = {"TESSERA_REDIS_KEY_PREFIX": isolated_prefix, "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1",
-           "TESSERA_LOG_LEVEL": "WARNING"}
+    env = {
+        "TESSERA_REDIS_KEY_PREFIX": isolated_prefix,
+        "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1",
+        "TESSERA_LOG_LEVEL": "WARNING",
+    }
     log_dir = Path(tempfile.mkdtemp(prefix="tessera-rotate-kill-"))
     try:
         with processes(log_dir) as start:
@@ -75,26 +89,39 @@ def test_a_worker_killed_mid_rotation_leaves_nothing_lost_or_sealed_twice(
             killed_at = _rotation(rotation_id)
             assert killed_at.status == "running" and killed_at.done < total, killed_at
             with session_scope() as session:  # its lease ran out (without waiting the 2 minutes)
-                session.execute(update(Job).where(col(Job.id) == killed_at.job_id)
-                                .values(lease_expires_at=utcnow() - dt.timedelta(seconds=1)))
+                session.execute(
+                    update(Job)
+                    .where(col(Job.id) == killed_at.job_id)
+                    .values(lease_expires_at=utcnow() - dt.timedelta(seconds=1))
+                )
             start("worker-b", [TESSERA, "worker", "--concurrency", "1", "-n", "b@%h"], env)
-            done = wait_until(lambda: (r := _rotation(rotation_id)).status == "completed" and r, timeout=240,
-                              interval=0.2)
+            done = wait_until(
+                lambda: (r := _rotation(rotation_id)).status == "completed" and r, timeout=240, interval=0.2
+            )
     except BaseException:
         print(_log_tail(log_dir), file=sys.stderr)
         raise
     assert done.done == total  # each value counted (and sealed) once, across the kill
     with session_scope() as session:
         report = service.tenant_status(session, tenant.tenant_id)
-        heads = {bytes(ct[:5]) for ct in session.exec(select(Token.data_ct).where(
-            col(Token.tenant_id) == tenant.tenant_id)).all()}
+        heads = {
+            bytes(ct[:5])
+            for ct in session.exec(select(Token.data_ct).where(col(Token.tenant_id) == tenant.tenant_id)).all()
+        }
     assert heads == {version_head(done.version)}
     assert [(v["version"], v["state"], v["values"]) for v in report["versions"]] == [
-        (1, "destroyed", 0), (2, "active", TOKENS + 1)]
+        (1, "destroyed", 0),
+        (2, "active", TOKENS + 1),
+    ]
     keyring.forget(tenant.tenant_id)
     with session_scope() as session:
-        sample = session.exec(select(Token).where(col(Token.tenant_id) == tenant.tenant_id,
-                                                  col(Token.id).in_([f"tok-{i}" for i in range(0, TOKENS, 997)]))).all()
-        opened = {row.id: json.loads(keyring.decrypt(session, tenant.tenant_id, "token", row.id, row.data_ct))
-                  for row in sample}
+        sample = session.exec(
+            select(Token).where(
+                col(Token.tenant_id) == tenant.tenant_id, col(Token.id).in_([f"tok-{i}" for i in range(0, TOKENS, 997)])
+            )
+        ).all()
+        opened = {
+            row.id: json.loads(keyring.decrypt(session, tenant.tenant_id, "token", row.id, row.data_ct))
+            for row in sample
+        }
     assert opened == {f"tok-{i}": {"n": i} for i in range(0, TOKENS, 997)}

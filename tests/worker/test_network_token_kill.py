@@ -48,14 +48,21 @@ class Processes:
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         with open(self.log_dir / f"{name}.log", "wb") as log:
-            child = subprocess.Popen([str(BIN / "tessera"), *args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+            child = subprocess.Popen(
+                [str(BIN / "tessera"), *args],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.children[name] = child
         return child
 
     def run(self, *args: str) -> str:
-        return subprocess.run([str(BIN / "tessera"), *args], env=self.env, capture_output=True, text=True,
-                              check=True, timeout=60).stdout
+        return subprocess.run(
+            [str(BIN / "tessera"), *args], env=self.env, capture_output=True, text=True, check=True, timeout=60
+        ).stdout
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         child = self.children[name]
@@ -64,8 +71,10 @@ class Processes:
         child.wait(10)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {path.name} ---\n" + path.read_text(errors="replace")[-3000:]
-                         for path in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"--- {path.name} ---\n" + path.read_text(errors="replace")[-3000:]
+            for path in sorted(self.log_dir.glob("*.log"))
+        )
 
     def stop_all(self) -> None:
         for child in self.children.values():
@@ -80,8 +89,9 @@ class Processes:
                 child.wait(5)
 
 
-def own_platform(name: str, sandbox_url: str, api_port: int, settings: dict[str, str], *,
-                 database_server: str = TEST_DATABASE_URL) -> tuple[str, Path, dict]:
+def own_platform(
+    name: str, sandbox_url: str, api_port: int, settings: dict[str, str], *, database_server: str = TEST_DATABASE_URL
+) -> tuple[str, Path, dict]:
     """``(database URL, work dir, environment)`` for the processes of a platform of its own: a migrated
     database ``<the run's>_<name>`` (on ``database_server``'s server), a Redis key prefix and a master
     key of its own, ``settings`` on top."""
@@ -112,12 +122,17 @@ def isolated(redis_flushed):
 
     sandbox_port, api_port = free_port(), free_port()
     stop_sandbox = serve(lambda: make_app(slow_seconds=SLOW_SECONDS), sandbox_port)
-    database_url, work_dir, env = own_platform("kill", f"http://127.0.0.1:{sandbox_port}", api_port, {
-        "TESSERA_JOB_LEASE_SECONDS": str(LEASE_SECONDS),
-        "TESSERA_NETWORK_TOKEN_WAIT_SECONDS": "1",
-        "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "2",
-        "TESSERA_LOG_LEVEL": "WARNING",
-    })
+    database_url, work_dir, env = own_platform(
+        "kill",
+        f"http://127.0.0.1:{sandbox_port}",
+        api_port,
+        {
+            "TESSERA_JOB_LEASE_SECONDS": str(LEASE_SECONDS),
+            "TESSERA_NETWORK_TOKEN_WAIT_SECONDS": "1",
+            "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "2",
+            "TESSERA_LOG_LEVEL": "WARNING",
+        },
+    )
     processes = Processes(work_dir, env)
     try:
         yield processes, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{sandbox_port}", database_url
@@ -131,10 +146,17 @@ def _job(database_url: str, token_id: str) -> dict:
     engine = create_engine(database_url)
     try:
         with engine.connect() as conn:
-            row = conn.execute(
-                text("SELECT status, attempts, lease_owner FROM jobs WHERE kind = 'network_tokens.provision' "
-                     "AND subject_id = :id"), {"id": token_id}
-            ).mappings().one()
+            row = (
+                conn.execute(
+                    text(
+                        "SELECT status, attempts, lease_owner FROM jobs WHERE kind = 'network_tokens.provision' "
+                        "AND subject_id = :id"
+                    ),
+                    {"id": token_id},
+                )
+                .mappings()
+                .one()
+            )
             created = conn.execute(
                 text("SELECT count(*) FROM events WHERE type = 'network-token.created'")
             ).scalar_one()
@@ -154,13 +176,16 @@ def test_a_killed_worker_does_not_provision_a_second_network_token(isolated):
         api = processes.start("api", "api")
         processes.start("beat", "beat")
         worker_a = processes.start("worker-a", "worker", "--concurrency", "1", "--hostname", "a@%h")
-        tenant = json.loads(processes.run("tenants", "create", "--name", "kill", "--owner-email",
-                                          "kill@example.com", "--json"))
+        tenant = json.loads(
+            processes.run("tenants", "create", "--name", "kill", "--owner-email", "kill@example.com", "--json")
+        )
         client = ApiClient(api_url, tenant["api_key"])
         wait_until(lambda: api.poll() is None and _answers(api_url), timeout=30)
 
-        answer = client.post("/network-tokens", {"data": {"number": SLOW, "expiration_month": 12,
-                                                          "expiration_year": time.gmtime().tm_year + 2}})
+        answer = client.post(
+            "/network-tokens",
+            {"data": {"number": SLOW, "expiration_month": 12, "expiration_year": time.gmtime().tm_year + 2}},
+        )
         assert answer.status == 202, answer
         token_id = answer.json["id"]
         # worker A has called the network and waits for its answer: kill it, pool and all
@@ -173,8 +198,11 @@ def test_a_killed_worker_does_not_provision_a_second_network_token(isolated):
 
         processes.start("worker-b", "worker", "--concurrency", "1", "--hostname", "b@%h")
         # beat releases the stale lease (after LEASE_SECONDS) and relays the job to worker B
-        active = wait_until(lambda: (body := client.get(f"/network-tokens/{token_id}").json)["status"] == "active"
-                            and body, timeout=90, interval=0.5)
+        active = wait_until(
+            lambda: (body := client.get(f"/network-tokens/{token_id}").json)["status"] == "active" and body,
+            timeout=90,
+            interval=0.5,
+        )
     except BaseException:
         print(processes.logs())
         raise
@@ -224,8 +252,13 @@ def test_a_worker_dying_after_the_network_answered_gets_the_same_token_on_retry(
         session.flush()
         doomed = jobs_.lease(session, started.job_id, "doomed-worker", lease_seconds=2)
         reads = Provision().lease_reads()  # what the lease statement reads for the provider call
-        read = dict(session.execute(select(*(value.label(name) for name, value in reads.items()))
-                                    .where(Job.id == started.job_id)).mappings().one())
+        read = dict(
+            session.execute(
+                select(*(value.label(name) for name, value in reads.items())).where(Job.id == started.job_id)
+            )
+            .mappings()
+            .one()
+        )
         session.expunge(doomed)
     # the doomed worker calls the network with the job id as idempotency key; the network answers ...
     first = Provision().perform(doomed, read)

@@ -60,7 +60,8 @@ def _node_children(worker: psutil.Process) -> list[psutil.Process]:
 
 
 def test_a_worker_killed_mid_run_leaves_the_run_failed_and_never_runs_the_code_twice(
-    database, isolated_prefix  # noqa: F811 - the fixture imported above
+    database,
+    isolated_prefix,  # noqa: F811 - the fixture imported above
 ):
     from domain.tenancy.tenants import create_tenant
 
@@ -80,8 +81,10 @@ def test_a_worker_killed_mid_run_leaves_the_run_failed_and_never_runs_the_code_t
     with session_scope() as session:
         tenant = create_tenant(session, name="kill", owner_email=f"kill-{os.urandom(4).hex()}@example.com")
     log_dir = Path(tempfile.mkdtemp(prefix="tessera-kill-"))
-    code = (f"module.exports = async () => {{ await fetch('http://127.0.0.1:{counter.port}/started');"
-            "await new Promise((r) => setTimeout(r, 25000)); return { raw: 'done' }; };")
+    code = (
+        f"module.exports = async () => {{ await fetch('http://127.0.0.1:{counter.port}/started');"
+        "await new Promise((r) => setTimeout(r, 25000)); return { raw: 'done' }; };"
+    )
     try:
         with processes(log_dir) as start:
             start("api", [TESSERA, "api"], common)
@@ -89,8 +92,9 @@ def test_a_worker_killed_mid_run_leaves_the_run_failed_and_never_runs_the_code_t
             worker_a = start("worker-a", [TESSERA, "worker", "--concurrency", "1", "-n", "a@%h"], common)
             client = ApiClient(f"http://127.0.0.1:{api_port}", tenant.api_key)
             wait_until(lambda: _answers(client), timeout=60)
-            created = client.post("/reactors", {"name": "slow", "code": code,
-                                                "runtime": {"image": "node22", "timeout": 30}})
+            created = client.post(
+                "/reactors", {"name": "slow", "code": code, "runtime": {"image": "node22", "timeout": 30}}
+            )
             assert created.status == 201, created
             reactor_id = created.json["id"]
             wait_until(lambda: client.get(f"/reactors/{reactor_id}").json["state"] == "active", timeout=120)
@@ -115,8 +119,10 @@ def test_a_worker_killed_mid_run_leaves_the_run_failed_and_never_runs_the_code_t
                 job.lease_expires_at = utcnow() - dt.timedelta(seconds=1)  # its lease ran out
 
             start("worker-b", [TESSERA, "worker", "--concurrency", "1", "-n", "b@%h"], common)
-            result = wait_until(lambda: (r := client.get(f"/reactors/{reactor_id}/results/{request_id}")).status
-                                != 404 and r, timeout=120)
+            result = wait_until(
+                lambda: (r := client.get(f"/reactors/{reactor_id}/results/{request_id}")).status != 404 and r,
+                timeout=120,
+            )
 
             assert result.status == 500, result
             assert "interrupted" in result.json["detail"]
@@ -125,8 +131,11 @@ def test_a_worker_killed_mid_run_leaves_the_run_failed_and_never_runs_the_code_t
                 run = session.get(ReactorRun, uuid.UUID(request_id))
                 job = session.get(Job, run.job_id)
                 assert (run.status, job.status, job.attempts) == ("failed", "succeeded", 2)
-                types = [e.type for e in session.exec(select(Event).where(Event.tenant_id == tenant.tenant_id))
-                         if e.data.get("request_id") == request_id]
+                types = [
+                    e.type
+                    for e in session.exec(select(Event).where(Event.tenant_id == tenant.tenant_id))
+                    if e.data.get("request_id") == request_id
+                ]
             assert types == ["reactor.invocation.failed"]
             again = client.post(f"/reactors/{reactor_id}/react-async", {"args": {}})
             wait_until(lambda: counter.hits == 2, timeout=60)  # worker B runs new invocations

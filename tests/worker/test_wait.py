@@ -71,8 +71,13 @@ async def _started(redis_url: str | None, poll_seconds: float) -> JobWaits:
     return waits
 
 
-def _wait_for(subject: str, *, redis_url: str | None = TEST_REDIS_URL, poll_seconds: float = LONG_POLL,
-              settled_before_subscribing: bool = False):
+def _wait_for(
+    subject: str,
+    *,
+    redis_url: str | None = TEST_REDIS_URL,
+    poll_seconds: float = LONG_POLL,
+    settled_before_subscribing: bool = False,
+):
     """Record a job of ``subject`` and wait for it (at most 30 s) with a :class:`JobWaits` of its own,
     started before the job is recorded, or once it has settled; ``(its outcome, the JobWaits)``."""
 
