@@ -2,47 +2,59 @@
 
 The life of a job::
 
-    queued --lease--> running --complete--> succeeded
-       ^                 |  \\--fail-----> failed      (a permanent error: recorded, not retried)
-       |                 |   \\--exhaust--> dead        (transient errors past max_attempts: a dead letter)
+    queued --lease--> running --settle--> succeeded
+       ^                 |  \\--settle---> failed      (a permanent error: recorded, not retried)
+       |                 |   \\--retry----> dead        (transient errors past max_attempts: a dead letter)
        +--retry (due_at)-+
        +-- release_stale_leases (worker died holding the lease)
 
-* :func:`record` writes the job in the caller's transaction and sends its task after the commit.
-* :func:`lease` is an atomic update that one worker wins; the lease expires after ``lease_seconds``
-  so a job whose worker died goes back to ``queued`` (``sweeps.release_stale_leases``) and the
-  outbox relay sends it again.
-* The job id is the provider-side idempotency key: a job run twice asks the provider twice with the
-  same key and gets the same answer, so nothing is done twice.
-* A request waits for the outcome with :mod:`infra.wait`: settling a job publishes it after the commit.
+One verb per step, each taking one job or many and choosing its own fast path:
 
-Work that comes in many small jobs run together (webhook deliveries: a message carries about a
-hundred) uses the batch forms: :func:`stage_many` writes the rows and sends their ids in batch
-messages (``infra.dispatch.BATCH_ARGUMENT``), :func:`lease_many_statement` takes the due ones in one
-statement (which the caller extends to read what the work needs), :func:`settle_many` and
-:func:`retry_many` settle each distinct outcome with one multi-row ``UPDATE``, and
-:func:`requeue_many` replays them. Nothing waits on these jobs: their outcomes are not published.
+* :func:`record` writes the job in the caller's transaction (into the caller's rows, the group's
+  staged rows, or the session) and sends its task after the commit;
+* :func:`lease` is an atomic update that one worker wins, reading what the work needs in the same
+  statement; the lease expires after ``lease_seconds`` so a job whose worker died goes back to
+  ``queued`` (``sweeps.release_stale_leases``) and the outbox relay sends it again; :func:`lock`
+  locks a leased job's row first in the transaction that writes its outcome;
+* :func:`settle` closes it (``succeeded``, ``failed``, ``dead``), :func:`retry` queues it for a later
+  attempt (or makes it a dead letter), :func:`requeue` replays it, :func:`cancel_if_queued` drops it.
+
+The job id is the provider-side idempotency key: a job run twice asks the provider twice with the same
+key and gets the same answer, so nothing is done twice. A request waits for one job's outcome with
+:mod:`infra.wait`: settling a job publishes it after the commit. Work that comes in many small jobs run
+together (webhook deliveries: a message carries about a hundred ids, ``infra.dispatch.BATCH_ARGUMENT``)
+passes lists of ids: one statement per step for the whole batch, and nothing waits on those outcomes.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import random
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, overload
 
-from sqlalchemy import ColumnElement, bindparam, or_, select, update
+from sqlalchemy import ColumnElement, Update, bindparam, or_, select, update
 from sqlmodel import Session, col
 
 from infra import wait
-from infra.dispatch import enqueue_after_commit, enqueue_jobs_after_commit
-from storage.db import Rows, execute_once_more_on_disconnect, get_lease_engine, rowcount, session_scope
+from infra.dispatch import enqueue_jobs_after_commit
+from storage.db import (
+    Rows,
+    execute_once_more_on_disconnect,
+    get_lease_engine,
+    is_staging,
+    rowcount,
+    session_scope,
+    stage_rows,
+)
 from storage.models import Job
 from storage.states import JOB_TAKEABLE, JOB_TERMINAL, JobStatus
 from storage.types import table_of, utcnow
 
 TERMINAL = JOB_TERMINAL
+_JOBS = table_of(Job)
 
 
 class TransientError(Exception):
@@ -74,7 +86,7 @@ def new_row(
     kind: str,
     tenant_id: uuid.UUID | None,
     subject_type: str,
-    subject_id: str,
+    subject_id: str | uuid.UUID | int,
     subject_number: int | None = None,
     operation_id: str | None = None,
     trace_id: str | None,
@@ -113,36 +125,105 @@ def new_row(
     }
 
 
-def record(session: Session, **fields: Any) -> Job:
-    """Record a job in the caller's transaction; its task ``kind`` is sent with ``job_id`` on commit.
+@overload
+def record(
+    session: Session,
+    *,
+    kind: str,
+    tenant_id: uuid.UUID | None,
+    subject_type: str,
+    subject_id: str | uuid.UUID | int,
+    trace_id: str | None,
+    subject_number: int | None = None,
+    operation_id: str | None = None,
+    max_attempts: int = 5,
+    rows: Rows | None = None,
+) -> Job: ...
 
-    ``fields``: the keyword arguments of :func:`new_row` (``kind``, ``tenant_id``, the subject,
-    ``trace_id``, ``max_attempts``). Returns the job, added to ``session``.
+
+@overload
+def record(
+    session: Session,
+    *,
+    kind: str,
+    tenant_id: uuid.UUID | None,
+    subject_type: str,
+    subjects: Sequence[tuple[uuid.UUID, str]],
+    trace_id: str | None,
+    max_attempts: int = 5,
+    rows: Rows,
+    now: dt.datetime | None = None,
+) -> list[uuid.UUID]: ...
+
+
+def record(
+    session: Session,
+    *,
+    kind: str,
+    tenant_id: uuid.UUID | None,
+    subject_type: str,
+    trace_id: str | None,
+    subject_id: str | uuid.UUID | int | None = None,
+    subjects: Sequence[tuple[uuid.UUID, str]] | None = None,
+    subject_number: int | None = None,
+    operation_id: str | None = None,
+    max_attempts: int = 5,
+    rows: Rows | None = None,
+    now: dt.datetime | None = None,
+) -> Job | list[uuid.UUID]:
+    """Record work in the caller's transaction: one ``queued`` job per subject, its task ``kind`` sent
+    with the job's id once the transaction commits (batch messages for a batched kind,
+    :data:`infra.dispatch.BATCH_ARGUMENT`).
+
+    One job (``subject_id``; the fields are those of :func:`new_row`) returns the :class:`Job`. Many
+    (``subjects``: ``[(job id, subject id)]``, all due ``now``) return their ids. Where the row goes is
+    chosen from what the caller's unit of work carries:
+
+    * ``rows`` given: queued there without an ORM object, for a caller that writes its rows in one
+      statement (:func:`storage.db.stage_rows` / :func:`storage.db.insert_rows`) before the commit, the
+      job rows before the rows that reference them (a message for a job never written is skipped: the
+      worker leases nothing); the returned job is a description, not in ``session``;
+    * ``session`` runs a group of units of work (:class:`storage.db.GroupCommit`): staged with the
+      group's rows, written in one statement before its commit (invisible to reads until then);
+    * otherwise added to ``session`` as an ORM object (written at its next flush).
+
+    Raises ValueError when neither or both of ``subject_id`` and ``subjects`` are given, or ``subjects``
+    without ``rows``.
     """
-    job = Job(**new_row(**fields))
-    session.add(job)
-    enqueue_after_commit(session, job.kind, job_id=str(job.id))
+    if (subject_id is None) == (subjects is None):
+        raise ValueError("record takes one subject_id or a list of subjects")
+    common: dict[str, Any] = {
+        "kind": kind,
+        "tenant_id": tenant_id,
+        "subject_type": subject_type,
+        "trace_id": trace_id,
+        "max_attempts": max_attempts,
+    }
+    if subjects is not None:
+        if rows is None:
+            raise ValueError("many jobs are recorded into the caller's rows")
+        now = now or utcnow()
+        ids = []
+        for job_id, subject in subjects:
+            row = new_row(subject_id=subject, **common)
+            row.update(id=job_id, due_at=now, created_at=now, updated_at=now)
+            rows.add(_JOBS, row)
+            ids.append(job_id)
+        enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in ids])
+        return ids
+    assert subject_id is not None  # checked above: exactly one of subject_id and subjects
+    row = new_row(subject_id=subject_id, subject_number=subject_number, operation_id=operation_id, **common)
+    job = Job(**row)
+    if rows is not None:
+        rows.add(_JOBS, row)
+    elif is_staging(session):
+        staged = Rows()
+        staged.add(_JOBS, row)
+        stage_rows(session, staged)
+    else:
+        session.add(job)
+    enqueue_jobs_after_commit(session, kind, [str(job.id)])
     return job
-
-
-def stage(session: Session, rows: Rows, **fields: Any) -> uuid.UUID:
-    """:func:`record` without an ORM object, for hot paths that write their rows in one statement:
-    the job row (:func:`new_row` of ``fields``) is queued in ``rows`` for :func:`storage.db.stage_rows`
-    / :func:`storage.db.insert_rows` in ``session``'s transaction, and its task is sent with ``job_id``
-    when that transaction commits. Returns the job id. The caller must write ``rows`` before the
-    commit (a message for a job never written is skipped by the worker: nothing is leased)."""
-    row = new_row(**fields)
-    rows.add(table_of(Job), row)
-    enqueue_after_commit(session, row["kind"], job_id=str(row["id"]))
-    return row["id"]
-
-
-def _lease_statement(job_id: uuid.UUID, owner: str, lease_seconds: float):
-    """The UPDATE taking job ``job_id`` for ``owner`` when it is takeable now (counts an attempt)."""
-    now = utcnow()
-    return _takeable_update(
-        col(Job.id) == job_id, now, now + dt.timedelta(seconds=1), owner, now + dt.timedelta(seconds=lease_seconds)
-    )
 
 
 def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
@@ -168,33 +249,24 @@ def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
     )
 
 
-def lease(session: Session, job_id: uuid.UUID, owner: str, *, lease_seconds: float) -> Job | None:
-    """Take the job for ``owner`` (one worker wins); counts an attempt. None when not takeable now."""
-    result = session.execute(_lease_statement(job_id, owner, lease_seconds))
-    if rowcount(result) != 1:
-        return None
-    return session.get(Job, job_id, populate_existing=True)
+class _PreparedLease:
+    """The lease-and-read statement of one set of ``reads``, built once with bind parameters: neither
+    the SQL tree nor its cache key is computed again per job."""
 
+    __slots__ = ("labels", "reads", "statement")
 
-class PreparedLease:
-    """The lease-and-read statement of one set of ``reads`` (see :func:`lease_and_read`), built once
-    with bind parameters: a task keeps one per process, so a run neither builds the SQL tree nor
-    computes its cache key again."""
-
-    __slots__ = ("labels", "statement")
-
-    def __init__(self, reads: Mapping[str, ColumnElement] | None = None):
-        reads = dict(reads or {})
+    def __init__(self, reads: Mapping[str, ColumnElement]):
+        self.reads = reads
         self.labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
         labelled = [expression.label(self.labels[name]) for name, expression in reads.items()]
-        now = bindparam("lease_now", type_=table_of(Job).c.updated_at.type)
+        now = bindparam("lease_now", type_=_JOBS.c.updated_at.type)
         self.statement = _takeable_update(
-            col(Job.id) == bindparam("lease_job_id", type_=table_of(Job).c.id.type),
+            col(Job.id) == bindparam("lease_job_id", type_=_JOBS.c.id.type),
             now,
-            bindparam("lease_due_by", type_=table_of(Job).c.due_at.type),
-            bindparam("lease_owner_name", type_=table_of(Job).c.lease_owner.type),
-            bindparam("lease_expires", type_=table_of(Job).c.lease_expires_at.type),
-        ).returning(*table_of(Job).columns, *labelled)
+            bindparam("lease_due_by", type_=_JOBS.c.due_at.type),
+            bindparam("lease_owner_name", type_=_JOBS.c.lease_owner.type),
+            bindparam("lease_expires", type_=_JOBS.c.lease_expires_at.type),
+        ).returning(*_JOBS.columns, *labelled)
 
     def params(self, job_id: uuid.UUID, owner: str, lease_seconds: float) -> dict[str, Any]:
         """The bind values taking ``job_id`` for ``owner`` now, for ``lease_seconds``."""
@@ -208,106 +280,179 @@ class PreparedLease:
         }
 
 
-def lease_and_read(
-    job_id: uuid.UUID,
+#: The prepared lease of each ``reads`` mapping a caller keeps (by identity: a task builds its reads
+#: once per process), so a run reuses its statement; bounded, and rebuilt when a mapping is new.
+_PREPARED: dict[int, _PreparedLease] = {}
+_NO_READS: Mapping[str, ColumnElement] = {}
+
+
+def _prepared(reads: Mapping[str, ColumnElement]) -> _PreparedLease:
+    prepared = _PREPARED.get(id(reads))
+    if prepared is None or prepared.reads is not reads:
+        if len(_PREPARED) >= 256:
+            _PREPARED.clear()
+        prepared = _PREPARED[id(reads)] = _PreparedLease(reads)
+    return prepared
+
+
+@overload
+def lease(
+    job_ids: uuid.UUID,
     owner: str,
     *,
     lease_seconds: float,
     reads: Mapping[str, ColumnElement] | None = None,
-    prepared: PreparedLease | None = None,
-) -> tuple[Job, dict[str, Any]] | None:
-    """Take the job for ``owner`` like :func:`lease` and read, in the same statement, what its work
-    needs: ``reads`` maps names to scalar SQL expressions over the job row (correlated subqueries);
-    ``prepared``, when given, is the :class:`PreparedLease` of those reads (built once, reused).
+    session: Session | None = None,
+) -> tuple[Job, dict[str, Any]] | None: ...
 
-    Returns the detached job and ``{name: value}``; None when the job is not takeable now. On
-    PostgreSQL this is one ``UPDATE ... RETURNING`` committed without waiting for the WAL flush (a
-    lease lost in a database crash only means the job is taken again, with the same idempotency
-    key); elsewhere :func:`lease` and a SELECT in one transaction.
+
+@overload
+def lease(
+    job_ids: Sequence[uuid.UUID], owner: str, *, lease_seconds: float, now: dt.datetime | None = None
+) -> Update: ...
+
+
+def lease(
+    job_ids: uuid.UUID | Sequence[uuid.UUID],
+    owner: str,
+    *,
+    lease_seconds: float,
+    reads: Mapping[str, ColumnElement] | None = None,
+    now: dt.datetime | None = None,
+    session: Session | None = None,
+) -> tuple[Job, dict[str, Any]] | Update | None:
+    """Take jobs for ``owner`` when they are takeable now (queued or running, due, no live lease): one
+    worker wins, a duplicate message or a second worker gets nothing; counts an attempt each; the
+    lease expires after ``lease_seconds`` (then ``sweeps.release_stale_leases`` queues the job again).
+
+    One job (``job_ids`` a UUID): taken and read in its own short transaction; ``reads`` maps names
+    to scalar SQL expressions over the job row (correlated subqueries) that the work needs. Returns
+    the detached job and ``{name: value}``, or None when the job is not takeable now. On PostgreSQL
+    one prepared ``UPDATE ... RETURNING`` (built once per ``reads`` mapping and reused; committed
+    without waiting for the WAL flush: a lease lost in a database crash only means the job is taken
+    again, with the same idempotency key); elsewhere an ``UPDATE`` and a ``SELECT`` in one transaction.
+    Given a ``session``, the job is taken in that session's transaction instead (it may be a job that
+    transaction recorded) and returned loaded in it.
+
+    Many jobs (a list of ids): returns the one ``UPDATE`` taking every takeable job of the list, for
+    the caller to extend with what its work reads (``.where()`` over other tables, an ``UPDATE ...
+    FROM`` on PostgreSQL, and ``.returning()``) and run in its session.
     """
-    reads = dict(reads or {})
+    if not isinstance(job_ids, uuid.UUID):
+        now = now or utcnow()
+        return _takeable_update(
+            col(Job.id).in_(list(job_ids)),
+            now,
+            now + dt.timedelta(seconds=1),
+            owner,
+            now + dt.timedelta(seconds=lease_seconds),
+        )
+    job_id = job_ids
+    prepared = _prepared(reads if reads is not None else _NO_READS)
+    if session is not None:
+        return _lease_in(session, job_id, owner, lease_seconds, prepared)
     engine = get_lease_engine()
     if engine is not None:
-        prepared = prepared or PreparedLease(reads)
         row = execute_once_more_on_disconnect(engine, prepared.statement, prepared.params(job_id, owner, lease_seconds))
         if row is None:
             return None
-        job = Job.model_validate({column.name: row[column] for column in table_of(Job).columns})
+        job = Job.model_validate({column.name: row[column] for column in _JOBS.columns})
         return job, {name: row[label] for name, label in prepared.labels.items()}
-    labels = {name: f"read_{index}" for index, name in enumerate(reads)}
-    labelled = [expression.label(labels[name]) for name, expression in reads.items()]
-    with session_scope() as session:
-        taken = lease(session, job_id, owner, lease_seconds=lease_seconds)
-        if taken is None:
-            return None
-        values = session.execute(select(*labelled).where(col(Job.id) == job_id)).mappings().one() if labelled else {}
-        session.expunge(taken)
-    return taken, {name: values[labels[name]] for name in reads}
+    with session_scope() as own:
+        leased = _lease_in(own, job_id, owner, lease_seconds, prepared)
+        if leased is not None:
+            own.expunge(leased[0])
+    return leased
 
 
-def _close(
-    session: Session, job: Job, status: JobStatus, *, error: str | None = None, result: dict | None = None
-) -> None:
-    """Settle the job; its outcome is published to a waiting request once the transaction commits."""
-    job.status = status
-    job.lease_owner = None
-    job.lease_expires_at = None
-    job.updated_at = utcnow()
-    if error is not None:
-        job.last_error = error[:1000]
-    if result is not None:
-        job.result = result
-    session.add(job)
-    wait.announce_on_commit(session, job.id, status, job.result)
-
-
-def complete(session: Session, job: Job, *, result: dict | None = None) -> None:
-    """Mark the job succeeded (in the transaction that writes its outcome)."""
-    _close(session, job, JobStatus.SUCCEEDED, result=result)
-
-
-def fail(session: Session, job: Job, *, error: str, result: dict | None = None) -> None:
-    """Mark the job failed for good (a permanent error), with its error recorded."""
-    _close(session, job, JobStatus.FAILED, error=error, result=result)
-
-
-_JOBS = table_of(Job)
-#: Prepared once (bind parameters): a worker neither builds these SQL trees nor their cache keys per job.
-_LOCK_LEASED = select(_JOBS.c.id).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).with_for_update()
-_COMPLETE_LEASED = {
-    with_result: update(_JOBS)
-    .where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type))
-    .values(
-        status=JobStatus.SUCCEEDED,
-        lease_owner=None,
-        lease_expires_at=None,
-        updated_at=bindparam("now", type_=_JOBS.c.updated_at.type),
-        **({"result": bindparam("result", type_=_JOBS.c.result.type)} if with_result else {}),
+def _lease_in(
+    session: Session, job_id: uuid.UUID, owner: str, lease_seconds: float, prepared: _PreparedLease
+) -> tuple[Job, dict[str, Any]] | None:
+    """:func:`lease` of one job in ``session``'s transaction: an ``UPDATE``, then the job and its reads."""
+    now = utcnow()
+    statement = _takeable_update(
+        col(Job.id) == job_id, now, now + dt.timedelta(seconds=1), owner, now + dt.timedelta(seconds=lease_seconds)
     )
-    for with_result in (False, True)
-}
+    if rowcount(session.execute(statement)) != 1:
+        return None
+    taken = session.get(Job, job_id, populate_existing=True)
+    if taken is None:
+        return None
+    labelled = [expression.label(prepared.labels[name]) for name, expression in prepared.reads.items()]
+    values = session.execute(select(*labelled).where(col(Job.id) == job_id)).mappings().one() if labelled else {}
+    return taken, {name: values[prepared.labels[name]] for name in prepared.reads}
 
 
-def lock_leased(session: Session, job_id: uuid.UUID) -> None:
+#: Prepared once (bind parameters): a worker neither builds these SQL trees nor their cache keys per job.
+_LOCK = select(_JOBS.c.id).where(_JOBS.c.id == bindparam("job_id", type_=_JOBS.c.id.type)).with_for_update()
+
+
+def lock(session: Session, job_id: uuid.UUID) -> None:
     """Lock job ``job_id``'s row for the rest of ``session``'s transaction (``SELECT ... FOR UPDATE``
     of its id only, no ORM object): the first lock of a transaction writing the outcome of a job
     this worker leased (the lock order: the job row, then what the job works on)."""
-    session.execute(_LOCK_LEASED, {"job_id": job_id})
+    session.execute(_LOCK, {"job_id": job_id})
 
 
-def complete_leased(session: Session, job: Job, *, result: dict | None = None) -> None:
-    """:func:`complete` for a job that is not in ``session`` (the detached job of
-    :func:`lease_and_read`, its row locked by :func:`lock_leased`): one ``UPDATE`` without ORM
-    objects; ``job`` gets the same values; the outcome is published once the transaction commits."""
-    now = utcnow()
-    params: dict[str, Any] = {"job_id": job.id, "now": now}
+_SETTLED = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.DEAD)
+
+
+def settle(
+    session: Session,
+    jobs: Job | Sequence[uuid.UUID],
+    status: JobStatus,
+    *,
+    error: str | None = None,
+    result: dict | None = None,
+    now: dt.datetime | None = None,
+) -> None:
+    """Close jobs as ``status``: ``succeeded``, ``failed`` (a permanent error, not retried) or ``dead``
+    (attempts spent: a dead letter, which :func:`requeue` replays); the lease released, ``error``
+    (first 1,000 characters) and ``result`` recorded when given. Raises ValueError for another status.
+
+    One job (a :class:`Job`): its outcome is published to a waiting request once the transaction
+    commits (:mod:`infra.wait`). A job in ``session`` (ORM-loaded) is changed in place; a detached job
+    (as :func:`lease` returns it, its row locked by :func:`lock`) is settled by one prepared ``UPDATE``
+    without ORM objects and gets the same values. Many jobs (a list of ids): one multi-row ``UPDATE``;
+    nothing waits on them, so nothing is published.
+    """
+    if status not in _SETTLED:
+        raise ValueError(f"a job is not settled as {status}")
+    now = now or utcnow()
+    values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None, "updated_at": now}
+    if error is not None:
+        values["last_error"] = error[:1000]
     if result is not None:
-        params["result"] = result
-    session.execute(_COMPLETE_LEASED[result is not None], params)
-    job.status, job.lease_owner, job.lease_expires_at, job.updated_at = JobStatus.SUCCEEDED, None, None, now
-    if result is not None:
-        job.result = result
-    wait.announce_on_commit(session, job.id, job.status, job.result)
+        values["result"] = result
+    if not isinstance(jobs, Job):
+        if jobs:
+            session.execute(
+                update(Job)
+                .where(col(Job.id).in_(list(jobs)))
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+        return
+    job = jobs
+    if job in session:
+        for name, value in values.items():
+            setattr(job, name, value)
+        session.add(job)
+    else:
+        session.execute(_settle_statement(tuple(sorted(values))), {"settle_job_id": job.id, **values})
+        for name, value in values.items():
+            setattr(job, name, value)
+    wait.announce_on_commit(session, job.id, status, job.result)
+
+
+@functools.cache
+def _settle_statement(names: tuple[str, ...]) -> Update:
+    """The prepared ``UPDATE`` of one job's ``names`` columns (bind parameters of the same names)."""
+    return (
+        update(_JOBS)
+        .where(_JOBS.c.id == bindparam("settle_job_id", type_=_JOBS.c.id.type))
+        .values({name: bindparam(name, type_=_JOBS.c[name].type) for name in names})
+    )
 
 
 def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> float:
@@ -316,158 +461,98 @@ def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> f
     return delay * random.uniform(0.8, 1.2)
 
 
-def schedule_retry(
-    session: Session, job: Job, *, error: str, delay: float | None = None, backoff_base: float = 2.0
-) -> float | None:
-    """Put the job back to ``queued`` for a later attempt, or to ``dead`` when its attempts are spent.
+@overload
+def retry(
+    session: Session, jobs: Job, *, error: str, delay: float | None = None, backoff_base: float = 2.0
+) -> float | None: ...
 
-    Returns the delay in seconds, or None when the job became a dead letter. The job's message is
-    sent after the commit as a countdown when the delay is at most a minute
-    (:func:`infra.dispatch.enqueue_after_commit`); a longer delay waits as ``due_at`` for the relay.
+
+@overload
+def retry(
+    session: Session, jobs: Sequence[uuid.UUID], *, error: str, delay: float, kind: str, now: dt.datetime | None = None
+) -> float: ...
+
+
+def retry(
+    session: Session,
+    jobs: Job | Sequence[uuid.UUID],
+    *,
+    error: str,
+    delay: float | None = None,
+    backoff_base: float = 2.0,
+    kind: str | None = None,
+    now: dt.datetime | None = None,
+) -> float | None:
+    """Put jobs back to ``queued`` for a later attempt (lease released, ``error`` recorded); their task
+    is sent after the commit as a countdown when the delay is at most a minute
+    (:func:`infra.dispatch.enqueue_after_commit`), else the relay sends it when ``due_at`` comes.
+
+    One job (a :class:`Job` in ``session``): due after ``delay`` seconds, or the exponential backoff
+    from ``backoff_base`` when ``delay`` is None; a job whose attempts are spent becomes ``dead`` (a
+    dead letter, published to a waiting request). Returns the delay, or None for a dead letter.
+    Many jobs (a list of ids of ``kind``): one ``UPDATE``, all due in ``delay``; returns ``delay``.
+    Raises ValueError for many jobs without ``kind`` or ``delay``.
     """
+    now = now or utcnow()
+    if not isinstance(jobs, Job):
+        if kind is None or delay is None:
+            raise ValueError("many jobs are retried with their kind and one delay")
+        if jobs:
+            session.execute(
+                update(Job)
+                .where(col(Job.id).in_(list(jobs)))
+                .values(
+                    status=JobStatus.QUEUED,
+                    lease_owner=None,
+                    lease_expires_at=None,
+                    last_error=error[:1000],
+                    due_at=now + dt.timedelta(seconds=delay),
+                    enqueued_at=None,
+                    updated_at=now,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in jobs], delay=delay)
+        return delay
+    job = jobs
     if job.attempts >= job.max_attempts:
-        _close(session, job, JobStatus.DEAD, error=error)
+        settle(session, job, JobStatus.DEAD, error=error, now=now)
         return None
     delay = backoff_seconds(job.attempts, base=backoff_base) if delay is None else delay
     job.status = JobStatus.QUEUED
     job.lease_owner = None
     job.lease_expires_at = None
     job.last_error = error[:1000]
-    job.due_at = utcnow() + dt.timedelta(seconds=delay)
+    job.due_at = now + dt.timedelta(seconds=delay)
     job.enqueued_at = None
-    job.updated_at = utcnow()
+    job.updated_at = now
     session.add(job)
-    enqueue_after_commit(session, job.kind, delay=delay, job_id=str(job.id))
+    enqueue_jobs_after_commit(session, job.kind, [str(job.id)], delay=delay)
     return delay
 
 
-def requeue(session: Session, job: Job) -> None:
-    """Replay a dead or failed job: queued again now with a fresh attempt budget (sent on commit)."""
-    job.status = JobStatus.QUEUED
-    job.attempts = 0
-    job.due_at = utcnow()
-    job.enqueued_at = None
-    job.lease_owner = None
-    job.lease_expires_at = None
-    job.updated_at = utcnow()
-    session.add(job)
-    enqueue_after_commit(session, job.kind, job_id=str(job.id))
-
-
-def cancel_if_queued(session: Session, job_id: uuid.UUID) -> None:
-    """Cancel a job nobody took yet (its waiting request gave up); a running job runs to its end."""
-    session.execute(
-        update(Job)
-        .where(col(Job.id) == job_id, col(Job.status) == JobStatus.QUEUED)
-        .values(status=JobStatus.CANCELLED, updated_at=utcnow())
-        .execution_options(synchronize_session=False)
-    )
-
-
-# ---- batch forms ---------------------------------------------------------------------------------
-
-
-def stage_many(
+def requeue(
     session: Session,
-    rows: Rows,
-    jobs: list[tuple[uuid.UUID, str]],
+    jobs: Job | Sequence[uuid.UUID],
     *,
-    kind: str,
-    tenant_id: uuid.UUID | None,
-    subject_type: str,
-    trace_id: str | None,
-    max_attempts: int,
+    kind: str | None = None,
+    fresh_budget: bool = True,
     now: dt.datetime | None = None,
-) -> None:
-    """:func:`stage` for many jobs of one kind and tenant: ``jobs`` is ``[(job id, subject id)]``; one
-    ``queued`` row each (as :func:`new_row`, with the given ids, due ``now``) is queued in ``rows``
-    (the caller writes them before the commit, before rows that reference them), and their task is
-    sent when ``session`` commits (:func:`infra.dispatch.enqueue_jobs_after_commit`: batch messages
-    for a batched kind)."""
-    if not jobs:
-        return
-    now = now or utcnow()
-    for job_id, subject_id in jobs:
-        row = new_row(
-            kind=kind,
-            tenant_id=tenant_id,
-            subject_type=subject_type,
-            subject_id=subject_id,
-            trace_id=trace_id,
-            max_attempts=max_attempts,
-        )
-        row.update(id=job_id, due_at=now, created_at=now, updated_at=now)
-        rows.add(table_of(Job), row)
-    enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id, _ in jobs])
-
-
-def lease_many_statement(job_ids: list[uuid.UUID], owner: str, *, lease_seconds: float, now: dt.datetime | None = None):
-    """The ``UPDATE`` taking, for ``owner``, every job of ``job_ids`` that is takeable now (as
-    :func:`lease`, one statement: a duplicate message or a second worker gets none of them; counts an
-    attempt each). The caller runs it, and may extend it first: ``.where()`` over other tables (an
-    ``UPDATE ... FROM`` on PostgreSQL) and ``.returning()`` of what the work needs."""
-    now = now or utcnow()
-    return _takeable_update(
-        col(Job.id).in_(job_ids), now, now + dt.timedelta(seconds=1), owner, now + dt.timedelta(seconds=lease_seconds)
-    )
-
-
-def settle_many(
-    session: Session, job_ids: list[uuid.UUID], status: str, *, error: str | None = None, now: dt.datetime | None = None
-) -> None:
-    """Close the jobs ``job_ids`` as ``status`` (``succeeded``, ``failed`` for a permanent error,
-    ``dead`` when their attempts are spent) with one ``UPDATE``, their lease released and ``error``
-    (when given) recorded. Raises ValueError for another status."""
-    if status not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.DEAD):
-        raise ValueError(f"a job is not settled as {status}")
-    if not job_ids:
-        return
-    now = now or utcnow()
-    values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None, "updated_at": now}
-    if error is not None:
-        values["last_error"] = error[:1000]
-    session.execute(
-        update(Job).where(col(Job.id).in_(job_ids)).values(**values).execution_options(synchronize_session=False)
-    )
-
-
-def retry_many(
-    session: Session, kind: str, job_ids: list[uuid.UUID], *, delay: float, error: str, now: dt.datetime | None = None
-) -> None:
-    """Put the jobs ``job_ids`` of ``kind`` back to ``queued``, due in ``delay`` seconds, with one
-    ``UPDATE`` (lease released, ``error`` recorded); their task is sent after the commit as a
-    countdown when the delay is at most a minute, else the relay sends it when it is due
-    (:func:`infra.dispatch.enqueue_jobs_after_commit`)."""
-    if not job_ids:
-        return
-    now = now or utcnow()
-    session.execute(
-        update(Job)
-        .where(col(Job.id).in_(job_ids))
-        .values(
-            status=JobStatus.QUEUED,
-            lease_owner=None,
-            lease_expires_at=None,
-            last_error=error[:1000],
-            due_at=now + dt.timedelta(seconds=delay),
-            enqueued_at=None,
-            updated_at=now,
-        )
-        .execution_options(synchronize_session=False)
-    )
-    enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in job_ids], delay=delay)
-
-
-def requeue_many(
-    session: Session, kind: str, job_ids: list[uuid.UUID], *, fresh_budget: bool, now: dt.datetime | None = None
 ) -> int:
-    """Queue the jobs ``job_ids`` of ``kind`` again, due now, with one ``UPDATE`` and send their task
-    when ``session`` commits: a settled job (a replay: ``fresh_budget`` gives it its attempts again,
-    as :func:`requeue`) or a waiting one (due now). A job a worker holds a live lease on is left to
-    that worker. Returns how many jobs were queued again."""
-    if not job_ids:
-        return 0
+    """Queue jobs again, due now, and send their task when ``session`` commits: a settled job (a
+    replay of a dead letter or a failure: ``fresh_budget`` gives it its attempts again) or a waiting
+    one (due now). One job (a :class:`Job` in ``session``) or many (a list of ids of ``kind``, one
+    ``UPDATE``). A job a worker holds a live lease on is left to that worker. Returns how many jobs
+    were queued again. Raises ValueError for many jobs without ``kind``."""
     now = now or utcnow()
+    if isinstance(jobs, Job):
+        kind, ids = jobs.kind, [jobs.id]
+    elif kind is None:
+        raise ValueError("many jobs are queued again with their kind")
+    else:
+        ids = list(jobs)
+    if not ids:
+        return 0
     values: dict[str, Any] = {
         "status": JobStatus.QUEUED,
         "due_at": now,
@@ -481,10 +566,22 @@ def requeue_many(
     count = rowcount(
         session.execute(
             update(Job)
-            .where(col(Job.id).in_(job_ids), or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now))
+            .where(col(Job.id).in_(ids), or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now))
             .values(**values)
             .execution_options(synchronize_session=False)
         )
     )
-    enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in job_ids])
+    if isinstance(jobs, Job) and count:
+        session.refresh(jobs)
+    enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in ids])
     return count
+
+
+def cancel_if_queued(session: Session, job_id: uuid.UUID) -> None:
+    """Cancel a job nobody took yet (its waiting request gave up); a running job runs to its end."""
+    session.execute(
+        update(Job)
+        .where(col(Job.id) == job_id, col(Job.status) == JobStatus.QUEUED)
+        .values(status=JobStatus.CANCELLED, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )

@@ -523,7 +523,7 @@ def retry(session: Session, settings: Settings, ref: str) -> dict[str, Any]:
     webhook = session.get(Webhook, delivery.webhook_id)
     if webhook is None or webhook.status != WebhookStatus.ENABLED:
         raise Refused(f"the webhook of delivery {job.id} is disabled; enable it first (PUT /webhooks/{{id}})")
-    jobs.requeue_many(session, job.kind, [job.id], fresh_budget=True)
+    jobs.requeue(session, job)
     delivery.completed_at = None
     session.add(delivery)
     session.flush()

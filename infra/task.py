@@ -46,7 +46,7 @@ without holding a transaction, then in one transaction writes the outcome with `
 completes the job. Domain code never sends a task nor computes a countdown: it returns an outcome or
 raises :class:`~infra.jobs.TransientError` (optionally with ``retry_after`` seconds) or
 :class:`~infra.jobs.PermanentError`. A transient error is retried with backoff
-(:func:`infra.jobs.schedule_retry`); past ``max_attempts`` the job is a dead letter; a permanent
+(:func:`infra.jobs.retry`); past ``max_attempts`` the job is a dead letter; a permanent
 error is recorded and ``on_job_failure`` runs.
 """
 
@@ -70,6 +70,7 @@ from infra.celery import QUIET_TASKS
 from infra.jobs import PermanentError, TransientError
 from storage.db import session_scope
 from storage.models import Job
+from storage.states import JobStatus
 
 log = logging.getLogger("tessera.jobs")
 
@@ -188,22 +189,22 @@ class JobTask(TesseraTask):
     backoff_base: float = 2.0
     #: True: ``apply`` gets the job as leased, not loaded into its session (it reads the job's
     #: fields and never adds, refreshes or changes the job itself): the row is locked and completed
-    #: by one statement each, no ORM object (:func:`infra.jobs.lock_leased`,
-    #: :func:`infra.jobs.complete_leased`). False (the default): a locked ORM load of the job.
+    #: by one statement each, no ORM object (:func:`infra.jobs.lock`, :func:`infra.jobs.settle` of the
+    #: detached job). False (the default): a locked ORM load of the job.
     apply_to_leased_job: bool = False
 
     def lease_reads(self) -> dict[str, Any]:
-        """What ``perform`` needs, read by the lease statement itself (:func:`infra.jobs.lease_and_read`):
+        """What ``perform`` needs, read by the lease statement itself (:func:`infra.jobs.lease`):
         name -> scalar SQL expression over the job row; ``perform(job, inputs)`` gets their values."""
         return {}
 
-    def _lease_reads(self) -> tuple[dict[str, Any], jobs.PreparedLease]:
-        """:meth:`lease_reads` and their prepared lease statement, built on a process's first run."""
-        cached = self.__dict__.get("_prepared_lease")
-        if cached is None:
-            reads = self.lease_reads()
-            cached = self.__dict__["_prepared_lease"] = (reads, jobs.PreparedLease(reads))
-        return cached
+    def _lease_reads(self) -> dict[str, Any]:
+        """:meth:`lease_reads`, built on a process's first run and kept (the same mapping each run, so
+        :func:`infra.jobs.lease` reuses its prepared statement)."""
+        reads = self.__dict__.get("_lease_reads_cache")
+        if reads is None:
+            reads = self.__dict__["_lease_reads_cache"] = self.lease_reads()
+        return reads
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """Do the slow part (provider calls) outside any transaction; return what ``apply`` needs.
@@ -223,9 +224,8 @@ class JobTask(TesseraTask):
         """Lease, perform, apply: returns ``succeeded`` or ``skipped`` (not takeable: a duplicate
         message, another worker's lease, not due yet); raises Retry or :class:`AttemptFailed` after
         recording a retry or a failure."""
-        reads, prepared = self._lease_reads()
-        leased = jobs.lease_and_read(
-            uuid.UUID(job_id), self.worker_id(), lease_seconds=self._job_lease(), reads=reads, prepared=prepared
+        leased = jobs.lease(
+            uuid.UUID(job_id), self.worker_id(), lease_seconds=self._job_lease(), reads=self._lease_reads()
         )
         if leased is None:
             return "skipped"
@@ -238,11 +238,11 @@ class JobTask(TesseraTask):
             return self._fail(job, exc)
         with self.session_scope() as session:
             if self.apply_to_leased_job:
-                jobs.lock_leased(session, job.id)  # locked first: the lock order of ``apply``
-                jobs.complete_leased(session, job, result=self.apply(session, job, outcome))
+                jobs.lock(session, job.id)  # locked first: the lock order of ``apply``
+                jobs.settle(session, job, JobStatus.SUCCEEDED, result=self.apply(session, job, outcome))
             else:
                 current = _held(session, job.id, lock=True)  # locked first, as above
-                jobs.complete(session, current, result=self.apply(session, current, outcome))
+                jobs.settle(session, current, JobStatus.SUCCEEDED, result=self.apply(session, current, outcome))
         return "succeeded"
 
     def _job_lease(self) -> float:
@@ -254,9 +254,7 @@ class JobTask(TesseraTask):
     def _retry(self, job: Job, exc: TransientError) -> str:
         with self.session_scope() as session:
             current = _held(session, job.id)
-            delay = jobs.schedule_retry(
-                session, current, error=str(exc), delay=exc.retry_after, backoff_base=self.backoff_base
-            )
+            delay = jobs.retry(session, current, error=str(exc), delay=exc.retry_after, backoff_base=self.backoff_base)
             if delay is None:
                 log.warning("job %s (%s) is a dead letter after %s attempts", job.id, job.kind, current.attempts)
                 self.on_job_failure(session, current, exc)
@@ -272,7 +270,13 @@ class JobTask(TesseraTask):
     def _fail(self, job: Job, exc: PermanentError) -> str:
         with self.session_scope() as session:
             current = _held(session, job.id)
-            jobs.fail(session, current, error=f"{exc.code}: {exc}", result={"code": exc.code, "status": exc.status})
+            jobs.settle(
+                session,
+                current,
+                JobStatus.FAILED,
+                error=f"{exc.code}: {exc}",
+                result={"code": exc.code, "status": exc.status},
+            )
             self.on_job_failure(session, current, exc)
         return self.report("failed", failed=1, error=f"{exc.code}: {exc}")
 

@@ -324,6 +324,12 @@ def _pg_text(shape: tuple) -> str:
 _STAGED = "tessera_staged_rows"
 
 
+def is_staging(session: OrmSession) -> bool:
+    """True while ``session`` runs a group of units of work (:class:`GroupCommit`): rows given to
+    :func:`stage_rows` wait for the group's one statement before its commit."""
+    return _STAGED in session.info
+
+
 def stage_rows(session: OrmSession, rows: Rows) -> None:
     """Insert ``rows`` now, or, when ``session`` runs a group of units of work
     (:class:`GroupCommit`), with the rows of the whole group in one statement before its commit."""

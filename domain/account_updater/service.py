@@ -69,8 +69,7 @@ from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tokens.cards import DEFAULT_FINGERPRINT_EXPRESSIONS, default_card_mask, validate_card
 from domain.tokens.service import DATA_PURPOSE
-from domain.webhooks.events import emit as emit_event
-from domain.webhooks.events import emit_many
+from domain.webhooks.events import emit
 from infra import jobs
 from infra.dispatch import enqueue_after_commit
 from infra.jobs import PermanentError, TransientError
@@ -523,7 +522,7 @@ def remove_expired_jobs(session: Session, *, now: dt.datetime | None = None, bat
 
 
 def _emit_outcome(session: Session, job: AccountUpdaterJob) -> None:
-    emit_event(
+    emit(
         session,
         tenant_id=job.tenant_id,
         type=COMPLETED_EVENT,
@@ -1173,13 +1172,13 @@ def bulk_insert(session: Session, table, rows: list[dict], *, ignore_conflicts: 
 def _token_created_events(
     session: Session, tenant_id: uuid.UUID, token_ids: list[str], trace_id: str | None, now: dt.datetime
 ) -> None:
-    """``token.created`` for each new token, in bulk (``domain.webhooks.events.emit_many``)."""
-    emit_many(
+    """``token.created`` for each new token, in bulk (``domain.webhooks.events.emit`` of a list)."""
+    emit(
         session,
         tenant_id=tenant_id,
         type="token.created",
         trace_id=trace_id,
-        datas=[{"token": {"id": token_id, "type": "card"}} for token_id in token_ids],
+        data=[{"token": {"id": token_id, "type": "card"}} for token_id in token_ids],
     )
 
 

@@ -110,7 +110,7 @@ def _of_rail(column):
 
 
 def enrollment_reads() -> dict[str, Any]:
-    """What an enrollment job needs, read by its lease statement (:func:`infra.jobs.lease_and_read`):
+    """What an enrollment job needs, read by its lease statement (:func:`infra.jobs.lease`):
     the rail, its payment method, the tenant's type and the payment method's card token (live or
     None, see :func:`domain.tokens.service.live_token_reads`); no transaction of its own."""
     pm_id = _of_rail(PaymentMethodRail.payment_method_id)

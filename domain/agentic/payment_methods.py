@@ -261,9 +261,7 @@ def settle_rail(
         pm.updated_at = now
     if status != RailStatus.PENDING and rail.notify:
         rail.notify = False
-        events.emit_event(
-            session, tenant_id=pm.tenant_id, type=RAIL_EVENT, data=rail_event_data(pm, rail), trace_id=trace_id
-        )
+        events.emit(session, tenant_id=pm.tenant_id, type=RAIL_EVENT, data=rail_event_data(pm, rail), trace_id=trace_id)
     session.add(rail)
     session.add(pm)
     return changed
@@ -428,16 +426,16 @@ def create_payment_method(
             rail.status, rail.error_code = RailStatus.ERROR, "PROVIDER_NOT_CONFIGURED"
             errors.append(rail)
         else:
-            rail.job_id = jobs.stage(
+            rail.job_id = jobs.record(
                 session,
-                rows,
+                rows=rows,
                 kind=ENROLL_TASK,
                 tenant_id=caller.tenant_id,
                 subject_type="rail",
                 subject_id=str(rail.id),
                 trace_id=caller.trace_id,
                 max_attempts=ENROLL_MAX_ATTEMPTS,
-            )
+            ).id
             rail.operation_id, rail.attempt = owner, "create"
             job_ids.append(rail.job_id)
         rows.add(table_of(PaymentMethodRail), row_of(rail))

@@ -178,7 +178,7 @@ def _event(
     session: Session, token_id: uuid.UUID, tenant_id: uuid.UUID, kind: str, status: str, trace_id: str | None
 ) -> None:
     """Emit ``network-token.<kind>`` with ids and status only."""
-    events.emit_event(
+    events.emit(
         session,
         tenant_id=tenant_id,
         type=f"network-token.{kind}",
@@ -379,16 +379,16 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
     source_ct = get_keyring().encrypt(
         session, caller.tenant_id, SOURCE_PURPOSE, str(token_id), json.dumps(provisioning).encode()
     )
-    job_id = jobs.stage(
+    job_id = jobs.record(
         session,
-        rows,
+        rows=rows,
         kind=PROVISION_TASK,
         tenant_id=caller.tenant_id,
         subject_type=SUBJECT,
         subject_id=str(token_id),
         trace_id=caller.trace_id,
         max_attempts=PROVISION_MAX_ATTEMPTS,
-    )
+    ).id
     rows.add(
         _TOKENS,
         {
@@ -508,7 +508,7 @@ def _tenant_type() -> ScalarSelect:
 
 
 def provisioning_reads() -> dict[str, ScalarSelect]:
-    """What a provisioning job needs, read by its lease statement (:func:`infra.jobs.lease_and_read`):
+    """What a provisioning job needs, read by its lease statement (:func:`infra.jobs.lease`):
     the tenant's type and the network token's tenant, status, sealed input and merchant."""
     return {
         "tenant_type": _tenant_type(),

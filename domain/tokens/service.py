@@ -26,7 +26,7 @@ Rules kept here:
 * **Log rows and events.** One log row per token touched (entity type = token type); events
   ``token.created``, ``token.updated`` and ``token.deleted`` carry ``{"token": {"id", "type"}}`` only
   and are recorded when an enabled webhook of the tenant subscribes to the type
-  (``domain.webhooks.events.stage_events``).
+  (``domain.webhooks.events.emit`` into the caller's rows).
 * **The hot path** (tokenize, create, reads, list, search) builds no ORM objects: new tokens are
   :class:`NewToken` rows, reads select plain rows, and the rows a unit of work writes (tokens,
   metadata, blind indexes, log rows, events, deliveries, activity) go out in one statement
@@ -615,7 +615,7 @@ def open_token_data(
 def live_token_reads(tenant_id, token_id, *, now: dt.datetime | None = None) -> dict[str, Any]:
     """What :func:`open_token_data` needs of the live token ``token_id`` of ``tenant_id`` (both SQL
     expressions, e.g. over a job row), as scalar subqueries for a lease statement
-    (:func:`infra.jobs.lease_and_read`): ``token_type``, ``token_data_ct``, ``token_cvc_expires_at``
+    (:func:`infra.jobs.lease`): ``token_type``, ``token_data_ct``, ``token_cvc_expires_at``
     (each None when the token is missing or expired). Like :func:`load_token_data`, no permission
     check and no log row; the caller also counts the token's activity."""
     live = (Token.tenant_id == tenant_id, Token.id == token_id, _live(now or utcnow()))
@@ -723,13 +723,13 @@ def _touch(
     ``token.<event>`` (written only when a webhook of the tenant subscribes to it)."""
     audit.stage(rows, caller, entity_type=token.type, entity_id=token.id, operation=operation)
     if event:
-        events.stage_events(
+        events.emit(
             session,
-            rows,
             tenant_id=token.tenant_id,
             type=f"token.{event}",
-            datas=[{"token": {"id": token.id, "type": token.type}}],
+            data={"token": {"id": token.id, "type": token.type}},
             trace_id=caller.trace_id,
+            rows=rows,
         )
 
 

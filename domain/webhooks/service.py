@@ -32,6 +32,7 @@ import datetime as dt
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import delete, distinct, func, insert, or_, update
@@ -48,11 +49,12 @@ from infra.errors import not_found, validation_problem
 from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many, validate_destination_url
 from infra.lookup import get_owned
 from infra.signing import headers as signature_headers
+from storage import sql
 from storage.db import rowcount, session_scope
 from storage.keyset import keyset_page
 from storage.models import DELIVERY_STATUS, Event, Job, Tenant, Webhook, WebhookAttempt, WebhookDelivery
 from storage.states import JOB_TAKEABLE, DeliveryStatus, JobStatus, WebhookStatus
-from storage.types import utcnow
+from storage.types import table_of, utcnow
 
 NOTIFY_TASK = "mail.webhook_disabled"
 
@@ -240,7 +242,7 @@ def list_deliveries(
         for attempt in session.exec(
             select(WebhookAttempt)
             .where(col(WebhookAttempt.delivery_id).in_([row[0].id for row in rows]))
-            .order_by(col(WebhookAttempt.attempted_at), WebhookAttempt.number)
+            .order_by(col(WebhookAttempt.attempted_at), col(WebhookAttempt.number))
         ):
             attempts.setdefault(attempt.delivery_id, []).append(attempt)
     return [
@@ -256,10 +258,13 @@ def redeliver(session: Session, caller: Caller, webhook_id: uuid.UUID, delivery_
     delivery = session.get(WebhookDelivery, delivery_id) if delivery_id else None
     if delivery is None or delivery.webhook_id != webhook.id:
         raise not_found("delivery")
-    jobs.requeue_many(session, DELIVER_TASK, [delivery.id], fresh_budget=False)
+    jobs.requeue(session, [delivery.id], kind=DELIVER_TASK, fresh_budget=False)
     delivery.completed_at = None
     session.add(delivery)
-    event_type = session.get(Event, delivery.event_id).type
+    event = session.get(Event, delivery.event_id)
+    if event is None:  # a delivery's event is deleted only with the delivery (cascade)
+        raise not_found("delivery")
+    event_type = event.type
     audit.record(session, caller, entity_type="webhook", entity_id=webhook.id, operation="update")
     return delivery_view(delivery, JobStatus.QUEUED, utcnow(), event_type, [])
 
@@ -296,48 +301,38 @@ class BatchOutcome:
 
 #: What an attempt reads with its lease: its job, its webhook, its event, its tenant's sealed secret.
 _LEASED_COLUMNS = (
-    Job.id,
-    Job.attempts,
-    Job.max_attempts,
-    Webhook.id,
-    Webhook.url,
-    Webhook.status,
-    Event.id,
-    Event.type,
-    Event.created_at,
-    Event.tenant_id,
-    Event.trace_id,
-    Event.data,
-    Tenant.webhook_secret_ct,
-    Tenant.deleted_at,
+    col(Job.id),
+    col(Job.attempts),
+    col(Job.max_attempts),
+    col(Webhook.id),
+    col(Webhook.url),
+    col(Webhook.status),
+    col(Event.id),
+    col(Event.type),
+    col(Event.created_at),
+    col(Event.tenant_id),
+    col(Event.trace_id),
+    col(Event.data),
+    col(Tenant.webhook_secret_ct),
+    col(Tenant.deleted_at),
+)
+#: How a delivery's job relates to its delivery, event, webhook and tenant.
+_LEASED_JOINS = (
+    col(WebhookDelivery.id) == col(Job.id),
+    col(Event.id) == col(WebhookDelivery.event_id),
+    col(Webhook.id) == col(WebhookDelivery.webhook_id),
+    col(Tenant.id) == col(WebhookDelivery.tenant_id),
 )
 
 
-def _lease_and_read(session: Session, delivery_ids: list[uuid.UUID], owner: str, lease_seconds: float) -> list:
-    """Lease the job of every takeable delivery of ``delivery_ids`` (:func:`infra.jobs.lease_many_statement`)
-    and read each with its webhook, event and tenant: on PostgreSQL one ``UPDATE jobs ... FROM
-    webhook_deliveries, events, webhooks, tenants ... RETURNING``; SQLite (the embedded default)
-    returns only the updated table's columns, so there the rows are read by a second query."""
-    statement = jobs.lease_many_statement(delivery_ids, owner, lease_seconds=lease_seconds)
-    if session.get_bind().dialect.name == "postgresql":
-        statement = statement.where(
-            WebhookDelivery.id == Job.id,
-            Event.id == WebhookDelivery.event_id,
-            Webhook.id == WebhookDelivery.webhook_id,
-            Tenant.id == WebhookDelivery.tenant_id,
-        ).returning(*_LEASED_COLUMNS)
-        return session.execute(statement).all()
-    leased = session.execute(statement.returning(Job.id)).scalars().all()
-    if not leased:
-        return []
-    return session.execute(
-        select(*_LEASED_COLUMNS)
-        .join(WebhookDelivery, WebhookDelivery.id == Job.id)
-        .join(Event, Event.id == WebhookDelivery.event_id)
-        .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
-        .join(Tenant, Tenant.id == WebhookDelivery.tenant_id)
-        .where(col(Job.id).in_(leased))
-    ).all()
+def _lease_and_read(session: Session, delivery_ids: list[uuid.UUID], owner: str, lease_seconds: float) -> Sequence:
+    """Lease the job of every takeable delivery of ``delivery_ids`` (:func:`infra.jobs.lease` of a list)
+    and read each with its webhook, event and tenant (:func:`storage.sql.update_returning`: one
+    ``UPDATE jobs ... FROM webhook_deliveries, events, webhooks, tenants ... RETURNING`` on PostgreSQL)."""
+    statement = jobs.lease(delivery_ids, owner, lease_seconds=lease_seconds)
+    return sql.update_returning(
+        session, statement, key=table_of(Job).c.id, joins=_LEASED_JOINS, columns=_LEASED_COLUMNS
+    )
 
 
 def lease_batch(
@@ -395,8 +390,8 @@ def lease_batch(
 
 def lease_delivery(session: Session, delivery_id: uuid.UUID, owner: str, *, lease_seconds: float) -> bool:
     """Take the lease on the job of one due delivery (see :func:`lease_batch`); False when taken."""
-    statement = jobs.lease_many_statement([delivery_id], owner, lease_seconds=lease_seconds)
-    return rowcount(session.execute(statement.where(Job.kind == DELIVER_TASK))) == 1
+    statement = jobs.lease([delivery_id], owner, lease_seconds=lease_seconds)
+    return rowcount(session.execute(statement.where(col(Job.kind) == DELIVER_TASK))) == 1
 
 
 def _retry_delay(result: DeliveryResult, attempt_number: int, settings: Settings) -> float | None:
@@ -417,7 +412,7 @@ def record_outcomes(
     settings: Settings,
 ) -> BatchOutcome:
     """Record a batch of attempts: one multi-row INSERT of the attempt rows, and per distinct outcome
-    one UPDATE of the jobs (:func:`infra.jobs.settle_many`, :func:`infra.jobs.retry_many`) and one of
+    one UPDATE of the jobs (:func:`infra.jobs.settle`, :func:`infra.jobs.retry` of lists) and one of
     the delivery rows (last status code, completed time); in practice one of each: every delivery
     succeeded. Retries are scheduled by ``due_at`` and sent after the commit (a countdown up to a
     minute, the relay beyond).
@@ -432,7 +427,7 @@ def record_outcomes(
     now = utcnow()
     outcome = BatchOutcome(counts={})
     if closed:
-        jobs.settle_many(session, closed, JobStatus.FAILED, error="the webhook is disabled", now=now)
+        jobs.settle(session, closed, JobStatus.FAILED, error="the webhook is disabled", now=now)
         _update_deliveries(session, closed, completed_at=now)
         outcome.counts["closed"] = len(closed)
         outcome.failed += len(closed)
@@ -454,14 +449,15 @@ def record_outcomes(
             for p, r in zip(prepared, results, strict=True)
         ],
     )
-    groups: dict[tuple, list[uuid.UUID]] = {}
+    Group = tuple[JobStatus, int | None, str | None, float | None]  # status, HTTP status, error, retry delay
+    groups: dict[Group, list[uuid.UUID]] = {}
     succeeded: set[uuid.UUID] = set()
     failing: set[uuid.UUID] = set()
     for p, r in zip(prepared, results, strict=True):
         outcome.counts[r.outcome] = outcome.counts.get(r.outcome, 0) + 1
         if r.outcome == "success":
             succeeded.add(p.webhook_id)
-            key = (JobStatus.SUCCEEDED, r.status_code, None, None)
+            key: Group = (JobStatus.SUCCEEDED, r.status_code, None, None)
         else:
             failing.add(p.webhook_id)
             error = (r.error or f"HTTP {r.status_code}")[:500]
@@ -477,12 +473,12 @@ def record_outcomes(
                 outcome.failed += 1
                 key = (JobStatus.FAILED, r.status_code, error, None)
         groups.setdefault(key, []).append(p.delivery_id)
-    for (status, status_code, error, delay), ids in groups.items():
-        if status == JobStatus.QUEUED:
-            jobs.retry_many(session, DELIVER_TASK, ids, delay=delay, error=error, now=now)
+    for (status, status_code, reason, wait_seconds), ids in groups.items():
+        if status == JobStatus.QUEUED and wait_seconds is not None:
+            jobs.retry(session, ids, kind=DELIVER_TASK, delay=wait_seconds, error=reason or "", now=now)
             _update_deliveries(session, ids, last_status_code=status_code)
         else:
-            jobs.settle_many(session, ids, status, error=error, now=now)
+            jobs.settle(session, ids, status, error=reason, now=now)
             _update_deliveries(session, ids, last_status_code=status_code, completed_at=now)
     cleared = succeeded - failing
     if cleared:
@@ -570,9 +566,8 @@ def postpone_busy_tenants(
     tenants = sorted(
         set(session.execute(select(Job.tenant_id).where(col(Job.id).in_(delivery_ids))).scalars()), key=str
     )
-    if session.get_bind().dialect.name == "postgresql":
-        for tenant_id in tenants:
-            session.execute(select(func.pg_advisory_xact_lock(func.hashtext(str(tenant_id)))))
+    for tenant_id in tenants:
+        sql.lock_key(session, str(tenant_id))
     waiting = (col(Job.kind) == DELIVER_TASK, col(Job.status).in_(JOB_TAKEABLE))  # ix_jobs_deliveries_waiting
     busy = []
     for tenant_id in tenants:
@@ -588,10 +583,10 @@ def postpone_busy_tenants(
         if behind is None:
             continue
         held = session.execute(
-            select(func.count(distinct(Job.lease_owner))).where(
+            select(func.count(distinct(col(Job.lease_owner)))).where(
                 *waiting,
-                Job.tenant_id == tenant_id,
-                Job.status == JobStatus.RUNNING,
+                col(Job.tenant_id) == tenant_id,
+                col(Job.status) == JobStatus.RUNNING,
                 col(Job.lease_expires_at) > now,
             )
         ).scalar_one()

@@ -44,9 +44,7 @@ def _emit(tenant_id: uuid.UUID, count: int = 1) -> tuple[list[uuid.UUID], list[t
             events.emit(session, tenant_id=tenant_id, type="token.created", data={"n": n}, trace_id="t-1")
             for n in range(count)
         ]
-        ids = list(
-            session.exec(select(WebhookDelivery.id).where(WebhookDelivery.event_id.in_([e.id for e in emitted]))).all()
-        )
+        ids = list(session.exec(select(WebhookDelivery.id).where(WebhookDelivery.event_id.in_(emitted))).all())
         sent = take_pending(session)
     return ids, sent
 
@@ -86,17 +84,17 @@ def test_each_delivery_job_is_written_with_its_event_and_sent_in_one_batch_messa
     assert sorted(sent[0][1]["delivery_ids"]) == sorted(map(str, ids))
 
 
-def test_the_rows_of_stage_events_are_jobs_and_deliveries_too(database):
+def test_events_queued_in_the_callers_rows_are_jobs_and_deliveries_too(database):
     from storage.db import Rows, insert_rows
 
     tenant_id, hooks = _tenant_with_webhooks("https://example.com/staged")
     events.subscriptions.clear()
     with session_scope() as session:
         rows = Rows()
-        assert (
-            events.stage_events(session, rows, tenant_id=tenant_id, type="token.created", datas=[{}, {}], trace_id=None)
-            == 2
+        event_ids = events.emit(
+            session, tenant_id=tenant_id, type="token.created", data=[{}, {}], trace_id=None, rows=rows
         )
+        assert len(event_ids) == 2
         insert_rows(session, rows)
         sent = take_pending(session)
     ids = sent[0][1]["delivery_ids"]
@@ -113,7 +111,7 @@ def test_two_workers_leasing_one_batch_each_win_different_rows_and_count_one_att
 
     def lease(owner: str) -> list[uuid.UUID]:
         with session_scope() as session:
-            statement = jobs.lease_many_statement(ids, owner, lease_seconds=60).returning(Job.id)
+            statement = jobs.lease(ids, owner, lease_seconds=60).returning(Job.id)
             return list(session.execute(statement).scalars())
 
     got = race(lease)
@@ -124,7 +122,7 @@ def test_two_workers_leasing_one_batch_each_win_different_rows_and_count_one_att
     assert {(status, attempts) for status, attempts, _ in leased} == {("running", 1)}
     assert {owner for _, _, owner in leased} <= {"a", "b"}
     with session_scope() as session:  # a third worker (or a duplicate message) gets none of them
-        assert session.execute(jobs.lease_many_statement(ids, "c", lease_seconds=60)).rowcount == 0
+        assert session.execute(jobs.lease(ids, "c", lease_seconds=60)).rowcount == 0
 
 
 def test_a_4xx_answer_fails_the_delivery_after_one_attempt(database, receiver):

@@ -12,7 +12,7 @@ from sqlalchemy import func, select, text
 from config.settings import get_settings
 from domain.tenancy.tenants import create_tenant
 from domain.tenancy.usage import record_token_activity_unflushed
-from domain.webhooks.events import emit_event
+from domain.webhooks.events import emit
 from infra import jobs
 from infra.celery import DELIVER_TASK, celery_app
 from infra.dispatch import take_pending
@@ -64,16 +64,16 @@ def test_a_new_job_row_has_every_column_of_a_job():
 def test_a_staged_job_is_written_with_the_rows_and_its_task_is_sent_on_commit(database):
     rows = Rows()
     with session_scope() as session:
-        job_id = jobs.stage(
+        job_id = jobs.record(
             session,
-            rows,
+            rows=rows,
             kind=LeasedJob.name,
             tenant_id=None,
             subject_type="script",
             subject_id="staged",
             trace_id="trace-1",
             max_attempts=3,
-        )
+        ).id
         stage_rows(session, rows)
         assert take_pending(session) == [(LeasedJob.name, {"job_id": str(job_id)})]
     job = _job(job_id)
@@ -115,7 +115,7 @@ def test_a_lease_runs_again_on_a_connection_the_server_closed(database):
             session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id="x", trace_id=None
         )
         take_pending(session)  # no worker: the test takes the lease itself
-    leased = jobs.lease_and_read(job.id, "tests:owner", lease_seconds=5, reads={"kind": Job.kind})
+    leased = jobs.lease(job.id, "tests:owner", lease_seconds=5, reads={"kind": Job.kind})
     assert leased is not None
     assert (leased[0].status, leased[0].lease_owner, leased[1]) == ("running", "tests:owner", {"kind": LeasedJob.name})
     with engine.connect() as connection:
@@ -147,7 +147,7 @@ def test_an_event_in_one_statement_is_delivered_to_the_enabled_webhooks_subscrib
         }
         session.add_all(hooks.values())
     with session_scope() as session:
-        event_id = emit_event(
+        event_id = emit(
             session,
             tenant_id=tenant_id,
             type="network-token.created",
@@ -189,7 +189,7 @@ def test_an_event_in_one_statement_is_delivered_to_the_enabled_webhooks_subscrib
 def test_an_event_without_a_subscribed_webhook_is_recorded_and_sends_nothing(database):
     tenant_id = _tenant_id()
     with session_scope() as session:
-        event_id = emit_event(
+        event_id = emit(
             session,
             tenant_id=tenant_id,
             type="network-token.deleted",

@@ -91,10 +91,8 @@ def test_only_one_worker_wins_the_lease(database):
     with session_scope() as session:
         job = Job(kind=ScriptedJob.name, subject_id="transient:0")
         session.add(job)
-    with session_scope() as session:
-        assert jobs.lease(session, job.id, "a", lease_seconds=30) is not None
-    with session_scope() as session:
-        assert jobs.lease(session, job.id, "b", lease_seconds=30) is None
+    assert jobs.lease(job.id, "a", lease_seconds=30) is not None
+    assert jobs.lease(job.id, "b", lease_seconds=30) is None
 
 
 def test_a_job_whose_worker_died_is_released_and_relayed(worker):
@@ -193,12 +191,12 @@ def test_a_retry_past_a_minute_waits_for_the_relay_without_a_message(worker):
         session.add(job)
     with session_scope() as session:
         row = session.get(Job, job.id)
-        assert jobs.schedule_retry(session, row, error="later", delay=120) == 120
+        assert jobs.retry(session, row, error="later", delay=120) == 120
         assert take_pending(session) == []  # no countdown message: due_at and the relay carry it
         row = session.get(Job, job.id)
         row_due = row.due_at
     with session_scope() as session:
-        assert jobs.schedule_retry(session, session.get(Job, job.id), error="soon", delay=2) == 2
+        assert jobs.retry(session, session.get(Job, job.id), error="soon", delay=2) == 2
         assert take_pending(session) == [(ScriptedJob.name, {"job_id": str(job.id)})]
     assert row_due > dt.datetime.now(dt.UTC) + dt.timedelta(seconds=100)
 
@@ -255,9 +253,8 @@ def test_two_workers_racing_for_one_job_one_wins(database):
 
     def lease(owner: str) -> None:
         start.wait()
-        with session_scope() as session:
-            if jobs.lease(session, job.id, owner, lease_seconds=30) is not None:
-                won.append(owner)
+        if jobs.lease(job.id, owner, lease_seconds=30) is not None:
+            won.append(owner)
 
     threads = [threading.Thread(target=lease, args=(name,)) for name in ("a", "b")]
     for thread in threads:

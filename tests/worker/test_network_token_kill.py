@@ -250,7 +250,7 @@ def test_a_worker_dying_after_the_network_answered_gets_the_same_token_on_retry(
         caller = authenticate(session, tenant.api_key)
         started = network_tokens.create_network_token(session, caller, {"data": card})
         session.flush()
-        doomed = jobs_.lease(session, started.job_id, "doomed-worker", lease_seconds=2)
+        doomed, _ = jobs_.lease(started.job_id, "doomed-worker", lease_seconds=2, session=session)
         reads = Provision().lease_reads()  # what the lease statement reads for the provider call
         read = dict(
             session.execute(
