@@ -43,6 +43,7 @@ import uuid
 import psutil
 
 from benchmarks import common
+from benchmarks.receiver import Receiver
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/tessera_bench_account_updater"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                 common.wait_http(base + "/status", api)
                 worker = common.start_platform_worker(children, args.concurrency)
                 watched = [s3, sandbox, api, worker]
-                receiver = common.Receiver(children)
+                receiver = Receiver(children)
                 common.subscribe_webhook(tenant.tenant_id, receiver.url, ["account-updater.job.completed"])
                 print("warming up the worker", flush=True)
                 warm = run_job(

@@ -38,6 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from benchmarks import common
+from benchmarks.receiver import Receiver
 
 CARD = {"type": "card", "data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2031}}
 BODY = json.dumps(CARD).encode()
@@ -311,7 +312,7 @@ def report(rounds: list[Round], names: list[str], workers: int) -> None:
         print(f"webhook backlog drained in {', '.join(f'{s:.1f}' for s in drains)} s after the webhook rounds")
 
 
-def run_rounds(args, targets: list[Target], worker: common.Child | None, receiver: common.Receiver | None):
+def run_rounds(args, targets: list[Target], worker: common.Child | None, receiver: Receiver | None):
     """Warm every target up, then measure them in turn ``--rounds`` times; after each run of the webhook
     target, wait until the receiver has every delivery of the tokens it made."""
     hooked_tokens = 0
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             worker = receiver = None
             if args.workers:
-                receiver = common.Receiver(children)
+                receiver = Receiver(children)
                 hooked = common.make_tenant("bench-tokenize-webhook")
                 common.subscribe_webhook(hooked.tenant_id, receiver.url)
                 worker = common.start_platform_worker(children, args.workers)

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from benchmarks import common
+from benchmarks.receiver import Receiver
 
 WARMUP = 20  # items each worker handles before the measurements (its pool processes are then warm)
 PLATFORM, NOOP = "platform webhooks", "no-op Celery tasks"
@@ -118,7 +119,7 @@ def settled(expected: int, timeout: float = 60) -> dict[str, int]:
 
 
 def run_platform(
-    args, tenant_id, receiver: common.Receiver, meter: common.CpuMeter, round_no: int, watched: list[common.Child]
+    args, tenant_id, receiver: Receiver, meter: common.CpuMeter, round_no: int, watched: list[common.Child]
 ) -> Run:
     """One round of deliveries, checked afterwards."""
     receiver.reset()
@@ -175,7 +176,7 @@ def run_noop(args, meter: common.CpuMeter, round_no: int, watched: list[common.C
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def meter_for(worker: common.Child, receiver: common.Receiver | None = None) -> common.CpuMeter:
+def meter_for(worker: common.Child, receiver: Receiver | None = None) -> common.CpuMeter:
     """Cores used by the worker, this process (the producer), the receiver, PostgreSQL and Redis."""
     groups = {"worker": common.process_tree(worker.pid), "producer": common.this_process()}
     if receiver is not None:
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tenant = common.make_tenant("bench-webhooks")
         with common.Children(scratch) as children:
-            receiver = common.Receiver(children)
+            receiver = Receiver(children)
             common.subscribe_webhook(tenant.tenant_id, receiver.url)
             worker = common.start_platform_worker(children, args.concurrency)
             noop_worker = children.start(
