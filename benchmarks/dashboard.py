@@ -95,6 +95,9 @@ class Result:
         data = asdict(self)
         for figure in data["figures"]:
             del figure["benchmark"]
+            for key in ("value", "reference_value"):
+                if isinstance(figure[key], float):
+                    figure[key] = float(f"{figure[key]:.4g}")  # four significant digits are plenty
         return data
 
     @classmethod

@@ -236,6 +236,17 @@ def main(argv: list[str] | None = None) -> int:
         errors_total = sum(int(r[2]) for r in rows)
         if load.statuses:
             print(f"errors by answer: {dict(load.statuses)}")
+        figures = [
+            common.Figure(
+                "soak", f"errors, {args.rate:g} requests/s for {args.duration:g} s", errors_total, "", goal="0"
+            ),
+            common.Figure("soak", "jobs not final after the drain", lost["jobs not final"], "", goal="0"),
+            common.Figure("soak", "deliveries pending after the drain", lost["deliveries pending"], "", goal="0"),
+            common.Figure("soak", "deliveries missing at the receiver", max(0, missing), "", goal="0"),
+        ]
+        p99s = [int(r[4]) for r in rows if r[4] != "-"]
+        if p99s:
+            figures.append(common.Figure("soak", "p99 of the worst interval", max(p99s), "ms"))
         if first_memory:
             last = memory_mb(watched)
             common.print_table(
@@ -243,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                 ("process", "first", "end", "growth"),
                 [(n, f"{first_memory[n]:.0f}", f"{last[n]:.0f}", f"{last[n] - first_memory[n]:+.0f}") for n in names],
             )
+            figures += [
+                common.Figure("soak", f"{n} memory at the end", last[n], "MB", "first interval", first_memory[n])
+                for n in ("api", "worker", "beat")
+            ]
+        common.publish("soak", figures)  # errors and lost work are figures of their own (goal 0)
         return (
             0
             if not errors_total and not lost["jobs not final"] and not lost["deliveries pending"] and missing <= 0

@@ -186,8 +186,9 @@ def meter_for(worker: common.Child, receiver: Receiver | None = None) -> common.
     return common.CpuMeter(groups)
 
 
-def report(runs: list[Run], statuses: dict[str, int], expected_rows: int) -> bool:
-    """Print the tables; True when every check passed."""
+def report(runs: list[Run], statuses: dict[str, int], expected_rows: int) -> list[common.Figure] | None:
+    """Print the tables; the headline figure (median deliveries/s beside the no-op tasks/s), None when
+    a check failed."""
     columns = ("worker", "producer", "receiver", "postgres", "redis")
     common.print_table(
         "Rounds (cores = CPU seconds per second; postgres and redis count every client of theirs)",
@@ -236,7 +237,9 @@ def report(runs: list[Run], statuses: dict[str, int], expected_rows: int) -> boo
             ("duplicate deliveries (same message id twice; allowed, counted)", duplicates),
         ],
     )
-    return all(ok for _text, ok in checks)
+    if not all(ok for _text, ok in checks):
+        return None
+    return [common.Figure("webhooks", "webhook deliveries/s", platform, "/s", NOOP, noop)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                 common.warn_if_shared(args.redis_url)
             expected_rows = WARMUP + args.rounds * args.events
             statuses = settled(expected_rows)
-    return 0 if report(runs, statuses, expected_rows) else 1
+    figures = report(runs, statuses, expected_rows)
+    if figures is None:
+        return 1
+    common.publish("webhooks", figures)
+    return 0
 
 
 if __name__ == "__main__":
