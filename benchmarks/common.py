@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import json
+import datetime as dt
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -28,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from benchmarks import dashboard
+from benchmarks.dashboard import Figure
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DATABASE_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/tessera_bench"
@@ -425,7 +429,7 @@ def wait_http(url: str, child: Child, timeout: float = 60.0) -> None:
     wait_until(answers, timeout=timeout, what=f"{child.name} answering {url}", interval=0.1, children=[child])
 
 
-# ---- the platform's worker and the webhook receiver ----------------------------------------------
+# ---- the platform's processes -------------------------------------------------------------------
 
 
 def start_sandbox_and_api(children: Children, sandbox_port: int, api_port: int) -> tuple[Child, Child]:
@@ -440,51 +444,6 @@ def start_sandbox_and_api(children: Children, sandbox_port: int, api_port: int) 
 def start_platform_worker(children: Children, concurrency: int) -> Child:
     """``tessera worker --concurrency N`` on every platform queue, with this process's settings."""
     return children.start("worker", [executable("tessera"), "worker", "--concurrency", str(concurrency)])
-
-
-class Receiver:
-    """The webhook receiver subprocess (``benchmarks/receiver.py``) and its counters."""
-
-    def __init__(self, children: Children):
-        port = free_port()
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.child = children.start("receiver", python_module("benchmarks.receiver", "--port", str(port)))
-        wait_http(f"{self.base_url}/count", self.child)
-
-    @property
-    def url(self) -> str:
-        """The URL to subscribe a webhook to."""
-        return f"{self.base_url}/hook"
-
-    def count(self) -> dict:
-        """``{"distinct", "requests", "last_new_at"}`` (see ``benchmarks/receiver.py``)."""
-        return json.loads(http_get(f"{self.base_url}/count")[1])
-
-    def reset(self) -> None:
-        """Forget every message id seen so far."""
-        with urllib.request.urlopen(urllib.request.Request(f"{self.base_url}/reset", method="POST"), timeout=5):
-            pass
-
-    def wait_for(self, distinct: int, *, timeout: float, stall: float = 60.0, children: Iterable[Child] = ()) -> dict:
-        """Wait until ``distinct`` message ids have arrived and return the counters; TimeoutError after
-        ``timeout`` seconds, or sooner when no new one has arrived for ``stall`` seconds."""
-        watched = [self.child, *children]
-        started = last_progress = time.monotonic()
-        last = -1
-        while True:
-            state = self.count()
-            if state["distinct"] >= distinct:
-                return state
-            now = time.monotonic()
-            if state["distinct"] != last:
-                last, last_progress = state["distinct"], now
-            for child in watched:
-                child.check()
-            if now - started > timeout or now - last_progress > stall:
-                raise TimeoutError(
-                    f"{last:,} of {distinct:,} webhook deliveries arrived; none for {now - last_progress:.0f} s"
-                )
-            time.sleep(0.05)
 
 
 # ---- CPU accounting ------------------------------------------------------------------------------
@@ -574,6 +533,30 @@ def median(values: Iterable[float]) -> float:
 def ratio(numerator: float, denominator: float) -> float:
     """numerator / denominator, NaN when the denominator is 0."""
     return numerator / denominator if denominator else float("nan")
+
+
+def publish(benchmark: str, figures: Sequence[Figure]) -> Path:
+    """Record a finished run's headline figures: write ``benchmarks/results/<benchmark>.json`` with them,
+    the UTC date, this machine's 1-minute load average and cores and the command, then regenerate the
+    dashboard table in ``benchmarks/README.md`` (:mod:`benchmarks.dashboard`). Call it once the run's
+    checks have passed (figures that miss their goal are published too); returns the file's path.
+
+    ValueError for a benchmark not in ``dashboard.BENCHMARKS`` or a figure of another benchmark.
+    """
+    script = Path(sys.argv[0]).resolve()
+    command = [str(script.relative_to(REPO)) if script.is_relative_to(REPO) else sys.argv[0], *sys.argv[1:]]
+    result = dashboard.Result(
+        benchmark=benchmark,
+        date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
+        load_average=round(os.getloadavg()[0], 2),
+        cores=os.cpu_count(),
+        figures=list(figures),
+        command=shlex.join(command),
+    )
+    path = dashboard.save(result)
+    dashboard.write_readme()
+    print(f"\nfigures published to {path.relative_to(REPO)} and the table of benchmarks/README.md", flush=True)
+    return path
 
 
 def print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:

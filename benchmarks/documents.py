@@ -242,6 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(max(r.upload_growth, r.download_growth) for r in results)
     verdict = "within" if worst < args.bound else "OVER"
     print(f"\nlargest peak growth {worst:.1f} MiB: {verdict} the {args.bound:g} MiB bound")
+    sizes_mb = ", ".join(str(r.size_mb) for r in results)
+    common.publish(
+        "documents",
+        [
+            common.Figure(
+                "documents",
+                f"api peak RSS growth, largest over {sizes_mb} MB up and down",
+                worst,
+                "MiB",
+                goal=f"< {args.bound:g} MiB",
+            )
+        ],
+    )
     return 0 if worst < args.bound else 1
 
 

@@ -204,7 +204,30 @@ def main() -> int:
                 rows,
             )
             failed = sum(r[2] for runs in results.values() for r in runs)
-    return 1 if failed else 0
+    if failed:
+        return 1
+    common.publish("proxy", headline(rows, args.clients))
+    return 0
+
+
+GOALS = {0: "≤ reference + 2 ms", 20: "≤ reference + 5 ms"}
+"""The p50 goals by number of tokens, with one client: at most this over the bare call's p50."""
+
+
+def headline(rows: list[list], clients: int) -> list[common.Figure]:
+    """The proxy targets' median p50 beside the bare call's, from the medians table's rows
+    (``[target, p50, p99, req/s, p50 - bare, p50 / bare]``)."""
+    bare = next(row[1] for row in rows if row[0] == "bare")
+    figures = []
+    for name, p50, *_ in rows:
+        if name == "bare":
+            continue
+        tokens = int(name.removeprefix("proxy-"))
+        label = f"p50, {tokens} token{'' if tokens == 1 else 's'}, {clients} client{'' if clients == 1 else 's'}"
+        figures.append(
+            common.Figure("proxy", label, p50, "ms", "bare call", bare, GOALS.get(tokens) if clients == 1 else None)
+        )
+    return figures
 
 
 def _reachable(url: str, context: ssl.SSLContext) -> bool:

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             bare.close()
             runtime.close()
-    report(rounds, colds)
+    common.publish("reactors", report(rounds, colds))
     return 0
 
 
@@ -202,9 +202,9 @@ def cold_platform(runtime, name: str) -> float:
     return took
 
 
-def report(rounds: list[Round], colds: dict[str, list[float]]) -> None:
+def report(rounds: list[Round], colds: dict[str, list[float]]) -> list[common.Figure]:
     """Print the rounds, the medians, the ratio of calls per second and the p50 difference, and
-    the cold starts."""
+    the cold starts; the headline figures (warm calls/s and p50, cold start p50, each beside bare)."""
     common.print_table(
         "Rounds",
         ["round", "target", "calls", "calls/s", "p50 ms", "p99 ms", "this process cores", "node cores"],
@@ -238,6 +238,10 @@ def report(rounds: list[Round], colds: dict[str, list[float]]) -> None:
     )
     verdict = "within" if platform[1] - bare[1] <= 2.0 else "NOT within"
     print(f"\nwarm p50 {platform[1]:.3f} ms vs bare pipe {bare[1]:.3f} ms: {verdict} +2 ms")
+    figures = [
+        common.Figure("reactors", "warm calls/s, one at a time", platform[0], "/s", BARE, bare[0]),
+        common.Figure("reactors", "warm p50", platform[1], "ms", BARE, bare[1], "≤ reference + 2 ms"),
+    ]
     if colds[BARE]:
         cold_bare_ms = common.median(colds[BARE]) * 1000
         cold_platform_ms = common.median(colds[PLATFORM]) * 1000
@@ -253,6 +257,8 @@ def report(rounds: list[Round], colds: dict[str, list[float]]) -> None:
             f"\ncold start in the sandbox {cold_platform_ms:.1f} ms vs bare node {cold_bare_ms:.1f} ms "
             f"(+{cold_platform_ms - cold_bare_ms:.1f} ms)"
         )
+        figures.append(common.Figure("reactors", "cold start p50", cold_platform_ms, "ms", "bare node", cold_bare_ms))
+    return figures
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import time
 import psutil
 import urllib3
 
-from benchmarks.common import free_port, run_main, wait_until
+from benchmarks.common import Figure, free_port, publish, run_main, wait_until
 
 UPDATES = "/card-network/account-updates"
 PANS = (
@@ -79,6 +79,10 @@ def main() -> int:
     rows = args.calls * args.rows
     print(
         f"{rows} rows in {args.calls} calls: sandbox CPU {cpu:.2f} s ({cpu / rows * 1e6:.1f} us/row), wall {wall:.2f} s"
+    )
+    publish(
+        "sandbox_account_updates",
+        [Figure("sandbox_account_updates", "sandbox CPU per account-update row", cpu / rows * 1e6, "us")],
     )
     return 0
 

@@ -26,14 +26,17 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
 import argparse
 import base64
 import collections
+import json
 import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import urllib3
 
 from benchmarks import common
+from benchmarks.receiver import Receiver
 
 CARDS = ("4242424242424242", "5555555555554444", "378282246310005")
 
@@ -89,12 +92,12 @@ class Load:
                 method,
                 self.base_url + path,
                 headers=self.headers,
-                body=None if body is None else common.json.dumps(body).encode(),
+                body=None if body is None else json.dumps(body).encode(),
             )
             ok = answer.status < 300
             if not ok:
                 self.statuses[f"{method} {path.split('/')[1]} {answer.status}"] += 1
-            made = common.json.loads(answer.data).get("id") if ok and path == "/tokens" else None
+            made = json.loads(answer.data).get("id") if ok and path == "/tokens" else None
         except Exception:
             ok, made = False, None
         elapsed = time.perf_counter() - started
@@ -119,7 +122,7 @@ def memory_mb(children: dict[str, common.Child]) -> dict[str, float]:
         for process in common.process_tree(child.pid)():
             try:
                 total += process.memory_info().rss
-            except common.psutil.Error:
+            except psutil.Error:
                 continue
         sizes[name] = total / 2**20
     return sizes
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         common.wait_http(f"{base_url}/status", api)
         beat = children.start("beat", [tessera, "beat"])
         worker = common.start_platform_worker(children, args.worker_concurrency)
-        receiver = common.Receiver(children)
+        receiver = Receiver(children)
         tenant = common.make_tenant("soak")
         common.subscribe_webhook(tenant.tenant_id, receiver.url, ("token.created", "network-token.created"))
         watched = {"api": api, "worker": worker, "beat": beat, "sandbox": sandbox, "receiver": receiver.child}
@@ -233,6 +236,17 @@ def main(argv: list[str] | None = None) -> int:
         errors_total = sum(int(r[2]) for r in rows)
         if load.statuses:
             print(f"errors by answer: {dict(load.statuses)}")
+        figures = [
+            common.Figure(
+                "soak", f"errors, {args.rate:g} requests/s for {args.duration:g} s", errors_total, "", goal="0"
+            ),
+            common.Figure("soak", "jobs not final after the drain", lost["jobs not final"], "", goal="0"),
+            common.Figure("soak", "deliveries pending after the drain", lost["deliveries pending"], "", goal="0"),
+            common.Figure("soak", "deliveries missing at the receiver", max(0, missing), "", goal="0"),
+        ]
+        p99s = [int(r[4]) for r in rows if r[4] != "-"]
+        if p99s:
+            figures.append(common.Figure("soak", "p99 of the worst interval", max(p99s), "ms"))
         if first_memory:
             last = memory_mb(watched)
             common.print_table(
@@ -240,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                 ("process", "first", "end", "growth"),
                 [(n, f"{first_memory[n]:.0f}", f"{last[n]:.0f}", f"{last[n] - first_memory[n]:+.0f}") for n in names],
             )
+            figures += [
+                common.Figure("soak", f"{n} memory at the end", last[n], "MB", "first interval", first_memory[n])
+                for n in ("api", "worker", "beat")
+            ]
+        common.publish("soak", figures)  # errors and lost work are figures of their own (goal 0)
         return (
             0
             if not errors_total and not lost["jobs not final"] and not lost["deliveries pending"] and missing <= 0

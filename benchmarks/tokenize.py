@@ -38,6 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from benchmarks import common
+from benchmarks.receiver import Receiver
 
 CARD = {"type": "card", "data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2031}}
 BODY = json.dumps(CARD).encode()
@@ -264,8 +265,10 @@ def meter_for(target: Target, worker: common.Child | None) -> common.CpuMeter:
 # ---- report --------------------------------------------------------------------------------------
 
 
-def report(rounds: list[Round], names: list[str], workers: int) -> None:
-    """Print the rounds, the medians and the ratios to the bare handler."""
+def report(rounds: list[Round], names: list[str], workers: int, clients: int) -> list[common.Figure]:
+    """Print the rounds, the medians and the ratios to the bare handler; the headline figures (each
+    target's median requests/s, p50 and p99 beside the bare handler's; goals: at least 0.10 of the bare
+    requests/s, p99 at most 50 ms)."""
     columns = ["server", "client", "postgres", "redis", *(["worker"] if workers else [])]
     common.print_table(
         "Rounds (cores = CPU seconds per second; postgres and redis count every client of theirs)",
@@ -309,9 +312,29 @@ def report(rounds: list[Round], names: list[str], workers: int) -> None:
     drains = [r.notes["drain_s"] for r in rounds if "drain_s" in r.notes]
     if drains:
         print(f"webhook backlog drained in {', '.join(f'{s:.1f}' for s in drains)} s after the webhook rounds")
+    figures = []
+    for name, (rate, p50, p99, _errors) in medians.items():
+        if name == BARE:
+            continue
+        plain = name == PLATFORM  # the goals are those of the plain tokenize, no webhook subscribed
+        label = "POST /tokenize" if plain else "POST /tokenize, webhook subscribed"
+        figures += [
+            common.Figure(
+                "tokenize",
+                f"{label} requests/s, {clients} clients",
+                rate,
+                "/s",
+                BARE,
+                bare[0],
+                "ratio ≥ 0.10" if plain else None,
+            ),
+            common.Figure("tokenize", f"{label} p50", p50, "ms", BARE, bare[1]),
+            common.Figure("tokenize", f"{label} p99", p99, "ms", BARE, bare[2], "≤ 50 ms" if plain else None),
+        ]
+    return figures
 
 
-def run_rounds(args, targets: list[Target], worker: common.Child | None, receiver: common.Receiver | None):
+def run_rounds(args, targets: list[Target], worker: common.Child | None, receiver: Receiver | None):
     """Warm every target up, then measure them in turn ``--rounds`` times; after each run of the webhook
     target, wait until the receiver has every delivery of the tokens it made."""
     hooked_tokens = 0
@@ -361,14 +384,16 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             worker = receiver = None
             if args.workers:
-                receiver = common.Receiver(children)
+                receiver = Receiver(children)
                 hooked = common.make_tenant("bench-tokenize-webhook")
                 common.subscribe_webhook(hooked.tenant_id, receiver.url)
                 worker = common.start_platform_worker(children, args.workers)
                 hooked_headers = {**json_header, "TS-API-KEY": hooked.api_key}
                 targets.append(Target(WEBHOOKED, targets[1].url, hooked_headers, api))
             rounds = run_rounds(args, targets, worker, receiver)
-    report(rounds, [t.name for t in targets], args.workers)
+    figures = report(rounds, [t.name for t in targets], args.workers, args.clients)
+    if not any(r.errors for r in rounds):
+        common.publish("tokenize", figures)
     return 0
 
 

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from benchmarks import common
+from benchmarks.receiver import Receiver
 
 WARMUP = 20  # items each worker handles before the measurements (its pool processes are then warm)
 PLATFORM, NOOP = "platform webhooks", "no-op Celery tasks"
@@ -118,7 +119,7 @@ def settled(expected: int, timeout: float = 60) -> dict[str, int]:
 
 
 def run_platform(
-    args, tenant_id, receiver: common.Receiver, meter: common.CpuMeter, round_no: int, watched: list[common.Child]
+    args, tenant_id, receiver: Receiver, meter: common.CpuMeter, round_no: int, watched: list[common.Child]
 ) -> Run:
     """One round of deliveries, checked afterwards."""
     receiver.reset()
@@ -175,7 +176,7 @@ def run_noop(args, meter: common.CpuMeter, round_no: int, watched: list[common.C
 # ---- the run -------------------------------------------------------------------------------------
 
 
-def meter_for(worker: common.Child, receiver: common.Receiver | None = None) -> common.CpuMeter:
+def meter_for(worker: common.Child, receiver: Receiver | None = None) -> common.CpuMeter:
     """Cores used by the worker, this process (the producer), the receiver, PostgreSQL and Redis."""
     groups = {"worker": common.process_tree(worker.pid), "producer": common.this_process()}
     if receiver is not None:
@@ -185,8 +186,9 @@ def meter_for(worker: common.Child, receiver: common.Receiver | None = None) -> 
     return common.CpuMeter(groups)
 
 
-def report(runs: list[Run], statuses: dict[str, int], expected_rows: int) -> bool:
-    """Print the tables; True when every check passed."""
+def report(runs: list[Run], statuses: dict[str, int], expected_rows: int) -> list[common.Figure] | None:
+    """Print the tables; the headline figure (median deliveries/s beside the no-op tasks/s), None when
+    a check failed."""
     columns = ("worker", "producer", "receiver", "postgres", "redis")
     common.print_table(
         "Rounds (cores = CPU seconds per second; postgres and redis count every client of theirs)",
@@ -235,7 +237,9 @@ def report(runs: list[Run], statuses: dict[str, int], expected_rows: int) -> boo
             ("duplicate deliveries (same message id twice; allowed, counted)", duplicates),
         ],
     )
-    return all(ok for _text, ok in checks)
+    if not all(ok for _text, ok in checks):
+        return None
+    return [common.Figure("webhooks", "webhook deliveries/s", platform, "/s", NOOP, noop)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tenant = common.make_tenant("bench-webhooks")
         with common.Children(scratch) as children:
-            receiver = common.Receiver(children)
+            receiver = Receiver(children)
             common.subscribe_webhook(tenant.tenant_id, receiver.url)
             worker = common.start_platform_worker(children, args.concurrency)
             noop_worker = children.start(
@@ -287,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                 common.warn_if_shared(args.redis_url)
             expected_rows = WARMUP + args.rounds * args.events
             statuses = settled(expected_rows)
-    return 0 if report(runs, statuses, expected_rows) else 1
+    figures = report(runs, statuses, expected_rows)
+    if figures is None:
+        return 1
+    common.publish("webhooks", figures)
+    return 0
 
 
 if __name__ == "__main__":
