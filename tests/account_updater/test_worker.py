@@ -268,6 +268,47 @@ def test_a_chunk_performed_twice_and_applied_twice_writes_once(tenant):
         _cancel_recorded_jobs(job_id)
 
 
+def test_a_chunk_with_more_new_tokens_than_one_statement_holds_writes_every_row(tenant):
+    """More new tokens than ``storage.db.insert_rows`` puts in one statement: the tokens, their metadata
+    rows (written after the tokens they belong to), log rows and events are all written, once."""
+    from storage.crypto import get_keyring
+    from storage.db import MAX_STATEMENT_ROWS
+    from storage.models import TokenMetadata
+
+    count = MAX_STATEMENT_ROWS + 500
+    job_id = prepared_job(tenant.id, UPDATES, chunk_rows=4)
+    try:
+        now = dt.datetime.now(dt.UTC)
+        data = {"number": "4242424242424242", "expiration_month": 5, "expiration_year": YEAR}
+        old = au_chunks._Card({}, containers=["/pci/high/"], metadata={"k": "v"})
+        with session_scope() as session:
+            seed = session.get(AccountUpdaterJob, job_id).id_seed
+            keyring = get_keyring()
+            tokens = [
+                au_chunks._token_row(session, keyring, tenant.id, au_chunks.new_token_id(seed, n), data, old, None, now)
+                for n in range(1, count + 1)
+            ]
+        with session_scope() as session:
+            applied = au_chunks.apply_chunk(session, job_id, 0, au_chunks.ChunkOutcome(4, b"", 0, tokens))
+            _quiet(session)
+        assert applied["new_tokens"] == count
+        ids = [t["id"] for t in tokens]
+        with session_scope() as session:
+            stored = session.scalar(select(func.count()).select_from(Token).where(Token.id.in_(ids)))
+            metadata = session.scalar(
+                select(func.count()).select_from(TokenMetadata).where(TokenMetadata.token_id.in_(ids))
+            )
+            logs = session.scalar(select(func.count()).select_from(AuditLog).where(AuditLog.entity_id.in_(ids)))
+            events = session.scalar(
+                select(func.count())
+                .select_from(Event)
+                .where(Event.tenant_id == tenant.id, Event.type == "token.created")
+            )
+        assert (stored, metadata, logs, events) == (count, count, count, count)
+    finally:
+        _cancel_recorded_jobs(job_id)
+
+
 def test_the_chunk_task_run_twice_does_its_work_once(tenant):
     from tasks.account_updater import finish, process_chunk
 
