@@ -77,7 +77,8 @@ def new_token_id(seed: str, row_number: int) -> str:
 @dataclass
 class ChunkOutcome:
     """What processing one chunk produced, written by :func:`apply_chunk`: the result rows as CSV text,
-    the rows of the new tokens (ready for a bulk insert), and counts."""
+    the ``tokens`` rows of the new tokens (``domain.tokens.service.NewToken.row``, ready for
+    ``storage.db.insert_rows``), and counts."""
 
     rows: int
     result: bytes
