@@ -337,7 +337,7 @@ def profile_one_chunk(job_id: str) -> None:
     import cProfile
     import pstats
 
-    from domain.account_updater import service as au
+    from domain.account_updater import chunks as au
     from storage.db import session_scope
     from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
 

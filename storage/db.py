@@ -269,7 +269,10 @@ def insert_rows(session: OrmSession, rows: Rows) -> None:
     an ``INSERT`` in a data-modifying ``WITH``; foreign keys are checked when the statement ends)
     whose text is made once per shape (tables, columns, row counts) and whose values pass through
     their columns' bind processors, so what is stored is what SQLAlchemy would store; elsewhere one
-    multi-row ``INSERT`` per table. Raises SQLAlchemy's wrapped driver errors (IntegrityError...)."""
+    multi-row ``INSERT`` per table. When a table has more than :data:`MAX_STATEMENT_ROWS` rows (a
+    bulk write, e.g. an account updater chunk's tokens), each table goes out on its own, in the
+    order the tables were named, in statements of at most that many rows (a parent's rows are
+    written before its children's). Raises SQLAlchemy's wrapped driver errors (IntegrityError...)."""
     batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
     if not batches:
         return
@@ -279,6 +282,22 @@ def insert_rows(session: OrmSession, rows: Rows) -> None:
         for table, ignore, batch in batches:
             connection.execute(insert_statement(dialect.name, table, ignore_conflicts=ignore), batch)
         return
+    if all(len(batch) <= MAX_STATEMENT_ROWS for _, _, batch in batches):
+        _pg_insert(connection, batches)
+        return
+    for table, ignore, batch in batches:
+        for start in range(0, len(batch), MAX_STATEMENT_ROWS):
+            _pg_insert(connection, [(table, ignore, batch[start : start + MAX_STATEMENT_ROWS])])
+
+
+MAX_STATEMENT_ROWS = 1_000
+"""The most rows of one table :func:`insert_rows` writes in one PostgreSQL statement (statement texts
+are cached per row count, and a statement's parameters stay far below the driver's limits)."""
+
+
+def _pg_insert(connection: Connection, batches: list[tuple[Table, bool, list[dict]]]) -> None:
+    """One PostgreSQL statement inserting ``batches`` (``(table, ignore_conflicts, rows)``, in order)."""
+    dialect = connection.dialect
     shape = tuple((table, ignore, tuple(batch[0]), len(batch)) for table, ignore, batch in batches)
     sql = _PG_TEXTS.get(shape)
     if sql is None:

@@ -1,5 +1,5 @@
 """Account updater tasks (``account_updater.*``, on the ``files`` queue); the rules are in
-:mod:`domain.account_updater.service`.
+:mod:`domain.account_updater` (``service`` and the modules of its concerns).
 
 Job tasks (``infra.task.JobTask``: leased, retried with backoff on transient failures, a dead letter
 after ``max_attempts``; every step recorded as a platform job so the outbox relay re-sends a lost one):
@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlmodel import Session
 
-from domain.account_updater import service
+from domain.account_updater import chunks, csv_files, results, s3_files, service, steps
 from infra.celery import celery_app
 from infra.jobs import PermanentError, TransientError
 from infra.task import JobTask, TesseraTask
@@ -62,19 +62,19 @@ class _AccountUpdaterJobTask(JobTask):
 class Prepare(_AccountUpdaterJobTask):
     """Read and check the request file; record its chunks (``domain.account_updater.service.scan_job_file``)."""
 
-    name = service.PREPARE_TASK
+    name = steps.PREPARE_TASK
 
-    def perform(self, job: Job, inputs: dict[str, Any]) -> service.Scan:
+    def perform(self, job: Job, inputs: dict[str, Any]) -> csv_files.Scan:
         return service.scan_job_file(self.job_id(job))
 
-    def apply(self, session: Session, job: Job, outcome: service.Scan) -> dict:
+    def apply(self, session: Session, job: Job, outcome: csv_files.Scan) -> dict:
         return service.apply_scan(session, self.job_id(job), outcome)
 
 
 class ProcessChunk(_AccountUpdaterJobTask):
-    """Process one chunk (``domain.account_updater.service.process_chunk`` / ``apply_chunk``)."""
+    """Process one chunk (``domain.account_updater.chunks.process_chunk`` / ``apply_chunk``)."""
 
-    name = service.CHUNK_TASK
+    name = steps.CHUNK_TASK
 
     @staticmethod
     def chunk_number(job: Job) -> int:
@@ -83,20 +83,20 @@ class ProcessChunk(_AccountUpdaterJobTask):
             raise ValueError(f"account-updater chunk job {job.id} has no chunk number")
         return job.subject_number
 
-    def perform(self, job: Job, inputs: dict[str, Any]) -> service.ChunkOutcome:
-        return service.process_chunk(self.job_id(job), self.chunk_number(job))
+    def perform(self, job: Job, inputs: dict[str, Any]) -> chunks.ChunkOutcome:
+        return chunks.process_chunk(self.job_id(job), self.chunk_number(job))
 
-    def apply(self, session: Session, job: Job, outcome: service.ChunkOutcome) -> dict:
-        return service.apply_chunk(session, self.job_id(job), self.chunk_number(job), outcome)
+    def apply(self, session: Session, job: Job, outcome: chunks.ChunkOutcome) -> dict:
+        return chunks.apply_chunk(session, self.job_id(job), self.chunk_number(job), outcome)
 
 
 class Finish(_AccountUpdaterJobTask):
-    """Write the result file and complete the job (``domain.account_updater.service.write_result``)."""
+    """Write the result file and complete the job (``domain.account_updater.results.write_result``)."""
 
-    name = service.FINISH_TASK
+    name = steps.FINISH_TASK
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> str | None:
-        return service.write_result(self.job_id(job))
+        return results.write_result(self.job_id(job))
 
     def apply(self, session: Session, job: Job, outcome: str | None) -> dict:
         if outcome is None:
@@ -109,7 +109,7 @@ process_chunk = celery_app.register_task(ProcessChunk())
 finish = celery_app.register_task(Finish())
 
 
-@celery_app.task(name=service.DETECT_TASK, base=TesseraTask)
+@celery_app.task(name=steps.DETECT_TASK, base=TesseraTask)
 def detect(job_id: str) -> str:
     """Look for one pending job's file; start the job when it is there. A lost message is harmless:
     the sweep looks too."""
@@ -134,7 +134,7 @@ def remove_expired_jobs() -> int:
         with session_scope() as session:
             keys = service.remove_expired_jobs(session, now=utcnow(), batch=500)
         for key in keys:
-            service.delete_object(key)
+            s3_files.delete_object(key)
         total += len(keys)
         if len(keys) < 500:
             break

@@ -21,7 +21,8 @@ import pytest
 import urllib3
 from sqlalchemy import func, select, update
 
-from domain.account_updater import service as au
+from domain.account_updater import chunks as au_chunks
+from domain.account_updater import csv_files, results, s3_files, service, steps
 from infra.dispatch import take_pending
 from storage.db import session_scope
 from storage.models import AuditLog, Event, Job, Token
@@ -32,6 +33,7 @@ YEAR = dt.datetime.now(dt.UTC).year + 2
 YY = f"{YEAR % 100:02d}"
 HEADER = "token,expiration_year,expiration_month,merchant_id"
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.worker, pytest.mark.kill]
 
 
 # ---- reading files -------------------------------------------------------------------------------
@@ -56,7 +58,7 @@ def test_scan_cuts_byte_ranges_that_reread_to_the_same_rows():
         + "f,,,"
     ).encode()
 
-    scan = au.scan_request(blocks(body), max_bytes=10_000, chunk_rows=2)
+    scan = csv_files.scan_request(blocks(body), max_bytes=10_000, chunk_rows=2)
 
     assert scan.errors == []
     assert scan.columns == ["token", "expiration_year", "expiration_month", "merchant_id"]
@@ -66,7 +68,7 @@ def test_scan_cuts_byte_ranges_that_reread_to_the_same_rows():
     rows = []
     for chunk in scan.chunks:
         part = body[chunk.start_byte : chunk.end_byte]
-        rows += au.read_rows(blocks(part), scan.columns, start=chunk.start_byte, first_row=chunk.first_row)
+        rows += csv_files.read_rows(blocks(part), scan.columns, start=chunk.start_byte, first_row=chunk.first_row)
     assert [(r.number, r.token, r.expiration_year, r.expiration_month, r.merchant_id) for r in rows] == [
         (1, "a", "29", "01", ""),
         (2, "b\nquoted", "29", "02", "M,1"),
@@ -92,23 +94,23 @@ def test_scan_cuts_byte_ranges_that_reread_to_the_same_rows():
     ],
 )
 def test_scan_refuses_files_that_are_not_request_csv(body, message):
-    scan = au.scan_request(blocks(body), max_bytes=10_000, chunk_rows=2)
+    scan = csv_files.scan_request(blocks(body), max_bytes=10_000, chunk_rows=2)
     assert any(message in error for error in scan.errors), scan.errors
 
 
 def test_scan_stops_past_the_size_limit_and_after_ten_errors():
-    assert au.scan_request([b"token\n", b"a\n" * 100], max_bytes=50, chunk_rows=5).errors == [
+    assert csv_files.scan_request([b"token\n", b"a\n" * 100], max_bytes=50, chunk_rows=5).errors == [
         "The file is over the limit of 50 bytes (30 MB)."
     ]
-    errors = au.scan_request([b"token\n" + b"a,b\n" * 50], max_bytes=10_000, chunk_rows=5).errors
+    errors = csv_files.scan_request([b"token\n" + b"a,b\n" * 50], max_bytes=10_000, chunk_rows=5).errors
     assert len(errors) == 11 and errors[-1] == "Reading stopped after 10 errors."
 
 
 def test_new_token_ids_are_stable_uuids_per_seed_and_row():
-    first = au.new_token_id("a" * 32, 7)
-    assert first == au.new_token_id("a" * 32, 7)
+    first = au_chunks.new_token_id("a" * 32, 7)
+    assert first == au_chunks.new_token_id("a" * 32, 7)
     assert uuid.UUID(first).version == 4
-    assert len({first, au.new_token_id("a" * 32, 8), au.new_token_id("b" * 32, 7)}) == 3
+    assert len({first, au_chunks.new_token_id("a" * 32, 8), au_chunks.new_token_id("b" * 32, 7)}) == 3
 
 
 def test_bulk_token_rows_are_the_rows_create_tokens_writes(tenant):
@@ -119,7 +121,7 @@ def test_bulk_token_rows_are_the_rows_create_tokens_writes(tenant):
 
     now = dt.datetime.now(dt.UTC)
     data = {"number": "4012888888881881", "expiration_month": 5, "expiration_year": YEAR, "name": "Ada"}
-    old = au._Card({}, containers=["/pci/moderate/"], metadata={"k": "v"})
+    old = au_chunks._Card({}, containers=["/pci/moderate/"], metadata={"k": "v"})
     with session_scope() as session:
         caller = system_caller(session.get(Tenant, tenant.id))
         request, errors = parse_token_request(
@@ -135,7 +137,7 @@ def test_bulk_token_rows_are_the_rows_create_tokens_writes(tenant):
         )
         assert errors == {}
         (made,) = create_tokens(session, caller, [request], now=now)
-        bulk = au._token_row(session, get_keyring(), tenant.id, "bulk", data, old, None, now)
+        bulk = au_chunks._token_row(session, get_keyring(), tenant.id, "bulk", data, old, None, now)
         opened = json.loads(get_keyring().decrypt(session, tenant.id, "token", "bulk", bulk["data_ct"]))
     reference = made.token
     for name in (
@@ -194,15 +196,15 @@ def prepared_job(tenant_id, numbers: list[str], *, chunk_rows: int) -> uuid.UUID
 
     with session_scope() as session:
         tokens = [_card(session, tenant_id, n) for n in numbers]
-        job_id = au.create_job(session, system_caller(session.get(Tenant, tenant_id)))["id"]
+        job_id = service.create_job(session, system_caller(session.get(Tenant, tenant_id)))["id"]
     body = (HEADER + "\n" + "".join(f"{t},{YY},05,\n" for t in tokens)).encode()
-    s3.get_client().put_object(Bucket=au.bucket(), Key=au.request_key(tenant_id, job_id), Body=body)
+    s3.get_client().put_object(Bucket=s3_files.bucket(), Key=s3_files.request_key(tenant_id, job_id), Body=body)
     with session_scope() as session:
-        assert au.start_processing(session, job_id)
+        assert service.start_processing(session, job_id)
         _quiet(session)
-    scan = au.scan_job_file(job_id, get_settings().model_copy(update={"account_updater_chunk_rows": chunk_rows}))
+    scan = service.scan_job_file(job_id, get_settings().model_copy(update={"account_updater_chunk_rows": chunk_rows}))
     with session_scope() as session:
-        au.apply_scan(session, job_id, scan)
+        service.apply_scan(session, job_id, scan)
         _quiet(session)
     return job_id
 
@@ -213,7 +215,7 @@ def counts(tenant_id, job_id) -> dict:
         chunks = session.scalars(
             select(AccountUpdaterChunk).where(AccountUpdaterChunk.job_id == job_id).order_by(AccountUpdaterChunk.number)
         ).all()
-        new_ids = [au.new_token_id(job.id_seed, n) for n in range(1, (job.rows_total or 0) + 1)]
+        new_ids = [au_chunks.new_token_id(job.id_seed, n) for n in range(1, (job.rows_total or 0) + 1)]
         return {
             "tokens": session.scalar(
                 select(func.count()).select_from(Token).where(Token.tenant_id == tenant_id, Token.id.in_(new_ids))
@@ -248,20 +250,61 @@ UPDATES = ["4000000000001018", "4000000000001026", "4242424242424242", "40000000
 def test_a_chunk_performed_twice_and_applied_twice_writes_once(tenant):
     job_id = prepared_job(tenant.id, UPDATES * 2, chunk_rows=4)
     try:
-        first = au.process_chunk(job_id, 0)
-        second = au.process_chunk(job_id, 0)  # a second worker, after the lease expired
+        first = au_chunks.process_chunk(job_id, 0)
+        second = au_chunks.process_chunk(job_id, 0)  # a second worker, after the lease expired
         assert [t["id"] for t in first.tokens] == [t["id"] for t in second.tokens]  # the same ids
         assert len(first.tokens) == 2 and first.result_rows == 3
         with session_scope() as session:
-            applied = au.apply_chunk(session, job_id, 0, first)
+            applied = au_chunks.apply_chunk(session, job_id, 0, first)
         assert {k: applied[k] for k in ("rows", "results", "new_tokens")} == {"rows": 4, "results": 3, "new_tokens": 2}
         assert set(applied["seconds"]) == {"read", "load", "network", "build", "lock", "write"}
         with session_scope() as session:
-            assert au.apply_chunk(session, job_id, 0, second) == {"skipped": True}
-        assert au.process_chunk(job_id, 0).skipped  # a redelivered message after the commit
+            assert au_chunks.apply_chunk(session, job_id, 0, second) == {"skipped": True}
+        assert au_chunks.process_chunk(job_id, 0).skipped  # a redelivered message after the commit
         after = counts(tenant.id, job_id)
         assert after["tokens"] == 2 and after["logs"] == 2 and after["events"] == 2
         assert after["chunks_done"] == 1 and after["rows_done"] == 4 and after["results"] == [3]
+    finally:
+        _cancel_recorded_jobs(job_id)
+
+
+def test_a_chunk_with_more_new_tokens_than_one_statement_holds_writes_every_row(tenant):
+    """More new tokens than ``storage.db.insert_rows`` puts in one statement: the tokens, their metadata
+    rows (written after the tokens they belong to), log rows and events are all written, once."""
+    from storage.crypto import get_keyring
+    from storage.db import MAX_STATEMENT_ROWS
+    from storage.models import TokenMetadata
+
+    count = MAX_STATEMENT_ROWS + 500
+    job_id = prepared_job(tenant.id, UPDATES, chunk_rows=4)
+    try:
+        now = dt.datetime.now(dt.UTC)
+        data = {"number": "4242424242424242", "expiration_month": 5, "expiration_year": YEAR}
+        old = au_chunks._Card({}, containers=["/pci/high/"], metadata={"k": "v"})
+        with session_scope() as session:
+            seed = session.get(AccountUpdaterJob, job_id).id_seed
+            keyring = get_keyring()
+            tokens = [
+                au_chunks._token_row(session, keyring, tenant.id, au_chunks.new_token_id(seed, n), data, old, None, now)
+                for n in range(1, count + 1)
+            ]
+        with session_scope() as session:
+            applied = au_chunks.apply_chunk(session, job_id, 0, au_chunks.ChunkOutcome(4, b"", 0, tokens))
+            _quiet(session)
+        assert applied["new_tokens"] == count
+        ids = [t["id"] for t in tokens]
+        with session_scope() as session:
+            stored = session.scalar(select(func.count()).select_from(Token).where(Token.id.in_(ids)))
+            metadata = session.scalar(
+                select(func.count()).select_from(TokenMetadata).where(TokenMetadata.token_id.in_(ids))
+            )
+            logs = session.scalar(select(func.count()).select_from(AuditLog).where(AuditLog.entity_id.in_(ids)))
+            events = session.scalar(
+                select(func.count())
+                .select_from(Event)
+                .where(Event.tenant_id == tenant.id, Event.type == "token.created")
+            )
+        assert (stored, metadata, logs, events) == (count, count, count, count)
     finally:
         _cancel_recorded_jobs(job_id)
 
@@ -274,7 +317,7 @@ def test_the_chunk_task_run_twice_does_its_work_once(tenant):
         with session_scope() as session:
             chunk_jobs = session.scalars(
                 select(Job.id)
-                .where(Job.subject_id == str(job_id), Job.kind == au.CHUNK_TASK)
+                .where(Job.subject_id == str(job_id), Job.kind == steps.CHUNK_TASK)
                 .order_by(Job.subject_number)
             ).all()
         assert len(chunk_jobs) == 2
@@ -283,7 +326,7 @@ def test_the_chunk_task_run_twice_does_its_work_once(tenant):
         assert process_chunk.run(job_id=str(chunk_jobs[1])) == "succeeded"
         with session_scope() as session:
             (finish_job,) = session.scalars(
-                select(Job).where(Job.subject_id == str(job_id), Job.kind == au.FINISH_TASK)
+                select(Job).where(Job.subject_id == str(job_id), Job.kind == steps.FINISH_TASK)
             ).all()
             _quiet(session)
         # The last chunk's commit sent the finish message: a live worker may win the lease before us.
@@ -296,7 +339,7 @@ def test_the_chunk_task_run_twice_does_its_work_once(tenant):
         assert after["chunks_done"] == 2 and after["rows_done"] == 8
         with session_scope() as session:
             events = session.scalars(
-                select(Event).where(Event.tenant_id == tenant.id, Event.type == au.COMPLETED_EVENT)
+                select(Event).where(Event.tenant_id == tenant.id, Event.type == steps.COMPLETED_EVENT)
             ).all()
         assert [e.data for e in events] == [{"job": {"id": str(job_id), "status": "completed"}}]
     finally:
@@ -411,9 +454,9 @@ def test_a_worker_sigkilled_mid_chunk_leaves_rows_and_tokens_exactly_once(tenant
     try:
         with session_scope() as session:  # hand the recorded chunk jobs to the subprocess worker only
             chunk_jobs = session.scalars(
-                select(Job).where(Job.subject_id == str(job_id), Job.kind == au.CHUNK_TASK)
+                select(Job).where(Job.subject_id == str(job_id), Job.kind == steps.CHUNK_TASK)
             ).all()
-        send([(au.CHUNK_TASK, {"job_id": str(j.id)}) for j in chunk_jobs])
+        send([(steps.CHUNK_TASK, {"job_id": str(j.id)}) for j in chunk_jobs])
         assert gate.held.wait(60), log_path.read_text()[-3000:]  # one chunk done, the next waiting on the network
         kill_group(first)  # the whole worker (main process and pool child), as a machine dies
         gate.release.set()
@@ -439,7 +482,7 @@ def test_a_worker_sigkilled_mid_chunk_leaves_rows_and_tokens_exactly_once(tenant
             key = session.get(AccountUpdaterJob, job_id).result_key
         from storage import s3
 
-        body = s3.get_client().get_object(Bucket=au.bucket(), Key=key)["Body"].read().decode()
+        body = s3.get_client().get_object(Bucket=s3_files.bucket(), Key=key)["Body"].read().decode()
         rows = list(csv.reader(io.StringIO(body)))[1:]
         assert len(rows) == 9
         assert len({r[3] for r in rows if r[3]}) == 6
@@ -491,39 +534,42 @@ def test_the_whole_pipeline_runs_on_sqlite(tmp_path, s3_server, sandbox, monkeyp
         finally:
             session.close()
 
-    monkeypatch.setattr(au, "session_scope", lite)  # the steps' own units of work use the SQLite file
+    for module in (service, au_chunks, results):  # the steps' own units of work use the SQLite file
+        monkeypatch.setattr(module, "session_scope", lite)
     try:
         with lite() as session:
             tenant_id = create_tenant(session, name="lite", owner_email="lite@example.com").tenant_id
             tokens = [_card(session, tenant_id, n) for n in UPDATES * 3]
-            job_id = au.create_job(session, system_caller(session.get(Tenant, tenant_id)))["id"]
+            job_id = service.create_job(session, system_caller(session.get(Tenant, tenant_id)))["id"]
         body = (HEADER + "\n" + "".join(f"{t},{YY},05,\n" for t in [*tokens, "missing"])).encode()
-        s3.get_client().put_object(Bucket=au.bucket(), Key=au.request_key(tenant_id, job_id), Body=body)
-        assert au.detect_upload(job_id) == "started"
-        assert au.detect_upload(job_id) == "skipped"
+        s3.get_client().put_object(Bucket=s3_files.bucket(), Key=s3_files.request_key(tenant_id, job_id), Body=body)
+        assert service.detect_upload(job_id) == "started"
+        assert service.detect_upload(job_id) == "skipped"
         from config.settings import get_settings
 
-        scan = au.scan_job_file(job_id, get_settings().model_copy(update={"account_updater_chunk_rows": 5}))
+        scan = service.scan_job_file(job_id, get_settings().model_copy(update={"account_updater_chunk_rows": 5}))
         assert (scan.rows, len(scan.chunks)) == (13, 3)
         with lite() as session:
-            au.apply_scan(session, job_id, scan)
+            service.apply_scan(session, job_id, scan)
         for number in range(3):
-            outcome = au.process_chunk(job_id, number)
+            outcome = au_chunks.process_chunk(job_id, number)
             with lite() as session:
-                assert au.apply_chunk(session, job_id, number, outcome)["rows"] == outcome.rows
+                assert au_chunks.apply_chunk(session, job_id, number, outcome)["rows"] == outcome.rows
             with lite() as session:
-                assert au.apply_chunk(session, job_id, number, outcome) == {"skipped": True}
-        key = au.write_result(job_id)
+                assert au_chunks.apply_chunk(session, job_id, number, outcome) == {"skipped": True}
+        key = results.write_result(job_id)
         with lite() as session:
-            assert au.complete_job(session, job_id, key)
+            assert service.complete_job(session, job_id, key)
             job = session.get(AccountUpdaterJob, job_id)
-            new_ids = [au.new_token_id(job.id_seed, n) for n in range(1, 14)]
+            new_ids = [au_chunks.new_token_id(job.id_seed, n) for n in range(1, 14)]
             made = session.scalar(select(func.count()).select_from(Token).where(Token.id.in_(new_ids)))
             events = session.scalars(select(Event.type).where(Event.tenant_id == tenant_id)).all()
         assert (job.status, job.rows_done, made) == ("completed", 13, 6)
-        assert sorted(events) == [au.COMPLETED_EVENT, *["token.created"] * 6]
+        assert sorted(events) == [steps.COMPLETED_EVENT, *["token.created"] * 6]
         rows = list(
-            csv.reader(io.StringIO(s3.get_client().get_object(Bucket=au.bucket(), Key=key)["Body"].read().decode()))
+            csv.reader(
+                io.StringIO(s3.get_client().get_object(Bucket=s3_files.bucket(), Key=key)["Body"].read().decode())
+            )
         )
         assert [r[6] for r in rows[1:]] == ["UPD_PAN", "UPD_EXP_DATE", "WRN_CLOSED_ACCOUNT"] * 3 + ["ERR_INVALID_TOKEN"]
     finally:

@@ -9,6 +9,7 @@ import io
 import json
 import uuid
 
+import pytest
 import urllib3
 
 from storage.db import session_scope
@@ -30,6 +31,7 @@ NOW = dt.datetime.now(dt.UTC)
 YEAR = NOW.year + 2
 YY = f"{YEAR % 100:02d}"
 _HTTP = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(60))
+pytestmark = pytest.mark.api
 
 
 def put_file(url: str, data: bytes) -> int:

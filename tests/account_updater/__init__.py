@@ -1,0 +1,1 @@
+"""Tests of the account updater (``domain/account_updater``, its routes and tasks)."""
