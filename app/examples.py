@@ -3,7 +3,7 @@
 
 Each is a request the API accepts as it stands: sandbox test cards (``sandbox/README.md``), ids in
 the platform's own form, dates as offsets a reader can reuse. An operation missing here gets an example
-built from its schema (``app.openapi.example_of``); ``tests/api/test_openapi_examples.py`` posts every
+built from its schema (``app.openapi.example_of``); ``tests/app/test_openapi_examples.py`` posts every
 documented request example to a running API and checks every answer example against its schema.
 """
 

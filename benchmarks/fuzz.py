@@ -1,4 +1,4 @@
-"""The long schemathesis run on demand: ``tests/api/test_schemathesis.py`` with at least
+"""The long schemathesis run on demand: ``tests/app/test_schemathesis.py`` with at least
 ``--requests`` generated requests (default 5,000) against the live API, with a management key, on the
 test fixtures (a database, Redis prefix, worker and sandbox of the run's own). Every failing operation is
 reported (a server error, or an answer that breaks the OpenAPI description). Not part of CI: the test
@@ -28,7 +28,7 @@ def main() -> int:
         sys.executable,
         "-m",
         "pytest",
-        "tests/api/test_schemathesis.py",
+        "tests/app/test_schemathesis.py",
         "-q",
         "-s",
         "-p",

@@ -268,14 +268,14 @@ SAME_AS_COVERED = {
     "tasks.mail": "the same JobTask lease and relay as the kinds above; its side effect is a mail, whose "
     "at-least-once sending is tested in tests/admin",
     "tasks.reactors": "a reactor run is one attempt by design (customer code is never run twice): "
-    "tests/worker/test_reactor_kill.py SIGKILLs a worker's process group mid-run and checks "
+    "tests/reactors/test_kill.py SIGKILLs a worker's process group mid-run and checks "
     "the run ends failed (500) and the code ran once; builds repeat an idempotent npm install",
     "tasks.wallets": "the same JobTask lease and relay as the kinds above; a merchant session is one attempt "
     "and reads only, domain registration and removal carry the job id as the gateway's "
     "idempotency key",
     "tasks.documents": "the same JobTask lease and relay as the kinds above; a purge deletes an S3 object "
     "and a row, both idempotent, and the documents sweep removes what a dead letter leaves",
-    "tasks.keys": "tests/worker/test_key_rotation_kill.py SIGKILLs a worker's process group mid rotation and "
+    "tasks.keys": "tests/keys/test_rotation_kill.py SIGKILLs a worker's process group mid rotation and "
     "checks another worker resumes it with nothing lost or sealed twice; rewrap and purge passes "
     "write each row only if it is still what they read",
     "tasks.enrichments": "the same JobTask lease and relay as the kinds above; a bank account verification "

@@ -215,7 +215,7 @@ def test_work_of_a_worker_killed_mid_task_comes_back(platform, owner, slow_recei
     assert str(running.id) in _unacked_delivery_ids(redis_flushed, prefix)  # late ack: never acknowledged
     assert _deliveries(hook.json["id"])[0].status == "pending"
 
-    # The lease runs out (made to now, as tests/worker/test_jobs.py does); beat's relay sends it again.
+    # The lease runs out (made to now, as tests/infra/test_jobs.py does); beat's relay sends it again.
     with session_scope() as session:
         session.execute(
             update(Job)

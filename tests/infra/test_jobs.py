@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 from uuid import uuid4
 
+import pytest
+
 from infra import jobs, outbox
 from infra.celery import celery_app
 from infra.jobs import PermanentError, TransientError
@@ -12,6 +14,8 @@ from infra.task import JobTask
 from storage.db import session_scope
 from storage.models import Job
 from tests.helpers import wait_until
+
+pytestmark = pytest.mark.worker
 
 
 class ScriptedJob(JobTask):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
+import pytest
 from sqlalchemy import update
 from sqlmodel import select
 
@@ -22,6 +23,8 @@ from infra.http import DeliveryResult
 from storage.db import session_scope
 from storage.models import Job, Webhook, WebhookAttempt, WebhookDelivery
 from tests.helpers import race
+
+pytestmark = pytest.mark.worker
 
 
 def _tenant_with_webhooks(*urls: str) -> tuple[uuid.UUID, list[uuid.UUID]]:

@@ -12,6 +12,8 @@ import pytest
 
 from tests.api.test_framework import assert_problem
 
+pytestmark = pytest.mark.api
+
 
 def get_logs(client, **query):
     answer = client.get("/logs?" + urlencode(query) if query else "/logs")

@@ -27,6 +27,8 @@ from storage.crypto import (
 from storage.db import make_engine
 from storage.models import Tenant, TenantDataKey
 
+pytestmark = pytest.mark.unit
+
 CARD = b'{"number":"4242424242424242","expiration_month":12,"expiration_year":2030}'
 
 

@@ -15,6 +15,8 @@ import pytest
 from tests.conftest import REDIS_PREFIX, TEST_REDIS_URL, free_port, serve_in_thread
 from tests.helpers import ApiClient, Response
 
+pytestmark = pytest.mark.api
+
 PROBLEM = "application/problem+json"
 
 

@@ -26,6 +26,8 @@ from storage.db import session_scope
 from storage.models import Job
 from tests.conftest import REDIS_PREFIX, TEST_REDIS_URL
 
+pytestmark = pytest.mark.worker
+
 LONG_POLL = 60.0
 
 

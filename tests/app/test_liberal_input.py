@@ -8,6 +8,8 @@ import pytest
 
 from tests.api.test_framework import assert_problem
 
+pytestmark = pytest.mark.api
+
 VISA = "4242424242424242"
 
 

@@ -7,7 +7,10 @@ import json
 import re
 import uuid
 
+import pytest
 import urllib3
+
+pytestmark = pytest.mark.api
 
 #: Citations of documents users do not have ("core document section 7", "spec 001", "rules 1, 7, 8" ...).
 _CITATION = re.compile(

@@ -25,6 +25,8 @@ from infra.http import (
     validate_destination_url,
 )
 
+pytestmark = pytest.mark.unit
+
 
 class Recorder:
     """Requests seen by the test server (thread-safe append)."""

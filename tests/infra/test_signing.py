@@ -10,6 +10,8 @@ import pytest
 
 from infra.signing import SignatureError, generate_secret, headers, sign, verify
 
+pytestmark = pytest.mark.unit
+
 KEY = bytes(range(32))
 SECRET = "whsec_" + base64.b64encode(KEY).decode()
 MSG_ID = "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"

@@ -7,6 +7,8 @@ import uuid
 
 import pytest
 
+pytestmark = pytest.mark.api
+
 
 def test_no_key_needed(api):
     answer = api.client().get("/status")

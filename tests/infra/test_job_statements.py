@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
+import pytest
 from sqlalchemy import func, select, text
 
 from config.settings import get_settings
@@ -22,6 +23,8 @@ from storage.db import Rows, get_lease_engine, read_first, session_scope, stage_
 from storage.models import Event, Job, Webhook, WebhookDelivery
 from storage.models_tenant_admin import TokenActivity
 from tests.helpers import wait_until
+
+pytestmark = pytest.mark.worker
 
 
 class LeasedJob(JobTask):

@@ -18,6 +18,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+import pytest
 from sqlalchemy import insert, update
 from sqlmodel import col, select
 
@@ -29,6 +30,8 @@ from storage.sealed import version_head
 from storage.types import table_of, utcnow
 from tests.helpers import wait_until
 from tests.worker.test_agentic_kill import TESSERA, _log_tail, isolated_prefix, processes  # noqa: F401
+
+pytestmark = pytest.mark.kill
 
 TOKENS = 60_000
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
 
 from tests.conftest import make_tenant
+
+pytestmark = pytest.mark.fuzz
 
 #: Operations that would end the run's own tenant or key (they are exercised by their own tests).
 DESTRUCTIVE = {("DELETE", "/tenants/self"), ("DELETE", "/applications/{id}")}

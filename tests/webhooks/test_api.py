@@ -17,6 +17,8 @@ from storage.db import session_scope
 from storage.models import Job, Webhook, WebhookDelivery
 from tests.helpers import race, wait_until
 
+pytestmark = pytest.mark.api
+
 
 def _subscribe(tenant, url: str, events_: list[str] | None = None, **extra) -> dict:
     answer = tenant.client.post(

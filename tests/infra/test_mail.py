@@ -15,6 +15,8 @@ from aiosmtpd.smtp import AuthResult, LoginPassword
 
 from infra.mail import MailError, send_mail
 
+pytestmark = pytest.mark.unit
+
 SENDER = "Tessera <noreply@tessera.example>"
 
 

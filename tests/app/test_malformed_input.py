@@ -10,6 +10,8 @@ import pytest
 
 from tests.api.test_framework import assert_problem
 
+pytestmark = pytest.mark.api
+
 CARD = {"type": "card", "data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2031}}
 
 

@@ -16,6 +16,8 @@ from domain.tenancy.caller import Caller
 from storage.db import GroupCommit, Rows, session_scope, stage_rows
 from storage.models import AuditLog
 
+pytestmark = pytest.mark.api
+
 
 def _caller(tenant) -> Caller:
     return Caller(

@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
+import pytest
 from sqlmodel import select
 
 from storage.db import session_scope
@@ -31,6 +32,8 @@ from storage.types import utcnow
 from tests.conftest import free_port
 from tests.helpers import ApiClient, wait_until
 from tests.worker.test_agentic_kill import TESSERA, _log_tail, isolated_prefix, processes  # noqa: F401
+
+pytestmark = pytest.mark.kill
 
 
 class Counter:
