@@ -32,6 +32,21 @@ class Response:
         return f"<Response {self.status} {self.raw[:500]!r}>"
 
 
+PROBLEM = "application/problem+json"
+
+
+def assert_problem(answer: Response, status: int, prefix: str = "TS") -> dict:
+    """``answer`` is an RFC 7807 problem with ``status``, carrying a trace id; returns its body."""
+    assert answer.status == status, answer
+    assert answer.headers["Content-Type"].split(";")[0] == PROBLEM, answer.headers
+    body = answer.json
+    assert isinstance(body.get("type"), str) and body["type"]
+    assert isinstance(body.get("title"), str) and body["title"]
+    assert body.get("status") == status
+    assert answer.headers.get(f"{prefix}-TRACE-ID"), "every answer carries a trace id"
+    return body
+
+
 @dataclass
 class ApiClient:
     """Calls the API over real HTTP with an API key in the ``<prefix>-API-KEY`` header."""

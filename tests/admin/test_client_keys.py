@@ -19,7 +19,7 @@ from domain.client_keys.service import EncryptedPayloadError
 from storage.db import session_scope
 from storage.models import AuditLog
 from storage.models_tenant_admin import ClientEncryptionKey
-from tests.api.test_framework import assert_problem
+from tests.helpers import assert_problem
 
 CARD = {"data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2030}}
 

@@ -8,7 +8,7 @@ import uuid
 
 from domain.tenancy import members
 from tests.admin.support import multipart
-from tests.api.test_framework import assert_problem
+from tests.helpers import assert_problem
 
 ANY = str(uuid.uuid4())
 

@@ -20,8 +20,7 @@ from storage.models import AuditLog, Job
 from storage.models_tenant_admin import Document
 from tests.admin.conftest import SMALL_DOCUMENT_MAX_BYTES, SMALL_DOCUMENTS_PER_MINUTE
 from tests.admin.support import multipart, upload
-from tests.api.test_framework import assert_problem
-from tests.helpers import wait_until
+from tests.helpers import assert_problem, wait_until
 
 MiB = 1024 * 1024
 

@@ -14,8 +14,7 @@ from domain.tenancy import invitations
 from storage.db import session_scope
 from storage.models import Job, TenantMember, User
 from storage.models_tenant_admin import InvitationLink, TenantInvitation
-from tests.api.test_framework import assert_problem
-from tests.helpers import wait_until
+from tests.helpers import assert_problem, wait_until
 
 
 def _address(prefix: str = "invitee") -> str:

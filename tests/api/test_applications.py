@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from tests.api.test_framework import assert_problem
+from tests.helpers import assert_problem
 
 
 def create(client, *, name="app", type="server_to_server", permissions=None):

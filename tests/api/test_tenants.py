@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.test_framework import assert_problem
+from tests.helpers import assert_problem
 
 DEFAULTS = {
     "fingerprint_tokens": "false",

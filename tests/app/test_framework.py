@@ -13,23 +13,9 @@ import uuid
 import pytest
 
 from tests.conftest import REDIS_PREFIX, TEST_REDIS_URL, free_port, serve_in_thread
-from tests.helpers import ApiClient, Response
+from tests.helpers import PROBLEM, ApiClient, assert_problem
 
 pytestmark = pytest.mark.api
-
-PROBLEM = "application/problem+json"
-
-
-def assert_problem(answer: Response, status: int, prefix: str = "TS") -> dict:
-    """``answer`` is an RFC 7807 problem with ``status``, carrying a trace id; returns its body."""
-    assert answer.status == status, answer
-    assert answer.headers["Content-Type"].split(";")[0] == PROBLEM, answer.headers
-    body = answer.json
-    assert isinstance(body.get("type"), str) and body["type"]
-    assert isinstance(body.get("title"), str) and body["title"]
-    assert body.get("status") == status
-    assert answer.headers.get(f"{prefix}-TRACE-ID"), "every answer carries a trace id"
-    return body
 
 
 # ---- authentication and permissions ---------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.test_framework import assert_problem
+from tests.helpers import assert_problem
 
 pytestmark = pytest.mark.api
 

@@ -10,7 +10,7 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.api.test_framework import assert_problem
+from tests.helpers import assert_problem
 
 pytestmark = pytest.mark.api
 

@@ -8,7 +8,7 @@ import urllib.parse
 
 import pytest
 
-from tests.api.test_framework import assert_problem
+from tests.helpers import assert_problem
 
 pytestmark = pytest.mark.api
 
