@@ -211,8 +211,8 @@ class Settings(BaseSettings):
     webhook_host_concurrency: int = Field(default=32, ge=1)
     #: Fairness between tenants: a tenant that is behind (a delivery due more than
     #: ``webhook_backlog_seconds`` ago still pending) may hold at most this many worker slots (task runs)
-    #: at once; its further deliveries are postponed by ``webhook_postpone_seconds`` and relayed in
-    #: batches (0: off).
+    #: at once while another tenant's deliveries wait; its further deliveries are then postponed by
+    #: ``webhook_postpone_seconds`` and relayed in batches. A tenant alone uses every slot (0: off).
     webhook_tenant_slots: int = Field(default=1, ge=0)
     webhook_backlog_seconds: float = 2.0
     webhook_postpone_seconds: float = Field(default=2.0, ge=2.0)

@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import delete, distinct, func, insert, or_, update
+from sqlalchemy import ColumnElement, delete, distinct, func, insert, or_, update
 from sqlmodel import Session, col, select
 
 from config.settings import Settings
@@ -550,12 +550,14 @@ def disabled_notice(session: Session, webhook_id: uuid.UUID) -> DisabledNotice |
 def postpone_busy_tenants(
     session: Session, delivery_ids: list[uuid.UUID], settings: Settings, *, now: dt.datetime | None = None
 ) -> int:
-    """Postpone the due, unleased deliveries of ``delivery_ids`` whose tenant is behind and busy: it has
-    a delivery due more than ``settings.webhook_backlog_seconds`` ago still pending (a flood, or a slow
-    receiver), and already holds ``settings.webhook_tenant_slots`` worker slots (distinct task runs with
-    deliveries in flight). Their jobs' ``due_at`` moves ``webhook_postpone_seconds`` ahead; the relay
-    sends them again, batched (about a hundred a message). No attempt is counted. Returns how many were
-    postponed. A tenant that keeps up is never postponed.
+    """Postpone the due, unleased deliveries of ``delivery_ids`` whose tenant is behind and busy while
+    another tenant waits: it has a delivery due more than ``settings.webhook_backlog_seconds`` ago still
+    pending (a flood, or a slow receiver), already holds ``settings.webhook_tenant_slots`` worker slots
+    (distinct task runs with deliveries in flight), and another tenant has a delivery due and not taken.
+    Their jobs' ``due_at`` moves ``webhook_postpone_seconds`` ahead; the relay sends them again, batched
+    (about a hundred a message). No attempt is counted. Returns how many were postponed. A tenant that
+    keeps up, or that is alone, is never postponed: fairness takes capacity from a tenant only to give
+    it to another one.
 
     On PostgreSQL the check and the lease that follows it in the same transaction are serialised per
     tenant (a transaction-level advisory lock), so two workers cannot both take the last slot."""
@@ -590,7 +592,7 @@ def postpone_busy_tenants(
                 col(Job.lease_expires_at) > now,
             )
         ).scalar_one()
-        if held >= slots:
+        if held >= slots and _another_tenant_waits(session, tenant_id, waiting, now):
             busy.append(tenant_id)
     if not busy:
         return 0
@@ -609,6 +611,27 @@ def postpone_busy_tenants(
             .execution_options(synchronize_session=False)
         )
     )
+
+
+def _another_tenant_waits(
+    session: Session, tenant_id: uuid.UUID, waiting: tuple[ColumnElement[bool], ...], now: dt.datetime
+) -> bool:
+    """True when a tenant other than ``tenant_id`` has a delivery due and not taken (two range probes of
+    ``ix_jobs_deliveries_waiting``, below and above ``tenant_id``: a flood of one tenant is not scanned)."""
+    for other in (col(Job.tenant_id) < tenant_id, col(Job.tenant_id) > tenant_id):
+        found = session.execute(
+            select(col(Job.id))
+            .where(
+                *waiting,
+                other,
+                col(Job.due_at) <= now,
+                or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
+            )
+            .limit(1)
+        ).first()
+        if found is not None:
+            return True
+    return False
 
 
 def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings) -> BatchOutcome:

@@ -240,3 +240,34 @@ def test_deleting_a_webhook_deletes_its_deliveries_with_their_jobs(database):
         ).all()
         jobs_left = session.exec(select(Job.id).where(Job.id.in_(ids))).all()
     assert left == [(kept, str(kept))] * 2 and len(jobs_left) == 2  # no job is left without its delivery
+
+
+def test_a_lone_tenant_behind_on_its_deliveries_keeps_every_slot_until_another_tenant_waits(database):
+    """Fairness takes capacity from a tenant only to give it to another one: a tenant behind and at its
+    slots is postponed only while another tenant has a delivery due. The clock of the check is set back
+    to 2000 (its jobs due in 1999) so that the deliveries other tests left waiting are not due then."""
+    settings = get_settings().model_copy(update={"webhook_tenant_slots": 1, "webhook_backlog_seconds": 2.0})
+    then = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+    flooder, _ = _tenant_with_webhooks("https://example.com/flood")
+    flood, _ = _emit(flooder, count=4)
+    with session_scope() as session:  # behind since 1999, and one worker slot held by a live lease
+        session.execute(update(Job).where(Job.id.in_(flood)).values(due_at=then - dt.timedelta(days=1)))
+        session.execute(
+            update(Job)
+            .where(Job.id == flood[0])
+            .values(status="running", lease_owner="worker-1", lease_expires_at=then + dt.timedelta(minutes=5))
+        )
+    waiting = flood[1:]
+    with session_scope() as session:
+        assert webhooks.postpone_busy_tenants(session, waiting, settings, now=then) == 0
+    assert all(_job(job_id).due_at == then - dt.timedelta(days=1) for job_id in waiting)
+
+    patient, _ = _tenant_with_webhooks("https://example.com/patient")
+    [other], _ = _emit(patient)
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id == other).values(due_at=then - dt.timedelta(seconds=1)))
+    with session_scope() as session:
+        assert webhooks.postpone_busy_tenants(session, waiting, settings, now=then) == len(waiting)
+    postponed_to = then + dt.timedelta(seconds=settings.webhook_postpone_seconds)
+    assert all(_job(job_id).due_at == postponed_to for job_id in waiting)
+    assert _job(other).due_at == then - dt.timedelta(seconds=1)
