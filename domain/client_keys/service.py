@@ -6,7 +6,7 @@ encryption. ``POST /keys`` returns the public key once, as a SubjectPublicKeyInf
 the private key is sealed under the tenant's data key (``storage.crypto``) and never leaves the
 platform. A key lives until ``expires_at`` (default ``TESSERA_CLIENT_KEY_DEFAULT_DAYS``, 182 days; at
 most one year after creation); after that, and at once when it is deleted, its private key material is
-destroyed (``tenant_admin.destroy_client_keys`` sweeps expired ones), so payloads encrypted with it
+destroyed (``client_keys.destroy_client_keys`` sweeps expired ones), so payloads encrypted with it
 can no longer be read.
 
 Clients encrypt a token request payload (a JSON object with ``data`` and optionally ``metadata``,
@@ -42,7 +42,7 @@ from domain.tenancy.caller import Caller
 from infra.errors import Problem, validation_problem
 from infra.lookup import get_owned
 from storage.crypto import DecryptionError, get_keyring
-from storage.models_tenant_admin import ClientEncryptionKey
+from storage.models_client_keys import ClientEncryptionKey
 from storage.types import utcnow
 
 KEY = "client_encryption_key"

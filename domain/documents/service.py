@@ -15,7 +15,7 @@ whatever the document's size; a download holds one sealed chunk at a time.
 
 Life of a row: ``uploading`` (written before the first byte goes to S3, so a crashed upload is
 found and cleaned) -> ``ready`` -> ``deleted`` (invisible at once; the object is removed by the
-``documents.purge`` job recorded with the delete, or by the ``tenant_admin.sweep_documents`` sweep,
+``documents.purge`` job recorded with the delete, or by the ``documents.sweep_documents`` sweep,
 which also removes uploads left ``uploading`` for more than :data:`STALE_UPLOAD_SECONDS`).
 """
 
@@ -37,7 +37,7 @@ from infra import jobs
 from infra.lookup import get_owned
 from storage import s3
 from storage.crypto import get_keyring, open_sealed, seal
-from storage.models_tenant_admin import Document
+from storage.models_documents import Document
 from storage.states import DocumentStatus
 from storage.types import utcnow
 

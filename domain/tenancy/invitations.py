@@ -8,7 +8,7 @@ Life of an invitation (section 3)::
     any --DELETE--> removed; outstanding links invalid
 
 Reads never show ``PENDING`` for an invitation whose ``expires_at`` has passed, whether or not the
-sweep (``tenant_admin.expire_invitations``) has run yet.
+sweep (``tenancy.expire_invitations``) has run yet.
 
 Links. Each create and resend issues a new link row and records a mail job (``mail.invitation``, sent
 after the commit, retried on transient SMTP failures, re-sent by the outbox relay if lost). The link
@@ -48,7 +48,7 @@ from infra.errors import Problem
 from infra.lookup import get_owned
 from storage.crypto import get_keyring
 from storage.models import Job, Tenant, TenantMember, User
-from storage.models_tenant_admin import InvitationLink, TenantInvitation
+from storage.models_tenancy import InvitationLink, TenantInvitation
 from storage.states import InvitationLinkStatus, InvitationStatus
 from storage.types import utcnow
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 import uuid
 
+import pytest
+
 from domain.tenancy import members
-from tests.admin.support import multipart
 from tests.api.test_framework import assert_problem
+from tests.factories.documents import multipart
+
+pytestmark = pytest.mark.api
 
 ANY = str(uuid.uuid4())
 

@@ -18,8 +18,10 @@ from domain.client_keys import service as client_keys
 from domain.client_keys.service import EncryptedPayloadError
 from storage.db import session_scope
 from storage.models import AuditLog
-from storage.models_tenant_admin import ClientEncryptionKey
+from storage.models_client_keys import ClientEncryptionKey
 from tests.api.test_framework import assert_problem
+
+pytestmark = pytest.mark.api
 
 CARD = {"data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2030}}
 
