@@ -42,6 +42,7 @@ from app.routes import (
     enrichments,
     network_tokens,
     ops,
+    proxies,
     proxy,
     reactors,
     status,
@@ -89,6 +90,7 @@ def route_modules() -> list:
         log_routes,
         wallets,
         proxy,
+        proxies,
     ]
 
 
