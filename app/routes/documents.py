@@ -24,6 +24,7 @@ from app.context import DOCUMENT_LIMITER, FILE_EXECUTOR
 from app.ratelimit import DOCUMENTS_RULE, Rule
 from app.schemas import RequestModel, ResponseModel
 from domain.documents import service as documents
+from domain.documents.errors import CorruptDocument
 from domain.documents.uploads import Upload
 from infra.errors import Problem, validation_errors, validation_problem
 
@@ -251,7 +252,7 @@ async def get_document_data(call: Call):
     try:
         await blocking(reader.open)
         chunk = await blocking(reader.next_chunk)  # the first chunk is checked before the answer starts
-    except documents.CorruptDocument:
+    except CorruptDocument:
         reader.close()
         raise Problem(500, "The document's stored content is damaged.") from None
     response = web.StreamResponse(

@@ -37,6 +37,8 @@ from joserfc.errors import JoseError
 from joserfc.jwk import OKPKey
 from sqlmodel import Session, col, select
 
+from domain.client_keys.errors import EncryptedPayloadError
+from domain.client_keys.views import key_view
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from infra.errors import Problem, validation_problem
@@ -65,16 +67,6 @@ def _add_years(moment: dt.datetime, years: int) -> dt.datetime:
         return moment.replace(year=moment.year + years)
     except ValueError:  # 29 February
         return moment.replace(year=moment.year + years, day=28)
-
-
-def key_view(key: ClientEncryptionKey) -> dict:
-    """The public key object without the public key: key_id, expires_at, created_by, created_at."""
-    return {
-        "key_id": str(key.id),
-        "expires_at": key.expires_at,
-        "created_by": key.created_by,
-        "created_at": key.created_at,
-    }
 
 
 def create_key(
@@ -179,19 +171,6 @@ def destroy_expired_keys(session: Session, *, now: dt.datetime | None = None, ba
 
 
 # ---- decryption (the outbound proxy) --------------------------------------------------------------
-
-
-class EncryptedPayloadError(Problem):
-    """A client-encrypted payload that cannot be opened: a 400 problem naming the offending part."""
-
-    def __init__(self, detail: str, *, field: str = "encrypted", code: str = "invalid_encrypted_payload"):
-        super().__init__(
-            400,
-            detail,
-            title="The encrypted payload cannot be decrypted",
-            errors={field: [detail]},
-            extra={"code": code},
-        )
 
 
 @dataclass(frozen=True)

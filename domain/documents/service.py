@@ -31,6 +31,8 @@ from botocore.exceptions import ClientError
 from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
+from domain.documents.errors import CorruptDocument
+from domain.documents.views import document_view
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from infra import jobs
@@ -66,18 +68,6 @@ def object_key(tenant_id: uuid.UUID, document_id: uuid.UUID) -> str:
 def chunk_aad(tenant_id: uuid.UUID, document_id: uuid.UUID, index: int) -> bytes:
     """The associated data of chunk ``index``: binds tenant, document and position."""
     return f"document:{tenant_id}:{document_id}:{index}".encode()
-
-
-def document_view(document: Document) -> dict:
-    """The public document object (core document section 2, Document)."""
-    return {
-        "id": document.id,
-        "tenant_id": document.tenant_id,
-        "metadata": dict(document.meta or {}),
-        "content_type": document.content_type,
-        "created_by": document.created_by,
-        "created_at": document.created_at,
-    }
 
 
 # ---- database units of work ----------------------------------------------------------------------
@@ -309,10 +299,6 @@ def copy_sealed(source: Source, *, data_key: bytes, key: str) -> None:
         raise
     finally:
         reader.close()
-
-
-class CorruptDocument(Exception):
-    """The stored content does not match its row or does not authenticate."""
 
 
 class _Body(Protocol):

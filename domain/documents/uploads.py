@@ -96,7 +96,7 @@ class Upload:
 
     async def finish(self, metadata: dict[str, str]) -> dict:
         """Complete the S3 object and mark the row ``ready``; the document object
-        (:func:`~domain.documents.service.document_view`)."""
+        (:func:`~domain.documents.views.document_view`)."""
         writer = self.writer
         if writer is None:
             raise RuntimeError("an upload finished before it began")

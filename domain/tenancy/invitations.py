@@ -41,8 +41,8 @@ from config.settings import Settings
 from domain.tenancy import audit
 from domain.tenancy.auth import row_tenant, system_caller
 from domain.tenancy.caller import Caller
-from domain.tenancy.members import member_view
 from domain.tenancy.tenants import get_tenant
+from domain.tenancy.views import effective_status, invitation_view, member_view
 from infra import jobs
 from infra.errors import Problem
 from infra.lookup import get_owned
@@ -94,29 +94,6 @@ def accept_url(settings: Settings, token: str) -> str:
 
 
 # ---- views ---------------------------------------------------------------------------------------
-
-
-def effective_status(invitation: TenantInvitation, now: dt.datetime) -> InvitationStatus:
-    """``EXPIRED`` for a PENDING invitation past ``expires_at`` even before the sweep has run."""
-    if invitation.status == InvitationStatus.PENDING and invitation.expires_at <= now:
-        return InvitationStatus.EXPIRED
-    return invitation.status
-
-
-def invitation_view(invitation: TenantInvitation, now: dt.datetime) -> dict:
-    """The public invitation object (core document section 2, Invitation, plus ``role``)."""
-    return {
-        "id": invitation.id,
-        "tenant_id": invitation.tenant_id,
-        "email": invitation.email,
-        "role": invitation.role,
-        "status": effective_status(invitation, now),
-        "expires_at": invitation.expires_at,
-        "created_by": invitation.created_by,
-        "created_at": invitation.created_at,
-        "modified_by": invitation.modified_by,
-        "modified_at": invitation.modified_at,
-    }
 
 
 # ---- management (API key callers) ----------------------------------------------------------------

@@ -15,7 +15,7 @@ from joserfc.jwk import OKPKey
 from sqlmodel import select
 
 from domain.client_keys import service as client_keys
-from domain.client_keys.service import EncryptedPayloadError
+from domain.client_keys.errors import EncryptedPayloadError
 from storage.db import session_scope
 from storage.models import AuditLog
 from storage.models_client_keys import ClientEncryptionKey
