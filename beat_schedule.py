@@ -60,17 +60,17 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
             "options": {"expires": 290},
         },
         "invitation-expiry": {
-            "task": "tenant_admin.expire_invitations",
+            "task": "tenancy.expire_invitations",
             "schedule": 60.0,
             "options": {"expires": 55},
         },
         "client-key-destruction": {
-            "task": "tenant_admin.destroy_client_keys",
+            "task": "client_keys.destroy_client_keys",
             "schedule": 60.0,
             "options": {"expires": 55},
         },
         "document-purge": {
-            "task": "tenant_admin.sweep_documents",
+            "task": "documents.sweep_documents",
             "schedule": 300.0,
             "options": {"expires": 290},
         },

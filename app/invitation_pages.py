@@ -1,7 +1,7 @@
 """The pages a person sees at the invitation mail's link, ``/invitations/accept?token=``.
 
 The link's endpoints answer a browser (``Accept: text/html``) with pages and an API client with JSON
-(``app/routes/tenant_admin.py``): ``GET`` shows which tenant the link invites to and with which role,
+(``app/routes/tenancy.py``): ``GET`` shows which tenant the link invites to and with which role,
 and a form (the invitee's first and last name, a button) that ``POST``s the token to the same path as
 an HTML form; that post accepts the invitation as the JSON post does
 (``domain.tenancy.invitations.accept_invitation``) and answers a page saying so. An unknown, used,

@@ -14,25 +14,39 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import redis.asyncio as aioredis
 from aiohttp import web
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from app.api import CALLER, http_problem
-from app.context import DB_EXECUTOR, GROUP_COMMIT, JOB_WAITS, RATE_LIMITER, ROUTES, SETTINGS, TRACE_ID
+from app.context import (
+    DB_EXECUTOR,
+    DOCUMENT_LIMITER,
+    FILE_EXECUTOR,
+    GROUP_COMMIT,
+    JOB_WAITS,
+    RATE_LIMITER,
+    ROUTES,
+    SETTINGS,
+    TRACE_ID,
+)
 from app.problems import problem_response
-from app.ratelimit import RateLimiter, rules_for
+from app.ratelimit import RateLimiter, minute_limiter, rules_for
 from app.routes import (
     account_updater,
     agentic,
     allowances,
     applications,
+    client_keys,
+    documents,
     enrichments,
     network_tokens,
     ops,
+    proxies,
     proxy,
     reactors,
     status,
-    tenant_admin,
+    tenancy,
     tenants,
     token_intents,
     tokens,
@@ -60,7 +74,9 @@ def route_modules() -> list:
         status,
         ops,
         tenants,
-        tenant_admin,
+        tenancy,
+        client_keys,
+        documents,
         applications,
         tokens,
         token_intents,
@@ -74,6 +90,7 @@ def route_modules() -> list:
         log_routes,
         wallets,
         proxy,
+        proxies,
     ]
 
 
@@ -192,16 +209,18 @@ async def rate_limit_middleware(request: web.Request, handler) -> web.StreamResp
 
 
 async def _resources(app: web.Application):
+    """The application's shared resources, made and closed here only: the database and file thread
+    pools, the group commit, the rate limiters and the Redis client they share, the job-outcome
+    subscription."""
     settings = app[SETTINGS]
     app[DB_EXECUTOR] = ContextThreadPoolExecutor(settings.api_db_threads, thread_name_prefix="db")
+    # sized like the event loop's default pool (min(32, CPUs + 4)), which the file work used before
+    app[FILE_EXECUTOR] = ContextThreadPoolExecutor(thread_name_prefix="files")
     app[GROUP_COMMIT] = GroupCommit(app[DB_EXECUTOR], window=settings.group_commit_ms / 1000)
+    redis_client = aioredis.from_url(settings.redis_url) if settings.redis_url else None
     if settings.rate_limit_enabled:
-        redis_client = None
-        if settings.redis_url:
-            import redis.asyncio as aioredis
-
-            redis_client = aioredis.from_url(settings.redis_url)
         app[RATE_LIMITER] = RateLimiter(settings, redis_client)
+    app[DOCUMENT_LIMITER] = minute_limiter(settings, redis_client)
     app[JOB_WAITS] = JobWaits(
         settings.redis_url, prefix=settings.redis_key_prefix, poll_seconds=settings.job_wait_poll_seconds
     )
@@ -209,8 +228,9 @@ async def _resources(app: web.Application):
     yield
     await http.close_sessions()  # the outbound sessions of this loop (the proxy's)
     await app[JOB_WAITS].close()
-    if RATE_LIMITER in app:
-        await app[RATE_LIMITER].close()
+    if redis_client is not None:
+        await redis_client.aclose()
+    app[FILE_EXECUTOR].shutdown(wait=True)
     app[DB_EXECUTOR].shutdown(wait=True)
 
 

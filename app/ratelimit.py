@@ -13,7 +13,12 @@ got it blocked, however long the window). Rules:
 * ``token-search``: ``POST /tokens/search`` and ``POST /v2/tokens/search``,
   ``TESSERA_RATE_LIMIT_TOKEN_SEARCH`` (50).
 
-With ``TESSERA_REDIS_URL`` set the counters are shared by every api process (one Lua script call per
+The Documents API counts per application rather than per IP (:func:`minute_limiter`, rule
+:data:`DOCUMENTS_RULE`): ``TESSERA_RATE_LIMIT_DOCUMENTS_PER_MINUTE`` (25) per minute, blocked for a
+minute past it, whatever ``TESSERA_RATE_LIMIT_ENABLED`` says.
+
+The application factory (``app/main.py``) makes the limiters and the one Redis client they share, and
+closes that client. With ``TESSERA_REDIS_URL`` set the counters are shared by every api process (one Lua script call per
 request); without it each process counts on its own, and so does a process whose Redis fails or does
 not answer within a second (logged at most once a minute) until Redis answers again.
 """
@@ -55,6 +60,10 @@ for i = 1, #KEYS, 2 do
 end
 return blocked
 """
+
+
+#: The Documents API's rule name (counted per application).
+DOCUMENTS_RULE = "documents"
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,9 @@ class RateLimiter:
                 retry = block
         return retry
 
-    async def close(self) -> None:
-        """Close the Redis connection, if any."""
-        if self._redis is not None:
-            await self._redis.aclose()
+
+def minute_limiter(settings: Settings, redis_client=None) -> RateLimiter:
+    """A :class:`RateLimiter` counting in windows of one minute, blocked for one minute past a limit
+    (the Documents API's, per application: spec section 8)."""
+    minute = settings.model_copy(update={"rate_limit_window_seconds": 60, "rate_limit_block_seconds": 60})
+    return RateLimiter(minute, redis_client)

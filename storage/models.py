@@ -460,9 +460,11 @@ from storage import (  # noqa: E402, F401
     models_account_updater,
     models_agentic,
     models_allowances,
+    models_client_keys,
+    models_documents,
     models_network_tokens,
     models_proxy,
     models_reactors,
-    models_tenant_admin,
+    models_tenancy,
     models_wallets,
 )

@@ -1,8 +1,10 @@
-"""Document tasks (``documents.*`` on the ``files`` queue).
+"""Document tasks (``documents.*`` on the ``files`` queue; beat sends its sweep on ``sweeps``).
 
-``documents.purge`` (a recorded job, subject: the document): removes a deleted document's S3 object,
-then its row. S3 failures are retried with backoff; a lost message is re-sent by the outbox relay, and
-the ``tenant_admin.sweep_documents`` sweep removes whatever a dead letter leaves.
+* ``documents.purge`` (a recorded job, subject: the document): removes a deleted document's S3 object,
+  then its row. S3 failures are retried with backoff; a lost message is re-sent by the outbox relay,
+  and the sweep below removes whatever a dead letter leaves.
+* ``documents.sweep_documents`` (beat): removes deleted documents and abandoned uploads from S3 and the
+  database, in batches with ``SKIP LOCKED``, safe to run twice or on two beat processes.
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ from sqlmodel import Session
 from domain.documents import service as documents
 from infra.celery import celery_app
 from infra.jobs import TransientError
-from infra.task import JobTask
+from infra.task import JobTask, TesseraTask
 from storage.models import Job
+from storage.types import utcnow
+from tasks.sweeps import in_batches
+
+#: Documents purged per transaction of the sweep (each costs S3 calls).
+SWEEP_BATCH = 100
 
 
 class PurgeDocument(JobTask):
@@ -46,3 +53,9 @@ class PurgeDocument(JobTask):
 
 
 celery_app.register_task(PurgeDocument())
+
+
+@celery_app.task(name="documents.sweep_documents", base=TesseraTask)
+def sweep_documents() -> int:
+    """Remove deleted documents and abandoned uploads from S3 and the database; returns how many."""
+    return in_batches(lambda s: documents.sweep_documents(s, now=utcnow(), batch=SWEEP_BATCH), SWEEP_BATCH)

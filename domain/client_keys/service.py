@@ -6,7 +6,7 @@ encryption. ``POST /keys`` returns the public key once, as a SubjectPublicKeyInf
 the private key is sealed under the tenant's data key (``storage.crypto``) and never leaves the
 platform. A key lives until ``expires_at`` (default ``TESSERA_CLIENT_KEY_DEFAULT_DAYS``, 182 days; at
 most one year after creation); after that, and at once when it is deleted, its private key material is
-destroyed (``tenant_admin.destroy_client_keys`` sweeps expired ones), so payloads encrypted with it
+destroyed (``client_keys.destroy_client_keys`` sweeps expired ones), so payloads encrypted with it
 can no longer be read.
 
 Clients encrypt a token request payload (a JSON object with ``data`` and optionally ``metadata``,
@@ -37,12 +37,14 @@ from joserfc.errors import JoseError
 from joserfc.jwk import OKPKey
 from sqlmodel import Session, col, select
 
+from domain.client_keys.errors import EncryptedPayloadError
+from domain.client_keys.views import key_view
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from infra.errors import Problem, validation_problem
 from infra.lookup import get_owned
 from storage.crypto import DecryptionError, get_keyring
-from storage.models_tenant_admin import ClientEncryptionKey
+from storage.models_client_keys import ClientEncryptionKey
 from storage.types import utcnow
 
 KEY = "client_encryption_key"
@@ -65,16 +67,6 @@ def _add_years(moment: dt.datetime, years: int) -> dt.datetime:
         return moment.replace(year=moment.year + years)
     except ValueError:  # 29 February
         return moment.replace(year=moment.year + years, day=28)
-
-
-def key_view(key: ClientEncryptionKey) -> dict:
-    """The public key object without the public key: key_id, expires_at, created_by, created_at."""
-    return {
-        "key_id": str(key.id),
-        "expires_at": key.expires_at,
-        "created_by": key.created_by,
-        "created_at": key.created_at,
-    }
 
 
 def create_key(
@@ -179,19 +171,6 @@ def destroy_expired_keys(session: Session, *, now: dt.datetime | None = None, ba
 
 
 # ---- decryption (the outbound proxy) --------------------------------------------------------------
-
-
-class EncryptedPayloadError(Problem):
-    """A client-encrypted payload that cannot be opened: a 400 problem naming the offending part."""
-
-    def __init__(self, detail: str, *, field: str = "encrypted", code: str = "invalid_encrypted_payload"):
-        super().__init__(
-            400,
-            detail,
-            title="The encrypted payload cannot be decrypted",
-            errors={field: [detail]},
-            extra={"code": code},
-        )
 
 
 @dataclass(frozen=True)

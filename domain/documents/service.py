@@ -15,7 +15,7 @@ whatever the document's size; a download holds one sealed chunk at a time.
 
 Life of a row: ``uploading`` (written before the first byte goes to S3, so a crashed upload is
 found and cleaned) -> ``ready`` -> ``deleted`` (invisible at once; the object is removed by the
-``documents.purge`` job recorded with the delete, or by the ``tenant_admin.sweep_documents`` sweep,
+``documents.purge`` job recorded with the delete, or by the ``documents.sweep_documents`` sweep,
 which also removes uploads left ``uploading`` for more than :data:`STALE_UPLOAD_SECONDS`).
 """
 
@@ -31,13 +31,15 @@ from botocore.exceptions import ClientError
 from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
+from domain.documents.errors import CorruptDocument
+from domain.documents.views import document_view
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from infra import jobs
 from infra.lookup import get_owned
 from storage import s3
 from storage.crypto import get_keyring, open_sealed, seal
-from storage.models_tenant_admin import Document
+from storage.models_documents import Document
 from storage.states import DocumentStatus
 from storage.types import utcnow
 
@@ -66,18 +68,6 @@ def object_key(tenant_id: uuid.UUID, document_id: uuid.UUID) -> str:
 def chunk_aad(tenant_id: uuid.UUID, document_id: uuid.UUID, index: int) -> bytes:
     """The associated data of chunk ``index``: binds tenant, document and position."""
     return f"document:{tenant_id}:{document_id}:{index}".encode()
-
-
-def document_view(document: Document) -> dict:
-    """The public document object (core document section 2, Document)."""
-    return {
-        "id": document.id,
-        "tenant_id": document.tenant_id,
-        "metadata": dict(document.meta or {}),
-        "content_type": document.content_type,
-        "created_by": document.created_by,
-        "created_at": document.created_at,
-    }
 
 
 # ---- database units of work ----------------------------------------------------------------------
@@ -309,10 +299,6 @@ def copy_sealed(source: Source, *, data_key: bytes, key: str) -> None:
         raise
     finally:
         reader.close()
-
-
-class CorruptDocument(Exception):
-    """The stored content does not match its row or does not authenticate."""
 
 
 class _Body(Protocol):

@@ -65,6 +65,8 @@ def verify_start(session: Session, caller: Caller, token_id: str) -> Started:
 def verify_input(session: Session, job: Job) -> tuple[BankVerifier, str, str] | None:
     """The adapter and the ``(routing_number, account_number)`` the job verifies; None when the token
     is gone. Raises ``ProviderNotConfigured`` (permanent) for a production tenant."""
+    if job.tenant_id is None or job.subject_id is None:  # recorded by verify_start with both: a token never found
+        return None
     tenant = session.get(Tenant, job.tenant_id)
     try:
         _token, data = load_token_data(session, job.tenant_id, job.subject_id)
@@ -85,8 +87,11 @@ def apply_verification(status: str | None) -> dict:
 def verify_outcome(session: Session, started: Started) -> dict:
     """After the bounded wait: ``{status}``, or a problem (404 the token went away meanwhile, 422 the
     provider is not configured, 502 it refused or failed, 504 it did not answer in time; the job is
-    then cancelled unless it is running)."""
+    then cancelled unless it is running). Raises ``LookupError`` when the job row is gone (never
+    within a wait)."""
     job = session.get(Job, started.job_id, populate_existing=True)
+    if job is None:  # recorded by this request's verify_start; job rows outlive any wait
+        raise LookupError(f"the verification job {started.job_id} is gone")
     result = job.result or {}
     if job.status == "succeeded" and result.get("status"):
         return {"status": result["status"]}

@@ -20,10 +20,10 @@ from domain.wallets.service import CRYPTOGRAM_PURPOSE, KEY_PURPOSE
 from domain.wallets.service import DATA_PURPOSE as WALLET_TOKEN_PURPOSE
 from storage.models import Tenant, Token, TokenIdempotencyKey
 from storage.models_allowances import AllowanceRail, PaymentCredential
+from storage.models_client_keys import ClientEncryptionKey
 from storage.models_network_tokens import NetworkToken, TokenIntent
 from storage.models_proxy import Proxy
 from storage.models_reactors import Reactor, ReactorRun
-from storage.models_tenant_admin import ClientEncryptionKey
 from storage.models_wallets import WalletMerchantKey, WalletSession, WalletToken
 from storage.sealed import SealedColumn
 from storage.types import table_of

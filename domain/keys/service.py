@@ -44,7 +44,7 @@ from storage import key_check, s3
 from storage.crypto import ACTIVE_VERSION_TTL, RETIRING, Keyring, Wrapper, get_keyring
 from storage.db import rowcount, session_scope
 from storage.models import Job, KeyRotation, Tenant, TenantDataKey, TenantIndexKey
-from storage.models_tenant_admin import Document
+from storage.models_documents import Document
 from storage.sealed import count_by_version, count_stale, key_of, stale_rows, write_resealed
 from storage.states import JOB_TERMINAL, DocumentStatus
 from storage.types import utcnow

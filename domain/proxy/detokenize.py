@@ -384,7 +384,7 @@ def detokenize(
         raise invalid_request(
             f"A request may detokenize at most {MAX_TOKENS} tokens; this one names {len(refs)}.", where="body"
         )
-    where = {}
+    where: dict[Ref, str] = {}
     for part, site in sites:
         if site.expression.ref is not None:
             where.setdefault(site.expression.ref, part.where)
@@ -400,22 +400,23 @@ def detokenize(
     values: dict[int, Any] = {}
     for part, site in sites:
         expression = site.expression
+        read: Any
         if expression.ref is None:
-            value = encrypted
+            read = encrypted
         else:
             item = loaded[expression.ref]
-            value = item.data if expression.bare else item.record
+            read = item.data if expression.bare else item.record
         try:
-            values[id(site)] = _json_value(evaluate(expression.source, {VALUE: value}))
+            values[id(site)] = _json_value(evaluate(expression.source, {VALUE: read}))
         except ExpressionError as err:
             raise invalid_expression(_scrub(str(err), secrets), where=part.where) from None
     new_headers = list(header_list)
     new_body = body
-    for target, index, part in parts:
+    for target, header_index, part in parts:
         rendered = part.render(values)
         if target == "header":
-            assert index is not None
-            new_headers[index] = (header_list[index][0], rendered)
+            assert header_index is not None  # a header part always carries its index
+            new_headers[header_index] = (header_list[header_index][0], rendered)
         else:
             new_body = rendered.encode("utf-8")
     return Detokenized(new_headers, new_body, refs)

@@ -25,6 +25,7 @@ from domain.proxy.errors import invalid_expression
 from domain.proxy.models import ProxyRequest, request_errors
 from domain.proxy.transforms import KEPT_CODE, CodeTransform, dump_transforms, load_transforms
 from domain.proxy.values import SqlValueLoader
+from domain.proxy.views import proxy_view
 from domain.tenancy import audit
 from domain.tenancy.auth import KeyCache, caller_cache, key_digest
 from domain.tenancy.caller import Caller
@@ -59,30 +60,6 @@ def configuration_of(session: Session, proxy: Proxy) -> dict[str, str]:
         session, proxy.tenant_id, CONFIGURATION_PURPOSE, str(proxy.id), proxy.configuration_ct
     )
     return json.loads(plain)
-
-
-def proxy_view(session: Session, proxy: Proxy, *, key: str | None = None) -> dict:
-    """The proxy object: ``id, tenant_id, name, destination_url, request_transforms,
-    response_transforms, configuration, require_auth, application ({id} or null), created_by,
-    created_at, modified_by, modified_at``, plus ``key`` when just created."""
-    view: dict[str, Any] = {
-        "id": proxy.id,
-        "tenant_id": proxy.tenant_id,
-        "name": proxy.name,
-        "destination_url": proxy.destination_url,
-        "request_transforms": list(proxy.request_transforms or []),
-        "response_transforms": list(proxy.response_transforms or []),
-        "configuration": configuration_of(session, proxy),
-        "require_auth": proxy.require_auth,
-        "application": {"id": proxy.application_id} if proxy.application_id else None,
-        "created_by": proxy.created_by,
-        "created_at": proxy.created_at,
-        "modified_by": proxy.modified_by,
-        "modified_at": proxy.modified_at,
-    }
-    if key is not None:
-        view["key"] = key
-    return view
 
 
 def _check_application(session: Session, caller: Caller, request: ProxyRequest) -> uuid.UUID | None:
@@ -135,7 +112,7 @@ def create_proxy(session: Session, caller: Caller, request: ProxyRequest) -> dic
     session.add(proxy)
     session.flush()
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="create")
-    return proxy_view(session, proxy, key=key)
+    return proxy_view(proxy, configuration_of(session, proxy), key=key)
 
 
 def _get(session: Session, caller: Caller, proxy_id: object, *, lock: bool = False) -> Proxy:
@@ -147,7 +124,7 @@ def read_proxy(session: Session, caller: Caller, proxy_id: object) -> dict:
     caller.require("proxy:read")
     proxy = _get(session, caller, proxy_id)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="read")
-    return proxy_view(session, proxy)
+    return proxy_view(proxy, configuration_of(session, proxy))
 
 
 def list_proxies(
@@ -171,7 +148,7 @@ def list_proxies(
     more = len(rows) > size
     rows = rows[:size]
     following = {"t": rows[-1].created_at.isoformat(), "id": str(rows[-1].id)} if more else None
-    return [proxy_view(session, proxy) for proxy in rows], following
+    return [proxy_view(proxy, configuration_of(session, proxy)) for proxy in rows], following
 
 
 def _update(session: Session, caller: Caller, proxy: Proxy, request: ProxyRequest) -> dict:
@@ -182,7 +159,7 @@ def _update(session: Session, caller: Caller, proxy: Proxy, request: ProxyReques
     proxy.modified_at = utcnow()
     session.add(proxy)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=proxy.id, operation="update")
-    return proxy_view(session, proxy)
+    return proxy_view(proxy, configuration_of(session, proxy))
 
 
 def update_proxy(session: Session, caller: Caller, proxy_id: object, request: ProxyRequest) -> dict:

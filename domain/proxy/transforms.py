@@ -37,6 +37,8 @@ from functools import lru_cache
 from typing import Annotated, Any, Literal, Protocol
 
 import jsonpath
+from jsonpath.segments import JSONPathChildSegment
+from jsonpath.selectors import IndexSelector, NameSelector
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 from sqlmodel import Session
@@ -267,7 +269,7 @@ CodeRunner = Callable[[CodeTransform, Message, str], Awaitable[Message]]
 def _compiled(path: str) -> jsonpath.JSONPath:
     compiled = jsonpath.compile(path)
     if not isinstance(compiled, jsonpath.JSONPath):
-        raise jsonpath.JSONPathSyntaxError("compound queries are not supported", token=None)
+        raise jsonpath.JSONPathError("compound queries are not supported")
     return compiled
 
 
@@ -275,13 +277,12 @@ def _names(compiled: jsonpath.JSONPath) -> list[str | int] | None:
     """The member names and indexes of a singular path, or None when it is not one."""
     parts: list[str | int] = []
     for segment in compiled.segments:
-        selectors = getattr(segment, "selectors", ())
-        if type(segment).__name__ != "JSONPathChildSegment" or len(selectors) != 1:
+        if type(segment) is not JSONPathChildSegment or len(segment.selectors) != 1:
             return None
-        selector = selectors[0]
-        if type(selector).__name__ == "NameSelector":
+        selector = segment.selectors[0]
+        if type(selector) is NameSelector:
             parts.append(selector.name)
-        elif type(selector).__name__ == "IndexSelector":
+        elif type(selector) is IndexSelector:
             parts.append(selector.index)
         else:
             return None

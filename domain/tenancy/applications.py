@@ -16,6 +16,7 @@ from domain.tenancy import audit
 from domain.tenancy.auth import caller_cache, new_api_key
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import permission_errors, require_grantable
+from domain.tenancy.views import application_key_view, application_view
 from infra.errors import Problem, not_found, validation_problem
 from infra.lookup import get_owned
 from storage.db import on_commit
@@ -42,24 +43,6 @@ def _check_permissions(caller: Caller, app_type: str, permissions: list[str]) ->
     if errors:
         raise validation_problem({"permissions": errors})
     require_grantable(caller.permissions, permissions, field="permissions", what="an application")
-
-
-def application_view(application: Application, key: str | None = None) -> dict:
-    """The public application object (``key`` only when just made)."""
-    view = {
-        "id": application.id,
-        "tenant_id": application.tenant_id,
-        "name": application.name,
-        "type": application.type,
-        "permissions": list(application.permissions),
-        "created_by": application.created_by,
-        "created_at": application.created_at,
-        "modified_by": application.modified_by,
-        "modified_at": application.modified_at,
-    }
-    if key is not None:
-        view["key"] = key
-    return view
 
 
 def create_application(session: Session, caller: Caller, *, name: str, type: str, permissions: list[str]) -> dict:
@@ -136,14 +119,6 @@ def delete_application(session: Session, caller: Caller, application_id: uuid.UU
     audit.record(session, caller, entity_type="application", entity_id=application.id, operation="delete")
 
 
-def key_view(key_row: ApplicationKey, key: str | None = None) -> dict:
-    """The public key object: id and dates, the key itself only when just made."""
-    view = {"id": key_row.id, "application_id": key_row.application_id, "created_at": key_row.created_at}
-    if key is not None:
-        view["key"] = key
-    return view
-
-
 def create_key(session: Session, caller: Caller, application_id: uuid.UUID) -> dict:
     """``POST /applications/{id}/keys``: a further key for the application, shown once."""
     application = get_application(session, caller, application_id)
@@ -153,7 +128,7 @@ def create_key(session: Session, caller: Caller, application_id: uuid.UUID) -> d
     )
     session.add(row)
     audit.record(session, caller, entity_type="application", entity_id=application.id, operation="update")
-    return key_view(row, key)
+    return application_key_view(row, key)
 
 
 def list_keys(session: Session, caller: Caller, application_id: uuid.UUID) -> list[dict]:
@@ -164,7 +139,7 @@ def list_keys(session: Session, caller: Caller, application_id: uuid.UUID) -> li
         .where(ApplicationKey.application_id == application.id)
         .order_by(col(ApplicationKey.created_at))
     ).all()
-    return [key_view(row) for row in rows]
+    return [application_key_view(row) for row in rows]
 
 
 def delete_key(session: Session, caller: Caller, application_id: uuid.UUID, key_id: uuid.UUID) -> None:

@@ -8,7 +8,7 @@ Life of an invitation (section 3)::
     any --DELETE--> removed; outstanding links invalid
 
 Reads never show ``PENDING`` for an invitation whose ``expires_at`` has passed, whether or not the
-sweep (``tenant_admin.expire_invitations``) has run yet.
+sweep (``tenancy.expire_invitations``) has run yet.
 
 Links. Each create and resend issues a new link row and records a mail job (``mail.invitation``, sent
 after the commit, retried on transient SMTP failures, re-sent by the outbox relay if lost). The link
@@ -41,14 +41,14 @@ from config.settings import Settings
 from domain.tenancy import audit
 from domain.tenancy.auth import row_tenant, system_caller
 from domain.tenancy.caller import Caller
-from domain.tenancy.members import member_view
 from domain.tenancy.tenants import get_tenant
+from domain.tenancy.views import effective_status, invitation_view, member_view
 from infra import jobs
 from infra.errors import Problem
 from infra.lookup import get_owned
 from storage.crypto import get_keyring
 from storage.models import Job, Tenant, TenantMember, User
-from storage.models_tenant_admin import InvitationLink, TenantInvitation
+from storage.models_tenancy import InvitationLink, TenantInvitation
 from storage.states import InvitationLinkStatus, InvitationStatus
 from storage.types import utcnow
 
@@ -94,29 +94,6 @@ def accept_url(settings: Settings, token: str) -> str:
 
 
 # ---- views ---------------------------------------------------------------------------------------
-
-
-def effective_status(invitation: TenantInvitation, now: dt.datetime) -> InvitationStatus:
-    """``EXPIRED`` for a PENDING invitation past ``expires_at`` even before the sweep has run."""
-    if invitation.status == InvitationStatus.PENDING and invitation.expires_at <= now:
-        return InvitationStatus.EXPIRED
-    return invitation.status
-
-
-def invitation_view(invitation: TenantInvitation, now: dt.datetime) -> dict:
-    """The public invitation object (core document section 2, Invitation, plus ``role``)."""
-    return {
-        "id": invitation.id,
-        "tenant_id": invitation.tenant_id,
-        "email": invitation.email,
-        "role": invitation.role,
-        "status": effective_status(invitation, now),
-        "expires_at": invitation.expires_at,
-        "created_by": invitation.created_by,
-        "created_at": invitation.created_at,
-        "modified_by": invitation.modified_by,
-        "modified_at": invitation.modified_at,
-    }
 
 
 # ---- management (API key callers) ----------------------------------------------------------------

@@ -17,6 +17,7 @@ from sqlmodel import Session, col, select
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tenancy.tenants import get_tenant
+from domain.tenancy.views import member_view
 from infra.errors import Problem
 from infra.lookup import get_owned
 from storage.models import TenantMember, User
@@ -29,31 +30,6 @@ ENTITY_TYPES: dict[str, str] = {
 }
 MEMBER = "tenant_member"
 ROLES = ("OWNER", "ADMIN", "READ_ONLY")
-
-
-def user_view(user: User) -> dict:
-    """The public user object: id, email, first_name, last_name, picture."""
-    return {
-        "id": user.id,
-        "email": user.email,
-        "first_name": user.first_name,
-        "last_name": user.last_name,
-        "picture": user.picture,
-    }
-
-
-def member_view(member: TenantMember, user: User) -> dict:
-    """The public member object (core document section 2, Member)."""
-    return {
-        "id": member.id,
-        "tenant_id": member.tenant_id,
-        "role": member.role,
-        "user": user_view(user),
-        "created_by": member.created_by,
-        "created_at": member.created_at,
-        "modified_by": member.modified_by,
-        "modified_at": member.modified_at,
-    }
 
 
 def list_members(

@@ -13,6 +13,7 @@ from domain.tenancy import audit
 from domain.tenancy.auth import caller_cache, new_api_key
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import ALL_PERMISSIONS
+from domain.tenancy.views import tenant_view
 from infra import jobs
 from infra.errors import not_found, validation_problem
 from infra.signing import generate_secret
@@ -126,21 +127,6 @@ def get_tenant(session: Session, tenant_id: uuid.UUID) -> Tenant:
     if tenant is None or tenant.deleted_at is not None:
         raise not_found("tenant")
     return tenant
-
-
-def tenant_view(tenant: Tenant) -> dict:
-    """The public tenant object."""
-    return {
-        "id": tenant.id,
-        "owner_id": tenant.owner_id,
-        "name": tenant.name,
-        "type": tenant.type,
-        "settings": dict(tenant.settings or {}),
-        "created_by": tenant.created_by,
-        "created_at": tenant.created_at,
-        "modified_by": tenant.modified_by,
-        "modified_at": tenant.modified_at,
-    }
 
 
 def read_tenant(session: Session, caller: Caller) -> dict:

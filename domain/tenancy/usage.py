@@ -21,7 +21,7 @@ from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from storage.db import Rows, execute_unflushed, get_engine, insert_statement
 from storage.models import Token
-from storage.models_tenant_admin import TokenActivity
+from storage.models_tenancy import TokenActivity
 from storage.types import table_of, utcnow
 
 _TABLE = table_of(TokenActivity)

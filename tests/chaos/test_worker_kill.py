@@ -266,7 +266,7 @@ def test_a_worker_killed_mid_job_loses_nothing_and_does_nothing_twice(running):
 #: Modules of job tasks that need no kill round of their own, and why.
 SAME_AS_COVERED = {
     "tasks.mail": "the same JobTask lease and relay as the kinds above; its side effect is a mail, whose "
-    "at-least-once sending is tested in tests/admin",
+    "at-least-once sending is tested in tests/tenancy",
     "tasks.reactors": "a reactor run is one attempt by design (customer code is never run twice): "
     "tests/reactors/test_kill.py SIGKILLs a worker's process group mid-run and checks "
     "the run ends failed (500) and the code ran once; builds repeat an idempotent npm install",

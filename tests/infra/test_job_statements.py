@@ -21,7 +21,7 @@ from infra.jobs import PermanentError
 from infra.task import JobTask
 from storage.db import Rows, get_lease_engine, read_first, session_scope, stage_rows
 from storage.models import Event, Job, Webhook, WebhookDelivery
-from storage.models_tenant_admin import TokenActivity
+from storage.models_tenancy import TokenActivity
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.worker

@@ -20,7 +20,7 @@ from storage.crypto import DecryptionError, get_keyring
 from storage.db import session_scope
 from storage.models import AuditLog, Job, KeyCheck, KeyRotation, Tenant, TenantDataKey, TenantIndexKey, Token
 from storage.sealed import version_head
-from tests.admin.support import upload
+from tests.factories.documents import upload
 from tests.helpers import wait_until
 
 CARD = {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2031}

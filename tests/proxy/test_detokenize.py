@@ -24,7 +24,7 @@ from domain.tokens.expressions import evaluate
 from storage.crypto import get_keyring
 from storage.db import session_scope
 from storage.models_network_tokens import NetworkToken
-from storage.models_tenant_admin import TokenActivity
+from storage.models_tenancy import TokenActivity
 
 PAN = "4242424242424242"
 CARD = {"number": PAN, "expiration_month": 12, "expiration_year": 2030, "cvc": "123"}

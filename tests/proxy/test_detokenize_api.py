@@ -9,7 +9,7 @@ import json
 from sqlmodel import select
 
 from storage.db import session_scope
-from storage.models_tenant_admin import TokenActivity
+from storage.models_tenancy import TokenActivity
 
 CARD = {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2030, "cvc": "123"}
 

@@ -18,7 +18,7 @@ from app.main import init_app
 from config.settings import get_settings
 from storage.db import session_scope
 from storage.models_proxy import Proxy
-from storage.models_tenant_admin import TokenActivity
+from storage.models_tenancy import TokenActivity
 from tests.conftest import RunningApi, app_with_permissions, free_port, make_tenant, serve_in_thread
 from tests.proxy.certificates import DEST, LOCAL, resolve_names
 from tests.proxy.upstream import start_upstream

@@ -7,6 +7,8 @@ import pytest
 
 from tests.helpers import assert_problem
 
+pytestmark = pytest.mark.api
+
 DEFAULTS = {
     "fingerprint_tokens": "false",
     "disable_ephemeral_proxy": "false",

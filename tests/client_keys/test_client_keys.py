@@ -15,11 +15,13 @@ from joserfc.jwk import OKPKey
 from sqlmodel import select
 
 from domain.client_keys import service as client_keys
-from domain.client_keys.service import EncryptedPayloadError
+from domain.client_keys.errors import EncryptedPayloadError
 from storage.db import session_scope
 from storage.models import AuditLog
-from storage.models_tenant_admin import ClientEncryptionKey
+from storage.models_client_keys import ClientEncryptionKey
 from tests.helpers import assert_problem
+
+pytestmark = pytest.mark.api
 
 CARD = {"data": {"number": "4242424242424242", "expiration_month": 12, "expiration_year": 2030}}
 

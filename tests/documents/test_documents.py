@@ -17,10 +17,12 @@ from domain.documents import service as documents
 from storage import s3
 from storage.db import session_scope
 from storage.models import AuditLog, Job
-from storage.models_tenant_admin import Document
-from tests.admin.conftest import SMALL_DOCUMENT_MAX_BYTES, SMALL_DOCUMENTS_PER_MINUTE
-from tests.admin.support import multipart, upload
+from storage.models_documents import Document
+from tests.documents.conftest import SMALL_DOCUMENT_MAX_BYTES, SMALL_DOCUMENTS_PER_MINUTE
+from tests.factories.documents import multipart, upload
 from tests.helpers import assert_problem, wait_until
+
+pytestmark = pytest.mark.api
 
 MiB = 1024 * 1024
 
@@ -276,8 +278,8 @@ def test_abandoned_uploads_and_deleted_documents_are_swept(tenant):
         session.get(Document, stale_id).upload_id = upload_id
     assert len(_objects(tenant)) == 1 and len(_uploads_in_progress(tenant)) == 1
 
-    from tasks import tenant_admin
+    from tasks import documents as document_tasks
 
-    tenant_admin.sweep_documents.delay()
+    document_tasks.sweep_documents.delay()
     wait_until(lambda: _rows(tenant) == [], timeout=20)
     assert _objects(tenant) == [] and _uploads_in_progress(tenant) == []

@@ -12,9 +12,11 @@ from sqlmodel import select
 from domain.tenancy import usage
 from storage.db import session_scope
 from storage.models import Tenant, TenantMember, User
-from storage.models_tenant_admin import TokenActivity
+from storage.models_tenancy import TokenActivity
 from tests.api.test_token_support import bank, card, create
 from tests.helpers import assert_problem
+
+pytestmark = pytest.mark.api
 
 
 def _add_member(tenant, role: str = "ADMIN", email: str | None = None) -> tuple[str, str]:

@@ -9,6 +9,8 @@ import pytest
 
 from tests.helpers import assert_problem
 
+pytestmark = pytest.mark.api
+
 
 def create(client, *, name="app", type="server_to_server", permissions=None):
     answer = client.post("/applications", {"name": name, "type": type, "permissions": permissions or []})

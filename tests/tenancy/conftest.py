@@ -1,4 +1,10 @@
-"""Helpers of the tenant administration tests: the SMTP sink, mail parsing, multipart bodies, rows."""
+"""Fixtures of the tenancy tests: a real SMTP server on loopback (aiosmtpd) that the platform's worker
+sends invitation mails to, and the helpers that read what it received.
+
+The worker reads ``TESSERA_SMTP_URL`` and ``TESSERA_PUBLIC_BASE_URL`` from the process settings when a
+mail task runs, so :func:`mailbox` points them at the SMTP server and at the test api for the length
+of one test and puts them back afterwards (other tests expect the mail file sink).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,10 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
+import pytest
 from aiosmtpd.controller import Controller
-from urllib3 import encode_multipart_formdata
+
+from tests.conftest import free_port
 
 LINK = re.compile(r"https?://\S+/invitations/accept\?token=[A-Za-z0-9_-]+")
 
@@ -115,24 +123,22 @@ class Mailbox:
             return self.sink.handler.refused.count(address)
 
 
-def multipart(document: bytes | None, *, content_type: str = "application/pdf", request=None, extra=None):
-    """A multipart/form-data body with the parts ``document`` and ``request``; ``(body, content type)``."""
-    fields = []
-    if request is not None:
-        fields.append(("request", (None, request if isinstance(request, str) else _json(request), "application/json")))
-    if document is not None:
-        fields.append(("document", ("file.bin", document, content_type)))
-    fields += list(extra or [])
-    return encode_multipart_formdata(fields)
+@pytest.fixture(scope="session")
+def smtp_sink():
+    """aiosmtpd's ``Controller`` on a free loopback port, collecting every message."""
+    sink = SmtpSink(free_port()).start()
+    yield sink
+    sink.stop()
 
 
-def _json(value) -> str:
-    import json
+@pytest.fixture
+def mailbox(api, smtp_sink, monkeypatch):
+    """The platform's mail goes to ``smtp_sink`` and invitation links point at the test api (this test only)."""
+    from config.settings import reload_settings
 
-    return json.dumps(value)
-
-
-def upload(client, document: bytes, **kw):
-    """POST /documents with ``document``; the response."""
-    body, ct = multipart(document, **kw)
-    return client.post("/documents", raw=body, content_type=ct)
+    monkeypatch.setenv("TESSERA_SMTP_URL", f"smtp://127.0.0.1:{smtp_sink.port}")
+    monkeypatch.setenv("TESSERA_PUBLIC_BASE_URL", api.base_url)
+    reload_settings()
+    yield Mailbox(smtp_sink)
+    monkeypatch.undo()
+    reload_settings()

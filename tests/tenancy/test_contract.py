@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 import uuid
 
+import pytest
+
 from domain.tenancy import members
-from tests.admin.support import multipart
+from tests.factories.documents import multipart
 from tests.helpers import assert_problem
+
+pytestmark = pytest.mark.api
 
 ANY = str(uuid.uuid4())
 

@@ -20,6 +20,8 @@ from storage.models import TenantMember, User
 from tests.browser import CHROMIUM, SKIP_REASON, Browser
 from tests.helpers import wait_until
 
+pytestmark = pytest.mark.api
+
 
 def _address() -> str:
     return f"page-{os.urandom(4).hex()}@example.com"

@@ -22,6 +22,8 @@ from storage import migrate
 from storage.db import make_engine
 from storage.models import Tenant
 
+pytestmark = pytest.mark.unit
+
 TABLES = {"tenant_invitations", "tenant_invitation_links", "client_encryption_keys", "documents", "token_activity"}
 
 

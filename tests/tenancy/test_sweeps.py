@@ -1,5 +1,5 @@
-"""The beat sweeps of this capability: invitation expiry and client key destruction, run by the real
-worker and concurrently (core document section 3: PENDING --time--> EXPIRED; section 2: keys)."""
+"""The invitation expiry sweep, run by the real worker and concurrently (core document section 3:
+PENDING --time--> EXPIRED). The client key sweep is in ``tests/client_keys/test_sweeps.py``."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import os
 import threading
 import uuid
 
+import pytest
 from sqlmodel import func, select
 
 from domain.tenancy import invitations
 from storage.db import session_scope
 from storage.models import AuditLog
-from storage.models_tenant_admin import ClientEncryptionKey, TenantInvitation
-from tasks import tenant_admin
+from storage.models_tenancy import TenantInvitation
+from tasks import tenancy
 from tests.helpers import wait_until
+
+pytestmark = pytest.mark.worker
 
 
 def _pending(tenant, count: int, *, expires_in: dt.timedelta) -> list[uuid.UUID]:
@@ -67,7 +70,7 @@ def test_the_sweep_expires_what_is_due_and_nothing_else(api, tenant):
     )
     assert _statuses(due) == ["PENDING"] * 3  # stored state: not swept yet
 
-    tenant_admin.expire_invitations.delay()  # beat's message, run by the real worker
+    tenancy.expire_invitations.delay()  # beat's message, run by the real worker
     wait_until(lambda: _statuses(due) == ["EXPIRED"] * 3, timeout=20)
     assert _statuses(later) == ["PENDING"] * 2
     assert _expiry_logs(tenant) == 3
@@ -105,25 +108,3 @@ def test_two_sweeps_at_once_change_each_invitation_once(api, tenant):
     # a third run finds nothing
     with session_scope() as session:
         assert invitations.expire_invitations(session) == 0
-
-
-def test_expired_client_keys_lose_their_private_key(api, tenant):
-    created = tenant.client.post("/keys", {}).json
-    kept = tenant.client.post("/keys", {}).json
-    with session_scope() as session:
-        key = session.get(ClientEncryptionKey, uuid.UUID(created["key_id"]))
-        key.expires_at = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
-        session.add(key)
-    tenant_admin.destroy_client_keys.delay()
-
-    def destroyed() -> bool:
-        with session_scope() as session:
-            return session.get(ClientEncryptionKey, uuid.UUID(created["key_id"])).private_key_ct is None
-
-    wait_until(destroyed, timeout=20)
-    with session_scope() as session:
-        row = session.get(ClientEncryptionKey, uuid.UUID(created["key_id"]))
-        assert row.destroyed_at is not None
-        assert session.get(ClientEncryptionKey, uuid.UUID(kept["key_id"])).private_key_ct is not None
-    # still listed (until deleted), with its expiry
-    assert tenant.client.get(f"/keys/{created['key_id']}").status == 200

@@ -10,6 +10,8 @@ from storage.db import session_scope
 from storage.models import AuditLog, Job
 from tests.conftest import make_tenant
 
+pytestmark = pytest.mark.api
+
 PATH = "/enrichments/bank-account-verify"
 
 

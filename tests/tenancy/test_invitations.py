@@ -13,8 +13,10 @@ from sqlmodel import select
 from domain.tenancy import invitations
 from storage.db import session_scope
 from storage.models import Job, TenantMember, User
-from storage.models_tenant_admin import InvitationLink, TenantInvitation
+from storage.models_tenancy import InvitationLink, TenantInvitation
 from tests.helpers import assert_problem, wait_until
+
+pytestmark = pytest.mark.api
 
 
 def _address(prefix: str = "invitee") -> str:

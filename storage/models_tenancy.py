@@ -1,16 +1,14 @@
-"""Tables: Tenant administration: invitations, client encryption keys, documents, usage (core document section 2).
+"""Tables of tenancy: invitations and token activity (core document section 2).
 
 * ``tenant_invitations``: an invitation of an email address to a tenant with a role; its status is
   ``PENDING`` or ``EXPIRED`` (an accepted invitation becomes a tenant member and is removed).
 * ``tenant_invitation_links``: every acceptance link ever mailed for an invitation. The link token is
   never stored: only its SHA-256 digest (``token_digest``). A link is ``active`` until it is
   ``superseded`` (a resend), ``revoked`` (the invitation was deleted) or ``used`` (accepted).
-* ``client_encryption_keys``: X25519 key pairs for JWE ``ECDH-ES``; only the private key is kept,
-  sealed under the tenant's data key (``private_key_ct``), and destroyed after expiry or deletion.
-* ``documents``: an uploaded file, encrypted in chunks under the tenant's data key and stored in S3
-  under ``object_key``; ``status`` is ``uploading``, ``ready`` or ``deleted``.
 * ``token_activity``: one row per (tenant, calendar month, token) that was created, read or used in
   that month: the exact count of monthly active tokens of the usage report.
+
+Client encryption keys are in :mod:`storage.models_client_keys`, documents in :mod:`storage.models_documents`.
 """
 
 from __future__ import annotations
@@ -18,10 +16,10 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import JSON, BigInteger, Column, Date, ForeignKey, Index, Integer, LargeBinary, String
+from sqlalchemy import Column, Date, ForeignKey, Index, String
 from sqlmodel import Field, SQLModel
 
-from storage.states import DocumentStatus, InvitationLinkStatus, InvitationStatus
+from storage.states import InvitationLinkStatus, InvitationStatus
 from storage.types import state_type
 from storage.types import ts_column as _ts
 from storage.types import utcnow as _created_at
@@ -67,57 +65,6 @@ class InvitationLink(SQLModel, table=True):
     created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
     mailed_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
     used_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
-
-
-class ClientEncryptionKey(SQLModel, table=True):
-    """A client encryption key (core document section 2): the sealed X25519 private key and its life.
-
-    ``private_key_ct`` is None once the key material was destroyed (after expiry or deletion).
-    """
-
-    __tablename__ = "client_encryption_keys"
-
-    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
-    tenant_id: uuid.UUID = Field(
-        sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
-    )
-    private_key_ct: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
-    expires_at: dt.datetime = Field(sa_column=_ts(index=True))
-    created_by: uuid.UUID | None = None
-    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
-    deleted_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
-    destroyed_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
-
-
-class Document(SQLModel, table=True):
-    """An encrypted document (core document section 2): metadata here, content in S3.
-
-    The content is cut into plaintext chunks of ``chunk_size`` bytes, each sealed with AES-256-GCM
-    under the tenant's data key of version ``key_version``; ``chunk_count`` and ``size`` (plaintext
-    bytes) let a reader detect a truncated object. ``upload_id`` is the S3 multipart upload while
-    ``status`` is ``uploading``. A key rotation writes the content again under the new version, to a
-    new ``object_key``.
-    """
-
-    __tablename__ = "documents"
-    __table_args__ = (Index("ix_documents_sweep", "status", "created_at"),)
-
-    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
-    tenant_id: uuid.UUID = Field(
-        sa_column=Column(ForeignKey("tenants.id", ondelete="CASCADE"), nullable=False, index=True)
-    )
-    meta: dict = Field(default_factory=dict, sa_column=Column("metadata", JSON, nullable=False))
-    content_type: str = Field(max_length=255)
-    size: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
-    chunk_size: int
-    chunk_count: int = 0
-    object_key: str = Field(max_length=1024)
-    upload_id: str | None = Field(default=None, max_length=1024)
-    key_version: int = Field(default=1, sa_column=Column(Integer, nullable=False, server_default="1"))
-    status: DocumentStatus = Field(default=DocumentStatus.UPLOADING, sa_type=state_type())
-    created_by: uuid.UUID | None = None
-    created_at: dt.datetime = Field(default_factory=_created_at, sa_column=_ts())
-    deleted_at: dt.datetime | None = Field(default=None, sa_column=_ts(nullable=True))
 
 
 class TokenActivity(SQLModel, table=True):
