@@ -1,5 +1,5 @@
 """The operators' ``tessera`` commands: ``jobs list|show|retry|cancel``, ``queues``, ``alive`` and
-``keys status|rewrap|rotate`` (``infra/ops.py``, ``domain/keys``)."""
+``keys status|rewrap|rotate`` (``infra/job_admin.py``, ``infra/ops.py``, ``domain/keys``)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ from tessera.cli.processes import keys_open
 
 
 def jobs_list(args: argparse.Namespace) -> int:
-    import uuid
-
-    from infra import ops
+    from infra import job_admin
     from storage.db import session_scope
 
     try:
@@ -27,7 +25,7 @@ def jobs_list(args: argparse.Namespace) -> int:
         print(f"error: '{args.tenant}' is not a tenant id", file=sys.stderr)
         return 2
     with session_scope() as session:
-        rows = ops.list_jobs(
+        rows = job_admin.list_jobs(
             session, get_settings(), states=args.state, kind=args.kind, tenant_id=tenant, limit=args.limit
         )
     if args.json:
@@ -77,14 +75,14 @@ def _show(view: dict) -> str:
 
 def jobs_one(operation: str):
     def run(args: argparse.Namespace) -> int:
-        from infra import ops
+        from infra import job_admin
         from storage.db import session_scope
 
         settings = get_settings()
         try:
             with session_scope() as session:
-                view = getattr(ops, {"show": "show_job"}.get(operation, operation))(session, settings, args.id)
-        except (ops.NotFound, ops.Refused) as exc:
+                view = getattr(job_admin, {"show": "show_job"}.get(operation, operation))(session, settings, args.id)
+        except (job_admin.NotFound, job_admin.Refused) as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             return 1
         if args.json:
