@@ -2,7 +2,8 @@
 
 Each is a :class:`infra.task.JobTask` running one recorded job: ``perform`` makes the card network
 call (outside any transaction, the job id as idempotency key) and ``apply`` / ``on_job_failure`` write
-the outcome through :mod:`domain.network_tokens.service`. The lease lasts ``TESSERA_JOB_LEASE_SECONDS``
+the outcome through :mod:`domain.network_tokens.provisioning` (provision), :mod:`~domain.network_tokens.cryptograms`
+and :mod:`domain.network_tokens.service` (the others). The lease lasts ``TESSERA_JOB_LEASE_SECONDS``
 (longer than the provider's connect + read timeouts). ``network_tokens.expire_token_intents`` is the
 beat sweep of expired token intents.
 """

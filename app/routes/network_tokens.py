@@ -1,7 +1,8 @@
 """Network tokens: ``/network-tokens`` (spec, core document sections 2 "Network token", "Network token
 details", "Network token account", "Cryptogram"; 3 states; 4 "Network tokens").
 
-Handlers are thin: the rules live in :mod:`domain.network_tokens.service`. Every card network call runs in a
+Handlers are thin: the rules live in :mod:`domain.network_tokens.service`, :mod:`~domain.network_tokens.provisioning`
+(create) and :mod:`~domain.network_tokens.cryptograms`. Every card network call runs in a
 worker; a handler records the job, waits for its outcome without blocking the event loop (up to
 ``TESSERA_NETWORK_TOKEN_WAIT_SECONDS``, default 10 s) and answers with what is known.
 """
