@@ -5,9 +5,10 @@ concurrently), :func:`deliver` (one POST) and :func:`forward` (one request of an
 another event loop, for the proxy). They share one keep-alive connection pool per process
 (aiohttp on one event loop per process, reused across tasks) with these protections:
 
-* **SSRF**: the pool's resolver resolves a host name here, once per DNS-cache period, with
+* **SSRF** (:mod:`infra.addresses`, in the pools of :mod:`infra.http_pool`): the pool's resolver
+  resolves a host name here, once per DNS-cache period, with
   :func:`socket.getaddrinfo`. If *any* resolved address is not public (see
-  :func:`is_public_address`) the delivery is refused before any connection is
+  :func:`infra.addresses.is_public_address`) the delivery is refused before any connection is
   made, unless ``allow_private`` is true. Connections go only to vetted IP addresses (aiohttp
   never resolves the name another way; an IP-literal URL is vetted before the request), while the
   request still carries the original ``Host`` header and, for https, the original host name is used
@@ -23,33 +24,36 @@ another event loop, for the proxy). They share one keep-alive connection pool pe
 * **Safe errors**: :attr:`DeliveryResult.error` never contains the request
   body, the request headers, or the URL's path/query.
 
-:func:`validate_destination_url` is the form-only check used when a webhook
+:func:`infra.addresses.validate_destination_url` is the form-only check used when a webhook
 endpoint is created (no DNS).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
-import ipaddress
-import os
-import socket
 import ssl
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
-from urllib.parse import SplitResult, urlsplit
+from typing import Literal
 
 import aiohttp
 import multidict
 import yarl
-from aiohttp.abc import AbstractResolver, ResolveResult
+
+from infra.addresses import (
+    ALLOWED_SCHEMES,
+    MAX_URL_LENGTH,
+    DnsTimeout,
+    Refused,
+    idna_host,
+    is_ip_literal,
+    split_url,
+    vet,
+)
+from infra.http_pool import POOL
 
 __all__ = [
-    "MAX_URL_LENGTH",
     "TOTAL_TIMEOUT_FACTOR",
     "USER_AGENT",
     "DeliveryResult",
@@ -61,15 +65,11 @@ __all__ = [
     "deliver_many",
     "fetch",
     "forward",
-    "is_public_address",
-    "validate_destination_url",
 ]
 
 USER_AGENT = "Tessera-Webhooks/1"
 #: Upper bound on the whole :func:`deliver` call, as a multiple of ``timeout_s``.
 TOTAL_TIMEOUT_FACTOR = 3
-MAX_URL_LENGTH = 2048
-_ALLOWED_SCHEMES = {"http": 80, "https": 443}
 _READ_CHUNK = 16 * 1024
 # Headers the caller may not set: they are computed here (Host must match the
 # URL, framing headers must match the body, the User-Agent is fixed).
@@ -128,247 +128,14 @@ class DeliveryResult:
 
 
 # --------------------------------------------------------------------------
-# Address classification
-# --------------------------------------------------------------------------
-
-_BLOCKED_V4 = tuple(
-    ipaddress.IPv4Network(n)
-    for n in (
-        "0.0.0.0/8",  # "this network"
-        "10.0.0.0/8",  # private
-        "100.64.0.0/10",  # carrier-grade NAT (RFC 6598)
-        "127.0.0.0/8",  # loopback
-        "169.254.0.0/16",  # link-local (cloud metadata lives here)
-        "172.16.0.0/12",  # private
-        "192.0.0.0/24",  # IETF protocol assignments
-        "192.0.2.0/24",  # TEST-NET-1
-        "192.88.99.0/24",  # 6to4 relay anycast (deprecated)
-        "192.168.0.0/16",  # private
-        "198.18.0.0/15",  # benchmarking
-        "198.51.100.0/24",  # TEST-NET-2
-        "203.0.113.0/24",  # TEST-NET-3
-        "224.0.0.0/4",  # multicast
-        "240.0.0.0/4",  # reserved, includes 255.255.255.255
-    )
-)
-_BLOCKED_V6 = tuple(
-    ipaddress.IPv6Network(n)
-    for n in (
-        "::/8",  # unspecified, loopback, IPv4-compatible (deprecated), ...
-        "64:ff9b:1::/48",  # local-use NAT64 (RFC 8215)
-        "100::/64",  # discard-only
-        "2001::/23",  # IETF protocol assignments, incl. Teredo 2001::/32
-        "2001:db8::/32",  # documentation
-        "3fff::/20",  # documentation (RFC 9637)
-        "fc00::/7",  # unique local
-        "fe80::/10",  # link-local
-        "fec0::/10",  # site-local (deprecated)
-        "ff00::/8",  # multicast
-    )
-)
-_NAT64_WKP = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052 well-known prefix
-_SIXTOFOUR = ipaddress.IPv6Network("2002::/16")
-
-
-def is_public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Tell whether ``ip`` is a publicly routable unicast address.
-
-    Pure function (no I/O). Returns ``False`` for private (RFC 1918, unique
-    local ``fc00::/7``), loopback, link-local, multicast, reserved,
-    unspecified, carrier-grade NAT (``100.64.0.0/10``), documentation and
-    benchmarking ranges. IPv6 addresses that embed an IPv4 address are judged
-    by the embedded address: IPv4-mapped (``::ffff:a.b.c.d``), NAT64
-    well-known prefix (``64:ff9b::/96``) and 6to4 (``2002::/16``). Teredo and
-    the deprecated IPv4-compatible form are never public. A scope id on an
-    IPv6 address is ignored.
-
-    Args:
-        ip: an :class:`ipaddress.IPv4Address` or :class:`ipaddress.IPv6Address`.
-
-    Returns:
-        ``True`` only if connecting to ``ip`` cannot reach this host or its
-        private networks.
-
-    Raises:
-        TypeError: if ``ip`` is not an ``ipaddress`` address object.
-    """
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.scope_id is not None:
-            ip = ipaddress.IPv6Address(str(ip).split("%", 1)[0])
-        mapped = ip.ipv4_mapped
-        if mapped is not None:
-            return is_public_address(mapped)
-        if ip in _NAT64_WKP:
-            return is_public_address(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
-        if ip in _SIXTOFOUR:
-            embedded = ip.sixtofour
-            return embedded is not None and is_public_address(embedded)
-        if ip.teredo is not None or ip.is_site_local:
-            return False
-        blocked: tuple[ipaddress.IPv4Network, ...] | tuple[ipaddress.IPv6Network, ...]
-        blocked = _BLOCKED_V6
-    elif isinstance(ip, ipaddress.IPv4Address):
-        blocked = _BLOCKED_V4
-    else:
-        raise TypeError(f"expected an IPv4Address or IPv6Address, got {type(ip).__name__}")
-    if ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved or ip.is_unspecified:
-        return False
-    if any(ip in net for net in blocked):
-        return False
-    return ip.is_global
-
-
-# --------------------------------------------------------------------------
-# URL checks
-# --------------------------------------------------------------------------
-
-
-def _split_url(url: str, max_length: int = MAX_URL_LENGTH) -> tuple[SplitResult | None, str | None]:
-    """Parse and form-check ``url``; return ``(parts, None)`` or ``(None, error)``."""
-    if not isinstance(url, str) or not url:
-        return None, "URL is empty"
-    if len(url) > max_length:
-        return None, f"URL is longer than {max_length} characters"
-    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
-        return None, "URL contains whitespace or control characters"
-    if "\\" in url:
-        return None, "URL contains a backslash"
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return None, "URL is malformed"
-    scheme = parts.scheme.lower()
-    if scheme not in _ALLOWED_SCHEMES:
-        return None, "URL scheme must be http or https"
-    if "@" in parts.netloc:
-        return None, "URL must not contain credentials (user@host)"
-    if not parts.hostname:
-        return None, "URL has no host"
-    try:
-        port = parts.port
-    except ValueError:
-        return None, "URL port is invalid"
-    if port == 0:
-        return None, "URL port is invalid"
-    try:
-        _idna_host(parts.hostname)
-    except UnicodeError:
-        return None, "URL host is not a valid host name"
-    return parts, None
-
-
-def _idna_host(hostname: str) -> str:
-    """Return the ASCII (IDNA) form of ``hostname``; raise UnicodeError if invalid."""
-    try:
-        ipaddress.ip_address(hostname)
-        return hostname
-    except ValueError:
-        pass
-    if hostname.isascii():
-        if any(not (c.isalnum() or c in "-._") for c in hostname):
-            raise UnicodeError("invalid character in host name")
-        return hostname.lower()
-    return hostname.encode("idna").decode("ascii").lower()
-
-
-def validate_destination_url(url: str) -> str | None:
-    """Form-only check of a webhook destination URL, for when it is created.
-
-    Checks: scheme is ``http`` or ``https``; a host is present; no userinfo
-    (``user:pass@``); valid port; no whitespace/control characters; total
-    length ``<= 2048`` characters. Does **not** resolve DNS (the host may not
-    exist yet) and so does not decide whether the address is public; that is
-    enforced on every delivery by :func:`deliver`.
-
-    Args:
-        url: the candidate URL.
-
-    Returns:
-        ``None`` if acceptable, else a short error message suitable for an API
-        validation error.
-
-    Raises:
-        Nothing.
-    """
-    _parts, error = _split_url(url)
-    return error
-
-
-# --------------------------------------------------------------------------
 # Delivery
 # --------------------------------------------------------------------------
-
-
-class _Refused(Exception):
-    """Internal: the destination is not allowed."""
-
-
-class _DnsTimeout(Exception):
-    """Internal: name resolution took longer than the budget."""
-
-
-class _Lookup(TypedDict, total=False):
-    """What the resolver thread hands back: getaddrinfo's answer or the exception it raised."""
-
-    result: Sequence[tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[Any, ...]]]
-    error: BaseException
-
-
-def _resolve(host: str, port: int, timeout_s: float) -> list[str]:
-    """Resolve ``host`` to a de-duplicated list of IP strings (order kept).
-
-    Runs getaddrinfo in a daemon thread so the wait is bounded by ``timeout_s``.
-    Raises _DnsTimeout or socket.gaierror/OSError.
-    """
-    try:
-        ipaddress.ip_address(host)
-        return [host]
-    except ValueError:
-        pass
-    box: _Lookup = {}
-
-    def run() -> None:
-        try:
-            box["result"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in caller thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name="tessera-dns", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise _DnsTimeout()
-    if "error" in box:
-        raise box["error"]
-    seen: list[str] = []
-    for family, _type, _proto, _canon, sockaddr in box["result"]:
-        if family not in (socket.AF_INET, socket.AF_INET6):
-            continue
-        addr = str(sockaddr[0])
-        if addr not in seen:
-            seen.append(addr)
-    return seen
-
-
-def _vet(addresses: list[str], allow_private: bool) -> None:
-    """Raise _Refused unless every address is public (or private is allowed)."""
-    if not addresses:
-        raise _Refused("host resolved to no addresses")
-    if allow_private:
-        return
-    for addr in addresses:
-        try:
-            ip = ipaddress.ip_address(addr.split("%", 1)[0])
-        except ValueError:
-            raise _Refused("host resolved to an unparseable address") from None
-        if not is_public_address(ip):
-            raise _Refused(f"destination address {ip} is not public")
 
 
 def _host_header(host: str, port: int, explicit_port: bool, scheme: str) -> str:
     """Build the Host header value: ``host[:port]`` with IPv6 in brackets."""
     shown = f"[{host}]" if ":" in host else host
-    if explicit_port and port != _ALLOWED_SCHEMES[scheme]:
+    if explicit_port and port != ALLOWED_SCHEMES[scheme]:
         return f"{shown}:{port}"
     return shown
 
@@ -378,11 +145,11 @@ def _build_headers(extra: Mapping[str, str], host_header: str) -> dict[str, str]
     out: dict[str, str] = {"content-type": "application/json"}
     for name, value in extra.items():
         if not isinstance(name, str) or not isinstance(value, str):
-            raise _Refused("request header names and values must be strings")
+            raise Refused("request header names and values must be strings")
         if not name or any(c in name for c in " \t\r\n:") or not name.isascii():
-            raise _Refused("invalid request header name")
+            raise Refused("invalid request header name")
         if any(c in value for c in "\r\n\x00"):
-            raise _Refused("invalid request header value")
+            raise Refused("invalid request header value")
         lower = name.lower()
         if lower in _RESERVED_HEADERS:
             continue
@@ -444,131 +211,10 @@ class Request:
     method: str = "POST"
 
 
-class _VettingResolver(AbstractResolver):
-    """aiohttp's resolver with the SSRF guard inside: a host name is resolved with :func:`_resolve`
-    (bounded by ``timeout_s``) and every address is vetted by :func:`_vet` before aiohttp may connect
-    to any of them, so only vetted addresses are ever connected to (the connection pool's DNS cache
-    holds vetted answers only)."""
-
-    def __init__(self, *, allow_private: bool, timeout_s: float) -> None:
-        self._allow_private = allow_private
-        self._timeout_s = timeout_s
-
-    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[ResolveResult]:
-        try:
-            addresses = await asyncio.to_thread(_resolve, host, port, self._timeout_s)
-        except _DnsTimeout:
-            raise _DnsTimeout() from None
-        except UnicodeError as exc:
-            raise OSError("DNS resolution failed") from exc
-        _vet(addresses, self._allow_private)
-        return [
-            {
-                "hostname": host,
-                "host": address,
-                "port": port,
-                "family": socket.AF_INET6 if ":" in address else socket.AF_INET,
-                "proto": 0,
-                "flags": socket.AI_NUMERICHOST,
-            }
-            for address in addresses
-        ]
-
-    async def close(self) -> None:
-        return None
-
-
-class _Pool:
-    """The process's event loop (a daemon thread) and its keep-alive connection pools.
-
-    One loop per process, made on first use and again after a fork, for callers without a loop of
-    their own (:func:`deliver`, :func:`deliver_many`); one ``ClientSession`` per event loop and
-    ``(allow_private, ca_certs, timeout_s, per_host)`` (in practice one per worker process, and for
-    the api one on its own loop: :func:`forward` runs there, with no hop to another thread), reused by
-    every request of that loop. Sessions of other loops than the pool's are closed by
-    :func:`close_sessions` on their loop.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pid: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sessions: dict[tuple, aiohttp.ClientSession] = {}
-
-    def _forked(self) -> None:
-        if self._pid != os.getpid():  # a forked child: the parent's loop and sessions are not ours
-            self._loop, self._pid, self._sessions = None, os.getpid(), {}
-
-    def loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            self._forked()
-            if self._loop is None or self._loop.is_closed():
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="tessera-http", daemon=True).start()
-                self._loop = loop
-                self._sessions = {k: v for k, v in self._sessions.items() if not k[0].is_closed()}
-            return self._loop
-
-    def session(
-        self, *, allow_private: bool, ca_certs: str | None, timeout_s: float, per_host: int, extra_ca: str | None = None
-    ):
-        """The pooled session of the running loop for these options (call on that loop). ``ca_certs``
-        replaces the system's trusted roots; ``extra_ca`` (a PEM path) adds roots to them. TLS 1.2 at
-        least."""
-        loop = asyncio.get_running_loop()
-        key = (loop, allow_private, ca_certs, extra_ca, timeout_s, per_host)
-        session = self._sessions.get(key)
-        if session is None or session.closed:
-            with self._lock:
-                self._forked()
-                for old in [k for k in self._sessions if k[0].is_closed()]:  # loops gone (tests)
-                    del self._sessions[old]
-            ssl_context = ssl.create_default_context(cafile=ca_certs)
-            if extra_ca:
-                ssl_context.load_verify_locations(cafile=extra_ca)
-            ssl_context.minimum_version = ssl.TLSVersion.TLSv1_2
-            connector = aiohttp.TCPConnector(
-                resolver=_VettingResolver(allow_private=allow_private, timeout_s=timeout_s),
-                limit=0,
-                limit_per_host=per_host,
-                ssl=ssl_context,
-                ttl_dns_cache=10,
-            )
-            session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            )
-            self._sessions[key] = session
-        return session
-
-    async def close_loop_sessions(self) -> None:
-        """Close the sessions of the running loop."""
-        loop = asyncio.get_running_loop()
-        for key in [k for k in self._sessions if k[0] is loop]:
-            session = self._sessions.pop(key, None)
-            if session is not None:
-                await session.close()
-
-    def close(self) -> None:
-        """Close the pool loop's sessions (at interpreter exit: no "unclosed session" warnings)."""
-        loop = self._loop
-        if self._pid != os.getpid() or loop is None or loop.is_closed():
-            return
-        if not any(k[0] is loop for k in self._sessions):
-            return
-        with contextlib.suppress(Exception):  # exiting anyway
-            asyncio.run_coroutine_threadsafe(self.close_loop_sessions(), loop).result(timeout=2)
-
-
-_POOL = _Pool()
-atexit.register(_POOL.close)
-
-
 async def close_sessions() -> None:
     """Close the pooled sessions of the running event loop (an application's own loop, at its
     shutdown; the pool's own loop closes at interpreter exit)."""
-    await _POOL.close_loop_sessions()
+    await POOL.close_loop_sessions()
 
 
 def _connect_error_message(exc: BaseException) -> str:
@@ -602,19 +248,19 @@ async def _post(
             response_body=response_body,
         )
 
-    parts, error = _split_url(request.url)
+    parts, error = split_url(request.url)
     if parts is None:
         return result("refused", error, False)
     scheme = parts.scheme.lower()
     assert parts.hostname is not None
-    hostname = _idna_host(parts.hostname)
+    hostname = idna_host(parts.hostname)
     explicit_port = parts.port is not None
-    port = parts.port if parts.port is not None else _ALLOWED_SCHEMES[scheme]
+    port = parts.port if parts.port is not None else ALLOWED_SCHEMES[scheme]
     try:
         request_headers = _build_headers(request.headers, _host_header(hostname, port, explicit_port, scheme))
-        if _is_ip_literal(hostname):  # aiohttp does not ask the resolver about an IP literal
-            _vet([hostname], allow_private)
-    except _Refused as exc:
+        if is_ip_literal(hostname):  # aiohttp does not ask the resolver about an IP literal
+            vet([hostname], allow_private)
+    except Refused as exc:
         return result("refused", str(exc), False)
     netloc = f"[{hostname}]" if ":" in hostname else hostname
     target = parts.path or "/"
@@ -640,7 +286,7 @@ async def _post(
                 body = b""
             if not answer.content.at_eof():
                 answer.close()  # not read to the end: the connection is not reused
-    except (_Refused, _DnsTimeout, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+    except (Refused, DnsTimeout, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
         outcome, error = _failure(exc, timeout_s)
         return result(outcome, error, outcome != "refused")
     outcome, transient, err = _classify_status(status)
@@ -650,9 +296,9 @@ async def _post(
 def _failure(exc: BaseException, timeout_s: float) -> tuple[Outcome, str]:
     """``(outcome, safe message)`` for an exception raised while sending a request and reading its
     answer: ``refused`` (the SSRF guard), ``timeout`` or ``connection_error``."""
-    if isinstance(exc, _Refused):
+    if isinstance(exc, Refused):
         return "refused", str(exc)
-    if isinstance(exc, _DnsTimeout):
+    if isinstance(exc, DnsTimeout):
         return "timeout", "DNS resolution timed out"
     if isinstance(exc, aiohttp.ClientConnectorDNSError):
         return "connection_error", "DNS resolution failed"
@@ -670,14 +316,6 @@ def _failure(exc: BaseException, timeout_s: float) -> tuple[Outcome, str]:
         return "connection_error", "malformed response"
     text = str(exc).lower()
     return "connection_error", "connection reset by peer" if "reset" in text else "connection failed"
-
-
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def deliver_many(
@@ -715,7 +353,7 @@ def deliver_many(
         return []
 
     async def run() -> list[DeliveryResult]:
-        session = _POOL.session(allow_private=allow_private, ca_certs=ca_certs, timeout_s=timeout_s, per_host=per_host)
+        session = POOL.session(allow_private=allow_private, ca_certs=ca_certs, timeout_s=timeout_s, per_host=per_host)
         return list(
             await asyncio.gather(
                 *(
@@ -731,7 +369,7 @@ def deliver_many(
             )
         )
 
-    return asyncio.run_coroutine_threadsafe(run(), _POOL.loop()).result()
+    return asyncio.run_coroutine_threadsafe(run(), POOL.loop()).result()
 
 
 def deliver(
@@ -754,7 +392,7 @@ def deliver(
     ignored. Redirects are never followed and nothing is retried here.
 
     The host is resolved once; if any resolved address fails
-    :func:`is_public_address` and ``allow_private`` is false the result is
+    :func:`infra.addresses.is_public_address` and ``allow_private`` is false the result is
     ``refused`` and no connection is made. Otherwise the vetted addresses are
     tried in order (next one only if connecting failed), connecting to the
     IP itself while using the URL's host name for ``Host``, SNI and
@@ -853,17 +491,17 @@ async def _send(
     max_response_bytes: int,
 ) -> Forwarded:
     started = time.monotonic()
-    parts, error = _split_url(url, max_length=MAX_URL_LENGTH + 8192)
+    parts, error = split_url(url, max_length=MAX_URL_LENGTH + 8192)
     if parts is None:
         raise ForwardError("refused", error or "URL is not valid")
     assert parts.hostname is not None
-    hostname = _idna_host(parts.hostname)
-    port = parts.port if parts.port is not None else _ALLOWED_SCHEMES[parts.scheme.lower()]
+    hostname = idna_host(parts.hostname)
+    port = parts.port if parts.port is not None else ALLOWED_SCHEMES[parts.scheme.lower()]
     netloc = f"[{hostname}]" if ":" in hostname else hostname
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     try:
-        if _is_ip_literal(hostname):  # aiohttp does not ask the resolver about an IP literal
-            _vet([hostname], allow_private)
+        if is_ip_literal(hostname):  # aiohttp does not ask the resolver about an IP literal
+            vet([hostname], allow_private)
         async with session.request(
             method,
             yarl.URL(f"{parts.scheme.lower()}://{netloc}:{port}{target}", encoded=True),
@@ -884,7 +522,7 @@ async def _send(
             return Forwarded(answer.status, kept, content, max(0, round((time.monotonic() - started) * 1000)))
     except ForwardError:
         raise
-    except (_Refused, _DnsTimeout, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+    except (Refused, DnsTimeout, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
         outcome, message = _failure(exc, timeout_s)
         raise ForwardError(outcome, message) from None
 
@@ -916,7 +554,7 @@ async def forward(
     if not timeout_s > 0:
         raise ValueError("timeout_s must be > 0")
 
-    session = _POOL.session(
+    session = POOL.session(
         allow_private=allow_private, ca_certs=None, timeout_s=timeout_s, per_host=per_host, extra_ca=extra_ca
     )
     return await _send(
@@ -952,32 +590,3 @@ def fetch(
         ca_certs=ca_certs,
     )
     return result
-
-
-# --------------------------------------------------------------------------
-# Vetted addresses for other transports (the customer code's egress tunnel)
-# --------------------------------------------------------------------------
-
-
-class DestinationRefused(Exception):
-    """A destination that may not be connected to; the message says why (no secret in it)."""
-
-
-def vetted_addresses(host: str, port: int, *, allow_private: bool, timeout_s: float) -> list[str]:
-    """The addresses ``host`` resolves to (an IP literal stands for itself), each checked with the
-    SSRF guard of deliveries and the proxy (:func:`is_public_address`) unless ``allow_private``.
-
-    Raises :class:`DestinationRefused` when any address is not public, the name does not resolve,
-    or resolution takes longer than ``timeout_s`` seconds.
-    """
-    try:
-        addresses = _resolve(host, port, timeout_s)
-    except _DnsTimeout:
-        raise DestinationRefused(f"resolving {host} took longer than {timeout_s:g} s") from None
-    except OSError:
-        raise DestinationRefused(f"{host} does not resolve") from None
-    try:
-        _vet(addresses, allow_private)
-    except _Refused as exc:
-        raise DestinationRefused(str(exc)) from None
-    return addresses

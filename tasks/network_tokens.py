@@ -2,7 +2,8 @@
 
 Each is a :class:`infra.task.JobTask` running one recorded job: ``perform`` makes the card network
 call (outside any transaction, the job id as idempotency key) and ``apply`` / ``on_job_failure`` write
-the outcome through :mod:`domain.network_tokens.service`. The lease lasts ``TESSERA_JOB_LEASE_SECONDS``
+the outcome through :mod:`domain.network_tokens.provisioning` (provision), :mod:`~domain.network_tokens.cryptograms`
+and :mod:`domain.network_tokens.service` (the others). The lease lasts ``TESSERA_JOB_LEASE_SECONDS``
 (longer than the provider's connect + read timeouts). ``network_tokens.expire_token_intents`` is the
 beat sweep of expired token intents.
 """
@@ -14,7 +15,7 @@ from typing import Any
 
 from sqlmodel import Session
 
-from domain.network_tokens import service, token_intents
+from domain.network_tokens import cryptograms, provisioning, records, service, token_intents
 from infra.celery import celery_app
 from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
@@ -40,29 +41,29 @@ class Provision(NetworkTokenJob):
     network that recovers quickly still gives a 201); six attempts, then a dead letter.
     """
 
-    name = service.PROVISION_TASK
-    backoff_base = service.PROVISION_BACKOFF_BASE
+    name = records.PROVISION_TASK
+    backoff_base = records.PROVISION_BACKOFF_BASE
     apply_to_leased_job = True
 
     def lease_reads(self) -> dict[str, Any]:
-        """See :func:`domain.network_tokens.service.provisioning_reads`."""
-        return service.provisioning_reads()
+        """See :func:`domain.network_tokens.provisioning.provisioning_reads`."""
+        return provisioning.provisioning_reads()
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The network's :class:`~providers.card_network.ProvisionedToken` (None: nothing to do)."""
-        found = service.provisioning_input(job, inputs)
+        found = provisioning.provisioning_input(job, inputs)
         if found is None:
             return None
         network, card = found
         return network.provision(card, idempotency_key=str(job.id))
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
-        """See :func:`domain.network_tokens.service.apply_provisioned`."""
-        return service.apply_provisioned(session, job, outcome)
+        """See :func:`domain.network_tokens.provisioning.apply_provisioned`."""
+        return provisioning.apply_provisioned(session, job, outcome)
 
     def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
-        """See :func:`domain.network_tokens.service.provisioning_failed`."""
-        service.provisioning_failed(session, job, error)
+        """See :func:`domain.network_tokens.provisioning.provisioning_failed`."""
+        provisioning.provisioning_failed(session, job, error)
 
 
 class _Change(NetworkTokenJob):
@@ -90,14 +91,14 @@ class _Change(NetworkTokenJob):
 class Suspend(_Change):
     """``network_tokens.suspend``: suspend at the network, then mark the network token ``suspended``."""
 
-    name = service.SUSPEND_TASK
+    name = records.SUSPEND_TASK
     action = "suspend"
 
 
 class Resume(_Change):
     """``network_tokens.resume``: resume at the network, then mark the network token ``active``."""
 
-    name = service.RESUME_TASK
+    name = records.RESUME_TASK
     action = "resume"
 
 
@@ -105,7 +106,7 @@ class DeleteAtNetwork(NetworkTokenJob):
     """``network_tokens.delete``: delete the network's token whose id is the job's subject (the
     platform's row is already gone). Retried until the network confirms; then a dead letter."""
 
-    name = service.DELETE_TASK
+    name = records.DELETE_TASK
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The network's status of the token (``deleted``)."""
@@ -121,7 +122,7 @@ class DeleteAtNetwork(NetworkTokenJob):
 class CardArt(NetworkTokenJob):
     """``network_tokens.card_art``: fetch the card art and store it on the network token."""
 
-    name = service.CARD_ART_TASK
+    name = records.CARD_ART_TASK
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The card art object (None: the network token was removed meanwhile)."""
@@ -141,7 +142,7 @@ class MakeCryptogram(NetworkTokenJob):
     """``network_tokens.cryptogram``: a fresh cryptogram, sealed to the waiting request's one-time key
     (the job result holds only that sealed value, wiped when the request reads it)."""
 
-    name = service.CRYPTOGRAM_TASK
+    name = records.CRYPTOGRAM_TASK
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
         """The sealed cryptogram ``{"sealed", "eci"}`` (None: the network token was removed)."""
@@ -150,7 +151,7 @@ class MakeCryptogram(NetworkTokenJob):
         if found is None:
             return None
         network, reference = found
-        return service.seal_cryptogram(job, network.cryptogram(reference, idempotency_key=str(job.id)))
+        return cryptograms.seal_cryptogram(job, network.cryptogram(reference, idempotency_key=str(job.id)))
 
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
         """The job result: the sealed cryptogram."""
@@ -161,7 +162,7 @@ for _task in (Provision(), Suspend(), Resume(), DeleteAtNetwork(), CardArt(), Ma
     celery_app.register_task(_task)
 
 
-@celery_app.task(name=service.EXPIRE_INTENTS_TASK, base=TesseraTask)
+@celery_app.task(name=records.EXPIRE_INTENTS_TASK, base=TesseraTask)
 def expire_token_intents() -> int:
     """Beat sweep: delete token intents past their 24 hours and drop intents' cvc past retention.
 

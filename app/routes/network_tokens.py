@@ -1,7 +1,8 @@
 """Network tokens: ``/network-tokens`` (spec, core document sections 2 "Network token", "Network token
 details", "Network token account", "Cryptogram"; 3 states; 4 "Network tokens").
 
-Handlers are thin: the rules live in :mod:`domain.network_tokens.service`. Every card network call runs in a
+Handlers are thin: the rules live in :mod:`domain.network_tokens.service`, :mod:`~domain.network_tokens.provisioning`
+(create) and :mod:`~domain.network_tokens.cryptograms`. Every card network call runs in a
 worker; a handler records the job, waits for its outcome without blocking the event loop (up to
 ``TESSERA_NETWORK_TOKEN_WAIT_SECONDS``, default 10 s) and answers with what is known.
 """
@@ -16,7 +17,9 @@ from pydantic import Field
 
 from app.api import AnyOf, Api, Call
 from app.schemas import RequestModel, ResponseModel
-from domain.network_tokens import service
+from domain.network_tokens import cryptograms, provisioning, service
+from domain.network_tokens.views import READ, REVEAL
+from infra.wait import Outcome
 from storage.states import NetworkTokenStatus
 
 api = Api()
@@ -220,10 +223,11 @@ class CryptogramOut(ResponseModel):
     eci: str
 
 
-async def _wait(call: Call, job_id: uuid.UUID) -> str | None:
-    """Wait for the job to settle, up to the configured bound (woken by its outcome message); its status."""
+async def _wait(call: Call, job_id: uuid.UUID) -> Outcome:
+    """Wait for the job to settle, up to the configured bound (woken by its outcome message); its outcome
+    (status and the safe part of its result)."""
     outcomes = await call.wait_for_jobs([job_id], timeout=call.settings.network_token_wait_seconds)
-    return outcomes[job_id].status
+    return outcomes[job_id]
 
 
 @api.route(
@@ -240,15 +244,15 @@ async def _wait(call: Call, job_id: uuid.UUID) -> str | None:
 )
 async def create(call: Call):
     """Record, wait, answer 201 / 202 / 422 (see the description)."""
-    started = await call.db(service.create_network_token, call.caller, call.body.model_dump(mode="json"))
-    status = await _wait(call, started.job_id)
-    return await call.db(service.provisioning_outcome, call.caller, started, status=status)
+    started = await call.db(provisioning.create_network_token, call.caller, call.body.model_dump())
+    outcome = await _wait(call, started.job_id)
+    return await call.db(provisioning.provisioning_outcome, call.caller, started, outcome=outcome)
 
 
 @api.route(
     "GET",
     "/network-tokens/{id}",
-    permission=AnyOf(service.READ, service.REVEAL),
+    permission=AnyOf(READ, REVEAL),
     response=NetworkTokenOut,
     tag=TAG,
     summary="Get a network token",
@@ -264,7 +268,7 @@ async def get(call: Call):
 @api.route(
     "GET",
     "/network-tokens/{id}/account",
-    permission=AnyOf(service.READ, service.REVEAL),
+    permission=AnyOf(READ, REVEAL),
     response=AccountOut,
     tag=TAG,
     summary="Get a network token's account (card art)",
@@ -302,11 +306,11 @@ async def account(call: Call):
 )
 async def cryptogram(call: Call):
     """A cryptogram sealed by the worker to this request's one-time key, opened here."""
-    private, public = service.reply_keypair()
-    started = await call.db(service.cryptogram_start, call.caller, call.params["id"], public)
+    private, public = cryptograms.reply_keypair()
+    started = await call.db(cryptograms.cryptogram_start, call.caller, call.params["id"], public)
     await _wait(call, started.job_id)
-    sealed = await call.db(service.cryptogram_outcome, started)
-    return service.open_cryptogram(private, started, sealed)
+    sealed = await call.db(cryptograms.cryptogram_outcome, started)
+    return cryptograms.open_cryptogram(private, started, sealed)
 
 
 _CHANGE_TEXT = (

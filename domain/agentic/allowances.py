@@ -39,8 +39,8 @@ from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.webhooks import events
 from infra import jobs
+from infra.addresses import is_public_address, validate_destination_url
 from infra.errors import Problem
-from infra.http import is_public_address, validate_destination_url
 from providers.agentic import CREDENTIAL_FORMATS, provider_for
 from storage.crypto import get_keyring
 from storage.keyset import keyset_page

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from domain.agentic.allowances import OTP_PURPOSE, SEALED_PURPOSE
 from domain.client_keys.service import PURPOSE as CLIENT_KEY_PURPOSE
-from domain.network_tokens.service import DATA_PURPOSE as NETWORK_TOKEN_PURPOSE
-from domain.network_tokens.service import SOURCE_PURPOSE as NETWORK_TOKEN_SOURCE_PURPOSE
+from domain.network_tokens.provisioning import SOURCE_PURPOSE as NETWORK_TOKEN_SOURCE_PURPOSE
 from domain.network_tokens.token_intents import DATA_PURPOSE as TOKEN_INTENT_PURPOSE
+from domain.network_tokens.views import DATA_PURPOSE as NETWORK_TOKEN_PURPOSE
 from domain.proxy.service import CONFIGURATION_PURPOSE as PROXY_CONFIGURATION_PURPOSE
 from domain.reactors.runs import RUN_PURPOSE
 from domain.reactors.service import CONFIGURATION_PURPOSE as REACTOR_CONFIGURATION_PURPOSE

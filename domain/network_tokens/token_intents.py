@@ -132,7 +132,7 @@ def create_intent(session: Session, caller: Caller, *, type: str, data: Any, now
     if type not in INTENT_TYPES:
         raise validation_problem({"type": [f"must be one of {', '.join(INTENT_TYPES)}"]})
     card, errors = validate_card(data, today=now.date(), prefix="data", check_expiry=False)
-    if errors:
+    if errors or card is None:  # no errors means a card (``validate_card``)
         raise validation_problem(errors)
     keyring = get_keyring()
     intent = TokenIntent(
@@ -217,7 +217,7 @@ def convert_intent(
     request, errors = parse_token_request(
         {**options, "type": intent.type, "data": _open(session, intent, now)}, converting, now=now
     )
-    if errors:
+    if errors or request is None:  # no errors means a request (``parse_token_request``)
         raise validation_problem(errors)
     (created,) = create_tokens(session, converting, [request], now=now)
     intent.token_id = created.token.id
@@ -234,7 +234,8 @@ def convert_intent(
         .execution_options(synchronize_session=False)
     )
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=intent.id, operation="update")
-    return token_view(created.token, created.data, caller)
+    # token_view reads only the fields a new row (NewToken) shares with a loaded Token
+    return token_view(created.token, created.data, caller)  # type: ignore[arg-type]
 
 
 # ---- sweeps (beat) -------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from sqlalchemy import inspect as sa_inspect
 from sqlmodel import Session, col, or_, select
 
 from domain.client_keys.service import decrypt_encrypted_header
-from domain.network_tokens import service as network_tokens
 from domain.network_tokens import token_intents
+from domain.network_tokens import views as network_tokens
 from domain.tenancy.usage import record_token_activity, stage_token_activity
 from domain.tokens import service as tokens
 from domain.wallets import service as wallets

@@ -44,9 +44,10 @@ from domain.tenancy.caller import Caller
 from domain.tenancy.tenants import cached_signing_secret
 from domain.webhooks.events import EVENT_TYPES
 from infra import jobs
+from infra.addresses import validate_destination_url
 from infra.celery import DELIVER_TASK
 from infra.errors import not_found, validation_problem
-from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many, validate_destination_url
+from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many
 from infra.lookup import get_owned
 from infra.signing import headers as signature_headers
 from storage import sql

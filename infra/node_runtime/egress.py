@@ -5,7 +5,7 @@ A sandboxed process has a network namespace of its own with nothing but its loop
 ``/sandbox/egress.sock``, and ``runner.js`` sends every ``fetch`` and ``http``/``https`` request
 through it as a ``CONNECT host:port`` tunnel (TLS stays end to end: the proxy sees only the host
 and port). Each tunnel is vetted here, on the resolved address, by the SSRF guard of webhook
-deliveries and the proxy (:func:`infra.http.vetted_addresses`): loopback, private, link-local,
+deliveries and the proxy (:func:`infra.addresses.vetted_addresses`): loopback, private, link-local,
 metadata and every other non-public address is refused with ``403``, whatever
 ``TESSERA_ALLOW_PRIVATE_DESTINATIONS`` says (that setting is for the platform's own deliveries).
 Only the ``host:port`` pairs of ``TESSERA_REACTOR_EGRESS_ALLOW`` (exact, case-insensitive) skip the
@@ -29,7 +29,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from infra.http import DestinationRefused, vetted_addresses
+from infra.addresses import DestinationRefused, vetted_addresses
 
 log = logging.getLogger("tessera.egress")
 

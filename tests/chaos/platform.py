@@ -24,8 +24,8 @@ from sqlalchemy import create_engine, text
 from tests.conftest import TEST_DATABASE_URL, _drop_database, free_port
 from tests.conftest import serve_in_thread as serve
 from tests.helpers import ApiClient, WebhookReceiver, wait_until
+from tests.network_tokens.test_network_token_kill import Processes, own_platform
 from tests.security.leaks import observe, scan_database
-from tests.worker.test_network_token_kill import Processes, own_platform
 
 #: Short timings so a killed job comes back within a minute: the lease a dead worker held runs out, the
 #: relay re-sends. Each lease stays longer than the provider call it covers, as it must; provider calls

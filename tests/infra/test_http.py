@@ -17,13 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.http import (
-    USER_AGENT,
-    DeliveryResult,
-    deliver,
-    is_public_address,
-    validate_destination_url,
-)
+from infra.addresses import is_public_address, validate_destination_url
+from infra.http import USER_AGENT, DeliveryResult, deliver
 
 pytestmark = pytest.mark.unit
 

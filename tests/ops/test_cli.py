@@ -23,7 +23,7 @@ import urllib3
 from sqlalchemy.engine import make_url
 
 from config import __version__
-from infra import ops
+from infra import job_admin, ops
 from tests.conftest import free_port
 from tests.helpers import ApiClient, wait_until
 from tests.ops.conftest import TESSERA
@@ -319,8 +319,8 @@ def test_a_cancelled_delivery_reads_cancelled():
 
     delivery = WebhookDelivery(id=uuid.uuid4(), tenant_id=uuid.uuid4(), webhook_id=uuid.uuid4(), event_id=uuid.uuid4())
     job = Job(id=delivery.id, kind="webhooks.deliver", status="cancelled", attempts=0, max_attempts=5)
-    assert ops.delivery_view(delivery, job)["state"] == "cancelled"
-    assert ops.delivery_state("dead") == "failed" and ops.delivery_state("queued") == "pending"
+    assert job_admin.delivery_view(delivery, job)["state"] == "cancelled"
+    assert job_admin.delivery_state("dead") == "failed" and job_admin.delivery_state("queued") == "pending"
 
 
 def test_settings_come_from_a_dot_env_file_in_the_working_folder_and_each_command_names_what_it_reads(

@@ -18,7 +18,7 @@ from domain.webhooks.service import message_id
 from infra import ops
 from storage.db import session_scope
 from storage.models import Job, WebhookDelivery
-from tessera.cli import _table
+from tessera.cli.output import table as _table
 from tests.helpers import wait_until
 from tests.ops import probe
 from tests.ops.conftest import TESSERA

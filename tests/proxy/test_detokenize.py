@@ -14,8 +14,8 @@ from joserfc.jwk import OKPKey
 from sqlmodel import select
 
 from domain.client_keys import service as client_keys
-from domain.network_tokens import service as network_tokens
 from domain.network_tokens import token_intents
+from domain.network_tokens import views as network_tokens
 from domain.proxy.detokenize import MAX_TOKENS, body_kind, detokenize, parse_expression
 from domain.proxy.errors import ProxyError
 from domain.proxy.values import SqlValueLoader

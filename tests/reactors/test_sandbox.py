@@ -20,8 +20,8 @@ from sqlalchemy.engine import make_url
 
 from config.settings import get_settings, reload_settings
 from domain.reactors.runtime import Reactor, ReactorRuntime, Runtime
+from infra.addresses import DestinationRefused, vetted_addresses
 from infra.errors import Problem
-from infra.http import DestinationRefused, vetted_addresses
 from infra.node_runtime import sandbox
 from infra.node_runtime.egress import parse_connect
 from infra.node_runtime.pool import NodePool

@@ -16,7 +16,7 @@ from config.settings import get_settings
 from domain.tenancy.tenants import create_tenant
 from domain.webhooks import events
 from domain.webhooks import service as webhooks
-from infra import jobs, ops, outbox
+from infra import job_admin, jobs, outbox
 from infra.celery import DELIVER_TASK
 from infra.dispatch import BATCH_SIZE, take_pending
 from infra.http import DeliveryResult
@@ -182,11 +182,11 @@ def test_a_spent_schedule_is_a_dead_letter_that_the_operator_replays(database, r
     assert (job.status, job.attempts, job.last_error) == ("dead", job.max_attempts, "HTTP 503")
     assert _delivery(delivery_id).status == "failed"
     with session_scope() as session:
-        dead = ops.list_jobs(session, settings, states=["dead"], kind=DELIVER_TASK, tenant_id=tenant_id)
+        dead = job_admin.list_jobs(session, settings, states=["dead"], kind=DELIVER_TASK, tenant_id=tenant_id)
     assert [(row["id"], row["state"]) for row in dead] == [(str(delivery_id), "failed")]
 
     with session_scope() as session:
-        replayed = ops.retry(session, settings, webhooks.message_id(delivery_id))
+        replayed = job_admin.retry(session, settings, webhooks.message_id(delivery_id))
         sent = take_pending(session)
     assert (replayed["state"], replayed["attempts"]) == ("pending", 0)
     assert sent == [(DELIVER_TASK, {"delivery_ids": [str(delivery_id)]})]
@@ -198,8 +198,8 @@ def test_a_spent_schedule_is_a_dead_letter_that_the_operator_replays(database, r
     with session_scope() as session:
         refused = None
         try:
-            ops.retry(session, settings, str(delivery_id))
-        except ops.Refused as exc:
+            job_admin.retry(session, settings, str(delivery_id))
+        except job_admin.Refused as exc:
             refused = str(exc)
     assert refused and "succeeded" in refused
 

@@ -7,15 +7,18 @@ import datetime as dt
 import json
 import uuid
 
+import pytest
 from sqlmodel import select
 
-from domain.network_tokens import service as network_tokens
+from domain.network_tokens import records
 from infra.celery import celery_app
 from storage.crypto import get_keyring
 from storage.db import session_scope
 from storage.models import AuditLog
 from storage.models_network_tokens import TokenIntent
 from tests.helpers import wait_until
+
+pytestmark = pytest.mark.api
 
 VISA = "4242424242424242"
 MASTERCARD = "5555555555554444"
@@ -145,7 +148,7 @@ def test_an_intent_expires_after_24_hours_and_the_sweep_removes_it(tenant):
     assert tenant.client.post("/network-tokens", {"token_intent_id": created["id"]}).status == 400
     assert "cvc" in _plain(_row(keep["id"]))
 
-    celery_app.send_task(network_tokens.EXPIRE_INTENTS_TASK)  # what beat sends every minute
+    celery_app.send_task(records.EXPIRE_INTENTS_TASK)  # what beat sends every minute
     wait_until(lambda: _row(created["id"]) is None)
     wait_until(lambda: _row(keep["id"]).cvc_expires_at is None)
     assert _plain(_row(keep["id"])) == {"number": VISA, "expiration_month": 5, "expiration_year": YEAR}

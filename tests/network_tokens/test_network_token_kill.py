@@ -32,6 +32,8 @@ from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, _drop_database, _rec
 from tests.conftest import serve_in_thread as serve
 from tests.helpers import ApiClient, wait_until
 
+pytestmark = pytest.mark.kill
+
 SLOW = "4000000000002032"
 SLOW_SECONDS = 6.0
 LEASE_SECONDS = 10  # longer than the slow answer, as the lease must be
@@ -235,7 +237,7 @@ def _unique_visa() -> str:
 
 
 def test_a_worker_dying_after_the_network_answered_gets_the_same_token_on_retry(api, tenant, sandbox):
-    from domain.network_tokens import service as network_tokens
+    from domain.network_tokens import provisioning as network_tokens
     from domain.tenancy.auth import authenticate
     from infra import jobs as jobs_
     from infra import outbox

@@ -14,6 +14,7 @@ import uuid
 import pytest
 from sqlmodel import select
 
+from domain.network_tokens import provisioning, records
 from domain.network_tokens import service as network_tokens
 from infra.errors import Problem
 from storage.db import session_scope
@@ -21,6 +22,8 @@ from storage.models import AuditLog, Event, Job
 from storage.models_network_tokens import NetworkToken
 from tests.conftest import SANDBOX_SLOW_SECONDS, make_tenant
 from tests.helpers import ApiClient, wait_until
+
+pytestmark = pytest.mark.api
 
 VISA = "4242424242424242"
 MASTERCARD = "5555555555554444"
@@ -88,9 +91,7 @@ def _rows(tenant_id) -> list[NetworkToken]:
 
 def _provision_job(token_id: str) -> Job:
     with session_scope() as session:
-        return session.exec(
-            select(Job).where(Job.kind == network_tokens.PROVISION_TASK, Job.subject_id == token_id)
-        ).one()
+        return session.exec(select(Job).where(Job.kind == records.PROVISION_TASK, Job.subject_id == token_id)).one()
 
 
 def _masked(number: str) -> str:
@@ -165,7 +166,7 @@ def test_a_declined_card_answers_422_and_leaves_nothing(tenant, sandbox, receive
     assert _rows(tenant.id) == []
     assert _admin_tokens(sandbox, pan=DECLINED) == []
     with session_scope() as session:
-        (job,) = session.exec(select(Job).where(Job.tenant_id == tenant.id, Job.kind == network_tokens.PROVISION_TASK))
+        (job,) = session.exec(select(Job).where(Job.tenant_id == tenant.id, Job.kind == records.PROVISION_TASK))
         assert job.status == "failed" and job.attempts == 1
         # the create answered 422 itself: no network-token.failed event
         assert (
@@ -316,8 +317,8 @@ def test_a_failure_after_the_202_answer_removes_the_record_and_emits_network_tok
     # job, finds the job still queued and answers 202, all before the worker gets the job (sent on commit).
     with session_scope() as session:
         caller = authenticate(session, tenant.api_key, trace_id="trace-failed")
-        started = network_tokens.create_network_token(session, caller, {"data": _card(DECLINED)})
-        status, body = network_tokens.provisioning_outcome(session, caller, started)
+        started = provisioning.create_network_token(session, caller, {"data": _card(DECLINED)})
+        status, body = provisioning.provisioning_outcome(session, caller, started)
     assert status == 202 and body["status"] == "inactive"
     token_id = str(started.network_token_id)
 
@@ -410,9 +411,7 @@ def test_a_network_token_removed_by_a_failed_provisioning_answers_404_naming_it(
     assert answer.status == 422
     with session_scope() as session:
         job = session.exec(
-            select(Job).where(
-                Job.tenant_id == tenant.id, Job.kind == network_tokens.PROVISION_TASK, Job.status == "failed"
-            )
+            select(Job).where(Job.tenant_id == tenant.id, Job.kind == records.PROVISION_TASK, Job.status == "failed")
         ).one()
     removed = tenant.client.get(f"/network-tokens/{job.subject_id}")
     assert removed.status == 404
@@ -438,7 +437,7 @@ def test_cryptograms_are_fresh_with_the_brand_eci_and_never_stored(tenant, sandb
     cryptograms = [first.json["cryptogram"], second.json["cryptogram"], other.json["cryptogram"]]
     with session_scope() as session:
         crypto_jobs = session.exec(
-            select(Job).where(Job.tenant_id == tenant.id, Job.kind == network_tokens.CRYPTOGRAM_TASK)
+            select(Job).where(Job.tenant_id == tenant.id, Job.kind == records.CRYPTOGRAM_TASK)
         ).all()
         stored = json.dumps([job.result for job in crypto_jobs]) + json.dumps(
             [e.data for e in session.exec(select(Event).where(Event.tenant_id == tenant.id)).all()]
@@ -505,7 +504,7 @@ def test_deleting_an_inactive_network_token_deletes_what_the_network_issues(tena
         with session_scope() as session:
             return session.exec(
                 select(Job).where(
-                    Job.tenant_id == tenant.id, Job.kind == network_tokens.DELETE_TASK, Job.status == "succeeded"
+                    Job.tenant_id == tenant.id, Job.kind == records.DELETE_TASK, Job.status == "succeeded"
                 )
             ).first()
 

@@ -1,0 +1,7 @@
+"""``python -m tessera.cli``: the ``tessera`` command."""
+
+import sys
+
+from tessera.cli import main
+
+sys.exit(main())

@@ -1,0 +1,215 @@
+"""The ``tessera`` commands that run a process: ``api``, ``worker``, ``beat``, ``sandbox``, ``flower`` and
+``dev`` (every other process as a child). Heavy imports happen inside each command, so the command
+line answers quickly and the metrics folder is set before anything imports the metrics."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from config.settings import get_settings
+
+
+def share_metrics(settings) -> str:
+    """Point prometheus-client's multiprocess mode at ``TESSERA_METRICS_DIR`` (unless
+    ``PROMETHEUS_MULTIPROC_DIR`` is set already), before anything imports the metrics; returns it."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or str(settings.effective_metrics_dir)
+    os.makedirs(folder, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    return folder
+
+
+def keys_open() -> bool:
+    """The key check (``storage.key_check``): True when this process's keys open the database's;
+    else one line on stderr naming the setting, and False (the caller exits 1)."""
+    from storage.key_check import KeyCheckFailed, require
+
+    try:
+        require()
+    except KeyCheckFailed as exc:
+        print(f"tessera: refusing to start: {exc}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def api(args: argparse.Namespace) -> int:
+    settings = get_settings()
+    if args.listen_fd is None and not args.reuse_port and not keys_open():
+        return 1
+    share_metrics(settings)
+    host = args.host or settings.api_host
+    port = args.port or settings.api_port
+    workers = args.workers or settings.api_workers or os.cpu_count() or 1
+    if args.reuse_port or args.listen_fd is not None or workers == 1:
+        return _serve_api(settings, host, port, reuse_port=args.reuse_port, listen_fd=args.listen_fd)
+    argv = [sys.executable, "-m", "tessera.cli", "api", "--host", host, "--port", str(port), "--reuse-port"]
+    children = [subprocess.Popen(argv) for _ in range(workers)]  # noqa: S603 - our own command
+    if _answers(host, port, children):
+        print(f"tessera api listening on http://{host}:{port} ({workers} processes)", flush=True)
+    return _supervise(children)
+
+
+def _answers(host: str, port: int, children: list[subprocess.Popen], timeout: float = 60.0) -> bool:
+    """Wait until the api answers ``GET /healthz`` on ``host:port`` (False when a child ended first
+    or ``timeout`` seconds passed)."""
+    import urllib.error
+    import urllib.request
+
+    local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - a wildcard's loopback
+    url = f"http://{f'[{local}]' if ':' in local else local}:{port}/healthz"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and all(child.poll() is None for child in children):
+        try:
+            with urllib.request.urlopen(url, timeout=1) as answer:
+                if answer.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def _serve_api(settings, host: str, port: int, *, reuse_port: bool, listen_fd: int | None = None) -> int:
+    """One api process on ``host:port`` (``reuse_port``: beside its siblings on the same port;
+    ``listen_fd``: on the listening socket its parent bound)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from app.main import init_app
+    from infra.logs import configure_logging
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on the platforms it supports
+        pass
+    else:
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    configure_logging(settings)
+    listening: dict = {"host": host, "port": port}
+    if listen_fd is not None:  # a socket bound by the parent (tessera dev): the port is surely ours
+        listening = {"sock": socket.socket(fileno=listen_fd)}
+
+    def announce(_text: str) -> None:  # called once the site listens and the app answers
+        if not reuse_port:
+            print(f"tessera api listening on http://{host}:{port}", flush=True)
+
+    app = init_app(settings)
+    app.on_startup.append(_freeze_heap)
+    web.run_app(
+        app,
+        **listening,
+        print=announce,
+        shutdown_timeout=settings.api_shutdown_timeout_seconds,
+        access_log=None,
+        reuse_port=reuse_port or None,
+    )
+    return 0
+
+
+async def _freeze_heap(_app) -> None:
+    """Once started, move every object made so far (modules, models, routes: most of the heap) out
+    of the garbage collector's sight: a full collection then walks what requests make, not the
+    whole platform, so it no longer stalls the event loop for tens of milliseconds."""
+    gc.collect()
+    gc.freeze()
+
+
+def _supervise(children: list[subprocess.Popen]) -> int:
+    """Wait on the api processes; SIGTERM and SIGINT are passed on to each (each then finishes the
+    requests in flight, ``TESSERA_API_SHUTDOWN_TIMEOUT_SECONDS``). When one process ends on its own
+    the others are stopped too and the exit status is 1 (the orchestrator restarts the service)."""
+    stopping = False
+
+    def stop(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while True:
+        ended = [child for child in children if child.poll() is not None]
+        if ended and not stopping:
+            stop(signal.SIGTERM, None)
+        if len(ended) == len(children):
+            break
+        time.sleep(0.2)
+    return 0 if stopping and all(c.returncode in (0, -signal.SIGTERM, -signal.SIGINT) for c in children) else 1
+
+
+def worker(args: argparse.Namespace) -> int:
+    if not keys_open():
+        return 1
+    share_metrics(get_settings())
+    from infra.logs import configure_logging
+    from tessera.worker import run_worker
+    from workers.celery_app import QUEUES, celery_app
+
+    configure_logging(get_settings())
+    return run_worker(celery_app, QUEUES, args.celery_args)
+
+
+def beat(args: argparse.Namespace) -> int:
+    from infra.logs import configure_logging
+    from workers.celery_app import celery_app
+
+    if not keys_open():
+        return 1
+    settings = get_settings()
+    configure_logging(settings)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    schedule = str(settings.data_dir / "celerybeat-schedule")
+    celery_app.start(["beat", "--loglevel", settings.log_level, "--schedule", schedule, *args.celery_args])
+    return 0
+
+
+def sandbox(args: argparse.Namespace) -> int:
+    from urllib.parse import urlsplit
+
+    from sandbox.app import run
+
+    default = urlsplit(get_settings().sandbox_url)
+    run(args.host or default.hostname or "127.0.0.1", args.port or default.port or 8081)
+    return 0
+
+
+def flower(args: argparse.Namespace) -> int:
+    settings = get_settings()
+    password = settings.flower_password.get_secret_value() if settings.flower_password else ""
+    if not password:
+        print("error: set TESSERA_FLOWER_PASSWORD (Flower answers its API only behind basic auth)", file=sys.stderr)
+        return 2
+    if ":" in settings.flower_user or "," in settings.flower_user + password:
+        print("error: TESSERA_FLOWER_USER may not hold ':' or ',', nor TESSERA_FLOWER_PASSWORD ','", file=sys.stderr)
+        return 2
+    if settings.effective_broker_url.startswith("sqla+"):
+        print(
+            "error: the embedded SQLite broker carries no task events, so Flower would show none; set "
+            "TESSERA_BROKER_URL=redis://... (in the environment or ./.env) for tessera dev, worker and flower alike",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    # Flower reads FLOWER_* options from the environment: the password stays out of the process list.
+    os.environ["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # Flower serves its own /metrics from memory
+    from workers.celery_app import celery_app
+
+    argv = ["flower", f"--address={args.address}", f"--port={args.port}", *args.celery_args]
+    celery_app.start(argv)
+    return 0
+
+
+def dev(_args: argparse.Namespace) -> int:
+    from tessera.dev import run_dev
+
+    return run_dev()
