@@ -18,9 +18,10 @@ A message carries about a hundred deliveries: one statement leases them and read
 webhooks and signing secrets, the POSTs go out concurrently on the worker process's keep-alive pool
 (``infra.http.deliver_many``) and the outcomes are recorded together.
 Fairness: a tenant that is behind on its deliveries (a flood, a slow or hanging receiver) holds at most
-``TESSERA_WEBHOOK_TENANT_SLOTS`` worker slots; its other deliveries are postponed a little and sent
-again by the relay in batches, so one tenant's flood to a slow receiver does not queue everyone else
-behind it (:func:`postpone_busy_tenants`).
+``TESSERA_WEBHOOK_TENANT_SLOTS`` worker slots while another tenant's deliveries wait; its other
+deliveries are postponed a little and sent again by the relay in batches, so one tenant's flood to a
+slow receiver does not queue everyone else behind it. Alone, it uses every slot, in short turns
+(:func:`postpone_busy_tenants`).
 A webhook failing without a single success for ``TESSERA_WEBHOOK_DISABLE_AFTER_SECONDS`` (5 days) is
 disabled and its ``notify_email`` is told. Redirects are never followed; private, loopback and
 link-local destinations are refused at delivery time unless ``TESSERA_ALLOW_PRIVATE_DESTINATIONS``.
@@ -550,36 +551,42 @@ def disabled_notice(session: Session, webhook_id: uuid.UUID) -> DisabledNotice |
 
 def postpone_busy_tenants(
     session: Session, delivery_ids: list[uuid.UUID], settings: Settings, *, now: dt.datetime | None = None
-) -> int:
-    """Postpone the due, unleased deliveries of ``delivery_ids`` whose tenant is behind and busy while
-    another tenant waits: it has a delivery due more than ``settings.webhook_backlog_seconds`` ago still
-    pending (a flood, or a slow receiver), already holds ``settings.webhook_tenant_slots`` worker slots
-    (distinct task runs with deliveries in flight), and another tenant has a delivery due and not taken.
-    Their jobs' ``due_at`` moves ``webhook_postpone_seconds`` ahead; the relay sends them again, batched
-    (about a hundred a message). No attempt is counted. Returns how many were postponed. A tenant that
-    keeps up, or that is alone, is never postponed: fairness takes capacity from a tenant only to give
-    it to another one.
+) -> set[uuid.UUID]:
+    """Set aside, from a batch about to be leased, the deliveries of each tenant that is behind and
+    busy: it has a delivery due more than ``settings.webhook_backlog_seconds`` ago still pending (a
+    flood, or a slow receiver) and already holds ``settings.webhook_tenant_slots`` worker slots
+    (distinct task runs with deliveries in flight). Returns the ids set aside (the caller leases the
+    others); no attempt is counted on them. A tenant that keeps up is never touched.
 
-    On PostgreSQL the check and the lease that follows it in the same transaction are serialised per
-    tenant (a transaction-level advisory lock), so two workers cannot both take the last slot."""
+    * While another tenant has a delivery due and not taken, the busy tenant's deliveries are
+      postponed: their ``due_at`` moves ``webhook_postpone_seconds`` ahead and the relay sends them
+      again, batched (about a hundred a message).
+    * A tenant alone keeps every slot, in short turns: this run keeps ``webhook_host_concurrency`` of
+      its deliveries (one round of concurrent POSTs) and sends the rest again at once, as a new batch
+      message behind those already queued; so a process it holds comes free after one round, and
+      another tenant's delivery that arrives meanwhile waits one round at most, not a whole batch.
+
+    Fairness takes capacity from a tenant only to give it to another one. On PostgreSQL the check and
+    the lease that follows it in the same transaction are serialised per tenant (a transaction-level
+    advisory lock), so two workers cannot both take the last slot."""
     slots = settings.webhook_tenant_slots
     if slots <= 0 or not delivery_ids:
-        return 0
+        return set()
     now = now or utcnow()
-    tenants = sorted(
-        set(session.execute(select(Job.tenant_id).where(col(Job.id).in_(delivery_ids))).scalars()), key=str
-    )
+    owners = dict(session.execute(select(col(Job.id), col(Job.tenant_id)).where(col(Job.id).in_(delivery_ids))).all())
+    tenants = sorted(set(owners.values()), key=str)
     for tenant_id in tenants:
         sql.lock_key(session, str(tenant_id))
     waiting = (col(Job.kind) == DELIVER_TASK, col(Job.status).in_(JOB_TAKEABLE))  # ix_jobs_deliveries_waiting
-    busy = []
+    postponed: list[uuid.UUID] = []
+    handed_back: list[uuid.UUID] = []
     for tenant_id in tenants:
         behind = session.execute(
-            select(Job.id)
+            select(col(Job.id))
             .where(
                 *waiting,
-                Job.tenant_id == tenant_id,
-                Job.due_at < now - dt.timedelta(seconds=settings.webhook_backlog_seconds),
+                col(Job.tenant_id) == tenant_id,
+                col(Job.due_at) < now - dt.timedelta(seconds=settings.webhook_backlog_seconds),
             )
             .limit(1)
         ).first()
@@ -593,16 +600,18 @@ def postpone_busy_tenants(
                 col(Job.lease_expires_at) > now,
             )
         ).scalar_one()
-        if held >= slots and _another_tenant_waits(session, tenant_id, waiting, now):
-            busy.append(tenant_id)
-    if not busy:
-        return 0
-    return rowcount(
+        if held < slots:
+            continue
+        own = [delivery_id for delivery_id in delivery_ids if owners.get(delivery_id) == tenant_id]
+        if _another_tenant_waits(session, tenant_id, waiting, now):
+            postponed += own
+        else:
+            handed_back += own[settings.webhook_host_concurrency :]
+    if postponed:
         session.execute(
             update(Job)
             .where(
-                col(Job.id).in_(delivery_ids),
-                col(Job.tenant_id).in_(busy),
+                col(Job.id).in_(postponed),
                 col(Job.status).in_(JOB_TAKEABLE),
                 or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
             )
@@ -611,7 +620,9 @@ def postpone_busy_tenants(
             )
             .execution_options(synchronize_session=False)
         )
-    )
+    if handed_back:
+        jobs.requeue(session, handed_back, kind=DELIVER_TASK, fresh_budget=False, now=now)
+    return set(postponed) | set(handed_back)
 
 
 def _another_tenant_waits(
@@ -641,8 +652,10 @@ def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings)
     in one transaction. Two short transactions; the HTTP calls run outside any."""
     lease_seconds = settings.webhook_timeout_seconds * TOTAL_TIMEOUT_FACTOR + 30
     with session_scope() as session:
-        postponed = postpone_busy_tenants(session, delivery_ids, settings)
-        prepared, closed = lease_batch(session, delivery_ids, owner, lease_seconds=lease_seconds)
+        aside = postpone_busy_tenants(session, delivery_ids, settings)
+        taking = [delivery_id for delivery_id in delivery_ids if delivery_id not in aside] if aside else delivery_ids
+        prepared, closed = lease_batch(session, taking, owner, lease_seconds=lease_seconds)
+    postponed = len(aside)
     results = deliver_many(
         [Request(p.url, p.body, p.headers) for p in prepared],
         timeout_s=settings.webhook_timeout_seconds,

@@ -259,15 +259,24 @@ def test_a_lone_tenant_behind_on_its_deliveries_keeps_every_slot_until_another_t
         )
     waiting = flood[1:]
     with session_scope() as session:
-        assert webhooks.postpone_busy_tenants(session, waiting, settings, now=then) == 0
+        assert webhooks.postpone_busy_tenants(session, waiting, settings, now=then) == set()
     assert all(_job(job_id).due_at == then - dt.timedelta(days=1) for job_id in waiting)
+
+    # alone, in short turns: a run keeps one round of concurrent POSTs and sends the rest again at once
+    one_round = settings.model_copy(update={"webhook_host_concurrency": 1})
+    with session_scope() as session:
+        assert webhooks.postpone_busy_tenants(session, waiting, one_round, now=then) == set(waiting[1:])
+        sent = take_pending(session)
+    assert sent == [(DELIVER_TASK, {"delivery_ids": [str(job_id) for job_id in waiting[1:]]})]
+    assert _job(waiting[0]).due_at == then - dt.timedelta(days=1)
+    assert all((_job(job_id).status, _job(job_id).due_at) == ("queued", then) for job_id in waiting[1:])
 
     patient, _ = _tenant_with_webhooks("https://example.com/patient")
     [other], _ = _emit(patient)
     with session_scope() as session:
         session.execute(update(Job).where(Job.id == other).values(due_at=then - dt.timedelta(seconds=1)))
     with session_scope() as session:
-        assert webhooks.postpone_busy_tenants(session, waiting, settings, now=then) == len(waiting)
+        assert webhooks.postpone_busy_tenants(session, waiting, settings, now=then) == set(waiting)
     postponed_to = then + dt.timedelta(seconds=settings.webhook_postpone_seconds)
     assert all(_job(job_id).due_at == postponed_to for job_id in waiting)
     assert _job(other).due_at == then - dt.timedelta(seconds=1)
