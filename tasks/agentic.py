@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 
 from config.settings import get_settings
-from domain.agentic import allowance_work, enrollment, leases
-from domain.agentic import allowances as allowance_service
-from domain.agentic.payment_methods import DELETE_TASK, ENROLL_TASK, POLL_TASK, purge_provider_errors
+from domain.agentic import allowance_state, allowance_work, enrollment, leases
+from domain.agentic.payment_methods import DELETE_TASK, ENROLL_TASK, POLL_TASK
+from domain.agentic.service import purge_provider_errors
 from infra.celery import celery_app
 from infra.task import JobTask, TesseraTask
 from tasks.sweeps import in_batches
@@ -132,35 +132,35 @@ class _AllowanceJob(_ProviderJob):
 class SetUpAllowanceRail(_AllowanceJob):
     """Set up one allowance rail at its provider (job subject: the allowance rail id)."""
 
-    name = allowance_service.SETUP_TASK
+    name = allowance_state.SETUP_TASK
     steps = (allowance_work.perform_setup, allowance_work.apply_setup, allowance_work.setup_failed)
 
 
 class UpdateAllowance(_AllowanceJob):
     """Apply an allowance's pending update at its providers, then locally (subject: the allowance)."""
 
-    name = allowance_service.UPDATE_TASK
+    name = allowance_state.UPDATE_TASK
     steps = (allowance_work.perform_update, allowance_work.apply_update, allowance_work.update_failed)
 
 
 class VerifyAllowanceRail(_AllowanceJob):
     """Start a rail's verification or submit its code (subject: the allowance rail id)."""
 
-    name = allowance_service.VERIFY_TASK
+    name = allowance_state.VERIFY_TASK
     steps = (allowance_work.perform_verification, allowance_work.apply_verification, allowance_work.verification_failed)
 
 
 class CancelAllowance(_AllowanceJob):
     """Cancel an allowance at every provider, then locally (subject: the allowance)."""
 
-    name = allowance_service.CANCEL_TASK
+    name = allowance_state.CANCEL_TASK
     steps = (allowance_work.perform_cancel, allowance_work.apply_cancel, allowance_work.cancel_failed)
 
 
 class MintCredential(_AllowanceJob):
     """Mint one payment credential (subject: the credential id, also the provider's key)."""
 
-    name = allowance_service.MINT_TASK
+    name = allowance_state.MINT_TASK
     steps = (allowance_work.perform_mint, allowance_work.apply_mint, allowance_work.mint_failed)
 
 
@@ -189,7 +189,7 @@ def sweep_allowances() -> int:
     """Settle stale mint reservations (to spent), expire allowances past ``expires_at``, destroy
     credential values their request never took; returns how many rows changed."""
     return (
-        in_batches(lambda s: allowance_service.settle_stale_reservations(s, batch=SWEEP_BATCH), SWEEP_BATCH)
-        + in_batches(lambda s: allowance_service.expire_allowances(s, batch=SWEEP_BATCH), SWEEP_BATCH)
-        + in_batches(lambda s: allowance_service.purge_undelivered(s, batch=SWEEP_BATCH), SWEEP_BATCH)
+        in_batches(lambda s: allowance_state.settle_stale_reservations(s, batch=SWEEP_BATCH), SWEEP_BATCH)
+        + in_batches(lambda s: allowance_state.expire_allowances(s, batch=SWEEP_BATCH), SWEEP_BATCH)
+        + in_batches(lambda s: allowance_state.purge_undelivered(s, batch=SWEEP_BATCH), SWEEP_BATCH)
     )

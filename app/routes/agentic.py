@@ -1,67 +1,50 @@
-"""Agentic payment methods and (deprecated) agents: ``/agentic/...`` (spec 001 sections 2-8).
+"""Agentic payment methods: ``/agentic/payment-methods...`` (spec 001 sections 2-8), with the deprecated
+agents (:mod:`app.routes.agents`) and a catch-all for the rest of ``/agentic/``.
 
 Problems under ``/agentic/`` take the agentic form (spec 001 section 7): ``type`` is a stable code of
 the error catalogue (``domain/agentic/errors.py``), ``title`` the first message of a validation
 failure, ``errors`` every failing field. The form is the ``problems`` attribute of each route here
-(:func:`agentic_form`, :func:`agents_form`), so the framework applies it to the framing problems
-raised before a handler runs (401, 403, 400 invalid body, 413, 415) and to the handler's own; a
-catch-all route gives other paths under ``/agentic/`` their 404 and 405 in the same form.
+(:func:`app.routes.agentic_common.agentic_form`, :func:`~app.routes.agentic_common.agents_form`), so
+the framework applies it to the framing problems raised before a handler runs (401, 403, 400 invalid
+body, 413, 415) and to the handler's own; a catch-all route gives other paths under ``/agentic/``
+their 404 and 405 in the same form.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import ipaddress
-import logging
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, EmailStr, Field, field_validator
+from pydantic import EmailStr, Field, field_validator
 
 from app.api import Api, Call
 from app.pagination import CursorPage, cursor_page, decode_cursor
+from app.routes import agents as agent_routes
+from app.routes.agentic_common import (
+    ERROR_FORM,
+    ErrorsQuery,
+    ProviderErrorPage,
+    QueryModel,
+    RailErrorOut,
+    agentic_form,
+    agents_form,
+    check_pair,
+    claim_key,
+    record_with_key,
+)
 from app.schemas import RequestModel, ResponseModel
-from domain.agentic import agents as agent_service
-from domain.agentic import idempotency, leases
-from domain.agentic import payment_methods as service
+from domain.agentic import idempotency, leases, service
 from domain.agentic.consumers import canonical_language_code, normalize_country_code
-from domain.agentic.errors import agentic_error, to_agentic, validation_error
-from domain.tokens.idempotency import key_errors
+from domain.agentic.errors import agentic_error
 from infra.errors import Problem
 from storage.states import PaymentMethodStatus, RailStatus
 
 api = Api()
-log = logging.getLogger("tessera.api.agentic")
 
 TAG = "Agentic payment methods"
-AGENTS_TAG = "Agents (deprecated)"
 PREFIX = "/agentic/"
 AGENTS_PREFIX = "/agentic/agents"
-#: RFC 9745: the agents resource is deprecated (no shutdown date, so no Sunset header). The
-#: reference gives no deprecation date; the platform states January 1, 2026.
-AGENTS_DEPRECATED_AT = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-DEPRECATION = {"Deprecation": f"@{int(AGENTS_DEPRECATED_AT.timestamp())}"}
-#: A running idempotency record outlives the bounded wait by this much before a replay treats its
-#: holder as dead.
-CLAIM_MARGIN_SECONDS = 60.0
-
-
-# ---- the agentic problem form --------------------------------------------------------------------
-
-
-def agentic_form(problem: Problem) -> Problem:
-    """The agentic form of a problem (:func:`domain.agentic.errors.to_agentic`): the ``problems``
-    attribute of every payment-method route, applied to framing problems (401, 403, 400 invalid
-    body, 413, 415) and handler problems alike. Idempotent: an agentic problem passes through."""
-    return to_agentic(problem)
-
-
-def agents_form(problem: Problem) -> Problem:
-    """:func:`agentic_form` plus the ``Deprecation`` header: the ``problems`` attribute of the
-    deprecated agents routes."""
-    translated = to_agentic(problem)
-    translated.headers = {**translated.headers, **DEPRECATION}
-    return translated
 
 
 # ---- models --------------------------------------------------------------------------------------
@@ -117,24 +100,13 @@ class RetryIn(RequestModel):
     )
 
 
-class _Query(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class ListQuery(_Query):
+class ListQuery(QueryModel):
     """The query of ``GET /agentic/payment-methods``."""
 
     size: int = Field(20, ge=1, le=100, description="Items per page, 1 to 100.")
     start: str | None = Field(None, description="The opaque cursor from pagination.next.")
     consumer_id: uuid.UUID | None = Field(None, description="Only this consumer's payment methods.")
     status: Literal["active", "deleted", "all"] = "active"
-
-
-class ErrorsQuery(_Query):
-    """The query of ``GET .../errors``."""
-
-    size: int = Field(20, ge=1, le=100, description="Items per page, 1 to 100.")
-    start: str | None = Field(None, description="The opaque cursor from pagination.next.")
 
 
 class DisplayOut(ResponseModel):
@@ -161,12 +133,6 @@ class CardOut(ResponseModel):
     issuer: dict[str, Any] | None = None
     issuer_country: dict[str, Any] | None = None
     display: DisplayOut | None = None
-
-
-class RailErrorOut(ResponseModel):
-    """A rail's error."""
-
-    code: str = Field(description="A code of the error catalogue.")
 
 
 class RailOut(ResponseModel):
@@ -205,103 +171,10 @@ class PaymentMethodOut(ResponseModel):
 PaymentMethodPage = CursorPage[PaymentMethodOut]
 
 
-class ProviderErrorOut(ResponseModel):
-    """A provider error object."""
-
-    id: str = Field(description="`prv_` + 32 hex characters.")
-    code: str
-    title: str
-    detail: str
-    provider: str
-    operation: str = Field(
-        description="`enrollment` (provisioning a rail), `deletion` (the delete cascade), "
-        "`allowance` (an allowance rail's setup), `allowance_update`, `verification`, "
-        "`cancellation`, `credentials` (a mint)."
-    )
-    rail: str
-    provider_code: str | None
-    provider_correlation_id: str | None
-    payment_method_id: str | None
-    allowance_id: str | None
-    payment_credential_id: str | None
-    occurred_at: dt.datetime
-
-
-ProviderErrorPage = CursorPage[ProviderErrorOut]
-
-
-class InstanceDetailsIn(RequestModel):
-    """An agent's instance details (all optional)."""
-
-    ip_address: str | None = Field(None, description="An IPv4 address.")
-    brand: str | None = Field(None, max_length=255)
-    type: Literal[agent_service.INSTANCE_TYPES] | None = None  # type: ignore[valid-type]
-
-    @field_validator("ip_address")
-    @classmethod
-    def _ipv4(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        try:
-            return str(ipaddress.IPv4Address(value))
-        except ValueError:
-            raise ValueError("must be an IPv4 address, like 192.0.2.10") from None
-
-
-def _enrollment_ids(value: list[str] | None) -> list[str] | None:
-    if value is not None and any(not 1 <= len(item) <= 255 for item in value):
-        raise ValueError("each enrollment id must be 1 to 255 characters")
-    return value
-
-
-class AgentIn(RequestModel):
-    """The body of ``POST /agentic/agents``."""
-
-    name: str = Field(min_length=1, max_length=agent_service.MAX_NAME)
-    enrollment_ids: list[str] = Field(default_factory=list, max_length=agent_service.MAX_ENROLLMENT_IDS)
-    instance_details: InstanceDetailsIn | None = None
-
-    _ids = field_validator("enrollment_ids")(_enrollment_ids)
-
-
-class AgentPatch(RequestModel):
-    """The body of ``PATCH /agentic/agents/{agent_id}`` (every field optional)."""
-
-    name: str | None = Field(None, min_length=1, max_length=agent_service.MAX_NAME)
-    enrollment_ids: list[str] | None = Field(None, max_length=agent_service.MAX_ENROLLMENT_IDS)
-    instance_details: InstanceDetailsIn | None = None
-
-    _ids = field_validator("enrollment_ids")(_enrollment_ids)
-
-
-class InstanceDetailsOut(ResponseModel):
-    """An agent's instance details."""
-
-    ip_address: str | None = None
-    brand: str | None = None
-    type: str | None = None
-
-
-class AgentOut(ResponseModel):
-    """An agent (deprecated resource)."""
-
-    id: str = Field(description="`agt_` + 32 hex characters.")
-    name: str
-    enrollment_ids: list[str]
-    status: Literal["active"]
-    instance_details: InstanceDetailsOut | None
-    created_at: dt.datetime
-
-
 # ---- payment methods -----------------------------------------------------------------------------
 
-_ERROR_FORM = (
-    "Problems carry the agentic form: `type` is a stable code of the error catalogue (branch on it, not on "
-    "the status), `title` the first failing field as `<path>: <message>` for VALIDATION_ERROR, `errors` every "
-    "failing field path, `detail` remediation guidance. "
-)
 
-_CREATE_TEXT = _ERROR_FORM + (
+_CREATE_TEXT = ERROR_FORM + (
     "Rails follow from the card: visa provisions `agentic-token`/`vic`, mastercard `agentic-token`/`agentpay`, "
     "and visa, mastercard and amex (the networks the processor supports) `spt`/`psp`; another network answers "
     "400 UNSUPPORTED_PROVIDER. The payment method, one rail per pair and one enrollment job per rail are "
@@ -379,66 +252,6 @@ async def create(call: Call):
     return 201, await call.db(service.finish_create, call.caller, started.payment_method_id, claim=claim)
 
 
-async def record_with_key(
-    call: Call, unit, /, *args, claim: idempotency.Claim | None, unknown_code: str = "CREATE_OUTCOME_UNKNOWN", **kwargs
-):
-    """The recording transaction of a keyed operation (``unit(*args, claim=claim, **kwargs)``, which
-    commits on its own: :func:`domain.agentic.payment_methods.commit_unit`), with the idempotency
-    record settled on failure: a problem is recorded for replay, a lost commit makes the key
-    terminal (``unknown_code``), another failure frees the key (500 ``INTERNAL_ERROR``), and so does
-    an operation in flight (its 409 asks for the exact request again)."""
-    try:
-        return await call.blocking(unit, *args, claim=claim, **kwargs)
-    except Problem as problem:
-        answer = to_agentic(problem)
-        if claim is not None:
-            # an operation in flight asks for the exact request again, key included: the key stays free
-            settle = idempotency.release if answer.type in leases.IN_PROGRESS_CODES.values() else idempotency.fail
-            await call.db(settle, claim, *(() if settle is idempotency.release else (answer,)))
-        raise answer from None
-    except service.OutcomeUnknown:
-        log.exception("the commit of a keyed operation failed; its outcome is unknown")
-        if claim is not None:
-            await _settle_quietly(call, idempotency.unknown, claim)
-        raise agentic_error(unknown_code) from None
-    except Exception:
-        log.exception("a keyed operation failed before its commit")
-        if claim is not None:
-            await _settle_quietly(call, idempotency.release, claim)
-        raise agentic_error("INTERNAL_ERROR") from None
-
-
-async def claim_key(
-    call: Call, scope: str, owner: str, *, wait_seconds: float | None = None
-) -> idempotency.Claim | idempotency.Replay | None:
-    """The request's ``<prefix>-IDEMPOTENCY-KEY`` claimed in ``scope`` (None without a key; a Replay of
-    an earlier success). Raises 400 ``VALIDATION_ERROR`` for a malformed key and the problems of
-    :func:`domain.agentic.idempotency.claim`."""
-    header = call.settings.header("IDEMPOTENCY-KEY")
-    key = call.request.headers.get(header)
-    if key is None:
-        return None
-    errors = key_errors(key, header)
-    if errors:
-        raise validation_error(errors)
-    return await call.db(
-        idempotency.claim,
-        tenant_id=call.require_caller().tenant_id,
-        scope=scope,
-        key=key,
-        body_hash=idempotency.request_hash(call.payload),
-        owner=owner,
-        seconds=(wait_seconds or call.settings.agentic_wait_seconds) + CLAIM_MARGIN_SECONDS,
-    )
-
-
-async def _settle_quietly(call: Call, fn, claim: idempotency.Claim) -> None:
-    try:
-        await call.db(fn, claim)
-    except Exception:  # the record stays running and is settled when it expires
-        log.warning("could not settle idempotency key record", exc_info=True)
-
-
 @api.route(
     "GET",
     "/agentic/payment-methods",
@@ -449,7 +262,7 @@ async def _settle_quietly(call: Call, fn, claim: idempotency.Claim) -> None:
     tag=TAG,
     summary="List payment methods",
     errors=(400,),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "Cursor pagination, newest first (created_at, then id). `size` 1 to 100 (default 20, else 400 "
         "VALIDATION_ERROR); `start` is the opaque cursor of `pagination.next`; `consumer_id` filters by consumer; "
@@ -480,7 +293,7 @@ async def list_(call: Call):
     tag=TAG,
     summary="Get a payment method",
     errors=(404,),
-    description=_ERROR_FORM + "404 PAYMENT_METHOD_NOT_FOUND when absent in the tenant. Deleted payment methods "
+    description=ERROR_FORM + "404 PAYMENT_METHOD_NOT_FOUND when absent in the tenant. Deleted payment methods "
     "are returned with status `deleted`.",
 )
 async def get(call: Call):
@@ -498,7 +311,7 @@ async def get(call: Call):
     tag=TAG,
     summary="Retry a rail",
     errors=(400, 404, 409, 413, 415, 422),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "Retries the enrollment of a rail in `error` or `pending` with its provider (the provider is told it is "
         "a retry), in a worker, waiting up to `TESSERA_AGENTIC_WAIT_SECONDS`. 200 with the complete payment "
@@ -518,9 +331,7 @@ async def get(call: Call):
 async def retry(call: Call):
     """``POST .../rails/retry``: 200 with the payment method, or the rejection's problem."""
     body: RetryIn = call.body
-    if (body.rail, body.provider) not in service.VALID_PAIRS:
-        valid = ", ".join(provider for rail, provider in service.VALID_PAIRS if rail == body.rail)
-        raise validation_error({"provider": [f"{body.provider} does not serve the {body.rail} rail; valid: {valid}."]})
+    check_pair(body.rail, body.provider)
     pm_id = call.params["payment_method_id"]
     started = await call.db(
         service.start_retry,
@@ -552,7 +363,7 @@ async def retry(call: Call):
     tag=TAG,
     summary="List a payment method's provider errors",
     errors=(400, 404),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "The provider error objects (`prv_` ids) recorded whenever a provider enrollment of the payment method "
         "failed (`operation` `enrollment`) or a delete cascade could not remove one (`operation` `deletion`), "
@@ -585,7 +396,7 @@ async def errors(call: Call):
     tag=TAG,
     summary="Delete a payment method",
     errors=(404, 409, 500),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "204, no body. The cascade first cancels every allowance the payment method backs at its providers "
         "(they become `cancelled`, no further verification or minting), then removes each rail's enrollment at "
@@ -610,119 +421,10 @@ async def delete(call: Call):
         await call.db(service.finish_delete, call.caller, pm_id, started.job_ids)
 
 
-# ---- agents (deprecated) -------------------------------------------------------------------------
-
-_AGENTS_TEXT = (
-    "Deprecated, still available, no removal date: every answer carries `Deprecation: {deprecation}` "
-    "(RFC 9745; deprecated since January 1, 2026) and no `Sunset`. New "
-    "integrations use payment methods. Problems use the agentic form; 404 AGENT_NOT_FOUND."
-).format(deprecation=DEPRECATION["Deprecation"])
-
-
-def _agent_id(call: Call) -> str:
-    return call.params["agent_id"]
-
-
-@api.route(
-    "POST",
-    "/agentic/agents",
-    permission="agent:create",
-    body=AgentIn,
-    status=201,
-    response=AgentOut,
-    problems=agents_form,
-    tag=AGENTS_TAG,
-    summary="Create an agent",
-    errors=(400, 413, 415),
-    deprecated=True,
-    extra_headers=DEPRECATION,
-    description=_AGENTS_TEXT + " `name` 1 to 255 characters; `enrollment_ids` at most 50; `instance_details` "
-    "{ip_address (IPv4), brand, type (mobile-phone, tablet, laptop, personal-assistant, connected-auto, "
-    "home-appliance, wearable, stationary-computer, e-reader, handheld-gaming-device, other)}, all optional.",
-)
-async def create_agent(call: Call):
-    """``POST /agentic/agents``: 201 with the agent."""
-    body: AgentIn = call.body
-    details = body.instance_details.model_dump(exclude_none=True) if body.instance_details else None
-    return await call.db(
-        agent_service.create_agent,
-        call.caller,
-        name=body.name,
-        enrollment_ids=body.enrollment_ids,
-        instance_details=details,
-    )
-
-
-@api.route(
-    "GET",
-    "/agentic/agents/{agent_id}",
-    permission="agent:get",
-    response=AgentOut,
-    problems=agents_form,
-    tag=AGENTS_TAG,
-    summary="Get an agent",
-    errors=(404,),
-    deprecated=True,
-    extra_headers=DEPRECATION,
-    description=_AGENTS_TEXT,
-)
-async def get_agent(call: Call):
-    """``GET /agentic/agents/{agent_id}``."""
-    return await call.db(agent_service.read_agent, call.caller, _agent_id(call))
-
-
-@api.route(
-    "PATCH",
-    "/agentic/agents/{agent_id}",
-    permission="agent:update",
-    body=AgentPatch,
-    response=AgentOut,
-    problems=agents_form,
-    tag=AGENTS_TAG,
-    summary="Update an agent",
-    errors=(400, 404, 413, 415),
-    deprecated=True,
-    extra_headers=DEPRECATION,
-    description=_AGENTS_TEXT + " Each field present replaces the stored one (`name` and `enrollment_ids` "
-    "cannot be null; `instance_details: null` clears the details); fields absent are kept.",
-)
-async def update_agent(call: Call):
-    """``PATCH /agentic/agents/{agent_id}``."""
-    body: AgentPatch = call.body
-    changes = {}
-    nulls = {}
-    for name in body.model_fields_set:
-        value = getattr(body, name)
-        if value is None and name in ("name", "enrollment_ids"):
-            nulls[name] = ["may not be null"]
-        elif name == "instance_details":
-            changes[name] = value.model_dump(exclude_none=True) if value is not None else None
-        else:
-            changes[name] = value
-    if nulls:
-        raise validation_error(nulls)
-    return await call.db(agent_service.update_agent, call.caller, _agent_id(call), changes)
-
-
-@api.route(
-    "DELETE",
-    "/agentic/agents/{agent_id}",
-    permission="agent:delete",
-    status=204,
-    problems=agents_form,
-    tag=AGENTS_TAG,
-    summary="Delete an agent",
-    errors=(404,),
-    deprecated=True,
-    extra_headers=DEPRECATION,
-    description=_AGENTS_TEXT,
-)
-async def delete_agent(call: Call):
-    """``DELETE /agentic/agents/{agent_id}``: 204."""
-    await call.db(agent_service.delete_agent, call.caller, _agent_id(call))
-
-
 # ---- everything else under /agentic/ -------------------------------------------------------------
+
+#: The deprecated agents resource shares the registry, ahead of the catch-all route below.
+api.routes.extend(agent_routes.api.routes)
 
 
 @api.route(

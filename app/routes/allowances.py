@@ -3,7 +3,7 @@
 The reference names these endpoints through its error catalogue, idempotency table and limits but
 shows no shapes: the contract here is the platform's, in the style of the payment method endpoints,
 and is written into each operation's OpenAPI description. Problems take the agentic form
-(:func:`app.routes.agentic.agentic_form`).
+(:func:`app.routes.agentic_common.agentic_form`).
 """
 
 from __future__ import annotations
@@ -11,24 +11,26 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, Field
 
 from app.api import Api, Call
 from app.pagination import CursorPage, cursor_page, decode_cursor
-from app.routes.agentic import (
-    _ERROR_FORM,
+from app.routes.agentic_common import (
+    ERROR_FORM,
     ErrorsQuery,
     ProviderErrorPage,
+    QueryModel,
     RailErrorOut,
     agentic_form,
+    check_pair,
     claim_key,
     record_with_key,
 )
 from app.schemas import RequestModel, ResponseModel
 from domain.agentic import allowances as service
-from domain.agentic import idempotency, leases
+from domain.agentic import credentials, idempotency, leases
 from domain.agentic.errors import agentic_error, validation_error
-from domain.agentic.payment_methods import VALID_PAIRS
+from domain.agentic.money import currency_errors, parse_money
 from infra.errors import Problem
 from storage.states import AllowanceStatus, PublicAllowanceRailStatus
 
@@ -99,10 +101,8 @@ class CredentialMintIn(RequestModel):
     mpp: MppIn | None = None
 
 
-class AllowanceListQuery(BaseModel):
+class AllowanceListQuery(QueryModel):
     """The query of ``GET /agentic/allowances``."""
-
-    model_config = ConfigDict(extra="ignore")
 
     size: int = Field(20, ge=1, le=100, description="Items per page, 1 to 100.")
     start: str | None = Field(None, description="The opaque cursor from pagination.next.")
@@ -179,21 +179,15 @@ def _amount(amount: MoneyIn, path: str = "amount") -> tuple[Any, str]:
     """``(Decimal, currency)`` of a body amount, else 400 VALIDATION_ERROR naming its fields."""
     currency = amount.currency.upper()
     errors: dict[str, list[str]] = {}
-    messages = service.currency_errors(currency)
+    messages = currency_errors(currency)
     if messages:
         errors[f"{path}.currency"] = messages
-    value, messages = service.parse_money(amount.value, currency)
+    value, messages = parse_money(amount.value, currency)
     if messages:
         errors[f"{path}.value"] = messages
     if errors:
         raise validation_error(errors)
     return value, currency
-
-
-def _pair(rail: str, provider: str) -> None:
-    if (rail, provider) not in VALID_PAIRS:
-        valid = ", ".join(p for r, p in VALID_PAIRS if r == rail)
-        raise validation_error({"provider": [f"{provider} does not serve the {rail} rail; valid: {valid}."]})
 
 
 def _allowance_id(call: Call) -> str:
@@ -226,7 +220,7 @@ _CONTRACT = (
     tag=TAG,
     summary="Create an allowance",
     errors=(400, 404, 409, 413, 415, 500),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + _CONTRACT
     + (
         "Body: `payment_method_id`, `amount`, optional `description` (at most 1,000 characters) and `expires_at` "
@@ -272,7 +266,7 @@ async def create(call: Call):
     tag=TAG,
     summary="List allowances",
     errors=(400,),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "Cursor pagination, newest first (created_at, then id). `size` 1 to 100 (default 20); `start` the "
         "opaque cursor of `pagination.next`; `payment_method_id` and `status` filter (`expired` includes live "
@@ -302,7 +296,7 @@ async def list_(call: Call):
     tag=TAG,
     summary="Get an allowance",
     errors=(404,),
-    description=_ERROR_FORM + _CONTRACT + "404 ALLOWANCE_NOT_FOUND when absent in the tenant.",
+    description=ERROR_FORM + _CONTRACT + "404 ALLOWANCE_NOT_FOUND when absent in the tenant.",
 )
 async def get(call: Call):
     """``GET /agentic/allowances/{allowance_id}``."""
@@ -319,7 +313,7 @@ async def get(call: Call):
     tag=TAG,
     summary="List an allowance's provider errors",
     errors=(400, 404),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "The provider error objects (`prv_` ids) recorded for the allowance: rail setups (`operation` "
         "`allowance`), updates (`allowance_update`), verifications (`verification`), cancellations "
@@ -348,7 +342,7 @@ async def errors(call: Call):
     summary="Update an allowance",
     errors=(400, 404, 409, 413, 415, 422),
     request_content_type=MERGE_PATCH,
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "A merge patch (`application/merge-patch+json`; `application/json` is taken too) of `amount`, "
         "`description` (null clears it) and `expires_at` (in the future, at most a year away); absent fields "
@@ -395,7 +389,7 @@ async def update(call: Call):
     tag=TAG,
     summary="Cancel an allowance",
     errors=(404, 409, 500),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "204, no body. Cancels the allowance at every provider (in a worker; the request waits up to "
         "`TESSERA_AGENTIC_WAIT_SECONDS`), recording each provider's cancellation as it happens, then the "
@@ -429,7 +423,7 @@ async def delete(call: Call):
     tag=TAG,
     summary="Verify an allowance rail",
     errors=(400, 404, 409, 413, 415, 422),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         '`{rail, provider, action: "start" | "submit_otp", otp?}` answers `{status: "otp_sent" | '
         '"verified", rail}` (the rail object). `start` has the provider send a code (again: a new code); '
@@ -449,7 +443,7 @@ async def delete(call: Call):
 async def verify(call: Call):
     """``POST .../rails/verify``: 200 ``{status, rail}``."""
     body: VerificationIn = call.body
-    _pair(body.rail, body.provider)
+    check_pair(body.rail, body.provider)
     if body.action == "submit_otp" and body.otp is None:
         raise validation_error({"otp": ["is required for submit_otp"]})
     allowance_id = _allowance_id(call)
@@ -489,7 +483,7 @@ async def verify(call: Call):
     tag=TAG,
     summary="Mint a payment credential",
     errors=(400, 404, 409, 413, 415, 422, 500, 502),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "`{rail, provider, format, amount, mpp?: {key_set_url, challenge}}`; `format` one the rail allows "
         "(agentic-token: card, network-token, mpp; spt: identifier, mpp; else 400 VALIDATION_ERROR naming "
@@ -524,11 +518,11 @@ async def verify(call: Call):
 async def mint(call: Call):
     """``POST .../credentials``: 201 with the credential and its value."""
     body: CredentialMintIn = call.body
-    _pair(body.rail, body.provider)
+    check_pair(body.rail, body.provider)
     mpp = body.mpp.model_dump() if body.mpp is not None else None
-    problems = service.format_errors(body.provider, body.format, mpp)
+    problems = credentials.format_errors(body.provider, body.format, mpp)
     if mpp is not None and not problems:
-        messages = service.key_set_url_errors(
+        messages = credentials.key_set_url_errors(
             mpp["key_set_url"], allow_private=call.settings.allow_private_destinations
         )
         if messages:
@@ -536,14 +530,14 @@ async def mint(call: Call):
     if problems:
         raise validation_error(problems)
     value, currency = _amount(body.amount)
-    request = service.MintRequest(body.rail, body.provider, body.format, value, currency, mpp)
+    request = credentials.MintRequest(body.rail, body.provider, body.format, value, currency, mpp)
     wait = call.settings.agentic_wait_seconds + call.settings.agentic_provider_timeout_seconds
     claim = await claim_key(call, idempotency.MINT_CREDENTIAL, leases.new_owner(), wait_seconds=wait)
     if isinstance(claim, idempotency.Replay):
         raise agentic_error("CREDENTIAL_PAYLOAD_UNAVAILABLE")
     recorded = await record_with_key(
         call,
-        service.mint_unit,
+        credentials.mint_unit,
         call.caller,
         _allowance_id(call),
         request,
@@ -552,7 +546,7 @@ async def mint(call: Call):
         unknown_code="CREDENTIAL_OUTCOME_UNKNOWN",
     )
     await call.wait_for_jobs(recorded.job_ids, timeout=wait)
-    answer = await call.db(service.finish_mint, call.caller, recorded.resource_id, recorded.job_ids[0], claim)
+    answer = await call.db(credentials.finish_mint, call.caller, recorded.resource_id, recorded.job_ids[0], claim)
     if isinstance(answer, Problem):
         raise answer
     return 201, answer
@@ -567,7 +561,7 @@ async def mint(call: Call):
     tag=TAG,
     summary="Get a payment credential",
     errors=(404,),
-    description=_ERROR_FORM
+    description=ERROR_FORM
     + (
         "The payment credential without its value (`credential` is never shown again). 404 "
         "ALLOWANCE_NOT_FOUND, 404 PAYMENT_CREDENTIAL_NOT_FOUND (also for a mint that issued nothing)."
@@ -575,4 +569,4 @@ async def mint(call: Call):
 )
 async def get_credential(call: Call):
     """``GET .../credentials/{credential_id}``."""
-    return await call.db(service.read_credential, call.caller, _allowance_id(call), call.params["credential_id"])
+    return await call.db(credentials.read_credential, call.caller, _allowance_id(call), call.params["credential_id"])

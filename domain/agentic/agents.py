@@ -14,6 +14,7 @@ from sqlmodel import Session
 
 from domain.agentic.errors import agentic_error
 from domain.agentic.payment_methods import new_id
+from domain.agentic.views import agent_view
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from storage.models_agentic import Agent
@@ -34,18 +35,6 @@ INSTANCE_TYPES: tuple[str, ...] = (
 MAX_NAME = 255
 MAX_ENROLLMENT_IDS = 50
 ENTITY_TYPE = "agent"
-
-
-def agent_view(agent: Agent) -> dict:
-    """The agent object."""
-    return {
-        "id": agent.id,
-        "name": agent.name,
-        "enrollment_ids": list(agent.enrollment_ids or []),
-        "status": agent.status,
-        "instance_details": agent.instance_details,
-        "created_at": agent.created_at,
-    }
 
 
 def _get(session: Session, caller: Caller, agent_id: str) -> Agent:

@@ -30,10 +30,11 @@ from decimal import Decimal
 from sqlmodel import Session, col, select
 
 from config.settings import Settings
-from domain.agentic import allowances as service
+from domain.agentic import allowance_state as state
 from domain.agentic import idempotency, leases
-from domain.agentic.errors import CATALOGUE
-from domain.agentic.payment_methods import record_provider_error
+from domain.agentic.errors import CATALOGUE, failed_rail, name_failed_rail
+from domain.agentic.money import money
+from domain.agentic.payment_methods import record_provider_error, tenant_type
 from domain.webhooks import events
 from infra import http
 from infra.jobs import PermanentError, TransientError
@@ -49,7 +50,7 @@ from providers.agentic import (
     require_provider,
 )
 from storage.db import session_scope
-from storage.models import Job, Tenant
+from storage.models import Job
 from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential
 from storage.states import AllowanceRailStatus, AllowanceStatus, CredentialState, IdempotencyState
 from storage.types import utcnow
@@ -66,9 +67,8 @@ class Stale:
 
 
 def _provider(name: str, tenant_id: uuid.UUID, session: Session, settings: Settings):
-    tenant_type = session.get(Tenant, tenant_id).type
     try:
-        return require_provider(name, tenant_type, settings)
+        return require_provider(name, tenant_type(session, tenant_id), settings)
     except ProviderNotConfigured as exc:
         raise ProviderRejection(exc.code, str(exc)) from None
 
@@ -87,7 +87,7 @@ def _details(error: Exception) -> dict:
 
 
 def _money(allowance: Allowance, value: Decimal | None = None) -> Amount:
-    wire = service.money(allowance.amount if value is None else value, allowance.currency)
+    wire = money(allowance.amount if value is None else value, allowance.currency)
     return Amount(Decimal(wire["value"]), allowance.currency)
 
 
@@ -95,9 +95,14 @@ def _locked_rail(session: Session, job: Job) -> tuple[Allowance | None, Allowanc
     rail = session.get(AllowanceRail, uuid.UUID(job.subject_id))
     if rail is None:
         return None, None
-    allowance = service.lock(session, rail.allowance_id)
+    allowance = state.lock(session, rail.allowance_id)
     session.refresh(rail)
     return allowance, rail
+
+
+def _subject(job: Job) -> str:
+    """The id of the job's subject (an allowance's, a credential's: every allowance job has one)."""
+    return job.subject_id or ""
 
 
 def _release(session: Session, allowance_id: str, job: Job) -> None:
@@ -116,6 +121,8 @@ def perform_setup(job: Job, settings: Settings) -> ProviderAllowance | Stale:
         if rail is None or rail.job_id != job.id or rail.status != AllowanceRailStatus.SETTING_UP:
             return Stale("the rail is set up already")
         allowance = session.get(Allowance, rail.allowance_id, populate_existing=True)
+        if allowance is None:
+            return Stale("the allowance is gone")
         provider = _provider(rail.provider, rail.tenant_id, session, settings)
         args = (rail.enrollment_id or "", _money(allowance), allowance.expires_at, allowance.description)
     return provider.create_allowance(*args, idempotency_key=str(job.id))
@@ -123,8 +130,8 @@ def perform_setup(job: Job, settings: Settings) -> ProviderAllowance | Stale:
 
 def _setup_done(session: Session, allowance: Allowance, job: Job) -> None:
     """The last setup job of an allowance sets its status and releases the ``setup`` lease."""
-    if not any(r.status == AllowanceRailStatus.SETTING_UP for r in service.rails_of(session, allowance.id)):
-        service.recompute_status(session, allowance, trace_id=job.trace_id)
+    if not any(r.status == AllowanceRailStatus.SETTING_UP for r in state.rails_of(session, allowance.id)):
+        state.recompute_status(session, allowance, trace_id=job.trace_id)
         _release(session, allowance.id, job)
 
 
@@ -141,7 +148,7 @@ def apply_setup(session: Session, job: Job, outcome: ProviderAllowance | Stale) 
     rail.status = AllowanceRailStatus.INACTIVE if outcome.status == "inactive" else AllowanceRailStatus.ACTIVE
     rail.updated_at = utcnow()
     session.add(rail)
-    service.touch(session, allowance)
+    state.touch(session, allowance)
     session.flush()
     _setup_done(session, allowance, job)
     return {"rail_status": rail.status}
@@ -158,7 +165,7 @@ def setup_failed(session: Session, job: Job, error: Exception) -> None:
         record_provider_error(session, rail, code=code, operation="allowance", **_details(error))
         rail.status, rail.error_code, rail.updated_at = AllowanceRailStatus.ERROR, code, utcnow()
         session.add(rail)
-        service.touch(session, allowance)
+        state.touch(session, allowance)
         session.flush()
     _setup_done(session, allowance, job)
 
@@ -169,7 +176,7 @@ def setup_failed(session: Session, job: Job, error: Exception) -> None:
 def _live_rails(session: Session, allowance_id: str) -> list[AllowanceRail]:
     return [
         r
-        for r in service.rails_of(session, allowance_id)
+        for r in state.rails_of(session, allowance_id)
         if r.provider_allowance_id and r.status != AllowanceRailStatus.ERROR and r.cancelled_at is None
     ]
 
@@ -199,14 +206,14 @@ def perform_update(job: Job, settings: Settings) -> str | Stale:
                 description=description,
             )
         except (PermanentError, TransientError) as exc:
-            exc.rail_id = rail_id
+            name_failed_rail(exc, rail_id)
             raise
     return "updated"
 
 
 def apply_update(session: Session, job: Job, outcome: str | Stale) -> dict:
     """Every provider agreed: the allowance takes the values (``amount_available`` follows the amount)."""
-    allowance = service.lock(session, job.subject_id)
+    allowance = state.lock(session, _subject(job))
     if allowance is None:
         return {"stale": "the allowance is gone"}
     pending = dict(allowance.pending_update or {})
@@ -219,7 +226,7 @@ def apply_update(session: Session, job: Job, outcome: str | Stale) -> dict:
             allowance.expires_at = dt.datetime.fromisoformat(pending["expires_at"])
         if "description" in pending:
             allowance.description = pending["description"]
-        service.touch(session, allowance)
+        state.touch(session, allowance)
     allowance.pending_update = None
     allowance.operation = None
     session.add(allowance)
@@ -229,10 +236,11 @@ def apply_update(session: Session, job: Job, outcome: str | Stale) -> dict:
 
 def update_failed(session: Session, job: Job, error: Exception) -> None:
     """A provider refused: the allowance stays unchanged, a provider error object is recorded."""
-    allowance = service.lock(session, job.subject_id)
+    allowance = state.lock(session, _subject(job))
     if allowance is None:
         return
-    rail = session.get(AllowanceRail, getattr(error, "rail_id", None)) if getattr(error, "rail_id", None) else None
+    rail_id = failed_rail(error)
+    rail = session.get(AllowanceRail, rail_id) if rail_id else None
     if rail is not None:
         code, _status = _code(error, "PROVIDER_ALLOWANCE_UPDATE_FAILED")
         record_provider_error(session, rail, code=code, operation="allowance_update", **_details(error))
@@ -252,7 +260,7 @@ def perform_verification(job: Job, settings: Settings) -> VerificationState | St
         if rail is None or rail.job_id != job.id or not rail.provider_allowance_id:
             return Stale("the rail moved on")
         provider = _provider(rail.provider, rail.tenant_id, session, settings)
-        otp = service.open_otp(session, rail)
+        otp = state.open_otp(session, rail)
         provider_allowance_id = rail.provider_allowance_id
     if otp is None:
         return provider.start_verification(provider_allowance_id, idempotency_key=str(job.id))
@@ -272,10 +280,10 @@ def apply_verification(session: Session, job: Job, outcome: VerificationState | 
             if outcome.status == "verified":
                 rail.status = AllowanceRailStatus.ACTIVE
                 rail.updated_at = utcnow()
-                service.touch(session, allowance)
+                state.touch(session, allowance)
         session.add(rail)
         session.flush()
-        service.recompute_status(session, allowance, trace_id=job.trace_id)
+        state.recompute_status(session, allowance, trace_id=job.trace_id)
     _release(session, allowance.id, job)
     if isinstance(outcome, Stale):
         return {"stale": outcome.reason}
@@ -320,12 +328,13 @@ def cancel_rails(settings: Settings, allowance_ids: list[str], *, key: str) -> N
         try:
             provider.cancel_allowance(provider_allowance_id, idempotency_key=key)
         except (PermanentError, TransientError) as exc:
-            exc.rail_id = rail_id
+            name_failed_rail(exc, rail_id)
             raise
         with session_scope() as session:
             rail = session.get(AllowanceRail, rail_id)
-            rail.cancelled_at = utcnow()
-            session.add(rail)
+            if rail is not None:
+                rail.cancelled_at = utcnow()
+                session.add(rail)
 
 
 def perform_cancel(job: Job, settings: Settings) -> str | Stale:
@@ -337,23 +346,23 @@ def perform_cancel(job: Job, settings: Settings) -> str | Stale:
         lease = leases.held(session, allowance.id)
         if lease is not None and lease.owner != job.operation_id:
             return Stale("another operation holds the allowance")
-    cancel_rails(settings, [job.subject_id], key=str(job.id))
+    cancel_rails(settings, [_subject(job)], key=str(job.id))
     return "cancelled"
 
 
 def apply_cancel(session: Session, job: Job, outcome: str | Stale) -> dict:
     """The allowance is ``cancelled`` and its lease released."""
-    allowance = service.lock(session, job.subject_id)
+    allowance = state.lock(session, _subject(job))
     if allowance is not None:
         if not isinstance(outcome, Stale):
-            service.mark_cancelled(session, allowance, trace_id=job.trace_id)
+            state.mark_cancelled(session, allowance, trace_id=job.trace_id)
         _release(session, allowance.id, job)
     return {"outcome": outcome.reason if isinstance(outcome, Stale) else outcome}
 
 
 def record_cancel_failure(session: Session, error: Exception) -> None:
     """Record the provider error of a failed cancellation (the rail named on the error)."""
-    rail_id = getattr(error, "rail_id", None)
+    rail_id = failed_rail(error)
     rail = session.get(AllowanceRail, rail_id) if rail_id else None
     if rail is not None:
         record_provider_error(
@@ -364,7 +373,7 @@ def record_cancel_failure(session: Session, error: Exception) -> None:
 def cancel_failed(session: Session, job: Job, error: Exception) -> None:
     """The cancellation stopped: the allowance keeps its cancellation requested (the next DELETE
     resumes it); the lease is freed and the failure recorded."""
-    allowance = service.lock(session, job.subject_id)
+    allowance = state.lock(session, _subject(job))
     record_cancel_failure(session, error)
     if allowance is not None:
         _release(session, allowance.id, job)
@@ -375,7 +384,7 @@ def payment_method_allowances(session: Session, pm_id: str) -> list[str]:
     ones are left as they are)."""
     return list(
         session.exec(
-            select(Allowance.id).where(Allowance.payment_method_id == pm_id, col(Allowance.status).in_(service.LIVE))
+            select(Allowance.id).where(Allowance.payment_method_id == pm_id, col(Allowance.status).in_(state.LIVE))
         ).all()
     )
 
@@ -393,14 +402,14 @@ def cancel_payment_method_allowances(session: Session, pm_id: str, *, trace_id: 
     """The payment method is deleted: every live allowance it backs is ``cancelled`` (its providers
     were asked by :func:`cancel_rails`), or ``expired`` when its expiry passed."""
     for allowance_id in payment_method_allowances(session, pm_id):
-        allowance = service.lock(session, allowance_id)
+        allowance = state.lock(session, allowance_id)
         if allowance is None:
             continue
-        service.settle_stale(session, allowance)
-        if service.effective_status(allowance) == AllowanceStatus.EXPIRED:  # expiry is terminal: it stays expired
-            service.set_status(session, allowance, AllowanceStatus.EXPIRED, trace_id=trace_id)
+        state.settle_stale(session, allowance)
+        if state.effective_status(allowance) == AllowanceStatus.EXPIRED:  # expiry is terminal: it stays expired
+            state.set_status(session, allowance, AllowanceStatus.EXPIRED, trace_id=trace_id)
         else:
-            service.mark_cancelled(session, allowance, trace_id=trace_id)
+            state.mark_cancelled(session, allowance, trace_id=trace_id)
 
 
 # ---- minting -------------------------------------------------------------------------------------
@@ -449,6 +458,8 @@ def perform_mint(job: Job, settings: Settings) -> MintedCredential | Stale:
         if row is None or row.state != CredentialState.MINTING:
             return Stale("the mint is settled")
         allowance = session.get(Allowance, row.allowance_id)
+        if allowance is None:
+            return Stale("the allowance is gone")
         rail = session.exec(
             select(AllowanceRail).where(
                 AllowanceRail.allowance_id == row.allowance_id,
@@ -480,7 +491,7 @@ def _locked_mint(session: Session, job: Job) -> tuple[Allowance | None, PaymentC
     row = session.get(PaymentCredential, job.subject_id)
     if row is None:
         return None, None
-    allowance = service.lock(session, row.allowance_id)
+    allowance = state.lock(session, row.allowance_id)
     row = session.get(PaymentCredential, job.subject_id, populate_existing=True)
     return allowance, row
 
@@ -496,11 +507,11 @@ def apply_mint(session: Session, job: Job, outcome: MintedCredential | Stale) ->
         allowance.amount_reserved -= row.amount
         allowance.amount_spent += row.amount
         allowance.reserved_by = None
-        service.touch(session, allowance)
+        state.touch(session, allowance)
     row.state = CredentialState.ISSUED
     row.provider_credential_id = minted.id
     row.expires_at = minted.expires_at
-    service.seal_credential(session, row, minted.credential)
+    state.seal_credential(session, row, minted.credential)
     session.add(row)
     leases.release(session, allowance.id, row.id)
     idempotency.settle_resource(
@@ -513,10 +524,10 @@ def apply_mint(session: Session, job: Job, outcome: MintedCredential | Stale) ->
     events.emit(
         session,
         tenant_id=row.tenant_id,
-        type=service.CREDENTIAL_EVENT,
+        type=state.CREDENTIAL_EVENT,
         data={
             "credential": {"id": row.id},
-            "allowance": {"id": allowance.id, "status": service.effective_status(allowance)},
+            "allowance": {"id": allowance.id, "status": state.effective_status(allowance)},
         },
         trace_id=job.trace_id,
     )
@@ -539,14 +550,14 @@ def mint_failed(session: Session, job: Job, error: Exception) -> None:
         else:
             allowance.amount_available += row.amount
         allowance.reserved_by = None
-        service.touch(session, allowance)
+        state.touch(session, allowance)
     if unknown:
         job.result = {**(job.result or {}), "code": "CREDENTIAL_OUTCOME_UNKNOWN", "status": 409}
         session.add(job)
     code, _status = _code(error, "PROVIDER_CREDENTIALS_FAILED")
     if unknown:
         code = "CREDENTIAL_OUTCOME_UNKNOWN"
-    problem = None if unknown else service.failure_problem({"code": code}, "PROVIDER_CREDENTIALS_FAILED")
+    problem = None if unknown else state.failure_problem({"code": code}, "PROVIDER_CREDENTIALS_FAILED")
     idempotency.settle_resource(
         session,
         tenant_id=row.tenant_id,
@@ -568,4 +579,4 @@ def mint_failed(session: Session, job: Job, error: Exception) -> None:
                 session, rail, code=code, operation="credentials", payment_credential_id=row.id, **_details(error)
             )
     session.delete(row)
-    leases.release(session, allowance.id, job.subject_id)
+    leases.release(session, allowance.id, _subject(job))

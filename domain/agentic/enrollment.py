@@ -32,7 +32,7 @@ from sqlmodel import Session, select
 
 from config.settings import Settings
 from domain.agentic import allowance_work, leases
-from domain.agentic.errors import CATALOGUE
+from domain.agentic.errors import CATALOGUE, failed_rail, name_failed_rail
 from domain.agentic.payment_methods import (
     POLL_MAX_ATTEMPTS,
     POLL_TASK,
@@ -45,6 +45,7 @@ from domain.agentic.payment_methods import (
     record_provider_error,
     release_if_done,
     settle_rail,
+    tenant_type,
 )
 from domain.tenancy.usage import record_token_activity_unflushed
 from domain.tokens.service import live_token_reads, open_token_data
@@ -90,12 +91,11 @@ def _target(session: Session, job: Job) -> _Target | Stale:
     pm = session.get(PaymentMethod, rail.payment_method_id, populate_existing=True)
     if pm is None or pm.status != PaymentMethodStatus.ACTIVE or pm.delete_requested_at is not None:
         return Stale("the payment method is deleted")
-    tenant = session.get(Tenant, pm.tenant_id)
     return _Target(
         pm.id,
         rail.id,
         rail.provider,
-        tenant.type,
+        tenant_type(session, pm.tenant_id),
         rail.attempt,
         dict(pm.consumer),
         pm.token_id,
@@ -256,14 +256,9 @@ def _locked_rail(session: Session, job: Job) -> tuple[PaymentMethod | None, Paym
     return pm, session.get(PaymentMethodRail, rail_id, populate_existing=True)
 
 
-def _current(pm: PaymentMethod | None, rail: PaymentMethodRail | None, job: Job) -> bool:
-    return (
-        pm is not None
-        and rail is not None
-        and rail.job_id == job.id
-        and pm.status == PaymentMethodStatus.ACTIVE
-        and pm.delete_requested_at is None
-    )
+def _current(pm: PaymentMethod, rail: PaymentMethodRail, job: Job) -> bool:
+    """True when the job still owns the rail of an active payment method (no delete requested)."""
+    return rail.job_id == job.id and pm.status == PaymentMethodStatus.ACTIVE and pm.delete_requested_at is None
 
 
 def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) -> dict:
@@ -274,7 +269,7 @@ def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) ->
     (backfilling what an earlier attempt lacked).
     """
     pm, rail = _locked_rail(session, job)
-    if isinstance(outcome, Stale) or not _current(pm, rail, job):
+    if isinstance(outcome, Stale) or pm is None or rail is None or not _current(pm, rail, job):
         if pm is not None and rail is not None and rail.job_id == job.id:
             release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
         return {"stale": outcome.reason if isinstance(outcome, Stale) else "overtaken"}
@@ -323,7 +318,7 @@ def enrollment_failed(session: Session, job: Job, error: Exception) -> None:
     """Record a failed enrollment or poll: the rail in ``error`` with the catalogue code, a provider
     error object; the event when the rail had been shown pending."""
     pm, rail = _locked_rail(session, job)
-    if not _current(pm, rail, job):
+    if pm is None or rail is None or not _current(pm, rail, job):
         if pm is not None and rail is not None and rail.job_id == job.id:
             release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
         return
@@ -360,7 +355,7 @@ def perform_delete(job: Job, settings: Settings) -> str | Stale:
         lease = leases.held(session, pm_id)
         if lease is not None and lease.owner != owner:
             return Stale("another delete holds the payment method")
-        tenant_type = session.get(Tenant, pm.tenant_id).type
+        pm_tenant_type = tenant_type(session, pm.tenant_id)
         todo = [
             (r.id, r.provider, r.enrollment_id)
             for r in rails_of(session, pm_id)
@@ -370,9 +365,9 @@ def perform_delete(job: Job, settings: Settings) -> str | Stale:
     allowance_work.cancel_rails(settings, allowance_ids, key=str(job.id))
     for rail_id, provider_name, enrollment_id in todo:
         try:
-            require_provider(provider_name, tenant_type, settings).delete_enrollment(enrollment_id)
+            require_provider(provider_name, pm_tenant_type, settings).delete_enrollment(enrollment_id)
         except (PermanentError, TransientError) as exc:
-            exc.rail_id = rail_id
+            name_failed_rail(exc, rail_id)
             raise
         with session_scope() as session:
             rail = session.get(PaymentMethodRail, rail_id)
@@ -399,7 +394,7 @@ def delete_failed(session: Session, job: Job, error: Exception) -> None:
     the failing removal recorded as a provider error."""
     pm_id, owner = _delete_subject(job)
     pm = lock(session, pm_id)
-    rail_id = getattr(error, "rail_id", None)
+    rail_id = failed_rail(error)
     rail = session.get(PaymentMethodRail, rail_id) if rail_id else None
     if pm is not None and rail is None:
         allowance_work.record_cancel_failure(session, error)  # an allowance the cascade could not cancel

@@ -12,6 +12,7 @@ this form, so the shared error middleware can hand every problem under ``/agenti
 
 from __future__ import annotations
 
+import uuid
 from http import HTTPStatus
 
 from infra.errors import Problem
@@ -208,6 +209,8 @@ def to_agentic(problem: Problem) -> Problem:
     """
     if is_agentic(problem):
         return problem
+    code: str | None
+    title: str | None
     if problem.status == 400:
         if problem.errors:
             code, title = "VALIDATION_ERROR", first_message(problem.errors)
@@ -238,3 +241,18 @@ def to_agentic(problem: Problem) -> Problem:
         headers=problem.headers,
         extra=problem.extra,
     )
+
+
+#: The attribute naming, on a provider call's exception, the rail whose call raised it.
+FAILED_RAIL = "rail_id"
+
+
+def name_failed_rail(error: Exception, rail_id: uuid.UUID) -> None:
+    """Name on ``error`` (a provider call's PermanentError or TransientError) the rail whose call
+    raised it, so that the job's failure step records the provider error on that rail."""
+    setattr(error, FAILED_RAIL, rail_id)
+
+
+def failed_rail(error: Exception) -> uuid.UUID | None:
+    """The rail :func:`name_failed_rail` named on ``error``, or None."""
+    return getattr(error, FAILED_RAIL, None)

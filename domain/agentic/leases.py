@@ -114,8 +114,8 @@ def release_expired(session: Session, *, now: dt.datetime | None = None, batch: 
     now = now or utcnow()
     ids = (
         session.execute(
-            select(OperationLease.resource_id)
-            .where(OperationLease.expires_at <= now)
+            select(col(OperationLease.resource_id))
+            .where(col(OperationLease.expires_at) <= now)
             .limit(batch)
             .with_for_update(skip_locked=True)
         )

@@ -4,7 +4,7 @@ the models is either here or named in :data:`NOT_SEALED_BY_TENANT_KEYS`."""
 
 from __future__ import annotations
 
-from domain.agentic.allowances import OTP_PURPOSE, SEALED_PURPOSE
+from domain.agentic.allowance_state import OTP_PURPOSE, SEALED_PURPOSE
 from domain.client_keys.service import PURPOSE as CLIENT_KEY_PURPOSE
 from domain.network_tokens.provisioning import SOURCE_PURPOSE as NETWORK_TOKEN_SOURCE_PURPOSE
 from domain.network_tokens.token_intents import DATA_PURPOSE as TOKEN_INTENT_PURPOSE

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from tests.api.test_agentic_support import fresh_visa
 from tests.chaos.platform import platform
 from tests.chaos.test_worker_kill import _card, _provision
+from tests.factories.agentic import fresh_visa
 from tests.helpers import ApiClient, WebhookReceiver, wait_until
 
 FLOOD = int(os.environ.get("TESSERA_FAIRNESS_FLOOD", "200"))

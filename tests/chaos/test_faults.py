@@ -108,8 +108,8 @@ def _subscribe(p: Platform) -> None:
 
 
 def _tokens(p: Platform, count: int) -> list[str]:
-    from tests.api.test_agentic_support import fresh_visa
     from tests.chaos.test_worker_kill import _card
+    from tests.factories.agentic import fresh_visa
 
     return [_card(p.client, fresh_visa()) for _ in range(count)]
 
@@ -221,7 +221,7 @@ class Load:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from tests.api.test_agentic_support import fresh_visa
+        from tests.factories.agentic import fresh_visa
 
         while not self.stop.is_set():
             try:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import pytest
 import urllib3
 
-from tests.api.test_agentic_support import fresh_visa, outcome, provider_enrollments
 from tests.chaos.platform import Fault, Platform, platform
+from tests.factories.agentic import fresh_visa, outcome, provider_enrollments
 from tests.helpers import ApiClient, wait_until
 
 ROUNDS = int(os.environ.get("TESSERA_CHAOS_ROUNDS", "1"))

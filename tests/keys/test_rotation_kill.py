@@ -28,8 +28,8 @@ from storage.db import session_scope
 from storage.models import Job, KeyRotation, Token
 from storage.sealed import version_head
 from storage.types import table_of, utcnow
+from tests.factories.kill_stack import TESSERA, _log_tail, isolated_prefix, processes  # noqa: F401
 from tests.helpers import wait_until
-from tests.worker.test_agentic_kill import TESSERA, _log_tail, isolated_prefix, processes  # noqa: F401
 
 pytestmark = pytest.mark.kill
 

@@ -30,8 +30,8 @@ from storage.models import Event, Job
 from storage.models_reactors import ReactorRun
 from storage.types import utcnow
 from tests.conftest import free_port
+from tests.factories.kill_stack import TESSERA, _log_tail, isolated_prefix, processes  # noqa: F401
 from tests.helpers import ApiClient, wait_until
-from tests.worker.test_agentic_kill import TESSERA, _log_tail, isolated_prefix, processes  # noqa: F401
 
 pytestmark = pytest.mark.kill
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from tests.api.test_agentic_support import created, settled
 from tests.conftest import TEST_DATABASE_URL
+from tests.factories.agentic import created, settled
 from tests.helpers import wait_until
 from tests.ops.conftest import CAPTURE
 from tests.ops.scan import find_secrets

@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.api.test_agentic_support import AMEX, card_token, created, settled
-from tests.api.test_allowances_support import allowance, usd
 from tests.conftest import make_tenant
+from tests.factories.agentic import AMEX, card_token, created, settled
+from tests.factories.allowances import allowance, usd
 from tests.factories.documents import upload
 from tests.helpers import ApiClient, wait_until
 from tests.reactors.test_api import settled as reactor_settled

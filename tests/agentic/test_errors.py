@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 
 from app.routes import agentic
-from app.routes.agentic import DEPRECATION, agentic_form, agents_form
+from app.routes.agentic_common import DEPRECATION, agentic_form, agents_form
 from domain.agentic.errors import CATALOGUE, agentic_error, to_agentic, validation_error
 from infra.errors import Problem, validation_problem
-from tests.api.test_agentic_support import AMEX, BASE, PROBLEM, assert_problem, body, card_token
+from tests.factories.agentic import AMEX, BASE, PROBLEM, assert_problem, body, card_token
 from tests.helpers import ApiClient
+
+pytestmark = pytest.mark.api
 
 # ---- the route attribute, as a function ------------------------------------------------------------
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.routes.agentic import DEPRECATION
-from tests.api.test_agentic_support import assert_problem
+from app.routes.agentic_common import DEPRECATION
+from tests.factories.agentic import assert_problem
+
+pytestmark = pytest.mark.api
 
 AGENTS = "/agentic/agents"
 

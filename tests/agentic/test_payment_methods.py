@@ -16,7 +16,7 @@ from domain.webhooks.events import EVENT_TYPES
 from providers import agentic as providers
 from storage.db import session_scope
 from storage.models_agentic import PaymentMethod
-from tests.api.test_agentic_support import (
+from tests.factories.agentic import (
     AMEX,
     BASE,
     DISCOVER,
@@ -47,6 +47,8 @@ from tests.api.test_agentic_support import (
     subscribe,
 )
 from tests.helpers import wait_until
+
+pytestmark = pytest.mark.api
 
 # ---- SANDBOX.md, agentic providers: rails after create ---------------------------------------------
 

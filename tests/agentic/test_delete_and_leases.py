@@ -15,7 +15,7 @@ from providers import agentic as providers
 from storage.db import session_scope
 from storage.models_agentic import OperationLease, ProviderError
 from tasks.agentic import purge_provider_errors_task, release_stale_operation_leases
-from tests.api.test_agentic_support import (
+from tests.factories.agentic import (
     BASE,
     HANGS,
     REJECTED,
@@ -35,6 +35,8 @@ from tests.api.test_agentic_support import (
     rail_rows,
 )
 from tests.helpers import wait_until
+
+pytestmark = pytest.mark.api
 
 
 def retry(client, pm_id: str, rail: str = "agentic-token", provider: str = "vic"):

@@ -6,10 +6,12 @@ from __future__ import annotations
 import datetime as dt
 from decimal import Decimal
 
+import pytest
+
 from storage.db import session_scope
 from storage.models_agentic import PaymentMethodRail
-from tests.api.test_agentic_support import AMEX, BASE, REJECTED, VISA, assert_problem, created, fresh_visa, rail_rows
-from tests.api.test_allowances_support import (
+from tests.factories.agentic import AMEX, BASE, REJECTED, VISA, assert_problem, created, fresh_visa, rail_rows
+from tests.factories.allowances import (
     ALLOWANCES,
     CANCEL_FAILS_ONCE,
     NO_VERIFICATION,
@@ -25,6 +27,8 @@ from tests.api.test_allowances_support import (
     verified,
     verify,
 )
+
+pytestmark = pytest.mark.api
 
 # ---- create, read, list ----------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from sqlmodel import select
 from storage.db import session_scope
 from storage.models import Event
 from storage.models_allowances import Allowance, PaymentCredential
-from tests.api.test_agentic_support import VISA, created, key_header
+from tests.factories.agentic import VISA, created, key_header
 
 ALLOWANCES = "/agentic/allowances"
 REJECTS_SETUP = "4000000000004012"

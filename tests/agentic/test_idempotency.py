@@ -6,13 +6,14 @@ import datetime as dt
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from sqlalchemy import update
 from sqlmodel import select
 
-from domain.agentic import payment_methods
+from domain.agentic import service, units
 from storage.db import session_scope
 from storage.models_agentic import IdempotencyRecord, PaymentMethod
-from tests.api.test_agentic_support import (
+from tests.factories.agentic import (
     AMEX,
     BASE,
     DISCOVER,
@@ -29,6 +30,8 @@ from tests.api.test_agentic_support import (
     provider_requests,
 )
 from tests.helpers import wait_until
+
+pytestmark = pytest.mark.api
 
 
 def _consumer(consumer_id: str | None = None) -> dict:
@@ -137,20 +140,20 @@ def test_a_conclusive_failure_replays_the_same_code_and_status(tenant):
 def test_an_unknown_outcome_is_terminal(tenant, monkeypatch):
     """The commit happened but its answer was lost: the answer, and every replay, is
     CREATE_OUTCOME_UNKNOWN; the payment method is found by its consumer."""
-    real_commit = payment_methods.commit
+    real_commit = units.commit
 
     def lossy(session):
         real_commit(session)
         raise ConnectionError("the server closed the connection unexpectedly")
 
-    monkeypatch.setattr(payment_methods, "commit", lossy)
+    monkeypatch.setattr(units, "commit", lossy)
     token_id = card_token(tenant.client, AMEX)
     consumer = _consumer()
     problem = assert_problem(
         create(tenant.client, token_id, key="k-7", consumer=consumer), 409, "CREATE_OUTCOME_UNKNOWN"
     )
     assert "consumer_id" in problem["detail"]
-    monkeypatch.setattr(payment_methods, "commit", real_commit)
+    monkeypatch.setattr(units, "commit", real_commit)
 
     for _ in range(3):
         assert_problem(create(tenant.client, token_id, key="k-7", consumer=consumer), 409, "CREATE_OUTCOME_UNKNOWN")
@@ -202,7 +205,7 @@ def test_an_internal_error_before_the_commit_frees_the_key(tenant, monkeypatch):
 
     token_id = card_token(tenant.client, AMEX)
     consumer = _consumer()
-    monkeypatch.setattr(payment_methods, "create_payment_method", broken)
+    monkeypatch.setattr(service, "create_payment_method", broken)
     assert_problem(create(tenant.client, token_id, key="k-8", consumer=consumer), 500, "INTERNAL_ERROR")
     monkeypatch.undo()
     assert _record(tenant.id, "k-8") is None

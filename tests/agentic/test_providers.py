@@ -18,7 +18,7 @@ from domain.agentic.payment_methods import merge_card, rails_for_brand
 from infra.jobs import TransientError
 from providers import agentic as providers
 from providers.agentic import EnrollmentCard, EnrollmentFailed, HttpAgenticProvider, display_card, provider_for
-from tests.api.test_agentic_support import (
+from tests.factories.agentic import (
     BASE,
     FAILS_ON_CREATE,
     assert_problem,
@@ -34,6 +34,8 @@ from tests.api.test_agentic_support import (
     subscribe,
 )
 from tests.helpers import wait_until
+
+pytestmark = pytest.mark.api
 
 CARD = EnrollmentCard("4242424242424242", 12, 2031, "123")
 CONSUMER = {"id": "c1", "email": "a@example.com", "country_code": None}

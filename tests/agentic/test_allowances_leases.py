@@ -26,7 +26,7 @@ from sqlmodel import select
 
 from app.api import Call
 from config.settings import get_settings
-from domain.agentic import allowance_work, payment_methods
+from domain.agentic import allowance_work, units
 from infra import jobs as jobs_module
 from infra.task import AttemptFailed
 from storage.db import session_scope
@@ -34,9 +34,10 @@ from storage.models import Job
 from storage.models_agentic import OperationLease
 from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential
 from tasks.agentic import MintCredential, sweep_allowances
-from tests.api.test_agentic_support import AMEX, BASE, assert_problem, created
-from tests.api.test_allowances_credentials import admin_count
-from tests.api.test_allowances_support import (
+from tests.agentic.test_allowances_credentials import admin_count
+from tests.conftest import SANDBOX_PORT
+from tests.factories.agentic import AMEX, BASE, assert_problem, created
+from tests.factories.allowances import (
     ALLOWANCES,
     CANCEL_FAILS_ONCE,
     MINT_FAILS,
@@ -49,7 +50,8 @@ from tests.api.test_allowances_support import (
     usd,
     verify,
 )
-from tests.conftest import SANDBOX_PORT
+
+pytestmark = pytest.mark.api
 
 
 def _reserve_without_worker(tenant, alw_id: str, value: str, monkeypatch) -> Job:
@@ -217,17 +219,17 @@ def test_a_provider_refusing_an_update_leaves_the_allowance_unchanged(tenant):
 
 def test_a_lost_create_commit_is_terminal_for_its_key(tenant, monkeypatch):
     pm = created(tenant.client, AMEX)
-    real_commit = payment_methods.commit
+    real_commit = units.commit
 
     def lossy(session):
         real_commit(session)
         raise ConnectionError("the server closed the connection unexpectedly")
 
-    monkeypatch.setattr(payment_methods, "commit", lossy)
+    monkeypatch.setattr(units, "commit", lossy)
     body = {"payment_method_id": pm["id"], "amount": usd("9.00")}
     headers = {"TS-IDEMPOTENCY-KEY": "alw-lost"}
     assert_problem(tenant.client.post(ALLOWANCES, body, headers=headers), 409, "CREATE_OUTCOME_UNKNOWN")
-    monkeypatch.setattr(payment_methods, "commit", real_commit)
+    monkeypatch.setattr(units, "commit", real_commit)
     assert_problem(tenant.client.post(ALLOWANCES, body, headers=headers), 409, "CREATE_OUTCOME_UNKNOWN")
     listed = tenant.client.get(f"{ALLOWANCES}?payment_method_id={pm['id']}").json["data"]
     assert len(listed) == 1

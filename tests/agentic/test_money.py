@@ -7,8 +7,11 @@ from decimal import Decimal
 
 import pytest
 
-from domain.agentic.allowances import key_set_url_errors, money, parse_money
+from domain.agentic.credentials import key_set_url_errors
+from domain.agentic.money import money, parse_money
 from infra import http
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,9 @@ from sqlmodel import select
 
 from storage.db import session_scope
 from storage.models_allowances import AllowanceRail
-from tests.api.test_agentic_support import AMEX, admin, assert_problem
-from tests.api.test_allowances_support import (
+from tests.conftest import SANDBOX_PORT, free_port, serve_in_thread
+from tests.factories.agentic import AMEX, admin, assert_problem
+from tests.factories.allowances import (
     ALLOWANCES,
     MINT_FAILS,
     MINT_HANGS,
@@ -31,7 +32,8 @@ from tests.api.test_allowances_support import (
     usd,
     verified,
 )
-from tests.conftest import SANDBOX_PORT, free_port, serve_in_thread
+
+pytestmark = pytest.mark.api
 
 
 def test_an_identifier_mint_moves_the_amount_to_spent_and_returns_the_value_once(tenant):

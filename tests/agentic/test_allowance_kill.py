@@ -3,7 +3,7 @@ mid-mint: before the provider call, and between the provider's answer and the co
 mint lease is settled by the beat sweep (the reservation becomes spent), the amounts add up at every
 step, and the job the dead worker held, run again by another worker, changes nothing.
 
-The stack runs as real processes on a Redis key prefix of its own (see ``test_agentic_kill.py``):
+The stack runs as real processes on a Redis key prefix of its own (see ``tests/factories/kill_stack.py``):
 ``tessera api``, ``tessera beat`` and two ``tessera worker`` processes. Worker A reaches the sandbox
 through a proxy that holds credential mints (the call itself, or its answer once the provider
 minted); while the mint is held, worker A is SIGKILLed with its pool. The operation lease is set to
@@ -26,12 +26,12 @@ from sqlmodel import select
 from storage.db import session_scope
 from storage.models import Job
 from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential
-from tests.api.test_agentic_support import AMEX, BASE, admin, card_token, fresh_visa
 from tests.conftest import free_port, serve_in_thread
+from tests.factories.agentic import AMEX, BASE, admin, card_token, fresh_visa
+from tests.factories.kill_stack import TESSERA, HoldingProxy, stack
 from tests.helpers import wait_until
-from tests.worker.test_agentic_kill import TESSERA, HoldingProxy, isolated_prefix, stack
 
-__all__ = ["isolated_prefix"]  # the fixture, used by the tests below
+pytestmark = pytest.mark.kill
 
 
 def credential_mints(method: str, parts: list[str]) -> bool:

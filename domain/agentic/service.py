@@ -1,0 +1,485 @@
+"""Agentic payment methods, the verbs of the API: create, read, list, the provider errors, retry a
+rail, delete (spec 001 sections 2-4).
+
+The handler side of the spine (``ARCHITECTURE.md``): each function here runs in one transaction of
+the API (``fn(session, ...)``), records the jobs the workers run (``domain/agentic/enrollment.py``,
+``tasks/agentic.py``) and never calls a provider itself.
+
+A create writes the payment method, one rail per pair and one enrollment job per rail in one
+transaction (:mod:`domain.agentic.units`), with an ``enroll`` operation lease that the last of those
+jobs releases; the handler then waits for the jobs (``infra/wait.py``) up to
+``agentic_wait_seconds`` and answers (:func:`finish_create`): rails whose job is still running are
+shown ``pending`` and flagged so that their outcome is delivered as the event
+``agentic.payment-method.rail.retried``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete
+from sqlmodel import Session, col, func, select
+
+from config.settings import Settings
+from domain.agentic import idempotency, leases
+from domain.agentic.errors import CATALOGUE, agentic_error, validation_error
+from domain.agentic.payment_methods import (
+    DELETE_MAX_ATTEMPTS,
+    DELETE_TASK,
+    ENROLL_MAX_ATTEMPTS,
+    ENROLL_TASK,
+    ENTITY_TYPE,
+    card_source,
+    find,
+    job_statuses,
+    lock_existing,
+    mark_deleted,
+    new_id,
+    rails_for_brand,
+    rails_of,
+    record_provider_error,
+    settle_rail,
+)
+from domain.agentic.units import commit_unit
+from domain.agentic.views import payment_method_view, provider_error_view
+from domain.tenancy import audit
+from domain.tenancy.caller import Caller
+from domain.tokens.cards import card_brand
+from infra import jobs
+from infra.errors import Problem
+from providers.agentic import DISPLAY_FIELDS, provider_for
+from storage.db import Rows, insert_rows, row_of
+from storage.keyset import keyset_page
+from storage.models import Job
+from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
+from storage.models_allowances import Allowance
+from storage.states import ALLOWANCE_LIVE, JOB_FAILED, JOB_UNSUCCESSFUL, PaymentMethodStatus, RailStatus
+from storage.types import table_of, utcnow
+
+# ---- create --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    """A validated create body: the source's token id, the normalised consumer (``id`` may be None:
+    generated), the source as supplied and the optional agent id."""
+
+    token_id: str
+    consumer: dict
+    source: dict
+    agent_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a create, retry or delete recorded: the payment method and the jobs to wait for."""
+
+    payment_method_id: str
+    job_ids: tuple[uuid.UUID, ...]
+    failure: str | None = None
+
+
+def _initial_card(number: str, brand: str | None, data: dict) -> dict:
+    """What the platform knows of the card before any provider answers (never the number)."""
+    return {
+        "type": "card",
+        "brand": brand,
+        "last4": number[-4:],
+        "expiration_month": data.get("expiration_month"),
+        "expiration_year": data.get("expiration_year"),
+        "display": dict.fromkeys(DISPLAY_FIELDS),
+    }
+
+
+def create_payment_method(
+    session: Session,
+    caller: Caller,
+    request: CreateRequest,
+    *,
+    settings: Settings,
+    owner: str,
+    claim: idempotency.Claim | None = None,
+) -> Started:
+    """``POST /agentic/payment-methods``, the recording part (one transaction).
+
+    Raises 400 ``INVALID_TOKEN`` (see :func:`card_source`), 404 ``AGENT_NOT_FOUND``, 400
+    ``UNSUPPORTED_PROVIDER`` (no provider takes the card's network). Writes the payment method, its
+    rails, one enrollment job per rail (sent after commit) and the ``enroll`` lease owned by
+    ``owner``. A provider a production tenant has no live URL for records its rail in error
+    ``PROVIDER_NOT_CONFIGURED`` at once (with a provider error), without a job.
+    """
+    data = card_source(session, caller.tenant_id, request.token_id)
+    if request.agent_id is not None:
+        agent = session.get(Agent, request.agent_id)
+        if agent is None or agent.tenant_id != caller.tenant_id:
+            raise agentic_error("AGENT_NOT_FOUND")
+    brand = card_brand(data["number"])
+    pairs = rails_for_brand(brand)
+    if not pairs:
+        raise agentic_error("UNSUPPORTED_PROVIDER", f"No supported provider takes {brand or 'this'} cards.")
+    now = utcnow()
+    consumer = {**request.consumer, "id": request.consumer.get("id") or str(uuid.uuid4())}
+    pm = PaymentMethod(
+        id=new_id("pm_"),
+        tenant_id=caller.tenant_id,
+        source=dict(request.source),
+        token_id=request.token_id,
+        consumer=consumer,
+        consumer_id=consumer["id"],
+        card=_initial_card(data["number"], brand, data),
+        agent_id=request.agent_id,
+        idempotency_key=claim.key if claim else None,
+        created_by=caller.application_id,
+        created_at=now,
+        updated_at=now,
+    )
+    rows = Rows()  # every row in one statement (``storage.db.insert_rows``), no unit-of-work flush
+    rows.add(table_of(PaymentMethod), row_of(pm))
+    job_ids, errors = [], []
+    for position, (rail_name, provider) in enumerate(pairs):
+        rail = PaymentMethodRail(
+            tenant_id=caller.tenant_id,
+            payment_method_id=pm.id,
+            position=position,
+            rail=rail_name,
+            provider=provider,
+            created_at=now,
+            updated_at=now,
+        )
+        if provider_for(provider, caller.tenant_type, settings) is None:
+            rail.status, rail.error_code = RailStatus.ERROR, "PROVIDER_NOT_CONFIGURED"
+            errors.append(rail)
+        else:
+            rail.job_id = jobs.record(
+                session,
+                rows=rows,
+                kind=ENROLL_TASK,
+                tenant_id=caller.tenant_id,
+                subject_type="rail",
+                subject_id=str(rail.id),
+                trace_id=caller.trace_id,
+                max_attempts=ENROLL_MAX_ATTEMPTS,
+            ).id
+            rail.operation_id, rail.attempt = owner, "create"
+            job_ids.append(rail.job_id)
+        rows.add(table_of(PaymentMethodRail), row_of(rail))
+    if job_ids:  # a new payment method: nobody else can hold its lease yet
+        rows.add(
+            table_of(OperationLease),
+            row_of(
+                OperationLease(
+                    resource_id=pm.id,
+                    tenant_id=caller.tenant_id,
+                    operation=leases.ENROLL,
+                    owner=owner,
+                    acquired_at=now,
+                    expires_at=now + dt.timedelta(seconds=settings.operation_lease_seconds),
+                )
+            ),
+        )
+    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="create")
+    insert_rows(session, rows)
+    for rail in errors:
+        record_provider_error(session, rail, code="PROVIDER_NOT_CONFIGURED")
+    if claim is not None:
+        idempotency.attach(session, claim, pm.id)
+    return Started(pm.id, tuple(job_ids))
+
+
+def create_unit(
+    caller: Caller, request: CreateRequest, *, settings: Settings, owner: str, claim: idempotency.Claim | None
+) -> Started:
+    """Run :func:`create_payment_method` in its own transaction (:func:`commit_unit`)."""
+    return commit_unit(create_payment_method, caller, request, settings=settings, owner=owner, claim=claim)
+
+
+def finish_create(session: Session, caller: Caller, pm_id: str, *, claim: idempotency.Claim | None) -> dict:
+    """After the bounded wait: flag rails still pending for their event, settle the idempotency
+    record, answer the payment method."""
+    pm = lock_existing(session, pm_id)
+    rails = rails_of(session, pm_id)
+    for rail in rails:
+        if rail.status == RailStatus.PENDING and not rail.notify:
+            rail.notify = True
+            session.add(rail)
+    if claim is not None:
+        idempotency.succeed(session, claim)
+    return payment_method_view(pm, rails)
+
+
+def view_of(session: Session, pm: PaymentMethod) -> dict:
+    """The payment method object of a loaded row."""
+    return payment_method_view(pm, rails_of(session, pm.id))
+
+
+def replay(session: Session, caller: Caller, pm_id: str) -> dict:
+    """The payment method an earlier request with the same key created (its current state)."""
+    return view_of(session, find(session, caller.tenant_id, pm_id))
+
+
+# ---- read, list, errors --------------------------------------------------------------------------
+
+
+def read_payment_method(session: Session, caller: Caller, pm_id: str) -> dict:
+    """``GET /agentic/payment-methods/{id}``: 404 ``PAYMENT_METHOD_NOT_FOUND`` when absent in the tenant."""
+    pm = find(session, caller.tenant_id, pm_id)
+    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="read")
+    return view_of(session, pm)
+
+
+def list_payment_methods(
+    session: Session, caller: Caller, *, size: int, after: dict | None, consumer_id: str | None, status: str
+) -> tuple[list[dict], dict | None]:
+    """``GET /agentic/payment-methods``: newest first (created_at, id), filtered by ``consumer_id``
+    and ``status`` (active, deleted, all); one page and the next keyset position (or None)."""
+    query = select(PaymentMethod).where(PaymentMethod.tenant_id == caller.tenant_id)
+    if status != "all":
+        query = query.where(PaymentMethod.status == status)
+    if consumer_id is not None:
+        query = query.where(PaymentMethod.consumer_id == consumer_id)
+    rows, next_position = keyset_page(
+        session, query, order=(PaymentMethod.created_at, PaymentMethod.id), size=size, after=after
+    )
+    rails: dict[str, list[PaymentMethodRail]] = {}
+    if rows:
+        for rail in session.exec(
+            select(PaymentMethodRail).where(col(PaymentMethodRail.payment_method_id).in_([pm.id for pm in rows]))
+        ):
+            rails.setdefault(rail.payment_method_id, []).append(rail)
+    return [payment_method_view(pm, rails.get(pm.id, [])) for pm in rows], next_position
+
+
+def list_provider_errors(
+    session: Session, caller: Caller, pm_id: str, *, size: int, after: dict | None
+) -> tuple[list[dict], dict | None]:
+    """``GET /agentic/payment-methods/{id}/errors``: the payment method's provider errors, newest
+    first (occurred_at, id); 404 ``PAYMENT_METHOD_NOT_FOUND`` when absent."""
+    pm = find(session, caller.tenant_id, pm_id)
+    return provider_error_page(
+        session, caller.tenant_id, ProviderError.payment_method_id == pm.id, size=size, after=after
+    )
+
+
+def provider_error_page(
+    session: Session, tenant_id: uuid.UUID, where: Any, *, size: int, after: dict | None
+) -> tuple[list[dict], dict | None]:
+    """One page of the tenant's provider errors matching ``where`` (a column condition: a payment
+    method's, an allowance's), newest first (occurred_at, id), and the next keyset position."""
+    query = select(ProviderError).where(ProviderError.tenant_id == tenant_id, where)
+    rows, next_position = keyset_page(
+        session, query, order=(ProviderError.occurred_at, ProviderError.id), size=size, after=after
+    )
+    return [provider_error_view(e) for e in rows], next_position
+
+
+def purge_provider_errors(
+    session: Session, *, retention_days: int, now: dt.datetime | None = None, batch: int = 1000
+) -> int:
+    """Delete up to ``batch`` provider errors older than ``retention_days``; returns how many."""
+    cutoff = (now or utcnow()) - dt.timedelta(days=retention_days)
+    ids = session.exec(
+        select(ProviderError.id)
+        .where(ProviderError.occurred_at < cutoff)
+        .limit(batch)
+        .with_for_update(skip_locked=True)
+    ).all()
+    if ids:
+        session.execute(
+            delete(ProviderError).where(col(ProviderError.id).in_(ids)).execution_options(synchronize_session=False)
+        )
+    return len(ids)
+
+
+# ---- retry ---------------------------------------------------------------------------------------
+
+
+def _blocked(session: Session, pm: PaymentMethod) -> Problem | None:
+    """The 409 an in-flight or stopped operation on ``pm`` answers, or None."""
+    lease = leases.held(session, pm.id)
+    if lease is not None:
+        return leases.in_progress(lease)
+    if pm.delete_requested_at is not None:
+        return agentic_error("PAYMENT_METHOD_DELETE_INCOMPLETE")
+    return None
+
+
+def start_retry(
+    session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, settings: Settings, owner: str
+) -> Started:
+    """``POST .../rails/retry``, the recording part: checks, then one enrollment job (``retry``).
+
+    The pair is already known valid. Raises, in this order, 404 ``PAYMENT_METHOD_NOT_FOUND``, 400
+    ``PAYMENT_METHOD_DELETED``, 400 ``RAIL_NOT_FOUND``, 409 ``PAYMENT_METHOD_OPERATION_IN_PROGRESS``
+    / ``..._DELETE_IN_PROGRESS`` / ``..._DELETE_INCOMPLETE``, 400 ``VALIDATION_ERROR`` (the rail is
+    enabled), 400 ``INVALID_TOKEN`` (the card token is gone). A provider without
+    configuration returns ``Started(failure="PROVIDER_NOT_CONFIGURED")`` after recording its error.
+    """
+    pm = find(session, caller.tenant_id, pm_id, lock=True)
+    if pm.status == PaymentMethodStatus.DELETED:
+        raise agentic_error("PAYMENT_METHOD_DELETED")
+    target = next((r for r in rails_of(session, pm.id) if r.rail == rail and r.provider == provider), None)
+    if target is None:
+        raise agentic_error("RAIL_NOT_FOUND", f"The payment method has no {rail} rail with {provider}.")
+    blocked = _blocked(session, pm)
+    if blocked is not None:
+        raise blocked
+    if target.status == RailStatus.ENABLED:
+        raise validation_error({"rail": ["The rail is enabled; only a rail in error or pending can be retried."]})
+    if provider_for(provider, caller.tenant_type, settings) is None:
+        record_provider_error(session, target, code="PROVIDER_NOT_CONFIGURED")
+        settle_rail(
+            session, pm, target, status=RailStatus.ERROR, error_code="PROVIDER_NOT_CONFIGURED", trace_id=caller.trace_id
+        )
+        return Started(pm.id, (), failure="PROVIDER_NOT_CONFIGURED")
+    card_source(session, caller.tenant_id, pm.token_id)
+    job = jobs.record(
+        session,
+        kind=ENROLL_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type="rail",
+        subject_id=str(target.id),
+        trace_id=caller.trace_id,
+        max_attempts=ENROLL_MAX_ATTEMPTS,
+    )
+    target.job_id, target.operation_id, target.attempt = job.id, owner, "retry"
+    session.add(target)
+    leases.acquire(
+        session,
+        tenant_id=caller.tenant_id,
+        resource_id=pm.id,
+        operation=leases.ENROLL,
+        owner=owner,
+        seconds=settings.operation_lease_seconds,
+    )
+    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="update")
+    return Started(pm.id, (job.id,))
+
+
+def retry_failure(session: Session, pm_id: str, rail: str, provider: str, code: str) -> Problem:
+    """The problem a rejected retry answers: the rail's catalogue code (422, or 409 for
+    RAIL_ALREADY_ENROLLED), with ``debug.provider_correlation`` when the provider sent one."""
+    latest = session.exec(
+        select(ProviderError)
+        .where(ProviderError.payment_method_id == pm_id, ProviderError.rail == rail, ProviderError.provider == provider)
+        .order_by(col(ProviderError.occurred_at).desc())
+        .limit(1)
+    ).first()
+    extra = None
+    if latest is not None and latest.code == code and latest.provider_correlation_id:
+        extra = {"debug": {"provider_correlation": latest.provider_correlation_id}}
+    return agentic_error(code if code in CATALOGUE else "PROVIDER_ENROLLMENT_FAILED", extra=extra)
+
+
+def finish_retry(
+    session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, job_id: uuid.UUID
+) -> dict | Problem:
+    """After the bounded wait: the payment method (200), or the problem of a rejected retry.
+
+    A retry still running is shown ``pending`` (and flagged: its outcome is delivered as the
+    event); an overtaken job shows the rail as it is.
+    """
+    pm = lock_existing(session, pm_id)
+    rails = rails_of(session, pm_id)
+    target = next(r for r in rails if r.rail == rail and r.provider == provider)
+    job = session.get(Job, job_id, populate_existing=True)
+    if target.job_id == job_id and job is not None and job.status not in jobs.TERMINAL:
+        settle_rail(session, pm, target, status=RailStatus.PENDING, provider_ids=target.provider_ids)
+        target.notify = True
+        session.add(target)
+    elif job is not None and job.status in JOB_FAILED and target.status == RailStatus.ERROR:
+        return retry_failure(session, pm_id, rail, provider, target.error_code or "PROVIDER_ENROLLMENT_FAILED")
+    return payment_method_view(pm, rails)
+
+
+# ---- delete --------------------------------------------------------------------------------------
+
+
+def start_delete(session: Session, caller: Caller, pm_id: str, *, settings: Settings, owner: str) -> Started:
+    """``DELETE /agentic/payment-methods/{id}``, the recording part.
+
+    Already deleted: nothing to do (no provider call, updated_at unchanged). An operation in
+    flight: 409 ``PAYMENT_METHOD_OPERATION_IN_PROGRESS`` (or ``..._DELETE_IN_PROGRESS``). Otherwise
+    the cascade starts (or resumes, after one stopped half-way): with provider enrollments to
+    remove, a delete job under a ``delete`` lease; without, the payment method is deleted at once.
+    """
+    pm = find(session, caller.tenant_id, pm_id, lock=True)
+    if pm.status == PaymentMethodStatus.DELETED:
+        return Started(pm.id, ())
+    lease = leases.held(session, pm.id)
+    if lease is not None:
+        raise leases.in_progress(lease)
+    if _allowance_busy(session, pm.id):
+        raise agentic_error(
+            "PAYMENT_METHOD_OPERATION_IN_PROGRESS", "An operation on an allowance of this payment method is in flight."
+        )
+    now = utcnow()
+    pm.delete_requested_at = pm.delete_requested_at or now
+    session.add(pm)
+    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="delete")
+    if not any(
+        r.enrollment_id and r.enrollment_removed_at is None for r in rails_of(session, pm.id)
+    ) and not _allowances_to_cancel(session, pm.id):
+        mark_deleted(session, pm)
+        return Started(pm.id, ())
+    leases.acquire(
+        session,
+        tenant_id=caller.tenant_id,
+        resource_id=pm.id,
+        operation=leases.DELETE,
+        owner=owner,
+        seconds=settings.operation_lease_seconds,
+    )
+    job = jobs.record(
+        session,
+        kind=DELETE_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type="payment_method",
+        subject_id=pm.id,
+        operation_id=owner,
+        trace_id=caller.trace_id,
+        max_attempts=DELETE_MAX_ATTEMPTS,
+    )
+    return Started(pm.id, (job.id,))
+
+
+def _allowance_busy(session: Session, pm_id: str) -> bool:
+    """True when a live operation lease holds one of the payment method's allowances."""
+    return (
+        session.exec(
+            select(func.count())
+            .select_from(OperationLease)
+            .join(Allowance, col(Allowance.id) == OperationLease.resource_id)
+            .where(Allowance.payment_method_id == pm_id, OperationLease.expires_at > utcnow())
+        ).one()
+        > 0
+    )
+
+
+def _allowances_to_cancel(session: Session, pm_id: str) -> bool:
+    """True when the payment method backs a live allowance (the cascade cancels it)."""
+    return (
+        session.exec(
+            select(func.count())
+            .select_from(Allowance)
+            .where(col(Allowance.payment_method_id) == pm_id, col(Allowance.status).in_(ALLOWANCE_LIVE))
+        ).one()
+        > 0
+    )
+
+
+def finish_delete(session: Session, caller: Caller, pm_id: str, job_ids: tuple[uuid.UUID, ...]) -> None:
+    """After the bounded wait: None (204) when deleted; else 500 ``PROVIDER_ALLOWANCE_CANCEL_FAILED``
+    when the cascade stopped, or 409 ``PAYMENT_METHOD_DELETE_IN_PROGRESS`` while it runs."""
+    pm = find(session, caller.tenant_id, pm_id)
+    if pm.status == PaymentMethodStatus.DELETED:
+        return None
+    statuses = job_statuses(session, list(job_ids))
+    if any(status in JOB_UNSUCCESSFUL for status in statuses.values()):
+        raise agentic_error(
+            "PROVIDER_ALLOWANCE_CANCEL_FAILED",
+            "The delete stopped during its cascade; repeat the same DELETE to resume it.",
+        )
+    raise agentic_error("PAYMENT_METHOD_DELETE_IN_PROGRESS")
