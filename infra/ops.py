@@ -202,6 +202,8 @@ class Heartbeat:
     host: str | None = None
     pid: int | None = None
     every: float = HEARTBEAT_SECONDS
+    #: A beat process's: ``active`` (it schedules) or ``standby``.
+    state: str | None = None
 
     @property
     def kind(self) -> str:
@@ -230,9 +232,15 @@ def _heartbeat_file(settings: Settings, name: str) -> Path:
     return settings.data_dir / "heartbeats" / (name.replace("/", "_") + ".json")
 
 
-def record_heartbeat(settings: Settings, name: str, *, every: float = HEARTBEAT_SECONDS) -> None:
-    """Write the heartbeat ``name`` (``worker:<hostname>``, ``beat``, ``relay``) now."""
-    payload = json.dumps({"at": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "every": every})
+def record_heartbeat(
+    settings: Settings, name: str, *, every: float = HEARTBEAT_SECONDS, state: str | None = None
+) -> None:
+    """Write the heartbeat ``name`` (``worker:<hostname>``, ``beat`` (the active beat),
+    ``beat:<host>:<pid>`` (each beat process, with its ``state``), ``relay``) now."""
+    fields: dict[str, Any] = {"at": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "every": every}
+    if state is not None:
+        fields["state"] = state
+    payload = json.dumps(fields)
     client = _heartbeat_redis(settings)
     if client is not None:
         client.set(_heartbeat_key(settings, name), payload, ex=max(60, int(every * 10)))
@@ -276,7 +284,7 @@ def heartbeats(settings: Settings) -> dict[str, Heartbeat]:
 def _heartbeat(name: str, raw: bytes) -> Heartbeat:
     data = json.loads(raw)
     every = float(data.get("every", HEARTBEAT_SECONDS))
-    return Heartbeat(name, float(data["at"]), data.get("host"), data.get("pid"), every)
+    return Heartbeat(name, float(data["at"]), data.get("host"), data.get("pid"), every, data.get("state"))
 
 
 def queue_report(settings: Settings, *, timeout: float = 1.0) -> dict[str, Any]:
@@ -330,11 +338,22 @@ def queue_report(settings: Settings, *, timeout: float = 1.0) -> dict[str, Any]:
         }
 
     relay_every = max(1.0, settings.outbox_relay_after_seconds / 3)
+    processes = [
+        {
+            "host": beat.host,
+            "pid": beat.pid,
+            "state": beat.state or "standby",
+            "heartbeat_age_seconds": round(beat.age(now), 3),
+        }
+        for name, beat in sorted(beats.items())
+        if beat.kind == "beat" and name != "beat" and beat.alive(now)
+    ]
     return {
         "queues": queues,
         "outbox_backlog": {"job": waiting.jobs, "webhook_delivery": waiting.deliveries},
         "workers": workers,
         "beat": component("beat", 3 * HEARTBEAT_SECONDS),
+        "beats": processes,
         "relay": component("relay", relay_every * 3 + HEARTBEAT_SECONDS),
         "errors": errors,
     }

@@ -9,6 +9,12 @@ database cannot be asked, the task is sent anyway (the sweep then finds out itse
 ``tessera beat`` runs this scheduler (``beat_scheduler`` in ``workers/celery_app.py``); the relay's
 heartbeat is written after each of its passes, sent or not, so ``tessera queues`` shows it alive (beat's
 own heartbeat comes from a thread of its own, ``workers/signals.py``).
+
+Several beat processes may run (on several hosts, for a standby): exactly one schedules at any time,
+the holder of the ``beat`` leader lock (:class:`storage.leader.LeaderLock`: a PostgreSQL advisory lock
+on a connection of its own; a file lock on the embedded database). The others stand by, asking for the
+lock every :data:`STANDBY_POLL_SECONDS`; when the active one dies its lock is freed at once (its
+connection closes; within about 25 s when its whole host vanishes) and a standby takes over.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from sqlmodel import Session, col
 from config.settings import get_settings
 from infra import ops, outbox
 from storage.db import session_scope
+from storage.leader import LeaderLock
 from storage.models_account_updater import AccountUpdaterJob
 from storage.states import AccountUpdaterStatus
 from storage.types import utcnow
@@ -68,8 +75,44 @@ def has_work(task_name: str) -> bool:
         return True
 
 
+#: Seconds between two asks for the scheduler lock by a standby beat.
+STANDBY_POLL_SECONDS = 5.0
+_state = {"value": "standby"}
+
+
+def beat_state() -> str:
+    """``active`` while this process holds the scheduler lock and schedules, else ``standby``."""
+    return _state["value"]
+
+
 class Scheduler(PersistentScheduler):
-    """Celery's persistent scheduler, sending a gated entry only when :func:`has_work` says so."""
+    """Celery's persistent scheduler, sending a gated entry only when :func:`has_work` says so, and
+    only while this process holds the ``beat`` leader lock (a standby ticks without sending)."""
+
+    def __init__(self, *args, **kwargs):
+        settings = get_settings()
+        self._leader = LeaderLock("beat", database_url=settings.effective_database_url, data_dir=settings.data_dir)
+        super().__init__(*args, **kwargs)
+
+    def tick(self, *args, **kwargs):
+        """Schedule when holding the lock; else stand by and ask again in :data:`STANDBY_POLL_SECONDS`."""
+        if not self._leader.hold():
+            if _state["value"] != "standby":
+                log.warning("beat: the scheduler lock is lost; standing by")
+            _state["value"] = "standby"
+            return STANDBY_POLL_SECONDS
+        if _state["value"] != "active":
+            log.info("beat: active, holding the scheduler lock")
+        _state["value"] = "active"
+        return super().tick(*args, **kwargs)
+
+    def close(self):
+        """Give the lock up as the process stops, so a standby takes over at once."""
+        try:
+            super().close()
+        finally:
+            self._leader.release()
+            _state["value"] = "standby"
 
     def apply_entry(self, entry, producer=None):
         if has_work(entry.task):

@@ -15,9 +15,12 @@ Imported by ``workers/celery_app.py``, so every process using the Celery app has
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from celery import signals
 
@@ -26,6 +29,7 @@ from infra import logs, metrics, ops
 from infra.celery import TENANT_HEADER, TRACE_HEADER
 from storage.db import session_scope
 from storage.models import Job
+from workers.beat import beat_state
 
 log = logging.getLogger("tessera.workers")
 
@@ -45,14 +49,31 @@ def _heartbeat(name: str) -> None:
         log.warning("could not record the %s heartbeat", name, exc_info=True)
 
 
-def start_heartbeat(name: str) -> threading.Thread:
-    """Record the heartbeat ``name`` now and every :data:`infra.ops.HEARTBEAT_SECONDS` from a daemon
-    thread, until :data:`_heartbeat_stop` is set; independent of what the process publishes or runs."""
+def _beat_heartbeat() -> None:
+    """Beat's heartbeats: ``beat:<host>:<pid>`` with its state (``active`` or ``standby``) for every
+    beat process, and ``beat`` from the active one (what ``tessera queues`` calls beat alive by)."""
+    state = beat_state()
+    try:
+        settings = get_settings()
+        ops.record_heartbeat(settings, f"beat:{socket.gethostname()}:{os.getpid()}", state=state)
+        if state == "active":
+            ops.record_heartbeat(settings, "beat", state=state)
+    except Exception:
+        log.warning("could not record beat's heartbeat", exc_info=True)
+
+
+def start_heartbeat(name: str, record: Callable[[], None] | None = None) -> threading.Thread:
+    """Record the heartbeat ``name`` (or call ``record``, which records its own) now and every
+    :data:`infra.ops.HEARTBEAT_SECONDS` from a daemon thread, until :data:`_heartbeat_stop` is set;
+    independent of what the process publishes or runs."""
     _heartbeat_stop.clear()
 
     def beat() -> None:
         while True:
-            _heartbeat(name)
+            if record is not None:
+                record()
+            else:
+                _heartbeat(name)
             if _heartbeat_stop.wait(ops.HEARTBEAT_SECONDS):
                 return
 
@@ -67,7 +88,7 @@ def _beat_started(sender=None, **_kwargs) -> None:
     the periodic sweeps, whose runs Flower does not list: no task-sent events from here."""
     if sender is not None:
         sender.app.conf.task_send_sent_event = False
-    start_heartbeat("beat")
+    start_heartbeat("beat", _beat_heartbeat)
 
 
 # ---- task runs -----------------------------------------------------------------------------------

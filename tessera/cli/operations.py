@@ -120,13 +120,13 @@ def alive(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - the check fails, saying why
         print(f"not alive: heartbeats unreadable ({type(exc).__name__}: {exc})"[:300], file=sys.stderr, flush=True)
         return 1
-    if args.role == "beat":
-        beat = beats.get("beat")
-        ok = bool(beat and beat.host == host and beat.alive())
+    if args.role == "beat":  # the active beat's heartbeat, or this host's beat process's (standby or active)
+        mine = [b for b in beats.values() if b.kind == "beat" and b.host == host]
+        ok = any(b.alive() for b in mine)
         problem = (
             "no beat heartbeat from this host"
-            if not (beat and beat.host == host)
-            else f"beat's last heartbeat is {beat.age():.0f}s old"
+            if not mine
+            else f"beat's last heartbeat is {min(b.age() for b in mine):.0f}s old"
         )
     else:
         mine = [b for b in beats.values() if b.kind == "worker" and b.host == host]
@@ -169,6 +169,9 @@ def queues(args: argparse.Namespace) -> int:
         age = _age(report[name]["heartbeat_age_seconds"])
         state = "alive" if report[name]["alive"] else "MISSING"
         lines.append(f"{label}: {state}, last heartbeat {age + ' ago' if age else 'never'}")
+    for process in report["beats"]:
+        age = _age(process["heartbeat_age_seconds"])
+        lines.append(f"  beat on {process['host']} (pid {process['pid']}): {process['state']}, heartbeat {age} ago")
     for source, error in report["errors"].items():
         lines.append(f"error reading {source}: {error}")
     if missing:
