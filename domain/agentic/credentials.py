@@ -45,7 +45,7 @@ from domain.agentic.views import credential_view
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from infra.errors import Problem
-from infra.http import is_public_address, validate_destination_url
+from infra.addresses import is_public_address, validate_destination_url
 from providers.agentic import CREDENTIAL_FORMATS
 from storage.crypto import get_keyring
 from storage.models_allowances import PaymentCredential
