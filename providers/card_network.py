@@ -246,6 +246,16 @@ def _provisioned(answer: Any) -> ProvisionedToken:
     )
 
 
+def ensure_configured(who: str | HasTenantType, settings: Settings | None = None) -> None:
+    """Check, without building an adapter, that a card network serves ``who`` (a caller or a tenant
+    type): the api's early answer before it records any work. Test tenants always have the sandbox.
+    Raises the 422 problem of :class:`providers.ProviderNotConfigured` for a production tenant when
+    ``TESSERA_CARD_NETWORK_URL`` is unset."""
+    tenant_type = who if isinstance(who, str) else who.tenant_type
+    if tenant_type != "test" and not (settings or get_settings()).card_network_url:
+        raise ProviderNotConfigured(PROVIDER_NAME)
+
+
 def card_network_for(who: str | HasTenantType, settings: Settings | None = None) -> CardNetwork:
     """The card network adapter for a caller (anything with a ``tenant_type``) or a tenant type (``test`` |
     ``production``).

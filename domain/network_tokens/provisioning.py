@@ -49,7 +49,12 @@ from infra import jobs
 from infra.errors import Problem, validation_problem
 from infra.lookup import parse_uuid
 from infra.wait import Outcome
-from providers.card_network import CardNetwork, CardToProvision, ProvisionedToken, card_network_for
+from providers.card_network import (
+    CardNetwork,
+    CardToProvision,
+    ProvisionedToken,
+    ensure_configured,
+)
 from storage.crypto import get_keyring
 from storage.db import Rows, read_first, session_scope, stage_rows
 from storage.models import Job, Tenant
@@ -177,7 +182,7 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
     row for a source token or intent). The job's task is sent when the caller's transaction commits.
     """
     now = now or utcnow()
-    card_network_for(caller)  # a production tenant without a configured network: 422 before anything
+    ensure_configured(caller)  # a production tenant without a configured network: 422 before anything
     source = _resolve_source(session, caller, request, now)
     card = source.card
     rows = Rows()  # every row in one statement, no ORM object (``storage.db.insert_rows``)
