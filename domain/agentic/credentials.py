@@ -44,8 +44,8 @@ from domain.agentic.units import commit_unit
 from domain.agentic.views import credential_view
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
-from infra.errors import Problem
 from infra.addresses import is_public_address, validate_destination_url
+from infra.errors import Problem
 from providers.agentic import CREDENTIAL_FORMATS
 from storage.crypto import get_keyring
 from storage.models_allowances import PaymentCredential
