@@ -56,15 +56,13 @@ def queue_of(task_name: str) -> str:
 
 def configure(app: Celery, settings: Settings) -> None:
     """Apply the platform's configuration for ``settings`` to ``app``."""
-    embedded = settings.effective_broker_url.startswith("sqla+")
-    visibility_timeout = max(3600, settings.task_time_limit_seconds * 4)
+    url = settings.effective_broker_url
+    embedded = url.startswith("sqla+")
+    amqp = url.startswith(("amqp://", "amqps://", "pyamqp://"))
     app.conf.update(
-        broker_url=settings.effective_broker_url,
+        broker_url=url,
         broker_connection_retry_on_startup=True,
-        # kombu's SQLAlchemy transport hands its options to create_engine: it takes none of these.
-        broker_transport_options={}
-        if embedded
-        else {"visibility_timeout": visibility_timeout, "global_keyprefix": settings.redis_key_prefix},
+        broker_transport_options=_transport_options(settings, embedded=embedded, amqp=amqp),
         result_backend=None,
         task_ignore_result=True,
         task_serializer="json",
@@ -80,7 +78,7 @@ def configure(app: Celery, settings: Settings) -> None:
         worker_send_task_events=not embedded,
         task_send_sent_event=settings.task_sent_events and not embedded,
         task_default_queue="default",
-        task_queues=[Queue(name, Exchange(name), routing_key=name) for name in QUEUES],
+        task_queues=[_queue(name, amqp=amqp) for name in QUEUES],
         task_routes=(_route,),
         worker_hijack_root_logger=False,
         timezone="UTC",
@@ -89,6 +87,29 @@ def configure(app: Celery, settings: Settings) -> None:
     )
     if settings.worker_concurrency:
         app.conf.worker_concurrency = settings.worker_concurrency
+
+
+def _transport_options(settings: Settings, *, embedded: bool, amqp: bool) -> dict[str, object]:
+    """The broker transport's options: none for kombu's SQLAlchemy transport (it hands them to
+    ``create_engine``); publisher confirms on RabbitMQ (a message is sent once the broker has it);
+    on Redis the visibility timeout (longer than any task) and the deployment's key prefix."""
+    if embedded:
+        return {}
+    if amqp:
+        return {"confirm_publish": True}
+    return {
+        "visibility_timeout": max(3600, settings.task_time_limit_seconds * 4),
+        "global_keyprefix": settings.redis_key_prefix,
+    }
+
+
+def _queue(name: str, *, amqp: bool) -> Queue:
+    """Queue ``name`` behind an exchange of its own. On RabbitMQ a quorum queue (replicated, durable)
+    behind a topic exchange, which Celery's native delayed delivery needs for countdowns on quorum
+    queues (global QoS is then turned off by Celery's quorum-queue detection)."""
+    if amqp:
+        return Queue(name, Exchange(name, type="topic"), routing_key=name, queue_arguments={"x-queue-type": "quorum"})
+    return Queue(name, Exchange(name), routing_key=name)
 
 
 def _route(name: str, args, kwargs, options, task=None, **kw):

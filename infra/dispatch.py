@@ -17,6 +17,7 @@ hours is a broker that loses them on restart, and Redis' visibility timeout woul
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session
@@ -61,11 +62,12 @@ def _outgoing(session: Session) -> _Outgoing:
 
 def countdown_for(delay: float | None) -> float | bool | None:
     """The countdown a message for work due in ``delay`` seconds carries: None (now) for no delay,
-    the delay itself up to :data:`MAX_COUNTDOWN_SECONDS`, else False (no message: the relay sends it
-    when it is due)."""
+    the delay rounded up to whole seconds up to :data:`MAX_COUNTDOWN_SECONDS` (never early; RabbitMQ's
+    native delayed delivery counts whole seconds), else False (no message: the relay sends it when it
+    is due)."""
     if delay is None or delay <= 0:
         return None
-    return delay if delay <= MAX_COUNTDOWN_SECONDS else False
+    return math.ceil(delay) if delay <= MAX_COUNTDOWN_SECONDS else False
 
 
 def enqueue_after_commit(session: Session, task_name: str, *, delay: float | None = None, **kwargs) -> None:

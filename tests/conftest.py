@@ -48,6 +48,9 @@ def _test_database_url() -> str:
 
 TEST_DATABASE_URL = _test_database_url()
 TEST_REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+#: The broker of the run: Redis (the same database) unless ``TESSERA_TEST_BROKER_URL`` names another
+#: (``amqp://guest:guest@127.0.0.1:5672//`` runs the suite on RabbitMQ).
+TEST_BROKER_URL = os.environ.get("TESSERA_TEST_BROKER_URL", TEST_REDIS_URL)
 REDIS_PREFIX = f"test{RUN_ID}:"
 
 
@@ -70,7 +73,7 @@ WALLET_DOMAINS_PORT = free_port()
 os.environ.update(
     {
         "TESSERA_DATABASE_URL": TEST_DATABASE_URL,
-        "TESSERA_BROKER_URL": TEST_REDIS_URL,
+        "TESSERA_BROKER_URL": TEST_BROKER_URL,
         "TESSERA_REDIS_URL": TEST_REDIS_URL,
         "TESSERA_REDIS_KEY_PREFIX": REDIS_PREFIX,
         "TESSERA_DATA_DIR": str(DATA_DIR),
