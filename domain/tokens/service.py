@@ -64,8 +64,8 @@ from domain.tokens.cards import (
     validate_bank,
     validate_card,
 )
+from domain.tokens.errors import ExpressionError
 from domain.tokens.expressions import (
-    ExpressionError,
     apply_mask,
     make_context,
     render,

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from domain.proxy.detokenize import parse_expression
 from domain.proxy.errors import ProxyError
+from domain.tokens.engine import MAX_OUTPUT_SIZE
+from domain.tokens.errors import ExpressionError
 from domain.tokens.expressions import (
-    MAX_OUTPUT_SIZE,
-    ExpressionError,
     apply_mask,
     environment,
     evaluate,
