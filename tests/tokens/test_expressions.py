@@ -16,6 +16,8 @@ from domain.tokens.expressions import (
     validate_mask,
 )
 
+pytestmark = pytest.mark.unit
+
 VISA = "4242424242424242"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +29,8 @@ from domain.tokens.expressions import (
     validate_expression,
     validate_mask,
 )
+
+pytestmark = pytest.mark.fuzz
 
 PAN = "4111111111111111"
 CVC = "737"
