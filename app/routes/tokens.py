@@ -20,7 +20,7 @@ from app.api import Api, Call, query_extras
 from app.pagination import CursorPage, OffsetPage, cursor_page, cursor_query, decode_cursor, offset_page, offset_query
 from app.schemas import RequestModel, ResponseModel
 from domain.tokens import idempotency, service
-from domain.tokens.validation import MetadataPatch, TokenOptions, TokenRequestBody, TokenType
+from domain.tokens.validation import TokenOptions, TokenRequestBody, TokenType
 from infra.errors import Problem, validation_problem
 
 api = Api()
@@ -73,17 +73,17 @@ class TokenOut(ResponseModel):
     expires_at: dt.datetime | None = None
 
 
-class TokenPatch(TokenOptions):
+class TokenPatch(TokenOptions[str | None]):
     """An RFC 7396 merge patch of a token: objects merge, null removes. ``id``, ``type`` and
     ``parent_id`` cannot change (400)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
     data: Any = None
-    metadata: MetadataPatch | None = Field(None, description="Merged; a null value removes the key.")
+    metadata: dict[str, str | None] | None = Field(None, description="Merged; a null value removes the key.")
     privacy: Any = Field(None, description="Ignored.")
 
 
-class ConvertIn(TokenOptions):
+class ConvertIn(TokenOptions[str]):
     """Options of the token made from a token intent; ``type`` and ``data`` come from the intent (400)."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})

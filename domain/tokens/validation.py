@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationInfo
 from pydantic import ValidationError as ModelError
@@ -58,11 +58,8 @@ def _metadata_pairs(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
-MetadataText = Annotated[str, Field(max_length=MAX_METADATA_VALUE)]
-#: A token's metadata: at most 100 pairs, keys of 1 to 255 characters, string values of at most 1024.
-Metadata = Annotated[dict[str, MetadataText], AfterValidator(_metadata_pairs)]
-#: Metadata in a merge patch: as :data:`Metadata`, and a null value removes the key.
-MetadataPatch = Annotated[dict[str, MetadataText | None], AfterValidator(_metadata_pairs)]
+#: A metadata value: a string (a token's metadata), or a string or null (a merge patch; null removes the key).
+MetadataValue = TypeVar("MetadataValue", str, str | None)
 
 
 def _container(value: str, info: ValidationInfo) -> str:
@@ -117,15 +114,21 @@ Alias = Annotated[str, Field(pattern=ALIAS_PATTERN)]
 Expiry = Annotated[dt.datetime, BeforeValidator(_iso_datetime), AfterValidator(_future)]
 
 
-class TokenOptions(BaseModel):
+class TokenOptions(BaseModel, Generic[MetadataValue]):
     """The options of a token request (every one optional; spec "Tokenize"). The rules a value must
     follow are checked here; what depends on the data (masks, rendering) by :func:`parse_token_request`,
-    what depends on the tenant (aliases in use, parents) when the tokens are created (409, 400)."""
+    what depends on the tenant (aliases in use, parents) when the tokens are created (409, 400).
+    Metadata: at most 100 pairs, keys of 1 to 255 characters, values of at most 1024."""
 
     model_config = ConfigDict(extra="forbid")
 
     id: Alias | None = Field(None, description="An alias; an id already used in the tenant answers 409.")
-    metadata: Metadata | None = Field(None, description="At most 100 pairs; key <= 255, value <= 1024.")
+    metadata: (
+        Annotated[
+            dict[str, Annotated[MetadataValue, Field(max_length=MAX_METADATA_VALUE)]], AfterValidator(_metadata_pairs)
+        ]
+        | None
+    ) = Field(None, description="At most 100 pairs; key <= 255, value <= 1024.")
     mask: Any = Field(
         None,
         description="Expressions mirroring the data; default for card: first six and last "
@@ -156,7 +159,7 @@ class _Typed(BaseModel):
     type: TokenType
 
 
-class TokenRequestBody(TokenOptions, _Typed):
+class TokenRequestBody(TokenOptions[str], _Typed):
     """The token request object. ``data`` by type: card ``{number,
     expiration_month, expiration_year, cvc, name}`` (Luhn and the form of the expiration checked, not
     its date; a numeric ``cvc`` is taken as its digits), bank ``{routing_number, account_number}``,
@@ -187,7 +190,7 @@ REQUEST_FIELDS = frozenset(TokenRequestBody.model_fields)
 #: Properties a merge patch may change (the ``privacy`` attribute is accepted and ignored).
 PATCHABLE_FIELDS = REQUEST_FIELDS - {"type", "id", "parent_id"}
 #: Properties of the ``metadata`` object of the payment-forwarding tokenize body.
-PSP_OPTION_FIELDS = frozenset(TokenOptions.model_fields) - {"parent_id"}
+PSP_OPTION_FIELDS = frozenset(TokenRequestBody.model_fields) - {"type", "data", "privacy", "parent_id"}
 PSP_CARD_FIELDS = ("number", "exp_month", "exp_year", "cvc", "name")
 
 
