@@ -147,7 +147,7 @@ class TokenOptions(BaseModel, Generic[MetadataValue]):
     parent_id: Alias | None = Field(None, description="An existing token of the tenant.")
 
 
-def _present(value: Any) -> Any:
+def _not_null(value: Any) -> Any:
     if value is None:
         raise ValueError("is required")
     return value
@@ -178,7 +178,7 @@ class TokenRequestBody(TokenOptions[str], _Typed):
             ],
         },
     )
-    data: Annotated[Any, AfterValidator(_present)] = Field(
+    data: Annotated[Any, AfterValidator(_not_null)] = Field(
         description="card: {number, expiration_month, expiration_year, cvc, name}; "
         "bank: {routing_number, account_number}; token: any JSON value."
     )
@@ -190,7 +190,7 @@ REQUEST_FIELDS = frozenset(TokenRequestBody.model_fields)
 #: Properties a merge patch may change (the ``privacy`` attribute is accepted and ignored).
 PATCHABLE_FIELDS = REQUEST_FIELDS - {"type", "id", "parent_id"}
 #: Properties of the ``metadata`` object of the payment-forwarding tokenize body.
-PSP_OPTION_FIELDS = frozenset(TokenRequestBody.model_fields) - {"type", "data", "privacy", "parent_id"}
+PSP_OPTION_FIELDS = REQUEST_FIELDS - {"type", "data", "privacy", "parent_id"}
 PSP_CARD_FIELDS = ("number", "exp_month", "exp_year", "cvc", "name")
 
 
