@@ -3,7 +3,8 @@ decrypt endpoints, the shut-down v1 list and search, and the payment-forwarding 
 
 Spec, core document: "Token", "Tokenize", "Token children", "Payment-forwarding connection",
 sections 5, 7, 8 and 9; ``spec/README.md`` decisions 7 and 8. Handlers are thin: the rules live in
-:mod:`domain.tokens.service`.
+:mod:`domain.tokens.service`; the token request object and its validation are
+:class:`domain.tokens.validation.TokenRequestBody`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Awaitable
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field
 
@@ -19,11 +20,11 @@ from app.api import Api, Call, query_extras
 from app.pagination import CursorPage, OffsetPage, cursor_page, cursor_query, decode_cursor, offset_page, offset_query
 from app.schemas import RequestModel, ResponseModel
 from domain.tokens import idempotency, service
+from domain.tokens.validation import TokenOptions, TokenRequestBody, TokenType
 from infra.errors import Problem, validation_problem
 
 api = Api()
 TAG = "Tokens"
-TokenType = Literal["token", "card", "bank"]
 
 #: RFC 9745 ``Deprecation`` value: the decrypt endpoints were deprecated on January 3, 2022.
 DECRYPT_DEPRECATION = {"Deprecation": f"@{int(dt.datetime(2022, 1, 3, tzinfo=dt.UTC).timestamp())}"}
@@ -72,63 +73,6 @@ class TokenOut(ResponseModel):
     expires_at: dt.datetime | None = None
 
 
-MetadataValue = TypeVar("MetadataValue", str, str | None)
-
-
-class TokenOptions(RequestModel, Generic[MetadataValue]):
-    """The options of a token request (every field optional). The domain checks what a type cannot
-    express (containers, expressions, aliases in use ...) and answers 400 keyed by path. Metadata
-    values are strings; in a merge patch they may also be null (the key is removed)."""
-
-    id: str | None = Field(
-        None,
-        pattern=r"^[A-Za-z0-9\-_.:]{1,400}$",
-        description="An alias; an id already used in the tenant answers 409.",
-    )
-    metadata: dict[str, MetadataValue] | None = Field(None, description="At most 100 pairs; key <= 255, value <= 1024.")
-    mask: Any = Field(
-        None,
-        description="Expressions mirroring the data; default for card: first six and last "
-        "four of the number and the expiration; for bank: the account number's last four.",
-    )
-    containers: list[str] | None = Field(None, description="Default /<classification>/high/.")
-    search_indexes: list[str] | None = Field(None, max_length=20)
-    fingerprint_expression: str | None = Field(
-        None, description="A Liquid expression; a comma where a filter's pipe belongs is read as the pipe."
-    )
-    deduplicate_token: bool | None = None
-    expires_at: dt.datetime | None = Field(None, description="ISO 8601, in the future.")
-    parent_id: str | None = Field(None, description="An existing token of the tenant.")
-
-
-class TokenRequest(TokenOptions[str]):
-    """The token request object. ``data`` by type: card ``{number,
-    expiration_month, expiration_year, cvc, name}`` (Luhn and the form of the expiration checked, not
-    its date; a numeric ``cvc`` is taken as its digits), bank ``{routing_number, account_number}``,
-    token any JSON value."""
-
-    model_config = ConfigDict(
-        extra="allow",
-        title="TokenRequest",
-        json_schema_extra={
-            "additionalProperties": False,
-            "examples": [
-                {
-                    "type": "card",
-                    "data": {"number": "4111111111111111", "expiration_month": 12, "expiration_year": 2031},
-                    "metadata": {"order": "1234"},
-                }
-            ],
-        },
-    )
-    type: TokenType
-    data: Any = Field(
-        description="card: {number, expiration_month, expiration_year, cvc, name}; "
-        "bank: {routing_number, account_number}; token: any JSON value."
-    )
-    privacy: Any = Field(None, description="Shut down on February 1, 2023: accepted and ignored.")
-
-
 class TokenPatch(TokenOptions[str | None]):
     """An RFC 7396 merge patch of a token: objects merge, null removes. ``id``, ``type`` and
     ``parent_id`` cannot change (400)."""
@@ -174,7 +118,7 @@ class PspForwardIn(RequestModel):
 #: ``POST /tokenize``: any JSON value, walked recursively by the domain (which validates each token
 #: request object it finds); the union documents the forms.
 TokenizeIn = Annotated[
-    TokenRequest | str | float | bool | list[Any] | dict[str, Any] | None,
+    TokenRequestBody | str | float | bool | list[Any] | dict[str, Any] | None,
     Field(
         description="A token request object, a bare string/number/boolean, or objects and arrays of them "
         "(mixed types), walked recursively."
@@ -282,7 +226,7 @@ async def tokenize(call: Call):
 @api.route(
     "POST",
     "/tokens",
-    body=TokenRequest,
+    body=TokenRequestBody,
     status=201,
     response=TokenOut,
     tag=TAG,
@@ -297,7 +241,7 @@ async def tokenize(call: Call):
 )
 async def create(call: Call):
     return await call.db_grouped(
-        idempotency.once, call.caller, idempotency.TOKENS, _idempotency_key(call), service.create_token, call.payload
+        idempotency.once, call.caller, idempotency.TOKENS, _idempotency_key(call), service.create_token, call.body
     )
 
 

@@ -45,7 +45,7 @@ from domain.account_updater.results import (
 from domain.account_updater.s3_files import get_blocks
 from domain.account_updater.steps import FINISH_TASK, record_step
 from domain.tokens.cards import DEFAULT_FINGERPRINT_EXPRESSIONS, default_card_mask, validate_card
-from domain.tokens.service import DATA_PURPOSE, NewToken
+from domain.tokens.store import DATA_PURPOSE, NewToken
 from domain.webhooks.events import emit
 from providers.account_updates import AccountUpdatesClient, UpdateItem, UpdateResult
 from storage.crypto import DecryptionError, Keyring, get_keyring
@@ -77,7 +77,7 @@ def new_token_id(seed: str, row_number: int) -> str:
 @dataclass
 class ChunkOutcome:
     """What processing one chunk produced, written by :func:`apply_chunk`: the result rows as CSV text,
-    the ``tokens`` rows of the new tokens (``domain.tokens.service.NewToken.row``, ready for
+    the ``tokens`` rows of the new tokens (``domain.tokens.store.NewToken.row``, ready for
     ``storage.db.insert_rows``), and counts."""
 
     rows: int
@@ -293,7 +293,7 @@ def _token_row(
     created_by: uuid.UUID | None,
     now: dt.datetime,
 ) -> dict:
-    """The ``tokens`` row of a new card token (``domain.tokens.service.NewToken.row``), as
+    """The ``tokens`` row of a new card token (``domain.tokens.store.NewToken.row``), as
     ``domain.tokens.service.create_tokens`` writes one for the request ``{"type": "card", "data": data,
     "containers": <old>, "metadata": <old>}``: data sealed under the tenant key, default card mask,
     default fingerprint expression and its fingerprint."""

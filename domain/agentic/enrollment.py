@@ -48,7 +48,7 @@ from domain.agentic.payment_methods import (
     tenant_type,
 )
 from domain.tenancy.usage import record_token_activity_unflushed
-from domain.tokens.service import live_token_reads, open_token_data
+from domain.tokens.store import live_token_reads, open_token_data
 from infra import jobs
 from infra.errors import Problem
 from infra.jobs import PermanentError, TransientError
@@ -112,7 +112,7 @@ def _of_rail(column):
 def enrollment_reads() -> dict[str, Any]:
     """What an enrollment job needs, read by its lease statement (:func:`infra.jobs.lease`):
     the rail, its payment method, the tenant's type and the payment method's card token (live or
-    None, see :func:`domain.tokens.service.live_token_reads`); no transaction of its own."""
+    None, see :func:`domain.tokens.store.live_token_reads`); no transaction of its own."""
     pm_id = _of_rail(PaymentMethodRail.payment_method_id)
 
     def of_pm(column):

@@ -14,7 +14,7 @@ from domain.reactors.runs import RUN_PURPOSE
 from domain.reactors.service import CONFIGURATION_PURPOSE as REACTOR_CONFIGURATION_PURPOSE
 from domain.tenancy.tenants import WEBHOOK_SECRET_PURPOSE
 from domain.tokens.idempotency import ANSWER_PURPOSE
-from domain.tokens.service import DATA_PURPOSE as TOKEN_PURPOSE
+from domain.tokens.store import DATA_PURPOSE as TOKEN_PURPOSE
 from domain.wallets.domains import SESSION_PURPOSE
 from domain.wallets.service import CRYPTOGRAM_PURPOSE, KEY_PURPOSE
 from domain.wallets.service import DATA_PURPOSE as WALLET_TOKEN_PURPOSE

@@ -44,7 +44,9 @@ from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tokens.cards import DEFAULT_FINGERPRINT_EXPRESSIONS, default_card_mask, validate_card
 from domain.tokens.expressions import apply_mask, make_context, render
-from domain.tokens.service import create_tokens, parse_token_request, token_view
+from domain.tokens.service import create_tokens
+from domain.tokens.validation import parse_token_request
+from domain.tokens.views import token_view
 from infra.errors import Problem, not_found, validation_problem
 from infra.lookup import parse_uuid
 from storage.crypto import get_keyring

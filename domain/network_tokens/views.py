@@ -12,7 +12,7 @@ from sqlmodel import Session
 
 from domain.tenancy.caller import Caller
 from domain.tokens.cards import card_brand
-from domain.tokens.expressions import reveal_last_filter
+from domain.tokens.filters import reveal_last_filter
 from storage.crypto import get_keyring
 from storage.models_network_tokens import NetworkToken
 

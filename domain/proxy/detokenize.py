@@ -61,13 +61,10 @@ from domain.proxy.errors import ProxyError, invalid_expression, invalid_request,
 from domain.proxy.values import KINDS, NETWORK_TOKEN, TOKEN, TOKEN_INTENT, WALLET_A, WALLET_B, Loaded, ValueLoader
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import IMPACT_LEVELS, TYPE_CLASSIFICATION, parse_container, read_level
-from domain.tokens.expressions import (
-    ExpressionError,
-    evaluate,
-    stringify_filter,
-    validate_expression,
-)
-from domain.tokens.service import container_placement
+from domain.tokens.access import container_placement
+from domain.tokens.errors import ExpressionError
+from domain.tokens.expressions import evaluate, validate_expression
+from domain.tokens.filters import stringify_filter
 from infra.errors import Problem
 
 MAX_TOKENS = 20

@@ -30,7 +30,7 @@ from domain.tenancy import audit
 from domain.tenancy.auth import KeyCache, caller_cache, key_digest
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import effective_permissions, require_grantable
-from domain.tokens.service import merge_patch
+from domain.tokens.validation import merge_patch
 from infra.errors import validation_problem
 from infra.lookup import get_owned
 from infra.node_runtime.owners import PROXY, end_owner_after_commit

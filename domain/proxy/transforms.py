@@ -46,6 +46,7 @@ from sqlmodel import Session
 from domain.proxy.errors import TRANSFORM_FAILED, TRANSFORM_INITIALIZING, ProxyError
 from domain.tenancy.caller import Caller
 from domain.tokens import service as tokens
+from domain.tokens.validation import REQUEST_FIELDS
 
 MAX_CODE_LENGTH = 50_000
 """Longest code of a code transform, in characters (core document section 8, reactor code)."""
@@ -90,7 +91,7 @@ class TokenizeTransform(_Transform):
             raise ValueError('must hold the token type, e.g. {"type": "card"}')
         if "data" in value:
             raise ValueError("takes its data from the body; remove data")
-        unknown = set(value) - (tokens.REQUEST_FIELDS - {"data", "id", "parent_id", "privacy"})
+        unknown = set(value) - (REQUEST_FIELDS - {"data", "id", "parent_id", "privacy"})
         if unknown:
             raise ValueError(f"has unknown properties: {', '.join(sorted(unknown))}")
         return value

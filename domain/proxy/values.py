@@ -23,7 +23,9 @@ from domain.client_keys.service import decrypt_encrypted_header
 from domain.network_tokens import token_intents
 from domain.network_tokens import views as network_tokens
 from domain.tenancy.usage import record_token_activity, stage_token_activity
-from domain.tokens import service as tokens
+from domain.tokens.access import FULL
+from domain.tokens.store import DATA_PURPOSE
+from domain.tokens.views import token_view
 from domain.wallets import service as wallets
 from infra.lookup import parse_uuid
 from storage.crypto import get_keyring
@@ -173,10 +175,10 @@ class SqlValueLoader:
         )
         found = {}
         for row in rows:
-            data = self._decrypt(tenant_id, tokens.DATA_PURPOSE, row.id, row.data_ct)
+            data = self._decrypt(tenant_id, DATA_PURPOSE, row.id, row.data_ct)
             if row.cvc_expires_at is not None and row.cvc_expires_at <= self.now and isinstance(data, dict):
                 data.pop("cvc", None)  # past its retention, as everywhere else
-            record = plain(tokens.token_view(row, data, None, access=tokens.FULL))  # type: ignore[arg-type]
+            record = plain(token_view(row, data, None, access=FULL))  # type: ignore[arg-type]
             record["data"] = data
             found[row.id] = Loaded(TOKEN, row.id, data, record, tuple(row.containers or ()))
         if self.rows is not None:

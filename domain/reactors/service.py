@@ -39,7 +39,7 @@ from domain.reactors.runtime import Reactor as RuntimeReactor
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tenancy.permissions import require_grantable
-from domain.tokens.service import merge_patch
+from domain.tokens.validation import merge_patch
 from infra import jobs
 from infra.errors import Problem, validation_problem
 from infra.lookup import get_owned

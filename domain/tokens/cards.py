@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import re
+from typing import Any, TypeGuard
 
 __all__ = [
     "DEFAULT_FINGERPRINT_EXPRESSIONS",
@@ -26,6 +27,7 @@ __all__ = [
     "mask_pan",
     "validate_bank",
     "validate_card",
+    "without_cvc",
 ]
 
 MAX_NAME_LENGTH = 200
@@ -75,7 +77,7 @@ def _is_ascii_digits(value: object) -> bool:
     return isinstance(value, str) and value.isascii() and value.isdigit()
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     """True for real integers; ``bool`` is a subclass of ``int`` but is not a number here."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -190,6 +192,14 @@ def default_bank_mask() -> dict[str, str]:
         "routing_number": "{{ data.routing_number }}",
         "account_number": "{{ data.account_number | reveal_last: 4 }}",
     }
+
+
+def without_cvc(kind: str, data: Any) -> Any:
+    """``data`` without its ``cvc`` when it is a card's (a new dict); other data as it is. A card's
+    ``cvc`` is never answered and is kept only ``cvc_retention_seconds`` (core spec, "Token")."""
+    if kind == "card" and isinstance(data, dict) and "cvc" in data:
+        return {k: v for k, v in data.items() if k != "cvc"}
+    return data
 
 
 def _add(errors: dict[str, list[str]], path: str, message: str) -> None:

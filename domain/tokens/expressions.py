@@ -1,57 +1,41 @@
-"""The expression engine: Liquid templates for token fingerprints, masks and search indexes.
+"""Token expressions: Liquid templates for token fingerprints, masks and search indexes.
 
 An expression is a Liquid template (python-liquid 2) rendered against the context
 ``{"data": <token data>, "metadata": {...}, "type": "<token type>"}`` (see :func:`make_context`).
-Expressions come from API callers, so the single module-level environment is locked down:
+Expressions come from API callers, so they are parsed and rendered in the one locked-down
+:data:`environment` (``domain.tokens.engine``: strict undefined and filters, no template loading,
+output, loop and work limits) with the platform's filters (``domain.tokens.filters``). This module
+parses (reading a stray comma before a filter name as the pipe it was meant to be), caches, renders
+and evaluates expressions, and applies masks; its limits are the template length
+(:data:`MAX_TEMPLATE_LENGTH`) and the nesting of masks (:data:`MAX_MASK_DEPTH`).
 
-* an undefined variable is an error (``{{ data.nope }}`` raises), except that it may be tested for
-  truthiness (``{% if data.cvc %}``) and replaced with the ``default`` filter;
-* an unknown filter is an error, found when the expression is validated, not only when a branch
-  using it happens to run;
-* no template loader, no ``include``/``render`` tags and no template inheritance tags;
-* resource limits: template length (:data:`MAX_TEMPLATE_LENGTH`), output size
-  (:data:`MAX_OUTPUT_SIZE`), loop iterations (:data:`MAX_LOOP_ITERATIONS`), the size of any
-  intermediate string a filter produces, the length of ranges a filter may expand, and the total
-  work filters may do in one render (:data:`MAX_FILTER_WORK`).
-
-Every failure surfaces as :class:`ExpressionError` with a readable message that names the rule,
-never the token data.
+Every failure surfaces as :class:`domain.tokens.errors.ExpressionError` with a readable message that
+names the rule, never the token data.
 """
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
-from functools import lru_cache, wraps
+from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any, NamedTuple
 
-import jsonpath
 from liquid import Environment, RenderContext
 from liquid.builtin.expressions import FilteredExpression, Path
 from liquid.builtin.expressions.arguments import KeywordArgument, PositionalArgument
 from liquid.builtin.output import OutputNode
-from liquid.exceptions import (
-    FilterArgumentError,
-    FilterValueError,
-    LiquidError,
-    TemplateNotFoundError,
-    UndefinedError,
-)
-from liquid.undefined import FalsyStrictUndefined, Undefined
+from liquid.exceptions import LiquidError
+from liquid.undefined import Undefined
 
-from domain.tokens.cards import mask_pan
+from domain.tokens.engine import MAX_OUTPUT_SIZE, build_environment, undefined_error, work_budget
+from domain.tokens.errors import ExpressionError
+from domain.tokens.filters import FILTERS, type_name
 
 __all__ = [
-    "MAX_FILTER_WORK",
-    "MAX_LOOP_ITERATIONS",
-    "MAX_OUTPUT_SIZE",
+    "MAX_MASK_DEPTH",
     "MAX_TEMPLATE_LENGTH",
-    "ExpressionError",
     "apply_mask",
     "environment",
     "evaluate",
@@ -64,505 +48,17 @@ __all__ = [
 MAX_TEMPLATE_LENGTH = 4096
 """Longest expression source accepted, in characters."""
 
-MAX_OUTPUT_SIZE = 1_048_576
-"""Largest rendered output, in characters; also the largest string any filter may produce."""
-
-MAX_LOOP_ITERATIONS = 10_000
-"""Most loop iterations (nested loops multiply) in one render; also the longest range a filter
-may expand (``(1..n) | join``)."""
-
-MAX_LOCAL_NAMESPACE = 4 * MAX_OUTPUT_SIZE
-"""Most bytes held by ``assign``/``capture`` variables in one render."""
-
-MAX_FILTER_WORK = 32 * MAX_OUTPUT_SIZE
-"""Work budget of one render: every filter call costs 1 plus the length of its input and of its
-result (characters of a string, items of an array or object), so a loop cannot run costly filters
-over large values thousands of times."""
-
-MAX_JSON_PATH_LENGTH = 1024
-"""Longest path accepted by the ``json`` filter."""
-
 MAX_MASK_DEPTH = 64
 """Deepest nesting of objects and arrays accepted in a mask."""
 
 TEMPLATE_CACHE_SIZE = 1024
 """Parsed templates kept in the LRU cache."""
 
-MASK_CHAR = "X"
-
-
-class ExpressionError(ValueError):
-    """An expression could not be parsed or rendered.
-
-    Raised for syntax errors, unknown filters, undefined variables, bad filter arguments and
-    resource limit breaches. ``str(err)`` is a one-line message suitable for an API error.
-    """
-
-
-class _Undefined(FalsyStrictUndefined):
-    """Strict undefined: output, filters and comparisons raise; ``if`` and ``default`` work."""
-
-    force_liquid_default = True
-
-
-class _ExpressionEnvironment(Environment):
-    """Environment with resource limits and no way to load other templates."""
-
-    output_stream_limit = MAX_OUTPUT_SIZE
-    loop_iteration_limit = MAX_LOOP_ITERATIONS
-    local_namespace_limit = MAX_LOCAL_NAMESPACE
-    context_depth_limit = 30
-    block_nesting_limit = 30
-
-    def get_template(self, name: str, **kwargs: object) -> Any:  # type: ignore[override]
-        """Refuse to load templates: expressions are self-contained."""
-        raise TemplateNotFoundError("loading templates is not allowed in expressions", token=None)
-
-    async def get_template_async(self, name: str, **kwargs: object) -> Any:  # type: ignore[override]
-        """Refuse to load templates: expressions are self-contained."""
-        raise TemplateNotFoundError("loading templates is not allowed in expressions", token=None)
-
-
-# --------------------------------------------------------------------------------------------
-# Filter helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _text(value: object, filter_name: str) -> str | None:
-    """Coerce a filter's input to text: None stays None, numbers and bools become strings."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    raise FilterValueError(f"{filter_name}: expected a string or a number, found {_type_name(value)}", token=None)
-
-
-def _type_name(value: object) -> str:
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    return type(value).__name__
-
-
-def _count(value: object, filter_name: str, arg_name: str) -> int:
-    """A non-negative integer argument; digit strings and integral floats are accepted."""
-    if isinstance(value, bool):
-        raise FilterArgumentError(f"{filter_name}: {arg_name} must be an integer", token=None)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    elif isinstance(value, str) and value.strip().isdigit() and value.strip().isascii():
-        value = int(value.strip())
-    if not isinstance(value, int):
-        raise FilterArgumentError(f"{filter_name}: {arg_name} must be an integer", token=None)
-    if value < 0:
-        raise FilterArgumentError(f"{filter_name}: {arg_name} must not be negative", token=None)
-    return value
-
-
-def _mask_char(value: object, filter_name: str) -> str:
-    if not isinstance(value, str) or len(value) != 1:
-        raise FilterArgumentError(f"{filter_name}: the replacement must be a single character", token=None)
-    return value
-
-
-def _reveal(text: str, first: int, last: int, char: str) -> str:
-    size = len(text)
-    if first + last >= size:
-        return text
-    tail = text[size - last :] if last else ""
-    return text[:first] + char * (size - first - last) + tail
-
-
-# --------------------------------------------------------------------------------------------
-# Custom filters
-# --------------------------------------------------------------------------------------------
-
-
-def reveal_last_filter(value: object, n: object = 4, char: object = MASK_CHAR) -> str | None:
-    """``reveal_last: n[, char]``: replace all but the last ``n`` characters with ``X``.
-
-    ``{{ "123456789" | reveal_last: 4 }}`` -> ``XXXXX6789``; ``char`` changes the replacement
-    character. None stays None; numbers are converted to strings; a value no longer than ``n`` is
-    returned unchanged.
-    """
-    text = _text(value, "reveal_last")
-    if text is None:
-        return None
-    return _reveal(text, 0, _count(n, "reveal_last", "n"), _mask_char(char, "reveal_last"))
-
-
-def reveal_first_filter(value: object, n: object = 6, char: object = MASK_CHAR) -> str | None:
-    """``reveal_first: n[, char]``: replace all but the first ``n`` characters with ``X``.
-
-    ``{{ "123456789" | reveal_first: 2 }}`` -> ``12XXXXXXX``. Same coercions as ``reveal_last``.
-    """
-    text = _text(value, "reveal_first")
-    if text is None:
-        return None
-    return _reveal(text, _count(n, "reveal_first", "n"), 0, _mask_char(char, "reveal_first"))
-
-
-def reveal_filter(value: object, first: object = 0, last: object = 0, char: object = MASK_CHAR) -> str | None:
-    """``reveal: first, last[, char]``: keep ``first`` leading and ``last`` trailing characters.
-
-    ``{{ "4111111111111111" | reveal: 6, 4 }}`` -> ``411111XXXXXX1111``. A value no longer than
-    ``first + last`` is returned unchanged. Same coercions as ``reveal_last``.
-    """
-    text = _text(value, "reveal")
-    if text is None:
-        return None
-    return _reveal(
-        text,
-        _count(first, "reveal", "first"),
-        _count(last, "reveal", "last"),
-        _mask_char(char, "reveal"),
-    )
-
-
-def card_mask_filter(value: object) -> str | None:
-    """``card_mask``: mask a card number, first six and last four visible (``424242XXXXXX4242``).
-
-    Shorter values keep only the last four (see :func:`domain.tokens.cards.mask_pan`). None stays None.
-    """
-    text = _text(value, "card_mask")
-    if text is None:
-        return None
-    return mask_pan(text)
-
-
-def last4_filter(value: object) -> str | None:
-    """``last4``: the last four characters (all of a shorter value). None stays None."""
-    text = _text(value, "last4")
-    if text is None:
-        return None
-    return text[-4:]
-
-
-def digits_filter(value: object) -> str | None:
-    """``digits``: keep the ASCII digits only (``"4242-4242"`` -> ``42424242``). None stays None."""
-    text = _text(value, "digits")
-    if text is None:
-        return None
-    return "".join(c for c in text if "0" <= c <= "9")
-
-
-def stringify_filter(value: object) -> str:
-    """``stringify``: a stable string for any value.
-
-    Strings are returned unchanged; anything else (objects, arrays, numbers, booleans, nil) is
-    compact JSON with object keys sorted, so ``{"b": 1, "a": 2}`` always gives
-    ``{"a":2,"b":1}``, ``true`` gives ``true`` and nil gives ``null``. Non-ASCII characters are
-    kept as they are. NaN and infinities are rejected.
-    """
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(
-            value,
-            sort_keys=True,
-            separators=(",", ":"),
-            ensure_ascii=False,
-            allow_nan=False,
-            default=_json_default,
-        )
-    except RecursionError as err:
-        raise FilterValueError("stringify: value is nested too deeply", token=None) from err
-    except (TypeError, ValueError) as err:
-        raise FilterValueError(f"stringify: value is not representable as JSON ({err})", token=None) from err
-
-
-def _json_default(value: object) -> object:
-    if isinstance(value, Undefined):
-        raise UndefinedError(value.msg, token=value.token)
-    if isinstance(value, (tuple, range)):
-        return list(value)
-    if isinstance(value, Mapping):
-        return dict(value)
-    raise TypeError(f"unsupported type {type(value).__name__}")
-
-
-@lru_cache(maxsize=256)
-def _compile_json_path(path: str) -> jsonpath.JSONPath:
-    """Compile ``path`` with python-jsonpath (RFC 9535); only singular queries (names and indexes,
-    ``$.a['b'][0]``) are accepted. Raises FilterArgumentError when malformed or not singular."""
-    if not path.startswith("$"):
-        raise FilterArgumentError("json: a path must start with '$'", token=None)
-    try:
-        compiled = jsonpath.compile(path)
-    except jsonpath.JSONPathError as err:
-        raise FilterArgumentError(f"json: malformed path ({str(err).splitlines()[0]})", token=None) from None
-    if not isinstance(compiled, jsonpath.JSONPath) or not compiled.singular_query():
-        raise FilterArgumentError("json: only singular paths (member names and indexes) are supported", token=None)
-    return compiled
-
-
-def json_filter(value: object, path: object = "$") -> object:
-    """``json: "$.a.b[0]"``: select a value with a JSONPath (python-jsonpath, RFC 9535).
-
-    Singular queries only: ``$`` (the value itself), ``.name``, ``['name']`` / ``["name"]`` and
-    ``[index]`` (negative indexes count from the end). A string that holds a JSON object or array is parsed
-    first, so the filter also reads JSON text. Returns the selected value (objects and arrays
-    included, e.g. for ``| stringify``), or nil when the path selects nothing. Raises an
-    ExpressionError (at render) when the path is not a string or is malformed.
-    """
-    if not isinstance(path, str):
-        raise FilterArgumentError("json: the path must be a string", token=None)
-    if len(path) > MAX_JSON_PATH_LENGTH:
-        raise FilterArgumentError(f"json: the path is longer than {MAX_JSON_PATH_LENGTH} characters", token=None)
-    compiled = _compile_json_path(path.strip())
-    current = value
-    if isinstance(current, str) and current.lstrip()[:1] in ("{", "["):
-        try:
-            current = json.loads(current)
-        except ValueError:
-            pass
-    if not isinstance(current, (Mapping, list, tuple)):
-        return current if compiled.empty() else None
-    try:
-        match = compiled.match(current)
-    except jsonpath.JSONPathError:
-        return None
-    return None if match is None else match.obj
-
-
-# Filters for payment integrations (the outbound proxy's expressions use them most).
-
-_MAX_PAN_DIGITS = 19
-_EXP_FORMAT = re.compile(r"YYYY|YY|MM|M")
-
-
-def card_bin_filter(value: object, n: object = 6) -> str | None:
-    """``card_bin[: n]``: the BIN, the first ``n`` digits (default 6; at most 19) of a card number.
-
-    ``{{ "4242 4242 4242 4242" | card_bin }}`` -> ``424242``; separators are dropped first. None
-    stays None; numbers are converted to strings.
-    """
-    text = _text(value, "card_bin")
-    if text is None:
-        return None
-    size = _count(n, "card_bin", "n")
-    if not 1 <= size <= _MAX_PAN_DIGITS:
-        raise FilterArgumentError(f"card_bin: n must be between 1 and {_MAX_PAN_DIGITS}", token=None)
-    return "".join(c for c in text if "0" <= c <= "9")[:size]
-
-
-def card_exp_filter(value: object, fmt: object = "MM/YY") -> str | None:
-    """``card_exp[: "MM/YY"]``: a card's expiration formatted from its ``expiration_month`` and
-    ``expiration_year`` (a card's data, or a token object whose ``data`` is a card).
-
-    Format codes: ``MM`` (two-digit month), ``M`` (month), ``YYYY`` (four-digit year), ``YY`` (two
-    digits); anything else is copied. ``{{ card | card_exp: "MMYY" }}`` -> ``1229``. None stays None;
-    raises an ExpressionError when the month or year is missing or not a number.
-    """
-    if value is None:
-        return None
-    if not isinstance(fmt, str):
-        raise FilterArgumentError("card_exp: the format must be a string", token=None)
-    card = value.get("data") if isinstance(value, Mapping) and "expiration_month" not in value else value
-    if not isinstance(card, Mapping):
-        raise FilterValueError(f"card_exp: expected a card object, found {_type_name(card)}", token=None)
-    try:
-        month, year = int(str(card["expiration_month"])), int(str(card["expiration_year"]))
-    except (KeyError, TypeError, ValueError):
-        raise FilterValueError(
-            "card_exp: the card has no numeric expiration_month and expiration_year", token=None
-        ) from None
-    if year < 100:
-        year += 2000
-    parts = {"YYYY": f"{year:04d}", "YY": f"{year % 100:02d}", "MM": f"{month:02d}", "M": str(month)}
-    return _EXP_FORMAT.sub(lambda m: parts[m.group(0)], fmt)
-
-
-def to_number_filter(value: object) -> int | float | None:
-    """``to_number``: a string holding a decimal number as a number (``"12"`` -> 12, ``"12.50"`` ->
-    12.5); numbers stay as they are, None stays None. Raises an ExpressionError for anything else
-    (booleans, objects, text that is not a finite number)."""
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return value
-    if not isinstance(value, str):
-        raise FilterValueError(f"to_number: expected a string or a number, found {_type_name(value)}", token=None)
-    text = value.strip()
-    if re.fullmatch(r"[+-]?[0-9]{1,30}", text):
-        return int(text)
-    if re.fullmatch(r"[+-]?([0-9]{1,30}(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]{1,3})?", text):
-        number = float(text)
-        if number == number and number not in (float("inf"), float("-inf")):
-            return number
-    raise FilterValueError("to_number: the value is not a number", token=None)
-
-
-def _pad(value: object, width: object, char: object, name: str, left: bool) -> str | None:
-    text = _text(value, name)
-    if text is None:
-        return None
-    size = _count(width, name, "width")
-    if size > MAX_OUTPUT_SIZE:
-        raise FilterArgumentError(f"{name}: width exceeds {MAX_OUTPUT_SIZE}", token=None)
-    fill = _mask_char(char, name)
-    return text.rjust(size, fill) if left else text.ljust(size, fill)
-
-
-def pad_left_filter(value: object, width: object = 0, char: object = " ") -> str | None:
-    """``pad_left: width[, char]``: prepend ``char`` (default a space) until ``width`` characters
-    (``{{ "42" | pad_left: 5, "0" }}`` -> ``00042``); longer values are unchanged. None stays None."""
-    return _pad(value, width, char, "pad_left", True)
-
-
-def pad_right_filter(value: object, width: object = 0, char: object = " ") -> str | None:
-    """``pad_right: width[, char]``: append ``char`` (default a space) until ``width`` characters
-    (``{{ "42" | pad_right: 5, "x" }}`` -> ``42xxx``). Same rules as ``pad_left``."""
-    return _pad(value, width, char, "pad_right", False)
-
-
-def to_base64_filter(value: object) -> str | None:
-    """``to_base64``: standard base64 (with padding) of the UTF-8 text of the value; objects and
-    arrays are encoded as their ``stringify`` JSON. None stays None."""
-    if value is None:
-        return None
-    text = value if isinstance(value, str) else stringify_filter(value)
-    return base64.b64encode(text.encode()).decode("ascii")
-
-
-_CUSTOM_FILTERS: dict[str, Callable[..., object]] = {
-    "reveal_last": reveal_last_filter,
-    "reveal_first": reveal_first_filter,
-    "reveal": reveal_filter,
-    "card_mask": card_mask_filter,
-    "last4": last4_filter,
-    "digits": digits_filter,
-    "stringify": stringify_filter,
-    "json": json_filter,
-    "card_bin": card_bin_filter,
-    "card_exp": card_exp_filter,
-    "to_string": stringify_filter,
-    "to_number": to_number_filter,
-    "pad_left": pad_left_filter,
-    "pad_right": pad_right_filter,
-    "to_base64": to_base64_filter,
-}
-
-# --------------------------------------------------------------------------------------------
-# Guards around every filter: strict undefined, range expansion and result size.
-# --------------------------------------------------------------------------------------------
-
-_UNDEFINED_TOLERANT_FILTERS = frozenset({"default"})
-
-
-def _estimate_replace(left: object, args: tuple) -> int:
-    if not isinstance(left, str) or not args:
-        return 0
-    seq = str(args[0]) if args[0] is not None else ""
-    sub = str(args[1]) if len(args) > 1 and args[1] is not None else ""
-    occurrences = left.count(seq) if seq else len(left) + 1
-    return len(left) + occurrences * max(len(sub) - len(seq), 0)
-
-
-def _estimate_join(left: object, args: tuple) -> int:
-    if not isinstance(left, (list, tuple, range)):
-        return 0
-    separator = args[0] if args else " "
-    separator_len = len(separator) if isinstance(separator, str) else len(str(separator))
-    items = len(left) * separator_len
-    if isinstance(left, range):
-        return items + len(left) * max(len(str(left.start)), len(str(left.stop)))
-    return items + sum(len(item) for item in left if isinstance(item, str))
-
-
-_ESTIMATORS: dict[str, Callable[[object, tuple], int]] = {
-    "replace": _estimate_replace,
-    "join": _estimate_join,
-}
-
-
-def _check_operand(name: str, value: object, *, allow_undefined: bool) -> None:
-    if isinstance(value, Undefined) and not allow_undefined:
-        raise UndefinedError(value.msg, token=value.token)
-    if isinstance(value, range) and len(value) > MAX_LOOP_ITERATIONS:
-        raise FilterValueError(
-            f"{name}: range of {len(value)} items exceeds the limit of {MAX_LOOP_ITERATIONS}", token=None
-        )
-    if isinstance(value, str) and len(value) > MAX_OUTPUT_SIZE:
-        raise FilterValueError(f"{name}: string exceeds the size limit of {MAX_OUTPUT_SIZE} characters", token=None)
-
-
-_work_budget: ContextVar[list[int] | None] = ContextVar("expression_work_budget", default=None)
-
-
-@contextmanager
-def _budget() -> Iterator[None]:
-    """Give the render running in this block a fresh :data:`MAX_FILTER_WORK` budget."""
-    token = _work_budget.set([MAX_FILTER_WORK])
-    try:
-        yield
-    finally:
-        _work_budget.reset(token)
-
-
-def _size(value: object) -> int:
-    if isinstance(value, (str, list, tuple, range, dict)):
-        return len(value)
-    return 0
-
-
-def _charge(name: str, cost: int) -> None:
-    budget = _work_budget.get()
-    if budget is None:
-        return
-    budget[0] -= cost
-    if budget[0] < 0:
-        raise FilterValueError(f"{name}: expression exceeds its work budget of {MAX_FILTER_WORK}", token=None)
-
-
-def _guard(name: str, func: Callable[..., object]) -> Callable[..., object]:
-    """Wrap a filter so that it cannot turn a small template into a huge value or run for long."""
-    allow_undefined = name in _UNDEFINED_TOLERANT_FILTERS
-    estimator = _ESTIMATORS.get(name)
-
-    @wraps(func)
-    def guarded(left: object, *args: object, **kwargs: object) -> object:
-        _check_operand(name, left, allow_undefined=allow_undefined)
-        for arg in args:
-            _check_operand(name, arg, allow_undefined=False)
-        for key, arg in kwargs.items():
-            if key not in ("environment", "context"):
-                _check_operand(name, arg, allow_undefined=False)
-        if estimator is not None and estimator(left, args) > MAX_OUTPUT_SIZE:
-            raise FilterValueError(f"{name}: result would exceed {MAX_OUTPUT_SIZE} characters", token=None)
-        _charge(name, 1 + _size(left))
-        result = func(left, *args, **kwargs)
-        _charge(name, _size(result))
-        if isinstance(result, str) and len(result) > MAX_OUTPUT_SIZE:
-            raise FilterValueError(f"{name}: result exceeds {MAX_OUTPUT_SIZE} characters", token=None)
-        if isinstance(result, list) and len(result) > MAX_OUTPUT_SIZE:
-            raise FilterValueError(f"{name}: result exceeds {MAX_OUTPUT_SIZE} items", token=None)
-        return result
-
-    # Only synchronous rendering is used; never let an async variant bypass the guard.
-    guarded.__dict__.pop("filter_async", None)
-    return guarded
-
-
-def _build_environment() -> Environment:
-    env = _ExpressionEnvironment(undefined=_Undefined, strict_filters=True, autoescape=False)
-    for tag in ("include", "render", "extends", "block", "macro", "call", "with", "translate"):
-        env.tags.pop(tag, None)
-    for name, func in _CUSTOM_FILTERS.items():
-        env.add_filter(name, func)
-    for name, func in list(env.filters.items()):
-        env.filters[name] = _guard(name, func)
-    return env
-
-
-environment: Environment = _build_environment()
+environment: Environment = build_environment(FILTERS)
 """The one environment every expression is parsed and rendered with."""
 
 
-# --------------------------------------------------------------------------------------------
-# Parsing, caching and rendering
-# --------------------------------------------------------------------------------------------
+# ---- parsing, caching and rendering --------------------------------------------------------------
 
 
 class _Compiled(NamedTuple):
@@ -611,8 +107,9 @@ def _argument_comma(source: str, template: Any) -> int | None:
     for node in template.nodes:
         if not isinstance(node, OutputNode) or type(node.expression) is not FilteredExpression:
             continue
-        for applied in node.expression.filters:
+        for applied in node.expression.filters or ():
             for argument in applied.args:
+                name: str | None
                 if isinstance(argument, KeywordArgument):
                     name, token = argument.name, argument.token
                 elif isinstance(argument, PositionalArgument) and type(argument.value) is Path:
@@ -647,7 +144,7 @@ def _parse(source: str) -> Any:
             if index in repaired:  # the pipe is wrong there too (a tag, not an output): the comma's error
                 raise repaired[index] from None
             attempt = _comma_as_pipe(source, err)
-            if attempt is None:
+            if attempt is None or not isinstance(index, int):  # _comma_as_pipe needs an index
                 raise
             repaired[index] = err
             source = attempt
@@ -681,7 +178,7 @@ def _compile(source: str) -> _Compiled:
 
 def _get_compiled(source: object) -> _Compiled:
     if not isinstance(source, str):
-        raise ExpressionError(f"an expression must be a string, not {_type_name(source)}")
+        raise ExpressionError(f"an expression must be a string, not {type_name(source)}")
     if len(source) > MAX_TEMPLATE_LENGTH:
         raise ExpressionError(f"expression is {len(source)} characters long; the limit is {MAX_TEMPLATE_LENGTH}")
     return _compile(source)
@@ -705,7 +202,7 @@ def validate_expression(template: str) -> None:
     _get_compiled(template)
 
 
-def render(template: str, context: dict) -> str:
+def render(template: str, context: Mapping[str, object]) -> str:
     """Render ``template`` against ``context`` and return the output string.
 
     ``context`` is a mapping such as ``{"data": ..., "metadata": {...}, "type": "card"}`` (see
@@ -723,7 +220,7 @@ def render(template: str, context: dict) -> str:
         if plain is not None:
             return plain
     try:
-        with _budget():
+        with work_budget():
             return compiled.template.render(context)
     except Exception as err:
         raise ExpressionError(_describe(err)) from err
@@ -744,10 +241,10 @@ def evaluate(template: str, context: Mapping[str, object]) -> object:
         raise ExpressionError("an expression to evaluate must be exactly one {{ ... }} output")
     render_context = RenderContext(compiled.template, globals=compiled.template.make_globals(context))
     try:
-        with _budget():
+        with work_budget():
             value = nodes[0].expression.evaluate(render_context)
         if isinstance(value, Undefined):
-            raise UndefinedError(value.msg, token=None)
+            raise undefined_error(value, None)
     except Exception as err:
         raise ExpressionError(_describe(err)) from err
     return value
@@ -777,9 +274,7 @@ def make_context(token_type: str, data: object, metadata: Mapping[str, str] | No
     return {"data": data, "metadata": dict(metadata or {}), "type": token_type}
 
 
-# --------------------------------------------------------------------------------------------
-# Masks
-# --------------------------------------------------------------------------------------------
+# ---- masks ---------------------------------------------------------------------------------------
 
 
 def _resolve_path(compiled: _Compiled, context: Mapping[str, object]) -> object:
@@ -798,7 +293,7 @@ def _resolve_path(compiled: _Compiled, context: Mapping[str, object]) -> object:
                 parent = Path(path.token, path.path[:-1]).evaluate(render_context)
                 if isinstance(parent, Mapping) and not isinstance(parent, Undefined):
                     return None
-            raise UndefinedError(value.msg, token=path.token)
+            raise undefined_error(value, path.token)
     except Exception as err:
         raise ExpressionError(_describe(err)) from err
     if isinstance(value, (dict, list)):
@@ -815,7 +310,7 @@ def _mask_leaf(source: str, context: Mapping[str, object]) -> object:
     if compiled.path is not None:
         return _resolve_path(compiled, context)
     try:
-        with _budget():
+        with work_budget():
             output = compiled.template.render(context)
     except Exception as err:
         raise ExpressionError(_describe(err)) from err

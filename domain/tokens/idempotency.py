@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pydantic_core import to_jsonable_python
-from sqlalchemy import delete, select
-from sqlmodel import Session
+from sqlalchemy import delete, select, update
+from sqlmodel import Session, col
 
 from domain.tenancy.caller import Caller
 from storage.crypto import get_keyring
@@ -67,9 +67,9 @@ def once(
         return create(session, caller, *args, **kwargs)
     now = now or utcnow()
     where = (
-        TokenIdempotencyKey.tenant_id == caller.tenant_id,
-        TokenIdempotencyKey.scope == scope,
-        TokenIdempotencyKey.key == key,
+        col(TokenIdempotencyKey.tenant_id) == caller.tenant_id,
+        col(TokenIdempotencyKey.scope) == scope,
+        col(TokenIdempotencyKey.key) == key,
     )
     values = {"tenant_id": caller.tenant_id, "scope": scope, "key": key, "answer_ct": None, "created_at": now}
     taken = upsert_when(
@@ -82,14 +82,12 @@ def once(
     keyring = get_keyring()
     aad = f"{scope}:{key}"
     if not taken:
-        sealed = session.execute(select(TokenIdempotencyKey.answer_ct).where(*where)).scalar_one()
+        sealed = session.execute(select(col(TokenIdempotencyKey.answer_ct)).where(*where)).scalar_one()
         return json.loads(keyring.decrypt(session, caller.tenant_id, ANSWER_PURPOSE, aad, sealed))
     answer = create(session, caller, *args, **kwargs)
     plain = json.dumps(to_jsonable_python(answer), separators=(",", ":"), ensure_ascii=False).encode()
-    row = session.get(TokenIdempotencyKey, (caller.tenant_id, scope, key), populate_existing=True)
-    row.answer_ct = keyring.encrypt(session, caller.tenant_id, ANSWER_PURPOSE, aad, plain)
-    session.add(row)
-    session.flush()
+    sealed = keyring.encrypt(session, caller.tenant_id, ANSWER_PURPOSE, aad, plain)
+    session.execute(update(TokenIdempotencyKey).where(*where).values(answer_ct=sealed))
     return answer
 
 
@@ -97,9 +95,9 @@ def forget_old_keys(session: Session, *, now: dt.datetime, batch: int = 500) -> 
     """Delete up to ``batch`` keys first used more than :data:`RETENTION` before ``now`` (rows locked
     elsewhere skipped); returns how many. Call again while it returns ``batch``."""
     old = (
-        select(TokenIdempotencyKey.tenant_id, TokenIdempotencyKey.scope, TokenIdempotencyKey.key)
-        .where(TokenIdempotencyKey.created_at <= now - RETENTION)
-        .order_by(TokenIdempotencyKey.created_at)
+        select(col(TokenIdempotencyKey.tenant_id), col(TokenIdempotencyKey.scope), col(TokenIdempotencyKey.key))
+        .where(col(TokenIdempotencyKey.created_at) <= now - RETENTION)
+        .order_by(col(TokenIdempotencyKey.created_at))
         .limit(batch)
         .with_for_update(skip_locked=True)
     )
@@ -107,10 +105,10 @@ def forget_old_keys(session: Session, *, now: dt.datetime, batch: int = 500) -> 
     for tenant_id, scope, key in rows:
         session.execute(
             delete(TokenIdempotencyKey).where(
-                TokenIdempotencyKey.tenant_id == tenant_id,
-                TokenIdempotencyKey.scope == scope,
-                TokenIdempotencyKey.key == key,
-                TokenIdempotencyKey.created_at <= now - RETENTION,
+                col(TokenIdempotencyKey.tenant_id) == tenant_id,
+                col(TokenIdempotencyKey.scope) == scope,
+                col(TokenIdempotencyKey.key) == key,
+                col(TokenIdempotencyKey.created_at) <= now - RETENTION,
             )
         )
     return len(rows)

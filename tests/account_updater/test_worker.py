@@ -115,7 +115,8 @@ def test_new_token_ids_are_stable_uuids_per_seed_and_row():
 
 def test_bulk_token_rows_are_the_rows_create_tokens_writes(tenant):
     from domain.tenancy.auth import system_caller
-    from domain.tokens.service import create_tokens, parse_token_request
+    from domain.tokens.service import create_tokens
+    from domain.tokens.validation import parse_token_request
     from storage.crypto import get_keyring
     from storage.models import Tenant
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from domain.tokens.expressions import ExpressionError, evaluate, render
+from domain.tokens.errors import ExpressionError
+from domain.tokens.expressions import evaluate, render
 
 CARD = {"number": "4242424242424242", "expiration_month": 3, "expiration_year": 2029, "cvc": "123"}
 

@@ -13,7 +13,7 @@ from domain.tenancy import usage
 from storage.db import session_scope
 from storage.models import Tenant, TenantMember, User
 from storage.models_tenancy import TokenActivity
-from tests.api.test_token_support import bank, card, create
+from tests.factories.tokens import bank, card, create
 from tests.helpers import assert_problem
 
 pytestmark = pytest.mark.api

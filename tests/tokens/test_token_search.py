@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.test_token_support import MASTERCARD, VISA, bank, card, create, listed_ids, log_operations
+from tests.factories.tokens import MASTERCARD, VISA, bank, card, create, listed_ids, log_operations
+
+pytestmark = pytest.mark.api
 
 
 def _search(client, query: str, **extra):

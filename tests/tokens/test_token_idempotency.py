@@ -6,12 +6,15 @@ from __future__ import annotations
 import datetime as dt
 import threading
 
+import pytest
 from sqlalchemy import func, select, update
 
 from domain.tokens import idempotency
 from storage.db import session_scope
 from storage.models import Token, TokenIdempotencyKey
-from tests.api.test_token_support import MASTERCARD, card
+from tests.factories.tokens import MASTERCARD, card
+
+pytestmark = pytest.mark.api
 
 KEY = "TS-IDEMPOTENCY-KEY"
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 
 from domain.tokens import expressions
+from domain.tokens.engine import MAX_LOOP_ITERATIONS, MAX_OUTPUT_SIZE
+from domain.tokens.errors import ExpressionError
 from domain.tokens.expressions import (
-    MAX_LOOP_ITERATIONS,
-    MAX_OUTPUT_SIZE,
     MAX_TEMPLATE_LENGTH,
-    ExpressionError,
     apply_mask,
     make_context,
     render,
     validate_expression,
     validate_mask,
 )
+
+pytestmark = pytest.mark.unit
 
 VISA = "4242424242424242"
 

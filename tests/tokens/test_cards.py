@@ -21,6 +21,8 @@ from domain.tokens.cards import (
 )
 from domain.tokens.expressions import apply_mask, make_context, render, validate_mask
 
+pytestmark = pytest.mark.unit
+
 TODAY = datetime.date(2025, 6, 15)
 VISA = "4242424242424242"
 

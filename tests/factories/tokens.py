@@ -1,4 +1,5 @@
-"""Shared builders and checks for the token tests (this module holds no tests)."""
+"""Builders of token requests and checks of token rows, shared by the tests of tokens and of other
+packages (admin ...); no tests here."""
 
 from __future__ import annotations
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from tests.api.test_token_support import EXPIRY_YEAR, MASTERCARD, VISA, bank, card, listed_ids, set_settings
+import pytest
+
+from tests.factories.tokens import EXPIRY_YEAR, MASTERCARD, VISA, bank, card, listed_ids, set_settings
+
+pytestmark = pytest.mark.api
 
 
 def _read(client, token_id: str) -> dict:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from domain.proxy.detokenize import parse_expression
 from domain.proxy.errors import ProxyError
+from domain.tokens.engine import MAX_OUTPUT_SIZE
+from domain.tokens.errors import ExpressionError
 from domain.tokens.expressions import (
-    MAX_OUTPUT_SIZE,
-    ExpressionError,
     apply_mask,
     environment,
     evaluate,
@@ -28,6 +29,8 @@ from domain.tokens.expressions import (
     validate_expression,
     validate_mask,
 )
+
+pytestmark = pytest.mark.fuzz
 
 PAN = "4111111111111111"
 CVC = "737"

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pytest
+
 from domain.tokens import service as tokens
 from storage.db import session_scope
-from tests.api.test_token_support import (
+from tests.factories.tokens import (
     EXPIRY_YEAR,
     MASTERCARD,
     READ_ALL,
@@ -23,6 +25,8 @@ from tests.api.test_token_support import (
     stored,
     subscribe,
 )
+
+pytestmark = pytest.mark.api
 
 MERGE = "application/merge-patch+json"
 FAR_FUTURE = dt.datetime.now(dt.UTC) + dt.timedelta(days=3650)
