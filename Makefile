@@ -28,16 +28,18 @@ $(BIN)/.installed-test: $(BIN)/.installed
 dev: $(BIN)/.installed-dev ## install the runtime and moto (the dev extra) into .venv and run `tessera dev` (embedded defaults unless TESSERA_* say otherwise)
 	$(BIN)/tessera dev
 
-test: $(BIN)/.installed-test services ## install with the test extra, make sure PostgreSQL, Redis, bubblewrap (and Chromium) are there, lint, check formatting and the layers, run every test
+test: $(BIN)/.installed-test services ## install with the test extra, make sure PostgreSQL, Redis, bubblewrap (and Chromium) are there, lint, check formatting, the layers and the types, run every test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-lint: $(BIN)/.installed-test ## ruff (lint and format check) and the import-linter contracts (layers only point down, no circles)
+lint: $(BIN)/.installed-test ## ruff (lint and format check), the import-linter contracts (layers only point down, no circles) and mypy
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 services: ## start PostgreSQL and Redis on loopback when they are not running; install them, bubblewrap and Chromium if missing
 	bash scripts/services.sh

@@ -236,8 +236,7 @@ def convert_intent(
         .execution_options(synchronize_session=False)
     )
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=intent.id, operation="update")
-    # token_view reads only the fields a new row (NewToken) shares with a loaded Token
-    return token_view(created.token, created.data, caller)  # type: ignore[arg-type]
+    return token_view(created.token, created.data, caller)
 
 
 # ---- sweeps (beat) -------------------------------------------------------------------------------
