@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: help dev test lint services migrate clean
+.PHONY: help dev test test-brokers lint services migrate clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
@@ -34,6 +34,9 @@ test: $(BIN)/.installed-test services ## install with the test extra, make sure 
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-brokers: $(BIN)/.installed-test services ## the spine's tests and the kill tests again on RabbitMQ and on a Redis behind a password (scripts/brokers.sh)
+	bash scripts/brokers.sh
 
 lint: $(BIN)/.installed-test ## ruff (lint and format check), the import-linter contracts (layers only point down, no circles) and mypy
 	$(BIN)/ruff check .

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The spine's tests and the kill tests on the other brokers Tessera supports (make test-brokers):
+#  * RabbitMQ on loopback (quorum queues, publisher confirms): started when stopped, installed from
+#    Debian's packages when missing (root or sudo);
+#  * Redis behind a password: a second redis-server of this run's own on a free port, with a password
+#    it makes up, stopped at the end.
+# Each run uses the test suite's own database handling (a fresh database per run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTEST=${PYTEST:-.venv/bin/pytest}
+SPINE=(tests/infra tests/webhooks)
+KILLS=(tests/agentic tests/network_tokens tests/reactors tests/keys)
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo -n "$@"; fi; }
+
+# ---- RabbitMQ ----
+if ! command -v rabbitmq-server >/dev/null; then
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null
+fi
+if ! as_root rabbitmqctl -q status >/dev/null 2>&1; then
+  as_root rabbitmq-server -detached
+  for _ in $(seq 1 60); do as_root rabbitmqctl -q status >/dev/null 2>&1 && break; sleep 1; done
+fi
+as_root rabbitmqctl -q await_startup
+echo "brokers: RabbitMQ"
+TESSERA_TEST_BROKER_URL=amqp://guest:guest@127.0.0.1:5672// "$PYTEST" -q "${SPINE[@]}"
+TESSERA_TEST_BROKER_URL=amqp://guest:guest@127.0.0.1:5672// "$PYTEST" -q -m kill "${KILLS[@]}"
+
+# ---- Redis behind a password ----
+port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+password=$(.venv/bin/python -c 'import secrets; print(secrets.token_urlsafe(24))')
+folder=$(mktemp -d)
+redis-server --daemonize yes --bind 127.0.0.1 --port "$port" --requirepass "$password" --save "" \
+  --appendonly no --dir "$folder" --pidfile "$folder/redis.pid" --logfile "$folder/redis.log"
+trap 'kill "$(cat "$folder/redis.pid")" 2>/dev/null || true; rm -rf "$folder"' EXIT
+for _ in $(seq 1 50); do redis-cli -p "$port" -a "$password" --no-auth-warning ping 2>/dev/null | grep -q PONG && break; sleep 0.1; done
+echo "brokers: Redis with a password"
+TESSERA_TEST_REDIS_URL="redis://:$password@127.0.0.1:$port/0" "$PYTEST" -q "${SPINE[@]}"
+TESSERA_TEST_REDIS_URL="redis://:$password@127.0.0.1:$port/0" "$PYTEST" -q -m kill "${KILLS[@]}"
