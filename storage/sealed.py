@@ -2,7 +2,9 @@
 
 A :class:`SealedColumn` names a table's column of envelopes (``storage.crypto``), the purpose they
 are sealed for, the SQL expression of the resource id bound into each (usually the row's id) and the
-column of its tenant. The statements here are plain SQLAlchemy: the same on PostgreSQL and SQLite.
+column of its tenant. The reads are plain SQLAlchemy, the same on PostgreSQL and SQLite; the write of
+a chunk is one ``UPDATE ... FROM unnest`` on PostgreSQL (rows found by ``ctid``), one statement per
+row elsewhere.
 An envelope's first five bytes name its data key version (``0x02`` + 4 bytes; the first layout,
 ``0x01``, is version 1), so a rotation finds the values still under an older version in SQL.
 """
@@ -128,9 +130,14 @@ def stale_rows(
 
 def key_of(spec: SealedColumn, row: Any) -> tuple:
     """The primary key of a row read by :func:`stale_rows` (the ``after`` of the next chunk)."""
+    return key_from(spec, [getattr(row, c.name) for c in spec._key])
+
+
+def key_from(spec: SealedColumn, values: Sequence[Any]) -> tuple:
+    """A primary key of ``spec``'s table from its values as JSON keeps them (UUIDs as text)."""
     return tuple(
         uuid.UUID(value) if isinstance(value, str) and _is_uuid(c) else value
-        for c, value in ((c, getattr(row, c.name)) for c in spec._key)
+        for c, value in zip(spec._key, values, strict=True)
     )
 
 

@@ -50,8 +50,8 @@ from storage.crypto import ACTIVE_VERSION_TTL, RETIRING, Keyring, Wrapper, get_k
 from storage.db import rowcount, session_scope
 from storage.models import Job, KeyRotation, Tenant, TenantDataKey, TenantIndexKey
 from storage.models_tenant_admin import Document
-from storage.sealed import SealedColumn, count_by_version, count_stale, key_of, stale_rows, write_resealed
-from storage.states import JOB_TERMINAL, DocumentStatus
+from storage.sealed import SealedColumn, count_by_version, count_stale, key_from, key_of, stale_rows, write_resealed
+from storage.states import JOB_TERMINAL, DocumentStatus, JobStatus
 from storage.types import utcnow
 
 log = logging.getLogger("tessera.keys")
@@ -140,10 +140,13 @@ def start_rotation(session: Session, tenant_id: uuid.UUID, *, trace_id: str | No
 
 @dataclass(frozen=True)
 class PassOutcome:
-    """What one pass did: ``resealed`` values, and whether values under older versions remain."""
+    """What one pass did: ``resealed`` values, and whether values under older versions remain;
+    ``resume`` is where its first sweep stopped (``[column name, primary key as JSON]``), where the
+    next pass's first sweep starts rather than read again what this one did."""
 
     resealed: int
     remaining: bool
+    resume: list | None = None
 
 
 class Throttle:
@@ -221,12 +224,19 @@ class _Writer:
 
 
 def _sweep_column(
-    spec: SealedColumn, tenant_id: uuid.UUID, version: int, rotation_id: uuid.UUID, deadline: float, throttle: Throttle
-) -> tuple[int, int, bool]:
-    """Re-seal one column's values under older versions, from its first row to its last (a keyset
-    through the primary key), until ``deadline``: ``(found, changed, finished)``."""
+    spec: SealedColumn,
+    tenant_id: uuid.UUID,
+    version: int,
+    rotation_id: uuid.UUID,
+    deadline: float,
+    throttle: Throttle,
+    after: tuple | None = None,
+) -> tuple[int, tuple | None]:
+    """Re-seal one column's values under older versions, from its first row (or the one after the
+    key ``after``) to its last, a keyset through the primary key, until ``deadline``: ``(changed,
+    the key of the last row done when the deadline came first, else None)``."""
     keyring = get_keyring()
-    found, after, finished = 0, None, False
+    finished = False
     writer = _Writer(spec, tenant_id, rotation_id, throttle)
     try:
         while time.monotonic() < deadline:
@@ -244,21 +254,21 @@ def _sweep_column(
                     version,
                 )
             writer.put(rows, fresh)
-            found += len(rows)
             after = key_of(spec, rows[-1])
     finally:
         changed = writer.close()
-    return found, changed, finished
+    return changed, None if finished or after is None else after
 
 
 def rotate_pass(job: Any, *, budget_seconds: float) -> PassOutcome | None:
     """Re-seal the rotation's values still under older versions for at most ``budget_seconds``:
     sweeps through every column of :data:`SEALED` (chunks of :data:`CHUNK`, read and resealed while
     the previous chunk is written, each written chunk committed with the rotation's progress, paced
-    by a :class:`Throttle`) and the documents, until a whole sweep finds nothing. None when the
-    rotation is gone or completed. Nothing is left (``remaining`` False) once a whole sweep that
-    began after no process can still hold an older version as active found nothing; until then
-    the pass waits for that moment and sweeps once more."""
+    by a :class:`Throttle`; the first sweep from where the previous pass stopped) and the documents,
+    each sweep followed by one count of what is left, until none is. None when the rotation is gone
+    or completed. Nothing is left (``remaining`` False) once a count made after no process can
+    still hold an older version as active finds none; until then the pass waits for that moment and
+    counts once more."""
     with session_scope() as session:
         rotation = session.get(KeyRotation, uuid.UUID(job.subject_id))
         if rotation is None or rotation.status != RUNNING:
@@ -272,23 +282,65 @@ def rotate_pass(job: Any, *, budget_seconds: float) -> PassOutcome | None:
     settle_by = started + dt.timedelta(seconds=2 * ACTIVE_VERSION_TTL)
     deadline = time.monotonic() + budget_seconds
     resealed, clean, throttle = 0, False, Throttle()
-    while not clean and time.monotonic() < deadline:
-        sweep_began, found, finished = utcnow(), 0, True
-        for spec in SEALED:
-            seen, changed, finished = _sweep_column(spec, tenant_id, version, rotation_id, deadline, throttle)
-            found, resealed = found + seen, resealed + changed
-            if not finished:
+    resume: list | None
+    stopped: list | None
+    resume, stopped, sweep = _resume_point(rotation_id), None, True
+    while stopped is None and time.monotonic() < deadline:
+        swept = 0
+        if sweep:
+            for spec in SEALED:
+                after = None
+                if resume is not None:  # the first sweep goes on where the previous pass stopped
+                    if spec.name != resume[0]:
+                        continue
+                    after, resume = key_from(spec, resume[1]), None
+                changed, stopped_at = _sweep_column(spec, tenant_id, version, rotation_id, deadline, throttle, after)
+                swept += changed
+                if stopped_at is not None or time.monotonic() >= deadline:  # [] : stopped between two columns
+                    stopped = [] if stopped_at is None else [spec.name, [_json(value) for value in stopped_at]]
+                    break
+            if stopped is not None:
+                resealed += swept
                 break
-        if not finished:
-            break
-        moved = _rotate_documents(tenant_id, version, rotation_id, deadline)
-        found, resealed = found + moved, resealed + moved
-        if found == 0:
-            clean = sweep_began >= settle_by
-            if not clean:  # values sealed meanwhile by a process still using an older version: look once more
-                time.sleep(max(0.0, min((settle_by - utcnow()).total_seconds(), deadline - time.monotonic())))
+            swept += _rotate_documents(tenant_id, version, rotation_id, deadline)
+            resealed += swept
+        counted_at = utcnow()
+        with session_scope() as session:  # a count reads the rows in their order on disk: cheaper than a sweep
+            left = stale_values(session, tenant_id, version)
+        if left and sweep and not swept:
+            break  # what is left cannot be resealed now (a document still uploading): the next pass looks again
+        sweep = left > 0
+        if not sweep:
+            clean = counted_at >= settle_by
+            if clean:
+                break
+            # values may still be sealed by a process holding an older version as active: count once more then
+            time.sleep(max(0.0, min((settle_by - utcnow()).total_seconds(), deadline - time.monotonic())))
     log.info("rotation %s: %s values resealed in this pass (paused %.1f s)", rotation_id, resealed, throttle.paused)
-    return PassOutcome(resealed, not clean)
+    return PassOutcome(resealed, not clean, stopped or None)
+
+
+def _json(value: Any) -> Any:
+    return str(value) if isinstance(value, uuid.UUID) else value
+
+
+def _resume_point(rotation_id: uuid.UUID) -> list | None:
+    """Where the rotation's previous pass stopped (its job result's ``resume``), or None."""
+    with session_scope() as session:
+        result = session.exec(
+            select(Job.result)
+            .where(
+                col(Job.kind) == ROTATE_TASK,
+                col(Job.subject_id) == str(rotation_id),
+                col(Job.status) == JobStatus.SUCCEEDED,
+            )
+            .order_by(col(Job.created_at).desc())
+            .limit(1)
+        ).first()
+    resume = result.get("resume") if isinstance(result, dict) else None
+    if isinstance(resume, list) and len(resume) == 2 and any(spec.name == resume[0] for spec in SEALED):
+        return resume
+    return None
 
 
 def _rotate_documents(tenant_id: uuid.UUID, version: int, rotation_id: uuid.UUID, deadline: float) -> int:
@@ -360,6 +412,8 @@ def settle_pass(session: Session, job: Any, outcome: PassOutcome | None) -> dict
         )
         rotation.job_id = following.id
         session.add(rotation)
+        if outcome.resume is not None:
+            return {"resealed": outcome.resealed, "next": str(following.id), "resume": outcome.resume}
         return {"resealed": outcome.resealed, "next": str(following.id)}
     keyring = get_keyring()
     retiring = session.exec(
@@ -385,6 +439,10 @@ def tenant_status(session: Session, tenant_id: uuid.UUID) -> dict:
     """``{"tenant_id", "active_version", "versions": [{"version", "state", "values", "destroyed_at"}],
     "rotation": {"status", "done", "total"} | None}``: ``values`` counts the sealed values under each
     version. Raises LookupError for an unknown tenant."""
+    # the rotation first: a rotation read as completed has destroyed the versions read after it
+    rotation = session.exec(
+        select(KeyRotation).where(KeyRotation.tenant_id == tenant_id).order_by(col(KeyRotation.created_at).desc())
+    ).first()
     rows = session.exec(
         select(TenantDataKey).where(TenantDataKey.tenant_id == tenant_id).order_by(col(TenantDataKey.version))
     ).all()
@@ -400,9 +458,6 @@ def tenant_status(session: Session, tenant_id: uuid.UUID) -> dict:
         .group_by(col(Document.key_version))
     ).all():
         counted[version] = counted.get(version, 0) + number
-    rotation = session.exec(
-        select(KeyRotation).where(KeyRotation.tenant_id == tenant_id).order_by(col(KeyRotation.created_at).desc())
-    ).first()
     return {
         "tenant_id": str(tenant_id),
         "active_version": next((row.version for row in rows if row.state == "active"), None),
