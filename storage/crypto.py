@@ -37,7 +37,6 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -555,46 +554,6 @@ class Keyring:
         :meth:`decrypt`."""
         plain = self.decrypt(session, tenant_id, purpose, resource_id, envelope)
         return seal(self.data_key(session, tenant_id, version), plain, _aad(purpose, tenant_id, resource_id), version)
-
-    def reseal_many(
-        self,
-        session: Session,
-        tenant_id: uuid.UUID,
-        purpose: str,
-        resource_ids: Sequence[str],
-        envelopes: Sequence[bytes],
-        version: int,
-    ) -> list[bytes]:
-        """:meth:`reseal` of many values of one tenant and purpose at once (a rotation's chunk): the
-        ``i``-th envelope, bound to ``resource_ids[i]``, sealed again under ``version``; in the same
-        order. Each key is looked up and its AES-GCM object made once per call, and the nonces are
-        drawn in one read of the system's random source. Raises like :meth:`decrypt`."""
-        count = len(envelopes)
-        target = _cipher(self.data_key(session, tenant_id, version))
-        head = _V2 + version.to_bytes(4, "big")
-        openers: dict[bytes, AESGCM] = {}
-        prefix = f"{purpose}:{tenant_id}:"
-        nonces = os.urandom(_NONCE_BYTES * count)
-        resealed: list[bytes] = []
-        append = resealed.append
-        for index, (resource_id, envelope) in enumerate(zip(resource_ids, envelopes, strict=True)):
-            mark = envelope[:1]
-            start = 5 if mark == _V2 else 1
-            opener = openers.get(envelope[:start])
-            if opener is None:
-                opener = openers[envelope[:start]] = _cipher(
-                    self.data_key(session, tenant_id, envelope_version(envelope))
-                )
-            if len(envelope) < start + _NONCE_BYTES + _TAG_BYTES:
-                raise DecryptionError("malformed envelope")
-            aad = (prefix + resource_id).encode()
-            try:
-                plain = opener.decrypt(envelope[start : start + _NONCE_BYTES], envelope[start + _NONCE_BYTES :], aad)
-            except InvalidTag as exc:
-                raise DecryptionError("ciphertext does not authenticate") from exc
-            nonce = nonces[index * _NONCE_BYTES : (index + 1) * _NONCE_BYTES]
-            append(head + nonce + target.encrypt(nonce, plain, aad))
-        return resealed
 
     def fingerprint(self, session: Session, tenant_id: uuid.UUID, value: str) -> str:
         """A keyed fingerprint of ``value``: 43 characters of base64url HMAC-SHA256."""

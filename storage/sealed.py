@@ -11,18 +11,24 @@ An envelope's first five bytes name its data key version (``0x02`` + 4 bytes; th
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sqlalchemy import ColumnElement, String, Table, cast, func, literal, literal_column, select, text, tuple_
 from sqlmodel import Session
 
+from storage.crypto import DecryptionError, Keyring, envelope_version
 from storage.db import rowcount
 
-#: The leading bytes of an envelope of each data key version (:func:`version_head`).
+#: The leading bytes of an envelope of each data key version (:func:`version_head`), and the sizes
+#: of its nonce and tag (``storage.crypto``).
 _V1, _V2 = b"\x01", b"\x02"
+_NONCE, _TAG = 12, 16
 
 
 def version_head(version: int) -> bytes:
@@ -126,6 +132,46 @@ def stale_rows(
         statement = statement.where(tuple_(*key) > bound)
     statement = statement.order_by(*key).limit(limit)
     return session.execute(statement).all()
+
+
+def reseal_values(
+    keyring: Keyring,
+    session: Session,
+    tenant_id: uuid.UUID,
+    purpose: str,
+    resource_ids: Sequence[str],
+    envelopes: Sequence[bytes],
+    version: int,
+) -> list[bytes]:
+    """:meth:`~storage.crypto.Keyring.reseal` of a chunk of one tenant's values of one purpose: the
+    ``i``-th envelope, bound to ``resource_ids[i]``, sealed again under ``version``, in the same
+    order. Each key is looked up and its AES-GCM object made once per chunk, and the nonces are
+    drawn in one read of the system's random source. Raises
+    :class:`~storage.crypto.DecryptionError` like :meth:`~storage.crypto.Keyring.decrypt`."""
+    target = AESGCM(keyring.data_key(session, tenant_id, version))
+    head = version_head(version)
+    openers: dict[bytes, AESGCM] = {}
+    prefix = f"{purpose}:{tenant_id}:"
+    nonces = os.urandom(_NONCE * len(envelopes))
+    resealed: list[bytes] = []
+    append = resealed.append
+    for index, (resource_id, envelope) in enumerate(zip(resource_ids, envelopes, strict=True)):
+        start = 5 if envelope[:1] == _V2 else 1
+        opener = openers.get(envelope[:start])
+        if opener is None:
+            opener = openers[envelope[:start]] = AESGCM(
+                keyring.data_key(session, tenant_id, envelope_version(envelope))
+            )
+        if len(envelope) < start + _NONCE + _TAG:
+            raise DecryptionError("malformed envelope")
+        aad = (prefix + resource_id).encode()
+        try:
+            plain = opener.decrypt(envelope[start : start + _NONCE], envelope[start + _NONCE :], aad)
+        except InvalidTag as exc:
+            raise DecryptionError("ciphertext does not authenticate") from exc
+        nonce = nonces[index * _NONCE : (index + 1) * _NONCE]
+        append(head + nonce + target.encrypt(nonce, plain, aad))
+    return resealed
 
 
 def key_of(spec: SealedColumn, row: Any) -> tuple:

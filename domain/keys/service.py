@@ -8,11 +8,12 @@ crypto-shredding a deleted tenant.
   records the next pass. A chunk is read without locks and resealed while the previous one is
   written; each written chunk is its own short transaction that changes a row only if it still holds
   the value read (the tenant's own writes win and are never held for long), and the pause after it
-  adapts to how busy the database is (:class:`Throttle`). Progress is read from the data itself (what
-  is still sealed under an older version), so a pass killed anywhere is simply run again (the job's
-  lease, the relay) and nothing is sealed twice. When a whole sweep finds none left, and no process
-  can still hold an older version as active (:data:`~storage.crypto.ACTIVE_VERSION_TTL`), the
-  retiring versions' key bytes are destroyed in the transaction that completes the rotation.
+  adapts to how busy the database is (:mod:`domain.keys.sweeps`). Progress is read from the data
+  itself (what is still sealed under an older version), so a pass killed anywhere is simply run
+  again (the job's lease, the relay) and nothing is sealed twice. When the count after a sweep finds
+  none left, and no process can still hold an older version as active
+  (:data:`~storage.crypto.ACTIVE_VERSION_TTL`), the retiring versions' key bytes are destroyed in the
+  transaction that completes the rotation.
 * **Rewrap** (:func:`start_rewrap`, the ``keys.rewrap`` job): every wrapped key (data key versions
   and derivation keys) not under the current wrapping key is unwrapped with an accepted previous key
   and wrapped with the current one, in chunks, each row updated only if it is still what was read;
@@ -29,11 +30,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import queue
-import threading
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -42,6 +40,7 @@ from sqlmodel import Session, col, select
 
 from domain.documents import service as documents
 from domain.keys.inventory import SEALED
+from domain.keys.sweeps import Throttle, sweep_column
 from domain.tenancy import audit
 from domain.tenancy.auth import system_caller
 from infra import jobs
@@ -50,7 +49,7 @@ from storage.crypto import ACTIVE_VERSION_TTL, RETIRING, Keyring, Wrapper, get_k
 from storage.db import rowcount, session_scope
 from storage.models import Job, KeyRotation, Tenant, TenantDataKey, TenantIndexKey
 from storage.models_tenant_admin import Document
-from storage.sealed import SealedColumn, count_by_version, count_stale, key_from, key_of, stale_rows, write_resealed
+from storage.sealed import count_by_version, count_stale, key_from
 from storage.states import JOB_TERMINAL, DocumentStatus, JobStatus
 from storage.types import utcnow
 
@@ -63,10 +62,6 @@ RUNNING, COMPLETED = "running", "completed"
 #: Values re-sealed per transaction (the tenant's own writes of a row wait at most for one chunk's
 #: UPDATE and commit, a few tens of milliseconds).
 CHUNK = 5000
-#: The :class:`Throttle`: no pause while a chunk's write takes at most this many times the fastest
-#: seen per value, and the longest pause after one chunk (seconds).
-SLOWDOWN = 2.0
-MAX_PAUSE_SECONDS = 0.5
 #: Wrapped keys rewrapped per transaction.
 REWRAP_CHUNK = 200
 
@@ -149,122 +144,11 @@ class PassOutcome:
     resume: list | None = None
 
 
-class Throttle:
-    """The pause after each written chunk of a rotation, adapting to how busy the database is.
-
-    The time a chunk's write takes per value is compared with the fastest seen in this pass (the
-    database with room to spare). While it stays within :data:`SLOWDOWN` times of that, there is
-    no pause at all; beyond it (the tenant's own requests, which use the same tables and the same
-    CPU, are being slowed down too) the rotation pauses for the extra time the chunk took, so it
-    never takes more than about half of the database's time, up to :data:`MAX_PAUSE_SECONDS`."""
-
-    def __init__(self) -> None:
-        self._fastest: float | None = None
-        self.paused = 0.0
-
-    def pause_after(self, seconds: float, values: int) -> float:
-        """The pause (seconds) after a chunk of ``values`` written in ``seconds``; also added to
-        :attr:`paused`."""
-        if values <= 0:
-            return 0.0
-        each = seconds / values
-        if self._fastest is None or each < self._fastest:
-            self._fastest = each
-        slowdown = each / self._fastest
-        pause = 0.0 if slowdown <= SLOWDOWN else min(MAX_PAUSE_SECONDS, seconds * (1 - 1 / slowdown))
-        self.paused += pause
-        return pause
-
-
-class _Writer:
-    """Writes resealed chunks on a thread of its own (each chunk with the rotation's progress, in
-    its own transaction, then the :class:`Throttle`'s pause), so the next chunk is read and
-    resealed meanwhile. At most one chunk waits; an error of the writer is raised by the next
-    :meth:`put` or by :meth:`close`."""
-
-    def __init__(self, spec: SealedColumn, tenant_id: uuid.UUID, rotation_id: uuid.UUID, throttle: Throttle) -> None:
-        self._spec, self._tenant_id, self._rotation_id, self._throttle = spec, tenant_id, rotation_id, throttle
-        self._queue: queue.Queue[tuple[Sequence[Any], list[bytes]] | None] = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None
-        self.changed = 0
-        self._thread = threading.Thread(target=self._run, name="rotation-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (chunk := self._queue.get()) is not None:
-            if self._error is not None:
-                continue  # drain: the reader stops at its next put
-            try:
-                began = time.perf_counter()
-                with session_scope() as session:
-                    changed = write_resealed(session, self._spec, self._tenant_id, *chunk)
-                    session.execute(
-                        update(KeyRotation)
-                        .where(col(KeyRotation.id) == self._rotation_id)
-                        .values(done=col(KeyRotation.done) + changed)
-                    )
-                self.changed += changed
-                time.sleep(self._throttle.pause_after(time.perf_counter() - began, len(chunk[0])))
-            except Exception as exc:  # noqa: BLE001 - raised again in the reading thread (put, close)
-                self._error = exc
-
-    def put(self, rows: Sequence[Any], sealed: list[bytes]) -> None:
-        """Queue one chunk (waits while the previous one is still queued)."""
-        if self._error is not None:
-            raise self._error
-        self._queue.put((rows, sealed))
-
-    def close(self) -> int:
-        """Wait for the queued chunks to be written; how many values changed."""
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self.changed
-
-
-def _sweep_column(
-    spec: SealedColumn,
-    tenant_id: uuid.UUID,
-    version: int,
-    rotation_id: uuid.UUID,
-    deadline: float,
-    throttle: Throttle,
-    after: tuple | None = None,
-) -> tuple[int, tuple | None]:
-    """Re-seal one column's values under older versions, from its first row (or the one after the
-    key ``after``) to its last, a keyset through the primary key, until ``deadline``: ``(changed,
-    the key of the last row done when the deadline came first, else None)``."""
-    keyring = get_keyring()
-    finished = False
-    writer = _Writer(spec, tenant_id, rotation_id, throttle)
-    try:
-        while time.monotonic() < deadline:
-            with session_scope() as session:
-                rows = stale_rows(session, spec, tenant_id, version, CHUNK, after)
-                if not rows:
-                    finished = True
-                    break
-                fresh = keyring.reseal_many(
-                    session,
-                    tenant_id,
-                    spec.purpose,
-                    [spec.resource_of(row) for row in rows],
-                    [row.sealed for row in rows],
-                    version,
-                )
-            writer.put(rows, fresh)
-            after = key_of(spec, rows[-1])
-    finally:
-        changed = writer.close()
-    return changed, None if finished or after is None else after
-
-
 def rotate_pass(job: Any, *, budget_seconds: float) -> PassOutcome | None:
     """Re-seal the rotation's values still under older versions for at most ``budget_seconds``:
     sweeps through every column of :data:`SEALED` (chunks of :data:`CHUNK`, read and resealed while
     the previous chunk is written, each written chunk committed with the rotation's progress, paced
-    by a :class:`Throttle`; the first sweep from where the previous pass stopped) and the documents,
+    by a :class:`~domain.keys.sweeps.Throttle`; the first sweep from where the previous pass stopped) and the documents,
     each sweep followed by one count of what is left, until none is. None when the rotation is gone
     or completed. Nothing is left (``remaining`` False) once a count made after no process can
     still hold an older version as active finds none; until then the pass waits for that moment and
@@ -294,7 +178,9 @@ def rotate_pass(job: Any, *, budget_seconds: float) -> PassOutcome | None:
                     if spec.name != resume[0]:
                         continue
                     after, resume = key_from(spec, resume[1]), None
-                changed, stopped_at = _sweep_column(spec, tenant_id, version, rotation_id, deadline, throttle, after)
+                changed, stopped_at = sweep_column(
+                    spec, tenant_id, version, rotation_id, deadline, throttle, chunk=CHUNK, after=after
+                )
                 swept += changed
                 if stopped_at is not None or time.monotonic() >= deadline:  # [] : stopped between two columns
                     stopped = [] if stopped_at is None else [spec.name, [_json(value) for value in stopped_at]]
