@@ -22,7 +22,7 @@ from storage.sealed import SealedColumn, key_of, reseal_values, stale_rows, writ
 
 #: The :class:`Throttle`: no pause while a chunk's write takes at most this many times the fastest
 #: seen per value, and the longest pause after one chunk (seconds).
-SLOWDOWN = 2.0
+SLOWDOWN = 1.5
 MAX_PAUSE_SECONDS = 0.5
 
 
@@ -32,8 +32,9 @@ class Throttle:
     The time a chunk's write takes per value is compared with the fastest seen in this pass (the
     database with room to spare). While it stays within :data:`SLOWDOWN` times of that, there is
     no pause at all; beyond it (the tenant's own requests, which use the same tables and the same
-    CPU, are being slowed down too) the rotation pauses for the extra time the chunk took, so it
-    never takes more than about half of the database's time, up to :data:`MAX_PAUSE_SECONDS`."""
+    CPU, are being slowed down too) the rotation pauses for ``slowdown - 1`` times the chunk's
+    time, up to :data:`MAX_PAUSE_SECONDS`: the busier the database, the smaller the rotation's
+    share of its time (a half at twice the fastest, a third at three times...)."""
 
     def __init__(self) -> None:
         self._fastest: float | None = None
@@ -48,7 +49,7 @@ class Throttle:
         if self._fastest is None or each < self._fastest:
             self._fastest = each
         slowdown = each / self._fastest
-        pause = 0.0 if slowdown <= SLOWDOWN else min(MAX_PAUSE_SECONDS, seconds * (1 - 1 / slowdown))
+        pause = 0.0 if slowdown <= SLOWDOWN else min(MAX_PAUSE_SECONDS, seconds * (slowdown - 1))
         self.paused += pause
         return pause
 
