@@ -3,14 +3,17 @@ crypto-shredding a deleted tenant.
 
 * **Tenant data key rotation** (:func:`start_rotation`, the ``keys.rotate`` job): a new version is
   made active (the old active one ``retiring``) and a :class:`~storage.models.KeyRotation` recorded
-  with the count of values to re-encrypt; each pass of the job re-seals, chunk by chunk (each chunk
-  its own short transaction, its rows locked with SKIP LOCKED so the tenant's own writes are never
-  held for long, a pause between chunks), every value of :data:`~domain.keys.inventory.SEALED` and
-  every document still under an older version, then records the next pass. Progress is read from the
-  data itself (what is still sealed under an older version), so a pass killed anywhere is simply run
-  again (the job's lease, the relay) and nothing is sealed twice. When none is left, and no process
-  can still hold an older version as active (:data:`~storage.crypto.ACTIVE_VERSION_TTL`), the
-  retiring versions' key bytes are destroyed in the transaction that completes the rotation.
+  with the count of values to re-encrypt; each pass of the job re-seals, chunk by chunk, every value
+  of :data:`~domain.keys.inventory.SEALED` and every document still under an older version, then
+  records the next pass. A chunk is read without locks and resealed while the previous one is
+  written; each written chunk is its own short transaction that changes a row only if it still holds
+  the value read (the tenant's own writes win and are never held for long), and the pause after it
+  adapts to how busy the database is (:mod:`domain.keys.sweeps`). Progress is read from the data
+  itself (what is still sealed under an older version), so a pass killed anywhere is simply run
+  again (the job's lease, the relay) and nothing is sealed twice. When the count after a sweep finds
+  none left, and no process can still hold an older version as active
+  (:data:`~storage.crypto.ACTIVE_VERSION_TTL`), the retiring versions' key bytes are destroyed in the
+  transaction that completes the rotation.
 * **Rewrap** (:func:`start_rewrap`, the ``keys.rewrap`` job): every wrapped key (data key versions
   and derivation keys) not under the current wrapping key is unwrapped with an accepted previous key
   and wrapped with the current one, in chunks, each row updated only if it is still what was read;
@@ -37,6 +40,7 @@ from sqlmodel import Session, col, select
 
 from domain.documents import service as documents
 from domain.keys.inventory import SEALED
+from domain.keys.sweeps import Throttle, sweep_column
 from domain.tenancy import audit
 from domain.tenancy.auth import system_caller
 from infra import jobs
@@ -45,8 +49,8 @@ from storage.crypto import ACTIVE_VERSION_TTL, RETIRING, Keyring, Wrapper, get_k
 from storage.db import rowcount, session_scope
 from storage.models import Job, KeyRotation, Tenant, TenantDataKey, TenantIndexKey
 from storage.models_documents import Document
-from storage.sealed import count_by_version, count_stale, key_of, stale_rows, write_resealed
-from storage.states import JOB_TERMINAL, DocumentStatus
+from storage.sealed import count_by_version, count_stale, key_from
+from storage.states import JOB_TERMINAL, DocumentStatus, JobStatus
 from storage.types import utcnow
 
 log = logging.getLogger("tessera.keys")
@@ -55,10 +59,9 @@ ROTATE_TASK = "keys.rotate"
 REWRAP_TASK = "keys.rewrap"
 ENTITY_TYPE = "key"
 RUNNING, COMPLETED = "running", "completed"
-#: Values re-sealed per transaction, and the pause between two chunks (seconds): the tenant's own
-#: requests wait at most one chunk's time (a few tens of milliseconds) for a row, and the database keeps room for them.
-CHUNK = 2000
-PAUSE_SECONDS = 0.002
+#: Values re-sealed per transaction (the tenant's own writes of a row wait at most for one chunk's
+#: UPDATE and commit, a few tens of milliseconds).
+CHUNK = 5000
 #: Wrapped keys rewrapped per transaction.
 REWRAP_CHUNK = 200
 
@@ -132,60 +135,98 @@ def start_rotation(session: Session, tenant_id: uuid.UUID, *, trace_id: str | No
 
 @dataclass(frozen=True)
 class PassOutcome:
-    """What one pass did: ``resealed`` values, and whether values under older versions remain."""
+    """What one pass did: ``resealed`` values, and whether values under older versions remain;
+    ``resume`` is where its first sweep stopped (``[column name, primary key as JSON]``), where the
+    next pass's first sweep starts rather than read again what this one did."""
 
     resealed: int
     remaining: bool
+    resume: list | None = None
 
 
 def rotate_pass(job: Any, *, budget_seconds: float) -> PassOutcome | None:
-    """Re-seal the rotation's values still under older versions, chunk by chunk, for at most
-    ``budget_seconds``; each chunk commits with the rotation's progress. None when the rotation is
-    gone or completed. When nothing is left, waits until no process can still hold an older version
-    as active and looks once more."""
+    """Re-seal the rotation's values still under older versions for at most ``budget_seconds``:
+    sweeps through every column of :data:`SEALED` (chunks of :data:`CHUNK`, read and resealed while
+    the previous chunk is written, each written chunk committed with the rotation's progress, paced
+    by a :class:`~domain.keys.sweeps.Throttle`; the first sweep from where the previous pass stopped) and the documents,
+    each sweep followed by one count of what is left, until none is. None when the rotation is gone
+    or completed. Nothing is left (``remaining`` False) once a count made after no process can
+    still hold an older version as active finds none; until then the pass waits for that moment and
+    counts once more."""
     with session_scope() as session:
         rotation = session.get(KeyRotation, uuid.UUID(job.subject_id))
         if rotation is None or rotation.status != RUNNING:
             return None
-        tenant_id, version, started = rotation.tenant_id, rotation.version, rotation.created_at
-    deadline = time.monotonic() + budget_seconds
-    resealed = 0
-    keyring = get_keyring()
-    while time.monotonic() < deadline:
-        done = 0
-        for spec in SEALED:
-            after: tuple | None = None  # a keyset through the column: each chunk reads its own rows only
-            while time.monotonic() < deadline:
-                with session_scope() as session:
-                    rows = stale_rows(session, spec, tenant_id, version, CHUNK, after)
-                    if not rows:
-                        break
-                    fresh = [
-                        keyring.reseal(session, tenant_id, spec.purpose, spec.resource_of(row), row.sealed, version)
-                        for row in rows
-                    ]
-                    changed = write_resealed(session, spec, rows, fresh)
-                    session.execute(
-                        update(KeyRotation)
-                        .where(col(KeyRotation.id) == rotation.id)
-                        .values(done=col(KeyRotation.done) + changed)
-                    )
-                after = key_of(spec, rows[-1])
-                done += changed
-                time.sleep(PAUSE_SECONDS)
-        done += _rotate_documents(tenant_id, version, rotation.id, deadline)
-        resealed += done
-        if done == 0:
-            settle_by = started + dt.timedelta(seconds=2 * ACTIVE_VERSION_TTL)
-            wait = (settle_by - utcnow()).total_seconds()
-            if wait <= 0:
-                break
-            time.sleep(min(wait, max(0.0, deadline - time.monotonic())))  # then look once more
-    with session_scope() as session:
-        remaining = stale_values(session, tenant_id, version) > 0 or utcnow() < started + dt.timedelta(
-            seconds=2 * ACTIVE_VERSION_TTL
+        rotation_id, tenant_id, version, started = (
+            rotation.id,
+            rotation.tenant_id,
+            rotation.version,
+            rotation.created_at,
         )
-    return PassOutcome(resealed, remaining)
+    settle_by = started + dt.timedelta(seconds=2 * ACTIVE_VERSION_TTL)
+    deadline = time.monotonic() + budget_seconds
+    resealed, clean, throttle = 0, False, Throttle()
+    resume: list | None
+    stopped: list | None
+    resume, stopped, sweep = _resume_point(rotation_id), None, True
+    while stopped is None and time.monotonic() < deadline:
+        swept = 0
+        if sweep:
+            for spec in SEALED:
+                after = None
+                if resume is not None:  # the first sweep goes on where the previous pass stopped
+                    if spec.name != resume[0]:
+                        continue
+                    after, resume = key_from(spec, resume[1]), None
+                changed, stopped_at = sweep_column(
+                    spec, tenant_id, version, rotation_id, deadline, throttle, chunk=CHUNK, after=after
+                )
+                swept += changed
+                if stopped_at is not None or time.monotonic() >= deadline:  # [] : stopped between two columns
+                    stopped = [] if stopped_at is None else [spec.name, [_json(value) for value in stopped_at]]
+                    break
+            if stopped is not None:
+                resealed += swept
+                break
+            swept += _rotate_documents(tenant_id, version, rotation_id, deadline)
+            resealed += swept
+        counted_at = utcnow()
+        with session_scope() as session:  # a count reads the rows in their order on disk: cheaper than a sweep
+            left = stale_values(session, tenant_id, version)
+        if left and sweep and not swept:
+            break  # what is left cannot be resealed now (a document still uploading): the next pass looks again
+        sweep = left > 0
+        if not sweep:
+            clean = counted_at >= settle_by
+            if clean:
+                break
+            # values may still be sealed by a process holding an older version as active: count once more then
+            time.sleep(max(0.0, min((settle_by - utcnow()).total_seconds(), deadline - time.monotonic())))
+    log.info("rotation %s: %s values resealed in this pass (paused %.1f s)", rotation_id, resealed, throttle.paused)
+    return PassOutcome(resealed, not clean, stopped or None)
+
+
+def _json(value: Any) -> Any:
+    return str(value) if isinstance(value, uuid.UUID) else value
+
+
+def _resume_point(rotation_id: uuid.UUID) -> list | None:
+    """Where the rotation's previous pass stopped (its job result's ``resume``), or None."""
+    with session_scope() as session:
+        result = session.exec(
+            select(Job.result)
+            .where(
+                col(Job.kind) == ROTATE_TASK,
+                col(Job.subject_id) == str(rotation_id),
+                col(Job.status) == JobStatus.SUCCEEDED,
+            )
+            .order_by(col(Job.created_at).desc())
+            .limit(1)
+        ).first()
+    resume = result.get("resume") if isinstance(result, dict) else None
+    if isinstance(resume, list) and len(resume) == 2 and any(spec.name == resume[0] for spec in SEALED):
+        return resume
+    return None
 
 
 def _rotate_documents(tenant_id: uuid.UUID, version: int, rotation_id: uuid.UUID, deadline: float) -> int:
@@ -257,6 +298,8 @@ def settle_pass(session: Session, job: Any, outcome: PassOutcome | None) -> dict
         )
         rotation.job_id = following.id
         session.add(rotation)
+        if outcome.resume is not None:
+            return {"resealed": outcome.resealed, "next": str(following.id), "resume": outcome.resume}
         return {"resealed": outcome.resealed, "next": str(following.id)}
     keyring = get_keyring()
     retiring = session.exec(
@@ -282,6 +325,10 @@ def tenant_status(session: Session, tenant_id: uuid.UUID) -> dict:
     """``{"tenant_id", "active_version", "versions": [{"version", "state", "values", "destroyed_at"}],
     "rotation": {"status", "done", "total"} | None}``: ``values`` counts the sealed values under each
     version. Raises LookupError for an unknown tenant."""
+    # the rotation first: a rotation read as completed has destroyed the versions read after it
+    rotation = session.exec(
+        select(KeyRotation).where(KeyRotation.tenant_id == tenant_id).order_by(col(KeyRotation.created_at).desc())
+    ).first()
     rows = session.exec(
         select(TenantDataKey).where(TenantDataKey.tenant_id == tenant_id).order_by(col(TenantDataKey.version))
     ).all()
@@ -297,9 +344,6 @@ def tenant_status(session: Session, tenant_id: uuid.UUID) -> dict:
         .group_by(col(Document.key_version))
     ).all():
         counted[version] = counted.get(version, 0) + number
-    rotation = session.exec(
-        select(KeyRotation).where(KeyRotation.tenant_id == tenant_id).order_by(col(KeyRotation.created_at).desc())
-    ).first()
     return {
         "tenant_id": str(tenant_id),
         "active_version": next((row.version for row in rows if row.state == "active"), None),

@@ -5,13 +5,11 @@ back to the master key."""
 
 from __future__ import annotations
 
-import os
 import socket
 
 import boto3
 import pytest
 
-from config.settings import reload_settings
 from domain.keys import service
 from storage.crypto import get_keyring
 from storage.db import session_scope
@@ -19,38 +17,16 @@ from tests.conftest import free_port
 from tests.helpers import wait_until
 
 
-def _use(**env: str | None) -> None:
-    for name, value in env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    reload_settings()
-    get_keyring.cache_clear()
-
-
-def _rewrap() -> dict:
-    with session_scope() as session:
-        service.start_rewrap(session)
-
-    def settled():
-        with session_scope() as session:
-            report = service.status(session)
-        return report["data_keys_under_previous"] == 0 and report["key_check"] == "ok" and report
-
-    return wait_until(settled, timeout=180, interval=0.3)
-
-
 @pytest.fixture
-def kms_key(s3_server):
+def kms_key(s3_server, use_keys, rewrap):
     """A KMS key on moto's server; the platform moved under it, and back to the master key after."""
     client = boto3.client("kms", region_name="us-east-1", endpoint_url=s3_server)
     key_id = client.create_key(Description="tessera rotation test")["KeyMetadata"]["KeyId"]
-    _use(TESSERA_KMS_KEY_ID=key_id, TESSERA_KMS_ENDPOINT_URL=s3_server)
+    use_keys(TESSERA_KMS_KEY_ID=key_id, TESSERA_KMS_ENDPOINT_URL=s3_server)
     yield key_id, s3_server
-    _use(TESSERA_KMS_KEY_ID=None, TESSERA_KMS_KEY_ID_PREVIOUS=key_id, TESSERA_KMS_ENDPOINT_URL=s3_server)
-    _rewrap()
-    _use(TESSERA_KMS_KEY_ID_PREVIOUS=None, TESSERA_KMS_ENDPOINT_URL=None)
+    use_keys(TESSERA_KMS_KEY_ID=None, TESSERA_KMS_KEY_ID_PREVIOUS=key_id, TESSERA_KMS_ENDPOINT_URL=s3_server)
+    rewrap()
+    use_keys(TESSERA_KMS_KEY_ID_PREVIOUS=None, TESSERA_KMS_ENDPOINT_URL=None)
 
 
 def _dead_port() -> str:
@@ -60,11 +36,11 @@ def _dead_port() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def test_kms_rewrap_rotation_and_outage(tenant, kms_key):
+def test_kms_rewrap_rotation_and_outage(tenant, kms_key, use_keys, rewrap):
     key_id, endpoint = kms_key
     c = tenant.client
     token = c.post("/tokens", {"type": "token", "data": {"v": 1}}).json["id"]  # master-wrapped keys serve
-    report = _rewrap()
+    report = rewrap()
     assert report["wrapping"] == "kms" and report["wrapped_by"] == f"kms:{key_id}"
 
     with session_scope() as session:
@@ -79,10 +55,10 @@ def test_kms_rewrap_rotation_and_outage(tenant, kms_key):
     assert c.get(f"/tokens/{token}").json["data"] == {"v": 1}
 
     # KMS away: reads that need an unwrap answer 503 and change nothing
-    _use(TESSERA_KMS_ENDPOINT_URL=_dead_port())
+    use_keys(TESSERA_KMS_ENDPOINT_URL=_dead_port())
     answer = c.get(f"/tokens/{token}")
     assert answer.status == 503, answer
     assert answer.headers["content-type"].startswith("application/problem+json")
     assert "key service" in answer.json["detail"]
-    _use(TESSERA_KMS_ENDPOINT_URL=endpoint)
+    use_keys(TESSERA_KMS_ENDPOINT_URL=endpoint)
     assert c.get(f"/tokens/{token}").json["data"] == {"v": 1}

@@ -6,7 +6,6 @@ a deleted tenant crypto-shredded; and every binary column of the models accounte
 
 from __future__ import annotations
 
-import base64
 import os
 import uuid
 
@@ -14,11 +13,10 @@ import pytest
 from sqlalchemy import LargeBinary
 from sqlmodel import SQLModel, select
 
-from config.settings import reload_settings
 from domain.keys import inventory, service
 from storage.crypto import DecryptionError, get_keyring
 from storage.db import session_scope
-from storage.models import AuditLog, Job, KeyCheck, KeyRotation, Tenant, TenantDataKey, TenantIndexKey, Token
+from storage.models import AuditLog, Job, KeyRotation, Tenant, TenantDataKey, TenantIndexKey, Token
 from storage.sealed import version_head
 from tests.factories.documents import upload
 from tests.helpers import wait_until
@@ -135,53 +133,14 @@ def test_an_interrupted_pass_resumes_with_nothing_lost_or_sealed_twice(tenant):
     assert [c.get(f"/tokens/{i}").json["data"] for i in ids] == [{"n": n} for n in range(30)]
 
 
-@pytest.fixture
-def new_master_key():
-    """The test run's master key replaced by a new one, the old one previous; restored (and the keys
-    rewrapped back) afterwards."""
-    old = os.environ["TESSERA_MASTER_KEY"]
-    new = base64.b64encode(os.urandom(32)).decode()
-
-    def use(current: str, previous: str | None) -> None:
-        os.environ["TESSERA_MASTER_KEY"] = current
-        if previous is None:
-            os.environ.pop("TESSERA_MASTER_KEY_PREVIOUS", None)
-        else:
-            os.environ["TESSERA_MASTER_KEY_PREVIOUS"] = previous
-        reload_settings()
-        get_keyring.cache_clear()
-
-    use(new, old)
-    yield use, old, new
-    use(old, new)
-    _rewrap()
-    use(old, None)
-
-
-def _rewrap() -> dict:
-    with session_scope() as session:
-        service.start_rewrap(session)
-    return wait_until(
-        lambda: (s := _settled())["data_keys_under_previous"] == 0 and s["done"] and s, timeout=120, interval=0.2
-    )
-
-
-def _settled() -> dict:
-    with session_scope() as session:
-        report = service.status(session)
-        check = session.get(KeyCheck, 1)
-        report["done"] = check.wrapped_by == get_keyring().current.wrapped_by
-    return report
-
-
-def test_rewrap_moves_every_wrapped_key_under_the_new_master_key(tenant, new_master_key):
+def test_rewrap_moves_every_wrapped_key_under_the_new_master_key(tenant, new_master_key, rewrap):
     use, old, new = new_master_key
     c = tenant.client
     token = c.post("/tokens", {"type": "token", "data": {"kept": True}}).json["id"]
     assert c.get(f"/tokens/{token}").json["data"] == {"kept": True}  # served with the old key as previous
     with session_scope() as session:
         assert service.status(session)["data_keys_under_previous"] > 0
-    report = _rewrap()
+    report = rewrap()
     assert report["key_check"] == "ok" and report["wrapping"] == "master"
     use(new, None)  # the previous key removed from the settings
     with session_scope() as session:
