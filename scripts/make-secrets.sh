@@ -1,9 +1,9 @@
 #!/bin/sh
-# Write the secrets docker-compose.yml reads (Docker secrets), once: the master key and every password,
-# each a file in ./secrets (or the folder given as the first argument). Run it once per deployment,
-# before the first `docker compose up`; it never replaces a file that exists, so running it again only
-# adds what is missing. The folder is 0700 (only you on this host); its files are 0444 because
-# compose bind-mounts them into containers whose users (tessera, postgres, redis) are not you.
+# Write the secrets docker-compose.yml reads (Docker secrets), once: the master key, every password and
+# the mail server's URL, each a file in ./secrets (or the folder given as the first argument). Run it
+# once per deployment, before the first `docker compose up`; it never replaces a file that exists, so
+# running it again only adds what is missing. The folder is 0700 (only you on this host); its files are
+# 0444 because compose bind-mounts them into containers whose users (tessera, postgres, redis) are not you.
 #
 # secrets/master_key wraps every tenant's data keys: back it up now, apart from the database and its
 # backups (a secrets manager, or an offline copy). A backup without its key opens nothing; a new key
@@ -48,6 +48,9 @@ write database_url "postgresql+psycopg2://tessera:$postgres@postgres:5432/tesser
 write broker_url "redis://:$redis@redis:6379/0"
 write redis_url "redis://:$redis@redis:6379/1"
 write redis.conf "requirepass $redis"
+# The mail server, as a URL that may carry its password (smtp://user:pass@host:587?starttls=true):
+# $TESSERA_SMTP_URL when set while this runs, else the dev profile's Mailpit. Replace the file to change it.
+write smtp_url "${TESSERA_SMTP_URL:-smtp://mailpit:1025}"
 write aws_credentials "$(printf '[default]\naws_access_key_id = %s\naws_secret_access_key = %s' \
     "$(read_secret s3_access_key)" "$(read_secret s3_secret_key)")"
 
