@@ -15,7 +15,7 @@ from sqlmodel import select
 from config.settings import get_settings
 from domain.tenancy.tenants import create_tenant
 from domain.webhooks import deliveries as webhooks
-from domain.webhooks import events, views
+from domain.webhooks import events, service, views
 from infra import job_admin, jobs, outbox
 from infra.celery import DELIVER_TASK
 from infra.dispatch import BATCH_SIZE, take_pending
@@ -231,7 +231,7 @@ def test_deleting_a_webhook_deletes_its_deliveries_with_their_jobs(database):
         tenant_id=tenant_id, tenant_type="test", application_id=None, application_type=None, permissions=frozenset()
     )
     with session_scope() as session:
-        webhooks.delete_webhook(session, caller, hook)
+        service.delete_webhook(session, caller, hook)
     with session_scope() as session:
         left = session.exec(
             select(WebhookDelivery.webhook_id, Job.subject_id)
