@@ -6,7 +6,7 @@ with backoff on transient SMTP failures, a dead letter after ``max_attempts`` (r
 * ``mail.invitation`` (subject: the invitation link): the invitation mail
   (:func:`domain.tenancy.invitations.mail_of_job`).
 * ``mail.webhook_disabled`` (subject: the webhook): tells a disabled webhook's ``notify_email`` that it
-  was disabled and why (:func:`domain.webhooks.service.disabled_notice`).
+  was disabled and why (:func:`domain.webhooks.deliveries.disabled_notice`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sqlmodel import Session
 
 from config.settings import get_settings
 from domain.tenancy import invitations
-from domain.webhooks import service as webhooks
+from domain.webhooks import deliveries as webhooks
 from infra.celery import celery_app
 from infra.jobs import PermanentError, TransientError
 from infra.mail import SMTP_TIMEOUT_S, MailError, send_mail

@@ -1,7 +1,7 @@
 """Webhook delivery (``webhooks.*`` tasks run on the ``webhooks`` queue).
 
 ``webhooks.deliver(delivery_ids)`` delivers a batch of about a hundred deliveries, each the job with
-the delivery's id (:func:`domain.webhooks.service.deliver_batch`). A batch where a delivery failed
+the delivery's id (:func:`domain.webhooks.deliveries.deliver_batch`). A batch where a delivery failed
 ends in Flower as RETRY (retries are scheduled) or FAILURE (a delivery failed for good, or its job is
 a dead letter), after its outcomes are committed: the message is acknowledged either way and nothing
 runs twice.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 
 from config.settings import get_settings
-from domain.webhooks import service as webhooks
+from domain.webhooks import deliveries as webhooks
 from infra import metrics
 from infra.celery import DELIVER_TASK, celery_app
 from infra.task import TesseraTask

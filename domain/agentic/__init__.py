@@ -20,6 +20,7 @@ Modules:
 * :mod:`domain.agentic.consumers`: country and language codes of the consumer;
 * :mod:`domain.agentic.agents`: the deprecated agents resource.
 
-The provider adapters are :mod:`providers.agentic`; the tables :mod:`storage.models_agentic` and
+The provider adapters are :mod:`providers.agentic` (interface, value types, failures) and
+:mod:`providers.agentic_http` (the HTTP adapter); the tables :mod:`storage.models_agentic` and
 :mod:`storage.models_allowances`.
 """

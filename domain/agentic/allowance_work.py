@@ -47,8 +47,8 @@ from providers.agentic import (
     ProviderAllowance,
     ProviderRejection,
     VerificationState,
-    require_provider,
 )
+from providers.agentic_http import require_provider
 from storage.db import session_scope
 from storage.models import Job
 from storage.models_allowances import Allowance, AllowanceRail, PaymentCredential

@@ -51,7 +51,7 @@ from domain.agentic.views import allowance_view, verification_view
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from infra import jobs
-from providers.agentic import provider_for
+from providers.agentic_http import provider_for
 from storage.crypto import get_keyring
 from storage.keyset import keyset_page
 from storage.models_agentic import ProviderError

@@ -53,7 +53,8 @@ from infra import jobs
 from infra.errors import Problem
 from infra.jobs import PermanentError, TransientError
 from providers import ProviderNotConfigured
-from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed, require_provider
+from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed
+from providers.agentic_http import require_provider
 from storage.db import session_scope
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail

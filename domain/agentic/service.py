@@ -50,7 +50,8 @@ from domain.tenancy.caller import Caller
 from domain.tokens.cards import card_brand
 from infra import jobs
 from infra.errors import Problem
-from providers.agentic import DISPLAY_FIELDS, provider_for
+from providers.agentic import DISPLAY_FIELDS
+from providers.agentic_http import provider_for
 from storage.db import Rows, insert_rows, row_of
 from storage.keyset import keyset_page
 from storage.models import Job

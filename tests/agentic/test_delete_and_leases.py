@@ -11,7 +11,7 @@ from sqlalchemy import update
 from sqlmodel import select
 
 from domain.agentic.payment_methods import new_id
-from providers import agentic as providers
+from providers import agentic_http as providers
 from storage.db import session_scope
 from storage.models_agentic import OperationLease, ProviderError
 from tasks.agentic import purge_provider_errors_task, release_stale_operation_leases

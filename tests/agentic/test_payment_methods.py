@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import update
 
 from domain.webhooks.events import EVENT_TYPES
-from providers import agentic as providers
+from providers import agentic_http as providers
 from storage.db import session_scope
 from storage.models_agentic import PaymentMethod
 from tests.factories.agentic import (

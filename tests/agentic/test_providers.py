@@ -16,8 +16,9 @@ from config.settings import Settings
 from domain.agentic.consumers import canonical_language_code, normalize_country_code
 from domain.agentic.payment_methods import merge_card, rails_for_brand
 from infra.jobs import TransientError
-from providers import agentic as providers
-from providers.agentic import EnrollmentCard, EnrollmentFailed, HttpAgenticProvider, display_card, provider_for
+from providers import agentic_http as providers
+from providers.agentic import EnrollmentCard, EnrollmentFailed
+from providers.agentic_http import HttpAgenticProvider, display_card, provider_for
 from tests.factories.agentic import (
     BASE,
     FAILS_ON_CREATE,

@@ -5,7 +5,7 @@ On a platform of its own (real api, beat and a worker with two prefork processes
 runs it). Tenant A queues ``TESSERA_FAIRNESS_FLOOD`` (default 200) events for a receiver that answers
 in :data:`SLOW_SECONDS`; one FIFO for everyone would keep tenant B's delivery behind A's, about
 ``flood * SLOW_SECONDS / 2`` seconds (200 s here). With the per-tenant slot cap
-(``TESSERA_WEBHOOK_TENANT_SLOTS``, ``domain/webhooks/service.py``) A holds one worker process and
+(``TESSERA_WEBHOOK_TENANT_SLOTS``, ``domain/webhooks/deliveries.py``) A holds one worker process and
 B's delivery and provisioning go through within the bound; A's deliveries all arrive afterwards.
 On demand: ``TESSERA_FAIRNESS_FLOOD=10000`` and ``TESSERA_FAIRNESS_SLOW_SECONDS=5`` (the issue's figures).
 """

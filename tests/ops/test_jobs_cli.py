@@ -14,7 +14,7 @@ import pytest
 from sqlmodel import select
 
 from config.settings import get_settings
-from domain.webhooks.service import message_id
+from domain.webhooks.views import message_id
 from infra import ops
 from storage.db import session_scope
 from storage.models import Job, WebhookDelivery

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import update
 from sqlmodel import select
 
-from domain.webhooks.service import message_id
+from domain.webhooks.views import message_id
 from infra import logs, ops
 from storage.db import session_scope
 from storage.models import Job, WebhookDelivery

@@ -19,10 +19,10 @@ from infra.jobs import TransientError
 from providers.agentic import (
     Amount,
     CredentialOutcomeUnknown,
-    HttpAgenticProvider,
     MppRequest,
     ProviderRejection,
 )
+from providers.agentic_http import HttpAgenticProvider
 from tests.helpers import ApiClient
 from tests.sandbox import HANG_SECONDS, admin, card
 

@@ -9,8 +9,8 @@ import pytest
 from sqlmodel import select
 
 from config.settings import Settings, get_settings
+from domain.webhooks import deliveries as webhooks
 from domain.webhooks import events
-from domain.webhooks import service as webhooks
 from infra import outbox
 from infra.signing import SignatureError, verify
 from storage.db import session_scope

@@ -14,8 +14,8 @@ from sqlmodel import select
 
 from config.settings import get_settings
 from domain.tenancy.tenants import create_tenant
-from domain.webhooks import events
-from domain.webhooks import service as webhooks
+from domain.webhooks import deliveries as webhooks
+from domain.webhooks import events, service, views
 from infra import job_admin, jobs, outbox
 from infra.celery import DELIVER_TASK
 from infra.dispatch import BATCH_SIZE, take_pending
@@ -186,7 +186,7 @@ def test_a_spent_schedule_is_a_dead_letter_that_the_operator_replays(database, r
     assert [(row["id"], row["state"]) for row in dead] == [(str(delivery_id), "failed")]
 
     with session_scope() as session:
-        replayed = job_admin.retry(session, settings, webhooks.message_id(delivery_id))
+        replayed = job_admin.retry(session, settings, views.message_id(delivery_id))
         sent = take_pending(session)
     assert (replayed["state"], replayed["attempts"]) == ("pending", 0)
     assert sent == [(DELIVER_TASK, {"delivery_ids": [str(delivery_id)]})]
@@ -194,7 +194,7 @@ def test_a_spent_schedule_is_a_dead_letter_that_the_operator_replays(database, r
     assert webhooks.attempt(delivery_id, "w", settings) == "success"
     job, delivery = _job(delivery_id), _delivery(delivery_id)
     assert (job.status, job.attempts, delivery.status, delivery.last_status_code) == ("succeeded", 1, "succeeded", 200)
-    assert {r.headers["webhook-id"] for r in receiver.received} == {webhooks.message_id(delivery_id)}
+    assert {r.headers["webhook-id"] for r in receiver.received} == {views.message_id(delivery_id)}
     with session_scope() as session:
         refused = None
         try:
@@ -231,7 +231,7 @@ def test_deleting_a_webhook_deletes_its_deliveries_with_their_jobs(database):
         tenant_id=tenant_id, tenant_type="test", application_id=None, application_type=None, permissions=frozenset()
     )
     with session_scope() as session:
-        webhooks.delete_webhook(session, caller, hook)
+        service.delete_webhook(session, caller, hook)
     with session_scope() as session:
         left = session.exec(
             select(WebhookDelivery.webhook_id, Job.subject_id)
