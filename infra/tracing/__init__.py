@@ -1,15 +1,15 @@
 """OpenTelemetry traces across the api, the workers and beat: off unless the standard ``OTEL_*``
 variables ask for them.
 
-**When tracing is on** (:func:`enabled`, read once per process):
+**When tracing is on** (:func:`enabled`):
 
 * ``OTEL_SDK_DISABLED=true`` turns it off whatever else is set;
 * else ``OTEL_TRACES_EXPORTER`` set names the exporters (comma-separated: ``otlp``, ``console``);
   ``none`` alone (or only ``none``) means off;
 * else it is on when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set
   (the exporter is then ``otlp``);
-* else it is off. Off costs this module's import and one look at the environment: nothing of
-  OpenTelemetry is imported.
+* else it is off. Off costs this module's import and one look at the environment: neither the
+  SDK's tracing, nor an exporter, nor an instrumentation is imported.
 
 **Where it is set up** (:func:`configure`, once per process, after any fork): the api in the app
 factory (``app/main.py``), a worker in each pool process (``workers/signals.py``: ``worker_process_init``
@@ -17,14 +17,15 @@ for prefork and solo pools, ``worker_init`` for the thread pool), beat at ``beat
 instruments the same libraries with the maintained packages: the aiohttp server (one span per
 request, named by route template), Celery (a producer span per message sent, a consumer span per
 run; the trace context travels in the message headers, ``traceparent``), the aiohttp client
-(webhook deliveries, the outbound proxy), urllib3 (provider calls), SQLAlchemy and redis. So a
+(webhook deliveries, the outbound proxy), urllib3 (provider calls), SQLAlchemy (every engine, from
+its next connection on: :class:`infra.tracing.setup.EveryEngine`) and redis. So a
 request, the task it queued, the provider call and the webhook delivery share one trace id.
 
 The rest follows the SDK's own variables: ``OTEL_SERVICE_NAME`` (default ``tessera-api``,
 ``tessera-worker``, ``tessera-beat`` by role), ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER``
 and ``OTEL_TRACES_SAMPLER_ARG``, ``OTEL_PROPAGATORS``, ``OTEL_BSP_*``, ``OTEL_EXPORTER_OTLP_*``
 (http/protobuf). A client span without a parent (a connection pool's or a broker poll's own
-statement, a heartbeat) is not recorded: traces start at a request, a message or a scheduled send.
+statement, a heartbeat) is not exported: traces start at a request, a message or a scheduled send.
 
 **Nothing sensitive leaves the process**: every exporter is wrapped by
 :class:`infra.tracing.scrub.ScrubbingExporter` (URLs reduced to their route, credential headers

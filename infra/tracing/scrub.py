@@ -9,7 +9,7 @@ carry a value, on every span, event and link before export (:class:`ScrubbingExp
   become its route template (``/tokens/{id}``), its ``url.full`` / ``http.url`` the origin and the
   template; a client span's (provider calls, webhook deliveries, the proxy) keep the origin only, as
   the delivery errors do (``infra/http.py``); ``url.query`` is dropped everywhere.
-* **Headers** captured by ``OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_*`` whose name speaks of a
+* **Headers** captured by ``OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_*`` whose name speaks of a card or a
   credential (authorization, cookies, API keys, signatures, secrets, tokens, passwords) are replaced
   by ``[REDACTED]``.
 * **Statement parameters** (``db.statement.parameters``, ``db.query.parameter.*``) are dropped, and
@@ -43,7 +43,9 @@ _SECRETS = re.compile(
     r"|(?i:bearer|basic)\s+[A-Za-z0-9._~+/=-]+"  # Authorization credentials
 )
 _PARAMETERS = re.compile(r"\[parameters: [^\n]*\]")
-_SENSITIVE_HEADER = re.compile(r"authorization|cookie|key|secret|signature|token|password|session|credential", re.I)
+_SENSITIVE_HEADER = re.compile(
+    r"authorization|cookie|key|secret|signature|token|password|session|credential|cvc|cvv|card", re.I
+)
 _HEADER_PREFIXES = ("http.request.header.", "http.response.header.")
 _URL_FULL = frozenset({"url.full", "http.url"})
 _URL_PATH = frozenset({"url.path", "http.target"})

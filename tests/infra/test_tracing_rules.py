@@ -88,6 +88,41 @@ def test_without_otel_variables_nothing_is_configured_nor_imported():
     assert done.stdout.strip().endswith("untraced")
 
 
+def test_each_process_role_sets_up_its_own_tracing():
+    """With ``OTEL_TRACES_EXPORTER`` set: a prefork worker leaves tracing to its pool processes, which
+    each set it up as ``tessera-worker``; a thread-pool worker sets it up itself; the api as ``tessera-api``."""
+    script = textwrap.dedent(
+        """
+        from types import SimpleNamespace
+
+        from infra import tracing
+        from workers import signals
+
+        signals._trace_worker(sender=SimpleNamespace(pool_cls="prefork"))
+        assert tracing.current() is None
+        signals._trace_pool_process()
+        assert tracing.current().provider.resource.attributes["service.name"] == "tessera-worker"
+        tracing.shutdown()
+        signals._trace_worker(sender=SimpleNamespace(pool_cls="threads"))
+        assert tracing.current().provider.resource.attributes["service.name"] == "tessera-worker"
+        tracing.shutdown()
+
+        from app.main import init_app
+        app = init_app()
+        assert tracing.current().provider.resource.attributes["service.name"] == "tessera-api"
+        assert app.middlewares[0].__module__.startswith("opentelemetry.instrumentation.aiohttp_server")
+        print("traced")
+        """
+    )
+    environ = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
+    environ.update(PYTHONPATH=str(ROOT), OTEL_TRACES_EXPORTER="console")
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("traced")
+
+
 @pytest.mark.parametrize(("pool", "prefork"), [("prefork", True), ("threads", False), ("solo", False)])
 def test_only_a_prefork_worker_leaves_tracing_to_its_pool_processes(pool, prefork):
     assert _prefork(pool) is prefork
@@ -182,6 +217,7 @@ def test_a_server_spans_urls_become_its_route_template():
         "http.request.header.ts_api_key": ["key_secret"],
         "http.request.header.authorization": ["Basic dXNlcjpwdw=="],
         "http.request.header.cookie": ["session=abc"],
+        "http.request.header.x_card_cvc": ["123"],
         "http.request.header.content_type": ["application/json"],
         "http.status_code": 404,
     }
@@ -194,6 +230,7 @@ def test_a_server_spans_urls_become_its_route_template():
         "http.request.header.ts_api_key": [REDACTED],
         "http.request.header.authorization": [REDACTED],
         "http.request.header.cookie": [REDACTED],
+        "http.request.header.x_card_cvc": [REDACTED],
         "http.request.header.content_type": ["application/json"],
         "http.status_code": 404,
     }
