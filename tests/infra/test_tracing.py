@@ -124,9 +124,11 @@ def test_one_trace_spans_the_request_the_tasks_the_provider_call_and_the_webhook
         if not servers or servers[0].context is None:
             return False
         trace_id = servers[0].context.trace_id
+        clients = {_scope(s) for s in _one(spans, trace_id, kind=SpanKind.CLIENT)}
         return bool(
-            _one(spans, trace_id, kind=SpanKind.CONSUMER, name=f"run/{DELIVER_TASK}")
-            and [s for s in _one(spans, trace_id, kind=SpanKind.CLIENT) if _scope(s) == "aiohttp_client"]
+            _one(spans, trace_id, kind=SpanKind.CONSUMER, name=f"run/{records.PROVISION_TASK}")
+            and _one(spans, trace_id, kind=SpanKind.CONSUMER, name=f"run/{DELIVER_TASK}")
+            and {"urllib3", "aiohttp_client"} <= clients
         )
 
     spans = _wait_for_spans(traced.spans, complete)
