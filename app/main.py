@@ -55,7 +55,7 @@ from app.routes import (
 )
 from app.routes import logs as log_routes
 from config.settings import Settings, get_settings
-from infra import http, logs, metrics
+from infra import http, logs, metrics, tracing
 from infra.errors import Problem
 from infra.wait import JobWaits
 from storage.crypto import KeyUnavailable
@@ -237,6 +237,7 @@ async def _resources(app: web.Application):
 def init_app(settings: Settings | None = None) -> web.Application:
     """Build the API application for ``settings`` (default: the process settings)."""
     settings = settings or get_settings()
+    tracing.configure("api")  # off unless OTEL_* ask; when on, the app made next gets the server spans' middleware
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[observe_middleware, error_middleware, rate_limit_middleware],

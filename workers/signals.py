@@ -5,6 +5,8 @@
   every log line of the run (``task_prerun``) and forgets them after (``task_postrun``). A job task
   whose message carries no trace (one re-sent by the relay) takes it from its job row.
 * Each run is counted by task name and outcome and timed (``infra/metrics.py``).
+* Traces (``infra/tracing``, off unless the ``OTEL_*`` variables ask): set up in each process that
+  runs tasks (a prefork pool process, or the worker itself with the thread or solo pool) and in beat.
 * Heartbeats (``infra/ops.py``): a worker and beat every ten seconds while they run, each from a
   thread of its own (never as a Celery task: nothing shows up in Flower or the console); the outbox
   relay's from beat's scheduler after each of its passes (``workers/beat.py``) and after each run.
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from celery import signals
 
 from config.settings import get_settings
-from infra import logs, metrics, ops
+from infra import logs, metrics, ops, tracing
 from infra.celery import TENANT_HEADER, TRACE_HEADER
 from storage.db import session_scope
 from storage.models import Job
@@ -88,6 +90,7 @@ def _beat_started(sender=None, **_kwargs) -> None:
     the periodic sweeps, whose runs Flower does not list: no task-sent events from here."""
     if sender is not None:
         sender.app.conf.task_send_sent_event = False
+    tracing.configure("beat")
     start_heartbeat("beat", _beat_heartbeat)
 
 
@@ -159,6 +162,32 @@ def _job_context(job_id, trace_id, tenant_id) -> tuple[str | None, str | None]:
 # ---- worker processes ----------------------------------------------------------------------------
 
 
+@signals.worker_init.connect
+def _trace_worker(sender=None, **_kwargs) -> None:
+    """A worker whose tasks run in its own process (thread or solo pool) sets up tracing here; a
+    prefork worker's pool processes each set up their own after the fork (:func:`_trace_pool_process`)."""
+    if not _prefork(getattr(sender, "pool_cls", None)):
+        tracing.configure("worker")
+
+
+@signals.worker_process_init.connect
+def _trace_pool_process(**_kwargs) -> None:
+    """A pool process (prefork, or the solo pool's own) sets up its own tracing: a tracer provider
+    and its export thread do not survive a fork."""
+    tracing.configure("worker")
+
+
+def _prefork(pool_cls) -> bool:
+    """Whether the worker's pool (a name such as ``threads`` or a pool class) is the prefork pool."""
+    from celery import concurrency
+    from celery.concurrency.prefork import TaskPool
+
+    if pool_cls is None:
+        return True  # Celery's default pool
+    pool = concurrency.get_implementation(pool_cls)
+    return isinstance(pool, type) and issubclass(pool, TaskPool)
+
+
 @signals.worker_ready.connect
 def _worker_ready(sender=None, **_kwargs) -> None:
     """Start the worker's heartbeat (in the worker's main process)."""
@@ -192,5 +221,6 @@ def _own_loggers_to_root(logger=None, **_kwargs) -> None:
 
 @signals.worker_process_shutdown.connect
 def _worker_process_shutdown(**_kwargs) -> None:
-    """A pool process exits: its in-progress gauge no longer counts."""
+    """A pool process exits: its in-progress gauge no longer counts; its buffered spans are sent."""
     metrics.mark_process_dead()
+    tracing.flush()
