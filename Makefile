@@ -8,12 +8,14 @@ BIN := $(VENV)/bin
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 12
 
-# The runtime alone for running the platform (moto on top for `tessera dev`); the test extra (pytest, ruff, import-linter...) on top for
-# testing and linting.
-$(BIN)/.installed: pyproject.toml
+# The runtime alone for running the platform, exactly as locked (requirements.lock, hashes checked: what the
+# image installs), then the project; moto on top for `tessera dev`; the test extra (pytest, ruff, import-linter...)
+# on top for testing and linting.
+$(BIN)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --require-hashes -r requirements.lock
+	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
 # `tessera dev` also runs moto's S3 server when TESSERA_S3_ENDPOINT_URL is unset: the dev extra.
