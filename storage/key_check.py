@@ -86,6 +86,23 @@ def _adopt_unnamed(session: Session, keyring: Keyring) -> None:
         )
 
 
+def _refuse_foreign_keys(session: Session, keyring: Keyring) -> None:
+    """Before the first check is recorded: every stored key must be under a wrapping key this process
+    accepts (a database whose check row is missing is not claimed by a key that opens none of its data)."""
+    for model in (TenantDataKey, TenantIndexKey):
+        names = session.execute(
+            select(col(model.wrapped_by))
+            .where(col(model.wrapped_by).is_not(None), col(model.wrapped_key).is_not(None))
+            .distinct()
+        ).scalars()
+        foreign = sorted(name for name in names if name not in keyring.accepted)
+        if foreign:
+            raise KeyCheckFailed(
+                f"{_setting(foreign[0])} does not open the data keys already in this database (they are under "
+                f"{foreign[0]}): set the key the database was made with"
+            )
+
+
 def verify(session: Session, keyring: Keyring | None = None) -> str:
     """Check this process's keys against the database (recording the check on first use): ``ok``.
 
@@ -101,6 +118,7 @@ def verify(session: Session, keyring: Keyring | None = None) -> str:
     row = session.get(KeyCheck, 1)
     if row is None:
         _adopt_unnamed(session, keyring)
+        _refuse_foreign_keys(session, keyring)
         _record(session, current)
         session.flush()
         row = session.get(KeyCheck, 1, populate_existing=True)

@@ -11,12 +11,14 @@ import subprocess
 import sys
 
 import pytest
+from sqlalchemy import delete
 
 from config.settings import Settings
 from storage import key_check
 from storage.crypto import Keyring, MasterKeyMissing, load_master_key
 from storage.db import session_scope
 from storage.key_check import KeyCheckFailed, verify
+from storage.models import KeyCheck
 
 TESSERA = [sys.executable, "-m", "tessera.cli"]
 
@@ -34,6 +36,23 @@ def test_the_running_key_passes_and_a_wrong_key_is_refused(database):
         assert verify(session) == "ok"
         with pytest.raises(KeyCheckFailed, match="TESSERA_MASTER_KEY does not open this database's keys"):
             verify(session, Keyring(_settings(master_key=_key())))
+
+
+def test_a_database_without_its_check_is_not_claimed_by_a_key_that_opens_none_of_its_keys(database, tenant):
+    """The check row gone (or never written by a process that sealed data): a wrong key refuses instead of
+    recording itself as the database's key; the right key records the check again."""
+    with session_scope() as session:
+        assert verify(session) == "ok"
+    with session_scope() as session:
+        session.execute(delete(KeyCheck))
+    try:
+        with session_scope() as session, pytest.raises(KeyCheckFailed, match="does not open the data keys already"):
+            verify(session, Keyring(_settings(master_key=_key())))
+        with session_scope() as session:
+            assert session.get(KeyCheck, 1) is None  # nothing recorded by the wrong key
+    finally:
+        with session_scope() as session:
+            assert verify(session) == "ok"
 
 
 def test_the_previous_key_is_accepted_while_the_new_one_is_current(database):
