@@ -150,6 +150,16 @@ def execute_unflushed(statement) -> None:
     execute_once_more_on_disconnect(engine, statement)
 
 
+def insert_rows_unflushed(rows: Rows) -> None:
+    """:func:`insert_rows` outside any transaction, one ``INSERT`` per table, each committed without
+    waiting for the WAL flush (:func:`execute_unflushed`: so each must bear running twice, e.g. a table
+    queued with ``ignore_conflicts``)."""
+    dialect_name = (get_lease_engine() or get_engine()).dialect.name
+    for (table, ignore), batch in rows.tables.items():
+        if batch:
+            execute_unflushed(insert_statement(dialect_name, table, ignore_conflicts=ignore).values(batch))
+
+
 def reset_engine() -> None:
     """Dispose of the process's engines (after a fork, or when tests change the settings)."""
     for cached in (get_engine, get_lease_engine):

@@ -19,14 +19,12 @@ from sqlmodel import Session, col, select
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
-from storage.db import Rows, execute_unflushed, get_engine, insert_statement
+from storage.db import Rows, insert_rows, insert_rows_unflushed
 from storage.models import Token
 from storage.models_tenancy import TokenActivity
 from storage.types import table_of, utcnow
 
 _TABLE = table_of(TokenActivity)
-#: Rows per INSERT statement (keeps the statement's bound parameters well under backend limits).
-_INSERT_BATCH = 500
 
 
 def month_of(moment: dt.datetime) -> dt.date:
@@ -48,10 +46,7 @@ def record_token_activity(
     """
     rows = Rows()
     stage_token_activity(rows, tenant_id, token_ids, now=now)
-    found = rows.tables.get((_TABLE, True), [])
-    statement = insert_statement(session.get_bind().dialect.name, _TABLE, ignore_conflicts=True)
-    for start in range(0, len(found), _INSERT_BATCH):
-        session.execute(statement.values(found[start : start + _INSERT_BATCH]))
+    insert_rows(session, rows)
 
 
 def record_token_activity_unflushed(
@@ -62,9 +57,7 @@ def record_token_activity_unflushed(
     provider call reading a card token), whose outcome or failure commit makes it durable."""
     rows = Rows()
     stage_token_activity(rows, tenant_id, token_ids, now=now)
-    found = rows.tables.get((_TABLE, True), [])
-    if found:
-        execute_unflushed(insert_statement(get_engine().dialect.name, _TABLE, ignore_conflicts=True).values(found))
+    insert_rows_unflushed(rows)
 
 
 def stage_token_activity(
