@@ -6,6 +6,7 @@ the sandbox that holds chosen calls or their answers while a worker is killed. N
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from storage.db import session_scope
-from tests.conftest import REDIS_PREFIX, free_port
+from tests.conftest import REDIS_PREFIX, TEST_BROKER_URL, free_port
 from tests.factories.agentic import BASE
 from tests.helpers import ApiClient, wait_until
 
@@ -120,6 +121,21 @@ def _log_tail(log_dir: Path) -> str:
     )
 
 
+def broker_env(prefix: str) -> dict[str, str]:
+    """The broker settings of a stack isolated under ``prefix``: nothing on Redis (the key prefix keeps
+    its queues apart); on RabbitMQ a virtual host of its own, made now and deleted when the run ends,
+    so a message a killed worker held is never handed to another test's worker (RabbitMQ redelivers it
+    at once, where Redis hides it for the visibility timeout)."""
+    if not TEST_BROKER_URL.startswith("amqp"):
+        return {}
+    vhost = prefix.rstrip(":")
+    for command in (["add_vhost", vhost], ["set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"]):
+        subprocess.run(["rabbitmqctl", "-q", *command], check=True, capture_output=True, timeout=60)
+    atexit.register(subprocess.run, ["rabbitmqctl", "-q", "delete_vhost", vhost], capture_output=True, timeout=60)
+    server = TEST_BROKER_URL.split("//", 1)[1].split("/", 1)[0]
+    return {"TESSERA_BROKER_URL": f"{TEST_BROKER_URL.split('//', 1)[0]}//{server}/{vhost}"}
+
+
 @pytest.fixture
 def isolated_prefix(redis_flushed):
     prefix = f"{REDIS_PREFIX}kill{os.urandom(3).hex()}:"
@@ -139,6 +155,7 @@ def stack(prefix: str, proxy_port: int, *, log_prefix: str, **settings: str):
     api_port = free_port()
     env = {
         "TESSERA_REDIS_KEY_PREFIX": prefix,
+        **broker_env(prefix),
         "TESSERA_API_PORT": str(api_port),
         "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1",
         "TESSERA_AGENTIC_PROVIDER_TIMEOUT_SECONDS": "3",  # a job's lease: 1 + 3 + 10 s

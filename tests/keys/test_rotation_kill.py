@@ -28,7 +28,7 @@ from storage.db import session_scope
 from storage.models import Job, KeyRotation, Token
 from storage.sealed import version_head
 from storage.types import table_of, utcnow
-from tests.factories.kill_stack import TESSERA, _log_tail, isolated_prefix, processes  # noqa: F401
+from tests.factories.kill_stack import TESSERA, _log_tail, broker_env, isolated_prefix, processes  # noqa: F401
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.kill
@@ -74,6 +74,7 @@ def test_a_worker_killed_mid_rotation_leaves_nothing_lost_or_sealed_twice(
         session.execute(insert(table_of(Token)), rows)
     env = {
         "TESSERA_REDIS_KEY_PREFIX": isolated_prefix,
+        **broker_env(isolated_prefix),
         "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1",
         "TESSERA_LOG_LEVEL": "WARNING",
     }

@@ -30,6 +30,7 @@ from sqlalchemy.engine import make_url
 
 from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, _drop_database, _recreate_database, free_port
 from tests.conftest import serve_in_thread as serve
+from tests.factories.kill_stack import broker_env
 from tests.helpers import ApiClient, wait_until
 
 pytestmark = pytest.mark.kill
@@ -108,6 +109,7 @@ def own_platform(
         **os.environ,
         "TESSERA_DATABASE_URL": database_url,
         "TESSERA_REDIS_KEY_PREFIX": f"{REDIS_PREFIX}{name}:",
+        **broker_env(f"{REDIS_PREFIX}{name}:"),
         "TESSERA_DATA_DIR": str(work_dir),
         "TESSERA_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
         "TESSERA_SANDBOX_URL": sandbox_url,

@@ -30,7 +30,7 @@ from storage.models import Event, Job
 from storage.models_reactors import ReactorRun
 from storage.types import utcnow
 from tests.conftest import free_port
-from tests.factories.kill_stack import TESSERA, _log_tail, isolated_prefix, processes  # noqa: F401
+from tests.factories.kill_stack import TESSERA, _log_tail, broker_env, isolated_prefix, processes  # noqa: F401
 from tests.helpers import ApiClient, wait_until
 
 pytestmark = pytest.mark.kill
@@ -72,6 +72,7 @@ def test_a_worker_killed_mid_run_leaves_the_run_failed_and_never_runs_the_code_t
     api_port = free_port()
     common = {
         "TESSERA_REDIS_KEY_PREFIX": isolated_prefix,
+        **broker_env(isolated_prefix),
         "TESSERA_API_PORT": str(api_port),
         "TESSERA_OUTBOX_RELAY_AFTER_SECONDS": "1",
         "TESSERA_LOG_LEVEL": "WARNING",
