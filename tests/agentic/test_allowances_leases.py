@@ -5,7 +5,7 @@ state.
 
 A killed worker is represented by the state it leaves behind: the mint's reservation committed by
 the API under its lease, its job recorded but never run by a worker (the message to the worker is
-not sent: ``infra.jobs.enqueue_after_commit`` is replaced for that one request, and the request
+not sent: ``infra.jobs.enqueue_jobs_after_commit`` is replaced for that one request, and the request
 does not wait for it: the only stand-ins here), and, for the second case, the provider's real mint
 made through the adapter with the credential id as key, its outcome never written. The lease is then
 made stale as five minutes would.
@@ -56,7 +56,7 @@ pytestmark = pytest.mark.api
 
 def _reserve_without_worker(tenant, alw_id: str, value: str, monkeypatch) -> Job:
     """A mint the API recorded (amount reserved under the lease) whose worker never ran it."""
-    monkeypatch.setattr(jobs_module, "enqueue_after_commit", lambda *args, **kwargs: None)
+    monkeypatch.setattr(jobs_module, "enqueue_jobs_after_commit", lambda *args, **kwargs: None)
 
     async def no_wait(self, job_ids, *, timeout):  # nothing will run the job: the request stops waiting
         return {}
@@ -244,7 +244,7 @@ def test_a_key_held_by_a_running_mint_answers_in_progress_and_then_its_outcome(t
         return {}
 
     monkeypatch.setattr(Call, "wait_for_jobs", no_wait)
-    monkeypatch.setattr(jobs_module, "enqueue_after_commit", lambda *args, **kwargs: None)
+    monkeypatch.setattr(jobs_module, "enqueue_jobs_after_commit", lambda *args, **kwargs: None)
     first = mint(tenant.client, alw["id"], "5.00", key=headers_key)
     monkeypatch.undo()
     assert_problem(first, 409, "ALLOWANCE_CREDENTIAL_IN_PROGRESS")
@@ -263,7 +263,7 @@ def test_a_key_whose_mint_succeeded_after_its_request_stopped_waiting_answers_pa
         return {}
 
     monkeypatch.setattr(Call, "wait_for_jobs", no_wait)
-    monkeypatch.setattr(jobs_module, "enqueue_after_commit", lambda *args, **kwargs: None)
+    monkeypatch.setattr(jobs_module, "enqueue_jobs_after_commit", lambda *args, **kwargs: None)
     assert_problem(mint(tenant.client, alw["id"], "5.00", key="late"), 409, "ALLOWANCE_CREDENTIAL_IN_PROGRESS")
     monkeypatch.undo()
     [pending] = credential_rows(alw["id"])

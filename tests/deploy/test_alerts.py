@@ -96,7 +96,7 @@ def _matched(rules: list[dict], label: str) -> set[str]:
 
 
 def test_the_label_values_matched_are_ones_the_platform_writes(rules):
-    webhooks = (ROOT / "domain" / "webhooks" / "service.py").read_text()
+    webhooks = (ROOT / "domain" / "webhooks" / "deliveries.py").read_text()
     listed = re.search(r"``counts`` of each outcome \((.*?)\)", webhooks, re.S).group(1)
     outcomes = set(re.findall(r"``(\w+)``", listed))
     assert _matched(rules, "outcome") - {"server_error", "timeout", "unreachable", "throttled"} <= outcomes

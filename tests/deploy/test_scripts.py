@@ -9,6 +9,7 @@ import io
 import subprocess
 import sys
 import tarfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -51,41 +52,41 @@ def _s3_archive():
     return module
 
 
-def test_the_s3_archive_keeps_each_object_with_its_content_type_and_metadata(monkeypatch):
+def test_the_s3_archive_keeps_each_object_with_its_content_type_and_metadata(monkeypatch, s3_server):
+    """On the run's moto S3 server, with buckets of this test's own (``mock_aws`` in this process would
+    reset the server's buckets too: moto keeps one state per process)."""
     import boto3
-    from moto import mock_aws
 
     archive = _s3_archive()
-    monkeypatch.setenv("TESSERA_S3_ENDPOINT_URL", "")  # moto's in-process AWS
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    run = uuid.uuid4().hex[:8]
+    never_made, source, restored = f"never-made-{run}", f"source-{run}", f"restored-{run}"
+    monkeypatch.setenv("TESSERA_S3_ENDPOINT_URL", s3_server)
     objects = {
         "documents/t1/d1": (b"\x00sealed\xff" * 100, "application/octet-stream", {"tessera-key-version": "3"}),
         "account-updater/t1/job/request.csv": (b"token,expiration_year\n", "text/csv", {}),
         "empty": (b"", "binary/octet-stream", {}),
     }
-    with mock_aws():
-        client = boto3.client("s3", region_name="us-east-1")
-        monkeypatch.setenv("TESSERA_S3_BUCKET", "never-made")
-        stream = io.BytesIO()
-        assert archive.dump(stream) == 0  # the platform makes its bucket on first use: nothing yet
-        client.create_bucket(Bucket="source")
-        for key, (body, content_type, metadata) in objects.items():
-            client.put_object(Bucket="source", Key=key, Body=body, ContentType=content_type, Metadata=metadata)
-        monkeypatch.setenv("TESSERA_S3_BUCKET", "source")
-        stream = io.BytesIO()
-        assert archive.dump(stream) == 3
-        monkeypatch.setenv("TESSERA_S3_BUCKET", "restored")
-        stream.seek(0)
-        assert archive.load(stream) == 3  # the bucket is made
-        for key, (body, content_type, metadata) in objects.items():
-            answer = client.get_object(Bucket="restored", Key=key)
-            assert (answer["Body"].read(), answer["ContentType"], answer["Metadata"]) == (body, content_type, metadata)
-        # a stream that is not an s3.tar is refused, not half-loaded under wrong keys
-        bad = io.BytesIO()
-        with tarfile.open(fileobj=bad, mode="w") as tar:
-            info = tarfile.TarInfo("objects/stray")
-            tar.addfile(info, io.BytesIO(b""))
-        bad.seek(0)
-        with pytest.raises(SystemExit, match=r"not an s3\.tar"):
-            archive.load(bad)
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    monkeypatch.setenv("TESSERA_S3_BUCKET", never_made)
+    stream = io.BytesIO()
+    assert archive.dump(stream) == 0  # the platform makes its bucket on first use: nothing yet
+    client.create_bucket(Bucket=source)
+    for key, (body, content_type, metadata) in objects.items():
+        client.put_object(Bucket=source, Key=key, Body=body, ContentType=content_type, Metadata=metadata)
+    monkeypatch.setenv("TESSERA_S3_BUCKET", source)
+    stream = io.BytesIO()
+    assert archive.dump(stream) == 3
+    monkeypatch.setenv("TESSERA_S3_BUCKET", restored)
+    stream.seek(0)
+    assert archive.load(stream) == 3  # the bucket is made
+    for key, (body, content_type, metadata) in objects.items():
+        answer = client.get_object(Bucket=restored, Key=key)
+        assert (answer["Body"].read(), answer["ContentType"], answer["Metadata"]) == (body, content_type, metadata)
+    # a stream that is not an s3.tar is refused, not half-loaded under wrong keys
+    bad = io.BytesIO()
+    with tarfile.open(fileobj=bad, mode="w") as tar:
+        info = tarfile.TarInfo("objects/stray")
+        tar.addfile(info, io.BytesIO(b""))
+    bad.seek(0)
+    with pytest.raises(SystemExit, match=r"not an s3\.tar"):
+        archive.load(bad)

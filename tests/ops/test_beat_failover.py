@@ -31,9 +31,10 @@ def test_one_beat_schedules_the_standby_takes_over_when_it_dies(platform, tmp_pa
     first = platform.start("beat-1", "beat", extra_env={"TESSERA_DATA_DIR": str(tmp_path / "host-1")})
     second = platform.start("beat-2", "beat", extra_env={"TESSERA_DATA_DIR": str(tmp_path / "host-2")})
     pids = {first.popen.pid, second.popen.pid}
-    wait_until(lambda: set(_by_pid(_beats(platform))) == pids, timeout=60, interval=1)
+    # both heartbeat as standby from their start; one turns active at its first tick
+    wait_until(lambda: sorted(_by_pid(_beats(platform)).values()) == ["active", "standby"], timeout=60, interval=1)
     states = _by_pid(_beats(platform))
-    assert sorted(states.values()) == ["active", "standby"], states
+    assert set(states) == pids, states
     active = first if states[first.popen.pid] == "active" else second
     standby = second if active is first else first
     assert "active, holding the scheduler lock" in active.output()
