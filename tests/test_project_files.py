@@ -27,7 +27,9 @@ def test_make_dev_installs_the_runtime_and_make_test_the_test_extra():
     assert any(line.endswith('pip install -q -e ".[dev]"') for line in dev_install), dev_install
     [stamp] = [p for p in runtime if p.startswith("$(BIN)/")]
     _, install = _recipe(makefile, stamp)
-    assert any(line.endswith("pip install -q -e .") for line in install), install
+    # the runtime exactly as locked (hashes checked, as the image installs it), then the project itself
+    assert any(line.endswith("pip install -q --require-hashes -r requirements.lock") for line in install), install
+    assert any(line.endswith("pip install -q --no-deps -e .") for line in install), install
     assert not any("[test]" in line for line in install + dev_install)
     for target in ("test", "lint"):
         prerequisites, _ = _recipe(makefile, target)
