@@ -57,6 +57,7 @@ from app.routes import logs as log_routes
 from config.settings import Settings, get_settings
 from infra import http, logs, metrics, tracing
 from infra.errors import Problem
+from infra.pan import holds_card_number
 from infra.wait import JobWaits
 from storage.crypto import KeyUnavailable
 from storage.db import GroupCommit
@@ -189,7 +190,7 @@ def _trace_id(request: web.Request, header: str) -> str:
     supplied = request.headers.get(header) if request.method in _TRACED_METHODS else None
     if supplied is None:
         return str(uuid.uuid4())
-    if not _TRACE_ID.match(supplied):
+    if not _TRACE_ID.match(supplied) or holds_card_number(supplied):  # it is logged: never a card number
         request[TRACE_ID] = str(uuid.uuid4())
         raise Problem(400, f"{header} must be a uuid (at most 64 letters, digits, '-', '_', '.', ':').")
     return supplied

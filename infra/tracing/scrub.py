@@ -33,6 +33,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util.types import Attributes, AttributeValue
 
+from infra.pan import luhn_valid
+
 REDACTED = "[REDACTED]"
 
 # A run of digits standing alone (not inside a word, a hex id or a uuid), spaces or dashes between them.
@@ -51,17 +53,6 @@ _URL_FULL = frozenset({"url.full", "http.url"})
 _URL_PATH = frozenset({"url.path", "http.target"})
 _DROPPED = frozenset({"url.query", "db.statement.parameters"})
 _DROPPED_PREFIXES = ("db.query.parameter.",)
-
-
-def luhn_valid(digits: str) -> bool:
-    """The Luhn (mod 10) check of a string of ASCII digits."""
-    total = 0
-    for index, char in enumerate(reversed(digits)):
-        value = ord(char) - 48
-        if index % 2:
-            value = value * 2 - 9 if value > 4 else value * 2
-        total += value
-    return total % 10 == 0
 
 
 def _card_number(match: re.Match[str]) -> str:
