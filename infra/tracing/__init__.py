@@ -87,7 +87,7 @@ def configure(role: str, *, exporter: SpanExporter | None = None) -> Tracing | N
         return None
     from infra.tracing.setup import start
 
-    _State.tracing = start(SERVICE_NAMES.get(role, f"tessera-{role}"), exporter=exporter)
+    _State.tracing = start(SERVICE_NAMES.get(role, f"tessera-{role}"), exporters=exporter_names(), exporter=exporter)
     _State.pid = os.getpid()
     return _State.tracing
 

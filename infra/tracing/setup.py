@@ -8,7 +8,7 @@ import logging
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from opentelemetry import metrics, trace
@@ -30,7 +30,6 @@ from opentelemetry.sdk.trace.export import (
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 
-from infra.tracing import exporter_names
 from infra.tracing.scrub import ScrubbingExporter
 
 log = logging.getLogger("tessera.tracing")
@@ -89,13 +88,14 @@ class EveryEngine:
             EngineTracer(self._tracer, engine, self._usage)
 
 
-def start(service_name: str, *, exporter: SpanExporter | None = None) -> Tracing:
+def start(service_name: str, *, exporters: Sequence[str] = (), exporter: SpanExporter | None = None) -> Tracing:
     """A provider for ``service_name`` (unless ``OTEL_SERVICE_NAME`` or ``OTEL_RESOURCE_ATTRIBUTES``
     names the service) exporting through :class:`ScrubbingExporter`, and every instrumentation on it.
 
     ``exporter`` given (tests): spans go to it as each ends, and the provider is not made the global
-    one. Otherwise the exporters of ``OTEL_TRACES_EXPORTER`` (``otlp``: http/protobuf, configured by
-    ``OTEL_EXPORTER_OTLP_*``; ``console``: stdout) behind a batch processor (``OTEL_BSP_*``), and the
+    one. Otherwise the ``exporters`` named (what :func:`infra.tracing.exporter_names` reads from
+    ``OTEL_TRACES_EXPORTER``; ``otlp``: http/protobuf, configured by ``OTEL_EXPORTER_OTLP_*``; ``console``:
+    stdout) behind a batch processor (``OTEL_BSP_*``), and the
     provider becomes the global one."""
     resource = Resource.create()
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
@@ -104,15 +104,15 @@ def start(service_name: str, *, exporter: SpanExporter | None = None) -> Tracing
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(ScrubbingExporter(exporter)))
     else:
-        for processor in _processors():
+        for processor in _processors(exporters):
             provider.add_span_processor(processor)
         trace.set_tracer_provider(provider)
     return Tracing(provider, _instrument(provider))
 
 
-def _processors() -> list[SpanProcessor]:
+def _processors(names: Sequence[str]) -> list[SpanProcessor]:
     processors: list[SpanProcessor] = []
-    for name in exporter_names():
+    for name in names:
         made = _exporter(name)
         if made is not None:
             processors.append(BatchSpanProcessor(ScrubbingExporter(made)))
