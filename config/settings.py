@@ -260,10 +260,12 @@ class Settings(BaseSettings):
 
     # Operations: Flower's basic auth (``tessera flower`` refuses to start without a password), the
     # folder where api and worker processes share their Prometheus series (unset: ``metrics/`` in
-    # data_dir), and how long the api lets in-flight requests finish after SIGTERM.
+    # data_dir), and the api's stop after SIGTERM: how long it keeps reading the requests of connections
+    # it accepted before it stopped listening, then how long it lets requests in flight finish.
     flower_user: str = "tessera"
     flower_password: SecretStr | None = None
     metrics_dir: Path | None = None
+    api_drain_seconds: float = Field(default=1.0, ge=0)
     api_shutdown_timeout_seconds: float = 30.0
 
     @classmethod

@@ -80,8 +80,6 @@ def _serve_api(settings, host: str, port: int, *, reuse_port: bool, listen_fd: i
     ``listen_fd``: on the listening socket its parent bound)."""
     import asyncio
 
-    from aiohttp import web
-
     from app.main import init_app
     from infra.logs import configure_logging
 
@@ -96,21 +94,59 @@ def _serve_api(settings, host: str, port: int, *, reuse_port: bool, listen_fd: i
     if listen_fd is not None:  # a socket bound by the parent (tessera dev): the port is surely ours
         listening = {"sock": socket.socket(fileno=listen_fd)}
 
-    def announce(_text: str) -> None:  # called once the site listens and the app answers
-        if not reuse_port:
-            print(f"tessera api listening on http://{host}:{port}", flush=True)
-
     app = init_app(settings)
     app.on_startup.append(_freeze_heap)
-    web.run_app(
-        app,
-        **listening,
-        print=announce,
-        shutdown_timeout=settings.api_shutdown_timeout_seconds,
-        access_log=None,
-        reuse_port=reuse_port or None,
+    asyncio.run(
+        _serve_until_signalled(
+            app,
+            listening,
+            reuse_port=reuse_port,
+            drain_seconds=settings.api_drain_seconds,
+            shutdown_timeout=settings.api_shutdown_timeout_seconds,
+            announce=None if reuse_port else f"tessera api listening on http://{host}:{port}",
+        )
     )
     return 0
+
+
+async def _serve_until_signalled(
+    app, listening: dict, *, reuse_port: bool, drain_seconds: float, shutdown_timeout: float, announce: str | None
+) -> None:
+    """Serve ``app`` on ``listening`` (``host`` and ``port``, or ``sock``), printing ``announce`` once it
+    listens, until SIGTERM or SIGINT; then stop in three steps, so that no request that reached this
+    process is dropped:
+
+    1. the listening socket closes: new connections go to the sibling processes (``SO_REUSEPORT``) or,
+       refused, to the other hosts behind the load balancer;
+    2. ``drain_seconds`` pass (``TESSERA_API_DRAIN_SECONDS``): connections accepted just before send
+       their requests, which are then in flight (aiohttp closes a connection whose request it has not
+       read yet as idle);
+    3. idle keep-alive connections close and requests in flight finish, for at most ``shutdown_timeout``
+       seconds (``TESSERA_API_SHUTDOWN_TIMEOUT_SECONDS``).
+    """
+    import asyncio
+
+    from aiohttp import web
+
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    if "sock" in listening:
+        site: web.BaseSite = web.SockSite(runner, listening["sock"])
+    else:
+        site = web.TCPSite(runner, listening["host"], listening["port"], reuse_port=reuse_port or None)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        await site.start()
+        if announce:
+            print(announce, flush=True)
+        await stopping.wait()
+        await site.stop()
+        await asyncio.sleep(drain_seconds)
+    finally:
+        await runner.cleanup()
 
 
 async def _freeze_heap(_app) -> None:

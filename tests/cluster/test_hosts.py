@@ -1,11 +1,6 @@
 """The production shape as three hosts that share only PostgreSQL, the broker, Redis and S3 (and reach the
 sandbox providers, the webhook receiver and the SMTP server over the network): each host a network
-namespace of its own with its own data dir and metrics folder (``tests/factories/hosts.py``; process
-groups on loopback where namespaces cannot be made).
-
-- host 1: ``tessera api`` and ``tessera beat``;
-- host 2: ``tessera api`` and ``tessera worker``;
-- host 3: ``tessera worker``.
+namespace of its own with its own data dir and metrics folder (``tests/cluster/conftest.py``).
 
 The whole flow runs with the two api hosts called alternately: tokenize and its signed webhook, a network
 token, an agentic payment method, a reactor run, an account-updater batch through pre-signed S3 URLs, an
@@ -18,7 +13,6 @@ setting, and makes no key file of its own."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections import Counter
 from urllib.parse import urlsplit
@@ -27,127 +21,20 @@ import pytest
 import requests
 
 from infra.signing import verify
-from tests.chaos.platform import CHAOS_ENV
-from tests.conftest import _drop_database, free_port
-from tests.conftest import serve_in_thread as serve
-from tests.factories.hosts import TESSERA, Host, Network, network
-from tests.helpers import ApiClient, WebhookReceiver, wait_until
-from tests.network_tokens.test_network_token_kill import own_platform
-from tests.tenancy.conftest import SmtpSink
+from tests.cluster.conftest import VISA, YEAR, Cluster, card
+from tests.conftest import free_port
+from tests.factories.hosts import Host
+from tests.helpers import wait_until
+
+UPDATED = "4000000000001018"  # the sandbox network has a new number for it (SANDBOX.md)
 
 pytestmark = [pytest.mark.kill, pytest.mark.timeout(600)]
 
-YEAR = time.gmtime().tm_year + 3
-VISA = "4242424242424242"
-UPDATED = "4000000000001018"  # the sandbox network has a new number for it (SANDBOX.md)
-SERVICE_URLS = (
-    "TESSERA_DATABASE_URL",
-    "TESSERA_REDIS_URL",
-    "TESSERA_BROKER_URL",
-    "TESSERA_S3_ENDPOINT_URL",
-    "TESSERA_SANDBOX_URL",
-    "TESSERA_SMTP_URL",
-)
-
-
-def _card(number: str = VISA) -> dict:
-    return {"type": "card", "data": {"number": number, "expiration_month": 12, "expiration_year": YEAR}}
-
-
-class Cluster:
-    """The three hosts, the api addresses (called in turn) and the services they share."""
-
-    def __init__(self, net: Network, env: dict[str, str], api_port: int, database_url: str):
-        self.net = net
-        self.env = env
-        self.api_port = api_port
-        self.database_url = database_url
-        self.turn = 0
-        self.key: str | None = None
-
-    @property
-    def api_hosts(self) -> list[Host]:
-        return self.net.hosts[:2]
-
-    def client(self) -> ApiClient:
-        """An api client of the next api host (alternating)."""
-        host = self.api_hosts[self.turn % 2]
-        self.turn += 1
-        return ApiClient(f"http://{host.address}:{self.api_port}", self.key)
-
-    def cli(self, host: Host, *args: str) -> str:
-        argv = [TESSERA, *args]
-        if host.netns:
-            argv = ["ip", "netns", "exec", host.netns, *argv]
-        env = {**self.env, "TESSERA_DATA_DIR": str(host.data_dir)}
-        return subprocess.run(argv, env=env, capture_output=True, text=True, check=True, timeout=120).stdout
-
-
-def _answers(url: str) -> bool:
-    try:
-        return ApiClient(url).get("/status").status == 200
-    except Exception:
-        return False
-
-
-def _held_counts(sandbox: str, path: str, key: str) -> int:
-    return requests.get(f"{sandbox}/_admin/{path}", timeout=10).json()[key]
-
-
-@pytest.fixture
-def cluster(redis_flushed, s3_server):
-    from sandbox.app import make_app
-
-    sandbox_port, api_port = free_port(), free_port()
-    stop_sandbox = serve(lambda: make_app(), sandbox_port)
-    receiver = WebhookReceiver().start()
-    smtp = SmtpSink(free_port()).start()
-    with network(3) as net:
-        database_url, _work_dir, env = own_platform(
-            f"hosts{net.tag}",
-            f"http://127.0.0.1:{sandbox_port}",
-            api_port,
-            {
-                **CHAOS_ENV,
-                "TESSERA_SMTP_URL": f"smtp://127.0.0.1:{smtp.port}",
-            },
-        )
-        for name in SERVICE_URLS:  # the hosts reach this machine's services over the bridge
-            env[name] = net.reach(env[name])
-        env["TESSERA_PUBLIC_BASE_URL"] = f"http://{net.hosts[0].address}:{api_port}"
-        running = Cluster(net, env, api_port, database_url)
-        running.receiver, running.smtp = receiver, smtp  # type: ignore[attr-defined]
-        running.sandbox = f"http://127.0.0.1:{sandbox_port}"  # type: ignore[attr-defined]
-        one, two, three = net.hosts
-        try:
-            for host in (one, two):
-                host.start("api", ["api", "--host", host.address], env)
-            one.start("beat", ["beat"], env)
-            for host in (two, three):
-                host.start("worker", ["worker", "--concurrency", "2", "-n", f"{host.name}@%h"], env)
-            for host in (one, two):
-                wait_until(lambda h=host: _answers(f"http://{h.address}:{api_port}"), timeout=90, interval=0.5)
-            tenant = json.loads(
-                running.cli(one, "tenants", "create", "--name", "hosts", "--owner-email", "owner@example.com", "--json")
-            )
-            running.key = tenant["api_key"]
-            yield running
-        except BaseException:
-            print(net.logs())
-            raise
-        finally:
-            for host in net.hosts:
-                host.stop()
-            _drop_database(database_url)
-    smtp.stop()
-    receiver.stop()
-    stop_sandbox()
-
 
 def test_three_hosts_run_the_whole_flow_and_lose_nothing_when_a_worker_host_dies(cluster: Cluster):
-    net, receiver, smtp, sandbox = cluster.net, cluster.receiver, cluster.smtp, cluster.sandbox  # type: ignore[attr-defined]
-    receiver_port = urlsplit(receiver.url).port
-    hook_url = net.reach(receiver.url)
+    net, receiver, smtp = cluster.net, cluster.receiver, cluster.smtp
+    receiver_port = urlsplit(receiver.url).port or 80
+    hook_url = net.reach(receiver.url, watch=True)
 
     # ---- the whole flow, the api hosts in turn
     hook = cluster.client().post(
@@ -157,7 +44,7 @@ def test_three_hosts_run_the_whole_flow_and_lose_nothing_when_a_worker_host_dies
     assert hook.status == 201, hook
     secret = cluster.client().get("/webhooks/signing-key").json["key"]
 
-    token = cluster.client().post("/tokenize", _card())
+    token = cluster.client().post("/tokenize", card())
     assert token.status == 201, token
     delivered = receiver.wait_for(lambda r: token.json["id"].encode() in r.body, timeout=60)[0]
     verify(secret, delivered.headers, delivered.body)
@@ -192,7 +79,7 @@ def test_three_hosts_run_the_whole_flow_and_lose_nothing_when_a_worker_host_dies
     )
     assert reacted.status == 200 and reacted.json["raw"] == {"last4": VISA[-4:]}, reacted
 
-    old = cluster.client().post("/tokenize", _card(UPDATED))
+    old = cluster.client().post("/tokenize", card(UPDATED))
     job = cluster.client().post("/account-updater/jobs")
     assert job.status == 201, job
     csv = f"token,expiration_year,expiration_month,merchant_id\n{old.json['id']},{YEAR % 100},12,\n"
@@ -214,7 +101,7 @@ def test_three_hosts_run_the_whole_flow_and_lose_nothing_when_a_worker_host_dies
     if net.namespaces:  # the hosts reached what they share over the bridge, each from its own address
         addresses = {host.address for host in net.hosts}
         assert net.callers(receiver_port) <= addresses and net.callers(receiver_port)
-        assert net.callers(urlsplit(sandbox).port) - {net.hosts[0].address} <= addresses
+        assert net.callers(urlsplit(cluster.sandbox).port or 80) - {net.hosts[0].address} <= addresses
         database_port = urlsplit(cluster.env["TESSERA_DATABASE_URL"]).port or 5432
         assert net.callers(database_port) == addresses  # every host's processes, none with a local copy
         for host in net.hosts:  # no key file: the hosts share the master key, the database checks it
@@ -224,7 +111,7 @@ def test_three_hosts_run_the_whole_flow_and_lose_nothing_when_a_worker_host_dies
     _one, _two, three = net.hosts
     before = len(receiver.received)
     receiver.hold_next = 6  # the first deliveries' answers wait: their senders are mid-delivery
-    tokens = [cluster.client().post("/tokenize", _card()) for _ in range(30)]
+    tokens = [cluster.client().post("/tokenize", card()) for _ in range(30)]
     assert all(answer.status == 201 for answer in tokens), [a for a in tokens if a.status != 201]
     creates = [cluster.client().post("/network-tokens", {"token_id": t.json["id"]}) for t in tokens[:8]]
     assert all(answer.status in (201, 202) for answer in creates), creates
@@ -253,21 +140,10 @@ def test_three_hosts_run_the_whole_flow_and_lose_nothing_when_a_worker_host_dies
         interval=1,
     )
     # the card network holds one network token per create: none provisioned twice by the retry
-    assert _held_counts(sandbox, "network-tokens", "count") == 1 + len(created_ids)
-    assert _held_counts(sandbox, "enrollments", "count") == len(rails)
+    assert cluster.held("network-tokens") == 1 + len(created_ids)
+    assert cluster.held("enrollments") == len(rails)
 
-    def unfinished() -> list[dict]:
-        from sqlalchemy import create_engine, text
-
-        engine = create_engine(cluster.database_url)
-        try:
-            with engine.connect() as conn:
-                rows = conn.execute(text("SELECT kind, status FROM jobs WHERE status IN ('queued', 'running')"))
-                return [dict(row) for row in rows.mappings()]
-        finally:
-            engine.dispose()
-
-    wait_until(lambda: not unfinished(), timeout=120, interval=1)
+    cluster.settle(120)
     received = receiver.received[before:]  # with the deliveries sent again once the killed leases ran out
     # again only with the same webhook-id (a delivery in flight at the kill); never two ids for one event
     ids_per_event: dict[str, set[str]] = {}

@@ -52,33 +52,43 @@ def namespaces_available() -> str | None:
     return None
 
 
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+    """Copy ``reader`` to ``writer`` until either end closes; the bytes copied."""
+    copied = 0
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            copied += len(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            writer.close()
+    return copied
+
+
 class Forwarder:
     """TCP relays in one thread: :meth:`forward` listens on ``(address, port)`` and pipes each connection to
     ``127.0.0.1:port``. ``peers[port]`` holds the source addresses that connected (which host called what),
     ``open[(port, address)]`` how many of their connections are open now."""
 
-    def __init__(self) -> None:
+    def __init__(self, peers_file: Path | None = None) -> None:
+        self.peers_file = peers_file  # where a relay process writes each new caller's address
         self.loop = asyncio.new_event_loop()
         self.peers: dict[int, set[str]] = defaultdict(set)
         self.open: Counter[tuple[int, str]] = Counter()
+        self.events: list[tuple[float, str, str]] = []  # (monotonic time, backend, what) of the balancers
         self._servers: list[asyncio.AbstractServer] = []
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
     def forward(self, address: str, port: int) -> None:
-        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while data := await reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                with contextlib.suppress(Exception):
-                    writer.close()
-
         async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = writer.get_extra_info("peername")[0]
+            if peer not in self.peers[port] and self.peers_file is not None:
+                with self.peers_file.open("a") as peers:
+                    peers.write(f"{peer}\n")
             self.peers[port].add(peer)
             try:
                 target_reader, target_writer = await asyncio.open_connection(LOOPBACK, port)
@@ -87,7 +97,7 @@ class Forwarder:
                 return
             self.open[(port, peer)] += 1
             try:
-                await asyncio.gather(pipe(reader, target_writer), pipe(target_reader, writer))
+                await asyncio.gather(_pipe(reader, target_writer), _pipe(target_reader, writer))
             finally:
                 self.open[(port, peer)] -= 1
 
@@ -95,6 +105,38 @@ class Forwarder:
             self._servers.append(await asyncio.start_server(accepted, address, port, reuse_address=True))
 
         asyncio.run_coroutine_threadsafe(listen(), self.loop).result(10)
+
+    def balance(self, backends: list[tuple[str, int]], listen_port: int = 0) -> int:
+        """A TCP load balancer on loopback's ``listen_port`` (0: a free one; returned): each connection
+        goes to the next of ``backends`` in turn, or, when that one refuses it (its process stopped
+        listening), to the one after, as a load balancer's passive health check does."""
+        turn = 0
+
+        async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal turn
+            turn += 1
+            first = turn  # this connection's own start: ``turn`` moves on while it waits
+            for attempt in range(len(backends) * 2):
+                address, port = backends[(first + attempt) % len(backends)]
+                try:
+                    target_reader, target_writer = await asyncio.open_connection(address, port)
+                    break
+                except OSError as error:
+                    self.events.append((time.monotonic(), address, f"connect: {error}"))
+                    await asyncio.sleep(0.05)
+            else:
+                writer.close()
+                return
+            answered = await asyncio.gather(_pipe(reader, target_writer), _pipe(target_reader, writer))
+            if not answered[1]:
+                self.events.append((time.monotonic(), address, "closed without an answer"))
+
+        async def listen() -> int:
+            server = await asyncio.start_server(accepted, LOOPBACK, listen_port)
+            self._servers.append(server)
+            return server.sockets[0].getsockname()[1]
+
+        return asyncio.run_coroutine_threadsafe(listen(), self.loop).result(10)
 
     def stop(self) -> None:
         async def close() -> None:
@@ -138,6 +180,30 @@ class Host:
             )
         self.children[name] = child
         return child
+
+    def restart(self, name: str, args: list[str], env: dict[str, str], grace: float = 60.0) -> float:
+        """SIGTERM to ``name``'s process (as ``docker stop`` and Kubernetes send it: to the main process, whose
+        children it stops in turn), then ``tessera <args>`` again once its whole process group is gone;
+        the seconds it took to stop. AssertionError when it did not stop within ``grace`` seconds (it is
+        then killed)."""
+        child = self.children[name]
+        started = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGTERM)
+        try:
+            while _group_members(child.pid) and time.monotonic() - started < grace:
+                child.poll()
+                time.sleep(0.1)
+            child.wait(max(0.1, grace - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            pass
+        took = time.monotonic() - started
+        if [pid for pid in _group_members(child.pid) if _alive(int(pid))]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            raise AssertionError(f"{self.name}: {name} did not stop within {grace} s of SIGTERM")
+        self.start(name, args, env)
+        return took
 
     def pids(self) -> set[int]:
         """Every process of this host: the namespace's, or the process groups it started."""
@@ -204,6 +270,7 @@ class Network:
         self.forwarder: Forwarder | None = None
         self.hosts: list[Host] = []
         self._forwarded: set[int] = set()
+        self._relays: list[subprocess.Popen] = []
         if self.why_not_namespaces is None:
             subnet = 200 + int(self.tag, 16) % 50, int(self.tag[:2], 16)
             self.gateway = f"10.{subnet[0]}.{subnet[1]}.1"
@@ -243,27 +310,54 @@ class Network:
     def _loopback_host(self, number: int) -> Host:
         return Host(f"host-{number}", LOOPBACK, self._data_dir(number), None)
 
-    def reach(self, url: str) -> str:
+    def reach(self, url: str, *, watch: bool = False) -> str:
         """``url`` (a service on this machine's loopback) as the hosts reach it: through a relay on the
-        bridge's address, same port. Unchanged on loopback hosts."""
+        bridge's address, same port (unchanged on loopback hosts). The relay runs in a process of its
+        own (the services' traffic never waits on this process's interpreter lock); ``watch``: in this
+        process instead, so that :meth:`in_flight` sees its open connections."""
         parts = urlsplit(url)
         if not self.namespaces or parts.hostname not in (LOOPBACK, "localhost"):
             return url
         port = parts.port or {"redis": 6379, "amqp": 5672, "postgresql+psycopg2": 5432}[parts.scheme]
-        self.relay(port)
+        if port not in self._forwarded:
+            self._forwarded.add(port)
+            if watch and self.forwarder is not None:
+                self.forwarder.forward(self.gateway, port)
+            else:
+                self._relay_process("forward", self.gateway, str(port), str(self._peers_file(port)))
+                _wait_for_port(self.gateway, port)
         netloc = parts.netloc.rsplit("@", 1)
         host_port = f"{self.gateway}:{port}"
         return urlunsplit(parts._replace(netloc=f"{netloc[0]}@{host_port}" if len(netloc) == 2 else host_port))
 
-    def relay(self, port: int) -> None:
-        """Relay the bridge's ``port`` to loopback (once per port)."""
-        if self.forwarder is not None and port not in self._forwarded:
-            self.forwarder.forward(self.gateway, port)
-            self._forwarded.add(port)
+    def _peers_file(self, port: int) -> Path:
+        return self.root / f"relay-{port}.peers"
+
+    def _relay_process(self, *args: str) -> None:
+        self._relays.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.factories.hosts", *args],
+                cwd=Path(__file__).parents[2],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        )
 
     def callers(self, port: int) -> set[str]:
         """The host addresses that connected to the loopback service on ``port`` (namespaces only)."""
-        return set(self.forwarder.peers[port]) if self.forwarder else set()
+        found = set(self.forwarder.peers[port]) if self.forwarder else set()
+        if self._peers_file(port).exists():
+            found |= set(self._peers_file(port).read_text().split())
+        return found - {self.gateway}  # this machine's own readiness probes
+
+    def balancer(self, port: int, hosts: list[Host]) -> str:
+        """The base URL of a load balancer (a process of its own) in front of ``hosts``' ``port``."""
+        from tests.conftest import free_port
+
+        listen = free_port()
+        self._relay_process("balance", str(listen), *(f"{host.address}:{port}" for host in hosts))
+        _wait_for_port(LOOPBACK, listen)
+        return f"http://{LOOPBACK}:{listen}"
 
     def in_flight(self, port: int, host: Host) -> int:
         """Connections ``host`` holds open to the loopback service on ``port`` (namespaces only)."""
@@ -275,6 +369,9 @@ class Network:
     def close(self) -> None:
         for host in self.hosts:
             host.stop()
+        for relay in self._relays:
+            relay.kill()
+            relay.wait(10)
         if self.forwarder is not None:
             self.forwarder.stop()
         if self.namespaces:
@@ -285,6 +382,20 @@ class Network:
                 _ip("link", "del", self.bridge)
 
 
+def _wait_for_port(address: str, port: int, timeout: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def network(count: int) -> Iterator[Network]:
     """``count`` hosts; their processes stopped and their namespaces removed when the block ends."""
@@ -293,3 +404,13 @@ def network(count: int) -> Iterator[Network]:
         yield made
     finally:
         made.close()
+
+
+if __name__ == "__main__":  # a relay process: ``forward ADDRESS PORT PEERS_FILE`` or ``balance PORT HOST:PORT...``
+    relay = Forwarder(Path(sys.argv[4]) if sys.argv[1] == "forward" else None)
+    if sys.argv[1] == "forward":
+        relay.forward(sys.argv[2], int(sys.argv[3]))
+    else:
+        backends = [(spec.rsplit(":", 1)[0], int(spec.rsplit(":", 1)[1])) for spec in sys.argv[3:]]
+        relay.balance(backends, int(sys.argv[2]))
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
