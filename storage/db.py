@@ -135,6 +135,16 @@ def read_first(statement):
     return _once_more_on_disconnect(engine, lambda connection: connection.execute(statement).first())
 
 
+def read_all(statement) -> list:
+    """Every row of the read-only ``statement``, read like :func:`read_first`: in one round trip
+    outside any transaction (one snapshot: the rows agree with each other)."""
+    engine = get_lease_engine()
+    if engine is None:
+        with session_scope() as session:
+            return list(session.execute(statement).all())
+    return _once_more_on_disconnect(engine, lambda connection: list(connection.execute(statement).all()))
+
+
 def execute_unflushed(statement) -> None:
     """Run one writing ``statement`` on its own, committed without waiting for the WAL flush: on
     PostgreSQL on the :func:`get_lease_engine` (one round trip; run once more after a closed

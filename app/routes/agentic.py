@@ -248,8 +248,10 @@ async def create(call: Call):
     started = await record_with_key(
         call, service.create_unit, call.caller, request, settings=settings, owner=owner, claim=claim
     )
-    await call.wait_for_jobs(started.job_ids, timeout=settings.agentic_wait_seconds)
-    return 201, await call.db(service.finish_create, call.caller, started.payment_method_id, claim=claim)
+    outcomes = await call.wait_for_jobs(started.job_ids, timeout=settings.agentic_wait_seconds)
+    return 201, await call.db(
+        service.finish_create, call.caller, started.payment_method_id, claim=claim, outcomes=outcomes
+    )
 
 
 @api.route(

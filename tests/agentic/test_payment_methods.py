@@ -142,6 +142,70 @@ def test_each_rail_is_its_own_job_and_they_run_in_parallel(tenant):
     assert "in time" in errors[0]["detail"]
 
 
+def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, monkeypatch):
+    """The payment method, its rails, both enrollment jobs, the enroll lease, the log row and the card
+    token's activity of the month: one insert in the create's transaction; after its commit both rail
+    jobs' messages are sent by one call (back to back on one producer, ``infra.dispatch.send_messages``)."""
+    from domain.agentic import service
+    from infra import dispatch
+
+    token_id = card_token(tenant.client, VISA)
+    written, sent = [], []
+    insert_rows, send_messages = service.insert_rows, dispatch.send_messages
+
+    def insert(session, rows):
+        written.append(sorted(table.name for (table, _), batch in rows.tables.items() if batch))
+        insert_rows(session, rows)
+
+    def send(messages):
+        sent.append([(name, kwargs) for name, _, kwargs in messages])
+        send_messages(messages)
+
+    monkeypatch.setattr(service, "insert_rows", insert)
+    monkeypatch.setattr(dispatch, "send_messages", send)
+    answer = create(tenant.client, token_id)
+    assert answer.status == 201
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert written == [
+        sorted(
+            [
+                "agentic_operation_leases",
+                "agentic_payment_method_rails",
+                "agentic_payment_methods",
+                "audit_logs",
+                "jobs",
+                "token_activity",
+            ]
+        )
+    ]
+    enrollments = [batch for batch in sent if any(name == "agentic.enroll_rail" for name, _ in batch)]
+    jobs = {str(job.id) for job in jobs_of(answer.json["id"])}
+    assert len(enrollments) == 1
+    assert {kwargs["job_id"] for _, kwargs in enrollments[0]} == jobs and len(jobs) == 2
+
+
+def test_a_create_whose_rails_all_settled_answers_without_a_lock(tenant, monkeypatch):
+    """Both rails settled for good within the wait: the answer is read in one statement, no lock and
+    no write; a rail still pending at its provider takes the locked path that flags it for its event."""
+    from domain.agentic import service
+
+    locked = []
+    lock_existing = service.lock_existing
+
+    def lock(session, pm_id):
+        locked.append(pm_id)
+        return lock_existing(session, pm_id)
+
+    monkeypatch.setattr(service, "lock_existing", lock)
+    pm = created(tenant.client, VISA)
+    assert outcome(pm) == {"vic": "enabled", "psp": "enabled"}
+    assert locked == []
+    assert pm == get(tenant.client, pm["id"])  # the same object a read answers
+    pending = created(tenant.client, PENDING)
+    assert "pending" in outcome(pending).values()
+    assert locked == [pending["id"]]
+
+
 def test_an_unsupported_network_is_400_unsupported_provider(tenant):
     answer = create(tenant.client, card_token(tenant.client, DISCOVER))
     assert_problem(answer, 400, "UNSUPPORTED_PROVIDER")
