@@ -28,7 +28,7 @@ from domain.webhooks import events
 from infra import jobs
 from infra.errors import Problem
 from providers.agentic import DISPLAY_FIELDS
-from storage.db import Rows
+from storage.db import Rows, stage_write
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail, ProviderError
 from storage.states import PaymentMethodStatus, RailStatus
@@ -210,8 +210,9 @@ def settle_rail(
 
 def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, finished_job: uuid.UUID) -> None:
     """Release operation ``operation_id``'s lease when none of its enrollment jobs but
-    ``finished_job`` is still running (called with the payment method locked): one ``DELETE ...
-    WHERE NOT EXISTS`` of such a job."""
+    ``finished_job`` is still running (called with the payment method locked, so the statement sees
+    every outcome committed before the lock): one ``DELETE ... WHERE NOT EXISTS`` of such a job, sent
+    with the transaction's other queued writes just before its commit (``storage.db.stage_write``)."""
     if operation_id is None:
         return
     busy = (
@@ -226,7 +227,7 @@ def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, f
         )
         .exists()
     )
-    leases.release(session, pm_id, operation_id, unless=busy)
+    stage_write(session, leases.release_statement(pm_id, operation_id, unless=busy))
 
 
 def job_statuses(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, str]:

@@ -15,7 +15,7 @@ from sqlalchemy import update
 from domain.webhooks.events import EVENT_TYPES
 from providers import agentic_http as providers
 from storage.db import session_scope
-from storage.models_agentic import PaymentMethod
+from storage.models_agentic import OperationLease, PaymentMethod
 from tests.factories.agentic import (
     AMEX,
     BASE,
@@ -182,6 +182,35 @@ def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, mo
     jobs = {str(job.id) for job in jobs_of(answer.json["id"])}
     assert len(enrollments) == 1
     assert {kwargs["job_id"] for _, kwargs in enrollments[0]} == jobs and len(jobs) == 2
+
+
+def test_each_rail_outcome_is_written_in_one_statement(tenant):
+    """After its locks, a rail's outcome (the rail, the payment method, the enroll lease released by
+    the last rail, the job completed) goes out as one statement before the commit."""
+    from sqlalchemy import event
+
+    from storage.db import get_engine
+
+    token_id = card_token(tenant.client, VISA)
+    seen = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        if "DELETE FROM agentic_operation_leases" in statement:
+            seen.append(statement)
+
+    event.listen(get_engine(), "before_cursor_execute", record)
+    try:
+        answer = create(tenant.client, token_id)
+    finally:
+        event.remove(get_engine(), "before_cursor_execute", record)
+    assert answer.status == 201
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert len(seen) == 2  # one per rail
+    for statement in seen:
+        assert statement.lstrip().startswith("WITH")
+        assert "UPDATE agentic_payment_method_rails" in statement and "UPDATE jobs" in statement
+    with session_scope() as session:
+        assert session.get(OperationLease, answer.json["id"]) is None  # the last rail released it
 
 
 def test_a_create_whose_rails_all_settled_answers_without_a_lock(tenant, monkeypatch):

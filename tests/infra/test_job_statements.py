@@ -8,7 +8,7 @@ import datetime as dt
 import uuid
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text, update
 
 from config.settings import get_settings
 from domain.tenancy.tenants import create_tenant
@@ -19,7 +19,17 @@ from infra.celery import DELIVER_TASK, celery_app
 from infra.dispatch import take_pending
 from infra.jobs import PermanentError
 from infra.task import JobTask
-from storage.db import Rows, get_lease_engine, read_all, read_first, session_scope, stage_rows
+from storage.db import (
+    Rows,
+    get_engine,
+    get_lease_engine,
+    read_all,
+    read_first,
+    session_scope,
+    stage_changes,
+    stage_rows,
+    stage_write,
+)
 from storage.models import Event, Job, Webhook, WebhookDelivery
 from storage.models_tenancy import TokenActivity
 from tests.helpers import wait_until
@@ -130,6 +140,43 @@ def test_the_jobs_of_one_transaction_are_sent_back_to_back_on_one_producer(datab
         (LeasedJob.name, {"job_id": str(second.id)}),
     ]
     assert sent[0][2] is not None and sent[0][2] is sent[1][2]
+
+
+def test_staged_writes_go_out_together_just_before_the_commit(database):
+    """Writes queued with ``stage_write`` and ``stage_changes`` are not sent while the transaction
+    runs; its commit sends them (one statement on PostgreSQL) after the ORM's own changes."""
+    with session_scope() as session:
+        first, second, third = (
+            jobs.record(
+                session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id=name, trace_id=None
+            )
+            for name in ("a", "b", "c")
+        )
+        take_pending(session)
+    statements = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    engine = get_engine()
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        with session_scope() as session:
+            table = Job.__table__
+            stage_write(session, update(table).where(table.c.id == first.id).values(last_error="first"))
+            stage_write(session, update(table).where(table.c.id == second.id).values(last_error="second"))
+            loaded = session.get(Job, third.id)
+            loaded.last_error = "third"
+            stage_changes(session, loaded)
+            assert loaded not in session
+            assert read_first(select(Job.last_error).where(Job.id == first.id)).last_error is None
+            sent_before_commit = len(statements)
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    written = [statement for statement in statements[sent_before_commit:] if "last_error" in statement]
+    assert len(written) == 1 and written[0].lstrip().startswith("WITH")
+    for job, error in ((first, "first"), (second, "second"), (third, "third")):
+        assert _job(job.id).last_error == error
 
 
 def test_a_lease_runs_again_on_a_connection_the_server_closed(database):
