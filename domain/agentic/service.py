@@ -436,13 +436,26 @@ def retry_failure(session: Session, pm_id: str, rail: str, provider: str, code: 
 
 
 def finish_retry(
-    session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, job_id: uuid.UUID
+    session: Session,
+    caller: Caller,
+    pm_id: str,
+    *,
+    rail: str,
+    provider: str,
+    job_id: uuid.UUID,
+    outcome: Outcome | None = None,
 ) -> dict | Problem:
     """After the bounded wait: the payment method (200), or the problem of a rejected retry.
 
     A retry still running is shown ``pending`` (and flagged: its outcome is delivered as the
-    event); an overtaken job shows the rail as it is.
+    event); an overtaken job shows the rail as it is. ``outcome``: the job's outcome as the wait
+    ended; a retry that enabled its rail for good is answered from one read outside any transaction
+    (:func:`settled_view`: nothing to flag, no lock).
     """
+    if outcome is not None and outcome.status == JobStatus.SUCCEEDED and _final(outcome):
+        view = settled_view(caller.tenant_id, pm_id)
+        if view is not None:
+            return view
     pm = lock_existing(session, pm_id)
     rails = rails_of(session, pm_id)
     target = next(r for r in rails if r.rail == rail and r.provider == provider)

@@ -310,6 +310,27 @@ def test_a_failed_rail_is_enabled_by_a_retry_which_backfills_the_display(tenant)
     ) == 2
 
 
+def test_a_retry_that_enables_its_rail_answers_from_one_read(tenant, monkeypatch):
+    """The retry's job settled with the rail enabled: the answer is read outside any transaction
+    (``settled_view``), as for a create whose rails all settled; it is the object a read answers."""
+    from domain.agentic import service
+
+    pm = created(tenant.client, FAILS_ON_CREATE)
+    read = []
+    settled_view = service.settled_view
+
+    def view(tenant_id, pm_id):
+        read.append(pm_id)
+        return settled_view(tenant_id, pm_id)
+
+    monkeypatch.setattr(service, "settled_view", view)
+    answer = retry(tenant.client, pm["id"])
+    assert answer.status == 200, answer
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert read == [pm["id"]]
+    assert get(tenant.client, pm["id"]) == answer.json
+
+
 def test_a_pending_rail_can_be_retried(tenant, monkeypatch):
     real_read = providers.HttpAgenticProvider.get_enrollment
 
