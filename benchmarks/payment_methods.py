@@ -1,23 +1,32 @@
-"""Payment method creates per second (two rails each), p50/p99, beside the bare Celery round trip.
+"""Payment method creates per second (two rails each), p50/p99, beside a network-token create and the
+bare Celery round trip, at each level of clients.
 
 Platform: ``tessera api``, ``tessera worker --concurrency 2`` and ``tessera sandbox`` as child
 processes on a fresh database and Redis (the broker); one test tenant and one visa card token
 (4242424242424242: rails ``agentic-token``/``vic`` and ``spt``/``psp``, both enabled by the sandbox).
-``--creates`` (400) ``POST /agentic/payment-methods`` are sent by ``--concurrency`` (4) client threads;
-each create records the payment method and two enrollment jobs, the worker runs the two jobs (one
-provider call each, on the worker's thread pool of the ``providers`` queue) and the handler, woken
-by the jobs' outcome messages, answers once both finished. Timed per request; checked: every
-answer is 201 with both rails ``enabled``.
+For each level of ``--clients`` (default ``1,32``), ``--creates`` (400) ``POST /agentic/payment-methods``
+are sent by that many client threads; each create records the payment method and two enrollment jobs
+in one statement, both jobs' messages go out back to back after the commit, the worker runs the two
+jobs (one provider call each, in parallel on the worker's thread pool of the ``providers`` queue) and
+the handler, woken once both outcomes are in, answers. Timed per request; checked: every answer is 201
+with both rails ``enabled``.
 
-Reference: the bare Celery round trip on the same Redis: ``apply_async().get()`` of a no-op task
-with a Redis result backend (the app :data:`roundtrip` below, its own ``celery worker --concurrency
-2``), sent by the same number of threads. That is the floor of "enqueue a job and wait for its
-outcome"; a create does two of them in parallel plus its database work and two provider calls.
+References, measured in the same run by the same number of threads, the three alternating for
+``--rounds`` (3) rounds per level:
 
-The two alternate for ``--rounds`` (2); medians are printed, with the ratio of the p50 latencies
-(goal with one client, ``--concurrency 1``: at most 2.5). Run from the repository root::
+* the bare Celery round trip on the same Redis: ``apply_async().get()`` of a no-op task with a Redis
+  result backend (the app :data:`roundtrip` below, its own ``celery worker --concurrency 2``): the floor
+  of "enqueue a job and wait for its outcome";
+* a network-token create (``POST /network-tokens`` with the same card's data: one job, one provider
+  call, its answer once the job settles): a payment method should cost no more than its slowest rail,
+  that is about one network token.
 
-    .venv/bin/python benchmarks/payment_methods.py [--creates 400] [--concurrency 4] [--rounds 2]
+Medians over the rounds are printed with the ratios of the p50 latencies (goals with one client,
+issue 25: payment method / round trip at most 3.5, payment method / network token at most 1.3,
+network token / round trip at most 3.0) and creates per second beside round trips per second (the
+capacity at 32 clients). Run from the repository root::
+
+    .venv/bin/python benchmarks/payment_methods.py [--clients 1,32] [--creates 400] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -42,7 +51,9 @@ ROUNDTRIP_URL = os.environ.get("BENCH_ROUNDTRIP_URL", common.DEFAULT_REDIS_URL)
 ROUNDTRIP_QUEUE = "bench-roundtrip"
 VISA = "4242424242424242"
 WARMUP = 20
-PLATFORM, ROUNDTRIP = "payment method creates", "Celery round trips"
+PLATFORM, NETWORK_TOKEN, ROUNDTRIP = "payment method creates", "network-token creates", "Celery round trips"
+#: The goals of issue 25 (one client): p50 ratios.
+GOAL_PM_TRIP, GOAL_PM_NT, GOAL_NT_TRIP = 3.5, 1.3, 3.0
 
 #: The reference app: the same broker, a Redis result backend, the platform's reliability settings.
 roundtrip = Celery("bench_roundtrip")
@@ -72,6 +83,7 @@ class Run:
 
     variant: str
     round: int
+    clients: int
     latencies: list[float]
     seconds: float
     failures: int = 0
@@ -90,13 +102,21 @@ class Run:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--creates", type=int, default=400, help="creates (and round trips) per round")
-    parser.add_argument("--concurrency", type=int, default=4, help="client threads sending at once")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of each variant, alternating")
+    parser.add_argument("--creates", type=int, default=400, help="creates (and round trips) per round and variant")
+    parser.add_argument(
+        "--clients",
+        "--concurrency",
+        dest="clients",
+        default="1,32",
+        help="comma-separated levels of client threads sending at once",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each variant per level, alternating")
     parser.add_argument("--worker-concurrency", type=int, default=2, help="processes of each worker")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one round may take")
     common.add_service_options(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.levels = [int(part) for part in str(args.clients).split(",") if part.strip()]
+    return args
 
 
 # ---- the platform --------------------------------------------------------------------------------
@@ -120,29 +140,18 @@ class Client:
         return answer.status, json.loads(answer.data) if answer.data else None
 
 
-def run_platform(
-    args, client: Client, token_id: str, round_no: int, count: int | None = None, meter: common.CpuMeter | None = None
-) -> Run:
-    """``count`` creates sent by ``--concurrency`` threads; each answer checked."""
-    count = count or args.creates
-    body = {"source": {"type": "svc_card_token", "token_id": token_id}, "consumer": {"email": "bench@example.com"}}
-
-    def one(_):
-        started = time.perf_counter()
-        status, answer = client.post("/agentic/payment-methods", body)
-        elapsed = time.perf_counter() - started
-        ok = status == 201 and [r["status"] for r in answer["rails"]] == ["enabled", "enabled"]
-        return elapsed, ok
-
+def _timed_calls(variant: str, clients: int, round_no: int, count: int, one, meter: common.CpuMeter | None) -> Run:
+    """``count`` calls of ``one()`` (-> ``(seconds, ok)``) by ``clients`` threads, each timed."""
     if meter:
         meter.start()
     started = time.perf_counter()
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        results = list(pool.map(one, range(count)))
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda _: one(), range(count)))
     seconds = time.perf_counter() - started
     return Run(
-        PLATFORM,
+        variant,
         round_no,
+        clients,
         [r[0] for r in results],
         seconds,
         failures=sum(1 for r in results if not r[1]),
@@ -150,22 +159,44 @@ def run_platform(
     )
 
 
-def run_roundtrip(args, round_no: int, count: int | None = None, meter: common.CpuMeter | None = None) -> Run:
-    """``count`` ``apply_async().get()`` round trips sent by ``--concurrency`` threads."""
-    count = count or args.creates
+def run_platform(
+    args, client: Client, token_id: str, clients: int, round_no: int, count: int | None = None, meter=None
+) -> Run:
+    """``count`` payment method creates sent by ``clients`` threads; each answer checked."""
+    body = {"source": {"type": "svc_card_token", "token_id": token_id}, "consumer": {"email": "bench@example.com"}}
 
-    def one(_):
+    def one():
+        started = time.perf_counter()
+        status, answer = client.post("/agentic/payment-methods", body)
+        elapsed = time.perf_counter() - started
+        return elapsed, status == 201 and [r["status"] for r in answer["rails"]] == ["enabled", "enabled"]
+
+    return _timed_calls(PLATFORM, clients, round_no, count or args.creates, one, meter)
+
+
+def run_network_tokens(args, client: Client, clients: int, round_no: int, count: int | None = None, meter=None) -> Run:
+    """``count`` network-token creates (the same visa card's data) sent by ``clients`` threads; each
+    answer checked (201, ``active``)."""
+    body = {"data": {"number": VISA, "expiration_month": 12, "expiration_year": time.gmtime().tm_year + 3}}
+
+    def one():
+        started = time.perf_counter()
+        status, answer = client.post("/network-tokens", body)
+        elapsed = time.perf_counter() - started
+        return elapsed, status == 201 and answer.get("status") == "active"
+
+    return _timed_calls(NETWORK_TOKEN, clients, round_no, count or args.creates, one, meter)
+
+
+def run_roundtrip(args, clients: int, round_no: int, count: int | None = None, meter=None) -> Run:
+    """``count`` ``apply_async().get()`` round trips sent by ``clients`` threads."""
+
+    def one():
         started = time.perf_counter()
         noop.apply_async().get(timeout=60)
-        return time.perf_counter() - started
+        return time.perf_counter() - started, True
 
-    if meter:
-        meter.start()
-    started = time.perf_counter()
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        latencies = list(pool.map(one, range(count)))
-    seconds = time.perf_counter() - started
-    return Run(ROUNDTRIP, round_no, latencies, seconds, cores=meter.stop() if meter else {})
+    return _timed_calls(ROUNDTRIP, clients, round_no, count or args.creates, one, meter)
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -183,14 +214,15 @@ def meter_for(children: dict[str, common.Child]) -> common.CpuMeter:
     return common.CpuMeter(groups)
 
 
-def report(runs: list[Run], concurrency: int) -> list[common.Figure] | None:
-    """Print the tables; the headline figures (median create p50 and creates/s beside the Celery round
-    trip's; goal with one client: p50 ratio at most 2.5), None unless every create answered 201 with
-    both rails enabled."""
+def report(runs: list[Run]) -> list[common.Figure] | None:
+    """Print the tables; the headline figures of each level (median payment method create p50 beside
+    the round trip's and the network token's, creates/s beside round trips/s), None unless every
+    create answered 201 with both rails enabled and every network token 201 ``active``."""
     common.print_table(
         "Rounds (p50/p99 per request; cores = CPU seconds per second; 'worker' is the platform worker for "
         "creates and the no-op worker for round trips)",
         (
+            "clients",
             "round",
             "variant",
             "items",
@@ -203,6 +235,7 @@ def report(runs: list[Run], concurrency: int) -> list[common.Figure] | None:
         ),
         [
             (
+                r.clients,
                 r.round,
                 r.variant,
                 len(r.latencies),
@@ -216,47 +249,93 @@ def report(runs: list[Run], concurrency: int) -> list[common.Figure] | None:
             for r in runs
         ],
     )
-    platform = [r for r in runs if r.variant == PLATFORM]
-    reference = [r for r in runs if r.variant == ROUNDTRIP]
-    creates = common.median(r.per_second for r in platform)
-    trips = common.median(r.per_second for r in reference)
-    create_p50 = common.median(r.ms(50) for r in platform)
-    trip_p50 = common.median(r.ms(50) for r in reference)
-    common.print_table(
-        "Medians",
-        ("figure", "value"),
-        [
-            ("payment method creates/s (2 rails each)", creates),
-            ("create p50 ms", create_p50),
-            ("create p99 ms", common.median(r.ms(99) for r in platform)),
-            ("Celery round trips/s", trips),
-            ("round trip p50 ms", trip_p50),
-            ("round trip p99 ms", common.median(r.ms(99) for r in reference)),
-            ("ratio creates / round trips", common.ratio(creates, trips)),
-            ("p50 ratio create / round trip (goal <= 2.5)", common.ratio(create_p50, trip_p50)),
-        ],
-    )
-    failures = sum(r.failures for r in platform)
+    figures: list[common.Figure] = []
+    for level in sorted({r.clients for r in runs}):
+        medians = {}
+        for variant in (PLATFORM, NETWORK_TOKEN, ROUNDTRIP):
+            of = [r for r in runs if r.variant == variant and r.clients == level]
+            medians[variant] = (
+                common.median(r.per_second for r in of),
+                common.median(r.ms(50) for r in of),
+                common.median(r.ms(99) for r in of),
+            )
+        (pm_rate, pm_p50, pm_p99), (nt_rate, nt_p50, nt_p99), (trip_rate, trip_p50, trip_p99) = (
+            medians[PLATFORM],
+            medians[NETWORK_TOKEN],
+            medians[ROUNDTRIP],
+        )
+        one = level == 1
+        common.print_table(
+            f"Medians over {args_rounds(runs, level)} rounds, {level} client{'s' if level > 1 else ''}",
+            ("figure", "value"),
+            [
+                ("payment method creates/s (2 rails each)", pm_rate),
+                ("payment method create p50 / p99 ms", f"{pm_p50:.2f} / {pm_p99:.2f}"),
+                ("network-token creates/s", nt_rate),
+                ("network-token create p50 / p99 ms", f"{nt_p50:.2f} / {nt_p99:.2f}"),
+                ("Celery round trips/s", trip_rate),
+                ("round trip p50 / p99 ms", f"{trip_p50:.2f} / {trip_p99:.2f}"),
+                ("creates/s ratio payment method / round trips", common.ratio(pm_rate, trip_rate)),
+                ("creates/s ratio network token / round trips", common.ratio(nt_rate, trip_rate)),
+                (
+                    f"p50 ratio payment method / round trip{f' (goal <= {GOAL_PM_TRIP})' if one else ''}",
+                    common.ratio(pm_p50, trip_p50),
+                ),
+                (
+                    f"p50 ratio payment method / network token{f' (goal <= {GOAL_PM_NT})' if one else ''}",
+                    common.ratio(pm_p50, nt_p50),
+                ),
+                (
+                    f"p50 ratio network token / round trip{f' (goal <= {GOAL_NT_TRIP})' if one else ''}",
+                    common.ratio(nt_p50, trip_p50),
+                ),
+            ],
+        )
+        clients = f"{level} client{'s' if level > 1 else ''}"
+        figures += [
+            common.Figure(
+                "payment_methods",
+                f"create p50 (2 rails), {clients}",
+                pm_p50,
+                "ms",
+                "Celery round trip",
+                trip_p50,
+                f"ratio ≤ {GOAL_PM_TRIP}" if one else None,
+            ),
+            common.Figure(
+                "payment_methods",
+                f"create p50 (2 rails) vs a network token, {clients}",
+                pm_p50,
+                "ms",
+                "network-token create",
+                nt_p50,
+                f"ratio ≤ {GOAL_PM_NT}" if one else None,
+            ),
+            common.Figure(
+                "payment_methods", f"creates/s (2 rails), {clients}", pm_rate, "/s", "Celery round trips", trip_rate
+            ),
+        ]
+    failures = {variant: sum(r.failures for r in runs if r.variant == variant) for variant in (PLATFORM, NETWORK_TOKEN)}
     common.print_table(
         "Checks",
         ("check", "result"),
-        [("every create answered 201 with both rails enabled", "ok" if not failures else f"FAILED ({failures})")],
+        [
+            (
+                "every payment method create answered 201 with both rails enabled",
+                "ok" if not failures[PLATFORM] else f"FAILED ({failures[PLATFORM]})",
+            ),
+            (
+                "every network-token create answered 201 active",
+                "ok" if not failures[NETWORK_TOKEN] else f"FAILED ({failures[NETWORK_TOKEN]})",
+            ),
+        ],
     )
-    if failures:
-        return None
-    clients = f"{concurrency} client{'s' if concurrency > 1 else ''}"
-    return [
-        common.Figure(
-            "payment_methods",
-            f"create p50 (2 rails), {clients}",
-            create_p50,
-            "ms",
-            "Celery round trip",
-            trip_p50,
-            "ratio ≤ 2.5" if concurrency == 1 else None,
-        ),
-        common.Figure("payment_methods", f"creates/s (2 rails), {clients}", creates, "/s", "Celery round trips", trips),
-    ]
+    return None if any(failures.values()) else figures
+
+
+def args_rounds(runs: list[Run], level: int) -> int:
+    """How many rounds of the payment method variant ran at ``level``."""
+    return sum(1 for r in runs if r.variant == PLATFORM and r.clients == level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 common.wait_http(f"http://127.0.0.1:{sandbox_port}/health", sandbox)
                 common.wait_http(f"http://127.0.0.1:{api_port}/openapi.json", api)
-                client = Client(f"http://127.0.0.1:{api_port}", tenant.api_key, args.concurrency)
+                client = Client(f"http://127.0.0.1:{api_port}", tenant.api_key, max(args.levels))
                 status, token = client.post(
                     "/tokens",
                     {
@@ -315,22 +394,34 @@ def main(argv: list[str] | None = None) -> int:
                     },
                 )
                 assert status == 201, token
-                print("warming up", flush=True)
-                for child in (worker, reference_worker):
-                    child.check()
-                run_platform(args, client, token["id"], 0, count=WARMUP)
-                run_roundtrip(args, 0, count=WARMUP)
                 platform_meter = meter_for({"api": api, "worker": worker, "sandbox": sandbox})
                 reference_meter = meter_for({"worker": reference_worker})
-                for round_no in range(1, args.rounds + 1):
-                    runs.append(run_roundtrip(args, round_no, meter=reference_meter))
-                    print(f"round {round_no}: {runs[-1].per_second:,.0f} round trips/s", flush=True)
-                    runs.append(run_platform(args, client, token["id"], round_no, meter=platform_meter))
-                    print(f"round {round_no}: {runs[-1].per_second:,.1f} creates/s", flush=True)
+                for level in args.levels:
+                    print(f"{level} clients: warming up", flush=True)
+                    for child in (worker, reference_worker):
+                        child.check()
+                    run_platform(args, client, token["id"], level, 0, count=max(WARMUP, level * 2))
+                    run_network_tokens(args, client, level, 0, count=max(WARMUP, level * 2))
+                    run_roundtrip(args, level, 0, count=max(WARMUP, level * 2))
+                    for round_no in range(1, args.rounds + 1):
+                        runs.append(run_roundtrip(args, level, round_no, meter=reference_meter))
+                        print(
+                            f"{level} clients, round {round_no}: {runs[-1].per_second:,.0f} round trips/s", flush=True
+                        )
+                        runs.append(run_network_tokens(args, client, level, round_no, meter=platform_meter))
+                        print(
+                            f"{level} clients, round {round_no}: {runs[-1].per_second:,.1f} network tokens/s",
+                            flush=True,
+                        )
+                        runs.append(run_platform(args, client, token["id"], level, round_no, meter=platform_meter))
+                        print(
+                            f"{level} clients, round {round_no}: {runs[-1].per_second:,.1f} payment methods/s",
+                            flush=True,
+                        )
         except KeyboardInterrupt:
             print("interrupted; children stopped", file=sys.stderr)
             return 130
-    figures = report(runs, args.concurrency)
+    figures = report(runs)
     if figures is None:
         return 1
     common.publish("payment_methods", figures)

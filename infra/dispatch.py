@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -45,12 +46,17 @@ class _Outgoing:
     single: list[tuple[str, float | None, dict]] = field(default_factory=list)
     batches: dict[tuple[str, str, float | None], list[str]] = field(default_factory=dict)
 
-    def send(self) -> None:
-        for task_name, countdown, kwargs in self.single:
-            send_task(task_name, countdown=countdown, **kwargs)
+    def messages(self) -> list[tuple[str, float | None, dict]]:
+        """Every message, as ``(task name, countdown, kwargs)``: the single ones, then the batches cut
+        at :data:`BATCH_SIZE` ids."""
+        messages = list(self.single)
         for (task_name, key, countdown), ids in self.batches.items():
             for start in range(0, len(ids), BATCH_SIZE):
-                send_task(task_name, countdown=countdown, **{key: ids[start : start + BATCH_SIZE]})
+                messages.append((task_name, countdown, {key: ids[start : start + BATCH_SIZE]}))
+        return messages
+
+    def send(self) -> None:
+        send_messages(self.messages())
 
 
 def _outgoing(session: Session) -> _Outgoing:
@@ -110,23 +116,48 @@ def take_pending(session: Session) -> list[tuple[str, dict]]:
     outgoing = session.info.get(_PENDING)
     if outgoing is None:
         return []
-    taken = [(task_name, kwargs) for task_name, _countdown, kwargs in outgoing.single]
-    for (task_name, key, _countdown), ids in outgoing.batches.items():
-        taken += [(task_name, {key: ids[i : i + BATCH_SIZE]}) for i in range(0, len(ids), BATCH_SIZE)]
+    taken = [(task_name, kwargs) for task_name, _countdown, kwargs in outgoing.messages()]
     outgoing.single.clear()
     outgoing.batches.clear()
     return taken
 
 
-def send_task(task_name: str, *, countdown: float | None = None, **kwargs) -> bool:
-    """Send one task now (to run after ``countdown`` seconds, at most a minute, when given); False
-    (and a log line) when the broker did not take it."""
+def send_task(task_name: str, *, countdown: float | None = None, producer: Any = None, **kwargs) -> bool:
+    """Send one task now (to run after ``countdown`` seconds, at most a minute, when given), on
+    ``producer`` when given (a kombu producer of :data:`celery_app`'s pool), else on one taken from
+    the pool for this message; False (and a log line) when the broker did not take it."""
     try:
-        celery_app.send_task(task_name, kwargs=kwargs, countdown=countdown, retry=True, retry_policy=_RETRY_POLICY)
+        celery_app.send_task(
+            task_name,
+            kwargs=kwargs,
+            countdown=countdown,
+            producer=producer,
+            retry=True,
+            retry_policy=_RETRY_POLICY,
+        )
     except Exception:
         log.warning("could not send task %s; the outbox relay will re-send it", task_name, exc_info=True)
         return False
     return True
+
+
+def send_messages(messages: list[tuple[str, float | None, dict]]) -> None:
+    """Send ``messages`` (``(task name, countdown, kwargs)``) now, back to back on one producer taken
+    from the pool once (the jobs one transaction recorded start together: a payment method's rails
+    reach the workers one publish apart). A message the broker did not take is logged and left to
+    the outbox relay; so is every message when no producer can be had."""
+    if len(messages) == 1:
+        task_name, countdown, kwargs = messages[0]
+        send_task(task_name, countdown=countdown, **kwargs)
+        return
+    if not messages:
+        return
+    try:
+        with celery_app.producer_or_acquire() as producer:
+            for task_name, countdown, kwargs in messages:
+                send_task(task_name, countdown=countdown, producer=producer, **kwargs)
+    except Exception:
+        log.warning("could not send %d tasks; the outbox relay will re-send them", len(messages), exc_info=True)
 
 
 def broadcast(command: str, **arguments) -> bool:

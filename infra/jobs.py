@@ -29,7 +29,6 @@ passes lists of ids: one statement per step for the whole batch, and nothing wai
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import random
 import uuid
 from collections.abc import Mapping, Sequence
@@ -48,6 +47,7 @@ from storage.db import (
     rowcount,
     session_scope,
     stage_rows,
+    stage_write,
 )
 from storage.models import Job
 from storage.states import JOB_TAKEABLE, JOB_TERMINAL, JobStatus
@@ -412,9 +412,10 @@ def settle(
 
     One job (a :class:`Job`): its outcome is published to a waiting request once the transaction
     commits (:mod:`infra.wait`). A job in ``session`` (ORM-loaded) is changed in place; a detached job
-    (as :func:`lease` returns it, its row locked by :func:`lock`) is settled by one prepared ``UPDATE``
-    without ORM objects and gets the same values. Many jobs (a list of ids): one multi-row ``UPDATE``;
-    nothing waits on them, so nothing is published.
+    (as :func:`lease` returns it, its row locked by :func:`lock`) is settled by one ``UPDATE`` without
+    ORM objects, queued to go out with the transaction's other queued writes just before it commits
+    (:func:`storage.db.stage_write`: the outcome of a job in one statement), and gets the same values.
+    Many jobs (a list of ids): one multi-row ``UPDATE``; nothing waits on them, so nothing is published.
     """
     if status not in _SETTLED:
         raise ValueError(f"a job is not settled as {status}")
@@ -439,20 +440,10 @@ def settle(
             setattr(job, name, value)
         session.add(job)
     else:
-        session.execute(_settle_statement(tuple(sorted(values))), {"settle_job_id": job.id, **values})
+        stage_write(session, update(_JOBS).where(_JOBS.c.id == job.id).values(values))
         for name, value in values.items():
             setattr(job, name, value)
     wait.announce_on_commit(session, job.id, status, job.result)
-
-
-@functools.cache
-def _settle_statement(names: tuple[str, ...]) -> Update:
-    """The prepared ``UPDATE`` of one job's ``names`` columns (bind parameters of the same names)."""
-    return (
-        update(_JOBS)
-        .where(_JOBS.c.id == bindparam("settle_job_id", type_=_JOBS.c.id.type))
-        .values({name: bindparam(name, type_=_JOBS.c[name].type) for name in names})
-    )
 
 
 def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> float:

@@ -164,9 +164,12 @@ class JobWaits:
         self._live_since: float | None = None
         self._reader: asyncio.Task | None = None
         self._client: aioredis.Redis | None = None
-        #: Counters for operators and tests: messages delivered to a waiter, database reads made.
+        #: Counters for operators and tests: messages delivered to a waiter, database reads made, and
+        #: how often a wait resumed (once per wait when its jobs' messages came: woken when the last
+        #: one settles, not per job).
         self.notified = 0
         self.polls = 0
+        self.wakes = 0
 
     @property
     def subscribed(self) -> bool:
@@ -277,7 +280,9 @@ class JobWaits:
     async def wait(
         self, job_ids: Iterable[uuid.UUID], read: ReadOutcomes, *, timeout: float, since: float | None = None
     ) -> dict[uuid.UUID, Outcome]:
-        """Wait until every job of ``job_ids`` is settled or ``timeout`` seconds pass.
+        """Wait until every job of ``job_ids`` is settled or ``timeout`` seconds pass: the caller is
+        woken once, when the last of them settles (a payment method's rails: when the slowest is in),
+        or at a safety-net read or the deadline.
 
         ``read(ids)`` reads the outcomes of ``ids`` from the database (off the event loop; a job
         missing from its answer counts as unsettled). ``since``: a ``time.monotonic()`` taken before
@@ -301,6 +306,7 @@ class JobWaits:
             while pending and loop.time() < deadline:
                 wake = min(next_read, deadline) - loop.time()
                 done, _ = await asyncio.wait([futures[job_id] for job_id in pending], timeout=max(0.0, wake))
+                self.wakes += 1
                 for job_id in list(pending):
                     if futures[job_id] in done and futures[job_id].result().settled:
                         known[job_id] = futures[job_id].result()

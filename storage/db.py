@@ -22,12 +22,13 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Table, create_engine, event, insert
+from sqlalchemy import Table, create_engine, event, insert, inspect, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, CursorResult, Engine, Result
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.sql.dml import UpdateBase
 from sqlmodel import Session
 
 from config.settings import get_settings
@@ -135,6 +136,16 @@ def read_first(statement):
     return _once_more_on_disconnect(engine, lambda connection: connection.execute(statement).first())
 
 
+def read_all(statement) -> list:
+    """Every row of the read-only ``statement``, read like :func:`read_first`: in one round trip
+    outside any transaction (one snapshot: the rows agree with each other)."""
+    engine = get_lease_engine()
+    if engine is None:
+        with session_scope() as session:
+            return list(session.execute(statement).all())
+    return _once_more_on_disconnect(engine, lambda connection: list(connection.execute(statement).all()))
+
+
 def execute_unflushed(statement) -> None:
     """Run one writing ``statement`` on its own, committed without waiting for the WAL flush: on
     PostgreSQL on the :func:`get_lease_engine` (one round trip; run once more after a closed
@@ -227,6 +238,70 @@ def _drop_on_commit(session: OrmSession) -> None:
     if session.in_nested_transaction():
         return
     _end_transaction(session)
+
+
+# ---- writes sent together before the commit ----------------------------------------------------------
+
+_WRITES = "tessera_staged_writes"
+
+
+def stage_write(session: OrmSession, statement: UpdateBase) -> None:
+    """Queue the writing ``statement`` (an ``UPDATE``, ``DELETE`` or ``INSERT`` without ``RETURNING``,
+    its values bound in it) to go out with the other writes queued in ``session``'s transaction, in one
+    round trip just before it commits (:func:`flush_writes`), after everything else the transaction did
+    (the ORM's pending changes are flushed first): the outcome of a job written in one statement. On
+    PostgreSQL the queued writes are one statement (each but the last a data-modifying ``WITH``), so
+    each sees the rows as they were when that statement began and none sees another's changes: no two
+    may change the same row, none may depend on another's effect. Elsewhere they run one by one, in
+    order. Dropped on rollback."""
+    writes, _ = transaction_state(session, _WRITES, list)
+    writes.append(statement)
+
+
+def stage_changes(session: OrmSession, instance: Any) -> None:
+    """Queue what ``instance`` (an ORM object loaded in ``session``) has changed as one ``UPDATE`` of
+    its row by primary key (:func:`stage_write`) instead of the ORM's own flush, and take it out of
+    ``session``. Nothing is queued when nothing changed (or the ORM already flushed it)."""
+    state = inspect(instance)
+    mapper = state.mapper
+    values = {
+        column.name: getattr(instance, attribute.key)
+        for attribute in mapper.column_attrs
+        for column in attribute.columns[:1]
+        if state.attrs[attribute.key].history.has_changes()
+    }
+    session.expunge(instance)
+    if values:
+        table = mapper.local_table
+        key = [
+            table.c[column.name] == getattr(instance, mapper.get_property_by_column(column).key)
+            for column in mapper.primary_key
+        ]
+        stage_write(session, update(table).where(*key).values(values))
+
+
+def flush_writes(session: OrmSession) -> None:
+    """Send the writes queued by :func:`stage_write` now (the ORM's pending changes first); nothing
+    when none is queued. Runs by itself before every commit."""
+    writes = session.info.get(_WRITES)
+    if not writes:
+        return
+    statements = list(writes)
+    writes.clear()
+    session.flush()
+    connection = session.connection()
+    if connection.dialect.name == "postgresql" and len(statements) > 1:
+        *first, last = statements
+        session.execute(last.add_cte(*(statement.cte(f"staged_{n}") for n, statement in enumerate(first))))
+        return
+    for statement in statements:
+        session.execute(statement)
+
+
+@event.listens_for(OrmSession, "before_commit")
+def _flush_writes_before_commit(session: OrmSession) -> None:
+    if session.info.get(_WRITES):
+        flush_writes(session)
 
 
 # ---- rows written without ORM objects --------------------------------------------------------------

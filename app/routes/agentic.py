@@ -248,8 +248,10 @@ async def create(call: Call):
     started = await record_with_key(
         call, service.create_unit, call.caller, request, settings=settings, owner=owner, claim=claim
     )
-    await call.wait_for_jobs(started.job_ids, timeout=settings.agentic_wait_seconds)
-    return 201, await call.db(service.finish_create, call.caller, started.payment_method_id, claim=claim)
+    outcomes = await call.wait_for_jobs(started.job_ids, timeout=settings.agentic_wait_seconds)
+    return 201, await call.db(
+        service.finish_create, call.caller, started.payment_method_id, claim=claim, outcomes=outcomes
+    )
 
 
 @api.route(
@@ -344,9 +346,16 @@ async def retry(call: Call):
     )
     if started.failure is not None:
         raise agentic_error(started.failure)
-    await call.wait_for_jobs(started.job_ids, timeout=call.settings.agentic_wait_seconds)
+    job_id = started.job_ids[0]
+    outcomes = await call.wait_for_jobs([job_id], timeout=call.settings.agentic_wait_seconds)
     result = await call.db(
-        service.finish_retry, call.caller, pm_id, rail=body.rail, provider=body.provider, job_id=started.job_ids[0]
+        service.finish_retry,
+        call.caller,
+        pm_id,
+        rail=body.rail,
+        provider=body.provider,
+        job_id=job_id,
+        outcome=outcomes.get(job_id),
     )
     if isinstance(result, Problem):
         raise result

@@ -55,7 +55,7 @@ from infra.jobs import PermanentError, TransientError
 from providers import ProviderNotConfigured
 from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed
 from providers.agentic_http import require_provider
-from storage.db import session_scope
+from storage.db import session_scope, stage_changes
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail
 from storage.states import PaymentMethodStatus, RailStatus
@@ -267,7 +267,9 @@ def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) ->
 
     ``enabled``: the rail is enabled (its event emitted if it had been shown pending). ``pending``:
     the rail stays pending and a poll job is recorded. The card's display data is merged in
-    (backfilling what an earlier attempt lacked).
+    (backfilling what an earlier attempt lacked). After the locks (the job row, then the payment
+    method with the rail), the rail's and the payment method's changes, the lease's release and the
+    job's completion go out as one statement just before the commit (``storage.db.stage_write``).
     """
     pm, rail = _locked_rail(session, job)
     if isinstance(outcome, Stale) or pm is None or rail is None or not _current(pm, rail, job):
@@ -299,6 +301,8 @@ def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) ->
             session, pm, rail, status=RailStatus.ENABLED, provider_ids=outcome.provider_ids, trace_id=job.trace_id
         )
     release_if_done(session, pm.id, rail.operation_id, finished_job=job.id)
+    stage_changes(session, rail)
+    stage_changes(session, pm)
     return {"rail_status": outcome.status, "enrollment_id": outcome.id}
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import delete, select
+from sqlalchemy import Delete, delete, select
 from sqlmodel import Session, col
 
 from domain.agentic.errors import agentic_error
@@ -31,6 +31,8 @@ from storage.db import rowcount
 from storage.models_agentic import OperationLease
 from storage.sql import upsert_when
 from storage.types import table_of, utcnow
+
+_LEASES = table_of(OperationLease)
 
 ENROLL, DELETE = "enroll", "delete"
 #: The operations on an allowance: its rails' setup, an update, a verification, a cancellation, a mint.
@@ -101,12 +103,14 @@ def release(session: Session, resource_id: str, owner: str, *, unless=None) -> b
 
     ``unless``: an optional SQL condition (for example an ``EXISTS`` of the operation's unfinished
     jobs) that keeps the lease when true; checked in the same statement."""
-    statement = delete(OperationLease).where(
-        col(OperationLease.resource_id) == resource_id, col(OperationLease.owner) == owner
-    )
-    if unless is not None:
-        statement = statement.where(~unless)
-    return rowcount(session.execute(statement.execution_options(synchronize_session=False))) == 1
+    return rowcount(session.execute(release_statement(resource_id, owner, unless=unless))) == 1
+
+
+def release_statement(resource_id: str, owner: str, *, unless=None) -> Delete:
+    """The ``DELETE`` of :func:`release` (for a caller that sends it with its other writes,
+    ``storage.db.stage_write``)."""
+    statement = delete(_LEASES).where(_LEASES.c.resource_id == resource_id, _LEASES.c.owner == owner)
+    return statement if unless is None else statement.where(~unless)
 
 
 def release_expired(session: Session, *, now: dt.datetime | None = None, batch: int = 1000) -> int:

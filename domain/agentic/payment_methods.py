@@ -28,6 +28,7 @@ from domain.webhooks import events
 from infra import jobs
 from infra.errors import Problem
 from providers.agentic import DISPLAY_FIELDS
+from storage.db import Rows, stage_write
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail, ProviderError
 from storage.states import PaymentMethodStatus, RailStatus
@@ -209,8 +210,9 @@ def settle_rail(
 
 def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, finished_job: uuid.UUID) -> None:
     """Release operation ``operation_id``'s lease when none of its enrollment jobs but
-    ``finished_job`` is still running (called with the payment method locked): one ``DELETE ...
-    WHERE NOT EXISTS`` of such a job."""
+    ``finished_job`` is still running (called with the payment method locked, so the statement sees
+    every outcome committed before the lock): one ``DELETE ... WHERE NOT EXISTS`` of such a job, sent
+    with the transaction's other queued writes just before its commit (``storage.db.stage_write``)."""
     if operation_id is None:
         return
     busy = (
@@ -225,7 +227,7 @@ def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, f
         )
         .exists()
     )
-    leases.release(session, pm_id, operation_id, unless=busy)
+    stage_write(session, leases.release_statement(pm_id, operation_id, unless=busy))
 
 
 def job_statuses(session: Session, job_ids: list[uuid.UUID]) -> dict[uuid.UUID, str]:
@@ -248,8 +250,11 @@ def mark_deleted(session: Session, pm: PaymentMethod) -> None:
 # ---- the card behind a payment method ------------------------------------------------------------
 
 
-def card_source(session: Session, tenant_id: uuid.UUID, token_id: str, *, today: dt.date | None = None) -> dict:
-    """The data of the card token ``token_id`` of the tenant, else 400 ``INVALID_TOKEN``.
+def card_source(
+    session: Session, tenant_id: uuid.UUID, token_id: str, *, today: dt.date | None = None, rows: Rows | None = None
+) -> dict:
+    """The data of the card token ``token_id`` of the tenant, else 400 ``INVALID_TOKEN``. The token's
+    activity of the month is written now, or queued in ``rows`` (the caller's one recording statement).
 
     "A card token readable in the tenant": a live (unexpired) token of the tenant whose type is
     ``card`` and whose data holds a number and an expiration not in the past. The caller needs no
@@ -257,7 +262,7 @@ def card_source(session: Session, tenant_id: uuid.UUID, token_id: str, *, today:
     the providers only (public applications, which hold create permissions alone, may create).
     """
     try:
-        token, data = load_token_data(session, tenant_id, token_id)
+        token, data = load_token_data(session, tenant_id, token_id, rows=rows)
     except Problem:
         token, data = None, None
     return checked_card(token.type if token is not None else None, data, today=today)

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete
+from sqlalchemy import select as select_rows
 from sqlmodel import Session, col, func, select
 
 from config.settings import Settings
@@ -50,14 +52,15 @@ from domain.tenancy.caller import Caller
 from domain.tokens.cards import card_brand
 from infra import jobs
 from infra.errors import Problem
+from infra.wait import Outcome
 from providers.agentic import DISPLAY_FIELDS
 from providers.agentic_http import provider_for
-from storage.db import Rows, insert_rows, row_of
+from storage.db import Rows, insert_rows, read_all, row_of
 from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
 from storage.models_allowances import Allowance
-from storage.states import ALLOWANCE_LIVE, JOB_FAILED, JOB_UNSUCCESSFUL, PaymentMethodStatus, RailStatus
+from storage.states import ALLOWANCE_LIVE, JOB_FAILED, JOB_UNSUCCESSFUL, JobStatus, PaymentMethodStatus, RailStatus
 from storage.types import table_of, utcnow
 
 # ---- create --------------------------------------------------------------------------------------
@@ -112,7 +115,8 @@ def create_payment_method(
     ``owner``. A provider a production tenant has no live URL for records its rail in error
     ``PROVIDER_NOT_CONFIGURED`` at once (with a provider error), without a job.
     """
-    data = card_source(session, caller.tenant_id, request.token_id)
+    rows = Rows()  # every row in one statement (``storage.db.insert_rows``), no unit-of-work flush
+    data = card_source(session, caller.tenant_id, request.token_id, rows=rows)
     if request.agent_id is not None:
         agent = session.get(Agent, request.agent_id)
         if agent is None or agent.tenant_id != caller.tenant_id:
@@ -137,7 +141,6 @@ def create_payment_method(
         created_at=now,
         updated_at=now,
     )
-    rows = Rows()  # every row in one statement (``storage.db.insert_rows``), no unit-of-work flush
     rows.add(table_of(PaymentMethod), row_of(pm))
     job_ids, errors = [], []
     for position, (rail_name, provider) in enumerate(pairs):
@@ -197,9 +200,26 @@ def create_unit(
     return commit_unit(create_payment_method, caller, request, settings=settings, owner=owner, claim=claim)
 
 
-def finish_create(session: Session, caller: Caller, pm_id: str, *, claim: idempotency.Claim | None) -> dict:
+def finish_create(
+    session: Session,
+    caller: Caller,
+    pm_id: str,
+    *,
+    claim: idempotency.Claim | None,
+    outcomes: Mapping[uuid.UUID, Outcome] | None = None,
+) -> dict:
     """After the bounded wait: flag rails still pending for their event, settle the idempotency
-    record, answer the payment method."""
+    record, answer the payment method.
+
+    ``outcomes``: the outcome of each rail's job as the wait ended (``infra.wait``). When every one
+    settled its rail for good (enabled, or in error: no rail left pending or overtaken) and no
+    idempotency record waits, nothing is left to flag or settle: the payment method and its rails
+    are read in one round trip outside any transaction (:func:`settled_view`), no lock, no commit.
+    """
+    if claim is None and outcomes and all(_final(outcome) for outcome in outcomes.values()):
+        view = settled_view(caller.tenant_id, pm_id)
+        if view is not None:
+            return view
     pm = lock_existing(session, pm_id)
     rails = rails_of(session, pm_id)
     for rail in rails:
@@ -208,6 +228,47 @@ def finish_create(session: Session, caller: Caller, pm_id: str, *, claim: idempo
             session.add(rail)
     if claim is not None:
         idempotency.succeed(session, claim)
+    return payment_method_view(pm, rails)
+
+
+def _final(outcome: Outcome) -> bool:
+    """True when an enrollment job's outcome left its rail for good: succeeded with the rail enabled,
+    or failed (the rail in error); not a rail pending at its provider nor a job whose rail moved on."""
+    if outcome.status in JOB_FAILED:
+        return True
+    return (
+        outcome.status == JobStatus.SUCCEEDED
+        and outcome.result.get("rail_status") is not None
+        and outcome.result.get("rail_status") != "pending"
+        and "stale" not in outcome.result
+    )
+
+
+_PM = table_of(PaymentMethod)
+_RAILS = table_of(PaymentMethodRail)
+
+
+def settled_view(tenant_id: uuid.UUID, pm_id: str) -> dict | None:
+    """The tenant's payment method object (rails in their order) read in one statement outside any
+    transaction (``storage.db.read_all``: no lock, nothing written), or None when it is not there."""
+    rows = read_all(
+        select_rows(
+            *(column.label(f"pm_{column.name}") for column in _PM.columns),
+            *(column.label(f"rail_{column.name}") for column in _RAILS.columns),
+        )
+        .select_from(_PM.outerjoin(_RAILS, _RAILS.c.payment_method_id == _PM.c.id))
+        .where(_PM.c.id == pm_id, _PM.c.tenant_id == tenant_id)
+        .order_by(_RAILS.c.position)
+    )
+    if not rows:
+        return None
+    found = [row._mapping for row in rows]
+    pm = PaymentMethod.model_validate({column.name: found[0][f"pm_{column.name}"] for column in _PM.columns})
+    rails = [
+        PaymentMethodRail.model_validate({column.name: row[f"rail_{column.name}"] for column in _RAILS.columns})
+        for row in found
+        if row["rail_id"] is not None
+    ]
     return payment_method_view(pm, rails)
 
 
@@ -375,13 +436,26 @@ def retry_failure(session: Session, pm_id: str, rail: str, provider: str, code: 
 
 
 def finish_retry(
-    session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, job_id: uuid.UUID
+    session: Session,
+    caller: Caller,
+    pm_id: str,
+    *,
+    rail: str,
+    provider: str,
+    job_id: uuid.UUID,
+    outcome: Outcome | None = None,
 ) -> dict | Problem:
     """After the bounded wait: the payment method (200), or the problem of a rejected retry.
 
     A retry still running is shown ``pending`` (and flagged: its outcome is delivered as the
-    event); an overtaken job shows the rail as it is.
+    event); an overtaken job shows the rail as it is. ``outcome``: the job's outcome as the wait
+    ended; a retry that enabled its rail for good is answered from one read outside any transaction
+    (:func:`settled_view`: nothing to flag, no lock).
     """
+    if outcome is not None and outcome.status == JobStatus.SUCCEEDED and _final(outcome):
+        view = settled_view(caller.tenant_id, pm_id)
+        if view is not None:
+            return view
     pm = lock_existing(session, pm_id)
     rails = rails_of(session, pm_id)
     target = next(r for r in rails if r.rail == rail and r.provider == provider)

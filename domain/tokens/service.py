@@ -243,14 +243,20 @@ def read_token(
 
 
 def load_token_data(
-    session: Session, tenant_id: uuid.UUID, token_id: str, *, now: dt.datetime | None = None
+    session: Session, tenant_id: uuid.UUID, token_id: str, *, now: dt.datetime | None = None, rows: Rows | None = None
 ) -> tuple[Token, Any]:
     """``(token, plain data)`` of a live token for platform features (network tokens, the account
-    updater, the proxy). The data includes a card's ``cvc`` while it is retained. No permission
-    check and no log row: the caller does both. Raises a 404 problem when missing or expired."""
+    updater, the proxy, payment methods). The data includes a card's ``cvc`` while it is retained.
+    No permission check and no log row: the caller does both. The token counts as active this month
+    (:func:`domain.tenancy.usage.record_token_activity`): written now, or queued in ``rows`` when the
+    caller writes its rows in one statement (``storage.db.insert_rows``). Raises a 404 problem when
+    missing or expired."""
     now = now or utcnow()
     token = get_live(session, tenant_id, token_id, now)
-    record_token_activity(session, tenant_id, [token.id], now=now)
+    if rows is None:
+        record_token_activity(session, tenant_id, [token.id], now=now)
+    else:
+        stage_token_activity(rows, tenant_id, [token.id], now=now)
     return token, open_data(session, token, now)
 
 

@@ -15,7 +15,7 @@ from sqlalchemy import update
 from domain.webhooks.events import EVENT_TYPES
 from providers import agentic_http as providers
 from storage.db import session_scope
-from storage.models_agentic import PaymentMethod
+from storage.models_agentic import OperationLease, PaymentMethod
 from tests.factories.agentic import (
     AMEX,
     BASE,
@@ -142,6 +142,99 @@ def test_each_rail_is_its_own_job_and_they_run_in_parallel(tenant):
     assert "in time" in errors[0]["detail"]
 
 
+def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, monkeypatch):
+    """The payment method, its rails, both enrollment jobs, the enroll lease, the log row and the card
+    token's activity of the month: one insert in the create's transaction; after its commit both rail
+    jobs' messages are sent by one call (back to back on one producer, ``infra.dispatch.send_messages``)."""
+    from domain.agentic import service
+    from infra import dispatch
+
+    token_id = card_token(tenant.client, VISA)
+    written, sent = [], []
+    insert_rows, send_messages = service.insert_rows, dispatch.send_messages
+
+    def insert(session, rows):
+        written.append(sorted(table.name for (table, _), batch in rows.tables.items() if batch))
+        insert_rows(session, rows)
+
+    def send(messages):
+        sent.append([(name, kwargs) for name, _, kwargs in messages])
+        send_messages(messages)
+
+    monkeypatch.setattr(service, "insert_rows", insert)
+    monkeypatch.setattr(dispatch, "send_messages", send)
+    answer = create(tenant.client, token_id)
+    assert answer.status == 201
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert written == [
+        sorted(
+            [
+                "agentic_operation_leases",
+                "agentic_payment_method_rails",
+                "agentic_payment_methods",
+                "audit_logs",
+                "jobs",
+                "token_activity",
+            ]
+        )
+    ]
+    enrollments = [batch for batch in sent if any(name == "agentic.enroll_rail" for name, _ in batch)]
+    jobs = {str(job.id) for job in jobs_of(answer.json["id"])}
+    assert len(enrollments) == 1
+    assert {kwargs["job_id"] for _, kwargs in enrollments[0]} == jobs and len(jobs) == 2
+
+
+def test_each_rail_outcome_is_written_in_one_statement(tenant):
+    """After its locks, a rail's outcome (the rail, the payment method, the enroll lease released by
+    the last rail, the job completed) goes out as one statement before the commit."""
+    from sqlalchemy import event
+
+    from storage.db import get_engine
+
+    token_id = card_token(tenant.client, VISA)
+    seen = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        if "DELETE FROM agentic_operation_leases" in statement:
+            seen.append(statement)
+
+    event.listen(get_engine(), "before_cursor_execute", record)
+    try:
+        answer = create(tenant.client, token_id)
+    finally:
+        event.remove(get_engine(), "before_cursor_execute", record)
+    assert answer.status == 201
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert len(seen) == 2  # one per rail
+    for statement in seen:
+        assert statement.lstrip().startswith("WITH")
+        assert "UPDATE agentic_payment_method_rails" in statement and "UPDATE jobs" in statement
+    with session_scope() as session:
+        assert session.get(OperationLease, answer.json["id"]) is None  # the last rail released it
+
+
+def test_a_create_whose_rails_all_settled_answers_without_a_lock(tenant, monkeypatch):
+    """Both rails settled for good within the wait: the answer is read in one statement, no lock and
+    no write; a rail still pending at its provider takes the locked path that flags it for its event."""
+    from domain.agentic import service
+
+    locked = []
+    lock_existing = service.lock_existing
+
+    def lock(session, pm_id):
+        locked.append(pm_id)
+        return lock_existing(session, pm_id)
+
+    monkeypatch.setattr(service, "lock_existing", lock)
+    pm = created(tenant.client, VISA)
+    assert outcome(pm) == {"vic": "enabled", "psp": "enabled"}
+    assert locked == []
+    assert pm == get(tenant.client, pm["id"])  # the same object a read answers
+    pending = created(tenant.client, PENDING)
+    assert "pending" in outcome(pending).values()
+    assert locked == [pending["id"]]
+
+
 def test_an_unsupported_network_is_400_unsupported_provider(tenant):
     answer = create(tenant.client, card_token(tenant.client, DISCOVER))
     assert_problem(answer, 400, "UNSUPPORTED_PROVIDER")
@@ -215,6 +308,27 @@ def test_a_failed_rail_is_enabled_by_a_retry_which_backfills_the_display(tenant)
     assert [job.result.get("rail_status") for job in jobs_of(pm["id"]) if job.status == "succeeded"].count(
         "enabled"
     ) == 2
+
+
+def test_a_retry_that_enables_its_rail_answers_from_one_read(tenant, monkeypatch):
+    """The retry's job settled with the rail enabled: the answer is read outside any transaction
+    (``settled_view``), as for a create whose rails all settled; it is the object a read answers."""
+    from domain.agentic import service
+
+    pm = created(tenant.client, FAILS_ON_CREATE)
+    read = []
+    settled_view = service.settled_view
+
+    def view(tenant_id, pm_id):
+        read.append(pm_id)
+        return settled_view(tenant_id, pm_id)
+
+    monkeypatch.setattr(service, "settled_view", view)
+    answer = retry(tenant.client, pm["id"])
+    assert answer.status == 200, answer
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert read == [pm["id"]]
+    assert get(tenant.client, pm["id"]) == answer.json
 
 
 def test_a_pending_rail_can_be_retried(tenant, monkeypatch):

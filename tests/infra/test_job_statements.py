@@ -8,7 +8,7 @@ import datetime as dt
 import uuid
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text, update
 
 from config.settings import get_settings
 from domain.tenancy.tenants import create_tenant
@@ -19,7 +19,17 @@ from infra.celery import DELIVER_TASK, celery_app
 from infra.dispatch import take_pending
 from infra.jobs import PermanentError
 from infra.task import JobTask
-from storage.db import Rows, get_lease_engine, read_first, session_scope, stage_rows
+from storage.db import (
+    Rows,
+    get_engine,
+    get_lease_engine,
+    read_all,
+    read_first,
+    session_scope,
+    stage_changes,
+    stage_rows,
+    stage_write,
+)
 from storage.models import Event, Job, Webhook, WebhookDelivery
 from storage.models_tenancy import TokenActivity
 from tests.helpers import wait_until
@@ -107,6 +117,68 @@ def test_a_leased_job_outcome_is_written_by_statements(worker):
     assert failed.result == {"code": "DECLINED", "status": 422}
 
 
+def test_the_jobs_of_one_transaction_are_sent_back_to_back_on_one_producer(database, monkeypatch):
+    """Two jobs recorded in one transaction (a payment method's rails): nothing is sent before the
+    commit, then both messages go out one after the other on one producer taken from the pool once."""
+    sent = []
+
+    def send_task(name, *, kwargs, producer, **options):
+        sent.append((name, kwargs, producer))
+
+    monkeypatch.setattr(celery_app, "send_task", send_task)
+    with session_scope() as session:
+        first, second = (
+            jobs.record(
+                session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id=name, trace_id=None
+            )
+            for name in ("first", "second")
+        )
+        session.flush()
+        assert sent == []
+    assert [(name, kwargs) for name, kwargs, _ in sent] == [
+        (LeasedJob.name, {"job_id": str(first.id)}),
+        (LeasedJob.name, {"job_id": str(second.id)}),
+    ]
+    assert sent[0][2] is not None and sent[0][2] is sent[1][2]
+
+
+def test_staged_writes_go_out_together_just_before_the_commit(database):
+    """Writes queued with ``stage_write`` and ``stage_changes`` are not sent while the transaction
+    runs; its commit sends them (one statement on PostgreSQL) after the ORM's own changes."""
+    with session_scope() as session:
+        first, second, third = (
+            jobs.record(
+                session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id=name, trace_id=None
+            )
+            for name in ("a", "b", "c")
+        )
+        take_pending(session)
+    statements = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    engine = get_engine()
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        with session_scope() as session:
+            table = Job.__table__
+            stage_write(session, update(table).where(table.c.id == first.id).values(last_error="first"))
+            stage_write(session, update(table).where(table.c.id == second.id).values(last_error="second"))
+            loaded = session.get(Job, third.id)
+            loaded.last_error = "third"
+            stage_changes(session, loaded)
+            assert loaded not in session
+            assert read_first(select(Job.last_error).where(Job.id == first.id)).last_error is None
+            sent_before_commit = len(statements)
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+    written = [statement for statement in statements[sent_before_commit:] if "last_error" in statement]
+    assert len(written) == 1 and written[0].lstrip().startswith("WITH")
+    for job, error in ((first, "first"), (second, "second"), (third, "third")):
+        assert _job(job.id).last_error == error
+
+
 def test_a_lease_runs_again_on_a_connection_the_server_closed(database):
     engine = get_lease_engine()
     engine.dispose()  # one pooled connection from here on
@@ -133,6 +205,8 @@ def test_read_first_sees_committed_rows_outside_a_transaction(database):
         take_pending(session)
     assert tuple(read_first(select(Job.status, Job.subject_id).where(Job.id == job.id))) == ("queued", "r")
     assert read_first(select(Job.status).where(Job.id == uuid.uuid4())) is None
+    assert [tuple(row) for row in read_all(select(Job.subject_id).where(Job.id == job.id))] == [("r",)]
+    assert read_all(select(Job.status).where(Job.id == uuid.uuid4())) == []
 
 
 def test_an_event_in_one_statement_is_delivered_to_the_enabled_webhooks_subscribed_to_it(database):

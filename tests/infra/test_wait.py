@@ -106,6 +106,26 @@ def test_a_wait_is_woken_by_the_outcome_message(worker):
     assert waits.notified == 1 and waits.polls == 0  # woken by the message: the database was not read at all
 
 
+def test_a_wait_for_several_jobs_is_woken_once_when_the_last_settles(worker):
+    """Two jobs recorded together (a payment method's rails), one slower: their two messages reach
+    the process, and the waiting request resumes once, with both outcomes, without a database read."""
+
+    async def scenario():
+        waits = await _started(TEST_REDIS_URL, LONG_POLL)
+        since = time.monotonic()
+        try:
+            slow, fast = await asyncio.gather(asyncio.to_thread(_record, "sleep:0.5"), asyncio.to_thread(_record, "ok"))
+            outcomes = await waits.wait([slow.id, fast.id], _read, timeout=30, since=since)
+            return {job_id: outcome.status for job_id, outcome in outcomes.items()}, slow, fast, waits
+        finally:
+            await waits.close()
+
+    statuses, slow, fast, waits = asyncio.run(scenario())
+    assert statuses == {slow.id: "succeeded", fast.id: "succeeded"}
+    assert waits.notified == 2 and waits.polls == 0
+    assert waits.wakes == 1
+
+
 def test_a_failure_outcome_carries_its_code_only(worker):
     outcome, waits = _wait_for("declined")
     assert waits.notified == 1
