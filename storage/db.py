@@ -404,15 +404,26 @@ def _copy_value(value: Any) -> str:
 def _copy_data(table: Table, names: tuple[str, ...], batch: list[dict], dialect) -> str:
     """The rows of ``batch`` (columns ``names``) as ``COPY`` text: values through their columns' bind
     processors, tab-separated, one line each."""
-    processors = _copy_processors(table, names, dialect)
+    columns = tuple(zip(names, _copy_processors(table, names, dialect), strict=True))
+    escapes = _COPY_ESCAPES
     lines = []
     for row in batch:
-        fields = []
-        for name, process in zip(names, processors, strict=True):
+        fields: list[str] = []
+        add = fields.append
+        for name, process in columns:
             value = row[name]
-            if value is not None and process is not None:
+            if value is None:
+                add("\\N")
+                continue
+            if process is not None:
                 value = process(value)
-            fields.append(_copy_value(value))
+            kind = type(value)  # the common types first, without the checks of _copy_value
+            if kind is str:
+                add(value.translate(escapes))
+            elif kind is uuid.UUID or kind is int:
+                add(str(value))
+            else:
+                add(_copy_value(value))
         lines.append("\t".join(fields))
     lines.append("")
     return "\n".join(lines)
