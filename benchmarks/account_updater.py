@@ -11,15 +11,19 @@ other result codes (the six warnings, ``ERR_UNDEFINED``, ``ERR_INVALID_PAN``, ``
 ``ERR_INVALID_EXP_DATE``, ``ERR_INVALID_CONFIG``: 5% each) and rows without an update (35%); half the rows
 carry an expiration, the others rely on the token's.
 
-Timed: from the start of the ``PUT`` to the pre-signed URL (a plain HTTP client) until a poll of
-``GET /account-updater/jobs/{id}`` answers ``completed``; an S3 ObjectCreated notification is posted right
-after the upload, as a configured bucket would. Sampled every 0.1 s: the RSS of every worker process
-(psutil). Checked: the result file's row count and codes, the number of new tokens, the webhook.
-``--profile`` then runs one chunk in this process under cProfile and prints where its time goes.
+Timed, in each of ``--rounds`` rounds (one batch each, 1 by default): from the start of the ``PUT`` to the
+pre-signed URL (a plain HTTP client) until a poll of ``GET /account-updater/jobs/{id}`` answers
+``completed``; an S3 ObjectCreated notification is posted right after the upload, as a configured bucket
+would. Sampled every 0.1 s: the RSS of every worker process (psutil), and the CPU seconds of each group of
+processes. Checked in every round: the result file's row count and codes, the number of new tokens, the
+webhook. Published: the median wall time and rows per second over the rounds, and the highest peak RSS
+of a worker process in any round; the goals are 300,000 rows in at most 15 s and at most 300 MB per worker
+process (issue 25). ``--profile`` then runs one chunk in this process under cProfile and prints where its
+time goes.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/account_updater.py [--rows 300000] [--concurrency 2] [--profile]
+    .venv/bin/python benchmarks/account_updater.py [--rows 300000] [--concurrency 2] [--rounds 3] [--profile]
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from benchmarks.receiver import Receiver
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/tessera_bench_account_updater"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/14"
-TARGET_SECONDS = 60.0
+TARGET_SECONDS = 15.0
 TARGET_RSS_MB = 300.0
 NUMBERS = {  # card number -> the code the sandbox answers
     "4000000000001018": "UPD_PAN",
@@ -69,6 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=300_000, help="rows in the request file")
     parser.add_argument("--concurrency", type=int, default=2, help="worker processes of the worker")
+    parser.add_argument("--rounds", type=int, default=1, help="batches measured one after the other (medians)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the job may take")
     parser.add_argument("--profile", action="store_true", help="profile one chunk in this process afterwards")
     common.add_service_options(parser)
@@ -410,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         ids = insert_tokens(tenant.tenant_id, [n for n, _k in plan], year)
         body = request_file(plan, ids, year)
+        rounds: list[dict] = []
         print(
             f"setup: {len(ids):,} rows, {sum(1 for n, _ in plan if n):,} tokens inserted, file "
             f"{len(body) / 2**20:.1f} MiB, in {time.monotonic() - started:.1f} s",
@@ -437,26 +443,40 @@ def main(argv: list[str] | None = None) -> int:
                 assert warm["job"]["status"] == "completed", warm
                 receiver.wait_for(1, timeout=30, children=watched)  # the warm-up's webhook, before the reset
                 receiver.reset()
-                sampler = RssSampler(worker.pid).start()
-                meter = common.CpuMeter(
-                    {
-                        "worker": common.process_tree(worker.pid),
-                        "api": common.process_tree(api.pid),
-                        "s3 (moto)": common.process_tree(s3.pid),
-                        "sandbox": common.process_tree(sandbox.pid),
-                        "postgres": common.processes_named("postgres"),
-                        "redis": common.processes_named("redis-server"),
-                    }
-                )
-                meter.start()
-                run = run_job(base, tenant.api_key, body, timeout=args.timeout, watched=watched)
-                cores = meter.stop()
-                peaks = sampler.stop()
-                checks = check(run["job"], plan)
-                hook = receiver.wait_for(1, timeout=30)
-                checks.append(
-                    (f"webhook account-updater.job.completed delivered ({hook['distinct']})", hook["distinct"] == 1)
-                )
+                load_at_start = os.getloadavg()[0]
+                for number in range(1, args.rounds + 1):
+                    sampler = RssSampler(worker.pid).start()
+                    meter = common.CpuMeter(
+                        {
+                            "worker": common.process_tree(worker.pid),
+                            "api": common.process_tree(api.pid),
+                            "s3 (moto)": common.process_tree(s3.pid),
+                            "sandbox": common.process_tree(sandbox.pid),
+                            "postgres": common.processes_named("postgres"),
+                            "redis": common.processes_named("redis-server"),
+                        }
+                    )
+                    meter.start()
+                    load = os.getloadavg()[0]
+                    run = run_job(base, tenant.api_key, body, timeout=args.timeout, watched=watched)
+                    cores = meter.stop()
+                    peaks = sampler.stop()
+                    checks = check(run["job"], plan)
+                    hook = receiver.wait_for(1, timeout=30)
+                    receiver.reset()
+                    checks.append(
+                        (
+                            f"webhook account-updater.job.completed delivered ({hook['distinct']})",
+                            hook["distinct"] == 1,
+                        )
+                    )
+                    rounds.append({**run, "peaks": peaks, "cores": cores, "checks": checks, "load": load})
+                    print(
+                        f"round {number}: {run['seconds']:.2f} s, load {load:.2f} at its start, peak RSS "
+                        f"{max(peaks.values(), default=float('nan')):.0f} MB, checks "
+                        f"{'ok' if all(ok for _t, ok in checks) else 'FAILED'}",
+                        flush=True,
+                    )
                 stages = timeline(run["job"]["id"], run["started_at"])
                 if args.profile:
                     profile_one_chunk(run["job"]["id"])
@@ -465,40 +485,70 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         finally:
             remove_keys(args.redis_url, prefix)
-    seconds = run["seconds"]
+    seconds = common.median(r["seconds"] for r in rounds)
+    worst = max((mb for r in rounds for mb in r["peaks"].values()), default=float("nan"))
+    last = rounds[-1]
+    if len(rounds) > 1:
+        common.print_table(
+            "Rounds",
+            ("round", "wall s", "rows/s", "load at start", "peak RSS MB", "worker cores", "postgres cores"),
+            [
+                (
+                    number,
+                    r["seconds"],
+                    common.ratio(args.rows, r["seconds"]),
+                    r["load"],
+                    max(r["peaks"].values(), default=float("nan")),
+                    r["cores"]["worker"],
+                    r["cores"]["postgres"],
+                )
+                for number, r in enumerate(rounds, 1)
+            ],
+        )
     common.print_table(
-        f"Account updater, {args.rows:,} rows, worker --concurrency {args.concurrency}",
+        f"Account updater, {args.rows:,} rows, worker --concurrency {args.concurrency}, "
+        f"{len(rounds)} round(s), load {load_at_start:.2f} at the start",
         ("figure", "value"),
         [
-            ("wall seconds, upload start -> completed", seconds),
-            ("rows per second", common.ratio(args.rows, seconds)),
-            ("upload seconds (PUT of the file)", run["upload"]),
-            ("first poll seeing processing (s)", run["processing_seen"]),
+            (f"wall seconds, upload start -> completed (median of {len(rounds)})", seconds),
+            ("rows per second (median)", common.ratio(args.rows, seconds)),
+            ("worker CPU seconds, last round", last["cores"]["worker"] * last["seconds"]),
+            ("postgres CPU seconds, last round (every postgres process)", last["cores"]["postgres"] * last["seconds"]),
+            ("last round: upload seconds (PUT of the file)", last["upload"]),
+            ("last round: first poll seeing processing (s)", last["processing_seen"]),
             *stages,
-            *((f"peak RSS MB, worker {name}", mb) for name, mb in peaks.items()),
-            *((f"cores used: {name}", value) for name, value in cores.items()),
+            *((f"last round: peak RSS MB, worker {name}", mb) for name, mb in last["peaks"].items()),
+            *((f"last round: cores used: {name}", value) for name, value in last["cores"].items()),
         ],
     )
-    worst = max(peaks.values()) if peaks else float("nan")
+    checks = [(f"round {n}: {text}", ok) for n, r in enumerate(rounds, 1) for text, ok in r["checks"]]
     correct = all(ok for _text, ok in checks)
     checks += [
-        (f"whole file in at most {TARGET_SECONDS:.0f} s ({seconds:.1f} s)", seconds <= TARGET_SECONDS),
-        (f"each worker process under {TARGET_RSS_MB:.0f} MB ({worst:.0f} MB)", worst < TARGET_RSS_MB),
+        (f"whole file in at most {TARGET_SECONDS:.0f} s (median {seconds:.1f} s)", seconds <= TARGET_SECONDS),
+        (f"each worker process at most {TARGET_RSS_MB:.0f} MB ({worst:.0f} MB)", worst <= TARGET_RSS_MB),
     ]
     common.print_table("Checks", ("check", "result"), [(text, "ok" if ok else "FAILED") for text, ok in checks])
     if correct:  # the goals' figures are published whether they are met or not
+        median_of = f"median of {len(rounds)}" if len(rounds) > 1 else "one round"
         common.publish(
             "account_updater",
             [
                 common.Figure(
                     "account_updater",
-                    f"{args.rows:,} rows, upload to completed (--concurrency {args.concurrency})",
+                    f"{args.rows:,} rows, upload to completed (--concurrency {args.concurrency}, {median_of})",
                     seconds,
                     "s",
                     goal=f"≤ {TARGET_SECONDS:.0f} s",
                 ),
                 common.Figure(
-                    "account_updater", "peak RSS of a worker process", worst, "MB", goal=f"< {TARGET_RSS_MB:.0f} MB"
+                    "account_updater", f"rows per second ({median_of})", common.ratio(args.rows, seconds), "/s"
+                ),
+                common.Figure(
+                    "account_updater",
+                    "peak RSS of a worker process (highest of the rounds)",
+                    worst,
+                    "MB",
+                    goal=f"≤ {TARGET_RSS_MB:.0f} MB",
                 ),
             ],
         )

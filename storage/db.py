@@ -14,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import datetime as dt
+import decimal
 import functools
+import io
 import logging
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,7 +25,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import Table, create_engine, event, insert, inspect, update
+from sqlalchemy import LargeBinary, Table, create_engine, event, insert, inspect, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, CursorResult, Engine, Result
@@ -162,13 +165,28 @@ def execute_unflushed(statement) -> None:
 
 
 def insert_rows_unflushed(rows: Rows) -> None:
-    """:func:`insert_rows` outside any transaction, one ``INSERT`` per table, each committed without
-    waiting for the WAL flush (:func:`execute_unflushed`: so each must bear running twice, e.g. a table
-    queued with ``ignore_conflicts``)."""
-    dialect_name = (get_lease_engine() or get_engine()).dialect.name
+    """:func:`insert_rows` outside any transaction, each table committed without waiting for the WAL
+    flush (:func:`execute_unflushed`: so each must bear running twice, e.g. a table queued with
+    ``ignore_conflicts``): one ``INSERT`` per table, or on PostgreSQL, for a table of at least
+    :data:`COPY_MIN_ROWS` rows, its ``COPY`` (:func:`insert_rows`) in a transaction of its own on a
+    connection of the :func:`get_lease_engine`, run once more after a closed connection."""
+    engine = get_lease_engine()
+    dialect_name = (engine or get_engine()).dialect.name
     for (table, ignore), batch in rows.tables.items():
-        if batch:
-            execute_unflushed(insert_statement(dialect_name, table, ignore_conflicts=ignore).values(batch))
+        if not batch:
+            continue
+        if engine is not None and len(batch) >= COPY_MIN_ROWS:
+            _once_more_on_disconnect(engine, functools.partial(_copy_in_transaction, table, ignore, batch))
+            continue
+        execute_unflushed(insert_statement(dialect_name, table, ignore_conflicts=ignore).values(batch))
+
+
+def _copy_in_transaction(table: Table, ignore: bool, batch: list[dict], connection: Connection) -> None:
+    """:func:`_pg_copy` on ``connection`` (of the autocommit lease engine) in a transaction of its own,
+    so a table copied through a temporary one is written whole or not at all."""
+    connection = connection.execution_options(isolation_level="READ COMMITTED")
+    with connection.begin():
+        _pg_copy(connection, table, ignore, batch)
 
 
 def reset_engine() -> None:
@@ -350,14 +368,18 @@ def row_of(instance: Any) -> dict[str, Any]:
 
 
 def insert_rows(session: OrmSession, rows: Rows) -> None:
-    """Insert ``rows`` in the session's transaction: on PostgreSQL one statement (each further table
-    an ``INSERT`` in a data-modifying ``WITH``; foreign keys are checked when the statement ends)
-    whose text is made once per shape (tables, columns, row counts) and whose values pass through
-    their columns' bind processors, so what is stored is what SQLAlchemy would store; elsewhere one
-    multi-row ``INSERT`` per table. When a table has more than :data:`MAX_STATEMENT_ROWS` rows (a
-    bulk write, e.g. an account updater chunk's tokens), each table goes out on its own, in the
-    order the tables were named, in statements of at most that many rows (a parent's rows are
-    written before its children's). Raises SQLAlchemy's wrapped driver errors (IntegrityError...)."""
+    """Insert ``rows`` in the session's transaction. On PostgreSQL, when every table has fewer than
+    :data:`COPY_MIN_ROWS` rows, one statement (each further table an ``INSERT`` in a data-modifying
+    ``WITH``; foreign keys are checked when the statement ends) whose text is made once per shape
+    (tables, columns, row counts) and whose values pass through their columns' bind processors, so
+    what is stored is what SQLAlchemy would store. A bulk write (a table of at least
+    :data:`COPY_MIN_ROWS` rows, e.g. an account updater chunk's tokens) writes each table on its own,
+    in the order the tables were named (a parent's rows before its children's): a table of at least
+    that many rows by ``COPY ... FROM STDIN`` (its values through the same bind processors, in
+    ``COPY``'s text format; a table queued with ``ignore_conflicts`` is copied into a temporary table
+    first, then inserted from it with ``ON CONFLICT DO NOTHING``), a smaller one in ``INSERT``
+    statements of at most :data:`MAX_STATEMENT_ROWS` rows. Elsewhere one multi-row ``INSERT`` per
+    table. Raises SQLAlchemy's wrapped driver errors (IntegrityError...)."""
     batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
     if not batches:
         return
@@ -367,17 +389,129 @@ def insert_rows(session: OrmSession, rows: Rows) -> None:
         for table, ignore, batch in batches:
             connection.execute(insert_statement(dialect.name, table, ignore_conflicts=ignore), batch)
         return
-    if all(len(batch) <= MAX_STATEMENT_ROWS for _, _, batch in batches):
+    if all(len(batch) < COPY_MIN_ROWS for _, _, batch in batches):
         _pg_insert(connection, batches)
         return
     for table, ignore, batch in batches:
+        if len(batch) >= COPY_MIN_ROWS:
+            _pg_copy(connection, table, ignore, batch)
+            continue
         for start in range(0, len(batch), MAX_STATEMENT_ROWS):
             _pg_insert(connection, [(table, ignore, batch[start : start + MAX_STATEMENT_ROWS])])
 
 
 MAX_STATEMENT_ROWS = 1_000
-"""The most rows of one table :func:`insert_rows` writes in one PostgreSQL statement (statement texts
+"""The most rows of one table :func:`insert_rows` writes in one PostgreSQL ``INSERT`` (statement texts
 are cached per row count, and a statement's parameters stay far below the driver's limits)."""
+
+COPY_MIN_ROWS = 200
+"""From this many rows of one table, :func:`insert_rows` and :func:`insert_rows_unflushed` write the
+table with PostgreSQL's ``COPY`` (below it, one ``INSERT`` costs less than a ``COPY``'s set-up)."""
+
+
+def _pg_copy(connection: Connection, table: Table, ignore: bool, batch: list[dict]) -> None:
+    """``COPY`` the rows of ``batch`` into ``table`` on ``connection`` (PostgreSQL, psycopg2), in the
+    transaction the connection is in. With ``ignore``, into a temporary table of the same columns, then
+    ``INSERT ... SELECT ... ON CONFLICT DO NOTHING`` from it (``COPY`` itself cannot skip rows). A value
+    of a type the text format is not written for here (an interval, an array...) sends the table by
+    ``INSERT`` statements instead. Raises SQLAlchemy's wrapped driver errors."""
+    names = tuple(batch[0])
+    try:
+        data = _copy_data(table, names, batch, connection.dialect)
+    except _NotCopyable:
+        for start in range(0, len(batch), MAX_STATEMENT_ROWS):
+            _pg_insert(connection, [(table, ignore, batch[start : start + MAX_STATEMENT_ROWS])])
+        return
+    columns = ", ".join(f'"{name}"' for name in names)
+    target = f'"{table.name}"'
+    statements: list[str] = []
+    if ignore:
+        staging = f'"tessera_copy_{table.name}"'
+        statements.append(f"CREATE TEMPORARY TABLE {staging} (LIKE {target}) ON COMMIT DROP")
+        copy = f"COPY {staging} ({columns}) FROM STDIN"
+        after = [
+            f"INSERT INTO {target} ({columns}) SELECT {columns} FROM {staging} ON CONFLICT DO NOTHING",  # noqa: S608 - names from the tables
+            f"DROP TABLE {staging}",
+        ]
+    else:
+        copy, after = f"COPY {target} ({columns}) FROM STDIN", []
+    cursor = connection.connection.cursor()
+    statement = copy
+    try:
+        for statement in statements:
+            cursor.execute(statement)
+        statement = copy
+        cursor.copy_expert(copy, io.StringIO(data))
+        for statement in after:
+            cursor.execute(statement)
+    except connection.dialect.loaded_dbapi.Error as exc:
+        raise DBAPIError.instance(statement, None, exc, connection.dialect.loaded_dbapi.Error) from exc
+    finally:
+        cursor.close()
+
+
+class _NotCopyable(Exception):
+    """A value that :func:`_copy_value` does not write in ``COPY``'s text format."""
+
+
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def _copy_value(value: Any) -> str:
+    """One value (after its column's bind processor) in ``COPY``'s text format: ``\\N`` for NULL,
+    backslash escapes for text, ``\\x`` hex for bytes; raises :class:`_NotCopyable` for other types
+    than text, numbers, booleans, UUIDs, dates and times, and bytes."""
+    if value is None:
+        return "\\N"
+    if isinstance(value, str):
+        return value.translate(_COPY_ESCAPES)
+    if isinstance(value, bool):
+        return "t" if value else "f"
+    if isinstance(value, (int, float, decimal.Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "\\\\x" + bytes(value).hex()
+    raise _NotCopyable(type(value).__name__)
+
+
+def _copy_data(table: Table, names: tuple[str, ...], batch: list[dict], dialect) -> str:
+    """The rows of ``batch`` (columns ``names``) as ``COPY`` text: values through their columns' bind
+    processors, tab-separated, one line each."""
+    columns = tuple(zip(names, _copy_processors(table, names, dialect), strict=True))
+    escapes = _COPY_ESCAPES
+    lines = []
+    for row in batch:
+        fields: list[str] = []
+        add = fields.append
+        for name, process in columns:
+            value = row[name]
+            if value is None:
+                add("\\N")
+                continue
+            if process is not None:
+                value = process(value)
+            kind = type(value)  # the common types first, without the checks of _copy_value
+            if kind is str:
+                add(value.translate(escapes))
+            elif kind is uuid.UUID or kind is int:
+                add(str(value))
+            else:
+                add(_copy_value(value))
+        lines.append("\t".join(fields))
+    lines.append("")
+    return "\n".join(lines)
+
+
+@functools.cache
+def _copy_processors(table: Table, names: tuple[str, ...], dialect) -> tuple:
+    """The bind processors of ``names`` for ``COPY``: those of :func:`_processors`, but none for binary
+    columns (whose processor wraps the bytes for the driver's own quoting)."""
+    return tuple(
+        None if isinstance(table.c[name].type, LargeBinary) else process
+        for name, process in zip(names, _processors(table, names, dialect), strict=True)
+    )
 
 
 def _pg_insert(connection: Connection, batches: list[tuple[Table, bool, list[dict]]]) -> None:

@@ -75,6 +75,7 @@ class ProcessChunk(_AccountUpdaterJobTask):
     """Process one chunk (``domain.account_updater.chunks.process_chunk`` / ``apply_chunk``)."""
 
     name = steps.CHUNK_TASK
+    pause_gc = True  # a chunk makes a few objects per row of thousands: no collector passes meanwhile
 
     @staticmethod
     def chunk_number(job: Job) -> int:

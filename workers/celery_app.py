@@ -9,6 +9,8 @@ context, task metrics, heartbeats).
 
 from __future__ import annotations
 
+import gc
+
 from celery import signals
 
 from beat_schedule import beat_schedule
@@ -32,5 +34,9 @@ app = celery_app  # `celery -A workers.celery_app` finds `app`
 
 @signals.worker_process_init.connect
 def _reset_after_fork(**_kwargs) -> None:
-    """A forked pool process must not share the parent's database connections."""
+    """A forked pool process must not share the parent's database connections. Then every object
+    inherited from the parent (modules, models, tasks: most of the heap) is moved out of the garbage
+    collector's sight, as the api does once started: a collection walks what tasks make, not the whole
+    platform, and leaves the pages shared with the parent unwritten."""
     reset_engine()
+    gc.freeze()

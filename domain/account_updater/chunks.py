@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from sqlalchemy import Select, update
 from sqlalchemy.orm import Mapped
 from sqlmodel import Session, col
@@ -48,7 +49,7 @@ from domain.tokens.cards import DEFAULT_FINGERPRINT_EXPRESSIONS, default_card_ma
 from domain.tokens.store import DATA_PURPOSE, NewToken
 from domain.webhooks.events import emit
 from providers.account_updates import AccountUpdatesClient, UpdateItem, UpdateResult
-from storage.crypto import DecryptionError, Keyring, get_keyring
+from storage.crypto import Keyring, get_keyring
 from storage.db import Rows, insert_rows, rowcount, session_scope
 from storage.models import AuditLog, Tenant, Token, TokenMetadata
 from storage.models_account_updater import AccountUpdaterChunk, AccountUpdaterJob
@@ -112,24 +113,35 @@ def load_cards(session: Session, tenant_id: uuid.UUID, ids: Iterable[str], now: 
     wanted = [i for i in set(ids) if i and len(i) <= 400]
     if not wanted:
         return {}
-    keyring = get_keyring()
     found: dict[str, _Card] = {}
     rows = session.execute(
         _tokens_by_ids(session, tenant_id, wanted, col(Token.id), col(Token.data_ct), col(Token.expires_at)).where(
             col(Token.type) == "card"
         )
     ).all()
-    for token_id, data_ct, expires_at in rows:
-        if expires_at is not None and expires_at <= now:
-            continue
+    live = [(token_id, data_ct) for token_id, data_ct, expires_at in rows if expires_at is None or expires_at > now]
+    opened = get_keyring().decrypt_many(session, tenant_id, DATA_PURPOSE, live)
+    for token_id, _data_ct in live:
+        plain = opened.get(token_id)
         try:
-            data = json.loads(keyring.decrypt(session, tenant_id, DATA_PURPOSE, token_id, data_ct))
-        except (DecryptionError, ValueError):
+            if plain is None:
+                raise ValueError("does not open")
+            data = _json(plain)
+        except ValueError:
             log.warning("token %s of tenant %s does not open; reported as ERR_INVALID_TOKEN", token_id, tenant_id)
             continue
         if isinstance(data, dict) and isinstance(data.get("number"), str):
             found[token_id] = _Card(data)
     return found
+
+
+def _json(plain: bytes) -> Any:
+    """A token's plain data parsed: orjson, or the standard library for what orjson refuses (such as
+    ``NaN``). Raises ValueError when it is not JSON."""
+    try:
+        return orjson.loads(plain)
+    except orjson.JSONDecodeError:
+        return json.loads(plain)
 
 
 def load_placements(session: Session, tenant_id: uuid.UUID, cards: dict[str, _Card]) -> None:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import codecs
 import csv
+import io
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import NamedTuple
 
 from domain.account_updater.errors import RequestFileError
 
@@ -195,8 +198,7 @@ def scan_request(blocks: Iterable[bytes], *, max_bytes: int, chunk_rows: int) ->
     return scan
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One data row of a request file (cells as written, trimmed)."""
 
     number: int
@@ -208,15 +210,32 @@ class Row:
 
 def read_rows(blocks: Iterable[bytes], columns: list[str], *, start: int, first_row: int) -> Iterator[Row]:
     """The data rows of one chunk's bytes, numbered from ``first_row`` (blank lines skipped, as in
-    :func:`scan_request`)."""
+    :func:`scan_request`).
+
+    The chunk (a slice that :func:`scan_request` checked) is decoded in one piece and split into lines
+    as :func:`scan_request` reads them; bytes that are not UTF-8 text, or hold NUL, raise
+    :class:`RequestFileError` with the line that holds them, as there.
+    """
+    data = b"".join(blocks)
+    try:
+        if b"\x00" in data:
+            raise UnicodeError
+        text = data.decode("utf-8")
+    except UnicodeError:
+        lines: Iterable[str] = _Lines([data], start=start)  # raises, naming the line
+    else:
+        lines = io.StringIO(text, newline="")  # lines end at \n, \r\n or \r: the csv reader's record ends
+    width = len(columns)
     index = {name: position for position, name in enumerate(columns)}
-    positions = [index.get(name) for name in REQUEST_COLUMNS]
+    # a column the header lacks reads the blank cell appended after the record's own cells
+    cells = itemgetter(*(index.get(name, width) for name in REQUEST_COLUMNS))
     number = first_row
-    for record in csv.reader(_Lines(blocks, start=start), strict=True):
+    for record in csv.reader(lines, strict=True):
         if not record:
             continue
-        token, year, month, merchant = (
-            record[p].strip() if p is not None and p < len(record) else "" for p in positions
-        )
-        yield Row(number, token, year, month, merchant)
+        if len(record) < width:
+            record += [""] * (width - len(record))
+        record.append("")
+        token, year, month, merchant = cells(record)
+        yield Row(number, token.strip(), year.strip(), month.strip(), merchant.strip())
         number += 1

@@ -394,14 +394,14 @@ class Gate:
         self.server.server_close()
 
 
-def start_worker(env: dict[str, str], log_path: Path) -> subprocess.Popen:
+def start_worker(env: dict[str, str], log_path: Path, *, concurrency: int = 1) -> subprocess.Popen:
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             [
                 str(Path(sys.executable).parent / "tessera"),
                 "worker",
                 "--concurrency",
-                "1",
+                str(concurrency),
                 "--pool",
                 "prefork",
                 "--without-heartbeat",
@@ -493,6 +493,109 @@ def test_a_worker_sigkilled_mid_chunk_leaves_rows_and_tokens_exactly_once(tenant
         kill_group(first)
         if second is not None:
             kill_group(second)
+        _cancel_recorded_jobs(job_id)
+        import redis
+
+        client = redis.Redis.from_url(get_settings().broker_url)
+        for key in client.scan_iter(match=f"{prefix}*", count=1000):
+            client.delete(key)
+        client.close()
+
+
+# ---- both worker processes at once ----------------------------------------------------------------
+
+
+class Meeting:
+    """A card network in front of the sandbox that holds each account-update call until ``expected``
+    calls are in flight together (or ``patience`` seconds pass), then lets them through: ``most`` is the
+    largest number that were in flight at once."""
+
+    def __init__(self, upstream: str, expected: int, patience: float = 30.0):
+        self.upstream, self.expected, self.patience = upstream, expected, patience
+        self.in_flight = self.most = 0
+        self.lock = threading.Condition()
+        meeting = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                with meeting.lock:
+                    meeting.in_flight += 1
+                    meeting.most = max(meeting.most, meeting.in_flight)
+                    meeting.lock.notify_all()
+                    meeting.lock.wait_for(lambda: meeting.most >= meeting.expected, timeout=meeting.patience)
+                try:
+                    answer = urllib3.request(
+                        "POST", meeting.upstream + self.path, body=body, headers={"content-type": "application/json"}
+                    )
+                finally:
+                    with meeting.lock:
+                        meeting.in_flight -= 1
+                self.send_response(answer.status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(answer.data)))
+                self.end_headers()
+                self.wfile.write(answer.data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_two_worker_processes_run_chunks_at_once_and_the_result_keeps_row_order(tenant, sandbox, tmp_path):
+    """A worker of two pool processes takes two chunks at once (both wait on the card network
+    together); the result file holds every chunk's rows in row order, each new token named by the row."""
+    from celery import Celery
+
+    from config.settings import get_settings
+    from infra.celery import configure
+    from storage import s3
+
+    prefix = f"{get_settings().redis_key_prefix}pair{uuid.uuid4().hex[:6]}:"
+    side = Celery("tessera-pair-test")
+    configure(side, get_settings().model_copy(update={"redis_key_prefix": prefix}))
+    meeting = Meeting(sandbox, expected=2)
+    env = {"TESSERA_REDIS_KEY_PREFIX": prefix, "TESSERA_LOG_LEVEL": "WARNING", "TESSERA_SANDBOX_URL": meeting.url}
+    log_path = tmp_path / "workers.log"
+    numbers = UPDATES * 4  # four chunks of four rows
+    job_id = prepared_job(tenant.id, numbers, chunk_rows=4)
+    worker = start_worker(env, log_path, concurrency=2)
+    try:
+        with session_scope() as session:
+            chunk_jobs = session.scalars(
+                select(Job).where(Job.subject_id == str(job_id), Job.kind == steps.CHUNK_TASK)
+            ).all()
+        for job in chunk_jobs:
+            side.send_task(steps.CHUNK_TASK, kwargs={"job_id": str(job.id)})
+
+        def finished():  # the worker sends the final step itself after the last chunk's commit
+            return counts(tenant.id, job_id)["status"] == "completed"
+
+        wait_until(finished, timeout=90, interval=1)
+        assert meeting.most == 2, log_path.read_text()[-3000:]
+        after = counts(tenant.id, job_id)
+        assert after["chunks_done"] == 4 and after["results"] == [3, 3, 3, 3] and after["tokens"] == 8
+        with session_scope() as session:
+            job = session.get(AccountUpdaterJob, job_id)
+        body = s3.get_client().get_object(Bucket=s3_files.bucket(), Key=job.result_key)["Body"].read().decode()
+        rows = list(csv.reader(io.StringIO(body)))
+        assert ",".join(rows[0]) == csv_files.RESULT_HEADER
+        row_numbers = [n for n in range(1, 17) if UPDATES[(n - 1) % 4] != "4242424242424242"]
+        assert [r[6] for r in rows[1:]] == ["UPD_PAN", "UPD_EXP_DATE", "WRN_CLOSED_ACCOUNT"] * 4
+        expected_new = [
+            au_chunks.new_token_id(job.id_seed, n) if UPDATES[(n - 1) % 4] in UPDATES[:2] else "" for n in row_numbers
+        ]
+        assert [r[3] for r in rows[1:]] == expected_new
+    finally:
+        meeting.stop()
+        kill_group(worker)
         _cancel_recorded_jobs(job_id)
         import redis
 

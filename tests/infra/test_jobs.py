@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import gc
 from uuid import uuid4
 
 import pytest
@@ -42,6 +43,23 @@ class ScriptedJob(JobTask):
 
 
 celery_app.register_task(ScriptedJob())
+
+
+class CollectorWatchingJob(JobTask):
+    """Reports whether the cyclic garbage collector ran during its perform and apply."""
+
+    name = "tests.collector_watching_job"
+    lease_seconds = 5
+    pause_gc = True
+
+    def perform(self, job, inputs):
+        return {"perform": gc.isenabled()}
+
+    def apply(self, session, job, outcome):
+        return {**outcome, "apply": gc.isenabled()}
+
+
+collector_watching_job = celery_app.register_task(CollectorWatchingJob())
 
 
 def _record(subject: str, max_attempts: int = 5) -> Job:
@@ -89,6 +107,16 @@ def test_exhausted_retries_make_a_dead_letter_that_can_be_replayed(worker):
         row.subject_id = "transient:0"
         jobs.requeue(session, row)
     assert _settled(job.id, "succeeded").attempts == 1
+
+
+def test_a_job_task_that_pauses_the_collector_runs_without_it_and_restores_it(database):
+    with session_scope() as session:
+        job = Job(kind=CollectorWatchingJob.name, subject_id="gc")
+        session.add(job)
+    assert gc.isenabled()
+    assert collector_watching_job.run(job_id=str(job.id)) == "succeeded"
+    assert gc.isenabled()
+    assert _job(job.id).result == {"perform": False, "apply": False}
 
 
 def test_only_one_worker_wins_the_lease(database):

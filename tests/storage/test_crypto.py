@@ -219,6 +219,20 @@ def test_round_trip(keyring, session):
     assert keyring.decrypt(session, tenant, "token-data", "tok_1", envelope) == CARD
 
 
+def test_decrypt_many_opens_what_decrypt_opens_and_leaves_out_the_rest(keyring, session):
+    tenant = new_tenant(session)
+    keyring.create_tenant_key(session, tenant)
+    session.commit()
+    sealed = {
+        f"tok_{n}": keyring.encrypt(session, tenant, "token-data", f"tok_{n}", CARD + bytes([n])) for n in range(3)
+    }
+    moved = keyring.encrypt(session, tenant, "token-data", "elsewhere", CARD)
+    pairs = [*sealed.items(), ("tok_moved", moved), ("tok_garbage", b"\x07not an envelope")]
+    opened = keyring.decrypt_many(session, tenant, "token-data", pairs)
+    assert opened == {name: keyring.decrypt(session, tenant, "token-data", name, e) for name, e in sealed.items()}
+    assert keyring.decrypt_many(session, tenant, "document", sealed.items()) == {}
+
+
 def test_ciphertext_moved_to_another_resource_or_tenant_fails(keyring, session):
     a, b = new_tenant(session), new_tenant(session)
     keyring.create_tenant_key(session, a)
