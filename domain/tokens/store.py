@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import operator
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ class TokenLike(Protocol):
 
 #: ``(attribute, column name)`` of every column of :class:`Token`: the one description of a token's row.
 _COLUMNS = tuple((attribute.key, attribute.columns[0].name) for attribute in inspect(Token).column_attrs)
+_COLUMN_NAMES = tuple(column for _, column in _COLUMNS)
+_ATTRIBUTES = operator.attrgetter(*(attribute for attribute, _ in _COLUMNS))
 
 
 @dataclass(slots=True)
@@ -111,7 +114,7 @@ class NewToken:
 
     def row(self) -> dict[str, Any]:
         """The ``tokens`` row: each column of :class:`Token` from the attribute of the same name."""
-        return {column: getattr(self, attribute) for attribute, column in _COLUMNS}
+        return dict(zip(_COLUMN_NAMES, _ATTRIBUTES(self), strict=True))
 
 
 def live(now: dt.datetime) -> ColumnElement[bool]:
