@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
+import orjson
 from sqlalchemy import ColumnElement, Select, delete, inspect, or_
 from sqlalchemy import select as select_columns
 from sqlmodel import Session, col, select
@@ -123,8 +124,11 @@ def live(now: dt.datetime) -> ColumnElement[bool]:
 
 
 def seal(session: Session, tenant_id: uuid.UUID, token_id: str, data: Any) -> bytes:
-    """The ciphertext of a token's data (compact JSON) under the tenant's key."""
-    plain = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    """The ciphertext of a token's data (compact UTF-8 JSON) under the tenant's key."""
+    try:
+        plain = orjson.dumps(data)
+    except TypeError:  # an integer beyond 64 bits: the standard library writes it
+        plain = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
     return get_keyring().encrypt(session, tenant_id, DATA_PURPOSE, token_id, plain)
 
 
