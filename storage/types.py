@@ -19,7 +19,7 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-#: Random bytes fetched per ``os.urandom`` call by :func:`random_uuid` (256 ids).
+#: Random bytes fetched per ``os.urandom`` call by :func:`random_bytes` (256 ids).
 _RANDOM_BATCH = 4096
 _random = threading.local()
 _forks = 0  # counts forks into this process: a child drops the bytes it inherited
@@ -33,22 +33,30 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
-def random_uuid() -> uuid.UUID:
-    """A random (version 4) UUID, as ``uuid.uuid4()`` makes it, taken from a per-thread buffer of
-    ``os.urandom`` bytes refilled 4 KiB at a time: one system call per 256 ids instead of one per id.
+def random_bytes(count: int) -> bytes:
+    """``count`` bytes of ``os.urandom`` output (AES-GCM nonces, ids), taken from a per-thread buffer
+    refilled 4 KiB at a time: one system call per few hundred values instead of one per value.
     Each such call releases the interpreter lock, and under load the thread then waits for another
-    to hand it back (up to the switch interval, 5 ms): a unit of work making a few ids per token
-    would wait that long several times. A forked child never uses the bytes of its parent (it would
-    repeat its ids)."""
+    to hand it back (up to the switch interval, 5 ms): a unit of work sealing and naming a few
+    values per token would wait that long several times. Bytes are handed out once: never to two
+    threads, never twice, and a forked child never uses those of its parent (it would repeat its
+    nonces and ids). ``count`` above 1 KiB goes to ``os.urandom`` directly."""
+    if count > 1024:
+        return os.urandom(count)
     state = _random
     buffer = getattr(state, "buffer", b"")
     offset = getattr(state, "offset", 0)
-    if offset + 16 > len(buffer) or state.forks != _forks:
+    if offset + count > len(buffer) or state.forks != _forks:
         buffer = state.buffer = os.urandom(_RANDOM_BATCH)
         state.forks = _forks
         offset = 0
-    state.offset = offset + 16
-    value = int.from_bytes(buffer[offset : offset + 16]) & _VERSION_MASK | _VERSION_4
+    state.offset = offset + count
+    return buffer[offset : offset + count]
+
+
+def random_uuid() -> uuid.UUID:
+    """A random (version 4) UUID, as ``uuid.uuid4()`` makes it, from :func:`random_bytes`."""
+    value = int.from_bytes(random_bytes(16)) & _VERSION_MASK | _VERSION_4
     made = object.__new__(uuid.UUID)  # what UUID(bytes=..., version=4) makes, without its checks
     object.__setattr__(made, "int", value)
     object.__setattr__(made, "is_safe", uuid.SafeUUID.unknown)

@@ -1,5 +1,5 @@
-"""``storage.types.random_uuid``: version 4 UUIDs from a per-thread buffer of ``os.urandom`` bytes;
-never repeated, also not by a forked child or by another thread."""
+"""``storage.types.random_bytes`` and ``random_uuid``: bytes and version 4 UUIDs from a per-thread
+buffer of ``os.urandom`` output; never repeated, also not by a forked child or by another thread."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import threading
 import uuid
 
-from storage.types import random_uuid
+from storage.types import random_bytes, random_uuid
 
 
 def test_ids_are_random_version_4_uuids_never_repeated():
@@ -49,3 +49,9 @@ def test_a_forked_child_does_not_repeat_the_ids_of_its_parent():
     theirs = {uuid.UUID(bytes=raw[n : n + 16]) for n in range(0, len(raw), 16)}
     ours = {random_uuid() for _ in range(8)}
     assert len(theirs) == 8 and not theirs & ours
+
+
+def test_random_bytes_are_handed_out_once():
+    values = [random_bytes(12) for _ in range(1_000)]  # AES-GCM nonces: several refills of the buffer
+    assert all(len(v) == 12 for v in values) and len(set(values)) == len(values)
+    assert len(random_bytes(4096)) == 4096  # beyond the buffer: straight from os.urandom
