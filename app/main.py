@@ -1,7 +1,8 @@
 """The aiohttp application: middlewares, shared clients and the route modules.
 
 Middlewares, outermost first: ``observe_middleware`` (log context, one access line and the request
-metrics per request, by route template), ``error_middleware`` (trace id, problems), the rate limit.
+metrics per request, by route template), ``error_middleware`` (trace id, problems), the rate limit
+(only when ``TESSERA_RATE_LIMIT_ENABLED``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextvars
 import logging
 import re
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
@@ -61,6 +61,7 @@ from infra.pan import holds_card_number
 from infra.wait import JobWaits
 from storage.crypto import KeyUnavailable
 from storage.db import GroupCommit
+from storage.types import random_uuid
 
 log = logging.getLogger("tessera.api")
 access_log = logging.getLogger("tessera.api.access")
@@ -182,16 +183,16 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("unhandled error", extra={"path": request.path, "method": request.method})
         response = problem_response(Problem(500, "An unexpected error occurred."), request.path)
-    response.headers[trace_header] = request.get(TRACE_ID) or str(uuid.uuid4())
+    response.headers[trace_header] = request.get(TRACE_ID) or str(random_uuid())
     return response
 
 
 def _trace_id(request: web.Request, header: str) -> str:
     supplied = request.headers.get(header) if request.method in _TRACED_METHODS else None
     if supplied is None:
-        return str(uuid.uuid4())
+        return str(random_uuid())
     if not _TRACE_ID.match(supplied) or holds_card_number(supplied):  # it is logged: never a card number
-        request[TRACE_ID] = str(uuid.uuid4())
+        request[TRACE_ID] = str(random_uuid())
         raise Problem(400, f"{header} must be a uuid (at most 64 letters, digits, '-', '_', '.', ':').")
     return supplied
 
@@ -239,9 +240,11 @@ def init_app(settings: Settings | None = None) -> web.Application:
     """Build the API application for ``settings`` (default: the process settings)."""
     settings = settings or get_settings()
     tracing.configure("api")  # off unless OTEL_* ask; when on, the app made next gets the server spans' middleware
+    # without rate limits the limiter's middleware is left out: one layer less on every request
+    limits = [rate_limit_middleware] if settings.rate_limit_enabled else []
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[observe_middleware, error_middleware, rate_limit_middleware],
+        middlewares=[observe_middleware, error_middleware, *limits],
     )
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_resources)

@@ -51,7 +51,7 @@ from sqlmodel import Session, col
 
 from config.settings import Settings, get_settings
 from storage.models import TenantDataKey, TenantIndexKey
-from storage.types import utcnow
+from storage.types import random_bytes, utcnow
 
 _V1 = b"\x01"
 _V2 = b"\x02"
@@ -82,7 +82,7 @@ def _cipher(key: bytes) -> AESGCM:
 def seal(key: bytes, plaintext: bytes, aad: bytes, version: int | None = None) -> bytes:
     """Encrypt ``plaintext`` with AES-256-GCM under ``key`` (32 bytes), binding ``aad``; the envelope
     names ``version`` (the tenant's data key version) when given."""
-    nonce = os.urandom(_NONCE_BYTES)
+    nonce = random_bytes(_NONCE_BYTES)
     head = _V1 if version is None else _V2 + version.to_bytes(4, "big")
     return head + nonce + _cipher(key).encrypt(nonce, plaintext, aad)
 

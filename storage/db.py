@@ -22,10 +22,12 @@ import logging
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from sqlalchemy import LargeBinary, Table, create_engine, event, insert, inspect, update
+import orjson
+from sqlalchemy import JSON, LargeBinary, Table, create_engine, event, insert, inspect, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, CursorResult, Engine, Result
@@ -371,15 +373,18 @@ def insert_rows(session: OrmSession, rows: Rows) -> None:
     """Insert ``rows`` in the session's transaction. On PostgreSQL, when every table has fewer than
     :data:`COPY_MIN_ROWS` rows, one statement (each further table an ``INSERT`` in a data-modifying
     ``WITH``; foreign keys are checked when the statement ends) whose text is made once per shape
-    (tables, columns, row counts) and whose values pass through their columns' bind processors, so
-    what is stored is what SQLAlchemy would store. A bulk write (a table of at least
-    :data:`COPY_MIN_ROWS` rows, e.g. an account updater chunk's tokens) writes each table on its own,
-    in the order the tables were named (a parent's rows before its children's): a table of at least
-    that many rows by ``COPY ... FROM STDIN`` (its values through the same bind processors, in
-    ``COPY``'s text format; a table queued with ``ignore_conflicts`` is copied into a temporary table
-    first, then inserted from it with ``ON CONFLICT DO NOTHING``), a smaller one in ``INSERT``
-    statements of at most :data:`MAX_STATEMENT_ROWS` rows. Elsewhere one multi-row ``INSERT`` per
-    table. Raises SQLAlchemy's wrapped driver errors (IntegrityError...)."""
+    (tables and columns) and whose values pass through their columns' bind processors, so what is
+    stored is what SQLAlchemy would store; each table's rows travel as one JSON parameter that
+    PostgreSQL expands with ``json_populate_recordset`` (one string to quote and parse instead of one
+    literal per value), or, when a value does not fit JSON (an integer beyond 64 bits), as ``VALUES``
+    literals. A bulk write (a table of at least :data:`COPY_MIN_ROWS` rows, e.g. an account updater
+    chunk's tokens) writes each table on its own, in the order the tables were named (a parent's rows
+    before its children's): a table of at least that many rows by ``COPY ... FROM STDIN`` (its values
+    through the same bind processors, in ``COPY``'s text format; a table queued with
+    ``ignore_conflicts`` is copied into a temporary table first, then inserted from it with ``ON
+    CONFLICT DO NOTHING``), a smaller one in ``INSERT`` statements of at most
+    :data:`MAX_STATEMENT_ROWS` rows. Elsewhere one multi-row ``INSERT`` per table. Raises
+    SQLAlchemy's wrapped driver errors (IntegrityError...)."""
     batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
     if not batches:
         return
@@ -515,7 +520,87 @@ def _copy_processors(table: Table, names: tuple[str, ...], dialect) -> tuple:
 
 
 def _pg_insert(connection: Connection, batches: list[tuple[Table, bool, list[dict]]]) -> None:
-    """One PostgreSQL statement inserting ``batches`` (``(table, ignore_conflicts, rows)``, in order)."""
+    """One PostgreSQL statement inserting ``batches`` (``(table, ignore_conflicts, rows)``, in order):
+    each table's rows as one JSON document, else (a value JSON cannot carry) as ``VALUES`` literals."""
+    try:
+        documents = [_json_rows(table, batch, connection.dialect) for table, _, batch in batches]
+    except TypeError:  # e.g. an integer beyond 64 bits in a JSON column
+        _pg_values_insert(connection, batches)
+        return
+    shape = tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
+    sql = _PG_JSON_TEXTS.get(shape)
+    if sql is None:
+        if len(_PG_JSON_TEXTS) >= 2_000:
+            _PG_JSON_TEXTS.clear()
+        sql = _PG_JSON_TEXTS[shape] = _pg_json_text(shape)
+    connection.exec_driver_sql(sql, tuple(documents))
+
+
+_PG_JSON_TEXTS: dict[tuple, str] = {}
+
+
+def _json_rows(table: Table, batch: list[dict], dialect) -> str:
+    """The rows of one table as a JSON array of objects keyed by column name, each value as
+    PostgreSQL's input function reads it back: a JSON column's value as it is, bytes as ``\\x`` and
+    hex digits, every other value through its column's bind processor (then datetimes in ISO 8601
+    with their offset, UUIDs and decimals as strings). TypeError when a value does not fit JSON."""
+    names = tuple(batch[0])
+    kinds = _json_kinds(table, names, dialect)
+    rows = []
+    for row in batch:
+        out = {}
+        for name, (kind, process) in zip(names, kinds, strict=True):
+            value = row[name]
+            if value is not None:
+                if kind == _BINARY:
+                    value = "\\x" + bytes(value).hex()
+                elif process is not None:
+                    value = process(value)
+            out[name] = value
+        rows.append(out)
+    return orjson.dumps(rows, default=_json_default, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+_BINARY, _AS_IS, _PROCESSED = "binary", "as is", "processed"
+
+
+@functools.cache
+def _json_kinds(table: Table, names: tuple[str, ...], dialect) -> tuple[tuple[str, Any], ...]:
+    """Per column of ``names``: how its values go into the JSON document, and its bind processor."""
+    kinds: list[tuple[str, Any]] = []
+    for name in names:
+        column_type = table.c[name].type
+        if isinstance(column_type, LargeBinary):
+            kinds.append((_BINARY, None))
+        elif isinstance(column_type, JSON):
+            kinds.append((_AS_IS, None))  # the document carries the JSON value itself
+        else:
+            kinds.append((_PROCESSED, column_type._cached_bind_processor(dialect)))
+    return tuple(kinds)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _pg_json_text(shape: tuple) -> str:
+    """The text of one PostgreSQL statement inserting rows of ``shape`` (one ``%s`` JSON document per table)."""
+    inserts = []
+    for table, ignore, names in shape:
+        columns = ", ".join(f'"{name}"' for name in names)
+        conflict = " ON CONFLICT DO NOTHING" if ignore else ""
+        source = f'json_populate_recordset(NULL::"{table.name}", %s)'
+        inserts.append(f'INSERT INTO "{table.name}" ({columns}) SELECT {columns} FROM {source}{conflict}')  # noqa: S608 - names from the tables
+    *first, last = inserts
+    if not first:
+        return last
+    return "WITH " + ", ".join(f"w{n} AS ({text})" for n, text in enumerate(first)) + " " + last
+
+
+def _pg_values_insert(connection: Connection, batches: list[tuple[Table, bool, list[dict]]]) -> None:
+    """:func:`_pg_insert` with every value a ``VALUES`` literal."""
     dialect = connection.dialect
     shape = tuple((table, ignore, tuple(batch[0]), len(batch)) for table, ignore, batch in batches)
     sql = _PG_TEXTS.get(shape)

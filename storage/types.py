@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
+import threading
+import uuid
 
 from sqlalchemy import Column, DateTime, Table, Uuid
 from sqlalchemy.ext.compiler import compiles
@@ -14,6 +17,55 @@ from sqlmodel import AutoString, SQLModel
 def utcnow() -> dt.datetime:
     """The current time as an aware UTC datetime (microsecond precision)."""
     return dt.datetime.now(dt.UTC)
+
+
+#: Random bytes fetched per ``os.urandom`` call by :func:`random_bytes` (256 ids).
+_RANDOM_BATCH = 4096
+_random = threading.local()
+_forks = 0  # counts forks into this process: a child drops the bytes it inherited
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def random_bytes(count: int) -> bytes:
+    """``count`` bytes of ``os.urandom`` output (AES-GCM nonces, ids), taken from a per-thread buffer
+    refilled 4 KiB at a time: one system call per few hundred values instead of one per value.
+    Each such call releases the interpreter lock, and under load the thread then waits for another
+    to hand it back (up to the switch interval, 5 ms): a unit of work sealing and naming a few
+    values per token would wait that long several times. Bytes are handed out once: never to two
+    threads, never twice, and a forked child never uses those of its parent (it would repeat its
+    nonces and ids). ``count`` above 1 KiB goes to ``os.urandom`` directly."""
+    if count > 1024:
+        return os.urandom(count)
+    state = _random
+    buffer = getattr(state, "buffer", b"")
+    offset = getattr(state, "offset", 0)
+    if offset + count > len(buffer) or state.forks != _forks:
+        buffer = state.buffer = os.urandom(_RANDOM_BATCH)
+        state.forks = _forks
+        offset = 0
+    state.offset = offset + count
+    return buffer[offset : offset + count]
+
+
+def random_uuid() -> uuid.UUID:
+    """A random (version 4) UUID, as ``uuid.uuid4()`` makes it, from :func:`random_bytes`."""
+    value = int.from_bytes(random_bytes(16)) & _VERSION_MASK | _VERSION_4
+    made = object.__new__(uuid.UUID)  # what UUID(bytes=..., version=4) makes, without its checks
+    object.__setattr__(made, "int", value)
+    object.__setattr__(made, "is_safe", uuid.SafeUUID.unknown)
+    return made
+
+
+#: The variant (RFC 4122) and version (4) bits of a random UUID, as ``uuid.UUID(version=4)`` sets them.
+_VERSION_MASK = ~((0xC000 << 48) | (0xF000 << 64)) & ((1 << 128) - 1)
+_VERSION_4 = (0x8000 << 48) | (4 << 76)
 
 
 class UTCDateTime(TypeDecorator):

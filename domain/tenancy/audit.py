@@ -5,14 +5,12 @@ A log row never holds sensitive data: only ids, the operation and a fixed messag
 
 from __future__ import annotations
 
-import uuid
-
 from sqlmodel import Session
 
 from domain.tenancy.caller import Caller
 from storage.db import Rows
 from storage.models import AuditLog
-from storage.types import table_of, utcnow
+from storage.types import random_uuid, table_of, utcnow
 
 #: Entity types shown by ``GET /logs/entity-types``: system value -> display name.
 ENTITY_TYPES: dict[str, str] = {
@@ -68,7 +66,7 @@ _TABLE = table_of(AuditLog)
 
 def _row(caller: Caller, entity_type: str, entity_id: object, operation: str) -> dict:
     return {
-        "id": uuid.uuid4(),
+        "id": random_uuid(),
         "tenant_id": caller.tenant_id,
         "actor_id": caller.application_id,
         "actor_type": caller.actor_type,

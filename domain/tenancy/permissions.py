@@ -10,6 +10,7 @@ maps each to its replacement, and :func:`modern_names` maps the names of a new g
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Iterable
 
 from infra.errors import Problem
@@ -121,8 +122,10 @@ def permission_errors(requested: Iterable[str]) -> list[str]:
     return messages
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_container(container: str) -> tuple[str, str] | None:
-    """``/pci/high/`` (or a deeper path under it) -> ``("pci", "high")``; None when malformed."""
+    """``/pci/high/`` (or a deeper path under it) -> ``("pci", "high")``; None when malformed.
+    Remembered per process (a few thousand paths): tokens repeat a handful of containers."""
     if not container.startswith("/") or not container.endswith("/"):
         return None
     parts = container.strip("/").split("/")
@@ -133,8 +136,10 @@ def parse_container(container: str) -> tuple[str, str] | None:
     return parts[0], parts[1]
 
 
+@functools.lru_cache(maxsize=1024)
 def read_level(permissions: frozenset[str], classification: str) -> int:
-    """The highest impact rank the caller may read plainly in ``classification``; -1 for none."""
+    """The highest impact rank the caller may read plainly in ``classification``; -1 for none.
+    Remembered per process by permission set (a cached caller keeps the same set object)."""
     best = -1
     for level, rank in _LEVEL_RANK.items():
         if f"token:{classification}:read:{level}" in permissions:

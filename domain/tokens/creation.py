@@ -35,6 +35,7 @@ from domain.tokens.validation import ValidatedTokenRequest
 from infra.errors import Problem, validation_problem
 from storage.db import Rows
 from storage.models import Token
+from storage.types import random_uuid
 
 
 @dataclass
@@ -127,7 +128,7 @@ def new_token(
 ) -> NewToken:
     """The :class:`NewToken` of ``request`` (its data sealed; id: the alias, else a uuid), with its
     ``create`` log row and ``token.created`` event queued in ``rows``."""
-    token_id = request.id or str(uuid.uuid4())
+    token_id = request.id or str(random_uuid())
     token = NewToken(
         tenant_id=caller.tenant_id,
         id=token_id,

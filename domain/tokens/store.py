@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import operator
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
+import orjson
 from sqlalchemy import ColumnElement, Select, delete, inspect, or_
 from sqlalchemy import select as select_columns
 from sqlmodel import Session, col, select
@@ -81,6 +83,8 @@ class TokenLike(Protocol):
 
 #: ``(attribute, column name)`` of every column of :class:`Token`: the one description of a token's row.
 _COLUMNS = tuple((attribute.key, attribute.columns[0].name) for attribute in inspect(Token).column_attrs)
+_COLUMN_NAMES = tuple(column for _, column in _COLUMNS)
+_ATTRIBUTES = operator.attrgetter(*(attribute for attribute, _ in _COLUMNS))
 
 
 @dataclass(slots=True)
@@ -111,7 +115,7 @@ class NewToken:
 
     def row(self) -> dict[str, Any]:
         """The ``tokens`` row: each column of :class:`Token` from the attribute of the same name."""
-        return {column: getattr(self, attribute) for attribute, column in _COLUMNS}
+        return dict(zip(_COLUMN_NAMES, _ATTRIBUTES(self), strict=True))
 
 
 def live(now: dt.datetime) -> ColumnElement[bool]:
@@ -120,8 +124,11 @@ def live(now: dt.datetime) -> ColumnElement[bool]:
 
 
 def seal(session: Session, tenant_id: uuid.UUID, token_id: str, data: Any) -> bytes:
-    """The ciphertext of a token's data (compact JSON) under the tenant's key."""
-    plain = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    """The ciphertext of a token's data (compact UTF-8 JSON) under the tenant's key."""
+    try:
+        plain = orjson.dumps(data)
+    except TypeError:  # an integer beyond 64 bits: the standard library writes it
+        plain = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
     return get_keyring().encrypt(session, tenant_id, DATA_PURPOSE, token_id, plain)
 
 

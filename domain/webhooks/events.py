@@ -34,7 +34,7 @@ from storage import sql
 from storage.db import Rows, on_commit, stage_rows
 from storage.models import Event, Webhook, WebhookDelivery
 from storage.states import WebhookStatus
-from storage.types import table_of, utcnow
+from storage.types import random_uuid, table_of, utcnow
 
 #: Every event type the platform emits or will emit (``GET /webhooks/event-types``).
 EVENT_TYPES: tuple[str, ...] = (
@@ -109,7 +109,7 @@ def emit(
         if type in subscriptions.types(session, tenant_id):
             ids = _event_rows(session, rows, tenant_id=tenant_id, type=type, datas=datas, trace_id=trace_id)
         else:
-            ids = [uuid.uuid4() for _ in datas]
+            ids = [random_uuid() for _ in datas]
     elif one and (event_id := _emit_one(session, tenant_id=tenant_id, type=type, data=datas[0], trace_id=trace_id)):
         ids = [event_id]
     else:

@@ -35,6 +35,14 @@ def test_bare_string_number_boolean_and_null(tenant):
     assert answer.json is None
 
 
+def test_data_beyond_64_bit_integers_and_non_ascii_text_reads_back_as_sent(tenant):
+    data = {"big": 2**70, "negative": -(2**65), "float": 1e16, "text": 'é ✓ \u2028 "q" \\', "list": [0.1, None]}
+    answer = tenant.client.post("/tokenize", {"type": "token", "data": data})
+    assert answer.status == 201, answer
+    assert answer.json["data"] == data
+    assert _read(tenant.client, answer.json["id"])["data"] == data
+
+
 def test_plain_objects_and_arrays_are_walked(tenant):
     body = {"name": "Jane", "nested": {"ssn": "123-45-6789", "list": ["a", 7, None, {"deep": False}]}, "none": None}
     answer = tenant.client.post("/tokenize", body)
