@@ -528,13 +528,16 @@ def requeue(
     *,
     kind: str | None = None,
     fresh_budget: bool = True,
+    waiting_only: bool = False,
     now: dt.datetime | None = None,
 ) -> int:
     """Queue jobs again, due now, and send their task when ``session`` commits: a settled job (a
     replay of a dead letter or a failure: ``fresh_budget`` gives it its attempts again) or a waiting
     one (due now). One job (a :class:`Job` in ``session``) or many (a list of ids of ``kind``, one
-    ``UPDATE``). A job a worker holds a live lease on is left to that worker. Returns how many jobs
-    were queued again. Raises ValueError for many jobs without ``kind``."""
+    ``UPDATE``). A job a worker holds a live lease on is left to that worker; with ``waiting_only``, a
+    settled one too (work handed back unstarted: one that another worker finished meanwhile must not
+    run again). Returns how many jobs were queued again. Raises ValueError for many jobs without
+    ``kind``."""
     now = now or utcnow()
     if isinstance(jobs, Job):
         kind, ids = jobs.kind, [jobs.id]
@@ -554,13 +557,10 @@ def requeue(
     }
     if fresh_budget:
         values["attempts"] = 0
+    unleased = or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now)
+    which = (col(Job.id).in_(ids), unleased, *((col(Job.status).in_(JOB_TAKEABLE),) if waiting_only else ()))
     count = rowcount(
-        session.execute(
-            update(Job)
-            .where(col(Job.id).in_(ids), or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now))
-            .values(**values)
-            .execution_options(synchronize_session=False)
-        )
+        session.execute(update(Job).where(*which).values(**values).execution_options(synchronize_session=False))
     )
     if isinstance(jobs, Job) and count:
         session.refresh(jobs)

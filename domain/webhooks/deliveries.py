@@ -402,7 +402,7 @@ def postpone_busy_tenants(
             .execution_options(synchronize_session=False)
         )
     if handed_back:
-        jobs.requeue(session, handed_back, kind=DELIVER_TASK, fresh_budget=False, now=now)
+        jobs.requeue(session, handed_back, kind=DELIVER_TASK, fresh_budget=False, waiting_only=True, now=now)
     return set(postponed) | set(handed_back)
 
 

@@ -108,20 +108,21 @@ class Cluster:
         """How many ``what`` (``network-tokens``, ``enrollments``) the sandbox providers hold."""
         return requests.get(f"{self.sandbox}/_admin/{what}", timeout=10).json()["count"]
 
-    def unfinished(self) -> list[dict]:
-        """Jobs (a webhook delivery's work is a job too) still queued or running, most attempted first."""
+    def sql(self, query: str) -> list[dict]:
+        """The rows of ``query`` on the cluster's database."""
         engine = create_engine(self.database_url)
         try:
             with engine.connect() as conn:
-                rows = conn.execute(
-                    text(
-                        "SELECT kind, status, attempts, last_error FROM jobs WHERE status IN ('queued', 'running') "
-                        "ORDER BY attempts DESC"
-                    )
-                )
-                return [dict(row) for row in rows.mappings()]
+                return [dict(row) for row in conn.execute(text(query)).mappings()]
         finally:
             engine.dispose()
+
+    def unfinished(self) -> list[dict]:
+        """Jobs (a webhook delivery's work is a job too) still queued or running, most attempted first."""
+        return self.sql(
+            "SELECT kind, status, attempts, last_error FROM jobs WHERE status IN ('queued', 'running') "
+            "ORDER BY attempts DESC"
+        )
 
 
 @pytest.fixture

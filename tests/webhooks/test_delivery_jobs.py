@@ -280,3 +280,28 @@ def test_a_lone_tenant_behind_on_its_deliveries_keeps_every_slot_until_another_t
     postponed_to = then + dt.timedelta(seconds=settings.webhook_postpone_seconds)
     assert all(_job(job_id).due_at == postponed_to for job_id in waiting)
     assert _job(other).due_at == then - dt.timedelta(seconds=1)
+
+
+def test_a_hand_back_never_queues_again_a_delivery_another_worker_finished(database):
+    """A lone tenant's run hands back what it does not deliver itself; a message sent twice (the relay
+    re-sends a batch still queued) may name deliveries another worker finished meanwhile: those stay
+    succeeded and are not sent again. The clock of the check is set back to 1990."""
+    settings = get_settings().model_copy(
+        update={"webhook_tenant_slots": 1, "webhook_backlog_seconds": 2.0, "webhook_host_concurrency": 1}
+    )
+    then = dt.datetime(1990, 1, 1, tzinfo=dt.UTC)  # before anything other tests left waiting is due
+    flooder, _ = _tenant_with_webhooks("https://example.com/handed-back")
+    flood, _ = _emit(flooder, count=4)
+    with session_scope() as session:  # behind since 1999, one slot held; the last one already delivered
+        session.execute(update(Job).where(Job.id.in_(flood)).values(due_at=then - dt.timedelta(days=1)))
+        session.execute(
+            update(Job)
+            .where(Job.id == flood[0])
+            .values(status="running", lease_owner="worker-1", lease_expires_at=then + dt.timedelta(minutes=5))
+        )
+        session.execute(update(Job).where(Job.id == flood[3]).values(status="succeeded", attempts=1))
+    with session_scope() as session:
+        webhooks.postpone_busy_tenants(session, flood[1:], settings, now=then)
+    assert (_job(flood[2]).status, _job(flood[2]).due_at) == ("queued", then)  # handed back
+    finished = _job(flood[3])
+    assert (finished.status, finished.attempts, finished.due_at) == ("succeeded", 1, then - dt.timedelta(days=1))
