@@ -178,13 +178,16 @@ class Route:
     problems: Callable[[Problem], Problem] | None = None
     examples: dict[str, Any] = field(default_factory=dict)
     documented: bool = True
+    #: What validates the body (anything with ``validate_python``); None: ``TypeAdapter(body)``.
+    body_adapter: Any = None
 
     def __post_init__(self) -> None:
         self.path_params: tuple[str, ...] = tuple(_PATH_PARAM.findall(self.path))
         kinds = self.request_content_type
         self.request_content_types: tuple[str, ...] = (kinds,) if isinstance(kinds, str) else kinds
         # adapters are built once, here, never per request
-        self.body_adapter: TypeAdapter[Any] | None = TypeAdapter(self.body) if self.body is not None else None
+        if self.body_adapter is None and self.body is not None:
+            self.body_adapter = TypeAdapter(self.body)
         json_answer = self.response is not None and self.status != 204 and self.response_content_type.endswith("json")
         self.response_adapter = TypeAdapter(self.response) if json_answer else None
 
@@ -222,6 +225,7 @@ class Api:
         problems: Callable[[Problem], Problem] | None = None,
         examples: dict[str, Any] | None = None,
         documented: bool = True,
+        body_adapter: Any = None,
     ) -> Callable:
         """Declare an endpoint; returns a decorator taking ``async def handler(call: Call)``.
 
@@ -237,6 +241,8 @@ class Api:
         section 7); applied to every problem raised for the route, framing ones included.
         ``examples``: ``{"request": ..., "response": ...}`` for the OpenAPI description.
         ``documented``: False for a catch-all that only frames problems (left out of the description).
+        ``body_adapter``: what validates the body instead of ``TypeAdapter(body)`` (an object with
+        ``validate_python``), ``body`` still describing it in the OpenAPI description.
         """
 
         def decorate(handler: Callable[[Call], Awaitable[Any]]) -> Callable:
@@ -264,6 +270,7 @@ class Api:
                     problems=problems,
                     examples=examples or {},
                     documented=documented,
+                    body_adapter=body_adapter,
                 )
             )
             return handler
@@ -512,7 +519,7 @@ async def _parse_body(route: Route, request: web.Request) -> tuple[Any, Any]:
     else:
         payload = await read_json(request, content_types=route.request_content_types)
     try:
-        return payload, route.body_adapter.validate_python(payload)  # type: ignore[union-attr]
+        return payload, route.body_adapter.validate_python(payload)
     except ValidationError as exc:
         raise validation_problem(validation_errors(exc)) from None
 

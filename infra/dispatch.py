@@ -146,10 +146,6 @@ def send_messages(messages: list[tuple[str, float | None, dict]]) -> None:
     from the pool once (the jobs one transaction recorded start together: a payment method's rails
     reach the workers one publish apart). A message the broker did not take is logged and left to
     the outbox relay; so is every message when no producer can be had."""
-    if len(messages) == 1:
-        task_name, countdown, kwargs = messages[0]
-        send_task(task_name, countdown=countdown, **kwargs)
-        return
     if not messages:
         return
     try:

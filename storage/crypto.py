@@ -29,6 +29,7 @@ seals: wrapped keys, the key check).
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -562,19 +563,11 @@ class Keyring:
         """Open many values of one tenant and purpose sealed by :meth:`encrypt`: ``(resource id,
         envelope)`` pairs in, ``{resource id: plaintext}`` out, leaving out each value that does not
         open (what :meth:`decrypt` refuses with :class:`DecryptionError`). For bulk reads (an account
-        updater chunk's thousands of tokens): each key version is looked up once."""
-        prefix = f"{purpose}:{tenant_id}:"
-        keys: dict[int, bytes] = {}
+        updater chunk's thousands of tokens); each key version is unwrapped once per process, as always."""
         opened: dict[str, bytes] = {}
         for resource_id, envelope in envelopes:
-            try:
-                version = envelope_version(envelope)
-                key = keys.get(version)
-                if key is None:
-                    key = keys[version] = self.data_key(session, tenant_id, version)
-                opened[resource_id] = open_sealed(key, envelope, (prefix + resource_id).encode())
-            except DecryptionError:
-                continue
+            with contextlib.suppress(DecryptionError):
+                opened[resource_id] = self.decrypt(session, tenant_id, purpose, resource_id, envelope)
         return opened
 
     def fingerprint(self, session: Session, tenant_id: uuid.UUID, value: str) -> str:

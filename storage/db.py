@@ -528,15 +528,7 @@ def _pg_insert(connection: Connection, batches: list[tuple[Table, bool, list[dic
         _pg_values_insert(connection, batches)
         return
     shape = tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
-    sql = _PG_JSON_TEXTS.get(shape)
-    if sql is None:
-        if len(_PG_JSON_TEXTS) >= 2_000:
-            _PG_JSON_TEXTS.clear()
-        sql = _PG_JSON_TEXTS[shape] = _pg_json_text(shape)
-    connection.exec_driver_sql(sql, tuple(documents))
-
-
-_PG_JSON_TEXTS: dict[tuple, str] = {}
+    connection.exec_driver_sql(_pg_json_text(shape), tuple(documents))
 
 
 def _json_rows(table: Table, batch: list[dict], dialect) -> str:
@@ -585,6 +577,7 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+@functools.lru_cache(maxsize=2_000)
 def _pg_json_text(shape: tuple) -> str:
     """The text of one PostgreSQL statement inserting rows of ``shape`` (one ``%s`` JSON document per table)."""
     inserts = []
@@ -593,21 +586,14 @@ def _pg_json_text(shape: tuple) -> str:
         conflict = " ON CONFLICT DO NOTHING" if ignore else ""
         source = f'json_populate_recordset(NULL::"{table.name}", %s)'
         inserts.append(f'INSERT INTO "{table.name}" ({columns}) SELECT {columns} FROM {source}{conflict}')  # noqa: S608 - names from the tables
-    *first, last = inserts
-    if not first:
-        return last
-    return "WITH " + ", ".join(f"w{n} AS ({text})" for n, text in enumerate(first)) + " " + last
+    return _one_statement(inserts)
 
 
 def _pg_values_insert(connection: Connection, batches: list[tuple[Table, bool, list[dict]]]) -> None:
     """:func:`_pg_insert` with every value a ``VALUES`` literal."""
     dialect = connection.dialect
     shape = tuple((table, ignore, tuple(batch[0]), len(batch)) for table, ignore, batch in batches)
-    sql = _PG_TEXTS.get(shape)
-    if sql is None:
-        if len(_PG_TEXTS) >= 2_000:  # shapes vary with row counts: keep the cache bounded
-            _PG_TEXTS.clear()
-        sql = _PG_TEXTS[shape] = _pg_text(shape)
+    sql = _pg_text(shape)
     params: list = []
     for table, _, batch in batches:
         names = tuple(batch[0])
@@ -621,14 +607,12 @@ def _pg_values_insert(connection: Connection, batches: list[tuple[Table, bool, l
     connection.exec_driver_sql(sql, tuple(params))
 
 
-_PG_TEXTS: dict[tuple, str] = {}
-
-
 @functools.cache
 def _processors(table: Table, names: tuple[str, ...], dialect) -> tuple:
     return tuple(table.c[name].type._cached_bind_processor(dialect) for name in names)
 
 
+@functools.lru_cache(maxsize=2_000)  # shapes vary with row counts: the cache stays bounded
 def _pg_text(shape: tuple) -> str:
     """The text of one PostgreSQL statement inserting rows of ``shape`` (positional ``%s`` values)."""
     inserts = []
@@ -638,6 +622,12 @@ def _pg_text(shape: tuple) -> str:
         conflict = " ON CONFLICT DO NOTHING" if ignore else ""
         values = ", ".join([row] * count)
         inserts.append(f'INSERT INTO "{table.name}" ({columns}) VALUES {values}{conflict}')  # noqa: S608 - names from the tables
+    return _one_statement(inserts)
+
+
+def _one_statement(inserts: list[str]) -> str:
+    """``inserts`` (statement texts) as one PostgreSQL statement: each but the last a data-modifying
+    ``WITH``."""
     *first, last = inserts
     if not first:
         return last

@@ -56,16 +56,7 @@ def random_bytes(count: int) -> bytes:
 
 def random_uuid() -> uuid.UUID:
     """A random (version 4) UUID, as ``uuid.uuid4()`` makes it, from :func:`random_bytes`."""
-    value = int.from_bytes(random_bytes(16)) & _VERSION_MASK | _VERSION_4
-    made = object.__new__(uuid.UUID)  # what UUID(bytes=..., version=4) makes, without its checks
-    object.__setattr__(made, "int", value)
-    object.__setattr__(made, "is_safe", uuid.SafeUUID.unknown)
-    return made
-
-
-#: The variant (RFC 4122) and version (4) bits of a random UUID, as ``uuid.UUID(version=4)`` sets them.
-_VERSION_MASK = ~((0xC000 << 48) | (0xF000 << 64)) & ((1 << 128) - 1)
-_VERSION_4 = (0x8000 << 48) | (4 << 76)
+    return uuid.UUID(bytes=random_bytes(16), version=4)
 
 
 class UTCDateTime(TypeDecorator):

@@ -108,11 +108,15 @@ class _ProxyBody:
             raise validation_problem(request_errors(exc)) from None
 
 
+_PROXY_BODY = _ProxyBody()
+
+
 @api.route(
     "POST",
     "/proxies",
     permission="proxy:create",
     body=ProxyRequest,
+    body_adapter=_PROXY_BODY,
     status=201,
     response=ProxyOut,
     tag=MANAGEMENT_TAG,
@@ -164,6 +168,7 @@ async def get(call: Call):
     "/proxies/{id}",
     permission="proxy:update",
     body=ProxyRequest,
+    body_adapter=_PROXY_BODY,
     response=ProxyOut,
     tag=MANAGEMENT_TAG,
     summary="Replace a proxy",
@@ -210,8 +215,3 @@ async def patch(call: Call):
 )
 async def delete(call: Call):
     await call.db(service.delete_proxy, call.caller, call.uuid_param(what="proxy"))
-
-
-for _route in api.routes:
-    if _route.body is ProxyRequest:
-        _route.body_adapter = _ProxyBody()  # type: ignore[assignment]

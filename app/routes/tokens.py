@@ -193,10 +193,22 @@ def _idempotency_key(call: Call) -> str | None:
     return key
 
 
+class _AnyJson:
+    """The body adapter of ``POST /tokenize``: every JSON value fits :data:`TokenizeIn` (its union ends
+    in any object, array, string, number, boolean or null), so validating against it refuses nothing
+    and costs a pass over the body on the hot path; the domain walks the parsed JSON and validates
+    each token request object it finds (:class:`domain.tokens.validation.TokenizeBody`)."""
+
+    def validate_python(self, payload: Any) -> Any:
+        """``payload`` itself (parsed JSON)."""
+        return payload
+
+
 @api.route(
     "POST",
     "/tokenize",
     body=TokenizeIn,
+    body_adapter=_AnyJson(),
     status=201,
     response=TokenizeOut,
     tag=TAG,
@@ -221,22 +233,6 @@ async def tokenize(call: Call):
     return await call.db_grouped(
         idempotency.once, call.caller, idempotency.TOKENIZE, _idempotency_key(call), service.tokenize, call.payload
     )
-
-
-class _AnyJson:
-    """The body adapter of ``POST /tokenize``: every JSON value fits :data:`TokenizeIn` (its union ends
-    in any object, array, string, number, boolean or null), so validating against it refuses nothing
-    and costs a pass over the body on the hot path; the domain walks the parsed JSON and validates
-    each token request object it finds (:class:`domain.tokens.validation.TokenizeBody`)."""
-
-    def validate_python(self, payload: Any) -> Any:
-        """``payload`` itself (parsed JSON)."""
-        return payload
-
-
-for _route in api.routes:
-    if _route.handler is tokenize:
-        _route.body_adapter = _AnyJson()  # type: ignore[assignment]
 
 
 @api.route(

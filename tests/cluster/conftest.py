@@ -72,14 +72,23 @@ class Cluster:
         self.turn += 1
         return ApiClient(self.api_url(host), self.key)
 
-    def start(self, host: Host, role: str) -> None:
-        """``role`` (``api``, ``beat`` or ``worker``) on ``host``, as the cluster runs it."""
-        args = {
+    @staticmethod
+    def command(host: Host, role: str) -> list[str]:
+        """The ``tessera`` arguments of ``role`` (``api``, ``beat`` or ``worker``) on ``host``."""
+        return {
             "api": ["api", "--host", host.address],
             "beat": ["beat"],
             "worker": ["worker", "--concurrency", "2", "-n", f"{host.name}@%h"],
         }[role]
-        host.start(role, args, self.env)
+
+    def start(self, host: Host, role: str) -> None:
+        """``role`` on ``host``, as the cluster runs it."""
+        host.start(role, self.command(host, role), self.env)
+
+    def restart(self, host: Host, role: str) -> float:
+        """``role`` on ``host`` stopped with SIGTERM and started again (:meth:`Host.restart`); the
+        seconds it took to stop."""
+        return host.restart(role, self.command(host, role), self.env)
 
     def serving(self, host: Host) -> bool:
         """Whether ``host``'s api answers ``GET /status`` with 200."""

@@ -122,12 +122,7 @@ def test_each_role_restarts_one_host_at_a_time_under_load_without_a_failed_reque
     try:
         time.sleep(3)
         for host, role in ((one, "api"), (two, "api"), (two, "worker"), (three, "worker"), (one, "beat")):
-            args = {
-                "api": ["api", "--host", host.address],
-                "beat": ["beat"],
-                "worker": ["worker", "--concurrency", "2", "-n", f"{host.name}@%h"],
-            }[role]
-            stopped_within[f"{role} on {host.name}"] = host.restart(role, args, cluster.env)
+            stopped_within[f"{role} on {host.name}"] = cluster.restart(host, role)
             if role == "api":
                 wait_until(lambda h=host: cluster.serving(h), timeout=60, interval=0.2)
             time.sleep(3)

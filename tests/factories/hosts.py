@@ -52,20 +52,17 @@ def namespaces_available() -> str | None:
     return None
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
-    """Copy ``reader`` to ``writer`` until either end closes; the bytes copied."""
-    copied = 0
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy ``reader`` to ``writer`` until either end closes."""
     try:
         while data := await reader.read(65536):
             writer.write(data)
-            copied += len(data)
             await writer.drain()
     except (ConnectionError, OSError):
         pass
     finally:
         with contextlib.suppress(Exception):
             writer.close()
-    return copied
 
 
 class Forwarder:
@@ -78,7 +75,6 @@ class Forwarder:
         self.loop = asyncio.new_event_loop()
         self.peers: dict[int, set[str]] = defaultdict(set)
         self.open: Counter[tuple[int, str]] = Counter()
-        self.events: list[tuple[float, str, str]] = []  # (monotonic time, backend, what) of the balancers
         self._servers: list[asyncio.AbstractServer] = []
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -121,15 +117,12 @@ class Forwarder:
                 try:
                     target_reader, target_writer = await asyncio.open_connection(address, port)
                     break
-                except OSError as error:
-                    self.events.append((time.monotonic(), address, f"connect: {error}"))
+                except OSError:
                     await asyncio.sleep(0.05)
             else:
                 writer.close()
                 return
-            answered = await asyncio.gather(_pipe(reader, target_writer), _pipe(target_reader, writer))
-            if not answered[1]:
-                self.events.append((time.monotonic(), address, "closed without an answer"))
+            await asyncio.gather(_pipe(reader, target_writer), _pipe(target_reader, writer))
 
         async def listen() -> int:
             server = await asyncio.start_server(accepted, LOOPBACK, listen_port)
