@@ -93,17 +93,23 @@ class Processes:
 
 
 def own_platform(
-    name: str, sandbox_url: str, api_port: int, settings: dict[str, str], *, database_server: str = TEST_DATABASE_URL
+    name: str,
+    sandbox_url: str,
+    api_port: int,
+    settings: dict[str, str],
+    *,
+    database_server: str = TEST_DATABASE_URL,
+    revision: str = "head",
 ) -> tuple[str, Path, dict]:
-    """``(database URL, work dir, environment)`` for the processes of a platform of its own: a migrated
-    database ``<the run's>_<name>`` (on ``database_server``'s server), a Redis key prefix and a master
-    key of its own, ``settings`` on top."""
+    """``(database URL, work dir, environment)`` for the processes of a platform of its own: a database
+    ``<the run's>_<name>`` (on ``database_server``'s server) migrated to ``revision``, a Redis key prefix
+    and a master key of its own, ``settings`` on top."""
     from storage import migrate
 
     base = make_url(database_server)
     database_url = str(base.set(database=f"{base.database}_{name}"))
     _recreate_database(database_url)
-    migrate.upgrade(database_url)
+    migrate.upgrade(database_url, revision)
     work_dir = Path(tempfile.mkdtemp(prefix=f"tessera-{name}-"))
     env = {
         **os.environ,
