@@ -4,16 +4,19 @@ are then restarted one host at a time.
 
 The previous release (``tests/storage/migration_rule.py``: the code of the commit before the one that
 added the newest migration file) is exported from git into a folder of its own; its ``tessera api``,
-``worker`` and ``beat`` run from there (``PYTHONPATH``, the same virtual environment) on a fresh database
-migrated to the newest migration's ``down_revision``. Under a steady load of tokenize, token reads and
-network-token creates, the new code's ``tessera migrate`` brings the database to head. No request fails,
-every job ends, the database is at head with its indexes valid; the new code's api then serves on the
-same database beside the old roles."""
+``worker`` and ``beat`` run from there (its ``PYTHONPATH`` and working directory: the api's and the
+worker's ``python -m`` children import from the working directory first; the same virtual environment)
+on a fresh database migrated to the newest migration's ``down_revision``. Under a steady load of
+tokenize, token reads and network-token creates, the new code's ``tessera migrate`` brings the database
+to head. No request fails, every job ends, the database is at head with its indexes valid; the new
+code's api then serves on the same database beside the old roles."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,6 +56,21 @@ def _serving(api_url: str) -> bool:
         return False
 
 
+def _imported_from(processes: Processes) -> Path:
+    """The folder ``processes`` and the ``python -m`` children they start import the platform from (the
+    working directory first, then ``PYTHONPATH``)."""
+    where = subprocess.run(
+        [sys.executable, "-c", "import storage; print(storage.__file__)"],
+        env=processes.env,
+        cwd=processes.cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return Path(where.stdout.strip()).parents[1]
+
+
 def _settle(database_url: str, timeout: float) -> None:
     """Wait until no job is queued or running (AssertionError naming some when they still are)."""
     unfinished = "SELECT kind, status, attempts, last_error FROM jobs WHERE status IN ('queued', 'running')"
@@ -90,10 +108,11 @@ def test_the_newest_migration_runs_while_the_previous_release_serves(previous, r
         dict(CHAOS_ENV),
         revision=head.down_revision,
     )
-    old = Processes(work_dir, {**env, "PYTHONPATH": str(tree)})
-    new = Processes(work_dir, {**env, "PYTHONPATH": str(ROOT), "TESSERA_API_PORT": str(new_api_port)})
+    old = Processes(work_dir, {**env, "PYTHONPATH": str(tree)}, cwd=tree)
+    new = Processes(work_dir, {**env, "PYTHONPATH": str(ROOT), "TESSERA_API_PORT": str(new_api_port)}, cwd=ROOT)
     api_url, new_api_url = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{new_api_port}"
     try:
+        assert _imported_from(old) == tree and _imported_from(new) == ROOT
         assert _sql(database_url, "SELECT version_num FROM alembic_version") == [{"version_num": head.down_revision}]
         old.start("api", "api")
         old.start("worker", "worker", "--concurrency", "2", "--hostname", "old@%h")

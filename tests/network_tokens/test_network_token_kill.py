@@ -42,11 +42,13 @@ BIN = Path(sys.executable).parent
 
 
 class Processes:
-    """Child processes, each the leader of its own process group, logging to files; all stopped at the end."""
+    """Child processes, each the leader of its own process group, logging to files; all stopped at the end.
+    ``cwd``: their working directory (a ``python -m`` child a role starts imports from there first)."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str]):
+    def __init__(self, log_dir: Path, env: dict[str, str], cwd: Path | None = None):
         self.log_dir = log_dir
         self.env = env
+        self.cwd = cwd
         self.children: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
@@ -58,13 +60,20 @@ class Processes:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                cwd=self.cwd,
             )
         self.children[name] = child
         return child
 
     def run(self, *args: str) -> str:
         return subprocess.run(
-            [str(BIN / "tessera"), *args], env=self.env, capture_output=True, text=True, check=True, timeout=60
+            [str(BIN / "tessera"), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+            cwd=self.cwd,
         ).stdout
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
