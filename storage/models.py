@@ -349,6 +349,8 @@ class WebhookAttempt(SQLModel, table=True):
 
 #: The rows of the partial index ``ix_jobs_deliveries_waiting``: webhook deliveries not settled yet.
 _DELIVERIES_WAITING = "kind = 'webhooks.deliver' AND status IN ('queued', 'running')"
+#: The rows of the partial index ``ix_jobs_takeable``: the jobs a worker may still take.
+_TAKEABLE = "status IN (" + ", ".join(f"'{status}'" for status in JOB_TAKEABLE) + ")"
 
 
 class Job(SQLModel, table=True):
@@ -372,6 +374,16 @@ class Job(SQLModel, table=True):
             "due_at",
             postgresql_where=text(_DELIVERIES_WAITING),
             sqlite_where=text(_DELIVERIES_WAITING),
+        ),
+        # the takeable jobs of a kind, per tenant, oldest due first (infra.fairness picks the next one);
+        # built CONCURRENTLY by migration 0015_jobs_takeable
+        Index(
+            "ix_jobs_takeable",
+            "kind",
+            "tenant_id",
+            "due_at",
+            postgresql_where=text(_TAKEABLE),
+            sqlite_where=text(_TAKEABLE),
         ),
     )
 

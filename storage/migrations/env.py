@@ -20,6 +20,9 @@ def run_migrations() -> None:
             target_metadata=target_metadata,
             render_as_batch=connection.dialect.name == "sqlite",
             compare_type=True,
+            # each migration commits on its own: one that builds an index CONCURRENTLY (an autocommit
+            # block) commits what came before it anyway, and a failed one leaves the earlier ones applied
+            transaction_per_migration=True,
         )
         with context.begin_transaction():
             context.run_migrations()

@@ -42,11 +42,13 @@ BIN = Path(sys.executable).parent
 
 
 class Processes:
-    """Child processes, each the leader of its own process group, logging to files; all stopped at the end."""
+    """Child processes, each the leader of its own process group, logging to files; all stopped at the end.
+    ``cwd``: their working directory (a ``python -m`` child a role starts imports from there first)."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str]):
+    def __init__(self, log_dir: Path, env: dict[str, str], cwd: Path | None = None):
         self.log_dir = log_dir
         self.env = env
+        self.cwd = cwd
         self.children: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
@@ -58,13 +60,20 @@ class Processes:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                cwd=self.cwd,
             )
         self.children[name] = child
         return child
 
     def run(self, *args: str) -> str:
         return subprocess.run(
-            [str(BIN / "tessera"), *args], env=self.env, capture_output=True, text=True, check=True, timeout=60
+            [str(BIN / "tessera"), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+            cwd=self.cwd,
         ).stdout
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -93,17 +102,23 @@ class Processes:
 
 
 def own_platform(
-    name: str, sandbox_url: str, api_port: int, settings: dict[str, str], *, database_server: str = TEST_DATABASE_URL
+    name: str,
+    sandbox_url: str,
+    api_port: int,
+    settings: dict[str, str],
+    *,
+    database_server: str = TEST_DATABASE_URL,
+    revision: str = "head",
 ) -> tuple[str, Path, dict]:
-    """``(database URL, work dir, environment)`` for the processes of a platform of its own: a migrated
-    database ``<the run's>_<name>`` (on ``database_server``'s server), a Redis key prefix and a master
-    key of its own, ``settings`` on top."""
+    """``(database URL, work dir, environment)`` for the processes of a platform of its own: a database
+    ``<the run's>_<name>`` (on ``database_server``'s server) migrated to ``revision``, a Redis key prefix
+    and a master key of its own, ``settings`` on top."""
     from storage import migrate
 
     base = make_url(database_server)
     database_url = str(base.set(database=f"{base.database}_{name}"))
     _recreate_database(database_url)
-    migrate.upgrade(database_url)
+    migrate.upgrade(database_url, revision)
     work_dir = Path(tempfile.mkdtemp(prefix=f"tessera-{name}-"))
     env = {
         **os.environ,
