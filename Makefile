@@ -37,7 +37,7 @@ test: $(BIN)/.installed-test services ## install with the test extra, make sure 
 	$(BIN)/mypy
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test-brokers: $(BIN)/.installed-test services ## the spine's tests and the kill tests again on RabbitMQ and on a Redis behind a password (scripts/brokers.sh)
+test-brokers: $(BIN)/.installed-test services ## the spine's tests and the kill tests again on RabbitMQ, the kill tests on a Redis behind a password, the spine's tests behind Redis Sentinel (scripts/brokers.sh)
 	bash scripts/brokers.sh
 
 lint: $(BIN)/.installed-test ## ruff (lint and format check), the import-linter contracts (layers only point down, no circles) and mypy

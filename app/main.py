@@ -14,7 +14,6 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import redis.asyncio as aioredis
 from aiohttp import web
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
@@ -58,6 +57,7 @@ from config.settings import Settings, get_settings
 from infra import http, logs, metrics, tracing
 from infra.errors import Problem
 from infra.pan import holds_card_number
+from infra.redis_clients import async_redis_client
 from infra.wait import JobWaits
 from storage.crypto import KeyUnavailable
 from storage.db import GroupCommit
@@ -219,12 +219,15 @@ async def _resources(app: web.Application):
     # sized like the event loop's default pool (min(32, CPUs + 4)), which the file work used before
     app[FILE_EXECUTOR] = ContextThreadPoolExecutor(thread_name_prefix="files")
     app[GROUP_COMMIT] = GroupCommit(app[DB_EXECUTOR], window=settings.group_commit_ms / 1000)
-    redis_client = aioredis.from_url(settings.redis_url) if settings.redis_url else None
+    redis_client = async_redis_client(settings) if settings.redis_url else None
     if settings.rate_limit_enabled:
         app[RATE_LIMITER] = RateLimiter(settings, redis_client)
     app[DOCUMENT_LIMITER] = minute_limiter(settings, redis_client)
     app[JOB_WAITS] = JobWaits(
-        settings.redis_url, prefix=settings.redis_key_prefix, poll_seconds=settings.job_wait_poll_seconds
+        settings.redis_url,
+        prefix=settings.redis_key_prefix,
+        poll_seconds=settings.job_wait_poll_seconds,
+        settings=settings,
     )
     await app[JOB_WAITS].start()
     yield

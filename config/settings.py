@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
@@ -31,13 +31,20 @@ ENV_FILE = ".env"
 
 
 def _without_password(url: str) -> str:
-    """``url`` with the password of its user part replaced by ``***``."""
+    """``url`` with the password of its user part replaced by ``***`` (each of several separated by
+    ``;``, as Sentinel URLs are)."""
+    if ";" in url:
+        return ";".join(_without_password(part) for part in url.split(";"))
     parts = urlsplit(url)
     if parts.password is None:
         return url
     user = parts.username or ""
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+#: The scheme of a URL naming Redis Sentinels rather than a Redis server (``sentinel://host:26379``).
+SENTINEL_SCHEME = "sentinel://"
 
 
 #: The settings that may come from a file named by ``TESSERA_<NAME>_FILE``: the secrets, and the
@@ -49,6 +56,7 @@ FILE_SETTINGS = (
     "database_url",
     "broker_url",
     "redis_url",
+    "redis_sentinel_password",
     "smtp_url",
 )
 
@@ -97,6 +105,12 @@ class Settings(BaseSettings):
     # Prefix of every Redis key the broker and the rate limiter write (deployments sharing one Redis).
     redis_key_prefix: str = ""
     redis_url: str | None = None
+    #: Redis Sentinel: the name the sentinels know the master by (their ``sentinel monitor <name>``).
+    #: Required when ``broker_url`` or ``redis_url`` is a ``sentinel://`` URL (one per sentinel,
+    #: separated by ``;``; the first carries the master's password and database number); the
+    #: sentinels' own password (their ``requirepass``), unset when they ask for none.
+    redis_sentinel_master: str | None = None
+    redis_sentinel_password: SecretStr | None = None
     s3_endpoint_url: str | None = None
     # The S3 endpoint as clients outside the platform's network reach it (pre-signed URLs); None: the same.
     s3_public_endpoint_url: str | None = None
@@ -279,6 +293,23 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """The environment, then the files ``TESSERA_<NAME>_FILE`` name, then ``./.env``."""
         return init_settings, env_settings, _SettingFiles(settings_cls), dotenv_settings, file_secret_settings
+
+    def __init__(self, **values: Any) -> None:
+        """Read the settings; a ``sentinel://`` URL without ``TESSERA_REDIS_SENTINEL_MASTER`` raises
+        ``ValueError`` naming both settings."""
+        super().__init__(**values)
+        for name in ("broker_url", "redis_url"):
+            url = getattr(self, name)
+            if url and url.startswith(SENTINEL_SCHEME) and not self.redis_sentinel_master:
+                raise ValueError(
+                    f"TESSERA_{name.upper()} names Redis Sentinels (sentinel://): set TESSERA_REDIS_SENTINEL_MASTER "
+                    "to the name they monitor the master by"
+                )
+
+    @field_validator("redis_sentinel_password")
+    @classmethod
+    def _no_empty_password(cls, value: SecretStr | None) -> SecretStr | None:
+        return value if value is not None and value.get_secret_value() else None  # empty: the sentinels ask none
 
     @field_validator("header_prefix")
     @classmethod

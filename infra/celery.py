@@ -12,6 +12,7 @@ from kombu import Exchange, Queue
 
 from config.settings import Settings, get_settings
 from infra import logs
+from infra.redis_clients import broker_transport_options
 
 #: Message headers that carry the producer's log context to the worker.
 TRACE_HEADER = "tessera_trace_id"
@@ -92,7 +93,8 @@ def configure(app: Celery, settings: Settings) -> None:
 def _transport_options(settings: Settings, *, embedded: bool, amqp: bool) -> dict[str, object]:
     """The broker transport's options: none for kombu's SQLAlchemy transport (it hands them to
     ``create_engine``); publisher confirms on RabbitMQ (a message is sent once the broker has it);
-    on Redis the visibility timeout (longer than any task) and the deployment's key prefix."""
+    on Redis the visibility timeout (longer than any task) and the deployment's key prefix, and behind
+    Redis Sentinel (``sentinel://``) the master's name and the sentinels' password."""
     if embedded:
         return {}
     if amqp:
@@ -100,6 +102,7 @@ def _transport_options(settings: Settings, *, embedded: bool, amqp: bool) -> dic
     return {
         "visibility_timeout": max(3600, settings.task_time_limit_seconds * 4),
         "global_keyprefix": settings.redis_key_prefix,
+        **broker_transport_options(settings),
     }
 
 

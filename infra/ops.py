@@ -32,6 +32,7 @@ from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from infra.celery import DELIVER_TASK, QUEUES, celery_app, queue_of
+from infra.redis_clients import is_redis_url, redis_client
 from storage import key_check
 from storage.db import session_scope
 from storage.models import Job
@@ -55,15 +56,10 @@ def queue_names() -> tuple[str, ...]:
     return tuple(QUEUES)
 
 
-def _is_redis(url: str) -> bool:
-    return url.startswith(("redis://", "rediss://", "unix://"))
-
-
 @functools.lru_cache(maxsize=4)
-def _redis(url: str):
-    import redis
-
-    return redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3)
+def _redis(settings: Settings, url: str):
+    """The operations' client of ``url`` under ``settings`` (a Sentinel URL: its master), kept."""
+    return redis_client(settings, url, socket_timeout=3, socket_connect_timeout=3)
 
 
 def redis_queue_keys(queue: str, prefix: str) -> list[str]:
@@ -76,8 +72,8 @@ def queue_depths(settings: Settings) -> dict[str, int | None]:
     the broker does not answer."""
     url = settings.effective_broker_url
     queues = queue_names()
-    if _is_redis(url):
-        client = _redis(url)
+    if is_redis_url(url):
+        client = _redis(settings, url)
         with client.pipeline(transaction=False) as pipe:
             for queue in queues:
                 for key in redis_queue_keys(queue, settings.redis_key_prefix):
@@ -220,8 +216,8 @@ class Heartbeat:
 
 
 def _heartbeat_redis(settings: Settings):
-    url = settings.redis_url or (settings.effective_broker_url if _is_redis(settings.effective_broker_url) else None)
-    return _redis(url) if url else None
+    url = settings.redis_url or (settings.effective_broker_url if is_redis_url(settings.effective_broker_url) else None)
+    return _redis(settings, url) if url else None
 
 
 def _heartbeat_key(settings: Settings, name: str) -> str:
@@ -379,8 +375,8 @@ def check_keys() -> None:
 def check_broker(settings: Settings) -> None:
     """Raise unless the broker accepts a connection (Redis: ``PING``)."""
     url = settings.effective_broker_url
-    if _is_redis(url):
-        _redis(url).ping()
+    if is_redis_url(url):
+        _redis(settings, url).ping()
         return
     with celery_app.connection_for_write(url) as connection:
         connection.ensure_connection(max_retries=1)

@@ -35,13 +35,13 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-import redis
 import redis.asyncio as aioredis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from sqlmodel import col
 
-from config.settings import get_settings
+from config.settings import Settings, get_settings
+from infra.redis_clients import async_redis_client, redis_client
 from storage.db import on_commit
 from storage.models import Job
 from storage.states import JOB_TERMINAL
@@ -106,10 +106,10 @@ class _Publisher:
         settings = get_settings()
         if not settings.redis_url:
             return None
-        key = (settings.redis_url, os.getpid())
+        key = (settings.redis_url, settings.redis_sentinel_master, os.getpid())
         with self._lock:
             if self._key != key:
-                self._client = redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+                self._client = redis_client(settings, socket_timeout=2, socket_connect_timeout=2)
                 self._key = key
             return self._client
 
@@ -148,12 +148,16 @@ ReadOutcomes = Callable[[list[uuid.UUID]], Awaitable[dict[uuid.UUID, Outcome]]]
 class JobWaits:
     """The job-outcome subscription of one api process and the requests waiting on it.
 
-    ``redis_url`` None: no subscription, waits poll the database. ``poll_seconds``: the safety-net
+    ``redis_url`` None: no subscription, waits poll the database (a Sentinel URL: the master named by
+    ``settings``, default the process settings; ``infra/redis_clients.py``). ``poll_seconds``: the safety-net
     interval of the database re-read while subscribed, and the longest interval of the poll without.
     """
 
-    def __init__(self, redis_url: str | None, *, prefix: str = "", poll_seconds: float = 1.0):
+    def __init__(
+        self, redis_url: str | None, *, prefix: str = "", poll_seconds: float = 1.0, settings: Settings | None = None
+    ):
         self.redis_url = redis_url
+        self.settings = settings
         self.pattern = channel_prefix(prefix) + "*"
         #: The subscription's Redis client name (``CLIENT LIST``): the process and this instance.
         self.client_name = f"tessera-job-waits-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -186,7 +190,7 @@ class JobWaits:
         ``ready_timeout`` seconds for the first subscription, never failing when Redis is down."""
         if not self.redis_url:
             return
-        self._client = aioredis.Redis.from_url(self.redis_url, client_name=self.client_name)
+        self._client = async_redis_client(self.settings or get_settings(), self.redis_url, client_name=self.client_name)
         self._reader = asyncio.create_task(self._read(self._client), name="tessera-job-waits")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._subscribed.wait(), ready_timeout)

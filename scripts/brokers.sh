@@ -3,7 +3,13 @@
 #  * RabbitMQ on loopback (quorum queues, publisher confirms): started when stopped, installed from
 #    Debian's packages when missing (root or sudo);
 #  * Redis behind a password: a second redis-server of this run's own on a free port, with a password
-#    it makes up, stopped at the end.
+#    it makes up, stopped at the end: the kill tests;
+#  * Redis Sentinel: a master behind a password, one replica and one sentinel of this run's own
+#    (tests/factories/sentinel.py: redis-server on free ports, the sentinel's config file written for
+#    it, all stopped at the end), reached through sentinel:// URLs for the broker and for Redis: the
+#    spine's tests (the failover test, tests/chaos/test_sentinel_failover.py, runs in make test).
+# The kill tests and the spine's tests each run once on a Redis other than the default one, so the
+# Sentinel stage costs no more time than the spine's second run on the password Redis it replaced.
 # Each run uses the test suite's own database handling (a fresh database per run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,5 +42,8 @@ redis-server --daemonize yes --bind 127.0.0.1 --port "$port" --requirepass "$pas
 trap 'kill "$(cat "$folder/redis.pid")" 2>/dev/null || true; rm -rf "$folder"' EXIT
 for _ in $(seq 1 50); do redis-cli -p "$port" -a "$password" --no-auth-warning ping 2>/dev/null | grep -q PONG && break; sleep 0.1; done
 echo "brokers: Redis with a password"
-TESSERA_TEST_REDIS_URL="redis://:$password@127.0.0.1:$port/0" "$PYTEST" -q "${SPINE[@]}"
 TESSERA_TEST_REDIS_URL="redis://:$password@127.0.0.1:$port/0" "$PYTEST" -q -m kill "${KILLS[@]}"
+
+# ---- Redis Sentinel ----
+echo "brokers: Redis Sentinel"
+.venv/bin/python -m tests.factories.sentinel "$PYTEST" -q "${SPINE[@]}"

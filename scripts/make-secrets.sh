@@ -48,6 +48,10 @@ write database_url "postgresql+psycopg2://tessera:$postgres@postgres:5432/tesser
 write broker_url "redis://:$redis@redis:6379/0"
 write redis_url "redis://:$redis@redis:6379/1"
 write redis.conf "requirepass $redis"
+# Redis Sentinel's own password (the sentinels' requirepass), empty: the compose Redis has no
+# sentinels. Behind a Sentinel group, put sentinel:// URLs in broker_url and redis_url, its password
+# here, and set TESSERA_REDIS_SENTINEL_MASTER (README "Choosing a broker").
+write redis_sentinel_password ""
 # The mail server, as a URL that may carry its password (smtp://user:pass@host:587?starttls=true):
 # $TESSERA_SMTP_URL when set while this runs, else the dev profile's Mailpit. Replace the file to change it.
 write smtp_url "${TESSERA_SMTP_URL:-smtp://mailpit:1025}"

@@ -51,6 +51,14 @@ TEST_REDIS_URL = os.environ.get("TESSERA_TEST_REDIS_URL", "redis://127.0.0.1:637
 #: The broker of the run: Redis (the same database) unless ``TESSERA_TEST_BROKER_URL`` names another
 #: (``amqp://guest:guest@127.0.0.1:5672//`` runs the suite on RabbitMQ).
 TEST_BROKER_URL = os.environ.get("TESSERA_TEST_BROKER_URL", TEST_REDIS_URL)
+#: Behind Redis Sentinel (``TESSERA_TEST_REDIS_URL=sentinel://...``, ``tests/factories/sentinel.py``
+#: starts such a group): the master's name and the sentinels' password, passed to the platform as
+#: ``TESSERA_REDIS_SENTINEL_MASTER`` and ``TESSERA_REDIS_SENTINEL_PASSWORD``.
+TEST_SENTINEL_SETTINGS = {
+    f"TESSERA_REDIS_SENTINEL_{name}": os.environ[f"TESSERA_TEST_REDIS_SENTINEL_{name}"]
+    for name in ("MASTER", "PASSWORD")
+    if os.environ.get(f"TESSERA_TEST_REDIS_SENTINEL_{name}")
+}
 REDIS_PREFIX = f"test{RUN_ID}:"
 
 
@@ -76,6 +84,7 @@ os.environ.update(
         "TESSERA_BROKER_URL": TEST_BROKER_URL,
         "TESSERA_REDIS_URL": TEST_REDIS_URL,
         "TESSERA_REDIS_KEY_PREFIX": REDIS_PREFIX,
+        **TEST_SENTINEL_SETTINGS,
         "TESSERA_DATA_DIR": str(DATA_DIR),
         # A shared database never gets a key file of its own: the run's processes share this key.
         "TESSERA_MASTER_KEY": base64.b64encode(os.urandom(32)).decode(),
@@ -159,12 +168,19 @@ def database() -> str:
         _drop_database(TEST_DATABASE_URL)
 
 
+def run_redis(**options):
+    """A client of the run's Redis (``TEST_REDIS_URL``; behind Sentinel, its master), made as the
+    platform makes its own (``infra.redis_clients``)."""
+    from config.settings import get_settings
+    from infra.redis_clients import redis_client
+
+    return redis_client(get_settings(), TEST_REDIS_URL, **options)
+
+
 @pytest.fixture(scope="session")
 def redis_flushed():
     """Redis for this run: its keys (under the run's prefix) are removed before and after."""
-    import redis
-
-    client = redis.Redis.from_url(TEST_REDIS_URL)
+    client = run_redis()
 
     def clear():
         for key in client.scan_iter(match=f"{REDIS_PREFIX}*", count=1000):

@@ -30,6 +30,12 @@ import sys
 
 from config import __version__
 from config.settings import get_settings
+
+try:  # a refused setting stops every command in one line, before the modules below read the settings
+    get_settings()
+except ValueError as exc:  # pydantic's ValidationError is one too
+    sys.exit(f"tessera: {exc}")
+
 from tessera.cli import operations, processes, state
 
 _SETTINGS_TEXT = (

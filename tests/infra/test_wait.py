@@ -14,7 +14,6 @@ import time
 import uuid
 
 import pytest
-import redis
 from sqlalchemy import update
 
 from infra import jobs
@@ -24,7 +23,7 @@ from infra.task import JobTask
 from infra.wait import JobWaits, outcome_message, read_outcomes
 from storage.db import session_scope
 from storage.models import Job
-from tests.conftest import REDIS_PREFIX, TEST_REDIS_URL
+from tests.conftest import REDIS_PREFIX, TEST_REDIS_URL, run_redis
 
 pytestmark = pytest.mark.worker
 
@@ -172,7 +171,7 @@ def test_a_lost_message_is_made_up_for_by_the_safety_net_poll(worker):
 
 def test_concurrent_waits_in_one_process_share_one_subscription(worker):
     count = 20
-    client = redis.Redis.from_url(TEST_REDIS_URL)
+    client = run_redis()
 
     def subscribers(name: str) -> list[dict]:
         return [c for c in client.client_list() if c.get("name") == name and c.get("psub") == "1"]

@@ -203,7 +203,7 @@ def test_every_secret_is_a_file_given_only_to_the_services_that_need_it(compose)
     for role in ("sandbox", "flower", "migrate", "postgres", "redis", "s3", "mailpit"):
         assert "master_key" not in given(role), f"{role} gets the master key"
         assert "TESSERA_MASTER_KEY_FILE" not in (services[role].get("environment") or {}), role
-    assert given("sandbox") == set() and given("flower") == {"broker_url", "flower_password"}
+    assert given("sandbox") == set() and given("flower") == {"broker_url", "redis_sentinel_password", "flower_password"}
     assert given("migrate") == {"database_url"} and "aws_credentials" not in given("reactors")
     # the mail server's URL (and password) only to the worker, which sends the mail
     assert {name for name in services if "smtp_url" in given(name)} == {"worker"}

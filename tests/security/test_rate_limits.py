@@ -52,11 +52,9 @@ def test_the_per_ip_limits_hold_under_concurrency(api, tenant):
         assert blocked.status == 429 and int(blocked.headers["Retry-After"]) > 0
     finally:
         stop()
-        import redis
+        from tests.conftest import REDIS_PREFIX, run_redis
 
-        from tests.conftest import REDIS_PREFIX, TEST_REDIS_URL
-
-        store = redis.Redis.from_url(TEST_REDIS_URL)  # the loopback address's counters, for later tests
+        store = run_redis()  # the loopback address's counters, for later tests
         for key in store.scan_iter(match=f"{REDIS_PREFIX}tessera:rl:*", count=1000):
             store.delete(key)
         store.close()
