@@ -128,8 +128,21 @@ def stale_rows(
         selected.append(literal_column("ctid", String).label("row_ctid"))  # where write_resealed finds it
     statement = select(*selected).where(*_stale(spec, tenant_id, version))
     if after is not None:
-        bound = tuple_(*(literal(value, c.type) for value, c in zip(after, key, strict=True)))
-        statement = statement.where(tuple_(*key) > bound)
+        # With the key's leading tenant column fixed by ``_stale``, only the columns after it are
+        # compared: PostgreSQL starts the index scan at ``after`` then, where ``(tenant, id) > (...)``
+        # beside ``tenant = ...`` starts it at the tenant's first row (each chunk read the longer
+        # the farther the sweep got).
+        compared = list(zip(after, key, strict=True))
+        if key[0].name == spec.tenant:
+            compared = compared[1:]
+            if not compared:  # the key is the tenant's own: its one row is done
+                return []
+        if len(compared) == 1:
+            value, column = compared[0]
+            statement = statement.where(column > literal(value, column.type))
+        else:
+            bound = tuple_(*(literal(value, c.type) for value, c in compared))
+            statement = statement.where(tuple_(*(c for _, c in compared)) > bound)
     statement = statement.order_by(*key).limit(limit)
     return session.execute(statement).all()
 

@@ -5,15 +5,15 @@ crypto-shredding a deleted tenant.
   made active (the old active one ``retiring``) and a :class:`~storage.models.KeyRotation` recorded
   with the count of values to re-encrypt; each pass of the job re-seals, chunk by chunk, every value
   of :data:`~domain.keys.inventory.SEALED` and every document still under an older version, then
-  records the next pass. A chunk is read without locks and resealed while the previous one is
-  written; each written chunk is its own short transaction that changes a row only if it still holds
-  the value read (the tenant's own writes win and are never held for long), and the pause after it
-  adapts to how busy the database is (:mod:`domain.keys.sweeps`). Progress is read from the data
-  itself (what is still sealed under an older version), so a pass killed anywhere is simply run
-  again (the job's lease, the relay) and nothing is sealed twice. When the count after a sweep finds
-  none left, and no process can still hold an older version as active
-  (:data:`~storage.crypto.ACTIVE_VERSION_TTL`), the retiring versions' key bytes are destroyed in the
-  transaction that completes the rotation.
+  records the next pass. A chunk is read without locks and resealed while the previous ones are
+  written (two at once, on connections of their own); each written chunk is its own short
+  transaction that changes a row only if it still holds the value read (the tenant's own writes
+  win and are never held for long), and the pause after it adapts to how busy the database is
+  (:mod:`domain.keys.sweeps`). Progress is read from the data itself (what is still sealed under an
+  older version), so a pass killed anywhere is simply run again (the job's lease, the relay) and
+  nothing is sealed twice. When the count after a sweep finds none left, and no process can still
+  hold an older version as active (:data:`~storage.crypto.ACTIVE_VERSION_TTL`), the retiring
+  versions' key bytes are destroyed in the transaction that completes the rotation.
 * **Rewrap** (:func:`start_rewrap`, the ``keys.rewrap`` job): every wrapped key (data key versions
   and derivation keys) not under the current wrapping key is unwrapped with an accepted previous key
   and wrapped with the current one, in chunks, each row updated only if it is still what was read;
@@ -147,7 +147,7 @@ class PassOutcome:
 def rotate_pass(job: Any, *, budget_seconds: float) -> PassOutcome | None:
     """Re-seal the rotation's values still under older versions for at most ``budget_seconds``:
     sweeps through every column of :data:`SEALED` (chunks of :data:`CHUNK`, read and resealed while
-    the previous chunk is written, each written chunk committed with the rotation's progress, paced
+    the previous ones are written, each written chunk committed with the rotation's progress, paced
     by a :class:`~domain.keys.sweeps.Throttle`; the first sweep from where the previous pass stopped) and the documents,
     each sweep followed by one count of what is left, until none is. None when the rotation is gone
     or completed. Nothing is left (``remaining`` False) once a count made after no process can
