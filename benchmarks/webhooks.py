@@ -155,8 +155,8 @@ def run_platform(
 
 def run_newcomer(args, flooder, newcomer, receivers: tuple[Receiver, Receiver], watched: list[common.Child]) -> float:
     """Tenant ``flooder``'s burst of ``--events`` in one transaction, then one event of tenant
-    ``newcomer`` (its webhook at the second receiver) as soon as the burst is committed; returns the newcomer's delivery latency
-    (seconds from its commit to its arrival) after the whole burst arrived."""
+    ``newcomer`` (its webhook at the second receiver) as soon as the burst is committed; returns the
+    newcomer's delivery latency (seconds from its commit to its arrival) once the whole burst arrived."""
     flood, alone = receivers
     flood.reset()
     alone.reset()

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import insert, update
+from sqlalchemy import insert, or_, update
 from sqlmodel import Session, col, select
 
 from config.settings import Settings
@@ -353,11 +353,16 @@ def share_batch(
       it holds comes free after one round, and another tenant's delivery that arrives meanwhile waits
       one round at most, not a whole batch.
 
+    A tenant behind whose batch is smaller than a round (deliveries sent one a message, as requests
+    emit them) has the round filled with its oldest deliveries waiting (their own messages later skip
+    them), so a flood to a slow receiver goes out a full round at a time.
+
     Fairness takes capacity from a tenant only to give it to another one. On PostgreSQL the check and
     the lease that follows it in the same transaction are serialised per tenant (a transaction-level
     advisory lock), so two workers cannot both take the last slot. Statements: one query of the
     batch's tenants and one grouped count of the running deliveries; for a tenant at its slots, index
-    range probes for waiting tenants (two when it is alone) and one for its backlog."""
+    range probes for waiting tenants (two when it is alone); for one at its slots or with a batch
+    smaller than a round, a probe of its backlog (and, behind, one range scan to fill the round)."""
     slots = settings.webhook_tenant_slots
     if slots <= 0 or not delivery_ids:
         return set(), []
@@ -370,34 +375,70 @@ def share_batch(
     batch = set(delivery_ids)
     handed_back: list[uuid.UUID] = []
     in_place: list[uuid.UUID] = []
+    round_size = settings.webhook_host_concurrency
     for tenant_id in tenants:
-        if held.get(tenant_id, 0) < slots:
-            continue
         own = [delivery_id for delivery_id in delivery_ids if owners.get(delivery_id) == tenant_id]
-        others = fairness.pick_for_others(
-            session, [DELIVER_TASK], tenant=tenant_id, held=held, below=slots, limit=len(own), now=now
-        )
-        fresh = [job_id for job_id, _kind in others if job_id not in batch]
-        if fresh:
-            handed_back += own
-            in_place += fresh
-            batch.update(fresh)
+        at_slots = held.get(tenant_id, 0) >= slots
+        if at_slots:
+            others = fairness.pick_for_others(
+                session, [DELIVER_TASK], tenant=tenant_id, held=held, below=slots, limit=len(own), now=now
+            )
+            fresh = [job_id for job_id, _kind in others if job_id not in batch]
+            if fresh:
+                handed_back += own
+                in_place += fresh
+                batch.update(fresh)
+                continue
+        if not (at_slots or len(own) < round_size) or not _behind(session, tenant_id, settings, now):
             continue
-        behind = session.execute(
+        if at_slots:
+            handed_back += own[round_size:]
+        room = round_size - len(own)
+        if room > 0:  # a full round: the tenant's oldest deliveries waiting, their messages later skip them
+            more = _waiting_of(session, tenant_id, now, limit=room, besides=batch)
+            in_place += more
+            batch.update(more)
+    if handed_back:
+        jobs.requeue(session, handed_back, kind=DELIVER_TASK, fresh_budget=False, waiting_only=True, now=now)
+    return set(handed_back), in_place
+
+
+def _behind(session: Session, tenant_id: uuid.UUID, settings: Settings, now: dt.datetime) -> bool:
+    """Whether the tenant has a delivery due more than ``webhook_backlog_seconds`` ago still pending
+    (one probe of ``ix_jobs_deliveries_waiting``)."""
+    return (
+        session.execute(
             select(col(Job.id))
             .where(
-                col(Job.kind) == DELIVER_TASK,  # ix_jobs_deliveries_waiting
+                col(Job.kind) == DELIVER_TASK,
                 col(Job.status).in_(JOB_TAKEABLE),
                 col(Job.tenant_id) == tenant_id,
                 col(Job.due_at) < now - dt.timedelta(seconds=settings.webhook_backlog_seconds),
             )
             .limit(1)
         ).first()
-        if behind is not None:
-            handed_back += own[settings.webhook_host_concurrency :]
-    if handed_back:
-        jobs.requeue(session, handed_back, kind=DELIVER_TASK, fresh_budget=False, waiting_only=True, now=now)
-    return set(handed_back), in_place
+        is not None
+    )
+
+
+def _waiting_of(
+    session: Session, tenant_id: uuid.UUID, now: dt.datetime, *, limit: int, besides: set[uuid.UUID]
+) -> list[uuid.UUID]:
+    """Up to ``limit`` of the tenant's deliveries due and not taken, oldest first, other than ``besides``
+    (an index range scan of ``ix_jobs_deliveries_waiting``)."""
+    rows = session.execute(
+        select(col(Job.id))
+        .where(
+            col(Job.kind) == DELIVER_TASK,
+            col(Job.status).in_(JOB_TAKEABLE),
+            col(Job.tenant_id) == tenant_id,
+            col(Job.due_at) <= now,
+            or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
+        )
+        .order_by(col(Job.due_at))
+        .limit(limit + len(besides))
+    ).scalars()
+    return [job_id for job_id in rows if job_id not in besides][:limit]
 
 
 def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings) -> BatchOutcome:

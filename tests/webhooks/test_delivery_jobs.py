@@ -284,6 +284,24 @@ def test_a_lone_tenant_behind_on_its_deliveries_keeps_every_slot_until_another_t
     assert _job(other).due_at == then - dt.timedelta(seconds=1)
 
 
+def test_a_tenant_behind_fills_a_round_with_its_waiting_deliveries(database):
+    """Deliveries sent one a message (as requests emit them) to a slow receiver: a run of a tenant
+    behind takes its oldest waiting deliveries up to one round of concurrent POSTs, so the flood goes
+    out a round at a time. The clock of the check is set back to 1980."""
+    settings = get_settings().model_copy(
+        update={"webhook_tenant_slots": 1, "webhook_backlog_seconds": 2.0, "webhook_host_concurrency": 3}
+    )
+    then = dt.datetime(1980, 1, 1, tzinfo=dt.UTC)
+    flooder, _ = _tenant_with_webhooks("https://example.com/one-a-message")
+    flood, _ = _emit(flooder, count=5)
+    with session_scope() as session:
+        for n, job_id in enumerate(flood):  # flood[0] the oldest, flood[-1] the newest
+            session.execute(update(Job).where(Job.id == job_id).values(due_at=then - dt.timedelta(minutes=10 - n)))
+    with session_scope() as session:  # the message of the newest one: the round takes the two oldest
+        aside, in_place = webhooks.share_batch(session, flood[-1:], settings, now=then)
+    assert aside == set() and in_place == [flood[0], flood[1]]
+
+
 def test_a_hand_back_never_queues_again_a_delivery_another_worker_finished(database):
     """A lone tenant's run hands back what it does not deliver itself; a message sent twice (the relay
     re-sends a batch still queued) may name deliveries another worker finished meanwhile: those stay
