@@ -278,7 +278,7 @@ class JobTask(TesseraTask):
     def _give_way(self, job: Job, inputs: dict[str, Any]) -> tuple[JobTask, Job, dict[str, Any]]:
         """Another tenant waits on this task's group (:mod:`infra.fairness`): when the leased job's
         tenant holds at least two more runs of the group than a waiting tenant (those holding nothing
-        first), lease that tenant's oldest found job instead and hand the leased one back; returns the
+        first), lease a job of that tenant's instead and hand the leased one back; returns the
         task, job and inputs to run (the leased job's own when nobody is owed a turn, or the other job
         was taken meanwhile). A grouped count of the running jobs and a few index range probes."""
         assert job.tenant_id is not None and job.lease_owner is not None  # checked by run; set by its lease
