@@ -223,13 +223,13 @@ class Settings(BaseSettings):
     webhook_disable_after_seconds: int = 5 * 24 * 3600
     #: At most this many connections (deliveries in flight) to one receiving host per worker process.
     webhook_host_concurrency: int = Field(default=32, ge=1)
-    #: Fairness between tenants: a tenant that is behind (a delivery due more than
-    #: ``webhook_backlog_seconds`` ago still pending) may hold at most this many worker slots (task runs)
-    #: at once while another tenant's deliveries wait; its further deliveries are then postponed by
-    #: ``webhook_postpone_seconds`` and relayed in batches. A tenant alone uses every slot (0: off).
+    #: Fairness between tenants (``infra/fairness.py``): a tenant holding this many worker slots (task
+    #: runs) does not take more while another tenant's deliveries wait: those are delivered in place of
+    #: its own, which are handed back. A tenant alone uses every slot, in short turns (one round of
+    #: concurrent POSTs a run) while it is behind: a delivery due more than ``webhook_backlog_seconds``
+    #: ago still pending (0: off).
     webhook_tenant_slots: int = Field(default=1, ge=0)
     webhook_backlog_seconds: float = 2.0
-    webhook_postpone_seconds: float = Field(default=2.0, ge=2.0)
 
     # Reactors (core document sections 2 and 8): a JSON file of {name, version, severity, id}
     # advisories the builds scan against instead of `npm audit` (offline deployments, tests), and how

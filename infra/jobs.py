@@ -17,7 +17,9 @@ One verb per step, each taking one job or many and choosing its own fast path:
   ``queued`` (``sweeps.release_stale_leases``) and the outbox relay sends it again; :func:`lock`
   locks a leased job's row first in the transaction that writes its outcome;
 * :func:`settle` closes it (``succeeded``, ``failed``, ``dead``), :func:`retry` queues it for a later
-  attempt (or makes it a dead letter), :func:`requeue` replays it, :func:`cancel_if_queued` drops it.
+  attempt (or makes it a dead letter), :func:`requeue` replays it, :func:`cancel_if_queued` drops it,
+  :func:`hand_back` gives back a job leased but not started (fairness between tenants,
+  :mod:`infra.fairness`).
 
 The job id is the provider-side idempotency key: a job run twice asks the provider twice with the same
 key and gets the same answer, so nothing is done twice. A request waits for one job's outcome with
@@ -249,6 +251,10 @@ def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
     )
 
 
+#: The time of a lease, a bind parameter its statement's reads may use (:func:`lease` binds it).
+LEASE_NOW = bindparam("lease_now", type_=_JOBS.c.updated_at.type)
+
+
 class _PreparedLease:
     """The lease-and-read statement of one set of ``reads``, built once with bind parameters: neither
     the SQL tree nor its cache key is computed again per job."""
@@ -259,10 +265,9 @@ class _PreparedLease:
         self.reads = reads
         self.labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
         labelled = [expression.label(self.labels[name]) for name, expression in reads.items()]
-        now = bindparam("lease_now", type_=_JOBS.c.updated_at.type)
         self.statement = _takeable_update(
             col(Job.id) == bindparam("lease_job_id", type_=_JOBS.c.id.type),
-            now,
+            LEASE_NOW,
             bindparam("lease_due_by", type_=_JOBS.c.due_at.type),
             bindparam("lease_owner_name", type_=_JOBS.c.lease_owner.type),
             bindparam("lease_expires", type_=_JOBS.c.lease_expires_at.type),
@@ -379,7 +384,9 @@ def _lease_in(
     if taken is None:
         return None
     labelled = [expression.label(prepared.labels[name]) for name, expression in prepared.reads.items()]
-    values = session.execute(select(*labelled).where(col(Job.id) == job_id)).mappings().one() if labelled else {}
+    if not labelled:
+        return taken, {}
+    values = session.execute(select(*labelled).where(col(Job.id) == job_id), {LEASE_NOW.key: now}).mappings().one()
     return taken, {name: values[prepared.labels[name]] for name in prepared.reads}
 
 
@@ -566,6 +573,32 @@ def requeue(
         session.refresh(jobs)
     enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in ids])
     return count
+
+
+def hand_back(session: Session, job: Job, owner: str) -> bool:
+    """Give back a job ``owner`` leased but did not start (:mod:`infra.fairness`: another tenant's job
+    runs in its place): queued again with its due time, the attempt its lease counted undone, its task
+    sent again once ``session`` commits (behind the messages already queued). One ``UPDATE`` of the
+    row, only while ``owner`` holds its lease; returns whether it was given back."""
+    now = utcnow()
+    given = rowcount(
+        session.execute(
+            update(Job)
+            .where(col(Job.id) == job.id, col(Job.lease_owner) == owner, col(Job.status) == JobStatus.RUNNING)
+            .values(
+                status=JobStatus.QUEUED,
+                lease_owner=None,
+                lease_expires_at=None,
+                attempts=Job.attempts - 1,
+                enqueued_at=None,
+                updated_at=now,
+            )
+            .execution_options(synchronize_session=False)
+        )
+    )
+    if given:
+        enqueue_jobs_after_commit(session, job.kind, [str(job.id)])
+    return given == 1
 
 
 def cancel_if_queued(session: Session, job_id: uuid.UUID) -> None:

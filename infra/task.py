@@ -67,17 +67,20 @@ from celery.exceptions import Retry
 from sqlmodel import Session
 
 from config.settings import Settings, get_settings
-from infra import jobs
-from infra.celery import QUIET_TASKS
+from infra import fairness, jobs
+from infra.celery import QUIET_TASKS, queue_of
 from infra.jobs import PermanentError, TransientError
 from storage.db import session_scope
 from storage.models import Job
 from storage.states import JobStatus
+from storage.types import utcnow
 
 log = logging.getLogger("tessera.jobs")
 
 #: How long a run may go on after its lease expired before the worker kills it (seconds).
 LEASE_OVERRUN_SECONDS = 30.0
+#: The name of the lease read of a fair job task that says another tenant waits (never a task's own).
+_OTHERS_WAIT = "_fairness_others_wait"
 
 
 class AttemptFailed(Exception):
@@ -200,6 +203,32 @@ class JobTask(TesseraTask):
     #: a third of its CPU). Its garbage is freed by reference counting as usual; the collector runs
     #: again once the step ends. False (the default): nothing changes.
     pause_gc: bool = False
+    #: True (the default): fair between tenants on its queue (:mod:`infra.fairness`, in place): the
+    #: lease statement also reads whether another tenant's job of :meth:`fair_group` waits, and only
+    #: then a tenant holding at least two more runs of the group than a waiting tenant gives way: the
+    #: run leases the waiting tenant's job instead and hands its own back. False: plain FIFO (a task
+    #: with a rule of its own, such as ``reactors.run``).
+    fair_between_tenants: bool = True
+
+    def fair_group(self) -> tuple[str, ...]:
+        """The kinds this task shares fairness with, computed on first use in a process: the registered
+        job tasks of its queue that are fair between tenants and whose lease is no longer than its own
+        (a run in place of this one must end within this run's time limit)."""
+        group = self.__dict__.get("_fair_group_cache")
+        if group is None:
+            own, queue = self._job_lease(), queue_of(self.name)
+            group = tuple(
+                sorted(
+                    name
+                    for name, task in self.app.tasks.items()
+                    if isinstance(task, JobTask)
+                    and task.fair_between_tenants
+                    and queue_of(name) == queue
+                    and (task.lease_length() or own + 1) <= own
+                )
+            )
+            self.__dict__["_fair_group_cache"] = group
+        return group
 
     def lease_reads(self) -> dict[str, Any]:
         """What ``perform`` needs, read by the lease statement itself (:func:`infra.jobs.lease`):
@@ -211,7 +240,10 @@ class JobTask(TesseraTask):
         :func:`infra.jobs.lease` reuses its prepared statement)."""
         reads = self.__dict__.get("_lease_reads_cache")
         if reads is None:
-            reads = self.__dict__["_lease_reads_cache"] = self.lease_reads()
+            reads = self.lease_reads()
+            if self.fair_between_tenants:
+                reads = {**reads, _OTHERS_WAIT: fairness.others_wait(self.fair_group(), jobs.LEASE_NOW)}
+            self.__dict__["_lease_reads_cache"] = reads
         return reads
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
@@ -238,6 +270,53 @@ class JobTask(TesseraTask):
         if leased is None:
             return "skipped"
         job, inputs = leased
+        if inputs.pop(_OTHERS_WAIT, False) and job.tenant_id is not None:
+            task, job, inputs = self._give_way(job, inputs)
+            return task.run_leased(job, inputs)
+        return self.run_leased(job, inputs)
+
+    def _give_way(self, job: Job, inputs: dict[str, Any]) -> tuple[JobTask, Job, dict[str, Any]]:
+        """Another tenant waits on this task's group (:mod:`infra.fairness`): when the leased job's
+        tenant holds at least two more runs of the group than a waiting tenant (those holding nothing
+        first), lease a job of that tenant's instead and hand the leased one back; returns the
+        task, job and inputs to run (the leased job's own when nobody is owed a turn, or the other job
+        was taken meanwhile). A grouped count of the running jobs and a few index range probes."""
+        assert job.tenant_id is not None and job.lease_owner is not None  # checked by run; set by its lease
+        owner, group, now = job.lease_owner, self.fair_group(), utcnow()
+        with self.session_scope() as session:
+            held = fairness.held_by_tenant(session, group, now=now)
+            mine = held.get(job.tenant_id, 1)
+            picked = (
+                fairness.pick_for_others(
+                    session, group, tenant=job.tenant_id, held=held, below=mine - 1, limit=2, now=now
+                )
+                if mine >= 2
+                else []
+            )
+        for other_id, kind in picked:
+            task = self.app.tasks.get(kind)
+            if not isinstance(task, JobTask):
+                continue
+            other = jobs.lease(other_id, owner, lease_seconds=task._job_lease(), reads=task._lease_reads())
+            if other is None:
+                continue
+            with self.session_scope() as session:
+                jobs.hand_back(session, job, owner)
+            other_job, other_inputs = other
+            other_inputs.pop(_OTHERS_WAIT, None)
+            log.info(
+                "job %s (%s) of a tenant holding %s runs handed back; job %s (%s) of a waiting tenant runs instead",
+                job.id,
+                job.kind,
+                mine,
+                other_job.id,
+                other_job.kind,
+            )
+            return task, other_job, other_inputs
+        return self, job, inputs
+
+    def run_leased(self, job: Job, inputs: dict[str, Any]) -> str:
+        """Perform and apply a job this run leased (see :meth:`run`)."""
         with _gc_paused(self.pause_gc):
             try:
                 outcome = self.perform(job, inputs)

@@ -82,6 +82,8 @@ class RunReactor(JobTask):
     """
 
     name = runs.RUN_TASK
+    #: Its own rule (:func:`infra.fairness.fair_next`), not the one at lease time.
+    fair_between_tenants = False
     #: The longest runtime timeout (30 s) twice over, plus a cold start and the dependencies' install.
     lease_seconds = 120.0
     #: Runs one message may carry a thread through (bounded, so a run's time limit is not outlived).

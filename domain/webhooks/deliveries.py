@@ -17,11 +17,13 @@ fail the delivery at once: the receiver would answer the same on every retry (a 
 A message carries about a hundred deliveries: one statement leases them and reads their events,
 webhooks and signing secrets, the POSTs go out concurrently on the worker process's keep-alive pool
 (``infra.http.deliver_many``) and the outcomes are recorded together.
-Fairness: a tenant that is behind on its deliveries (a flood, a slow or hanging receiver) holds at most
-``TESSERA_WEBHOOK_TENANT_SLOTS`` worker slots while another tenant's deliveries wait; its other
-deliveries are postponed a little and sent again by the relay in batches, so one tenant's flood to a
-slow receiver does not queue everyone else behind it. Alone, it uses every slot, in short turns
-(:func:`postpone_busy_tenants`).
+Fairness (:mod:`infra.fairness`, in place): a tenant holding ``TESSERA_WEBHOOK_TENANT_SLOTS`` worker
+slots does not take more while another tenant's deliveries wait: a worker that takes its batch
+message leases the waiting tenants' due deliveries in its place and hands its own back, so one
+tenant's flood (to any receiver) does not queue everyone else behind it; a newcomer's delivery goes
+out with the first batch message any worker takes after its commit (``benchmarks/webhooks.py``: 0.2 s
+during another tenant's 3,000-event burst, goal 2 s). Alone, a tenant uses every slot,
+in short turns while it is behind (:func:`share_batch`).
 A webhook failing without a single success for ``TESSERA_WEBHOOK_DISABLE_AFTER_SECONDS`` (5 days) is
 disabled and its ``notify_email`` is told. Redirects are never followed; private, loopback and
 link-local destinations are refused at delivery time unless ``TESSERA_ALLOW_PRIVATE_DESTINATIONS``.
@@ -36,13 +38,13 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import ColumnElement, distinct, func, insert, or_, update
+from sqlalchemy import insert, or_, update
 from sqlmodel import Session, col, select
 
 from config.settings import Settings
 from domain.tenancy.tenants import cached_signing_secret
 from domain.webhooks.views import message_id
-from infra import jobs
+from infra import fairness, jobs
 from infra.celery import DELIVER_TASK
 from infra.http import TOTAL_TIMEOUT_FACTOR, DeliveryResult, Request, deliver_many
 from infra.signing import headers as signature_headers
@@ -72,7 +74,8 @@ class Prepared:
 @dataclass
 class BatchOutcome:
     """What one batch of deliveries came to: ``counts`` of each outcome (``success``, ``http_error``,
-    ``timeout``, ``connection_error``, ``refused``, ``closed``, ``skipped``, ``postponed``), how many
+    ``timeout``, ``connection_error``, ``refused``, ``closed``, ``skipped``, ``postponed``: handed back
+    by :func:`share_batch`), how many
     were scheduled for a retry and how many failed for good (``dead`` of them: retries spent)."""
 
     counts: dict[str, int]
@@ -330,101 +333,112 @@ def disabled_notice(session: Session, webhook_id: uuid.UUID) -> DisabledNotice |
     return DisabledNotice(to=webhook.notify_email, subject=f"Webhook '{webhook.name}' disabled", text=text)
 
 
-def postpone_busy_tenants(
+def share_batch(
     session: Session, delivery_ids: list[uuid.UUID], settings: Settings, *, now: dt.datetime | None = None
-) -> set[uuid.UUID]:
-    """Set aside, from a batch about to be leased, the deliveries of each tenant that is behind and
-    busy: it has a delivery due more than ``settings.webhook_backlog_seconds`` ago still pending (a
-    flood, or a slow receiver) and already holds ``settings.webhook_tenant_slots`` worker slots
-    (distinct task runs with deliveries in flight). Returns the ids set aside (the caller leases the
-    others); no attempt is counted on them. A tenant that keeps up is never touched.
+) -> tuple[set[uuid.UUID], list[uuid.UUID]]:
+    """Share a batch about to be leased between tenants (:mod:`infra.fairness`, in place). Returns
+    ``(aside, in_place)``: the ids of the batch set aside (handed back: queued again, due now, sent
+    again as a new batch message behind those queued; no attempt counted) and the ids of other
+    tenants' deliveries to lease in their place. A tenant holding fewer than
+    ``settings.webhook_tenant_slots`` worker slots (distinct task runs with deliveries in flight) is
+    never touched; one holding them:
 
-    * While another tenant has a delivery due and not taken, the busy tenant's deliveries are
-      postponed: their ``due_at`` moves ``webhook_postpone_seconds`` ahead and the relay sends them
-      again, batched (about a hundred a message).
-    * A tenant alone keeps every slot, in short turns: this run keeps ``webhook_host_concurrency`` of
-      its deliveries (one round of concurrent POSTs) and sends the rest again at once, as a new batch
-      message behind those already queued; so a process it holds comes free after one round, and
-      another tenant's delivery that arrives meanwhile waits one round at most, not a whole batch.
+    * while another tenant that holds no slot has deliveries due and not taken: its deliveries of the
+      batch are set aside and as many of the waiting tenants' are taken in their place, so a newcomer's
+      delivery goes out with the first batch message any worker takes, not behind the flood queued
+      ahead of its own message (which later finds it taken and skips it);
+    * alone, when it is behind (a delivery due more than ``settings.webhook_backlog_seconds`` ago still
+      pending: a flood, a slow receiver), in short turns: this run keeps ``webhook_host_concurrency``
+      of its deliveries (one round of concurrent POSTs) and hands the rest back at once; so a process
+      it holds comes free after one round, and another tenant's delivery that arrives meanwhile waits
+      one round at most, not a whole batch.
+
+    A tenant behind whose batch is smaller than a round (deliveries sent one a message, as requests
+    emit them) has the round filled with its oldest deliveries waiting (their own messages later skip
+    them), so a flood to a slow receiver goes out a full round at a time.
 
     Fairness takes capacity from a tenant only to give it to another one. On PostgreSQL the check and
     the lease that follows it in the same transaction are serialised per tenant (a transaction-level
-    advisory lock), so two workers cannot both take the last slot."""
+    advisory lock), so two workers cannot both take the last slot. Statements: one query of the
+    batch's tenants and one grouped count of the running deliveries; for a tenant at its slots, index
+    range probes for waiting tenants (two when it is alone); for one at its slots or with a batch
+    smaller than a round, a probe of its backlog (and, behind, one range scan to fill the round)."""
     slots = settings.webhook_tenant_slots
     if slots <= 0 or not delivery_ids:
-        return set()
+        return set(), []
     now = now or utcnow()
     owners = dict(session.execute(select(col(Job.id), col(Job.tenant_id)).where(col(Job.id).in_(delivery_ids))).all())
-    tenants = sorted(set(owners.values()), key=str)
+    tenants = sorted({tenant for tenant in owners.values() if tenant is not None}, key=str)
     for tenant_id in tenants:
         sql.lock_key(session, str(tenant_id))
-    waiting = (col(Job.kind) == DELIVER_TASK, col(Job.status).in_(JOB_TAKEABLE))  # ix_jobs_deliveries_waiting
-    postponed: list[uuid.UUID] = []
+    held = fairness.held_by_tenant(session, [DELIVER_TASK], now=now, runs=True)
+    batch = set(delivery_ids)
     handed_back: list[uuid.UUID] = []
+    in_place: list[uuid.UUID] = []
+    round_size = settings.webhook_host_concurrency
     for tenant_id in tenants:
-        behind = session.execute(
+        own = [delivery_id for delivery_id in delivery_ids if owners.get(delivery_id) == tenant_id]
+        at_slots = held.get(tenant_id, 0) >= slots
+        if at_slots:
+            others = fairness.pick_for_others(
+                session, [DELIVER_TASK], tenant=tenant_id, held=held, below=slots, limit=len(own), now=now
+            )
+            fresh = [job_id for job_id, _kind in others if job_id not in batch]
+            if fresh:
+                handed_back += own
+                in_place += fresh
+                batch.update(fresh)
+                continue
+        if not (at_slots or len(own) < round_size) or not _behind(session, tenant_id, settings, now):
+            continue
+        if at_slots:
+            handed_back += own[round_size:]
+        room = round_size - len(own)
+        if room > 0:  # a full round: the tenant's oldest deliveries waiting, their messages later skip them
+            more = _waiting_of(session, tenant_id, now, limit=room, besides=batch)
+            in_place += more
+            batch.update(more)
+    if handed_back:
+        jobs.requeue(session, handed_back, kind=DELIVER_TASK, fresh_budget=False, waiting_only=True, now=now)
+    return set(handed_back), in_place
+
+
+def _behind(session: Session, tenant_id: uuid.UUID, settings: Settings, now: dt.datetime) -> bool:
+    """Whether the tenant has a delivery due more than ``webhook_backlog_seconds`` ago still pending
+    (one probe of ``ix_jobs_deliveries_waiting``)."""
+    return (
+        session.execute(
             select(col(Job.id))
             .where(
-                *waiting,
+                col(Job.kind) == DELIVER_TASK,
+                col(Job.status).in_(JOB_TAKEABLE),
                 col(Job.tenant_id) == tenant_id,
                 col(Job.due_at) < now - dt.timedelta(seconds=settings.webhook_backlog_seconds),
             )
             .limit(1)
         ).first()
-        if behind is None:
-            continue
-        held = session.execute(
-            select(func.count(distinct(col(Job.lease_owner)))).where(
-                *waiting,
-                col(Job.tenant_id) == tenant_id,
-                col(Job.status) == JobStatus.RUNNING,
-                col(Job.lease_expires_at) > now,
-            )
-        ).scalar_one()
-        if held < slots:
-            continue
-        own = [delivery_id for delivery_id in delivery_ids if owners.get(delivery_id) == tenant_id]
-        if _another_tenant_waits(session, tenant_id, waiting, now):
-            postponed += own
-        else:
-            handed_back += own[settings.webhook_host_concurrency :]
-    if postponed:
-        session.execute(
-            update(Job)
-            .where(
-                col(Job.id).in_(postponed),
-                col(Job.status).in_(JOB_TAKEABLE),
-                or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
-            )
-            .values(
-                due_at=now + dt.timedelta(seconds=settings.webhook_postpone_seconds), enqueued_at=None, updated_at=now
-            )
-            .execution_options(synchronize_session=False)
+        is not None
+    )
+
+
+def _waiting_of(
+    session: Session, tenant_id: uuid.UUID, now: dt.datetime, *, limit: int, besides: set[uuid.UUID]
+) -> list[uuid.UUID]:
+    """Up to ``limit`` of the tenant's deliveries due and not taken, oldest first, other than ``besides``
+    (an index range scan of ``ix_jobs_deliveries_waiting``)."""
+    rows = session.execute(
+        select(col(Job.id))
+        .where(
+            col(Job.kind) == DELIVER_TASK,
+            col(Job.status).in_(JOB_TAKEABLE),
+            col(Job.tenant_id) == tenant_id,
+            col(Job.due_at) <= now,
+            or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
         )
-    if handed_back:
-        jobs.requeue(session, handed_back, kind=DELIVER_TASK, fresh_budget=False, waiting_only=True, now=now)
-    return set(postponed) | set(handed_back)
-
-
-def _another_tenant_waits(
-    session: Session, tenant_id: uuid.UUID, waiting: tuple[ColumnElement[bool], ...], now: dt.datetime
-) -> bool:
-    """True when a tenant other than ``tenant_id`` has a delivery due and not taken (two range probes of
-    ``ix_jobs_deliveries_waiting``, below and above ``tenant_id``: a flood of one tenant is not scanned)."""
-    for other in (col(Job.tenant_id) < tenant_id, col(Job.tenant_id) > tenant_id):
-        found = session.execute(
-            select(col(Job.id))
-            .where(
-                *waiting,
-                other,
-                col(Job.due_at) <= now,
-                or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
-            )
-            .limit(1)
-        ).first()
-        if found is not None:
-            return True
-    return False
+        .order_by(col(Job.due_at))
+        .limit(limit + len(besides))
+    ).scalars()
+    return [job_id for job_id in rows if job_id not in besides][:limit]
 
 
 def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings) -> BatchOutcome:
@@ -433,8 +447,9 @@ def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings)
     in one transaction. Two short transactions; the HTTP calls run outside any."""
     lease_seconds = settings.webhook_timeout_seconds * TOTAL_TIMEOUT_FACTOR + 30
     with session_scope() as session:
-        aside = postpone_busy_tenants(session, delivery_ids, settings)
+        aside, in_place = share_batch(session, delivery_ids, settings)
         taking = [delivery_id for delivery_id in delivery_ids if delivery_id not in aside] if aside else delivery_ids
+        taking = taking + in_place if in_place else taking
         prepared, closed = lease_batch(session, taking, owner, lease_seconds=lease_seconds)
     postponed = len(aside)
     results = deliver_many(
@@ -444,15 +459,11 @@ def deliver_batch(delivery_ids: list[uuid.UUID], owner: str, settings: Settings)
         per_host=settings.webhook_host_concurrency,
     )
     if not prepared and not closed:
-        if postponed:
-            return BatchOutcome(
-                counts={"postponed": postponed}
-                | ({"skipped": len(delivery_ids) - postponed} if len(delivery_ids) > postponed else {})
-            )
-        return BatchOutcome(counts={"skipped": len(delivery_ids)})
+        counts = {"postponed": postponed} if postponed else {}
+        return BatchOutcome(counts=counts | ({"skipped": len(taking)} if taking or not postponed else {}))
     with session_scope() as session:
         outcome = record_outcomes(session, prepared, results, closed, settings)
-    skipped = len(delivery_ids) - len(prepared) - len(closed) - postponed
+    skipped = len(taking) - len(prepared) - len(closed)
     if skipped:
         outcome.counts["skipped"] = skipped
     if postponed:

@@ -8,6 +8,11 @@ in :data:`SLOW_SECONDS`; one FIFO for everyone would keep tenant B's delivery be
 (``TESSERA_WEBHOOK_TENANT_SLOTS``, ``domain/webhooks/deliveries.py``) A holds one worker process and
 B's delivery and provisioning go through within the bound; A's deliveries all arrive afterwards.
 On demand: ``TESSERA_FAIRNESS_FLOOD=10000`` and ``TESSERA_FAIRNESS_SLOW_SECONDS=5`` (the issue's figures).
+
+Provider jobs (one message per job, FIFO in the broker; ``infra/fairness.py`` at lease time): tenant A
+alone holds every provider thread; tenant B's network token, asked for while A's flood is queued
+ahead of it, is provisioned within :data:`JOB_BOUND_SECONDS`, where FIFO would keep it about
+``JOB_FLOOD * PROVIDER_SECONDS / 2`` seconds (24 s here).
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ import dataclasses
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.chaos.platform import platform
+from tests.chaos.platform import Fault, platform
 from tests.chaos.test_worker_kill import _card, _provision
 from tests.factories.agentic import fresh_visa
 from tests.helpers import ApiClient, WebhookReceiver, wait_until
@@ -28,6 +34,13 @@ FLOOD = int(os.environ.get("TESSERA_FAIRNESS_FLOOD", "200"))
 SLOW_SECONDS = float(os.environ.get("TESSERA_FAIRNESS_SLOW_SECONDS", "2"))
 #: How long tenant B may wait for its webhook delivery and its network token while A floods.
 BOUND_SECONDS = 15.0
+
+
+#: Tenant A's provisioning flood, how long the card network takes to answer each (the proxy slows it),
+#: and how long tenant B's network token may take meanwhile: one of A's calls to end, then B's own.
+JOB_FLOOD = 24
+PROVIDER_SECONDS = 2.0
+JOB_BOUND_SECONDS = 3 * PROVIDER_SECONDS + 2
 
 
 #: ``(receiver delay, flood)``: a slow receiver (answers in seconds), and one that is down (never
@@ -111,3 +124,64 @@ def test_a_tenant_flooding_a_bad_receiver_does_not_delay_another_tenant(kind, re
         bad.release.set()
         bad.stop()
         fast.stop()
+
+
+def test_a_lone_tenant_uses_every_provider_slot_and_a_newcomer_is_served_within_the_bound(redis_flushed, s3_server):
+    with platform("chaos-fair-jobs", {"TESSERA_PROVIDER_CONCURRENCY": "2"}) as p:
+        other = ApiClient(
+            p.api_url,
+            json.loads(
+                p.processes.run(
+                    "tenants", "create", "--name", "newcomer", "--owner-email", "newcomer@example.com", "--json"
+                )
+            )["api_key"],
+        )
+        p.proxy.arm(
+            Fault(
+                "slow",
+                lambda method, path: method == "POST" and path.endswith("/network-tokens"),
+                count=10 * JOB_FLOOD,
+                seconds=PROVIDER_SECONDS,
+            )
+        )
+        with ThreadPoolExecutor(8) as pool:  # queued before any worker runs
+            flood = list(pool.map(lambda _n: _provision(p), range(JOB_FLOOD)))
+        p.start_worker(concurrency=2)
+
+        # alone, tenant A holds both provider threads
+        wait_until(
+            lambda: (
+                p.sql(
+                    "SELECT count(DISTINCT lease_owner) AS n FROM jobs WHERE kind = 'network_tokens.provision' "
+                    "AND status = 'running' AND lease_expires_at > now()"
+                )[0]["n"]
+                == 2
+            ),
+            timeout=60,
+            interval=0.1,
+        )
+
+        started = time.monotonic()
+        network = _provision(dataclasses.replace(p, client=other))
+        wait_until(
+            lambda: other.get(f"/network-tokens/{network['id']}").json["status"] != "inactive",
+            timeout=JOB_BOUND_SECONDS,
+            interval=0.2,
+        )
+        provisioned_in = time.monotonic() - started
+        left = p.sql("SELECT count(*) AS n FROM jobs WHERE kind = 'network_tokens.provision' AND status = 'queued'")[0][
+            "n"
+        ]
+        assert left >= 4, left  # A's flood was still queued ahead of B: FIFO would have kept B behind it
+
+        # A's flood is only paced: every network token of it is provisioned once
+        wait_until(
+            lambda: all(p.client.get(f"/network-tokens/{t['id']}").json["status"] == "active" for t in flood),
+            timeout=JOB_FLOOD * PROVIDER_SECONDS + 60,
+            interval=1,
+        )
+        assert not p.unfinished_work()
+        print(
+            f"fairness, provider jobs: tenant B provisioned in {provisioned_in:.1f} s (bound {JOB_BOUND_SECONDS} s) "
+            f"behind {JOB_FLOOD} slow provisioning jobs of A"
+        )

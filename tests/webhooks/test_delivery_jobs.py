@@ -243,9 +243,10 @@ def test_deleting_a_webhook_deletes_its_deliveries_with_their_jobs(database):
 
 
 def test_a_lone_tenant_behind_on_its_deliveries_keeps_every_slot_until_another_tenant_waits(database):
-    """Fairness takes capacity from a tenant only to give it to another one: a tenant behind and at its
-    slots is postponed only while another tenant has a delivery due. The clock of the check is set back
-    to 2000 (its jobs due in 1999) so that the deliveries other tests left waiting are not due then."""
+    """Fairness takes capacity from a tenant only to give it to another one: a tenant at its slots
+    gives way only while another tenant has a delivery due, and then that tenant's deliveries are taken
+    in place of its own (handed back). The clock of the check is set back to 2000 (its jobs due in
+    1999) so that the deliveries other tests left waiting are not due then."""
     settings = get_settings().model_copy(update={"webhook_tenant_slots": 1, "webhook_backlog_seconds": 2.0})
     then = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
     flooder, _ = _tenant_with_webhooks("https://example.com/flood")
@@ -259,13 +260,13 @@ def test_a_lone_tenant_behind_on_its_deliveries_keeps_every_slot_until_another_t
         )
     waiting = flood[1:]
     with session_scope() as session:
-        assert webhooks.postpone_busy_tenants(session, waiting, settings, now=then) == set()
+        assert webhooks.share_batch(session, waiting, settings, now=then) == (set(), [])
     assert all(_job(job_id).due_at == then - dt.timedelta(days=1) for job_id in waiting)
 
     # alone, in short turns: a run keeps one round of concurrent POSTs and sends the rest again at once
     one_round = settings.model_copy(update={"webhook_host_concurrency": 1})
     with session_scope() as session:
-        assert webhooks.postpone_busy_tenants(session, waiting, one_round, now=then) == set(waiting[1:])
+        assert webhooks.share_batch(session, waiting, one_round, now=then) == (set(waiting[1:]), [])
         sent = take_pending(session)
     assert sent == [(DELIVER_TASK, {"delivery_ids": [str(job_id) for job_id in waiting[1:]]})]
     assert _job(waiting[0]).due_at == then - dt.timedelta(days=1)
@@ -275,11 +276,30 @@ def test_a_lone_tenant_behind_on_its_deliveries_keeps_every_slot_until_another_t
     [other], _ = _emit(patient)
     with session_scope() as session:
         session.execute(update(Job).where(Job.id == other).values(due_at=then - dt.timedelta(seconds=1)))
-    with session_scope() as session:
-        assert webhooks.postpone_busy_tenants(session, waiting, settings, now=then) == set(waiting)
-    postponed_to = then + dt.timedelta(seconds=settings.webhook_postpone_seconds)
-    assert all(_job(job_id).due_at == postponed_to for job_id in waiting)
+    with session_scope() as session:  # the waiting tenant's delivery is taken in place of the flooder's
+        assert webhooks.share_batch(session, waiting, settings, now=then) == (set(waiting), [other])
+        sent = take_pending(session)
+    assert sent == [(DELIVER_TASK, {"delivery_ids": [str(job_id) for job_id in waiting]})]
+    assert all(_job(job_id).status == "queued" for job_id in waiting)
     assert _job(other).due_at == then - dt.timedelta(seconds=1)
+
+
+def test_a_tenant_behind_fills_a_round_with_its_waiting_deliveries(database):
+    """Deliveries sent one a message (as requests emit them) to a slow receiver: a run of a tenant
+    behind takes its oldest waiting deliveries up to one round of concurrent POSTs, so the flood goes
+    out a round at a time. The clock of the check is set back to 1980."""
+    settings = get_settings().model_copy(
+        update={"webhook_tenant_slots": 1, "webhook_backlog_seconds": 2.0, "webhook_host_concurrency": 3}
+    )
+    then = dt.datetime(1980, 1, 1, tzinfo=dt.UTC)
+    flooder, _ = _tenant_with_webhooks("https://example.com/one-a-message")
+    flood, _ = _emit(flooder, count=5)
+    with session_scope() as session:
+        for n, job_id in enumerate(flood):  # flood[0] the oldest, flood[-1] the newest
+            session.execute(update(Job).where(Job.id == job_id).values(due_at=then - dt.timedelta(minutes=10 - n)))
+    with session_scope() as session:  # the message of the newest one: the round takes the two oldest
+        aside, in_place = webhooks.share_batch(session, flood[-1:], settings, now=then)
+    assert aside == set() and in_place == [flood[0], flood[1]]
 
 
 def test_a_hand_back_never_queues_again_a_delivery_another_worker_finished(database):
@@ -301,7 +321,7 @@ def test_a_hand_back_never_queues_again_a_delivery_another_worker_finished(datab
         )
         session.execute(update(Job).where(Job.id == flood[3]).values(status="succeeded", attempts=1))
     with session_scope() as session:
-        webhooks.postpone_busy_tenants(session, flood[1:], settings, now=then)
+        webhooks.share_batch(session, flood[1:], settings, now=then)
     assert (_job(flood[2]).status, _job(flood[2]).due_at) == ("queued", then)  # handed back
     finished = _job(flood[3])
     assert (finished.status, finished.attempts, finished.due_at) == ("succeeded", 1, then - dt.timedelta(days=1))
