@@ -9,6 +9,7 @@ import datetime as dt
 import os
 import uuid
 
+import pytest
 from sqlalchemy import update
 
 import tasks.agentic
@@ -20,12 +21,15 @@ from infra.dispatch import take_pending
 from infra.task import JobTask
 from storage.db import session_scope
 from storage.models import Job
+from storage.states import JOB_TAKEABLE, JobStatus
 from storage.types import utcnow
 from tasks.account_updater import ProcessChunk
 from tasks.mail import InvitationMail, WebhookDisabledMail
 from tasks.network_tokens import Provision
 
 RAN: list[uuid.UUID] = []
+#: The tenants the running test made (:func:`_tenant`), whose unfinished jobs it cancels at the end.
+TENANTS: list[uuid.UUID] = []
 
 
 class _Noted(JobTask):
@@ -46,7 +50,25 @@ noted = celery_app.register_task(_Noted())
 
 def _tenant() -> uuid.UUID:
     with session_scope() as session:
-        return create_tenant(session, name="fair", owner_email=f"fair-{os.urandom(4).hex()}@example.com").tenant_id
+        tenant_id = create_tenant(session, name="fair", owner_email=f"fair-{os.urandom(4).hex()}@example.com").tenant_id
+    TENANTS.append(tenant_id)
+    return tenant_id
+
+
+@pytest.fixture(autouse=True)
+def _cancel_leftovers():
+    """After each test, its tenants' jobs still queued or running (the flood left waiting, the runs
+    "held by other workers", a job handed back) are cancelled: the database is shared by the whole
+    run, and later tests expect no due work they did not make (the outbox relay would send it)."""
+    TENANTS.clear()
+    yield
+    if TENANTS:
+        with session_scope() as session:
+            session.execute(
+                update(Job)
+                .where(Job.tenant_id.in_(TENANTS), Job.status.in_(JOB_TAKEABLE))
+                .values(status=JobStatus.CANCELLED, lease_owner=None, lease_expires_at=None)
+            )
 
 
 def _jobs(tenant_id: uuid.UUID, count: int, *, held_by: str | None = None) -> list[uuid.UUID]:
