@@ -310,13 +310,15 @@ def _git(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def git_missing() -> str | None:
-    """Why git cannot be asked here (no git command, no ``.git``), or None when it can."""
+    """Why git cannot be asked here (no git command, no ``.git``, a shallow clone), or None when it can."""
     if shutil.which("git") is None:
         return "git is not installed"
     if not (ROOT / ".git").exists():
         return f"{ROOT} has no .git (an export of the source, not a checkout)"
     if _git("rev-parse", "--verify", "-q", "HEAD").returncode != 0:
         return "git rev-parse HEAD failed (no commit yet?)"
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        return "a shallow clone holds too little history to find a previous release (git fetch --unshallow)"
     return None
 
 
