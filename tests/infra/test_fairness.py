@@ -55,20 +55,30 @@ def _tenant() -> uuid.UUID:
     return tenant_id
 
 
+def _cancel(*where) -> None:
+    """Cancel the jobs still queued or running that match ``where``."""
+    with session_scope() as session:
+        session.execute(
+            update(Job)
+            .where(*where, Job.status.in_(JOB_TAKEABLE))
+            .values(status=JobStatus.CANCELLED, lease_owner=None, lease_expires_at=None)
+        )
+
+
 @pytest.fixture(autouse=True)
-def _cancel_leftovers():
-    """After each test, its tenants' jobs still queued or running (the flood left waiting, the runs
-    "held by other workers", a job handed back) are cancelled: the database is shared by the whole
-    run, and later tests expect no due work they did not make (the outbox relay would send it)."""
+def _cancel_leftovers(database):
+    """The database is shared by the whole run. Before each test, the tenants' jobs other tests left
+    queued or running in the groups used here (the ``default`` queue's and ``mail``'s) are cancelled:
+    a waiting tenant of another test would be served first when its id sorts first. After each test,
+    its own tenants' unfinished jobs (the flood left waiting, the runs "held by other workers", a job
+    handed back) are cancelled: later tests expect no due work they did not make (the outbox relay
+    would send it)."""
+    groups = {*noted.fair_group(), *WebhookDisabledMail().fair_group()}
+    _cancel(Job.kind.in_(groups), Job.tenant_id.is_not(None))
     TENANTS.clear()
     yield
     if TENANTS:
-        with session_scope() as session:
-            session.execute(
-                update(Job)
-                .where(Job.tenant_id.in_(TENANTS), Job.status.in_(JOB_TAKEABLE))
-                .values(status=JobStatus.CANCELLED, lease_owner=None, lease_expires_at=None)
-            )
+        _cancel(Job.tenant_id.in_(TENANTS))
 
 
 def _jobs(tenant_id: uuid.UUID, count: int, *, held_by: str | None = None) -> list[uuid.UUID]:
