@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from config.settings import get_settings
@@ -49,22 +50,26 @@ def api(args: argparse.Namespace) -> int:
     if args.reuse_port or args.listen_fd is not None or workers == 1:
         return _serve_api(settings, host, port, reuse_port=args.reuse_port, listen_fd=args.listen_fd)
     argv = [sys.executable, "-m", "tessera.cli", "api", "--host", host, "--port", str(port), "--reuse-port"]
-    children = [subprocess.Popen(argv) for _ in range(workers)]  # noqa: S603 - our own command
-    if _answers(host, port, children):
+    supervisor = _Supervisor()  # signals are handled from before the first child starts
+    for _ in range(workers):
+        supervisor.start(argv)
+    if _answers(host, port, supervisor.children, supervisor.stopping):
         print(f"tessera api listening on http://{host}:{port} ({workers} processes)", flush=True)
-    return _supervise(children)
+    return supervisor.wait()
 
 
-def _answers(host: str, port: int, children: list[subprocess.Popen], timeout: float = 60.0) -> bool:
-    """Wait until the api answers ``GET /healthz`` on ``host:port`` (False when a child ended first
-    or ``timeout`` seconds passed)."""
+def _answers(
+    host: str, port: int, children: list[subprocess.Popen], stopping: threading.Event, timeout: float = 60.0
+) -> bool:
+    """Wait until the api answers ``GET /healthz`` on ``host:port`` (False when a child ended first,
+    ``stopping`` was set or ``timeout`` seconds passed)."""
     import urllib.error
     import urllib.request
 
     local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104 - a wildcard's loopback
     url = f"http://{f'[{local}]' if ':' in local else local}:{port}/healthz"
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and all(child.poll() is None for child in children):
+    while time.monotonic() < deadline and not stopping.is_set() and all(child.poll() is None for child in children):
         try:
             with urllib.request.urlopen(url, timeout=1) as answer:
                 if answer.status == 200:
@@ -157,29 +162,46 @@ async def _freeze_heap(_app) -> None:
     gc.freeze()
 
 
-def _supervise(children: list[subprocess.Popen]) -> int:
-    """Wait on the api processes; SIGTERM and SIGINT are passed on to each (each then finishes the
-    requests in flight, ``TESSERA_API_SHUTDOWN_TIMEOUT_SECONDS``). When one process ends on its own
-    the others are stopped too and the exit status is 1 (the orchestrator restarts the service)."""
-    stopping = False
+class _Supervisor:
+    """The api processes of ``tessera api --workers N``. SIGTERM and SIGINT are handled from the moment
+    it is made, before the first child starts, and passed on to each child (each then finishes the
+    requests in flight, ``TESSERA_API_SHUTDOWN_TIMEOUT_SECONDS``); a child started after the signal is
+    stopped at once. When one process ends on its own the others are stopped too and the exit status
+    is 1 (the orchestrator restarts the service)."""
 
-    def stop(signum, _frame) -> None:
-        nonlocal stopping
-        stopping = True
-        for child in children:
+    def __init__(self) -> None:
+        self.children: list[subprocess.Popen] = []
+        self.stopping = threading.Event()
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+
+    def start(self, argv: list[str]) -> None:
+        """Start one api process running ``argv``."""
+        child = subprocess.Popen(argv)  # noqa: S603 - our own command
+        self.children.append(child)
+        if self.stopping.is_set():
+            child.send_signal(signal.SIGTERM)
+
+    def _stop(self, signum: int, _frame: object = None) -> None:
+        self.stopping.set()
+        for child in self.children:
             if child.poll() is None:
                 child.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    while True:
-        ended = [child for child in children if child.poll() is not None]
-        if ended and not stopping:
-            stop(signal.SIGTERM, None)
-        if len(ended) == len(children):
-            break
-        time.sleep(0.2)
-    return 0 if stopping and all(c.returncode in (0, -signal.SIGTERM, -signal.SIGINT) for c in children) else 1
+    def wait(self) -> int:
+        """Wait until every child has ended: 0 when a signal stopped them and each ended on it, 1 when
+        one ended on its own first."""
+        ended_on_its_own = False
+        while True:
+            ended = [child for child in self.children if child.poll() is not None]
+            if ended and not self.stopping.is_set():
+                ended_on_its_own = True
+                self._stop(signal.SIGTERM)
+            if len(ended) == len(self.children):
+                break
+            time.sleep(0.2)
+        stopped = (0, -signal.SIGTERM, -signal.SIGINT)
+        return 0 if not ended_on_its_own and all(c.returncode in stopped for c in self.children) else 1
 
 
 def worker(args: argparse.Namespace) -> int:

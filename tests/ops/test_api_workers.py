@@ -53,3 +53,17 @@ def test_when_one_worker_dies_the_others_stop_and_the_command_fails(platform):
     children[0].kill()
     assert api.popen.wait(timeout=60) == 1, api.output()
     assert not children[1].is_running() or children[1].status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_signal_before_the_workers_answer_stops_them_all(platform):
+    """SIGTERM while the api processes are still starting: the command passes it on and ends with 0,
+    leaving no process behind (it used to die of the signal and leave its children running)."""
+    api, children = _start_two(platform)
+    api.signal(signal.SIGTERM)
+    assert api.popen.wait(timeout=60) == 0, api.output()
+    for child in children:
+        try:
+            child.wait(timeout=30)
+        except psutil.NoSuchProcess:
+            pass
+    assert not any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE for child in children)
