@@ -8,7 +8,7 @@ database, so the rule holds across worker processes and hosts):
   for the job tasks sent one message per job, FIFO (provider jobs, account-updater chunks, mail: every
   :class:`infra.task.JobTask` whose ``fair_between_tenants`` is set), and for webhook deliveries
   (``domain/webhooks/deliveries.py``, a hundred a message). A kind's *group* is the fair kinds of its
-  queue whose lease fits the run's time limit (:meth:`infra.task.JobTask.fair_group`). The lease
+  queue whose lease fits the run's time limit (:attr:`infra.task.JobTask.fair_group`). The lease
   statement of a job reads, in the same statement, whether another tenant has a job of the group due
   and not taken (two index range probes, below and above the job's tenant: a flood of the job's own
   tenant is not scanned). Only then (zero extra statements otherwise: a tenant alone or with nobody

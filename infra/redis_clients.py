@@ -87,27 +87,24 @@ def redis_client(settings: Settings, url: str | None = None, **options: Any) -> 
     connection options (``socket_timeout``, ``client_name``, ...). On a Sentinel URL the client
     reaches the master ``settings.redis_sentinel_master`` wherever the sentinels say it is now.
     Raises ``ValueError`` when there is no URL, or a Sentinel URL without a master name."""
-    url = url or settings.redis_url
-    if not url:
-        raise ValueError("no Redis URL: set TESSERA_REDIS_URL")
-    if not is_sentinel_url(url):
-        return redis.Redis.from_url(url, **options)
-    parsed = parse_sentinel_url(url)
-    sentinel = Sentinel(
-        list(parsed.sentinels), sentinel_kwargs=_sentinel_kwargs(settings, options), **_master_options(parsed, options)
-    )
-    return sentinel.master_for(_master_name(settings))
+    return _client(redis.Redis, Sentinel, settings, url, options)
 
 
 def async_redis_client(settings: Settings, url: str | None = None, **options: Any) -> aioredis.Redis:
     """:func:`redis_client` for asyncio (``redis.asyncio``): same URL, settings and errors."""
+    return _client(aioredis.Redis, AsyncSentinel, settings, url, options)
+
+
+def _client(client: Any, sentinel_class: Any, settings: Settings, url: str | None, options: dict[str, Any]) -> Any:
+    """The client of :func:`redis_client` made with redis-py's ``client`` class (``from_url``) or, on a
+    Sentinel URL, ``sentinel_class`` (``master_for``): the sync or the asyncio ones."""
     url = url or settings.redis_url
     if not url:
         raise ValueError("no Redis URL: set TESSERA_REDIS_URL")
     if not is_sentinel_url(url):
-        return aioredis.Redis.from_url(url, **options)
+        return client.from_url(url, **options)
     parsed = parse_sentinel_url(url)
-    sentinel = AsyncSentinel(
+    sentinel = sentinel_class(
         list(parsed.sentinels), sentinel_kwargs=_sentinel_kwargs(settings, options), **_master_options(parsed, options)
     )
     return sentinel.master_for(_master_name(settings))

@@ -53,6 +53,7 @@ error is recorded and ``on_job_failure`` runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -204,46 +205,41 @@ class JobTask(TesseraTask):
     #: again once the step ends. False (the default): nothing changes.
     pause_gc: bool = False
     #: True (the default): fair between tenants on its queue (:mod:`infra.fairness`, in place): the
-    #: lease statement also reads whether another tenant's job of :meth:`fair_group` waits, and only
+    #: lease statement also reads whether another tenant's job of :attr:`fair_group` waits, and only
     #: then a tenant holding at least two more runs of the group than a waiting tenant gives way: the
     #: run leases the waiting tenant's job instead and hands its own back. False: plain FIFO (a task
     #: with a rule of its own, such as ``reactors.run``).
     fair_between_tenants: bool = True
 
+    @functools.cached_property
     def fair_group(self) -> tuple[str, ...]:
         """The kinds this task shares fairness with, computed on first use in a process: the registered
         job tasks of its queue that are fair between tenants and whose lease is no longer than its own
         (a run in place of this one must end within this run's time limit)."""
-        group = self.__dict__.get("_fair_group_cache")
-        if group is None:
-            own, queue = self._job_lease(), queue_of(self.name)
-            group = tuple(
-                sorted(
-                    name
-                    for name, task in self.app.tasks.items()
-                    if isinstance(task, JobTask)
-                    and task.fair_between_tenants
-                    and queue_of(name) == queue
-                    and (task.lease_length() or own + 1) <= own
-                )
+        own, queue = self._job_lease(), queue_of(self.name)
+        return tuple(
+            sorted(
+                name
+                for name, task in self.app.tasks.items()
+                if isinstance(task, JobTask)
+                and task.fair_between_tenants
+                and queue_of(name) == queue
+                and (task.lease_length() or own + 1) <= own
             )
-            self.__dict__["_fair_group_cache"] = group
-        return group
+        )
 
     def lease_reads(self) -> dict[str, Any]:
         """What ``perform`` needs, read by the lease statement itself (:func:`infra.jobs.lease`):
         name -> scalar SQL expression over the job row; ``perform(job, inputs)`` gets their values."""
         return {}
 
+    @functools.cached_property
     def _lease_reads(self) -> dict[str, Any]:
         """:meth:`lease_reads`, built on a process's first run and kept (the same mapping each run, so
         :func:`infra.jobs.lease` reuses its prepared statement)."""
-        reads = self.__dict__.get("_lease_reads_cache")
-        if reads is None:
-            reads = self.lease_reads()
-            if self.fair_between_tenants:
-                reads = {**reads, _OTHERS_WAIT: fairness.others_wait(self.fair_group(), jobs.LEASE_NOW)}
-            self.__dict__["_lease_reads_cache"] = reads
+        reads = self.lease_reads()
+        if self.fair_between_tenants:
+            reads = {**reads, _OTHERS_WAIT: fairness.others_wait(self.fair_group, jobs.LEASE_NOW)}
         return reads
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> Any:
@@ -265,7 +261,7 @@ class JobTask(TesseraTask):
         message, another worker's lease, not due yet); raises Retry or :class:`AttemptFailed` after
         recording a retry or a failure."""
         leased = jobs.lease(
-            uuid.UUID(job_id), self.worker_id(), lease_seconds=self._job_lease(), reads=self._lease_reads()
+            uuid.UUID(job_id), self.worker_id(), lease_seconds=self._job_lease(), reads=self._lease_reads
         )
         if leased is None:
             return "skipped"
@@ -282,7 +278,7 @@ class JobTask(TesseraTask):
         task, job and inputs to run (the leased job's own when nobody is owed a turn, or the other job
         was taken meanwhile). A grouped count of the running jobs and a few index range probes."""
         assert job.tenant_id is not None and job.lease_owner is not None  # checked by run; set by its lease
-        owner, group, now = job.lease_owner, self.fair_group(), utcnow()
+        owner, group, now = job.lease_owner, self.fair_group, utcnow()
         with self.session_scope() as session:
             held = fairness.held_by_tenant(session, group, now=now)
             mine = held.get(job.tenant_id, 1)
@@ -297,7 +293,7 @@ class JobTask(TesseraTask):
             task = self.app.tasks.get(kind)
             if not isinstance(task, JobTask):
                 continue
-            other = jobs.lease(other_id, owner, lease_seconds=task._job_lease(), reads=task._lease_reads())
+            other = jobs.lease(other_id, owner, lease_seconds=task._job_lease(), reads=task._lease_reads)
             if other is None:
                 continue
             with self.session_scope() as session:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import orjson
-from sqlalchemy import JSON, LargeBinary, Table, create_engine, event, insert, inspect, update
+from sqlalchemy import JSON, LargeBinary, Table, create_engine, event, insert, inspect, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, CursorResult, Engine, Result
@@ -761,3 +761,29 @@ def rowcount(result: Result[Any]) -> int:
     """The rows an ``UPDATE`` or ``DELETE`` run by ``Session.execute`` changed (the session types its
     answer as a ``Result``; for those statements it is a ``CursorResult``, which counts them)."""
     return cast(CursorResult[Any], result).rowcount
+
+
+def name_transaction(session: OrmSession, name: str) -> None:
+    """Show ``name`` as the ``application_name`` of ``session``'s connection until its transaction
+    ends (``SET LOCAL``; PostgreSQL only, elsewhere nothing): :func:`others_at_work` leaves such
+    sessions out."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT set_config('application_name', :name, true)"), {"name": name})
+
+
+def others_at_work(session: OrmSession, leaving_out: str) -> int:
+    """How many other sessions of the database run a statement at this instant, leaving out
+    ``session``'s own and those named ``leaving_out`` (:func:`name_transaction`): a sign that
+    someone waits for the database. Always 0 on a database without ``pg_stat_activity``."""
+    if session.get_bind().dialect.name != "postgresql":
+        return 0
+    return int(
+        session.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND backend_type = 'client backend' AND state = 'active' "
+                "AND pid <> pg_backend_pid() AND application_name <> :leaving_out"
+            ),
+            {"leaving_out": leaving_out},
+        ).scalar_one()
+    )

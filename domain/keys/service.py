@@ -59,9 +59,10 @@ ROTATE_TASK = "keys.rotate"
 REWRAP_TASK = "keys.rewrap"
 ENTITY_TYPE = "key"
 RUNNING, COMPLETED = "running", "completed"
-#: Values re-sealed per transaction (the tenant's own writes of a row wait at most for one chunk's
-#: UPDATE and commit, a few tens of milliseconds).
-CHUNK = 5000
+#: Values re-sealed per transaction: the tenant's own writes of a row wait at most for one chunk's
+#: UPDATE and commit (about 10-20 ms), and a request that runs beside a chunk's write is held up by
+#: that much at most; as fast per value as chunks ten times larger (29,000 values/s on 300,000 tokens).
+CHUNK = 500
 #: Wrapped keys rewrapped per transaction.
 REWRAP_CHUNK = 200
 
@@ -325,10 +326,8 @@ def tenant_status(session: Session, tenant_id: uuid.UUID) -> dict:
     """``{"tenant_id", "active_version", "versions": [{"version", "state", "values", "destroyed_at"}],
     "rotation": {"status", "done", "total"} | None}``: ``values`` counts the sealed values under each
     version. Raises LookupError for an unknown tenant."""
-    # the rotation first: a rotation read as completed has destroyed the versions read after it
-    rotation = session.exec(
-        select(KeyRotation).where(KeyRotation.tenant_id == tenant_id).order_by(col(KeyRotation.created_at).desc())
-    ).first()
+    rotation = rotation_progress(session, tenant_id)  # first: a rotation read as completed has
+    # destroyed the versions read after it
     rows = session.exec(
         select(TenantDataKey).where(TenantDataKey.tenant_id == tenant_id).order_by(col(TenantDataKey.version))
     ).all()
@@ -356,10 +355,20 @@ def tenant_status(session: Session, tenant_id: uuid.UUID) -> dict:
             }
             for row in rows
         ],
-        "rotation": None
-        if rotation is None
-        else {"status": rotation.status, "done": rotation.done, "total": rotation.total, "version": rotation.version},
+        "rotation": rotation,
     }
+
+
+def rotation_progress(session: Session, tenant_id: uuid.UUID) -> dict | None:
+    """The tenant's latest rotation, ``{"status": "running"|"completed", "done", "total", "version"}``
+    (``done`` and ``total`` count sealed values), or None: one row read, what a wait for the rotation
+    polls (:func:`tenant_status` also counts every value of the tenant)."""
+    rotation = session.exec(
+        select(KeyRotation).where(KeyRotation.tenant_id == tenant_id).order_by(col(KeyRotation.created_at).desc())
+    ).first()
+    if rotation is None:
+        return None
+    return {"status": rotation.status, "done": rotation.done, "total": rotation.total, "version": rotation.version}
 
 
 def tenants_with_keys(session: Session) -> list[uuid.UUID]:

@@ -268,9 +268,13 @@ def keys_rotate(args: argparse.Namespace) -> int:
         time.sleep(1.0)
         for tenant_id in sorted(pending):
             with session_scope() as session:
-                rotation = service.tenant_status(session, tenant_id)["rotation"]
-            print(f"  tenant {tenant_id}: {rotation['done']} of {rotation['total']} ({rotation['status']})", flush=True)
-            if rotation["status"] == service.COMPLETED:
+                progress = service.rotation_progress(session, tenant_id)
+            if progress is None:  # the tenant was deleted meanwhile: its keys and rows are gone
+                print(f"  tenant {tenant_id}: deleted", flush=True)
+                pending.discard(tenant_id)
+                continue
+            print(f"  tenant {tenant_id}: {progress['done']} of {progress['total']} ({progress['status']})", flush=True)
+            if progress["status"] == service.COMPLETED:
                 pending.discard(tenant_id)
     print("rotation completed: the retiring versions are destroyed", flush=True)
     return 0

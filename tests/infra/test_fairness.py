@@ -82,7 +82,7 @@ def _cancel_leftovers(database):
     its own tenants' unfinished jobs (the flood left waiting, the runs "held by other workers", a job
     handed back) are cancelled: later tests expect no due work they did not make (the outbox relay
     would send it)."""
-    groups = {*noted.fair_group(), *WebhookDisabledMail().fair_group()}
+    groups = {*noted.fair_group, *WebhookDisabledMail().fair_group}
     _cancel(Job.kind.in_(groups), Job.tenant_id.is_not(None))
     TENANTS.clear()
     yield
@@ -169,12 +169,12 @@ def test_a_tenant_that_holds_nothing_goes_first(database):
 
 
 def test_the_groups_are_the_fair_job_kinds_of_each_queue():
-    provider = Provision().fair_group()
+    provider = Provision().fair_group
     assert {"network_tokens.provision", "network_tokens.cryptogram", "agentic.enroll_rail"} <= set(provider)
     assert all(kind.split(".")[0] in ("network_tokens", "agentic", "wallets", "enrichments") for kind in provider)
-    assert {InvitationMail.name, WebhookDisabledMail.name} <= set(WebhookDisabledMail().fair_group())
-    assert "account_updater.process_chunk" in ProcessChunk().fair_group()
-    assert "reactors.run" not in celery_app.tasks["reactors.build"].fair_group()
+    assert {InvitationMail.name, WebhookDisabledMail.name} <= set(WebhookDisabledMail().fair_group)
+    assert "account_updater.process_chunk" in ProcessChunk().fair_group
+    assert "reactors.run" not in celery_app.tasks["reactors.build"].fair_group
 
 
 def test_a_waiting_tenants_mail_goes_out_in_place_of_a_flooders(database):
