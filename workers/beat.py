@@ -20,6 +20,8 @@ connection closes; within about 25 s when its whole host vanishes) and a standby
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from collections.abc import Callable
 
 from celery.beat import PersistentScheduler
@@ -85,6 +87,21 @@ def beat_state() -> str:
     return _state["value"]
 
 
+def record_beat_heartbeat() -> None:
+    """Beat's heartbeats: ``beat:<host>:<pid>`` with its state (``active`` or ``standby``) for every
+    beat process, and ``beat`` from the active one (what ``tessera queues`` calls beat alive by).
+    Recorded every :data:`infra.ops.HEARTBEAT_SECONDS` by a thread (``workers/signals.py``) and at
+    once when this process turns active, so beat shows alive from its first scheduling tick on."""
+    state = beat_state()
+    try:
+        settings = get_settings()
+        ops.record_heartbeat(settings, f"beat:{socket.gethostname()}:{os.getpid()}", state=state)
+        if state == "active":
+            ops.record_heartbeat(settings, "beat", state=state)
+    except Exception:
+        log.warning("could not record beat's heartbeat", exc_info=True)
+
+
 class Scheduler(PersistentScheduler):
     """Celery's persistent scheduler, sending a gated entry only when :func:`has_work` says so, and
     only while this process holds the ``beat`` leader lock (a standby ticks without sending)."""
@@ -102,8 +119,9 @@ class Scheduler(PersistentScheduler):
             _state["value"] = "standby"
             return STANDBY_POLL_SECONDS
         if _state["value"] != "active":
+            _state["value"] = "active"
+            record_beat_heartbeat()  # alive now, not at the heartbeat thread's next turn
             log.info("beat: active, holding the scheduler lock")
-        _state["value"] = "active"
         return super().tick(*args, **kwargs)
 
     def close(self):

@@ -17,8 +17,6 @@ Imported by ``workers/celery_app.py``, so every process using the Celery app has
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
@@ -31,7 +29,7 @@ from infra import logs, metrics, ops, tracing
 from infra.celery import TENANT_HEADER, TRACE_HEADER
 from storage.db import session_scope
 from storage.models import Job
-from workers.beat import beat_state
+from workers.beat import record_beat_heartbeat
 
 log = logging.getLogger("tessera.workers")
 
@@ -49,19 +47,6 @@ def _heartbeat(name: str) -> None:
         ops.record_heartbeat(get_settings(), name)
     except Exception:
         log.warning("could not record the %s heartbeat", name, exc_info=True)
-
-
-def _beat_heartbeat() -> None:
-    """Beat's heartbeats: ``beat:<host>:<pid>`` with its state (``active`` or ``standby``) for every
-    beat process, and ``beat`` from the active one (what ``tessera queues`` calls beat alive by)."""
-    state = beat_state()
-    try:
-        settings = get_settings()
-        ops.record_heartbeat(settings, f"beat:{socket.gethostname()}:{os.getpid()}", state=state)
-        if state == "active":
-            ops.record_heartbeat(settings, "beat", state=state)
-    except Exception:
-        log.warning("could not record beat's heartbeat", exc_info=True)
 
 
 def start_heartbeat(name: str, record: Callable[[], None] | None = None) -> threading.Thread:
@@ -91,7 +76,7 @@ def _beat_started(sender=None, **_kwargs) -> None:
     if sender is not None:
         sender.app.conf.task_send_sent_event = False
     tracing.configure("beat")
-    start_heartbeat("beat", _beat_heartbeat)
+    start_heartbeat("beat", record_beat_heartbeat)
 
 
 # ---- task runs -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from infra.ops import HEARTBEAT_SECONDS
 from storage.leader import LeaderLock
 from tests.helpers import wait_until
 
@@ -84,3 +85,14 @@ def test_on_the_embedded_database_the_leader_lock_is_a_file_lock(tmp_path):
     finally:
         one.release()
         two.release()
+
+
+def test_beat_shows_alive_as_soon_as_it_schedules(platform, tmp_path):
+    """``tessera queues`` calls beat alive once the active beat has written its heartbeat: it does at
+    its first scheduling tick, not up to a heartbeat interval later (a beat that had just started
+    answered ``alive: false`` while it was already relaying)."""
+    beat = platform.start("beat", "beat", extra_env={"TESSERA_DATA_DIR": str(tmp_path / "host")})
+    wait_until(lambda: "active, holding the scheduler lock" in beat.output(), timeout=60, interval=0.1)
+    answer = json.loads(platform.run("queues", "--json", "--timeout", "0.5").stdout)
+    assert answer["beat"]["alive"], answer["beat"]
+    assert answer["beat"]["heartbeat_age_seconds"] < HEARTBEAT_SECONDS / 2, answer["beat"]
