@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
-from sqlalchemy import ColumnElement, Update, bindparam, or_, select, update
+from sqlalchemy import ColumnElement, Date, Update, bindparam, or_, select, update
 from sqlmodel import Session, col
 
 from infra import wait
@@ -253,6 +253,13 @@ def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
 
 #: The time of a lease, a bind parameter its statement's reads may use (:func:`lease` binds it).
 LEASE_NOW = bindparam("lease_now", type_=_JOBS.c.updated_at.type)
+#: The calendar month (UTC) of that time, as its first day: a bind parameter reads may use as well.
+LEASE_MONTH = bindparam("lease_month", type_=Date())
+
+
+def _moment(now: dt.datetime) -> dict[str, Any]:
+    """The values of :data:`LEASE_NOW` and :data:`LEASE_MONTH` for a lease taken at ``now`` (UTC)."""
+    return {LEASE_NOW.key: now, LEASE_MONTH.key: dt.date(now.year, now.month, 1)}
 
 
 class _PreparedLease:
@@ -277,8 +284,8 @@ class _PreparedLease:
         """The bind values taking ``job_id`` for ``owner`` now, for ``lease_seconds``."""
         now = utcnow()
         return {
+            **_moment(now),
             "lease_job_id": job_id,
-            "lease_now": now,
             "lease_due_by": now + dt.timedelta(seconds=1),
             "lease_owner_name": owner,
             "lease_expires": now + dt.timedelta(seconds=lease_seconds),
@@ -386,7 +393,7 @@ def _lease_in(
     labelled = [expression.label(prepared.labels[name]) for name, expression in prepared.reads.items()]
     if not labelled:
         return taken, {}
-    values = session.execute(select(*labelled).where(col(Job.id) == job_id), {LEASE_NOW.key: now}).mappings().one()
+    values = session.execute(select(*labelled).where(col(Job.id) == job_id), _moment(now)).mappings().one()
     return taken, {name: values[prepared.labels[name]] for name in prepared.reads}
 
 

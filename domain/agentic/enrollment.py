@@ -47,7 +47,7 @@ from domain.agentic.payment_methods import (
     settle_rail,
     tenant_type,
 )
-from domain.tenancy.usage import record_token_activity_unflushed
+from domain.tenancy.usage import activity_recorded, record_token_activity_unflushed
 from domain.tokens.store import live_token_reads, open_token_data
 from infra import jobs
 from infra.errors import Problem
@@ -112,8 +112,9 @@ def _of_rail(column):
 
 def enrollment_reads() -> dict[str, Any]:
     """What an enrollment job needs, read by its lease statement (:func:`infra.jobs.lease`):
-    the rail, its payment method, the tenant's type and the payment method's card token (live or
-    None, see :func:`domain.tokens.store.live_token_reads`); no transaction of its own."""
+    the rail, its payment method, the tenant's type, the payment method's card token (live at the
+    lease's time or None, see :func:`domain.tokens.store.live_token_reads`) and whether that token
+    already counts as active this month (``token_active``); no transaction of its own."""
     pm_id = _of_rail(PaymentMethodRail.payment_method_id)
 
     def of_pm(column):
@@ -134,7 +135,8 @@ def enrollment_reads() -> dict[str, Any]:
         "tenant_id": tenant_id,
         "tenant_type": select(Tenant.type).where(Tenant.id == tenant_id).scalar_subquery(),
     }
-    reads.update(live_token_reads(tenant_id, token_id))
+    reads.update(live_token_reads(tenant_id, token_id, jobs.LEASE_NOW))
+    reads["token_active"] = activity_recorded(tenant_id, token_id, jobs.LEASE_MONTH)
     return reads
 
 
@@ -200,7 +202,8 @@ def _enroll(job: Job, target: _Target, data: dict, settings: Settings) -> Enroll
 
 def perform_enrollment_read(job: Job, read: dict, settings: Settings) -> Enrollment | Stale:
     """:func:`perform_enrollment` with what the lease statement read (:func:`enrollment_reads`): no
-    read transaction; the card token's activity is counted in one statement not waiting for the
+    read transaction; the card token's activity is counted, unless the lease read it as counted this
+    month already (the create that recorded the job counted it), in one statement not waiting for the
     WAL flush (the job's outcome or failure commit makes it durable). Raises as
     :func:`perform_enrollment`."""
     target = _target_read(job, read)
@@ -221,7 +224,8 @@ def perform_enrollment_read(job: Job, read: dict, settings: Settings) -> Enrollm
         data = checked_card(read["token_type"], data)
     except Problem as problem:
         raise EnrollmentFailed("INVALID_TOKEN", problem.detail or "the card token is not readable") from None
-    record_token_activity_unflushed(target.tenant_id, [target.token_id])
+    if not read["token_active"]:
+        record_token_activity_unflushed(target.tenant_id, [target.token_id])
     return _enroll(job, target, data, settings)
 
 

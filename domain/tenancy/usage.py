@@ -13,8 +13,9 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
-from sqlalchemy import func, or_, union
+from sqlalchemy import ColumnElement, exists, func, or_, union
 from sqlmodel import Session, col, select
 
 from domain.tenancy import audit
@@ -58,6 +59,14 @@ def record_token_activity_unflushed(
     rows = Rows()
     stage_token_activity(rows, tenant_id, token_ids, now=now)
     insert_rows_unflushed(rows)
+
+
+def activity_recorded(tenant_id: Any, token_id: Any, month: Any) -> ColumnElement[bool]:
+    """Whether token ``token_id`` of ``tenant_id`` already counts as active in ``month`` (the first day
+    of a calendar month in UTC): an ``EXISTS`` over the activity rows' primary key, each argument a
+    value or an SQL expression (e.g. a lease statement's read, with ``month`` its
+    :data:`infra.jobs.LEASE_MONTH`), so that a job skips a write that would change nothing."""
+    return exists().where(_TABLE.c.tenant_id == tenant_id, _TABLE.c.month == month, _TABLE.c.token_id == token_id)
 
 
 def stage_token_activity(

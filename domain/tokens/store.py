@@ -118,8 +118,9 @@ class NewToken:
         return dict(zip(_COLUMN_NAMES, _ATTRIBUTES(self), strict=True))
 
 
-def live(now: dt.datetime) -> ColumnElement[bool]:
-    """The condition of a live token: no ``expires_at``, or one after ``now``."""
+def live(now: dt.datetime | ColumnElement[dt.datetime]) -> ColumnElement[bool]:
+    """The condition of a live token: no ``expires_at``, or one after ``now`` (a time, or an SQL
+    expression of one such as a lease statement's :data:`infra.jobs.LEASE_NOW`)."""
     return or_(col(Token.expires_at).is_(None), col(Token.expires_at) > now)
 
 
@@ -155,13 +156,15 @@ def open_token_data(
     return data
 
 
-def live_token_reads(tenant_id: Any, token_id: Any, *, now: dt.datetime | None = None) -> dict[str, Any]:
+def live_token_reads(tenant_id: Any, token_id: Any, now: ColumnElement[dt.datetime]) -> dict[str, Any]:
     """What :func:`open_token_data` needs of the live token ``token_id`` of ``tenant_id`` (both SQL
     expressions, e.g. over a job row), as scalar subqueries for a lease statement
     (:func:`infra.jobs.lease`): ``token_type``, ``token_data_ct``, ``token_cvc_expires_at``
-    (each None when the token is missing or expired). Like ``domain.tokens.service.load_token_data``,
-    no permission check and no log row; the caller also counts the token's activity."""
-    where = (Token.tenant_id == tenant_id, Token.id == token_id, live(now or utcnow()))
+    (each None when the token is missing or expired at ``now``: the statement's own time, such as
+    :data:`infra.jobs.LEASE_NOW`, never a time fixed when the reads were built, since a worker builds
+    them once and keeps them). Like ``domain.tokens.service.load_token_data``, no permission check and
+    no log row; the caller also counts the token's activity."""
+    where = (Token.tenant_id == tenant_id, Token.id == token_id, live(now))
     return {
         f"token_{name}": select(getattr(Token, name)).where(*where).scalar_subquery()
         for name in ("type", "data_ct", "cvc_expires_at")

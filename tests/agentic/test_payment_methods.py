@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 import threading
 import time
 import uuid
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import delete, update
+from sqlmodel import col, select
 
 from domain.webhooks.events import EVENT_TYPES
 from providers import agentic_http as providers
 from storage.db import session_scope
+from storage.models import Job, Token
 from storage.models_agentic import OperationLease, PaymentMethod
+from storage.models_tenancy import TokenActivity
+from storage.states import JobStatus
+from storage.types import utcnow
 from tests.factories.agentic import (
     AMEX,
     BASE,
@@ -211,6 +217,90 @@ def test_each_rail_outcome_is_written_in_one_statement(tenant):
         assert "UPDATE agentic_payment_method_rails" in statement and "UPDATE jobs" in statement
     with session_scope() as session:
         assert session.get(OperationLease, answer.json["id"]) is None  # the last rail released it
+
+
+def _activity_writes(statements: list[str]) -> int:
+    return sum(bool(re.search(r'INSERT INTO "?token_activity', statement)) for statement in statements)
+
+
+def test_a_card_token_counted_this_month_is_not_counted_again_by_its_rail_jobs(tenant):
+    """The create counts the card token's activity with its own rows; each rail job's lease reads
+    that it counts already and writes nothing more (one statement fewer per rail)."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    token_id = card_token(tenant.client, VISA)
+    seen: list[str] = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        seen.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", record)  # every engine: the api's, the lease engine
+    try:
+        answer = create(tenant.client, token_id)
+    finally:
+        event.remove(Engine, "before_cursor_execute", record)
+    assert answer.status == 201
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert [job.status for job in jobs_of(answer.json["id"])] == ["succeeded", "succeeded"]
+    assert _activity_writes(seen) == 1  # the create's, in its one statement
+
+
+def test_a_rail_job_counts_a_card_token_not_yet_counted_this_month(tenant):
+    """A retry in a month where the token was not yet counted (here: its rows removed): the rail job
+    counts it."""
+    pm = created(tenant.client, FAILS_ON_CREATE)
+    tenant_id = rail_rows(pm["id"])[0].tenant_id
+    with session_scope() as session:
+        session.execute(delete(TokenActivity).where(col(TokenActivity.tenant_id) == tenant_id))
+    answer = retry(tenant.client, pm["id"])
+    assert answer.status == 200, answer
+    with session_scope() as session:
+        counted = session.exec(select(TokenActivity).where(TokenActivity.tenant_id == tenant_id)).all()
+    assert [(row.token_id, row.month) for row in counted] == [
+        (pm["source"]["token_id"], dt.date.today().replace(day=1))
+    ]
+
+
+def test_enrollment_reads_judge_the_card_token_at_each_lease(tenant):
+    """A worker builds its lease reads once and keeps them: a card token that expires after they were
+    built reads as gone at the next lease (its time, not the time the reads were built)."""
+    from domain.agentic.enrollment import enrollment_reads
+    from infra import jobs as job_protocol
+    from infra.dispatch import take_pending
+
+    pm = created(tenant.client, VISA)
+    reads = enrollment_reads()  # built now, kept for every lease below
+    rail = rail_rows(pm["id"])[0]
+
+    def lease() -> dict:
+        with session_scope() as session:
+            job = job_protocol.record(
+                session,
+                kind="agentic.enroll_rail",
+                tenant_id=rail.tenant_id,
+                subject_type="rail",
+                subject_id=str(rail.id),
+                trace_id=None,
+            )
+            take_pending(session)  # no message: the test takes the lease itself
+        leased = job_protocol.lease(job.id, "tests:owner", lease_seconds=5, reads=reads)
+        assert leased is not None
+        with session_scope() as session:
+            job_protocol.settle(session, session.get(Job, job.id), JobStatus.SUCCEEDED, result={})
+        return leased[1]
+
+    first = lease()
+    assert (first["token_type"], first["token_active"]) == ("card", True)
+    with session_scope() as session:
+        session.execute(
+            update(Token)
+            .where(Token.id == pm["source"]["token_id"])
+            .values(expires_at=utcnow() + dt.timedelta(seconds=0.5))
+        )
+    time.sleep(0.7)
+    later_read = lease()
+    assert (later_read["token_type"], later_read["token_data_ct"]) == (None, None)
 
 
 def test_a_create_whose_rails_all_settled_answers_without_a_lock(tenant, monkeypatch):
