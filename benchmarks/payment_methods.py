@@ -21,10 +21,15 @@ References, measured in the same run by the same number of threads, the three al
   call, its answer once the job settles): a payment method should cost no more than its slowest rail,
   that is about one network token.
 
+With one client each round also times ``--creates`` / 4 rail retries (at least 20): payment methods
+of the card 4000000000003022 (SANDBOX.md: ``vic`` fails at every create, a retry enables it) are made
+first, untimed, then ``POST /agentic/payment-methods/{id}/rails/retry`` of ``vic`` is timed for each,
+one job and one provider call like a network token; every answer must be 200 with both rails enabled.
+
 Medians over the rounds are printed with the ratios of the p50 latencies (goals with one client,
 issue 25: payment method / round trip at most 3.5, payment method / network token at most 1.3,
-network token / round trip at most 3.0) and creates per second beside round trips per second (the
-capacity at 32 clients). Run from the repository root::
+network token / round trip and rail retry / round trip at most 3.0) and creates per second beside
+round trips per second (the capacity at 32 clients). Run from the repository root::
 
     .venv/bin/python benchmarks/payment_methods.py [--clients 1,32] [--creates 400] [--rounds 3]
 """
@@ -50,9 +55,12 @@ from benchmarks import common
 ROUNDTRIP_URL = os.environ.get("BENCH_ROUNDTRIP_URL", common.DEFAULT_REDIS_URL)
 ROUNDTRIP_QUEUE = "bench-roundtrip"
 VISA = "4242424242424242"
+#: SANDBOX.md: ``vic`` fails with PROVIDER_ENROLLMENT_FAILED at every create, and a retry enables it.
+FAILS_ON_CREATE = "4000000000003022"
 WARMUP = 20
 PLATFORM, NETWORK_TOKEN, ROUNDTRIP = "payment method creates", "network-token creates", "Celery round trips"
-#: The goals of issue 25 (one client): p50 ratios.
+RETRY = "rail retries"
+#: The goals of issue 25 (one client): p50 ratios (a rail retry's is the network token's).
 GOAL_PM_TRIP, GOAL_PM_NT, GOAL_NT_TRIP = 3.5, 1.3, 3.0
 
 #: The reference app: the same broker, a Redis result backend, the platform's reliability settings.
@@ -188,6 +196,36 @@ def run_network_tokens(args, client: Client, clients: int, round_no: int, count:
     return _timed_calls(NETWORK_TOKEN, clients, round_no, count or args.creates, one, meter)
 
 
+def run_retries(args, client: Client, token_id: str, round_no: int, count: int | None = None, meter=None) -> Run:
+    """``count`` rail retries by one client, each of its own payment method: the payment methods are
+    made first, untimed (the card token ``token_id`` of :data:`FAILS_ON_CREATE`, so ``vic`` is in
+    error), then each ``POST .../rails/retry`` of ``vic`` is timed; each answer checked (200, both
+    rails enabled)."""
+    count = count or max(WARMUP, args.creates // 4)
+    body = {"source": {"type": "svc_card_token", "token_id": token_id}, "consumer": {"email": "bench@example.com"}}
+
+    def make() -> str | None:
+        status, answer = client.post("/agentic/payment-methods", body)
+        failed = status == 201 and [r["status"] for r in answer["rails"]] == ["error", "enabled"]
+        return answer["id"] if failed else None
+
+    with ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(lambda _: make(), range(count)))
+    ids = iter(made)
+    retry = {"rail": "agentic-token", "provider": "vic"}
+
+    def one():
+        pm_id = next(ids)
+        if pm_id is None:
+            return 0.0, False
+        started = time.perf_counter()
+        status, answer = client.post(f"/agentic/payment-methods/{pm_id}/rails/retry", retry)
+        elapsed = time.perf_counter() - started
+        return elapsed, status == 200 and [r["status"] for r in answer["rails"]] == ["enabled", "enabled"]
+
+    return _timed_calls(RETRY, 1, round_no, count, one, meter)
+
+
 def run_roundtrip(args, clients: int, round_no: int, count: int | None = None, meter=None) -> Run:
     """``count`` ``apply_async().get()`` round trips sent by ``clients`` threads."""
 
@@ -265,6 +303,26 @@ def report(runs: list[Run]) -> list[common.Figure] | None:
             medians[ROUNDTRIP],
         )
         one = level == 1
+        retries = [r for r in runs if r.variant == RETRY and r.clients == level]
+        retry_rows = []
+        if retries:
+            retry_p50 = common.median(r.ms(50) for r in retries)
+            retry_p99 = common.median(r.ms(99) for r in retries)
+            retry_rows = [
+                ("rail retry p50 / p99 ms (1 client)", f"{retry_p50:.2f} / {retry_p99:.2f}"),
+                (f"p50 ratio rail retry / round trip (goal <= {GOAL_NT_TRIP})", common.ratio(retry_p50, trip_p50)),
+            ]
+            figures.append(
+                common.Figure(
+                    "payment_methods",
+                    "rail retry p50 (one rail), 1 client",
+                    retry_p50,
+                    "ms",
+                    "Celery round trip",
+                    trip_p50,
+                    f"ratio ≤ {GOAL_NT_TRIP}",
+                )
+            )
         common.print_table(
             f"Medians over {args_rounds(runs, level)} rounds, {level} client{'s' if level > 1 else ''}",
             ("figure", "value"),
@@ -289,6 +347,7 @@ def report(runs: list[Run]) -> list[common.Figure] | None:
                     f"p50 ratio network token / round trip{f' (goal <= {GOAL_NT_TRIP})' if one else ''}",
                     common.ratio(nt_p50, trip_p50),
                 ),
+                *retry_rows,
             ],
         )
         clients = f"{level} client{'s' if level > 1 else ''}"
@@ -315,7 +374,9 @@ def report(runs: list[Run]) -> list[common.Figure] | None:
                 "payment_methods", f"creates/s (2 rails), {clients}", pm_rate, "/s", "Celery round trips", trip_rate
             ),
         ]
-    failures = {variant: sum(r.failures for r in runs if r.variant == variant) for variant in (PLATFORM, NETWORK_TOKEN)}
+    failures = {
+        variant: sum(r.failures for r in runs if r.variant == variant) for variant in (PLATFORM, NETWORK_TOKEN, RETRY)
+    }
     common.print_table(
         "Checks",
         ("check", "result"),
@@ -327,6 +388,10 @@ def report(runs: list[Run]) -> list[common.Figure] | None:
             (
                 "every network-token create answered 201 active",
                 "ok" if not failures[NETWORK_TOKEN] else f"FAILED ({failures[NETWORK_TOKEN]})",
+            ),
+            (
+                "every rail retry answered 200 with both rails enabled",
+                "ok" if not failures[RETRY] else f"FAILED ({failures[RETRY]})",
             ),
         ],
     )
@@ -394,6 +459,18 @@ def main(argv: list[str] | None = None) -> int:
                     },
                 )
                 assert status == 201, token
+                status, failing = client.post(
+                    "/tokens",
+                    {
+                        "type": "card",
+                        "data": {
+                            "number": FAILS_ON_CREATE,
+                            "expiration_month": 12,
+                            "expiration_year": time.gmtime().tm_year + 3,
+                        },
+                    },
+                )
+                assert status == 201, failing
                 platform_meter = meter_for({"api": api, "worker": worker, "sandbox": sandbox})
                 reference_meter = meter_for({"worker": reference_worker})
                 for level in args.levels:
@@ -418,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
                             f"{level} clients, round {round_no}: {runs[-1].per_second:,.1f} payment methods/s",
                             flush=True,
                         )
+                        if level == 1:  # the goal is one client's; each retry needs a payment method of its own
+                            runs.append(run_retries(args, client, failing["id"], round_no, meter=platform_meter))
+                            print(f"1 client, round {round_no}: {runs[-1].per_second:,.1f} rail retries/s", flush=True)
         except KeyboardInterrupt:
             print("interrupted; children stopped", file=sys.stderr)
             return 130
