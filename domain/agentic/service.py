@@ -55,7 +55,7 @@ from infra.errors import Problem
 from infra.wait import Outcome
 from providers.agentic import DISPLAY_FIELDS
 from providers.agentic_http import provider_for
-from storage.db import Rows, insert_rows, read_all, row_of
+from storage.db import Rows, insert_rows, read_all, row_of, stage_changes
 from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
@@ -371,7 +371,10 @@ def _blocked(session: Session, pm: PaymentMethod) -> Problem | None:
 def start_retry(
     session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, settings: Settings, owner: str
 ) -> Started:
-    """``POST .../rails/retry``, the recording part: checks, then one enrollment job (``retry``).
+    """``POST .../rails/retry``, the recording part: checks, then one enrollment job (``retry``):
+    after the reads (the payment method locked, its rails, its lease, the card token), the lease taken
+    in one statement, the job with the token's activity and the log row in another, the rail's change
+    in a third just before the commit.
 
     The pair is already known valid. Raises, in this order, 404 ``PAYMENT_METHOD_NOT_FOUND``, 400
     ``PAYMENT_METHOD_DELETED``, 400 ``RAIL_NOT_FOUND``, 409 ``PAYMENT_METHOD_OPERATION_IN_PROGRESS``
@@ -396,18 +399,8 @@ def start_retry(
             session, pm, target, status=RailStatus.ERROR, error_code="PROVIDER_NOT_CONFIGURED", trace_id=caller.trace_id
         )
         return Started(pm.id, (), failure="PROVIDER_NOT_CONFIGURED")
-    card_source(session, caller.tenant_id, pm.token_id)
-    job = jobs.record(
-        session,
-        kind=ENROLL_TASK,
-        tenant_id=caller.tenant_id,
-        subject_type="rail",
-        subject_id=str(target.id),
-        trace_id=caller.trace_id,
-        max_attempts=ENROLL_MAX_ATTEMPTS,
-    )
-    target.job_id, target.operation_id, target.attempt = job.id, owner, "retry"
-    session.add(target)
+    rows = Rows()  # the job, the token's activity and the log row in one statement
+    card_source(session, caller.tenant_id, pm.token_id, rows=rows)
     leases.acquire(
         session,
         tenant_id=caller.tenant_id,
@@ -416,7 +409,20 @@ def start_retry(
         owner=owner,
         seconds=settings.operation_lease_seconds,
     )
-    audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="update")
+    job = jobs.record(
+        session,
+        rows=rows,
+        kind=ENROLL_TASK,
+        tenant_id=caller.tenant_id,
+        subject_type="rail",
+        subject_id=str(target.id),
+        trace_id=caller.trace_id,
+        max_attempts=ENROLL_MAX_ATTEMPTS,
+    )
+    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="update")
+    insert_rows(session, rows)
+    target.job_id, target.operation_id, target.attempt = job.id, owner, "retry"
+    stage_changes(session, target)  # the rail's one UPDATE, sent just before the commit
     return Started(pm.id, (job.id,))
 
 

@@ -400,6 +400,30 @@ def test_a_failed_rail_is_enabled_by_a_retry_which_backfills_the_display(tenant)
     ) == 2
 
 
+def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(tenant, monkeypatch):
+    """The retry's recording: the job, the card token's activity of the month and the log row go out
+    as one insert (the lease has its own statement, the rail's change goes out just before the
+    commit); the retried rail is enabled."""
+    from domain.agentic import service
+
+    pm = created(tenant.client, FAILS_ON_CREATE)
+    written = []
+    insert_rows = service.insert_rows
+
+    def insert(session, rows):
+        written.append(sorted(table.name for (table, _), batch in rows.tables.items() if batch))
+        insert_rows(session, rows)
+
+    monkeypatch.setattr(service, "insert_rows", insert)
+    answer = retry(tenant.client, pm["id"])
+    assert answer.status == 200, answer
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert written == [["audit_logs", "jobs", "token_activity"]]
+    retried = [job for job in jobs_of(pm["id"]) if job.status == "succeeded"]
+    assert len(retried) == 2  # the create's psp job and the retry's vic job
+    assert {rail.provider: rail.attempt for rail in rail_rows(pm["id"])} == {"vic": "retry", "psp": "create"}
+
+
 def test_a_retry_that_enables_its_rail_answers_from_one_read(tenant, monkeypatch):
     """The retry's job settled with the rail enabled: the answer is read outside any transaction
     (``settled_view``), as for a create whose rails all settled; it is the object a read answers."""
