@@ -2,8 +2,8 @@
 creates, sent through a load balancer in front of the two api hosts, every role is restarted one host at a
 time with SIGTERM to its main process, as ``docker stop`` and Kubernetes send it (the api on host 1, then
 on host 2, the worker on host 2, then on host 3, beat). No request fails, every job ends, nothing is done
-twice: each event is delivered once (the platform's own attempt log shows one attempt each), the card
-network holds one network token per create.
+twice: each event is delivered once (a repeat only after an attempt that failed without an answer,
+as the platform's own attempt log shows), the card network holds one network token per create.
 
 The balancer (``tests/factories/hosts.py``) sends each connection to the api hosts in turn and skips one
 that refuses the connection, as a load balancer's passive health check does; the clients open a connection
@@ -65,8 +65,23 @@ def test_each_role_restarts_one_host_at_a_time_under_load_without_a_failed_reque
     tokens = set(seeds) | set(load.tokens)
     wait_until(lambda: tokens <= _delivered(receiver), timeout=120, interval=0.5)
     ids = Counter(r.headers["webhook-id"] for r in receiver.received)
-    again = [webhook_id for webhook_id, count in ids.items() if count > 1]
     outcomes = cluster.sql("SELECT outcome, error, count(*) AS attempts FROM webhook_attempts GROUP BY 1, 2")
+    # A delivery whose attempt failed without an answer (a timeout on a loaded machine) may have
+    # reached the receiver anyway and is rightly sent again with the same ``webhook-id`` (receivers
+    # drop repeats by it): received once per recorded attempt at most. Any other repeat is a
+    # delivery done twice.
+    attempts = {
+        f"msg_{row['delivery_id'].hex}": (row["attempts"], row["failed"])
+        for row in cluster.sql(
+            "SELECT delivery_id, count(*) AS attempts, count(*) FILTER (WHERE outcome <> 'success') AS failed "
+            "FROM webhook_attempts GROUP BY delivery_id"
+        )
+    }
+    again = [
+        webhook_id
+        for webhook_id, count in ids.items()
+        if count > 1 and not (attempts.get(webhook_id, (0, 0))[1] >= 1 and count <= attempts[webhook_id][0])
+    ]
     assert again == [], f"{len(again)} deliveries sent more than once; attempts: {outcomes}"
     assert len(ids) == len(tokens)
 
