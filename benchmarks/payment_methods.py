@@ -148,6 +148,24 @@ class Client:
         return answer.status, json.loads(answer.data) if answer.data else None
 
 
+def card_token(client: Client, number: str) -> str:
+    """``POST /tokens`` of a card ``number`` (expiring in three years); its id (asserting 201)."""
+    data = {"number": number, "expiration_month": 12, "expiration_year": time.gmtime().tm_year + 3}
+    status, token = client.post("/tokens", {"type": "card", "data": data})
+    assert status == 201, token
+    return token["id"]
+
+
+def create_body(token_id: str) -> dict:
+    """The body of ``POST /agentic/payment-methods`` for the card token ``token_id``."""
+    return {"source": {"type": "svc_card_token", "token_id": token_id}, "consumer": {"email": "bench@example.com"}}
+
+
+def rail_statuses(answer: dict) -> list[str]:
+    """The status of each rail of a payment method answer, in order."""
+    return [rail["status"] for rail in answer["rails"]]
+
+
 def _timed_calls(variant: str, clients: int, round_no: int, count: int, one, meter: common.CpuMeter | None) -> Run:
     """``count`` calls of ``one()`` (-> ``(seconds, ok)``) by ``clients`` threads, each timed."""
     if meter:
@@ -171,13 +189,13 @@ def run_platform(
     args, client: Client, token_id: str, clients: int, round_no: int, count: int | None = None, meter=None
 ) -> Run:
     """``count`` payment method creates sent by ``clients`` threads; each answer checked."""
-    body = {"source": {"type": "svc_card_token", "token_id": token_id}, "consumer": {"email": "bench@example.com"}}
+    body = create_body(token_id)
 
     def one():
         started = time.perf_counter()
         status, answer = client.post("/agentic/payment-methods", body)
         elapsed = time.perf_counter() - started
-        return elapsed, status == 201 and [r["status"] for r in answer["rails"]] == ["enabled", "enabled"]
+        return elapsed, status == 201 and rail_statuses(answer) == ["enabled", "enabled"]
 
     return _timed_calls(PLATFORM, clients, round_no, count or args.creates, one, meter)
 
@@ -202,11 +220,11 @@ def run_retries(args, client: Client, token_id: str, round_no: int, count: int |
     error), then each ``POST .../rails/retry`` of ``vic`` is timed; each answer checked (200, both
     rails enabled)."""
     count = count or max(WARMUP, args.creates // 4)
-    body = {"source": {"type": "svc_card_token", "token_id": token_id}, "consumer": {"email": "bench@example.com"}}
+    body = create_body(token_id)
 
     def make() -> str | None:
         status, answer = client.post("/agentic/payment-methods", body)
-        failed = status == 201 and [r["status"] for r in answer["rails"]] == ["error", "enabled"]
+        failed = status == 201 and rail_statuses(answer) == ["error", "enabled"]
         return answer["id"] if failed else None
 
     with ThreadPoolExecutor(8) as pool:
@@ -221,7 +239,7 @@ def run_retries(args, client: Client, token_id: str, round_no: int, count: int |
         started = time.perf_counter()
         status, answer = client.post(f"/agentic/payment-methods/{pm_id}/rails/retry", retry)
         elapsed = time.perf_counter() - started
-        return elapsed, status == 200 and [r["status"] for r in answer["rails"]] == ["enabled", "enabled"]
+        return elapsed, status == 200 and rail_statuses(answer) == ["enabled", "enabled"]
 
     return _timed_calls(RETRY, 1, round_no, count, one, meter)
 
@@ -451,33 +469,14 @@ def main(argv: list[str] | None = None) -> int:
                 common.wait_http(f"http://127.0.0.1:{sandbox_port}/health", sandbox)
                 common.wait_http(f"http://127.0.0.1:{api_port}/openapi.json", api)
                 client = Client(f"http://127.0.0.1:{api_port}", tenant.api_key, max(args.levels))
-                status, token = client.post(
-                    "/tokens",
-                    {
-                        "type": "card",
-                        "data": {"number": VISA, "expiration_month": 12, "expiration_year": time.gmtime().tm_year + 3},
-                    },
-                )
-                assert status == 201, token
-                status, failing = client.post(
-                    "/tokens",
-                    {
-                        "type": "card",
-                        "data": {
-                            "number": FAILS_ON_CREATE,
-                            "expiration_month": 12,
-                            "expiration_year": time.gmtime().tm_year + 3,
-                        },
-                    },
-                )
-                assert status == 201, failing
+                token_id, failing_id = card_token(client, VISA), card_token(client, FAILS_ON_CREATE)
                 platform_meter = meter_for({"api": api, "worker": worker, "sandbox": sandbox})
                 reference_meter = meter_for({"worker": reference_worker})
                 for level in args.levels:
                     print(f"{level} clients: warming up", flush=True)
                     for child in (worker, reference_worker):
                         child.check()
-                    run_platform(args, client, token["id"], level, 0, count=max(WARMUP, level * 2))
+                    run_platform(args, client, token_id, level, 0, count=max(WARMUP, level * 2))
                     run_network_tokens(args, client, level, 0, count=max(WARMUP, level * 2))
                     run_roundtrip(args, level, 0, count=max(WARMUP, level * 2))
                     for round_no in range(1, args.rounds + 1):
@@ -490,13 +489,13 @@ def main(argv: list[str] | None = None) -> int:
                             f"{level} clients, round {round_no}: {runs[-1].per_second:,.1f} network tokens/s",
                             flush=True,
                         )
-                        runs.append(run_platform(args, client, token["id"], level, round_no, meter=platform_meter))
+                        runs.append(run_platform(args, client, token_id, level, round_no, meter=platform_meter))
                         print(
                             f"{level} clients, round {round_no}: {runs[-1].per_second:,.1f} payment methods/s",
                             flush=True,
                         )
                         if level == 1:  # the goal is one client's; each retry needs a payment method of its own
-                            runs.append(run_retries(args, client, failing["id"], round_no, meter=platform_meter))
+                            runs.append(run_retries(args, client, failing_id, round_no, meter=platform_meter))
                             print(f"1 client, round {round_no}: {runs[-1].per_second:,.1f} rail retries/s", flush=True)
         except KeyboardInterrupt:
             print("interrupted; children stopped", file=sys.stderr)

@@ -148,26 +148,37 @@ def test_each_rail_is_its_own_job_and_they_run_in_parallel(tenant):
     assert "in time" in errors[0]["detail"]
 
 
-def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, monkeypatch):
-    """The payment method, its rails, both enrollment jobs, the enroll lease, the log row and the card
-    token's activity of the month: one insert in the create's transaction; after its commit both rail
-    jobs' messages are sent by one call (back to back on one producer, ``infra.dispatch.send_messages``)."""
+def _inserted_tables(monkeypatch) -> list[list[str]]:
+    """The tables of each one-statement insert of the payment method service from now on (the list
+    fills as they run)."""
     from domain.agentic import service
-    from infra import dispatch
 
-    token_id = card_token(tenant.client, VISA)
-    written, sent = [], []
-    insert_rows, send_messages = service.insert_rows, dispatch.send_messages
+    written: list[list[str]] = []
+    insert_rows = service.insert_rows
 
     def insert(session, rows):
         written.append(sorted(table.name for (table, _), batch in rows.tables.items() if batch))
         insert_rows(session, rows)
 
+    monkeypatch.setattr(service, "insert_rows", insert)
+    return written
+
+
+def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, monkeypatch):
+    """The payment method, its rails, both enrollment jobs, the enroll lease, the log row and the card
+    token's activity of the month: one insert in the create's transaction; after its commit both rail
+    jobs' messages are sent by one call (back to back on one producer, ``infra.dispatch.send_messages``)."""
+    from infra import dispatch
+
+    token_id = card_token(tenant.client, VISA)
+    written = _inserted_tables(monkeypatch)
+    sent = []
+    send_messages = dispatch.send_messages
+
     def send(messages):
         sent.append([(name, kwargs) for name, _, kwargs in messages])
         send_messages(messages)
 
-    monkeypatch.setattr(service, "insert_rows", insert)
     monkeypatch.setattr(dispatch, "send_messages", send)
     answer = create(tenant.client, token_id)
     assert answer.status == 201
@@ -404,17 +415,8 @@ def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(ten
     """The retry's recording: the job, the card token's activity of the month and the log row go out
     as one insert (the lease has its own statement, the rail's change goes out just before the
     commit); the retried rail is enabled."""
-    from domain.agentic import service
-
     pm = created(tenant.client, FAILS_ON_CREATE)
-    written = []
-    insert_rows = service.insert_rows
-
-    def insert(session, rows):
-        written.append(sorted(table.name for (table, _), batch in rows.tables.items() if batch))
-        insert_rows(session, rows)
-
-    monkeypatch.setattr(service, "insert_rows", insert)
+    written = _inserted_tables(monkeypatch)
     answer = retry(tenant.client, pm["id"])
     assert answer.status == 200, answer
     assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
