@@ -11,7 +11,7 @@ from celery import Celery, signals
 from kombu import Exchange, Queue
 
 from config.settings import Settings, get_settings
-from infra import logs
+from infra import broker_transport, logs
 from infra.redis_clients import broker_transport_options
 
 #: Message headers that carry the producer's log context to the worker.
@@ -60,6 +60,7 @@ def configure(app: Celery, settings: Settings) -> None:
     url = settings.effective_broker_url
     embedded = url.startswith("sqla+")
     amqp = url.startswith(("amqp://", "amqps://", "pyamqp://"))
+    broker_transport.register()  # Redis channels that keep their client (infra/broker_transport.py)
     app.conf.update(
         broker_url=url,
         broker_connection_retry_on_startup=True,
