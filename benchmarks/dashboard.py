@@ -36,6 +36,7 @@ END = "<!-- dashboard:end -->"
 
 BENCHMARKS = (
     "account_updater",
+    "broker_publish",
     "documents",
     "fuzz",
     "key_rotation",
