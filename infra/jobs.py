@@ -34,18 +34,21 @@ import datetime as dt
 import random
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, overload
 
-from sqlalchemy import ColumnElement, Date, Update, bindparam, or_, select, update
+from sqlalchemy import ColumnElement, Date, Update, bindparam, exists, literal, or_, select, update
 from sqlmodel import Session, col
 
 from infra import wait
 from infra.dispatch import enqueue_jobs_after_commit
 from storage.db import (
     Rows,
+    execute_durable,
     execute_once_more_on_disconnect,
     get_lease_engine,
     is_staging,
+    one_statement_transactions,
     rowcount,
     session_scope,
     stage_rows,
@@ -431,14 +434,7 @@ def settle(
     (:func:`storage.db.stage_write`: the outcome of a job in one statement), and gets the same values.
     Many jobs (a list of ids): one multi-row ``UPDATE``; nothing waits on them, so nothing is published.
     """
-    if status not in _SETTLED:
-        raise ValueError(f"a job is not settled as {status}")
-    now = now or utcnow()
-    values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None, "updated_at": now}
-    if error is not None:
-        values["last_error"] = error[:1000]
-    if result is not None:
-        values["result"] = result
+    values = _settled(status, error=error, result=result, now=now or utcnow())
     if not isinstance(jobs, Job):
         if jobs:
             session.execute(
@@ -458,6 +454,57 @@ def settle(
         for name, value in values.items():
             setattr(job, name, value)
     wait.announce_on_commit(session, job.id, status, job.result)
+
+
+def _settled(status: JobStatus, *, error: str | None, result: dict | None, now: dt.datetime) -> dict[str, Any]:
+    """The column values of a job settled as ``status`` (ValueError for a status that does not settle)."""
+    if status not in _SETTLED:
+        raise ValueError(f"a job is not settled as {status}")
+    values: dict[str, Any] = {"status": status, "lease_owner": None, "lease_expires_at": None, "updated_at": now}
+    if error is not None:
+        values["last_error"] = error[:1000]
+    if result is not None:
+        values["result"] = result
+    return values
+
+
+@dataclass(frozen=True)
+class OutcomeWrite:
+    """The whole outcome of a leased job as one write (:func:`settle_with`): ``statement``, an
+    ``UPDATE`` without ``RETURNING`` whose values are bound in it, that changes a row when the outcome
+    applies, and ``result``, the job's result then."""
+
+    statement: Update
+    result: dict
+
+
+def settle_with(job: Job, write: OutcomeWrite) -> bool:
+    """Write a leased job's outcome and settle it ``succeeded`` in one durable statement, a
+    transaction of its own (:func:`storage.db.execute_durable`: no ``BEGIN``, no ``COMMIT``), then
+    publish the outcome to a waiting request (:mod:`infra.wait`). The statement locks the job's row
+    first (the lock order of an outcome's transaction, as :func:`lock`), then runs ``write.statement``
+    and settles the job only when that changed a row. Returns True when it did; False when it changed
+    nothing (then nothing was written and the job is still leased: write the outcome in a transaction,
+    :func:`lock` then :func:`settle`) and on a database without one-statement transactions."""
+    if not one_statement_transactions():
+        return False
+    now = utcnow()
+    values = _settled(JobStatus.SUCCEEDED, error=None, result=write.result, now=now)
+    locked = select(_JOBS.c.id).where(_JOBS.c.id == job.id).with_for_update().cte("locked_job")
+    # an uncorrelated EXISTS is a one-time filter, evaluated before the write reads (and locks) its row
+    changed = write.statement.where(exists(select(locked.c.id))).returning(literal(1).label("changed")).cte("outcome")
+    statement = (
+        update(_JOBS)
+        .where(_JOBS.c.id == job.id, exists(select(changed.c.changed)))
+        .values(values)
+        .returning(_JOBS.c.id)
+    )
+    if execute_durable(statement) is None:
+        return False
+    for name, value in values.items():
+        setattr(job, name, value)
+    wait.publish_outcome(job.id, JobStatus.SUCCEEDED, wait.safe_result(write.result))
+    return True
 
 
 def backoff_seconds(attempt: int, *, base: float = 2.0, cap: float = 600.0) -> float:

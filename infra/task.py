@@ -43,11 +43,15 @@ plus, for a length that follows the settings, ``lease_settings`` (setting name -
 
 The template leases the job (a duplicate message or a second worker does nothing), runs ``perform``
 without holding a transaction, then in one transaction writes the outcome with ``apply`` and
-completes the job. Domain code never sends a task nor computes a countdown: it returns an outcome or
-raises :class:`~infra.jobs.TransientError` (optionally with ``retry_after`` seconds) or
+completes the job. A task whose usual outcome is one row's change can also give it as data
+(:meth:`JobTask.outcome_write`): that change and the job's completion are then one statement, and
+``apply`` runs only when the change finds nothing to change.
+
+Domain code never sends a task nor computes a countdown: it returns an outcome or raises
+:class:`~infra.jobs.TransientError` (optionally with ``retry_after`` seconds) or
 :class:`~infra.jobs.PermanentError`. A transient error is retried with backoff
-(:func:`infra.jobs.retry`); past ``max_attempts`` the job is a dead letter; a permanent
-error is recorded and ``on_job_failure`` runs.
+(:func:`infra.jobs.retry`); past ``max_attempts`` the job is a dead letter; a permanent error is
+recorded and ``on_job_failure`` runs.
 """
 
 from __future__ import annotations
@@ -253,6 +257,13 @@ class JobTask(TesseraTask):
         already); return the job result."""
         raise NotImplementedError
 
+    def outcome_write(self, job: Job, outcome: Any) -> jobs.OutcomeWrite | None:
+        """The outcome as one write, when ``apply`` would write nothing but it: written with the job's
+        completion in one statement (:func:`infra.jobs.settle_with`), and ``apply`` runs only when
+        that changed nothing. Only for tasks that :attr:`apply_to_leased_job`; None (the default):
+        ``apply`` in a transaction."""
+        return None
+
     def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
         """Record a permanent failure or a dead letter on the domain object (default: nothing)."""
 
@@ -320,6 +331,10 @@ class JobTask(TesseraTask):
                 return self._retry(job, exc)
             except PermanentError as exc:
                 return self._fail(job, exc)
+            if self.apply_to_leased_job:
+                write = self.outcome_write(job, outcome)
+                if write is not None and jobs.settle_with(job, write):
+                    return "succeeded"
             with self.session_scope() as session:
                 if self.apply_to_leased_job:
                     jobs.lock(session, job.id)  # locked first: the lock order of ``apply``

@@ -129,6 +129,26 @@ def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | No
     return _once_more_on_disconnect(engine, run)
 
 
+def execute_durable(statement):
+    """Run one writing ``statement`` as a transaction of its own, durable when it returns, in one
+    round trip (no ``BEGIN``, no ``COMMIT``: an autocommit connection of the process's engine, which
+    waits for the WAL flush as every commit of it does), and return its first row (None without
+    rows). PostgreSQL only: raises :class:`NotImplementedError` elsewhere (check
+    :func:`one_statement_transactions` first). Not run again after a lost connection: whether it
+    committed is then unknown, so the error is raised."""
+    engine = get_engine()
+    if engine.dialect.name != "postgresql":
+        raise NotImplementedError("one-statement transactions need PostgreSQL")
+    with engine.connect() as connection:
+        result = connection.execution_options(isolation_level="AUTOCOMMIT").execute(statement)
+        return result.first() if result.returns_rows else None
+
+
+def one_statement_transactions() -> bool:
+    """Whether :func:`execute_durable` runs here (the database is PostgreSQL)."""
+    return get_lease_engine() is not None
+
+
 def read_first(statement):
     """The first row of the read-only ``statement`` (None without rows), read in one round trip
     outside any transaction: on PostgreSQL on an autocommit connection of the

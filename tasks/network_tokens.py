@@ -16,6 +16,7 @@ from typing import Any
 from sqlmodel import Session
 
 from domain.network_tokens import cryptograms, provisioning, records, service, token_intents
+from infra import jobs
 from infra.celery import celery_app
 from infra.task import JobTask, TesseraTask
 from storage.db import session_scope
@@ -60,6 +61,10 @@ class Provision(NetworkTokenJob):
     def apply(self, session: Session, job: Job, outcome: Any) -> dict | None:
         """See :func:`domain.network_tokens.provisioning.apply_provisioned`."""
         return provisioning.apply_provisioned(session, job, outcome)
+
+    def outcome_write(self, job: Job, outcome: Any) -> jobs.OutcomeWrite | None:
+        """See :func:`domain.network_tokens.provisioning.provisioned_write`."""
+        return provisioning.provisioned_write(job, outcome)
 
     def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
         """See :func:`domain.network_tokens.provisioning.provisioning_failed`."""

@@ -20,7 +20,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import ScalarSelect, update
+from sqlalchemy import ScalarSelect, Update, update
 from sqlalchemy import select as select_rows
 from sqlmodel import Session, select
 
@@ -45,6 +45,7 @@ from domain.tenancy.auth import system_caller
 from domain.tenancy.caller import Caller
 from domain.tokens.cards import validate_card
 from domain.tokens.service import load_token_data
+from domain.webhooks import events
 from infra import jobs
 from infra.errors import Problem, validation_problem
 from infra.lookup import parse_uuid
@@ -64,6 +65,9 @@ from storage.types import TextAsUuid, table_of, utcnow
 
 #: The purpose the provisioning input is sealed under (``storage.crypto``).
 SOURCE_PURPOSE = "network-token-source"
+
+#: The event of a provisioned network token (spec section 4; its data: ids and status).
+CREATED_EVENT = "network-token.created"
 
 _SOURCES = ("data", "token_id", "token_intent_id")
 _DATA_KEYS = ("number", "expiration_month", "expiration_year", "cvc")
@@ -320,27 +324,18 @@ def provisioning_input(job: Job, read: dict) -> tuple[CardNetwork, CardToProvisi
     return network_for(read["tenant_type"]), card
 
 
-def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | None) -> dict:
-    """Write the network's answer: the token becomes ``active`` (DPAN sealed, details, PAR), its
-    provisioning input is dropped, ``network-token.created`` is emitted. A network token removed
-    meanwhile is deleted at the network instead. Returns the job result (ids only)."""
-    result = {"network_token_id": job.subject_id}
-    if outcome is None:
-        return {**result, "skipped": True}
-    tenant_id, token_id = job_subject(job)
+def _provisioned_update(
+    session: Session, tenant_id: uuid.UUID, token_id: uuid.UUID, outcome: ProvisionedToken
+) -> Update:
+    """The ``UPDATE`` writing the network's answer into the network token: ``active`` (or the
+    network's ``suspended``), DPAN sealed, details, PAR, provisioning input dropped; only an inactive
+    network token of the job's tenant is changed."""
     data = {
         "number": outcome.number,
         "expiration_month": outcome.expiration_month,
         "expiration_year": outcome.expiration_year,
     }
-    status = (
-        outcome.status
-        if outcome.status in (NetworkTokenStatus.ACTIVE, NetworkTokenStatus.SUSPENDED)
-        else NetworkTokenStatus.ACTIVE
-    )
-    # One statement: the job row is locked already (``JobTask``), so the lock order is the job row,
-    # then the network token; only an inactive network token of the job's tenant is changed.
-    changed = session.execute(
+    return (
         update(_TOKENS)
         .where(
             _TOKENS.c.id == token_id,
@@ -352,12 +347,48 @@ def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | No
             details=outcome.details,
             par=outcome.par,
             network_reference=outcome.reference,
-            status=status,
+            status=_provisioned_status(outcome),
             source_ct=None,
             pending_job_id=None,
             modified_at=utcnow(),
         )
-        .returning(_TOKENS.c.id)
+    )
+
+
+def _provisioned_status(outcome: ProvisionedToken) -> NetworkTokenStatus:
+    """The network token's status after provisioning: the network's ``suspended``, else ``active``."""
+    if outcome.status in (NetworkTokenStatus.ACTIVE, NetworkTokenStatus.SUSPENDED):
+        return NetworkTokenStatus(outcome.status)
+    return NetworkTokenStatus.ACTIVE
+
+
+def provisioned_write(job: Job, outcome: ProvisionedToken | None) -> jobs.OutcomeWrite | None:
+    """:func:`apply_provisioned` as one write with the job's completion (:func:`infra.jobs.settle_with`),
+    when the network token's change is all it writes: no enabled webhook of the tenant subscribes to
+    ``network-token.created`` (events are read only to be delivered: none is written then, as for
+    tokens, :func:`domain.webhooks.events.emit`). None otherwise, and when there is nothing to write."""
+    if outcome is None:
+        return None
+    tenant_id, token_id = job_subject(job)
+    with session_scope() as session:  # the tenant's key and subscriptions are cached: no statement runs
+        if CREATED_EVENT in events.subscriptions.types(session, tenant_id):
+            return None
+        statement = _provisioned_update(session, tenant_id, token_id, outcome)
+    return jobs.OutcomeWrite(statement, {"network_token_id": job.subject_id})
+
+
+def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | None) -> dict:
+    """Write the network's answer: the token becomes ``active`` (DPAN sealed, details, PAR), its
+    provisioning input is dropped, ``network-token.created`` is emitted. A network token removed
+    meanwhile is deleted at the network instead. Returns the job result (ids only)."""
+    result = {"network_token_id": job.subject_id}
+    if outcome is None:
+        return {**result, "skipped": True}
+    tenant_id, token_id = job_subject(job)
+    # One statement: the job row is locked already (``JobTask``), so the lock order is the job row,
+    # then the network token; only an inactive network token of the job's tenant is changed.
+    changed = session.execute(
+        _provisioned_update(session, tenant_id, token_id, outcome).returning(_TOKENS.c.id)
     ).first()
     if changed is None:
         found = session.execute(select(_TOKENS.c.tenant_id).where(_TOKENS.c.id == token_id).with_for_update()).first()
@@ -365,7 +396,7 @@ def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | No
             record_network_delete(session, tenant_id, outcome.reference, job.trace_id)
             return {**result, "removed": True}
         return {**result, "skipped": True}
-    emit(session, token_id, tenant_id, "created", status, job.trace_id)
+    emit(session, token_id, tenant_id, "created", _provisioned_status(outcome), job.trace_id)
     return result
 
 

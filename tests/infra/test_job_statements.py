@@ -5,6 +5,7 @@ activity rows outside a transaction."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 
 import pytest
@@ -287,3 +288,94 @@ def test_token_activity_outside_a_transaction_is_counted_once(database):
             select(func.count()).select_from(TokenActivity).where(TokenActivity.tenant_id == tenant_id)
         ).scalar()
     assert count == 2
+
+
+def _leased_pair() -> tuple[Job, Job]:
+    """A job leased by this test (no worker takes it) and a second, queued job whose ``last_error``
+    the first one's outcome writes."""
+    with session_scope() as session:
+        first, second = (
+            jobs.record(
+                session, kind=LeasedJob.name, tenant_id=None, subject_type="script", subject_id=name, trace_id=None
+            )
+            for name in ("owner", "other")
+        )
+        take_pending(session)
+    leased = jobs.lease(first.id, "tests:owner", lease_seconds=30)
+    assert leased is not None
+    return leased[0], second
+
+
+def _outcome_on(other: Job, *, when: str | None) -> jobs.OutcomeWrite:
+    table = Job.__table__
+    statement = update(table).where(table.c.id == other.id, table.c.last_error.is_(when)).values(last_error="written")
+    return jobs.OutcomeWrite(statement, {"subject": "done"})
+
+
+def test_an_outcome_write_and_the_job_settle_are_one_statement_locking_the_job_first(database):
+    """``settle_with``: the job's row is locked before the write touches its row (the lock order of an
+    outcome: a create handler holding the job's lock makes the worker wait without it holding the
+    row it writes), then the write and the settle are one durable statement, and the outcome is
+    published to a waiting request."""
+    import threading
+
+    import redis
+
+    from infra.wait import channel_prefix
+
+    job, other = _leased_pair()
+    subscriber = redis.Redis.from_url(get_settings().redis_url).pubsub()
+    subscriber.subscribe(channel_prefix(get_settings().redis_key_prefix) + str(job.id))
+    subscriber.get_message(timeout=2)  # the subscription's confirmation
+    statements: list[str] = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    done: list[bool] = []
+    holder = get_engine().connect()
+    holder_transaction = holder.begin()
+    holder.execute(select(Job.id).where(Job.id == job.id).with_for_update())  # as a create handler deciding
+    event.listen(get_engine(), "before_cursor_execute", record)
+    try:
+        writer = threading.Thread(target=lambda: done.append(jobs.settle_with(job, _outcome_on(other, when=None))))
+        writer.start()
+        writer.join(1.0)
+        assert writer.is_alive() and not done  # waits for the job's lock ...
+        with get_engine().connect() as probe:  # ... without holding the row it writes
+            probe.execute(text("SET lock_timeout = '100ms'"))
+            assert probe.execute(select(Job.id).where(Job.id == other.id).with_for_update(nowait=True)).all()
+            probe.rollback()
+        holder_transaction.rollback()
+        writer.join(10)
+    finally:
+        holder.close()
+        event.remove(get_engine(), "before_cursor_execute", record)
+    assert done == [True]
+    written = [statement for statement in statements if "UPDATE jobs" in statement]
+    assert len(written) == 1 and written[0].lstrip().startswith("WITH locked_job")
+    settled = _job(job.id)
+    assert (settled.status, settled.result, settled.lease_owner, settled.lease_expires_at) == (
+        "succeeded",
+        {"subject": "done"},
+        None,
+        None,
+    )
+    assert (job.status, job.result) == ("succeeded", {"subject": "done"})  # the leased job follows
+    assert _job(other.id).last_error == "written"
+    message = wait_until(lambda: subscriber.get_message(timeout=0.2), timeout=5)
+    subscriber.close()
+    assert json.loads(message["data"]) == {"job_id": str(job.id), "status": "succeeded", "result": {}}
+
+
+def test_an_outcome_write_that_changes_nothing_settles_nothing(database):
+    """The write finds nothing to change (here its row no longer matches): nothing is written, the job
+    is still leased by its worker, and the caller writes the outcome in a transaction instead."""
+    job, other = _leased_pair()
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id == other.id).values(last_error="changed meanwhile"))
+    assert jobs.settle_with(job, _outcome_on(other, when=None)) is False
+    kept = _job(job.id)
+    assert (kept.status, kept.lease_owner, kept.result) == ("running", "tests:owner", None)
+    assert job.status == "running"
+    assert _job(other.id).last_error == "changed meanwhile"

@@ -189,7 +189,7 @@ def _provision_requests(sandbox: str) -> int:
     return answer.json["total"]
 
 
-def test_a_killed_worker_does_not_provision_a_second_network_token(isolated):
+def test_a_killed_worker_does_not_provision_a_second_network_token(isolated, receiver):
     processes, api_url, sandbox, database_url = isolated
     try:
         api = processes.start("api", "api")
@@ -200,6 +200,9 @@ def test_a_killed_worker_does_not_provision_a_second_network_token(isolated):
         )
         client = ApiClient(api_url, tenant["api_key"])
         wait_until(lambda: api.poll() is None and _answers(api_url), timeout=30)
+        # subscribed, so the outcome writes its event (in the outcome's transaction): exactly one, below
+        hook = client.post("/webhooks", {"name": "kill", "url": receiver.url, "events": ["network-token.created"]})
+        assert hook.status == 201, hook
 
         answer = client.post(
             "/network-tokens",

@@ -144,6 +144,37 @@ def test_visa_is_provisioned_active_with_full_card_art(tenant, sandbox, receiver
     assert _admin_requests(sandbox, "card-network.card-art", VISA) == asked
 
 
+def test_without_a_subscribed_webhook_the_outcome_and_the_job_are_one_statement(tenant, sandbox):
+    """No enabled webhook of the tenant subscribes to ``network-token.created``: the worker writes the
+    network token's change and the job's completion in one statement (no transaction of its own
+    around it), and no event row (events are read only to be delivered)."""
+    from sqlalchemy import event as sa_event
+    from sqlalchemy.engine import Engine
+
+    seen: list[str] = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        seen.append(statement)
+
+    sa_event.listen(Engine, "before_cursor_execute", record)  # every engine: the api's and the worker's
+    try:
+        created = _active(tenant.client, OTHER_VISA)
+    finally:
+        sa_event.remove(Engine, "before_cursor_execute", record)
+    outcome = [statement for statement in seen if "UPDATE network_tokens" in statement]
+    assert len(outcome) == 1
+    assert outcome[0].lstrip().startswith("WITH locked_job") and "UPDATE jobs" in outcome[0]
+    assert not [
+        statement for statement in seen if "FROM jobs" in statement and statement.rstrip().endswith("FOR UPDATE")
+    ]
+    job = _provision_job(created["id"])
+    assert (job.status, job.result, job.lease_owner) == ("succeeded", {"network_token_id": created["id"]}, None)
+    row = next(row for row in _rows(tenant.id) if str(row.id) == created["id"])
+    assert (row.status, row.source_ct, row.pending_job_id) == ("active", None, None)
+    with session_scope() as session:
+        assert not session.exec(select(Event).where(Event.tenant_id == tenant.id)).all()
+
+
 def test_mastercard_is_provisioned_with_a_logo_only(tenant, sandbox):
     created = _active(tenant.client, MASTERCARD)
     assert created["network_token"]["brand"] == "mastercard"
