@@ -131,17 +131,27 @@ def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | No
 
 def execute_durable(statement):
     """Run one writing ``statement`` as a transaction of its own, durable when it returns, in one
-    round trip (no ``BEGIN``, no ``COMMIT``: an autocommit connection of the process's engine, which
-    waits for the WAL flush as every commit of it does), and return its first row (None without
-    rows). PostgreSQL only: raises :class:`NotImplementedError` elsewhere (check
-    :func:`one_statement_transactions` first). Not run again after a lost connection: whether it
-    committed is then unknown, so the error is raised."""
+    round trip (no ``BEGIN``, no ``COMMIT``), and return its first row (None without rows).
+
+    A connection of the process's engine, whose commits wait for the WAL flush, runs it with the
+    driver in autocommit mode, switched on the driver's connection for this statement and back
+    (SQLAlchemy's ``isolation_level="AUTOCOMMIT"`` option would cost one more round trip, a ``SET``
+    when the connection goes back to the pool). PostgreSQL only: raises
+    :class:`NotImplementedError` elsewhere (check :func:`one_statement_transactions` first). Not run
+    again after a lost connection: whether it committed is then unknown, so the error is raised."""
     engine = get_engine()
     if engine.dialect.name != "postgresql":
         raise NotImplementedError("one-statement transactions need PostgreSQL")
     with engine.connect() as connection:
-        result = connection.execution_options(isolation_level="AUTOCOMMIT").execute(statement)
-        return result.first() if result.returns_rows else None
+        driver = connection.connection.dbapi_connection
+        assert driver is not None  # a connection just checked out of the pool
+        driver.autocommit = True  # psycopg2 sends no BEGIN: the statement commits when it ends
+        try:
+            result = connection.execute(statement)
+            return result.first() if result.returns_rows else None
+        finally:
+            if not driver.closed:
+                driver.autocommit = False  # as the pool hands it out: nothing was sent to the server
 
 
 def one_statement_transactions() -> bool:
