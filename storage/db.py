@@ -129,29 +129,36 @@ def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | No
     return _once_more_on_disconnect(engine, run)
 
 
-def execute_durable(statement):
-    """Run one writing ``statement`` as a transaction of its own, durable when it returns, in one
-    round trip (no ``BEGIN``, no ``COMMIT``), and return its first row (None without rows).
-
-    A connection of the process's engine, whose commits wait for the WAL flush, runs it with the
-    driver in autocommit mode, switched on the driver's connection for this statement and back
-    (SQLAlchemy's ``isolation_level="AUTOCOMMIT"`` option would cost one more round trip, a ``SET``
-    when the connection goes back to the pool). PostgreSQL only: raises
-    :class:`NotImplementedError` elsewhere (check :func:`one_statement_transactions` first). Not run
-    again after a lost connection: whether it committed is then unknown, so the error is raised."""
+@contextlib.contextmanager
+def _durable_autocommit() -> Iterator[Connection]:
+    """A connection of the process's engine (whose commits wait for the WAL flush) with the driver in
+    autocommit mode: each statement is a transaction of its own, durable when it returns, without
+    ``BEGIN`` or ``COMMIT``. The mode is switched on the driver's connection and back (SQLAlchemy's
+    ``isolation_level="AUTOCOMMIT"`` option would cost one more round trip, a ``SET`` when the
+    connection goes back to the pool). PostgreSQL only: raises :class:`NotImplementedError`."""
     engine = get_engine()
     if engine.dialect.name != "postgresql":
         raise NotImplementedError("one-statement transactions need PostgreSQL")
     with engine.connect() as connection:
         driver = connection.connection.dbapi_connection
         assert driver is not None  # a connection just checked out of the pool
-        driver.autocommit = True  # psycopg2 sends no BEGIN: the statement commits when it ends
+        driver.autocommit = True  # psycopg2 sends no BEGIN: each statement commits when it ends
         try:
-            result = connection.execute(statement)
-            return result.first() if result.returns_rows else None
+            yield connection
         finally:
             if not driver.closed:
                 driver.autocommit = False  # as the pool hands it out: nothing was sent to the server
+
+
+def execute_durable(statement):
+    """Run one writing ``statement`` as a transaction of its own, durable when it returns, in one
+    round trip (no ``BEGIN``, no ``COMMIT``), and return its first row (None without rows).
+    PostgreSQL only: raises :class:`NotImplementedError` elsewhere (check
+    :func:`one_statement_transactions` first). Not run again after a lost connection: whether it
+    committed is then unknown, so the error is raised."""
+    with _durable_autocommit() as connection:
+        result = connection.execute(statement)
+        return result.first() if result.returns_rows else None
 
 
 def one_statement_transactions() -> bool:
@@ -681,6 +688,28 @@ def stage_rows(session: OrmSession, rows: Rows) -> None:
         insert_rows(session, rows)
     else:
         staged.merge(rows)
+
+
+def insert_rows_last(session: OrmSession, rows: Rows) -> None:
+    """Insert ``rows`` as the last write of ``session``'s unit of work (nothing in it writes after
+    them). When the session has done nothing yet (no statement, no pending ORM change) on PostgreSQL
+    and the rows fit one statement (:func:`insert_rows`), that statement is the whole transaction:
+    sent at once in autocommit mode, durable when it returns, no ``BEGIN`` and no ``COMMIT`` (two
+    round trips fewer); what waits for the commit (:func:`on_commit`: the recorded jobs' messages)
+    runs when the session commits, as usual. Otherwise as :func:`stage_rows` (with the group's rows
+    when the session runs a :class:`GroupCommit`). Raises SQLAlchemy's wrapped driver errors."""
+    if (
+        session.in_transaction()
+        or _STAGED in session.info
+        or not one_statement_transactions()
+        or any(len(batch) >= COPY_MIN_ROWS for batch in rows.tables.values())
+    ):
+        stage_rows(session, rows)
+        return
+    batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
+    if batches:
+        with _durable_autocommit() as connection:
+            _pg_insert(connection, batches)
 
 
 class GroupCommit:

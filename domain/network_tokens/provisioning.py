@@ -57,7 +57,7 @@ from providers.card_network import (
     ensure_configured,
 )
 from storage.crypto import get_keyring
-from storage.db import Rows, read_first, session_scope, stage_rows
+from storage.db import Rows, insert_rows_last, read_first, session_scope
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
 from storage.states import JOB_FAILED, JobStatus, NetworkTokenStatus
@@ -238,7 +238,7 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
         },
     )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=token_id, operation="create")
-    stage_rows(session, rows)
+    insert_rows_last(session, rows)  # the unit's only write: one durable statement when nothing was read
     return Started(token_id, job_id)
 
 

@@ -175,6 +175,54 @@ def test_without_a_subscribed_webhook_the_outcome_and_the_job_are_one_statement(
         assert not session.exec(select(Event).where(Event.tenant_id == tenant.id)).all()
 
 
+def test_a_create_from_card_data_is_recorded_by_one_statement_without_begin_or_commit(tenant, sandbox):
+    """Nothing to read first (card data, not a token): the recording's rows (network token, job, log
+    row) are the unit's one statement, committed on its own (no ``BEGIN``/``COMMIT`` round trips);
+    the job's message still goes out after it. A create from a token reads the token first: its rows
+    go out in that transaction."""
+    from sqlalchemy import event as sa_event
+    from sqlalchemy.engine import Engine
+
+    from domain.tenancy.auth import authenticate
+
+    commits: list[int] = []
+    statements: list[str] = []
+
+    def committed(connection):
+        commits.append(1)
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    with session_scope() as session:
+        caller = authenticate(session, tenant.api_key)
+    sa_event.listen(Engine, "commit", committed)
+    sa_event.listen(Engine, "before_cursor_execute", record)
+    try:
+        with session_scope() as session:
+            started = provisioning.create_network_token(session, caller, {"data": _card(OTHER_VISA)})
+            assert not session.in_transaction()  # written and committed already
+    finally:
+        sa_event.remove(Engine, "commit", committed)
+        sa_event.remove(Engine, "before_cursor_execute", record)
+    assert commits == []
+    assert len(statements) == 1 and all(table in statements[0] for table in ("network_tokens", "jobs", "audit_logs"))
+    job = wait_until(lambda: (found := _provision_job(str(started.network_token_id))).status == "succeeded" and found)
+    assert job.result == {"network_token_id": str(started.network_token_id)}
+
+    source = tenant.client.post("/tokens", {"type": "card", "data": _card(OTHER_VISA)})
+    assert source.status == 201, source
+    sa_event.listen(Engine, "commit", committed)
+    try:
+        with session_scope() as session:
+            from_token = provisioning.create_network_token(session, caller, {"token_id": source.json["id"]})
+            assert session.in_transaction()  # the token was read: the rows wait for this commit
+    finally:
+        sa_event.remove(Engine, "commit", committed)
+    assert commits == [1]
+    assert _provision_job(str(from_token.network_token_id)).kind == records.PROVISION_TASK
+
+
 def test_mastercard_is_provisioned_with_a_logo_only(tenant, sandbox):
     created = _active(tenant.client, MASTERCARD)
     assert created["network_token"]["brand"] == "mastercard"
