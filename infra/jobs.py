@@ -471,11 +471,53 @@ def _settled(status: JobStatus, *, error: str | None, result: dict | None, now: 
 @dataclass(frozen=True)
 class OutcomeWrite:
     """The whole outcome of a leased job as one write (:func:`settle_with`): ``statement``, an
-    ``UPDATE`` without ``RETURNING`` whose values are bound in it, that changes a row when the outcome
-    applies, and ``result``, the job's result then."""
+    ``UPDATE`` without ``RETURNING`` that changes a row when the outcome applies, built once per
+    process with bind parameters (the same object every time: its one-statement form is built and
+    compiled once), ``params`` the values of those parameters, and ``result``, the job's result then.
+    The parameter names ``outcome_job_id``, ``outcome_status``, ``outcome_result`` and
+    ``outcome_at`` are :func:`settle_with`'s own."""
 
     statement: Update
+    params: Mapping[str, Any]
     result: dict
+
+
+class _PreparedOutcome:
+    """The one statement of an :class:`OutcomeWrite`'s ``statement``, built once: the job's row locked
+    first, the write, the job settled when the write changed a row."""
+
+    __slots__ = ("statement", "write")
+
+    def __init__(self, write: Update):
+        self.write = write
+        job_id = bindparam("outcome_job_id", type_=_JOBS.c.id.type)
+        locked = select(_JOBS.c.id).where(_JOBS.c.id == job_id).with_for_update().cte("locked_job")
+        # an uncorrelated EXISTS is a one-time filter, evaluated before the write reads (and locks) its row
+        changed = write.where(exists(select(locked.c.id))).returning(literal(1).label("changed")).cte("outcome")
+        self.statement = (
+            update(_JOBS)
+            .where(_JOBS.c.id == job_id, exists(select(changed.c.changed)))
+            .values(
+                status=bindparam("outcome_status", type_=_JOBS.c.status.type),
+                lease_owner=None,
+                lease_expires_at=None,
+                updated_at=bindparam("outcome_at", type_=_JOBS.c.updated_at.type),
+                result=bindparam("outcome_result", type_=_JOBS.c.result.type),
+            )
+            .returning(_JOBS.c.id)
+        )
+
+
+_PREPARED_OUTCOMES: dict[int, _PreparedOutcome] = {}
+
+
+def _prepared_outcome(write: Update) -> _PreparedOutcome:
+    prepared = _PREPARED_OUTCOMES.get(id(write))
+    if prepared is None or prepared.write is not write:
+        if len(_PREPARED_OUTCOMES) >= 256:
+            _PREPARED_OUTCOMES.clear()
+        prepared = _PREPARED_OUTCOMES[id(write)] = _PreparedOutcome(write)
+    return prepared
 
 
 def settle_with(job: Job, write: OutcomeWrite) -> bool:
@@ -488,18 +530,15 @@ def settle_with(job: Job, write: OutcomeWrite) -> bool:
     :func:`lock` then :func:`settle`) and on a database without one-statement transactions."""
     if not one_statement_transactions():
         return False
-    now = utcnow()
-    values = _settled(JobStatus.SUCCEEDED, error=None, result=write.result, now=now)
-    locked = select(_JOBS.c.id).where(_JOBS.c.id == job.id).with_for_update().cte("locked_job")
-    # an uncorrelated EXISTS is a one-time filter, evaluated before the write reads (and locks) its row
-    changed = write.statement.where(exists(select(locked.c.id))).returning(literal(1).label("changed")).cte("outcome")
-    statement = (
-        update(_JOBS)
-        .where(_JOBS.c.id == job.id, exists(select(changed.c.changed)))
-        .values(values)
-        .returning(_JOBS.c.id)
-    )
-    if execute_durable(statement) is None:
+    values = _settled(JobStatus.SUCCEEDED, error=None, result=write.result, now=utcnow())
+    params = {
+        **write.params,
+        "outcome_job_id": job.id,
+        "outcome_status": values["status"],
+        "outcome_result": values["result"],
+        "outcome_at": values["updated_at"],
+    }
+    if execute_durable(_prepared_outcome(write.statement).statement, params) is None:
         return False
     for name, value in values.items():
         setattr(job, name, value)

@@ -150,14 +150,15 @@ def _durable_autocommit() -> Iterator[Connection]:
                 driver.autocommit = False  # as the pool hands it out: nothing was sent to the server
 
 
-def execute_durable(statement):
-    """Run one writing ``statement`` as a transaction of its own, durable when it returns, in one
-    round trip (no ``BEGIN``, no ``COMMIT``), and return its first row (None without rows).
+def execute_durable(statement, params: dict | None = None):
+    """Run one writing ``statement`` (``params``: values of its bind parameters) as a transaction of
+    its own, durable when it returns, in one round trip (no ``BEGIN``, no ``COMMIT``), and return its
+    first row (None without rows).
     PostgreSQL only: raises :class:`NotImplementedError` elsewhere (check
     :func:`one_statement_transactions` first). Not run again after a lost connection: whether it
     committed is then unknown, so the error is raised."""
     with _durable_autocommit() as connection:
-        result = connection.execute(statement)
+        result = connection.execute(statement, params)
         return result.first() if result.returns_rows else None
 
 

@@ -16,11 +16,13 @@ At rest the provisioning input (card number, cvc, cardholder) is sealed with the
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import ScalarSelect, Update, update
+from sqlalchemy import ScalarSelect, Update, bindparam, update
 from sqlalchemy import select as select_rows
 from sqlmodel import Session, select
 
@@ -324,35 +326,59 @@ def provisioning_input(job: Job, read: dict) -> tuple[CardNetwork, CardToProvisi
     return network_for(read["tenant_type"]), card
 
 
-def _provisioned_update(
+@functools.cache
+def _provisioned_update() -> Update:
+    """The ``UPDATE`` writing the network's answer into the network token, built once with bind
+    parameters (their values: :func:`_provisioned_params`): ``active`` (or the network's
+    ``suspended``), DPAN sealed, details, PAR, provisioning input dropped; only an inactive network
+    token of the job's tenant is changed."""
+    columns = _TOKENS.c
+    return (
+        update(_TOKENS)
+        .where(
+            columns.id == bindparam("nt_id", type_=columns.id.type),
+            columns.tenant_id == bindparam("nt_tenant_id", type_=columns.tenant_id.type),
+            columns.status == NetworkTokenStatus.INACTIVE,
+        )
+        .values(
+            data_ct=bindparam("nt_data_ct", type_=columns.data_ct.type),
+            details=bindparam("nt_details", type_=columns.details.type),
+            par=bindparam("nt_par", type_=columns.par.type),
+            network_reference=bindparam("nt_reference", type_=columns.network_reference.type),
+            status=bindparam("nt_status", type_=columns.status.type),
+            source_ct=None,
+            pending_job_id=None,
+            modified_at=bindparam("nt_modified_at", type_=columns.modified_at.type),
+        )
+    )
+
+
+@functools.cache
+def _provisioned_update_returning() -> Update:
+    """:func:`_provisioned_update` returning the changed network token's id."""
+    return _provisioned_update().returning(_TOKENS.c.id)
+
+
+def _provisioned_params(
     session: Session, tenant_id: uuid.UUID, token_id: uuid.UUID, outcome: ProvisionedToken
-) -> Update:
-    """The ``UPDATE`` writing the network's answer into the network token: ``active`` (or the
-    network's ``suspended``), DPAN sealed, details, PAR, provisioning input dropped; only an inactive
-    network token of the job's tenant is changed."""
+) -> dict[str, Any]:
+    """The values of :func:`_provisioned_update`'s parameters for the network's answer ``outcome``
+    (the DPAN sealed with the tenant's key)."""
     data = {
         "number": outcome.number,
         "expiration_month": outcome.expiration_month,
         "expiration_year": outcome.expiration_year,
     }
-    return (
-        update(_TOKENS)
-        .where(
-            _TOKENS.c.id == token_id,
-            _TOKENS.c.tenant_id == tenant_id,
-            _TOKENS.c.status == NetworkTokenStatus.INACTIVE,
-        )
-        .values(
-            data_ct=get_keyring().encrypt(session, tenant_id, DATA_PURPOSE, str(token_id), json.dumps(data).encode()),
-            details=outcome.details,
-            par=outcome.par,
-            network_reference=outcome.reference,
-            status=_provisioned_status(outcome),
-            source_ct=None,
-            pending_job_id=None,
-            modified_at=utcnow(),
-        )
-    )
+    return {
+        "nt_id": token_id,
+        "nt_tenant_id": tenant_id,
+        "nt_data_ct": get_keyring().encrypt(session, tenant_id, DATA_PURPOSE, str(token_id), json.dumps(data).encode()),
+        "nt_details": outcome.details,
+        "nt_par": outcome.par,
+        "nt_reference": outcome.reference,
+        "nt_status": _provisioned_status(outcome),
+        "nt_modified_at": utcnow(),
+    }
 
 
 def _provisioned_status(outcome: ProvisionedToken) -> NetworkTokenStatus:
@@ -373,8 +399,8 @@ def provisioned_write(job: Job, outcome: ProvisionedToken | None) -> jobs.Outcom
     with session_scope() as session:  # the tenant's key and subscriptions are cached: no statement runs
         if CREATED_EVENT in events.subscriptions.types(session, tenant_id):
             return None
-        statement = _provisioned_update(session, tenant_id, token_id, outcome)
-    return jobs.OutcomeWrite(statement, {"network_token_id": job.subject_id})
+        params = _provisioned_params(session, tenant_id, token_id, outcome)
+    return jobs.OutcomeWrite(_provisioned_update(), params, {"network_token_id": job.subject_id})
 
 
 def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | None) -> dict:
@@ -388,7 +414,7 @@ def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | No
     # One statement: the job row is locked already (``JobTask``), so the lock order is the job row,
     # then the network token; only an inactive network token of the job's tenant is changed.
     changed = session.execute(
-        _provisioned_update(session, tenant_id, token_id, outcome).returning(_TOKENS.c.id)
+        _provisioned_update_returning(), _provisioned_params(session, tenant_id, token_id, outcome)
     ).first()
     if changed is None:
         found = session.execute(select(_TOKENS.c.tenant_id).where(_TOKENS.c.id == token_id).with_for_update()).first()

@@ -9,7 +9,7 @@ import json
 import uuid
 
 import pytest
-from sqlalchemy import event, func, select, text, update
+from sqlalchemy import bindparam, event, func, select, text, update
 
 from config.settings import get_settings
 from domain.tenancy.tenants import create_tenant
@@ -306,10 +306,17 @@ def _leased_pair() -> tuple[Job, Job]:
     return leased[0], second
 
 
-def _outcome_on(other: Job, *, when: str | None) -> jobs.OutcomeWrite:
-    table = Job.__table__
-    statement = update(table).where(table.c.id == other.id, table.c.last_error.is_(when)).values(last_error="written")
-    return jobs.OutcomeWrite(statement, {"subject": "done"})
+_OTHER_JOB = Job.__table__
+#: Built once, as a task builds its outcome's write: the other job's ``last_error`` set while it is null.
+_WRITE_OTHER = (
+    update(_OTHER_JOB)
+    .where(_OTHER_JOB.c.id == bindparam("other_id", type_=_OTHER_JOB.c.id.type), _OTHER_JOB.c.last_error.is_(None))
+    .values(last_error=bindparam("written"))
+)
+
+
+def _outcome_on(other: Job) -> jobs.OutcomeWrite:
+    return jobs.OutcomeWrite(_WRITE_OTHER, {"other_id": other.id, "written": "written"}, {"subject": "done"})
 
 
 def test_an_outcome_write_and_the_job_settle_are_one_statement_locking_the_job_first(database):
@@ -338,7 +345,7 @@ def test_an_outcome_write_and_the_job_settle_are_one_statement_locking_the_job_f
     holder.execute(select(Job.id).where(Job.id == job.id).with_for_update())  # as a create handler deciding
     event.listen(get_engine(), "before_cursor_execute", record)
     try:
-        writer = threading.Thread(target=lambda: done.append(jobs.settle_with(job, _outcome_on(other, when=None))))
+        writer = threading.Thread(target=lambda: done.append(jobs.settle_with(job, _outcome_on(other))))
         writer.start()
         writer.join(1.0)
         assert writer.is_alive() and not done  # waits for the job's lock ...
@@ -374,7 +381,7 @@ def test_an_outcome_write_that_changes_nothing_settles_nothing(database):
     job, other = _leased_pair()
     with session_scope() as session:
         session.execute(update(Job).where(Job.id == other.id).values(last_error="changed meanwhile"))
-    assert jobs.settle_with(job, _outcome_on(other, when=None)) is False
+    assert jobs.settle_with(job, _outcome_on(other)) is False
     kept = _job(job.id)
     assert (kept.status, kept.lease_owner, kept.result) == ("running", "tests:owner", None)
     assert job.status == "running"
