@@ -33,9 +33,9 @@ from __future__ import annotations
 import datetime as dt
 import random
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 from sqlalchemy import ColumnElement, Date, Update, bindparam, exists, literal, or_, select, update
 from sqlmodel import Session, col
@@ -295,19 +295,28 @@ class _PreparedLease:
         }
 
 
-#: The prepared lease of each ``reads`` mapping a caller keeps (by identity: a task builds its reads
-#: once per process), so a run reuses its statement; bounded, and rebuilt when a mapping is new.
-_PREPARED: dict[int, _PreparedLease] = {}
+_P = TypeVar("_P")
+
+
+def _kept(cache: dict[int, tuple[object, _P]], source: object, build: Callable[[object], _P]) -> _P:
+    """``build(source)``, kept in ``cache`` per ``source`` object (by identity: a task builds its reads
+    and its outcome's write once per process, so a run reuses their statements); bounded, and built
+    again when an object is new."""
+    kept = cache.get(id(source))
+    if kept is None or kept[0] is not source:
+        if len(cache) >= 256:
+            cache.clear()
+        kept = cache[id(source)] = (source, build(source))
+    return kept[1]
+
+
+#: The prepared lease of each ``reads`` mapping a caller keeps (:func:`_kept`).
+_PREPARED: dict[int, tuple[object, _PreparedLease]] = {}
 _NO_READS: Mapping[str, ColumnElement] = {}
 
 
 def _prepared(reads: Mapping[str, ColumnElement]) -> _PreparedLease:
-    prepared = _PREPARED.get(id(reads))
-    if prepared is None or prepared.reads is not reads:
-        if len(_PREPARED) >= 256:
-            _PREPARED.clear()
-        prepared = _PREPARED[id(reads)] = _PreparedLease(reads)
-    return prepared
+    return _kept(_PREPARED, reads, lambda source: _PreparedLease(reads))
 
 
 @overload
@@ -486,10 +495,9 @@ class _PreparedOutcome:
     """The one statement of an :class:`OutcomeWrite`'s ``statement``, built once: the job's row locked
     first, the write, the job settled when the write changed a row."""
 
-    __slots__ = ("statement", "write")
+    __slots__ = ("statement",)
 
     def __init__(self, write: Update):
-        self.write = write
         job_id = bindparam("outcome_job_id", type_=_JOBS.c.id.type)
         locked = select(_JOBS.c.id).where(_JOBS.c.id == job_id).with_for_update().cte("locked_job")
         # an uncorrelated EXISTS is a one-time filter, evaluated before the write reads (and locks) its row
@@ -508,16 +516,12 @@ class _PreparedOutcome:
         )
 
 
-_PREPARED_OUTCOMES: dict[int, _PreparedOutcome] = {}
+#: The one-statement form of each outcome write a task keeps (:func:`_kept`).
+_PREPARED_OUTCOMES: dict[int, tuple[object, _PreparedOutcome]] = {}
 
 
 def _prepared_outcome(write: Update) -> _PreparedOutcome:
-    prepared = _PREPARED_OUTCOMES.get(id(write))
-    if prepared is None or prepared.write is not write:
-        if len(_PREPARED_OUTCOMES) >= 256:
-            _PREPARED_OUTCOMES.clear()
-        prepared = _PREPARED_OUTCOMES[id(write)] = _PreparedOutcome(write)
-    return prepared
+    return _kept(_PREPARED_OUTCOMES, write, lambda source: _PreparedOutcome(write))
 
 
 def settle_with(job: Job, write: OutcomeWrite) -> bool:
