@@ -326,12 +326,11 @@ def test_an_outcome_write_and_the_job_settle_are_one_statement_locking_the_job_f
     published to a waiting request."""
     import threading
 
-    import redis
-
+    from infra.redis_clients import redis_client
     from infra.wait import channel_prefix
 
     job, other = _leased_pair()
-    subscriber = redis.Redis.from_url(get_settings().redis_url).pubsub()
+    subscriber = redis_client(get_settings()).pubsub()  # the run's Redis, plain or behind Sentinel
     subscriber.subscribe(channel_prefix(get_settings().redis_key_prefix) + str(job.id))
     subscriber.get_message(timeout=2)  # the subscription's confirmation
     statements: list[str] = []
