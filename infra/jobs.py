@@ -298,15 +298,15 @@ class _PreparedLease:
 _P = TypeVar("_P")
 
 
-def _kept(cache: dict[int, tuple[object, _P]], source: object, build: Callable[[object], _P]) -> _P:
-    """``build(source)``, kept in ``cache`` per ``source`` object (by identity: a task builds its reads
-    and its outcome's write once per process, so a run reuses their statements); bounded, and built
-    again when an object is new."""
+def _kept(cache: dict[int, tuple[object, _P]], source: object, build: Callable[[], _P]) -> _P:
+    """What ``build()`` makes of ``source``, kept in ``cache`` per ``source`` object (by identity: a
+    task builds its reads and its outcome's write once per process, so a run reuses their
+    statements); bounded, and built again when an object is new."""
     kept = cache.get(id(source))
     if kept is None or kept[0] is not source:
         if len(cache) >= 256:
             cache.clear()
-        kept = cache[id(source)] = (source, build(source))
+        kept = cache[id(source)] = (source, build())
     return kept[1]
 
 
@@ -316,7 +316,7 @@ _NO_READS: Mapping[str, ColumnElement] = {}
 
 
 def _prepared(reads: Mapping[str, ColumnElement]) -> _PreparedLease:
-    return _kept(_PREPARED, reads, lambda source: _PreparedLease(reads))
+    return _kept(_PREPARED, reads, lambda: _PreparedLease(reads))
 
 
 @overload
@@ -521,7 +521,7 @@ _PREPARED_OUTCOMES: dict[int, tuple[object, _PreparedOutcome]] = {}
 
 
 def _prepared_outcome(write: Update) -> _PreparedOutcome:
-    return _kept(_PREPARED_OUTCOMES, write, lambda source: _PreparedOutcome(write))
+    return _kept(_PREPARED_OUTCOMES, write, lambda: _PreparedOutcome(write))
 
 
 def settle_with(job: Job, write: OutcomeWrite) -> bool:
