@@ -484,11 +484,25 @@ class OutcomeWrite:
     process with bind parameters (the same object every time: its one-statement form is built and
     compiled once), ``params`` the values of those parameters, and ``result``, the job's result then.
     The parameter names ``outcome_job_id``, ``outcome_status``, ``outcome_result`` and
-    ``outcome_at`` are :func:`settle_with`'s own."""
+    ``outcome_at`` are :func:`settle_with`'s own (:data:`OUTCOME_JOB_ID` is the first).
+
+    An outcome that changes several rows gives the others as CTEs of ``statement``
+    (``Update.add_cte``, or referenced from its ``WHERE``): they are hoisted into the one statement's
+    ``WITH``, so a data-modifying one runs, once, even when nothing reads it. The rows such a CTE
+    locks before ``statement``'s own are locked behind ``EXISTS`` of :data:`LOCKED_JOB`."""
 
     statement: Update
     params: Mapping[str, Any]
     result: dict
+
+
+#: The job id of an outcome's one statement (:func:`settle_with` binds it).
+OUTCOME_JOB_ID = bindparam("outcome_job_id", type_=_JOBS.c.id.type)
+#: The lock of the job's row that an outcome's one statement takes first (a CTE, ``SELECT ... FOR
+#: UPDATE``). A write that locks other rows before its own (a parent row, say) puts ``EXISTS`` of this
+#: first in that lock's ``WHERE``: an uncorrelated ``EXISTS`` is a one-time filter, evaluated before
+#: the scan, so the job's row is locked first, the lock order of an outcome's transaction (:func:`lock`).
+LOCKED_JOB = select(_JOBS.c.id).where(_JOBS.c.id == OUTCOME_JOB_ID).with_for_update().cte("locked_job")
 
 
 class _PreparedOutcome:
@@ -498,13 +512,11 @@ class _PreparedOutcome:
     __slots__ = ("statement",)
 
     def __init__(self, write: Update):
-        job_id = bindparam("outcome_job_id", type_=_JOBS.c.id.type)
-        locked = select(_JOBS.c.id).where(_JOBS.c.id == job_id).with_for_update().cte("locked_job")
         # an uncorrelated EXISTS is a one-time filter, evaluated before the write reads (and locks) its row
-        changed = write.where(exists(select(locked.c.id))).returning(literal(1).label("changed")).cte("outcome")
+        changed = write.where(exists(select(LOCKED_JOB.c.id))).returning(literal(1).label("changed")).cte("outcome")
         self.statement = (
             update(_JOBS)
-            .where(_JOBS.c.id == job_id, exists(select(changed.c.changed)))
+            .where(_JOBS.c.id == OUTCOME_JOB_ID, exists(select(changed.c.changed)))
             .values(
                 status=bindparam("outcome_status", type_=_JOBS.c.status.type),
                 lease_owner=None,

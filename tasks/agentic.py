@@ -54,6 +54,10 @@ class EnrollRail(_ProviderJob):
         """The provider call (see :func:`domain.agentic.enrollment.perform_enrollment_read`)."""
         return enrollment.perform_enrollment_read(job, inputs, get_settings())
 
+    def outcome_write(self, job, outcome):
+        """An enabled rail's outcome in one statement (see :func:`domain.agentic.enrollment.enrolled_write`)."""
+        return enrollment.enrolled_write(job, outcome)
+
     def apply(self, session, job, outcome):
         """Write the outcome (see :func:`domain.agentic.enrollment.apply_enrollment`)."""
         return enrollment.apply_enrollment(session, job, outcome)

@@ -5,7 +5,8 @@ Each function is one step of a job task (``tasks/agentic.py``, template ``infra/
 * **enrollment** (``agentic.enroll_rail``, one job per rail, so two rails enroll in parallel on two
   workers): :func:`perform_enrollment` reads the card from the card token and calls the provider
   with the job id as idempotency key, outside any transaction; :func:`apply_enrollment` writes the
-  outcome; :func:`enrollment_failed` records a rejection (the rail in ``error`` with a catalogue
+  outcome (an enabled rail's usually as one durable statement with the job's completion,
+  :func:`enrolled_write`); :func:`enrollment_failed` records a rejection (the rail in ``error`` with a catalogue
   code, and a provider error object). The last enrollment job of an operation releases its lease.
 * **polling** (``agentic.poll_rail``): a provider that answered ``pending`` is asked again, backing
   off from 0.5 s to 30 s, until the enrollment is enabled (about 20 minutes at most; then the rail
@@ -24,16 +25,35 @@ whose payment method is being deleted drops its outcome. A rail that was shown `
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    ColumnElement,
+    Update,
+    and_,
+    bindparam,
+    case,
+    cast,
+    exists,
+    false,
+    func,
+    literal_column,
+    or_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlmodel import Session, select
 
 from config.settings import Settings
 from domain.agentic import allowance_work, leases
 from domain.agentic.errors import CATALOGUE, failed_rail, name_failed_rail
 from domain.agentic.payment_methods import (
+    ENROLL_TASK,
     POLL_MAX_ATTEMPTS,
     POLL_TASK,
     card_source,
@@ -53,13 +73,13 @@ from infra import jobs
 from infra.errors import Problem
 from infra.jobs import PermanentError, TransientError
 from providers import ProviderNotConfigured
-from providers.agentic import UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed
+from providers.agentic import DISPLAY_FIELDS, UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed
 from providers.agentic_http import require_provider
 from storage.db import session_scope, stage_changes
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail
 from storage.states import PaymentMethodStatus, RailStatus
-from storage.types import TextAsUuid, utcnow
+from storage.types import TextAsUuid, table_of, utcnow
 
 
 @dataclass(frozen=True)
@@ -308,6 +328,153 @@ def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) ->
     stage_changes(session, rail)
     stage_changes(session, pm)
     return {"rail_status": outcome.status, "enrollment_id": outcome.id}
+
+
+def enrolled_write(job: Job, outcome: Enrollment | Stale) -> jobs.OutcomeWrite | None:
+    """:func:`apply_enrollment` of an ``enabled`` enrollment as one write with the job's completion
+    (:func:`infra.jobs.settle_with`), or None (a stale or ``pending`` outcome: a transaction).
+
+    The statement (:func:`_enrolled_update`) changes nothing, and the transaction path runs instead,
+    when the job no longer owns its rail, the payment method is not active or is being deleted, or
+    the rail was shown ``pending`` (``notify``: its event is written in the transaction)."""
+    if isinstance(outcome, Stale) or outcome.status != RailStatus.ENABLED:
+        return None
+    provider_card = outcome.card or {}
+    params = {
+        "rail_id": uuid.UUID(job.subject_id),
+        "enrollment_id": outcome.id,
+        "provider_ids": dict(outcome.provider_ids) if outcome.provider_ids is not None else None,
+        "merge_card": bool(provider_card),
+        "card_fields": {k: v for k, v in provider_card.items() if k != "display" and v is not None},
+        "card_display": {k: v for k, v in (provider_card.get("display") or {}).items() if v is not None},
+        "blank_display": dict.fromkeys(DISPLAY_FIELDS),
+        "enrolled_at": utcnow(),
+    }
+    return jobs.OutcomeWrite(_enrolled_update(), params, {"rail_status": outcome.status, "enrollment_id": outcome.id})
+
+
+_PMS, _RAILS, _JOBS = table_of(PaymentMethod), table_of(PaymentMethodRail), table_of(Job)
+_JSON_NULL = literal_column("'null'::jsonb", JSONB)
+_JSON_EMPTY = literal_column("'{}'::jsonb", JSONB)
+
+
+def _filled(base: ColumnElement, values: ColumnElement) -> ColumnElement:
+    """``base`` (a JSON object) with each entry of ``values`` added where ``base`` has no value
+    (missing or null): the SQL of one level of :func:`domain.agentic.payment_methods.merge_card`."""
+    entry = func.jsonb_each(values).table_valued("key", "value").alias("entry")
+    missing = func.coalesce(base.op("->", return_type=JSONB)(entry.c.key), _JSON_NULL) == _JSON_NULL
+    fill = select(func.jsonb_object_agg(entry.c.key, entry.c.value)).select_from(entry).where(missing)
+    return base.op("||", return_type=JSONB)(func.coalesce(fill.scalar_subquery(), _JSON_EMPTY))
+
+
+@functools.cache
+def _enrolled_update() -> Update:
+    """The one write of an enabled enrollment, built once per process: the payment method locked
+    (after the job's row, :data:`infra.jobs.LOCKED_JOB`), the rail enabled (only while the job owns
+    it, the payment method is active without a delete requested and ``notify`` is off), then the
+    payment method's card merged with the provider's (:func:`merge_card`, in SQL) and its
+    ``updated_at`` moved when its rail's view or its card changed, and the operation lease released
+    when no other rail of the operation is still enrolling (:func:`release_if_done`).
+
+    That last test locks the other rails (``FOR SHARE``) so that it reads their latest committed
+    state: the statement waited for the payment method's lock while a sibling rail's outcome
+    committed, and its snapshot predates that commit. A rail is still enrolling when it is
+    ``pending`` with an enrollment job not settled (a create's rails are ``pending`` until their
+    outcome; a retry's operation has one rail)."""
+    rail_id = bindparam("rail_id", type_=_RAILS.c.id.type)
+    now = bindparam("enrolled_at", type_=_RAILS.c.updated_at.type)
+    provider_ids = bindparam("provider_ids", type_=JSON)
+    locked_pm = (
+        select(_PMS.c.id, _PMS.c.status, _PMS.c.delete_requested_at, _PMS.c.card)
+        .where(
+            exists(select(jobs.LOCKED_JOB.c.id)),
+            _PMS.c.id == select(_RAILS.c.payment_method_id).where(_RAILS.c.id == rail_id).scalar_subquery(),
+        )
+        .with_for_update()
+        .cte("locked_payment_method")
+    )
+    view_changed = or_(
+        _RAILS.c.status != RailStatus.ENABLED,
+        cast(_RAILS.c.provider_ids, JSONB) != cast(func.coalesce(provider_ids, _RAILS.c.provider_ids), JSONB),
+    )
+    enabled = (
+        update(_RAILS)
+        .where(
+            exists(
+                select(locked_pm.c.id).where(
+                    locked_pm.c.status == PaymentMethodStatus.ACTIVE, locked_pm.c.delete_requested_at.is_(None)
+                )
+            ),
+            _RAILS.c.id == rail_id,
+            _RAILS.c.job_id == jobs.OUTCOME_JOB_ID,
+            _RAILS.c.notify.is_(false()),
+        )
+        .values(
+            enrollment_id=bindparam("enrollment_id", type_=_RAILS.c.enrollment_id.type),
+            enrollment_removed_at=None,
+            status=RailStatus.ENABLED,
+            error_code=None,
+            provider_ids=func.coalesce(provider_ids, _RAILS.c.provider_ids),
+            updated_at=case((view_changed, now), else_=_RAILS.c.updated_at),
+        )
+        .returning(_RAILS.c.payment_method_id, _RAILS.c.operation_id, (_RAILS.c.updated_at == now).label("changed"))
+        .cte("enabled_rail")
+    )
+    pm_id = select(enabled.c.payment_method_id).scalar_subquery()
+    operation_id = select(enabled.c.operation_id).scalar_subquery()
+    busy = (
+        select(_RAILS.c.id)
+        .where(
+            _RAILS.c.payment_method_id == pm_id,
+            _RAILS.c.operation_id == operation_id,
+            _RAILS.c.id != rail_id,
+            _RAILS.c.status == RailStatus.PENDING,
+            exists(
+                select(_JOBS.c.id).where(
+                    _JOBS.c.id == _RAILS.c.job_id,
+                    _JOBS.c.kind == ENROLL_TASK,
+                    _JOBS.c.status.not_in(jobs.TERMINAL),
+                )
+            ),
+        )
+        .with_for_update(read=True, of=_RAILS)
+        .cte("enrolling_rails")
+    )
+    released = leases.release_statement(pm_id, operation_id, unless=exists(select(busy.c.id))).cte("released_lease")
+    card = cast(locked_pm.c.card, JSONB)
+    base = func.coalesce(func.nullif(card, _JSON_NULL), literal_column("""'{"type": "card"}'::jsonb""", JSONB))
+    top = _filled(base, cast(bindparam("card_fields", type_=JSON), JSONB))
+    display = func.coalesce(
+        func.nullif(func.nullif(base.op("->", return_type=JSONB)("display"), _JSON_NULL), _JSON_EMPTY),
+        cast(bindparam("blank_display", type_=JSON), JSONB),
+    )
+    merged = top.op("||", return_type=JSONB)(
+        func.jsonb_build_object("display", _filled(display, cast(bindparam("card_display", type_=JSON), JSONB)))
+    )
+    merged_card = (
+        select(cast(merged, JSON).label("card"), merged.is_distinct_from(card).label("changed"))
+        .select_from(locked_pm)
+        .cte("merged_card")
+    )
+    merge = bindparam("merge_card", type_=Boolean)
+    return (
+        update(_PMS)
+        .where(_PMS.c.id == pm_id)
+        .values(
+            card=case((merge, select(merged_card.c.card).scalar_subquery()), else_=_PMS.c.card),
+            updated_at=case(
+                (
+                    or_(
+                        select(enabled.c.changed).scalar_subquery(),
+                        and_(merge, select(merged_card.c.changed).scalar_subquery()),
+                    ),
+                    now,
+                ),
+                else_=_PMS.c.updated_at,
+            ),
+        )
+        .add_cte(released)
+    )
 
 
 def classify(error: Exception) -> tuple[str, str | None, str | None]:

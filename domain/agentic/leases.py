@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import Delete, delete, select
+from sqlalchemy import ColumnElement, Delete, delete, select
 from sqlmodel import Session, col
 
 from domain.agentic.errors import agentic_error
@@ -106,9 +106,10 @@ def release(session: Session, resource_id: str, owner: str, *, unless=None) -> b
     return rowcount(session.execute(release_statement(resource_id, owner, unless=unless))) == 1
 
 
-def release_statement(resource_id: str, owner: str, *, unless=None) -> Delete:
+def release_statement(resource_id: str | ColumnElement[str], owner: str | ColumnElement[str], *, unless=None) -> Delete:
     """The ``DELETE`` of :func:`release` (for a caller that sends it with its other writes,
-    ``storage.db.stage_write``)."""
+    ``storage.db.stage_write``, or within one statement: then ``resource_id`` and ``owner`` may be
+    SQL expressions)."""
     statement = delete(_LEASES).where(_LEASES.c.resource_id == resource_id, _LEASES.c.owner == owner)
     return statement if unless is None else statement.where(~unless)
 
