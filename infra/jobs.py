@@ -50,6 +50,7 @@ from storage.db import (
     is_staging,
     one_statement_transactions,
     rowcount,
+    server_prepared,
     session_scope,
     stage_rows,
     stage_write,
@@ -275,13 +276,15 @@ class _PreparedLease:
         self.reads = reads
         self.labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
         labelled = [expression.label(self.labels[name]) for name, expression in reads.items()]
-        self.statement = _takeable_update(
-            col(Job.id) == bindparam("lease_job_id", type_=_JOBS.c.id.type),
-            LEASE_NOW,
-            bindparam("lease_due_by", type_=_JOBS.c.due_at.type),
-            bindparam("lease_owner_name", type_=_JOBS.c.lease_owner.type),
-            bindparam("lease_expires", type_=_JOBS.c.lease_expires_at.type),
-        ).returning(*_JOBS.columns, *labelled)
+        self.statement = server_prepared(
+            _takeable_update(
+                col(Job.id) == bindparam("lease_job_id", type_=_JOBS.c.id.type),
+                LEASE_NOW,
+                bindparam("lease_due_by", type_=_JOBS.c.due_at.type),
+                bindparam("lease_owner_name", type_=_JOBS.c.lease_owner.type),
+                bindparam("lease_expires", type_=_JOBS.c.lease_expires_at.type),
+            ).returning(*_JOBS.columns, *labelled)
+        )
 
     def params(self, job_id: uuid.UUID, owner: str, lease_seconds: float) -> dict[str, Any]:
         """The bind values taking ``job_id`` for ``owner`` now, for ``lease_seconds``."""
@@ -514,7 +517,7 @@ class _PreparedOutcome:
     def __init__(self, write: Update):
         # an uncorrelated EXISTS is a one-time filter, evaluated before the write reads (and locks) its row
         changed = write.where(exists(select(LOCKED_JOB.c.id))).returning(literal(1).label("changed")).cte("outcome")
-        self.statement = (
+        self.statement = server_prepared(
             update(_JOBS)
             .where(_JOBS.c.id == OUTCOME_JOB_ID, exists(select(changed.c.changed)))
             .values(

@@ -19,6 +19,7 @@ import decimal
 import functools
 import io
 import logging
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import orjson
+import psycopg2
 from sqlalchemy import JSON, LargeBinary, Table, create_engine, event, insert, inspect, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -68,7 +70,74 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
     # No pre-ping: a SELECT 1 on every checkout is a round trip per unit of work. A connection the
     # server closed fails its one statement instead; SQLAlchemy then invalidates every pooled
     # connection older than it, so one request answers 500 after a database restart, not each.
-    return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_recycle=3600)
+    return _with_server_prepared(create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_recycle=3600))
+
+
+#: The execution option that runs a statement as a server-side prepared statement on PostgreSQL
+#: (:func:`server_prepared`).
+SERVER_PREPARED = "tessera_server_prepared"
+_PREPARED_ON_CONNECTION = "tessera_prepared"
+_BIND = re.compile(r"%\(([^)]+)\)s")
+
+
+def server_prepared(statement: T) -> T:
+    """``statement`` marked to run as a server-side prepared statement on PostgreSQL: ``PREPARE`` on a
+    connection's first run of it, then ``EXECUTE`` with its parameters, so the server plans it once
+    per connection rather than on every run (a job's lease or outcome statement, with its CTEs and
+    subqueries, spends more time being planned than being run). Only where the setting
+    ``db_prepared_statements`` is on (off behind a pooler that does not keep a session's prepared
+    statements); the results are read as usual. Elsewhere, and on SQLite, it runs as it is."""
+    return cast(Any, statement).execution_options(**{SERVER_PREPARED: True})
+
+
+def _with_server_prepared(engine: Engine) -> Engine:
+    """Install :func:`_execute_prepared` on a PostgreSQL ``engine`` when the setting allows."""
+    if get_settings().db_prepared_statements:
+        event.listen(engine, "before_cursor_execute", _execute_prepared, retval=True)
+    return engine
+
+
+def _execute_prepared(
+    connection: Connection, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
+) -> tuple[str, Any]:
+    """The ``EXECUTE`` of a statement marked :data:`SERVER_PREPARED`, after its ``PREPARE`` when the
+    connection has not prepared it yet (the names a connection prepared are kept with the driver's
+    connection, so they go when it is closed or invalidated). The statement's text, already
+    compiled and expanded, is its key; its named parameters become positional (``$1``...) in the
+    ``PREPARE``. Any other statement passes unchanged."""
+    if (
+        executemany
+        or context is None
+        or not isinstance(parameters, dict)
+        or not context.execution_options.get(SERVER_PREPARED)
+    ):
+        return statement, parameters
+    prepared = connection.info.setdefault(_PREPARED_ON_CONNECTION, {})
+    if statement not in prepared:
+        order: list[str] = []
+
+        def positional(match: re.Match[str]) -> str:
+            if match.group(1) not in order:
+                order.append(match.group(1))
+            return f"${order.index(match.group(1)) + 1}"
+
+        body = _BIND.sub(positional, statement).replace("%%", "%")
+        name = f"tessera_{len(prepared) + 1}"
+        try:
+            cursor.execute(f"PREPARE {name} AS {body}")
+        except psycopg2.Error:
+            if not cursor.connection.autocommit:  # the transaction is lost: the statement fails
+                raise
+            # a parameter whose type the server cannot tell without its value: run it as it is
+            log.warning("a statement could not be prepared; it runs unprepared", exc_info=True)
+            prepared[statement] = None
+        else:
+            prepared[statement] = (name, tuple(order))
+    known = prepared[statement]
+    if known is None:
+        return statement, parameters
+    name, order = known
+    return f"EXECUTE {name} ({', '.join(f'%({key})s' for key in order)})" if order else f"EXECUTE {name}", parameters
 
 
 @functools.cache
@@ -89,13 +158,15 @@ def get_lease_engine() -> Engine | None:
     settings = get_settings()
     if not settings.effective_database_url.startswith("postgresql"):
         return None
-    return create_engine(
-        settings.effective_database_url,
-        pool_size=settings.db_pool_size,
-        max_overflow=settings.db_pool_size,
-        pool_recycle=3600,
-        isolation_level="AUTOCOMMIT",
-        connect_args={"options": "-c synchronous_commit=off"},
+    return _with_server_prepared(
+        create_engine(
+            settings.effective_database_url,
+            pool_size=settings.db_pool_size,
+            max_overflow=settings.db_pool_size,
+            pool_recycle=3600,
+            isolation_level="AUTOCOMMIT",
+            connect_args={"options": "-c synchronous_commit=off"},
+        )
     )
 
 

@@ -356,6 +356,7 @@ def enrolled_write(job: Job, outcome: Enrollment | Stale) -> jobs.OutcomeWrite |
 _PMS, _RAILS, _JOBS = table_of(PaymentMethod), table_of(PaymentMethodRail), table_of(Job)
 _JSON_NULL = literal_column("'null'::jsonb", JSONB)
 _JSON_EMPTY = literal_column("'{}'::jsonb", JSONB)
+_DISPLAY: ColumnElement[str] = literal_column("'display'::text")
 
 
 def _filled(base: ColumnElement, values: ColumnElement) -> ColumnElement:
@@ -445,11 +446,11 @@ def _enrolled_update() -> Update:
     base = func.coalesce(func.nullif(card, _JSON_NULL), literal_column("""'{"type": "card"}'::jsonb""", JSONB))
     top = _filled(base, cast(bindparam("card_fields", type_=JSON), JSONB))
     display = func.coalesce(
-        func.nullif(func.nullif(base.op("->", return_type=JSONB)("display"), _JSON_NULL), _JSON_EMPTY),
+        func.nullif(func.nullif(base.op("->", return_type=JSONB)(_DISPLAY), _JSON_NULL), _JSON_EMPTY),
         cast(bindparam("blank_display", type_=JSON), JSONB),
     )
     merged = top.op("||", return_type=JSONB)(
-        func.jsonb_build_object("display", _filled(display, cast(bindparam("card_display", type_=JSON), JSONB)))
+        func.jsonb_build_object(_DISPLAY, _filled(display, cast(bindparam("card_display", type_=JSON), JSONB)))
     )
     merged_card = (
         select(cast(merged, JSON).label("card"), merged.is_distinct_from(card).label("changed"))

@@ -170,7 +170,7 @@ def test_two_rails_settling_at_once_release_the_lease(database):
                 waiting = probe.execute(
                     text(
                         "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE wait_event_type = 'Lock' AND query LIKE 'WITH locked_job%'"
+                        " WHERE wait_event_type = 'Lock' AND datname = current_database()"
                     )
                 ).scalar_one()
                 probe.rollback()

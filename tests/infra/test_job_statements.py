@@ -336,7 +336,8 @@ def test_an_outcome_write_and_the_job_settle_are_one_statement_locking_the_job_f
     statements: list[str] = []
 
     def record(connection, cursor, statement, parameters, context, executemany):
-        statements.append(statement)
+        # the statement's SQL, whether it goes out as itself or as the EXECUTE of its prepared form
+        statements.append(context.compiled.string if context is not None and context.compiled else statement)
 
     done: list[bool] = []
     holder = get_engine().connect()
