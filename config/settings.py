@@ -140,9 +140,10 @@ class Settings(BaseSettings):
     # statement and one commit (0: each its own transaction).
     group_commit_ms: float = 1.0
     db_pool_size: int = 10
-    # Run the hot statements (a job's lease and outcome) as server-side prepared statements, planned
-    # once per connection; off behind a pooler in transaction mode that does not keep a session's
-    # prepared statements (PgBouncer's `pool_mode = transaction`).
+    # Run the hot statements (a job's lease and outcome, the recording of rows, the reads answering a
+    # create) as server-side prepared statements, planned once per connection; off behind a pooler in
+    # transaction mode that does not keep a session's prepared statements (PgBouncer's
+    # `pool_mode = transaction`).
     db_prepared_statements: bool = True
 
     # Secrets at rest: a base64 32-byte master key, else a key file made in data_dir on first start;

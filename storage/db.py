@@ -77,14 +77,16 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
 #: (:func:`server_prepared`).
 SERVER_PREPARED = "tessera_server_prepared"
 _PREPARED_ON_CONNECTION = "tessera_prepared"
-_BIND = re.compile(r"%\(([^)]+)\)s")
+_PREPARED_OPTIONS = {SERVER_PREPARED: True}
+_PLACEHOLDER = re.compile(r"%%|%s|%\(([^)]+)\)s")
 
 
 def server_prepared(statement: T) -> T:
     """``statement`` marked to run as a server-side prepared statement on PostgreSQL: ``PREPARE`` on a
     connection's first run of it, then ``EXECUTE`` with its parameters, so the server plans it once
     per connection rather than on every run (a job's lease or outcome statement, with its CTEs and
-    subqueries, spends more time being planned than being run). Only where the setting
+    subqueries, spends more time being planned than being run; the one statement of
+    :func:`insert_rows`, too). Only where the setting
     ``db_prepared_statements`` is on (off behind a pooler that does not keep a session's prepared
     statements); the results are read as usual. Elsewhere, and on SQLite, it runs as it is."""
     return cast(Any, statement).execution_options(**{SERVER_PREPARED: True})
@@ -103,12 +105,13 @@ def _execute_prepared(
     """The ``EXECUTE`` of a statement marked :data:`SERVER_PREPARED`, after its ``PREPARE`` when the
     connection has not prepared it yet (the names a connection prepared are kept with the driver's
     connection, so they go when it is closed or invalidated). The statement's text, already
-    compiled and expanded, is its key; its named parameters become positional (``$1``...) in the
-    ``PREPARE``. Any other statement passes unchanged."""
+    compiled and expanded, is its key; its parameters, named or positional, become ``$1``... in the
+    ``PREPARE`` (a statement sent with ``exec_driver_sql`` is marked by that option in its
+    ``execution_options``). Any other statement passes unchanged."""
     if (
         executemany
         or context is None
-        or not isinstance(parameters, dict)
+        or not isinstance(parameters, dict | tuple)
         or not context.execution_options.get(SERVER_PREPARED)
     ):
         return statement, parameters
@@ -117,11 +120,14 @@ def _execute_prepared(
         order: list[str] = []
 
         def positional(match: re.Match[str]) -> str:
-            if match.group(1) not in order:
-                order.append(match.group(1))
-            return f"${order.index(match.group(1)) + 1}"
+            if match.group(0) == "%%":
+                return "%"
+            key = match.group(1) if match.group(1) is not None else str(len(order))
+            if key not in order:
+                order.append(key)
+            return f"${order.index(key) + 1}"
 
-        body = _BIND.sub(positional, statement).replace("%%", "%")
+        body = _PLACEHOLDER.sub(positional, statement)
         name = f"tessera_{len(prepared) + 1}"
         try:
             cursor.execute(f"PREPARE {name} AS {body}")
@@ -137,7 +143,11 @@ def _execute_prepared(
     if known is None:
         return statement, parameters
     name, order = known
-    return f"EXECUTE {name} ({', '.join(f'%({key})s' for key in order)})" if order else f"EXECUTE {name}", parameters
+    if not order:
+        return f"EXECUTE {name}", parameters
+    if isinstance(parameters, tuple):
+        return f"EXECUTE {name} ({', '.join(['%s'] * len(order))})", parameters
+    return f"EXECUTE {name} ({', '.join(f'%({key})s' for key in order)})", parameters
 
 
 @functools.cache
@@ -238,26 +248,27 @@ def one_statement_transactions() -> bool:
     return get_lease_engine() is not None
 
 
-def read_first(statement):
+def read_first(statement, params: dict | None = None):
     """The first row of the read-only ``statement`` (None without rows), read in one round trip
     outside any transaction: on PostgreSQL on an autocommit connection of the
     :func:`get_lease_engine` (no ``BEGIN``, no ``COMMIT``; a read sees what was committed when it
-    runs, as the first statement of a transaction does), elsewhere in a :func:`session_scope`."""
+    runs, as the first statement of a transaction does), elsewhere in a :func:`session_scope`.
+    ``params``: values of its bind parameters (a statement built once, :func:`server_prepared`)."""
     engine = get_lease_engine()
     if engine is None:
         with session_scope() as session:
-            return session.execute(statement).first()
-    return _once_more_on_disconnect(engine, lambda connection: connection.execute(statement).first())
+            return session.execute(statement, params).first()
+    return _once_more_on_disconnect(engine, lambda connection: connection.execute(statement, params).first())
 
 
-def read_all(statement) -> list:
+def read_all(statement, params: dict | None = None) -> list:
     """Every row of the read-only ``statement``, read like :func:`read_first`: in one round trip
     outside any transaction (one snapshot: the rows agree with each other)."""
     engine = get_lease_engine()
     if engine is None:
         with session_scope() as session:
-            return list(session.execute(statement).all())
-    return _once_more_on_disconnect(engine, lambda connection: list(connection.execute(statement).all()))
+            return list(session.execute(statement, params).all())
+    return _once_more_on_disconnect(engine, lambda connection: list(connection.execute(statement, params).all()))
 
 
 def execute_unflushed(statement) -> None:
@@ -637,7 +648,7 @@ def _pg_insert(connection: Connection, batches: list[tuple[Table, bool, list[dic
         _pg_values_insert(connection, batches)
         return
     shape = tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
-    connection.exec_driver_sql(_pg_json_text(shape), tuple(documents))
+    connection.exec_driver_sql(_pg_json_text(shape), tuple(documents), execution_options=_PREPARED_OPTIONS)
 
 
 def _json_rows(table: Table, batch: list[dict], dialect) -> str:

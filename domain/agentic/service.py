@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete
+from sqlalchemy import bindparam, delete
 from sqlalchemy import select as select_rows
 from sqlmodel import Session, col, func, select
 
@@ -55,7 +55,7 @@ from infra.errors import Problem
 from infra.wait import Outcome
 from providers.agentic import DISPLAY_FIELDS
 from providers.agentic_http import provider_for
-from storage.db import Rows, insert_rows, read_all, row_of, stage_changes
+from storage.db import Rows, insert_rows, read_all, row_of, server_prepared, stage_changes
 from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
@@ -246,20 +246,25 @@ def _final(outcome: Outcome) -> bool:
 
 _PM = table_of(PaymentMethod)
 _RAILS = table_of(PaymentMethodRail)
+#: A tenant's payment method with its rails in their order (built once, planned once per connection).
+_SETTLED_VIEW = server_prepared(
+    select_rows(
+        *(column.label(f"pm_{column.name}") for column in _PM.columns),
+        *(column.label(f"rail_{column.name}") for column in _RAILS.columns),
+    )
+    .select_from(_PM.outerjoin(_RAILS, _RAILS.c.payment_method_id == _PM.c.id))
+    .where(
+        _PM.c.id == bindparam("pm_id", type_=_PM.c.id.type),
+        _PM.c.tenant_id == bindparam("tenant_id", type_=_PM.c.tenant_id.type),
+    )
+    .order_by(_RAILS.c.position)
+)
 
 
 def settled_view(tenant_id: uuid.UUID, pm_id: str) -> dict | None:
     """The tenant's payment method object (rails in their order) read in one statement outside any
     transaction (``storage.db.read_all``: no lock, nothing written), or None when it is not there."""
-    rows = read_all(
-        select_rows(
-            *(column.label(f"pm_{column.name}") for column in _PM.columns),
-            *(column.label(f"rail_{column.name}") for column in _RAILS.columns),
-        )
-        .select_from(_PM.outerjoin(_RAILS, _RAILS.c.payment_method_id == _PM.c.id))
-        .where(_PM.c.id == pm_id, _PM.c.tenant_id == tenant_id)
-        .order_by(_RAILS.c.position)
-    )
+    rows = read_all(_SETTLED_VIEW, {"pm_id": pm_id, "tenant_id": tenant_id})
     if not rows:
         return None
     found = [row._mapping for row in rows]

@@ -59,7 +59,7 @@ from providers.card_network import (
     ensure_configured,
 )
 from storage.crypto import get_keyring
-from storage.db import Rows, insert_rows_last, read_first, session_scope
+from storage.db import Rows, insert_rows_last, read_first, server_prepared, session_scope
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
 from storage.states import JOB_FAILED, JobStatus, NetworkTokenStatus
@@ -74,6 +74,13 @@ CREATED_EVENT = "network-token.created"
 _SOURCES = ("data", "token_id", "token_intent_id")
 _DATA_KEYS = ("number", "expiration_month", "expiration_year", "cvc")
 _TOKENS = table_of(NetworkToken)
+#: A tenant's network token, the row as stored (built once, planned once per connection).
+_READ_TOKEN = server_prepared(
+    select_rows(_TOKENS).where(
+        _TOKENS.c.id == bindparam("network_token_id", type_=_TOKENS.c.id.type),
+        _TOKENS.c.tenant_id == bindparam("tenant_id", type_=_TOKENS.c.tenant_id.type),
+    )
+)
 
 
 # ---- create --------------------------------------------------------------------------------------
@@ -259,11 +266,7 @@ def provisioning_outcome(
     if outcome is not None and status in JOB_FAILED:
         raise provisioning_problem(status, outcome.result)
     if status == JobStatus.SUCCEEDED:  # one read outside any transaction, a plain row
-        row = read_first(
-            select_rows(_TOKENS).where(
-                _TOKENS.c.id == started.network_token_id, _TOKENS.c.tenant_id == caller.tenant_id
-            )
-        )
+        row = read_first(_READ_TOKEN, {"network_token_id": started.network_token_id, "tenant_id": caller.tenant_id})
         if row is not None and row.status != NetworkTokenStatus.INACTIVE:
             return 201, caller_view(session, caller, row)
     job = locked_job(session, started.job_id)

@@ -11,9 +11,10 @@ import pytest
 from sqlalchemy import Integer, bindparam, cast, event, literal, literal_column, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 
+from domain.tenancy.tenants import create_tenant
 from storage.db import get_engine, get_lease_engine, server_prepared
 from storage.models import Job
-from storage.types import table_of
+from storage.types import table_of, utcnow
 
 pytestmark = pytest.mark.worker
 
@@ -88,3 +89,36 @@ def test_unmarked_statements_and_transactions_are_untouched(database):
         with connection.begin():
             assert connection.execute(_STATEMENT, {"id": uuid.uuid4(), "at": None, "result": None, "n": 1}).one()
         assert len(_prepared_names(connection)) == 1  # a marked statement in a transaction is prepared too
+
+
+def test_the_rows_of_a_unit_are_inserted_by_a_prepared_statement(database):
+    """``insert_rows``' one statement (positional parameters: a JSON document per table) is prepared
+    once per connection; its rows are stored as before."""
+    from storage.db import Rows, insert_rows, session_scope
+    from storage.models import AuditLog
+
+    logs = table_of(AuditLog)
+    with session_scope() as session:
+        tenant_id = create_tenant(
+            session, name="prepared", owner_email=f"o-{uuid.uuid4().hex[:8]}@example.com"
+        ).tenant_id
+    get_engine().dispose()  # a new connection: nothing prepared on it yet
+
+    def one_row(message: str) -> None:
+        with session_scope() as session:
+            rows = Rows()
+            row = {"id": uuid.uuid4(), "tenant_id": tenant_id, "actor_type": "system", "entity_type": "test"}
+            rows.add(logs, {**row, "entity_id": "e", "operation": "create", "message": message, "created_at": utcnow()})
+            insert_rows(session, rows)
+
+    sent, stop = _sent(get_engine())
+    try:
+        one_row("100% first")
+        one_row("second")
+    finally:
+        stop()
+    inserts = [statement for statement in sent if statement.startswith(("PREPARE", "EXECUTE"))]
+    assert [statement.split(" ")[0] for statement in inserts] == ["EXECUTE", "EXECUTE"]
+    with get_engine().connect() as connection:
+        stored = connection.execute(select(logs.c.message).where(logs.c.entity_type == "test")).scalars().all()
+    assert sorted(stored) == ["100% first", "second"]
