@@ -6,8 +6,8 @@ processes on a fresh database and Redis (the broker); one test tenant and one vi
 (4242424242424242: rails ``agentic-token``/``vic`` and ``spt``/``psp``, both enabled by the sandbox).
 For each level of ``--clients`` (default ``1,32``), ``--creates`` (400) ``POST /agentic/payment-methods``
 are sent by that many client threads; each create records the payment method and two enrollment jobs
-in one statement, both jobs' messages go out back to back after the commit, the worker runs the two
-jobs (one provider call each, in parallel on the worker's thread pool of the ``providers`` queue) and
+in one statement, both jobs go out in one message after the commit, one task run of the worker runs
+the two jobs side by side (one provider call each, on a thread each), each outcome one statement, and
 the handler, woken once both outcomes are in, answers. Timed per request; checked: every answer is 201
 with both rails ``enabled``.
 

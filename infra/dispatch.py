@@ -7,7 +7,10 @@ after the commit, or the broker was down) is re-sent by the outbox relay (``swee
 a send failure here is logged and otherwise ignored.
 
 Jobs of a batched kind (:data:`BATCH_ARGUMENT`: webhook deliveries) travel as lists of ids, about a
-hundred a message; :func:`enqueue_jobs_after_commit` picks the form by the kind.
+hundred a message; :func:`enqueue_jobs_after_commit` picks the form by the kind. Jobs recorded
+``together`` by one unit of work (a payment method's rails) travel in one message, the first job's
+``job_id`` with the others as ``siblings`` (:data:`SIBLINGS_ARGUMENT`), and run side by side in one
+task run (``infra.task.JobTask.run``); each is still a job of its own.
 
 A delay rides on the message as a countdown only when it is at most :data:`MAX_COUNTDOWN_SECONDS`;
 longer delays are left to the row's ``due_at`` and the relay (a broker holding countdown messages for
@@ -36,6 +39,8 @@ MAX_COUNTDOWN_SECONDS = 60
 #: Job kinds whose task takes a batch of job ids: kind -> the name of its id list argument. The jobs
 #: of any other kind are sent one message each, with ``job_id``.
 BATCH_ARGUMENT = {DELIVER_TASK: "delivery_ids"}
+#: The argument naming the other jobs a message of jobs recorded together carries beside ``job_id``.
+SIBLINGS_ARGUMENT = "siblings"
 _RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 
 
@@ -45,11 +50,18 @@ class _Outgoing:
 
     single: list[tuple[str, float | None, dict]] = field(default_factory=list)
     batches: dict[tuple[str, str, float | None], list[str]] = field(default_factory=dict)
+    together: dict[tuple[str, float | None], list[str]] = field(default_factory=dict)
 
     def messages(self) -> list[tuple[str, float | None, dict]]:
-        """Every message, as ``(task name, countdown, kwargs)``: the single ones, then the batches cut
-        at :data:`BATCH_SIZE` ids."""
+        """Every message, as ``(task name, countdown, kwargs)``: the single ones, the jobs recorded
+        together (one message per task and countdown: ``job_id`` and the others as ``siblings``), then
+        the batches cut at :data:`BATCH_SIZE` ids."""
         messages = list(self.single)
+        for (task_name, countdown), ids in self.together.items():
+            kwargs: dict[str, Any] = {"job_id": ids[0]}
+            if len(ids) > 1:
+                kwargs[SIBLINGS_ARGUMENT] = ids[1:]
+            messages.append((task_name, countdown, kwargs))
         for (task_name, key, countdown), ids in self.batches.items():
             for start in range(0, len(ids), BATCH_SIZE):
                 messages.append((task_name, countdown, {key: ids[start : start + BATCH_SIZE]}))
@@ -96,14 +108,22 @@ def enqueue_batch_after_commit(
         _outgoing(session).batches.setdefault((task_name, key, countdown), []).extend(ids)
 
 
-def enqueue_jobs_after_commit(session: Session, kind: str, job_ids: list[str], *, delay: float | None = None) -> None:
+def enqueue_jobs_after_commit(
+    session: Session, kind: str, job_ids: list[str], *, delay: float | None = None, together: bool = False
+) -> None:
     """Send the task ``kind`` of the jobs ``job_ids`` once ``session`` commits: for a kind of
     :data:`BATCH_ARGUMENT` in messages of at most :data:`BATCH_SIZE` ids
-    (:func:`enqueue_batch_after_commit`), for any other one message per job with ``job_id``.
-    ``delay`` as in :func:`enqueue_after_commit`."""
+    (:func:`enqueue_batch_after_commit`); ``together``: in the one message of the jobs of ``kind``
+    this transaction records together (``job_id``, then ``siblings``); otherwise one message per job
+    with ``job_id``. ``delay`` as in :func:`enqueue_after_commit`."""
     key = BATCH_ARGUMENT.get(kind)
     if key is not None:
         enqueue_batch_after_commit(session, kind, key, job_ids, delay=delay)
+        return
+    if together:
+        countdown = countdown_for(delay)
+        if countdown is not False and job_ids:
+            _outgoing(session).together.setdefault((kind, countdown), []).extend(job_ids)
         return
     for job_id in job_ids:
         enqueue_after_commit(session, kind, delay=delay, job_id=job_id)
@@ -119,6 +139,7 @@ def take_pending(session: Session) -> list[tuple[str, dict]]:
     taken = [(task_name, kwargs) for task_name, _countdown, kwargs in outgoing.messages()]
     outgoing.single.clear()
     outgoing.batches.clear()
+    outgoing.together.clear()
     return taken
 
 

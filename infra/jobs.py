@@ -144,6 +144,7 @@ def record(
     operation_id: str | None = None,
     max_attempts: int = 5,
     rows: Rows | None = None,
+    together: bool = False,
 ) -> Job: ...
 
 
@@ -176,10 +177,12 @@ def record(
     max_attempts: int = 5,
     rows: Rows | None = None,
     now: dt.datetime | None = None,
+    together: bool = False,
 ) -> Job | list[uuid.UUID]:
     """Record work in the caller's transaction: one ``queued`` job per subject, its task ``kind`` sent
     with the job's id once the transaction commits (batch messages for a batched kind,
-    :data:`infra.dispatch.BATCH_ARGUMENT`).
+    :data:`infra.dispatch.BATCH_ARGUMENT`; ``together``: one message for every job of ``kind`` the
+    transaction records together, run side by side, ``infra.task.JobTask.run``).
 
     One job (``subject_id``; the fields are those of :func:`new_row`) returns the :class:`Job`. Many
     (``subjects``: ``[(job id, subject id)]``, all due ``now``) return their ids. Where the row goes is
@@ -228,7 +231,7 @@ def record(
         stage_rows(session, staged)
     else:
         session.add(job)
-    enqueue_jobs_after_commit(session, kind, [str(job.id)])
+    enqueue_jobs_after_commit(session, kind, [str(job.id)], together=together)
     return job
 
 

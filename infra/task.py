@@ -56,14 +56,16 @@ recorded and ``on_job_failure`` runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import gc
 import logging
 import os
 import socket
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -267,13 +269,38 @@ class JobTask(TesseraTask):
     def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
         """Record a permanent failure or a dead letter on the domain object (default: nothing)."""
 
-    def run(self, job_id: str) -> str:
+    def run(self, job_id: str, siblings: Sequence[str] = ()) -> str:
         """Lease, perform, apply: returns ``succeeded`` or ``skipped`` (not takeable: a duplicate
         message, another worker's lease, not due yet); raises Retry or :class:`AttemptFailed` after
-        recording a retry or a failure."""
-        leased = jobs.lease(
-            uuid.UUID(job_id), self.worker_id(), lease_seconds=self._job_lease(), reads=self._lease_reads
-        )
+        recording a retry or a failure.
+
+        ``siblings``: the jobs recorded together with this one (``infra.dispatch.SIBLINGS_ARGUMENT``,
+        a payment method's rails): each runs side by side with it on a thread of its own, leased,
+        performed and settled on its own as if it had come alone, under this run's lease owner. The
+        run ends when all have: FAILURE when one failed, RETRY when one is retried (each has its own
+        row and its own retry message), else this job's result; an unexpected error of one is
+        raised after the others ended."""
+        if not siblings:
+            return self._run_one(job_id, self.worker_id())
+        owner = self.worker_id()
+        runs = [
+            _sibling_runner().submit(contextvars.copy_context().run, self._run_one, sibling, owner)
+            for sibling in siblings
+        ]
+        own: concurrent.futures.Future[str] = concurrent.futures.Future()
+        try:
+            own.set_result(self._run_one(job_id, owner))
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the siblings ended
+            own.set_exception(exc)
+        concurrent.futures.wait(runs)
+        errors = [error for error in (run.exception() for run in (own, *runs)) if error is not None]
+        if errors:
+            raise min(errors, key=_severity)
+        return own.result()
+
+    def _run_one(self, job_id: str, owner: str) -> str:
+        """:meth:`run` of one job for lease owner ``owner``."""
+        leased = jobs.lease(uuid.UUID(job_id), owner, lease_seconds=self._job_lease(), reads=self._lease_reads)
         if leased is None:
             return "skipped"
         job, inputs = leased
@@ -391,6 +418,26 @@ def _gc_paused(pause: bool) -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+def _severity(error: BaseException) -> int:
+    """The rank of how one job's run among siblings ended, most severe first: the worker stopping,
+    a recorded failure, an unexpected error, a recorded retry."""
+    if not isinstance(error, Exception):
+        return 0
+    if isinstance(error, AttemptFailed):
+        return 1
+    return 3 if isinstance(error, Retry) else 2
+
+
+#: Threads running the siblings of a job (:meth:`JobTask.run`), made on first use in a process.
+_SIBLING_THREADS = 32
+
+
+@functools.cache
+def _sibling_runner() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's pool of threads for the siblings of a job (made after a fork, on first use)."""
+    return concurrent.futures.ThreadPoolExecutor(_SIBLING_THREADS, thread_name_prefix="tessera-sibling")
 
 
 def _held(session: Session, job_id: uuid.UUID, *, lock: bool = False) -> Job:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from celery.worker.control import control_command
@@ -89,8 +90,9 @@ class RunReactor(JobTask):
     #: Runs one message may carry a thread through (bounded, so a run's time limit is not outlived).
     RUNS_PER_MESSAGE = 8
 
-    def run(self, job_id: str) -> str:
-        """Run the fairest eligible runs (not necessarily ``job_id``: see the class text)."""
+    def run(self, job_id: str, siblings: Sequence[str] = ()) -> str:
+        """Run the fairest eligible runs (not necessarily ``job_id``: see the class text); runs are
+        never recorded together, so no message names ``siblings``."""
         slots = get_settings().reactor_slots
         outcome = "skipped"
         started = time.monotonic()

@@ -2,12 +2,14 @@
 
 Each function is one step of a job task (``tasks/agentic.py``, template ``infra/task.py``):
 
-* **enrollment** (``agentic.enroll_rail``, one job per rail, so two rails enroll in parallel on two
-  workers): :func:`perform_enrollment` reads the card from the card token and calls the provider
-  with the job id as idempotency key, outside any transaction; :func:`apply_enrollment` writes the
-  outcome (an enabled rail's usually as one durable statement with the job's completion,
-  :func:`enrolled_write`); :func:`enrollment_failed` records a rejection (the rail in ``error`` with a catalogue
-  code, and a provider error object). The last enrollment job of an operation releases its lease.
+* **enrollment** (``agentic.enroll_rail``, one job per rail; a create's rail jobs share one message
+  and enroll side by side, each on a thread of its own, ``infra.task.JobTask.run``):
+  :func:`perform_enrollment` reads the card from the card token and calls the provider with the job
+  id as idempotency key, outside any transaction; :func:`apply_enrollment` writes the outcome (an
+  enabled rail's usually as one durable statement with the job's completion,
+  :func:`enrolled_write`); :func:`enrollment_failed` records a rejection (the rail in ``error`` with
+  a catalogue code, and a provider error object). The last enrollment job of an operation releases
+  its lease.
 * **polling** (``agentic.poll_rail``): a provider that answered ``pending`` is asked again, backing
   off from 0.5 s to 30 s, until the enrollment is enabled (about 20 minutes at most; then the rail
   records ``PROVIDER_ENROLLMENT_FAILED``). The platform polls rather than taking the provider's

@@ -166,6 +166,7 @@ def create_payment_method(
                 subject_id=str(rail.id),
                 trace_id=caller.trace_id,
                 max_attempts=ENROLL_MAX_ATTEMPTS,
+                together=True,  # the rails' jobs in one message, run side by side by one task run
             ).id
             rail.operation_id, rail.attempt = owner, "create"
             job_ids.append(rail.job_id)

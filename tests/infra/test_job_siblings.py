@@ -1,0 +1,127 @@
+"""Jobs recorded together (``jobs.record(..., together=True)``): one message carries them, one task
+run runs them side by side, each leased, settled, retried or failed on its own. Real PostgreSQL; the
+task's ``run`` is called as the worker calls it."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+from celery.exceptions import Retry
+
+from domain.tenancy.tenants import create_tenant
+from infra import jobs
+from infra.celery import celery_app
+from infra.dispatch import take_pending
+from infra.jobs import PermanentError, TransientError
+from infra.task import AttemptFailed, JobTask
+from storage.db import session_scope
+from storage.models import Job
+
+pytestmark = pytest.mark.worker
+
+#: Every ``together`` job of a run waits here for the others: they only all pass it side by side.
+_MEETING: dict[str, threading.Barrier] = {}
+
+
+class SiblingJob(JobTask):
+    """Meets its siblings (subject ``<meeting>:<what>``), then succeeds, fails for good or is retried."""
+
+    name = "tests.sibling_job"
+    lease_seconds = 10
+
+    def perform(self, job, inputs):
+        meeting, what = job.subject_id.split(":")
+        _MEETING[meeting].wait(timeout=10)  # BrokenBarrierError unless every sibling runs at once
+        if what == "permanent":
+            raise PermanentError("DECLINED", "the provider declined")
+        if what == "transient":
+            raise TransientError("the provider timed out", retry_after=3600)  # no message: left to the relay
+        return {"done": what}
+
+    def apply(self, session, job, outcome):
+        return outcome
+
+
+celery_app.register_task(SiblingJob())
+
+
+def _together(*outcomes: str) -> tuple[list[uuid.UUID], list[tuple[str, dict]]]:
+    """Jobs recorded together in one transaction, one per outcome; their ids and the messages the
+    commit would send."""
+    meeting = uuid.uuid4().hex
+    _MEETING[meeting] = threading.Barrier(len(outcomes))
+    with session_scope() as session:
+        tenant_id = create_tenant(session, name="siblings", owner_email=f"o-{meeting[:8]}@example.com").tenant_id
+        ids = [
+            jobs.record(
+                session,
+                kind=SiblingJob.name,
+                tenant_id=tenant_id,
+                subject_type="script",
+                subject_id=f"{meeting}:{what}",
+                trace_id=None,
+                together=True,
+            ).id
+            for what in outcomes
+        ]
+        messages = take_pending(session)  # this test is the worker
+    return ids, messages
+
+
+def _job(job_id) -> Job:
+    with session_scope() as session:
+        return session.get(Job, job_id)
+
+
+def _run(messages: list[tuple[str, dict]]) -> str:
+    ((name, kwargs),) = messages
+    assert name == SiblingJob.name
+    return celery_app.tasks[name].run(**kwargs)
+
+
+def test_jobs_recorded_together_travel_in_one_message_and_run_side_by_side(database):
+    ids, messages = _together("a", "b", "c")
+
+    assert messages == [(SiblingJob.name, {"job_id": str(ids[0]), "siblings": [str(ids[1]), str(ids[2])]})]
+    assert _run(messages) == "succeeded"
+    for job_id, what in zip(ids, "abc", strict=True):
+        job = _job(job_id)
+        assert (job.status, job.result, job.attempts, job.lease_owner) == ("succeeded", {"done": what}, 1, None)
+
+    assert _run(messages) == "skipped"  # the message again (a redelivery): nothing runs twice
+    assert [_job(job_id).attempts for job_id in ids] == [1, 1, 1]
+
+
+def test_one_sibling_failing_for_good_leaves_the_others_settled_and_the_run_fails(database):
+    ids, messages = _together("ok", "permanent")
+
+    with pytest.raises(AttemptFailed):
+        _run(messages)
+    assert [_job(job_id).status for job_id in ids] == ["succeeded", "failed"]
+
+
+def test_a_retried_sibling_is_retried_alone(database):
+    ids, messages = _together("transient", "ok")
+
+    with pytest.raises(Retry):
+        _run(messages)
+    retried, done = _job(ids[0]), _job(ids[1])
+    assert (retried.status, retried.lease_owner, retried.attempts) == ("queued", None, 1)
+    assert done.status == "succeeded"
+
+
+def test_jobs_not_recorded_together_go_one_message_each(database):
+    with session_scope() as session:
+        first, second = (
+            jobs.record(
+                session, kind=SiblingJob.name, tenant_id=None, subject_type="script", subject_id=f"x:{n}", trace_id=None
+            )
+            for n in (1, 2)
+        )
+        messages = take_pending(session)
+    assert messages == [
+        (SiblingJob.name, {"job_id": str(first.id)}),
+        (SiblingJob.name, {"job_id": str(second.id)}),
+    ]
