@@ -9,7 +9,7 @@ a send failure here is logged and otherwise ignored.
 Jobs of a batched kind (:data:`BATCH_ARGUMENT`: webhook deliveries) travel as lists of ids, about a
 hundred a message; :func:`enqueue_jobs_after_commit` picks the form by the kind. Jobs recorded
 ``together`` by one unit of work (a payment method's rails) travel in one message, the first job's
-``job_id`` with the others as ``siblings`` (:data:`SIBLINGS_ARGUMENT`), and run side by side in one
+``job_id`` with the others' ids as ``sibling_ids`` (:data:`SIBLINGS_ARGUMENT`), and run side by side in one
 task run (``infra.task.JobTask.run``); each is still a job of its own.
 
 A delay rides on the message as a countdown only when it is at most :data:`MAX_COUNTDOWN_SECONDS`;
@@ -40,7 +40,7 @@ MAX_COUNTDOWN_SECONDS = 60
 #: of any other kind are sent one message each, with ``job_id``.
 BATCH_ARGUMENT = {DELIVER_TASK: "delivery_ids"}
 #: The argument naming the other jobs a message of jobs recorded together carries beside ``job_id``.
-SIBLINGS_ARGUMENT = "siblings"
+SIBLINGS_ARGUMENT = "sibling_ids"
 _RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 
 
@@ -54,7 +54,7 @@ class _Outgoing:
 
     def messages(self) -> list[tuple[str, float | None, dict]]:
         """Every message, as ``(task name, countdown, kwargs)``: the single ones, the jobs recorded
-        together (one message per task and countdown: ``job_id`` and the others as ``siblings``), then
+        together (one message per task and countdown: ``job_id`` and the others as ``sibling_ids``), then
         the batches cut at :data:`BATCH_SIZE` ids."""
         messages = list(self.single)
         for (task_name, countdown), ids in self.together.items():
@@ -114,7 +114,7 @@ def enqueue_jobs_after_commit(
     """Send the task ``kind`` of the jobs ``job_ids`` once ``session`` commits: for a kind of
     :data:`BATCH_ARGUMENT` in messages of at most :data:`BATCH_SIZE` ids
     (:func:`enqueue_batch_after_commit`); ``together``: in the one message of the jobs of ``kind``
-    this transaction records together (``job_id``, then ``siblings``); otherwise one message per job
+    this transaction records together (``job_id``, then ``sibling_ids``); otherwise one message per job
     with ``job_id``. ``delay`` as in :func:`enqueue_after_commit`."""
     key = BATCH_ARGUMENT.get(kind)
     if key is not None:

@@ -269,23 +269,23 @@ class JobTask(TesseraTask):
     def on_job_failure(self, session: Session, job: Job, error: Exception) -> None:
         """Record a permanent failure or a dead letter on the domain object (default: nothing)."""
 
-    def run(self, job_id: str, siblings: Sequence[str] = ()) -> str:
+    def run(self, job_id: str, sibling_ids: Sequence[str] = ()) -> str:
         """Lease, perform, apply: returns ``succeeded`` or ``skipped`` (not takeable: a duplicate
         message, another worker's lease, not due yet); raises Retry or :class:`AttemptFailed` after
         recording a retry or a failure.
 
-        ``siblings``: the jobs recorded together with this one (``infra.dispatch.SIBLINGS_ARGUMENT``,
+        ``sibling_ids``: the jobs recorded together with this one (``infra.dispatch.SIBLINGS_ARGUMENT``,
         a payment method's rails): each runs side by side with it on a thread of its own, leased,
         performed and settled on its own as if it had come alone, under this run's lease owner. The
         run ends when all have: FAILURE when one failed, RETRY when one is retried (each has its own
         row and its own retry message), else this job's result; an unexpected error of one is
         raised after the others ended."""
-        if not siblings:
+        if not sibling_ids:
             return self._run_one(job_id, self.worker_id())
         owner = self.worker_id()
         runs = [
             _sibling_runner().submit(contextvars.copy_context().run, self._run_one, sibling, owner)
-            for sibling in siblings
+            for sibling in sibling_ids
         ]
         own: concurrent.futures.Future[str] = concurrent.futures.Future()
         try:

@@ -90,9 +90,9 @@ class RunReactor(JobTask):
     #: Runs one message may carry a thread through (bounded, so a run's time limit is not outlived).
     RUNS_PER_MESSAGE = 8
 
-    def run(self, job_id: str, siblings: Sequence[str] = ()) -> str:
+    def run(self, job_id: str, sibling_ids: Sequence[str] = ()) -> str:
         """Run the fairest eligible runs (not necessarily ``job_id``: see the class text); runs are
-        never recorded together, so no message names ``siblings``."""
+        never recorded together, so no message names ``sibling_ids``."""
         slots = get_settings().reactor_slots
         outcome = "skipped"
         started = time.monotonic()

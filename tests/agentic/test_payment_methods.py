@@ -167,7 +167,7 @@ def _inserted_tables(monkeypatch) -> list[list[str]]:
 def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, monkeypatch):
     """The payment method, its rails, both enrollment jobs, the enroll lease, the log row and the card
     token's activity of the month: one insert in the create's transaction; after its commit both rail
-    jobs go out in one message (``job_id`` and ``siblings``, run side by side by one task run)."""
+    jobs go out in one message (``job_id`` and ``sibling_ids``, run side by side by one task run)."""
     from infra import dispatch
 
     token_id = card_token(tenant.client, VISA)
@@ -199,7 +199,7 @@ def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, mo
     jobs = {str(job.id) for job in jobs_of(answer.json["id"])}
     assert len(enrollments) == 1 and len(enrollments[0]) == 1  # one message: the first job, its sibling
     ((_, kwargs),) = enrollments[0]
-    assert {kwargs["job_id"], *kwargs["siblings"]} == jobs and len(jobs) == 2
+    assert {kwargs["job_id"], *kwargs["sibling_ids"]} == jobs and len(jobs) == 2
 
 
 def test_each_rail_outcome_is_written_in_one_statement(tenant):

@@ -84,7 +84,7 @@ def _run(messages: list[tuple[str, dict]]) -> str:
 def test_jobs_recorded_together_travel_in_one_message_and_run_side_by_side(database):
     ids, messages = _together("a", "b", "c")
 
-    assert messages == [(SiblingJob.name, {"job_id": str(ids[0]), "siblings": [str(ids[1]), str(ids[2])]})]
+    assert messages == [(SiblingJob.name, {"job_id": str(ids[0]), "sibling_ids": [str(ids[1]), str(ids[2])]})]
     assert _run(messages) == "succeeded"
     for job_id, what in zip(ids, "abc", strict=True):
         job = _job(job_id)

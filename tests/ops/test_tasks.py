@@ -35,7 +35,8 @@ def test_tasks_take_ids_only():
             assert _ID_PARAMETER.match(parameter.name), f"{name} takes '{parameter.name}': tasks take ids only"
         checked[name] = [p.name for p in parameters]
     assert checked["webhooks.deliver"] == ["delivery_ids"]
-    assert checked["mail.webhook_disabled"] == ["job_id"]  # a recorded job, like every mail
+    # a recorded job, like every mail; jobs recorded together travel with their siblings' ids
+    assert checked["mail.webhook_disabled"] == ["job_id", "sibling_ids"]
 
 
 def test_task_names_start_with_their_module_and_route_by_the_one_table():
