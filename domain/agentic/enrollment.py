@@ -55,11 +55,11 @@ from config.settings import Settings
 from domain.agentic import allowance_work, leases
 from domain.agentic.errors import CATALOGUE, failed_rail, name_failed_rail
 from domain.agentic.payment_methods import (
-    ENROLL_TASK,
     POLL_MAX_ATTEMPTS,
     POLL_TASK,
     card_source,
     checked_card,
+    enrolling_rails,
     lock,
     mark_deleted,
     merge_card,
@@ -355,7 +355,7 @@ def enrolled_write(job: Job, outcome: Enrollment | Stale) -> jobs.OutcomeWrite |
     return jobs.OutcomeWrite(_enrolled_update(), params, {"rail_status": outcome.status, "enrollment_id": outcome.id})
 
 
-_PMS, _RAILS, _JOBS = table_of(PaymentMethod), table_of(PaymentMethodRail), table_of(Job)
+_PMS, _RAILS = table_of(PaymentMethod), table_of(PaymentMethodRail)
 _JSON_NULL = literal_column("'null'::jsonb", JSONB)
 _JSON_EMPTY = literal_column("'{}'::jsonb", JSONB)
 _DISPLAY: ColumnElement[str] = literal_column("'display'::text")
@@ -426,21 +426,9 @@ def _enrolled_update() -> Update:
     pm_id = select(enabled.c.payment_method_id).scalar_subquery()
     operation_id = select(enabled.c.operation_id).scalar_subquery()
     busy = (
-        select(_RAILS.c.id)
-        .where(
-            _RAILS.c.payment_method_id == pm_id,
-            _RAILS.c.operation_id == operation_id,
-            _RAILS.c.id != rail_id,
-            _RAILS.c.status == RailStatus.PENDING,
-            exists(
-                select(_JOBS.c.id).where(
-                    _JOBS.c.id == _RAILS.c.job_id,
-                    _JOBS.c.kind == ENROLL_TASK,
-                    _JOBS.c.status.not_in(jobs.TERMINAL),
-                )
-            ),
-        )
-        .with_for_update(read=True, of=_RAILS)
+        enrolling_rails(pm_id, operation_id)
+        .where(_RAILS.c.id != rail_id, _RAILS.c.status == RailStatus.PENDING)
+        .with_for_update(read=True, of=PaymentMethodRail)
         .cte("enrolling_rails")
     )
     released = leases.release_statement(pm_id, operation_id, unless=exists(select(busy.c.id))).cte("released_lease")

@@ -18,6 +18,7 @@ import secrets
 import uuid
 from typing import Any
 
+from sqlalchemy import Select
 from sqlmodel import Session, col, select
 
 from domain.agentic import leases
@@ -208,6 +209,22 @@ def settle_rail(
     return changed
 
 
+def enrolling_rails(pm_id: Any, operation_id: Any, *, other_than_job: uuid.UUID | None = None) -> Select:
+    """``SELECT`` of the ids of the rails of payment method ``pm_id`` in operation ``operation_id``
+    whose enrollment job is not settled yet (but ``other_than_job``); both may be SQL expressions.
+    The one test of "an enrollment of the operation is still running" that releasing its lease asks."""
+    unsettled = select(Job.id).where(
+        Job.id == PaymentMethodRail.job_id, Job.kind == ENROLL_TASK, col(Job.status).not_in(jobs.TERMINAL)
+    )
+    if other_than_job is not None:
+        unsettled = unsettled.where(Job.id != other_than_job)
+    return select(PaymentMethodRail.id).where(
+        PaymentMethodRail.payment_method_id == pm_id,
+        PaymentMethodRail.operation_id == operation_id,
+        unsettled.exists(),
+    )
+
+
 def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, finished_job: uuid.UUID) -> None:
     """Release operation ``operation_id``'s lease when none of its enrollment jobs but
     ``finished_job`` is still running (called with the payment method locked, so the statement sees
@@ -215,18 +232,7 @@ def release_if_done(session: Session, pm_id: str, operation_id: str | None, *, f
     with the transaction's other queued writes just before its commit (``storage.db.stage_write``)."""
     if operation_id is None:
         return
-    busy = (
-        select(PaymentMethodRail.id)
-        .join(Job, col(Job.id) == PaymentMethodRail.job_id)
-        .where(
-            PaymentMethodRail.payment_method_id == pm_id,
-            PaymentMethodRail.operation_id == operation_id,
-            Job.kind == ENROLL_TASK,
-            Job.id != finished_job,
-            col(Job.status).not_in(jobs.TERMINAL),
-        )
-        .exists()
-    )
+    busy = enrolling_rails(pm_id, operation_id, other_than_job=finished_job).exists()
     stage_write(session, leases.release_statement(pm_id, operation_id, unless=busy))
 
 
