@@ -48,6 +48,7 @@ from collections.abc import Collection, Mapping, Sequence
 from sqlalchemy import ColumnElement, and_, exists, func, or_, select
 from sqlmodel import Session, col
 
+from storage.db import in_constants
 from storage.models import Job
 from storage.states import JOB_TAKEABLE, JobStatus
 from storage.types import table_of, utcnow
@@ -104,8 +105,8 @@ def others_wait(kinds: Sequence[str], now: ColumnElement) -> ColumnElement[bool]
     one. For the lease statement's reads, ``now`` its time (:data:`infra.jobs.LEASE_NOW`)."""
     others = _JOBS.alias("waiting_jobs")
     waiting = (
-        others.c.kind.in_(list(kinds)),
-        others.c.status.in_(JOB_TAKEABLE),
+        in_constants(others.c.kind, kinds),  # literals: the generic plan of the prepared lease then uses
+        in_constants(others.c.status, JOB_TAKEABLE),  # the partial index ix_jobs_takeable
         others.c.due_at <= now,
         or_(others.c.lease_expires_at.is_(None), others.c.lease_expires_at < now),
     )

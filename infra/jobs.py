@@ -47,6 +47,7 @@ from storage.db import (
     execute_durable,
     execute_once_more_on_disconnect,
     get_lease_engine,
+    in_constants,
     is_staging,
     one_statement_transactions,
     rowcount,
@@ -243,7 +244,7 @@ def _takeable_update(which: ColumnElement, now, due_by, owner, expires):
         update(Job)
         .where(
             which,
-            col(Job.status).in_(JOB_TAKEABLE),
+            in_constants(_JOBS.c.status, JOB_TAKEABLE),
             Job.due_at <= due_by,
             or_(col(Job.lease_expires_at).is_(None), col(Job.lease_expires_at) < now),
         )

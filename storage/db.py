@@ -21,7 +21,7 @@ import io
 import logging
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor
 from decimal import Decimal
 from pathlib import Path
@@ -29,13 +29,14 @@ from typing import Any, TypeVar, cast
 
 import orjson
 import psycopg2
-from sqlalchemy import JSON, LargeBinary, Table, create_engine, event, insert, inspect, text, update
+from sqlalchemy import JSON, LargeBinary, Table, create_engine, event, insert, inspect, literal_column, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, CursorResult, Engine, Result
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.sql.dml import UpdateBase
+from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session
 
 from config.settings import get_settings
@@ -90,6 +91,19 @@ def server_prepared(statement: T) -> T:
     ``db_prepared_statements`` is on (off behind a pooler that does not keep a session's prepared
     statements); the results are read as usual. Elsewhere, and on SQLite, it runs as it is."""
     return cast(Any, statement).execution_options(**{SERVER_PREPARED: True})
+
+
+def in_constants(column: ColumnElement[Any], values: Iterable[str]) -> ColumnElement[bool]:
+    """``column IN ('a', 'b')`` with ``values`` written into the SQL text as string literals, not bound:
+    for the constants of a statement (the takeable statuses, a task's job kinds). A prepared statement
+    (:func:`server_prepared`) is run on a generic plan after its first five runs, and a generic plan
+    cannot tell that ``status IN ($1, $2)`` is the predicate of a partial index (``ix_jobs_takeable``),
+    so it scans every index entry of all statuses, dead row versions included: measured 1.7-4.6 ms a
+    lease on a busy jobs table instead of 0.06 ms. The text is built here once, so nothing is rendered
+    per run. ``values`` must be constants of the code, never input (standard SQL quoting, ``'`` doubled,
+    which PostgreSQL and SQLite read alike)."""
+    quoted = [literal_column("'" + str(value).replace("'", "''") + "'", type_=column.type) for value in values]
+    return column.in_(quoted)
 
 
 def _with_server_prepared(engine: Engine) -> Engine:
