@@ -107,6 +107,7 @@ def insert_tokens(tenant_id: uuid.UUID, numbers: list[str | None], year: int) ->
     (``no-such-token-<i>`` for rows without a token)."""
     from sqlalchemy import insert
 
+    from config.settings import get_settings
     from domain.tokens.cards import DEFAULT_FINGERPRINT_EXPRESSIONS, default_card_mask
     from storage.crypto import get_keyring
     from storage.db import session_scope
@@ -143,19 +144,10 @@ def insert_tokens(tenant_id: uuid.UUID, numbers: list[str | None], year: int) ->
                 batch.clear()
         if batch:
             session.execute(insert(Token.__table__), batch)
-    vacuum_tokens()
+    # as autovacuum does after a bulk load: a vault's tokens are not read for the first time by the job (a
+    # first read of fresh rows writes hint bits), and the planner has statistics
+    common.vacuum_analyze(get_settings().database_url, "tokens")
     return ids
-
-
-def vacuum_tokens() -> None:
-    """``VACUUM (ANALYZE) tokens``, as autovacuum does after a bulk load: a vault's tokens are not read for
-    the first time by the job (a first read of fresh rows writes hint bits), and the planner has statistics."""
-    from sqlalchemy import text
-
-    from storage.db import get_engine
-
-    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        connection.execute(text("VACUUM (ANALYZE) tokens"))
 
 
 def request_file(plan: list[tuple[str | None, str]], ids: list[str], year: int) -> bytes:

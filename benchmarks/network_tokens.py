@@ -445,11 +445,14 @@ def main(argv: list[str] | None = None) -> int:
                 interval=0.5,
                 children=watched,
             )
+            print("history: network tokens for 10 s at 8 clients", flush=True)  # the planner's statistics
+            run_platform(base_url, tenant.api_key, 8, 10)  # of a database in use (common.vacuum_analyze)
             runs = []
             for level in args.levels:
                 run_celery(args.redis_url, level, args.warmup)
                 run_platform(base_url, tenant.api_key, level, args.warmup)
                 for round_no in range(1, args.rounds + 1):
+                    common.vacuum_analyze(args.database_url)
                     runs.append(measured(run_celery, celery_cpu, args.redis_url, level, args.duration))
                     runs[-1].round = round_no
                     print(f"{level} clients, round {round_no}: {runs[-1].per_second:,.0f} Celery round trips/s")
