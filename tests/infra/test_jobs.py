@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import gc
+import time
 from uuid import uuid4
 
 import pytest
@@ -331,3 +332,62 @@ def test_beat_sweeps_send_no_task_events_and_other_tasks_do():
     assert periodic and all(celery_app.tasks[name].send_events is False for name in periodic)
     assert celery_app.tasks["network_tokens.provision"].send_events is True
     assert celery_app.tasks[ScriptedJob.name].send_events is True
+
+
+def test_a_job_s_task_events_reach_a_monitor_batched_by_the_flush_interval(worker):
+    """Flower's view of a task: received, started and succeeded, each naming the task's id, read here
+    with Celery's own event receiver as Flower reads them. The worker's consumer publishes what it
+    buffered once per :data:`EVENT_FLUSH_SECONDS` (one ``task.multi`` message), not after each event:
+    the received event waits that long, and the started one (sent about a millisecond later) travels
+    in the same message."""
+    import threading
+
+    from celery.events.receiver import EventReceiver
+
+    from infra.celery import EVENT_FLUSH_SECONDS, EventBatchingConsumer
+
+    assert isinstance(worker.consumer, EventBatchingConsumer)
+    seen: list[tuple[str, str | None, int, float, str]] = []  # (type, task id, message number, seconds late, kwargs)
+    ready, stop = threading.Event(), threading.Event()
+
+    class Receiver(EventReceiver):
+        messages = 0
+
+        def _receive(self, body, message, *args, **kwargs):
+            self.messages += 1
+            return super()._receive(body, message, *args, **kwargs)
+
+    def monitor() -> None:
+        with celery_app.connection_for_read() as connection:
+            receiver = Receiver(connection, app=celery_app)
+            receiver.handlers = {
+                "*": lambda event: seen.append(
+                    (
+                        event["type"],
+                        event.get("uuid"),
+                        receiver.messages,
+                        time.time() - event["timestamp"],
+                        str(event.get("kwargs", "")),  # the received event's: the job's id
+                    )
+                )
+            }
+            ready.set()
+            for _ in receiver.itercapture(limit=None, timeout=0.5, wakeup=False):
+                if stop.is_set():
+                    return
+
+    thread = threading.Thread(target=monitor, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(10)
+        time.sleep(0.3)  # the receiver's queue bound to the events exchange
+        job = _settled(_record("ok").id, "succeeded")
+        task_id = wait_until(lambda: next((uuid for kind, uuid, *_, kwargs in seen if str(job.id) in kwargs), None))
+        wait_until(lambda: any(kind == "task-succeeded" and uuid == task_id for kind, uuid, *_ in seen))
+    finally:
+        stop.set()
+        thread.join(5)
+    mine = {kind: (message, late) for kind, uuid, message, late, _ in seen if uuid == task_id}
+    assert {"task-received", "task-started", "task-succeeded"} <= set(mine), (job.id, seen)
+    assert mine["task-received"][0] == mine["task-started"][0], seen
+    assert mine["task-received"][1] >= EVENT_FLUSH_SECONDS * 0.9, seen  # held for the flush, not sent at once
