@@ -432,19 +432,43 @@ def _enrolled_update() -> Update:
         .cte("enrolling_rails")
     )
     released = leases.release_statement(pm_id, operation_id, unless=exists(select(busy.c.id))).cte("released_lease")
+    # Each step a materialized CTE, so that the stored card is parsed once and the merge computed
+    # once: inlined, the expressions were repeated (the card parsed about ten times, each jsonb_each
+    # run twice), 0.8 ms of the statement while the payment method's lock is held.
     card = cast(locked_pm.c.card, JSONB)
-    base = func.coalesce(func.nullif(card, _JSON_NULL), literal_column("""'{"type": "card"}'::jsonb""", JSONB))
+    parsed = (
+        select(
+            card.label("card"),
+            func.coalesce(func.nullif(card, _JSON_NULL), literal_column("""'{"type": "card"}'::jsonb""", JSONB)).label(
+                "base"
+            ),
+        )
+        .select_from(locked_pm)
+        .cte("parsed_card")
+        .prefix_with("MATERIALIZED")
+    )
+    base = parsed.c.base
     top = _filled(base, cast(bindparam("card_fields", type_=JSON), JSONB))
     display = func.coalesce(
         func.nullif(func.nullif(base.op("->", return_type=JSONB)(_DISPLAY), _JSON_NULL), _JSON_EMPTY),
         cast(bindparam("blank_display", type_=JSON), JSONB),
     )
-    merged = top.op("||", return_type=JSONB)(
-        func.jsonb_build_object(_DISPLAY, _filled(display, cast(bindparam("card_display", type_=JSON), JSONB)))
+    merged = (
+        select(
+            top.op("||", return_type=JSONB)(
+                func.jsonb_build_object(_DISPLAY, _filled(display, cast(bindparam("card_display", type_=JSON), JSONB)))
+            ).label("card"),
+            parsed.c.card.label("stored"),
+        )
+        .select_from(parsed)
+        .cte("merged_jsonb")
+        .prefix_with("MATERIALIZED")
     )
     merged_card = (
-        select(cast(merged, JSON).label("card"), merged.is_distinct_from(card).label("changed"))
-        .select_from(locked_pm)
+        select(
+            cast(merged.c.card, JSON).label("card"), merged.c.card.is_distinct_from(merged.c.stored).label("changed")
+        )
+        .select_from(merged)
         .cte("merged_card")
     )
     merge = bindparam("merge_card", type_=Boolean)
