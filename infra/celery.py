@@ -7,6 +7,8 @@ events for Flower, results in the database (no result backend), arguments that a
 
 from __future__ import annotations
 
+import time
+
 from celery import Celery, signals
 from celery.worker.consumer import Consumer
 from kombu import Exchange, Queue
@@ -62,21 +64,26 @@ EVENT_FLUSH_SECONDS = 0.1
 class EventBatchingConsumer(Consumer):
     """The worker's consumer (``worker_consumer``), publishing its buffered task events once per
     :data:`EVENT_FLUSH_SECONDS` rather than after each event. Celery's own flush of a buffer holding
-    ``buffer_limit`` (24) events still applies, and the buffer is flushed at shutdown."""
+    ``buffer_limit`` (24) events still applies, and the buffer is flushed at shutdown. A flush timer
+    that never fired (the event loop cancels the timers of a broken connection) is armed again by
+    the next event a second after it was due."""
 
-    _flush_timer: object | None = None
+    _flush_due: float | None = None  # time.monotonic() of the armed flush
 
     def on_send_event_buffered(self) -> None:
         """An event was buffered (by any thread): the event loop arms the flush timer if it is not."""
-        if self.hub and self._flush_timer is None:
+        due = self._flush_due
+        if self.hub and (due is None or time.monotonic() > due + 1.0):
             self.hub.call_soon(self._arm_flush)
 
     def _arm_flush(self) -> None:
-        if self._flush_timer is None and self.hub:
-            self._flush_timer = self.hub.call_later(EVENT_FLUSH_SECONDS, self._flush_buffered)
+        due = self._flush_due
+        if self.hub and (due is None or time.monotonic() > due + 1.0):
+            self._flush_due = time.monotonic() + EVENT_FLUSH_SECONDS
+            self.hub.call_later(EVENT_FLUSH_SECONDS, self._flush_buffered)
 
     def _flush_buffered(self) -> None:
-        self._flush_timer = None
+        self._flush_due = None
         self._flush_events()
 
     def shutdown(self) -> None:

@@ -391,3 +391,37 @@ def test_a_job_s_task_events_reach_a_monitor_batched_by_the_flush_interval(worke
     assert {"task-received", "task-started", "task-succeeded"} <= set(mine), (job.id, seen)
     assert mine["task-received"][0] == mine["task-started"][0], seen
     assert mine["task-received"][1] >= EVENT_FLUSH_SECONDS * 0.9, seen  # held for the flush, not sent at once
+
+
+def test_a_flush_timer_lost_with_its_connection_is_armed_again_by_a_later_event():
+    """The event loop cancels the timers of a broken connection: a flush armed then never fires,
+    and the next event a second after it was due arms another (events then still reach Flower)."""
+    from infra.celery import EVENT_FLUSH_SECONDS, EventBatchingConsumer
+
+    class Hub:
+        def __init__(self):
+            self.soon, self.later = [], []
+
+        def call_soon(self, callback):
+            self.soon.append(callback)
+
+        def call_later(self, delay, callback):
+            self.later.append((delay, callback))
+
+    # A stand-in hub records what the consumer asks of the event loop: the flush logic alone, without
+    # breaking a real broker connection at the right instant.
+    consumer = EventBatchingConsumer.__new__(EventBatchingConsumer)
+    consumer.hub, flushed = Hub(), []
+    consumer._flush_events = lambda: flushed.append(True)
+    consumer.on_send_event_buffered()
+    consumer.hub.soon.pop()()
+    assert [delay for delay, _ in consumer.hub.later] == [EVENT_FLUSH_SECONDS]
+    consumer.on_send_event_buffered()  # armed: nothing more to do
+    assert consumer.hub.soon == []
+    consumer.hub.later.clear()  # the timer is cancelled with the connection: it never fires
+    consumer._flush_due = time.monotonic() - 1.5  # ... and was due a second and a half ago
+    consumer.on_send_event_buffered()
+    consumer.hub.soon.pop()()
+    [(_, flush)] = consumer.hub.later
+    flush()
+    assert flushed == [True] and consumer._flush_due is None
