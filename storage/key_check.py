@@ -19,7 +19,7 @@ from __future__ import annotations
 import uuid
 
 from sqlalchemy import select, update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlmodel import Session, col
 
 from storage.crypto import DecryptionError, Keyring, KeyUnavailable, MasterKeyMissing, Wrapper, get_keyring
@@ -37,6 +37,11 @@ OK, MISMATCH = "ok", "mismatch"
 class KeyCheckFailed(RuntimeError):
     """This process's keys do not open the database's keys; the message is one line naming the
     setting to fix."""
+
+
+class DatabaseUnavailable(KeyCheckFailed):
+    """The key check could not be made because the database did not answer (refused or closed the
+    connection: not started yet, restarting); it may answer a moment later."""
 
 
 def _setting(wrapped_by: str) -> str:
@@ -163,14 +168,16 @@ def move_to_current(session: Session, keyring: Keyring | None = None) -> None:
 
 def require() -> None:
     """:func:`verify` in a unit of work of its own; raises :class:`KeyCheckFailed` with one line
-    (also when the database cannot be read or KMS cannot be reached: nothing can be opened then)."""
+    (also when the database cannot be read or KMS cannot be reached: nothing can be opened then),
+    :class:`DatabaseUnavailable` when the database did not answer at all."""
     try:
         with session_scope() as session:
             verify(session)
     except KeyUnavailable as exc:
         raise KeyCheckFailed(f"the key check cannot be made: {exc} (TESSERA_KMS_KEY_ID)") from None
     except SQLAlchemyError as exc:
-        raise KeyCheckFailed(
+        failed = DatabaseUnavailable if isinstance(exc, OperationalError) else KeyCheckFailed
+        raise failed(
             f"the key check cannot be made: the database did not answer ({type(exc).__name__}); "
             "is it migrated (tessera migrate)?"
         ) from None

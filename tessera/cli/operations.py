@@ -218,7 +218,7 @@ def keys_rewrap(args: argparse.Namespace) -> int:
     from domain.keys import service
     from storage.db import session_scope
 
-    if not keys_open():
+    if not keys_open(wait_seconds=0):
         return 1
     with session_scope() as session:
         left = service.under_previous(session)
@@ -243,7 +243,7 @@ def keys_rotate(args: argparse.Namespace) -> int:
     from domain.keys import service
     from storage.db import session_scope
 
-    if not keys_open():
+    if not keys_open(wait_seconds=0):
         return 1
     if bool(args.all) == bool(args.tenant):
         print("error: give --tenant TENANT_ID or --all", file=sys.stderr)

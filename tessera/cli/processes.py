@@ -26,17 +26,37 @@ def share_metrics(settings) -> str:
     return folder
 
 
-def keys_open() -> bool:
-    """The key check (``storage.key_check``): True when this process's keys open the database's;
-    else one line on stderr naming the setting, and False (the caller exits 1)."""
-    from storage.key_check import KeyCheckFailed, require
+#: Seconds a process starting while its database does not answer (not up yet, restarting) waits for
+#: it before refusing to start.
+DATABASE_START_WAIT_SECONDS = 60.0
 
-    try:
-        require()
-    except KeyCheckFailed as exc:
-        print(f"tessera: refusing to start: {exc}", file=sys.stderr, flush=True)
-        return False
-    return True
+
+def keys_open(wait_seconds: float = DATABASE_START_WAIT_SECONDS) -> bool:
+    """The key check (``storage.key_check``): True when this process's keys open the database's;
+    else one line on stderr naming the setting, and False (the caller exits 1). While the database
+    does not answer, the check is made again every second for up to ``wait_seconds`` (one line says
+    so): a worker whose thread-pool children start while PostgreSQL restarts, or a stack whose
+    processes start before the database, still comes up."""
+    from storage.key_check import DatabaseUnavailable, KeyCheckFailed, require
+
+    deadline = time.monotonic() + wait_seconds
+    said = False
+    while True:
+        try:
+            require()
+        except DatabaseUnavailable as exc:
+            if time.monotonic() < deadline:
+                if not said:
+                    print(f"tessera: waiting for the database: {exc}", file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(1.0)
+                continue
+            print(f"tessera: refusing to start: {exc}", file=sys.stderr, flush=True)
+            return False
+        except KeyCheckFailed as exc:
+            print(f"tessera: refusing to start: {exc}", file=sys.stderr, flush=True)
+            return False
+        return True
 
 
 def api(args: argparse.Namespace) -> int:

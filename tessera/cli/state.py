@@ -51,7 +51,7 @@ def tenants_create(args: argparse.Namespace) -> int:
     from domain.tenancy.tenants import create_tenant
     from storage.db import session_scope
 
-    if not keys_open():
+    if not keys_open(wait_seconds=0):
         return 1
     try:
         with session_scope() as session:

@@ -189,6 +189,14 @@ class PostgresCluster:
         """Crash and start again: ``pg_ctl restart -m immediate`` (no clean shut-down, recovery on start)."""
         self._ctl("-m", "immediate", "restart")
 
+    def pause(self) -> None:
+        """Stop the server (fast shut-down), keeping its data for :meth:`resume`."""
+        self._ctl("-m", "fast", "stop")
+
+    def resume(self) -> None:
+        """Start the server :meth:`pause` stopped."""
+        self._ctl("start")
+
     def stop(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError):
             self._ctl("-m", "immediate", "stop")
@@ -276,6 +284,27 @@ def test_a_postgresql_restart_under_load_loses_nothing(own_postgres, redis_flush
             f"while it was down; api back in {took:.1f} s; {len(network)} provisionings done once; "
             f"load normal {time.monotonic() - restarted:.1f} s after the crash"
         )
+
+
+def test_a_worker_started_while_postgresql_is_down_waits_for_it_then_serves(own_postgres, redis_flushed, s3_server):
+    """A worker starting while PostgreSQL does not answer (its thread-pool children too: they make the
+    same check) waits for it, saying so in one line, instead of refusing to start and leaving its
+    queues without a consumer; once the database is back, a provisioning runs."""
+    with platform("chaos-wait", database_server=own_postgres.url) as p:
+        own_postgres.pause()
+        try:
+            worker = p.start_worker()
+            log = p.processes.log_dir / f"{worker}.log"
+            wait_until(lambda: "waiting for the database" in log.read_text(errors="replace"), timeout=30)
+            time.sleep(2)
+            assert p.processes.children[worker].poll() is None, log.read_text(errors="replace")  # not refused
+        finally:
+            own_postgres.resume()
+        p.healthy_within(30)
+        subject = _provision(p)
+        wait_until(lambda: _provisioned(p, subject), timeout=120, interval=0.5)
+        _provisioned_once(p, subject)
+        assert "refusing to start" not in log.read_text(errors="replace")
 
 
 @pytest.mark.parametrize(
