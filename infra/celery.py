@@ -70,15 +70,18 @@ class EventBatchingConsumer(Consumer):
 
     _flush_due: float | None = None  # time.monotonic() of the armed flush
 
+    def _unarmed(self) -> bool:
+        """No flush is armed, or the armed one is a second overdue (its timer was cancelled)."""
+        due = self._flush_due
+        return bool(self.hub) and (due is None or time.monotonic() > due + 1.0)
+
     def on_send_event_buffered(self) -> None:
         """An event was buffered (by any thread): the event loop arms the flush timer if it is not."""
-        due = self._flush_due
-        if self.hub and (due is None or time.monotonic() > due + 1.0):
+        if self._unarmed():
             self.hub.call_soon(self._arm_flush)
 
     def _arm_flush(self) -> None:
-        due = self._flush_due
-        if self.hub and (due is None or time.monotonic() > due + 1.0):
+        if self._unarmed():
             self._flush_due = time.monotonic() + EVENT_FLUSH_SECONDS
             self.hub.call_later(EVENT_FLUSH_SECONDS, self._flush_buffered)
 
