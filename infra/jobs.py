@@ -490,6 +490,9 @@ class OutcomeWrite:
     ``UPDATE`` without ``RETURNING`` that changes a row when the outcome applies, built once per
     process with bind parameters (the same object every time: its one-statement form is built and
     compiled once), ``params`` the values of those parameters, and ``result``, the job's result then.
+    ``answer`` (optional): what the waiting request answers from, published with the outcome but not
+    stored (:mod:`infra.wait`; JSON values: ids, states, the provider's non-secret details, values
+    sealed with the tenant's key; never a plain card number, a key or a secret).
     The parameter names ``outcome_job_id``, ``outcome_status``, ``outcome_result`` and
     ``outcome_at`` are :func:`settle_with`'s own (:data:`OUTCOME_JOB_ID` is the first).
 
@@ -501,6 +504,7 @@ class OutcomeWrite:
     statement: Update
     params: Mapping[str, Any]
     result: dict
+    answer: dict | None = None
 
 
 #: The job id of an outcome's one statement (:func:`settle_with` binds it).
@@ -565,7 +569,7 @@ def settle_with(job: Job, write: OutcomeWrite) -> bool:
         return False
     for name, value in values.items():
         setattr(job, name, value)
-    wait.publish_outcome(job.id, JobStatus.SUCCEEDED, wait.safe_result(write.result))
+    wait.publish_outcome(job.id, JobStatus.SUCCEEDED, wait.safe_result(write.result), write.answer)
     return True
 
 

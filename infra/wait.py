@@ -5,8 +5,11 @@ The worker side: when a job settles (``infra.jobs`` closes it: ``succeeded``, ``
 channel ``<TESSERA_REDIS_KEY_PREFIX>tessera:job-outcome:<job id>``. The message is JSON
 ``{"job_id", "status", "result"}`` where ``result`` keeps only the :data:`SAFE_RESULT_KEYS` of the job
 result (ids, status codes and error codes: never card data, a key or a secret; a sealed cryptogram
-stays in the job row, read once by its request). Publishing is best effort: a lost message costs
-the waiting request one poll interval, nothing else.
+stays in the job row, read once by its request). A job whose outcome was written in one statement
+may add ``"answer"``: the values that statement wrote, for the waiting request to answer from without
+reading them back (ids, states, the provider's non-secret details and values sealed with the tenant's
+key, bound to their resource: never a plain card number or a key; ``infra.jobs.OutcomeWrite``).
+Publishing is best effort: a lost message costs the waiting request one poll interval, nothing else.
 
 The api side: one :class:`JobWaits` per api process holds one pattern subscription
 (``PSUBSCRIBE <prefix>tessera:job-outcome:*``) and a map of job id -> futures of the requests waiting
@@ -69,10 +72,13 @@ def channel_prefix(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A job's outcome as a waiting request sees it: ``status`` and the safe part of its result."""
+    """A job's outcome as a waiting request sees it: ``status`` and the safe part of its result;
+    ``answer``, when its message carried one, the values its one outcome statement wrote (None when
+    read from the database, or not given: the request then reads what it answers)."""
 
     status: str | None
     result: dict = field(default_factory=dict)
+    answer: dict | None = None
 
     @property
     def settled(self) -> bool:
@@ -85,9 +91,13 @@ def safe_result(result: dict | None) -> dict:
     return {key: value for key, value in (result or {}).items() if key in SAFE_RESULT_KEYS}
 
 
-def outcome_message(job_id: uuid.UUID, status: str, result: dict | None) -> str:
-    """The JSON published for a settled job (only the :func:`safe_result` of ``result``)."""
-    return json.dumps({"job_id": str(job_id), "status": status, "result": safe_result(result)})
+def outcome_message(job_id: uuid.UUID, status: str, result: dict | None, answer: dict | None = None) -> str:
+    """The JSON published for a settled job (only the :func:`safe_result` of ``result``; ``answer``
+    when given: JSON values only, see the module's text)."""
+    body: dict = {"job_id": str(job_id), "status": status, "result": safe_result(result)}
+    if answer is not None:
+        body["answer"] = answer
+    return json.dumps(body)
 
 
 # ---- the worker side -----------------------------------------------------------------------------
@@ -113,13 +123,14 @@ class _Publisher:
                 self._key = key
             return self._client
 
-    def publish(self, job_id: uuid.UUID, status: str, result: dict | None) -> None:
+    def publish(self, job_id: uuid.UUID, status: str, result: dict | None, answer: dict | None = None) -> None:
         client = self.client()
         if client is None:
             return
         try:
             client.publish(
-                channel_prefix(get_settings().redis_key_prefix) + str(job_id), outcome_message(job_id, status, result)
+                channel_prefix(get_settings().redis_key_prefix) + str(job_id),
+                outcome_message(job_id, status, result, answer),
             )
         except Exception:
             log.warning("could not publish the outcome of job %s; its waiter polls", job_id, exc_info=True)
@@ -128,9 +139,10 @@ class _Publisher:
 _publisher = _Publisher()
 
 
-def publish_outcome(job_id: uuid.UUID, status: str, result: dict | None) -> None:
-    """Publish a job's outcome now (best effort; nothing when no Redis is configured)."""
-    _publisher.publish(job_id, status, result)
+def publish_outcome(job_id: uuid.UUID, status: str, result: dict | None, answer: dict | None = None) -> None:
+    """Publish a job's outcome now (best effort; nothing when no Redis is configured); ``answer``:
+    see :func:`outcome_message`."""
+    _publisher.publish(job_id, status, result, answer)
 
 
 def announce_on_commit(session: Session, job_id: uuid.UUID, status: str, result: dict | None) -> None:
@@ -235,7 +247,10 @@ class JobWaits:
         try:
             body = json.loads(data)
             job_id = uuid.UUID(body["job_id"])
-            outcome = Outcome(body.get("status"), body.get("result") or {})
+            answer = body.get("answer")
+            outcome = Outcome(
+                body.get("status"), body.get("result") or {}, answer if isinstance(answer, dict) else None
+            )
         except (ValueError, KeyError, TypeError):
             log.warning("ignored a malformed job outcome message")
             return

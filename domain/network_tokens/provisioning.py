@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ from domain.network_tokens.records import (
     record_network_delete,
 )
 from domain.network_tokens.token_intents import load_intent_data
-from domain.network_tokens.views import DATA_PURPOSE, caller_view, card_view
+from domain.network_tokens.views import DATA_PURPOSE, caller_view, card_view, created_row, provisioned_values
 from domain.tenancy import audit
 from domain.tenancy.auth import system_caller
 from domain.tenancy.caller import Caller
@@ -58,12 +59,14 @@ from providers.card_network import (
     ProvisionedToken,
     ensure_configured,
 )
-from storage.crypto import get_keyring
+from storage.crypto import DecryptionError, get_keyring
 from storage.db import Rows, insert_rows_last, read_first, server_prepared, session_scope
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
 from storage.states import JOB_FAILED, JobStatus, NetworkTokenStatus
 from storage.types import TextAsUuid, table_of, utcnow
+
+log = logging.getLogger("tessera.network_tokens")
 
 #: The purpose the provisioning input is sealed under (``storage.crypto``).
 SOURCE_PURPOSE = "network-token-source"
@@ -221,34 +224,32 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
         trace_id=caller.trace_id,
         max_attempts=PROVISION_MAX_ATTEMPTS,
     ).id
-    rows.add(
-        _TOKENS,
-        {
-            "id": token_id,
-            "tenant_id": caller.tenant_id,
-            "status": NetworkTokenStatus.INACTIVE,
-            "data_ct": None,
-            "details": None,
-            "card": card_view(card),
-            "source_ct": source_ct,
-            "par": None,
-            "network_reference": None,
-            "token_id": source.token_id,
-            "token_intent_id": source.intent_id,
-            "merchant_id": str(request["merchant_id"]) if request.get("merchant_id") else None,
-            "pending_job_id": job_id,
-            "announced": False,
-            "card_art": None,
-            "card_art_at": None,
-            "created_by": caller.application_id,
-            "created_at": now,
-            "modified_by": None,
-            "modified_at": None,
-        },
-    )
+    values = {
+        "id": token_id,
+        "tenant_id": caller.tenant_id,
+        "status": NetworkTokenStatus.INACTIVE,
+        "data_ct": None,
+        "details": None,
+        "card": card_view(card),
+        "source_ct": source_ct,
+        "par": None,
+        "network_reference": None,
+        "token_id": source.token_id,
+        "token_intent_id": source.intent_id,
+        "merchant_id": str(request["merchant_id"]) if request.get("merchant_id") else None,
+        "pending_job_id": job_id,
+        "announced": False,
+        "card_art": None,
+        "card_art_at": None,
+        "created_by": caller.application_id,
+        "created_at": now,
+        "modified_by": None,
+        "modified_at": None,
+    }
+    rows.add(_TOKENS, values)
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=token_id, operation="create")
     insert_rows_last(session, rows)  # the unit's only write: one durable statement when nothing was read
-    return Started(token_id, job_id)
+    return Started(token_id, job_id, created=created_row(values))
 
 
 def provisioning_outcome(
@@ -265,6 +266,10 @@ def provisioning_outcome(
     status = outcome.status if outcome is not None else None
     if outcome is not None and status in JOB_FAILED:
         raise provisioning_problem(status, outcome.result)
+    if outcome is not None and status == JobStatus.SUCCEEDED:
+        answered = _answered(session, caller, started, outcome)
+        if answered is not None:
+            return 201, answered
     if status == JobStatus.SUCCEEDED:  # one read outside any transaction, a plain row
         row = read_first(_READ_TOKEN, {"network_token_id": started.network_token_id, "tenant_id": caller.tenant_id})
         if row is not None and row.status != NetworkTokenStatus.INACTIVE:
@@ -278,6 +283,21 @@ def provisioning_outcome(
     token.announced = True
     session.add(token)
     return 202, caller_view(session, caller, token)
+
+
+def _answered(session: Session, caller: Caller, started: Started, outcome: Outcome) -> dict | None:
+    """The active network token as ``caller`` sees it, from what the create recorded and what the
+    provisioning's outcome statement wrote (its message's ``answer``, :func:`provisioned_write`):
+    no statement runs (the tenant's key is cached). None when the message carried no answer, or one
+    that does not open (the caller then reads the row)."""
+    if outcome.answer is None or started.created is None:
+        return None
+    try:
+        row = started.created.provisioned(outcome.answer)
+        return caller_view(session, caller, row)
+    except (LookupError, ValueError, TypeError, DecryptionError):  # a malformed value, a key version unknown
+        log.warning("the outcome of job %s carried an answer that does not open; reading the row", started.job_id)
+        return None
 
 
 # ---- the provisioning job (worker side) ----------------------------------------------------------
@@ -403,7 +423,15 @@ def provisioned_write(job: Job, outcome: ProvisionedToken | None) -> jobs.Outcom
         if CREATED_EVENT in events.subscriptions.types(session, tenant_id):
             return None
         params = _provisioned_params(session, tenant_id, token_id, outcome)
-    return jobs.OutcomeWrite(_provisioned_update(), params, {"network_token_id": job.subject_id})
+    answer = provisioned_values(
+        status=params["nt_status"],
+        details=params["nt_details"],
+        par=params["nt_par"],
+        reference=params["nt_reference"],
+        modified_at=params["nt_modified_at"],
+        data_ct=params["nt_data_ct"],
+    )
+    return jobs.OutcomeWrite(_provisioned_update(), params, {"network_token_id": job.subject_id}, answer)
 
 
 def apply_provisioned(session: Session, job: Job, outcome: ProvisionedToken | None) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from sqlmodel import Session, select
 
 from domain.network_tokens.errors import BrokenJob
+from domain.network_tokens.views import TokenRow
 from domain.webhooks import events
 from infra import jobs
 from infra.errors import not_found
@@ -50,10 +51,12 @@ CARD_ART_TTL = dt.timedelta(hours=24)
 
 @dataclass(frozen=True)
 class Started:
-    """A network token operation recorded as a job: the network token and the job to wait for."""
+    """A network token operation recorded as a job: the network token and the job to wait for;
+    ``created``, for a create, the network token's row as recorded (``views.TokenRow``)."""
 
     network_token_id: uuid.UUID
     job_id: uuid.UUID
+    created: TokenRow | None = None
 
 
 def get_token(session: Session, tenant_id: uuid.UUID, token_id: object, *, lock: bool = False) -> NetworkToken:

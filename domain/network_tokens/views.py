@@ -6,7 +6,12 @@ it is shown complete to a caller holding :data:`REVEAL`, else masked to its last
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import datetime as dt
 import json
+import uuid
+from typing import Any
 
 from sqlmodel import Session
 
@@ -21,12 +26,70 @@ READ, REVEAL = "network-token:read", "network-token:reveal"
 DATA_PURPOSE = "network-token"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenRow:
+    """The columns of a network token that its object shows, without an ORM object: what a create
+    recorded (:func:`created_row`), completed with what its provisioning wrote (:meth:`provisioned`).
+    ``data_ct`` is the sealed ``{number, expiration_month, expiration_year}`` (None while inactive)."""
+
+    id: uuid.UUID
+    tenant_id: uuid.UUID
+    status: str
+    data_ct: bytes | None
+    details: dict | None
+    card: dict
+    par: str | None
+    network_reference: str | None
+    token_id: str | None
+    token_intent_id: uuid.UUID | None
+    merchant_id: str | None
+    created_by: uuid.UUID | None
+    created_at: dt.datetime
+    modified_by: uuid.UUID | None
+    modified_at: dt.datetime | None
+
+    def provisioned(self, written: dict[str, Any]) -> TokenRow:
+        """This row with the values a provisioning's outcome statement wrote (``written``: ``status``,
+        ``details``, ``par``, ``network_reference``, ``modified_at`` and ``data_ct``, as
+        :func:`provisioned_values` gives them, JSON values). Raises KeyError / ValueError / TypeError
+        for a value missing or of another form."""
+        return dataclasses.replace(
+            self,
+            status=str(written["status"]),
+            details=written["details"],
+            par=written["par"],
+            network_reference=written["network_reference"],
+            modified_at=dt.datetime.fromisoformat(written["modified_at"]),
+            data_ct=base64.b64decode(written["data_ct"], validate=True),
+        )
+
+
+def created_row(values: dict[str, Any]) -> TokenRow:
+    """The :class:`TokenRow` of the columns a create inserts (``values``: column -> value)."""
+    return TokenRow(**{field.name: values[field.name] for field in dataclasses.fields(TokenRow)})
+
+
+def provisioned_values(
+    *, status: str, details: dict | None, par: str | None, reference: str, modified_at: dt.datetime, data_ct: bytes
+) -> dict[str, Any]:
+    """What a provisioning's outcome statement wrote as JSON values (sealed data in base64): the
+    ``answer`` of its outcome message (``infra.jobs.OutcomeWrite``), read by :meth:`TokenRow.provisioned`."""
+    return {
+        "status": str(status),
+        "details": details,
+        "par": par,
+        "network_reference": reference,
+        "modified_at": modified_at.isoformat(),
+        "data_ct": base64.b64encode(data_ct).decode("ascii"),
+    }
+
+
 def mask_number(number: str) -> str:
     """The network token number with only its last four digits visible (``XXXXXXXXXXXX7892``)."""
     return reveal_last_filter(number, 4) or ""
 
 
-def open_data(session: Session, token: NetworkToken) -> dict | None:
+def open_data(session: Session, token: NetworkToken | TokenRow) -> dict | None:
     """The plain ``{number, expiration_month, expiration_year}`` of ``token``; None while inactive."""
     if token.data_ct is None:
         return None
@@ -34,7 +97,7 @@ def open_data(session: Session, token: NetworkToken) -> dict | None:
     return json.loads(plain)
 
 
-def network_token_view(token: NetworkToken, data: dict | None, *, reveal: bool) -> dict:
+def network_token_view(token: NetworkToken | TokenRow, data: dict | None, *, reveal: bool) -> dict:
     """The network token object (spec section 2).
 
     ``data`` (the plain ``{number, expiration_month, expiration_year}``, None while inactive) is shown
@@ -68,7 +131,7 @@ def network_token_view(token: NetworkToken, data: dict | None, *, reveal: bool) 
     }
 
 
-def caller_view(session: Session, caller: Caller, token: NetworkToken) -> dict:
+def caller_view(session: Session, caller: Caller, token: NetworkToken | TokenRow) -> dict:
     """The object as ``caller`` sees it: ``data.number`` complete only with :data:`REVEAL` (reveal wins
     over read)."""
     return network_token_view(token, open_data(session, token), reveal=caller.has(REVEAL))

@@ -176,6 +176,67 @@ def test_without_a_subscribed_webhook_the_outcome_and_the_job_are_one_statement(
         assert not session.exec(select(Event).where(Event.tenant_id == tenant.id)).all()
 
 
+def test_the_create_answers_from_the_outcome_message_without_reading_the_network_token_back(tenant, limited, sandbox):
+    """The outcome statement's values come with the job's outcome message (the DPAN sealed, as at
+    rest): the waiting create answers from them and what it recorded, and no statement reads the
+    network token back; the answer is the object a read gives, masked or revealed by the caller's
+    permissions."""
+    from sqlalchemy import event as sa_event
+    from sqlalchemy.engine import Engine
+
+    reads: list[str] = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        if statement.lstrip().upper().startswith("SELECT") and "FROM network_tokens" in statement:
+            reads.append(f"{statement} {parameters}")
+
+    sa_event.listen(Engine, "before_cursor_execute", record)
+    try:
+        revealed = _active(tenant.client, OTHER_VISA)
+        masked = _active(limited(tenant, ["network-token:create"]), OTHER_VISA)
+    finally:
+        sa_event.remove(Engine, "before_cursor_execute", record)
+    for created in (revealed, masked):
+        assert not [statement for statement in reads if created["id"] in statement], reads
+    assert revealed == tenant.client.get(f"/network-tokens/{revealed['id']}").json
+    shown = tenant.client.get(f"/network-tokens/{masked['id']}").json
+    assert masked == {**shown, "data": {**shown["data"], "number": _masked(shown["data"]["number"])}}
+    assert (
+        revealed["data"]["number"] != OTHER_VISA
+        and revealed["network_token"]["last4"] == revealed["data"]["number"][-4:]
+    )
+
+
+def test_an_outcome_answer_that_does_not_open_is_not_believed(tenant, sandbox):
+    """A message whose answer is not what the worker wrote (a sealed value that does not open for
+    this network token, a missing value) is not answered from: the create reads the row instead."""
+    from domain.network_tokens.views import created_row, provisioned_values
+    from domain.tenancy.auth import authenticate
+    from infra.wait import Outcome
+
+    created = _active(tenant.client, OTHER_VISA)
+    with session_scope() as session:
+        caller = authenticate(session, tenant.api_key)
+        other = session.get(NetworkToken, uuid.UUID(_active(tenant.client, OTHER_VISA)["id"]))
+        row = session.get(NetworkToken, uuid.UUID(created["id"]))
+        assert other is not None and row is not None and other.data_ct is not None
+        recorded = created_row({**vars(row), "status": "inactive", "data_ct": None})
+        started = records.Started(row.id, row.id, created=recorded)
+        forged = provisioned_values(
+            status="active",
+            details={},
+            par="forged",
+            reference="forged",
+            modified_at=row.created_at,
+            data_ct=other.data_ct,  # another network token's sealed DPAN: bound to that one
+        )
+        for answer in (forged, {"status": "active"}):
+            status, shown = provisioning.provisioning_outcome(
+                session, caller, started, outcome=Outcome("succeeded", {}, answer)
+            )
+            assert status == 201 and shown["par"] == created["par"] and shown["data"] == created["data"]
+
+
 def test_a_create_from_card_data_is_recorded_by_one_statement_without_begin_or_commit(tenant, sandbox):
     """Nothing to read first (card data, not a token): the recording's rows (network token, job, log
     row) are the unit's one statement, committed on its own (no ``BEGIN``/``COMMIT`` round trips);
