@@ -768,6 +768,18 @@ def _one_statement(inserts: list[str]) -> str:
     return "WITH " + ", ".join(f"w{n} AS ({text})" for n, text in enumerate(first)) + " " + last
 
 
+def stage_inserts(session: OrmSession, rows: Rows) -> None:
+    """Queue ``rows`` as ``INSERT`` statements (one per table, its rows as one multi-row ``VALUES``;
+    :func:`insert_statement`) with the other writes queued in ``session``'s transaction
+    (:func:`stage_write`): on PostgreSQL they and those writes are one statement just before the
+    commit (foreign keys are checked when it ends, so a row may name one inserted beside it). For a
+    unit of work's few rows; :func:`insert_rows` writes many."""
+    dialect_name = session.get_bind().dialect.name
+    for (table, ignore), batch in rows.tables.items():
+        if batch:
+            stage_write(session, insert_statement(dialect_name, table, ignore_conflicts=ignore).values(batch))
+
+
 _STAGED = "tessera_staged_rows"
 
 

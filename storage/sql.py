@@ -21,7 +21,21 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, Select, String, Text, Update, bindparam, cast, func, insert, literal, select
+from sqlalchemy import (
+    ColumnElement,
+    Insert,
+    Row,
+    Select,
+    String,
+    Text,
+    Update,
+    bindparam,
+    cast,
+    func,
+    insert,
+    literal,
+    select,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped
@@ -46,13 +60,18 @@ def upsert_when(session: Session, model: type[SQLModel], values: dict, *, index:
     SQL condition ``when`` holds for it (``INSERT ... ON CONFLICT (index) DO UPDATE ... WHERE when``):
     one statement. True when the row was inserted or overwritten, False when it exists and ``when``
     is false for it (left unchanged)."""
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = upsert_statement(session.get_bind().dialect.name, model, values, index=index, when=when)
+    return rowcount(session.execute(statement)) == 1
+
+
+def upsert_statement(dialect_name: str, model: type[SQLModel], values: dict, *, index: list[str], when) -> Insert:
+    """The statement of :func:`upsert_when` on a ``dialect_name`` database (``postgresql`` or
+    ``sqlite``), for a caller that sends it with other writes (``storage.db.stage_write``)."""
+    insert = postgresql.insert if dialect_name == "postgresql" else sqlite.insert
     statement = insert(table_of(model)).values(**values)
-    statement = statement.on_conflict_do_update(
+    return statement.on_conflict_do_update(
         index_elements=index, set_={name: value for name, value in values.items() if name not in index}, where=when
     )
-    return rowcount(session.execute(statement)) == 1
 
 
 def is_postgresql(session: Session) -> bool:

@@ -22,14 +22,14 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 
-from sqlalchemy import ColumnElement, Delete, delete, select
+from sqlalchemy import ColumnElement, Delete, Insert, delete, select
 from sqlmodel import Session, col
 
 from domain.agentic.errors import agentic_error
 from infra.errors import Problem
-from storage.db import rowcount
+from storage.db import rowcount, stage_write
 from storage.models_agentic import OperationLease
-from storage.sql import upsert_when
+from storage.sql import upsert_statement
 from storage.types import table_of, utcnow
 
 _LEASES = table_of(OperationLease)
@@ -60,9 +60,10 @@ def held(session: Session, resource_id: str, *, now: dt.datetime | None = None) 
     return lease if lease is not None and lease.expires_at > now else None
 
 
-def in_progress(lease: OperationLease) -> Problem:
-    """The 409 answered while ``lease`` is held."""
-    return agentic_error(IN_PROGRESS_CODES.get(lease.operation, "PAYMENT_METHOD_OPERATION_IN_PROGRESS"))
+def in_progress(lease: OperationLease | str) -> Problem:
+    """The 409 answered while ``lease`` (the row, or its ``operation``) is held."""
+    operation = lease if isinstance(lease, str) else lease.operation
+    return agentic_error(IN_PROGRESS_CODES.get(operation, "PAYMENT_METHOD_OPERATION_IN_PROGRESS"))
 
 
 def acquire(
@@ -75,9 +76,40 @@ def acquire(
     other's transaction and then find its live lease. Raises the ``409 ..._IN_PROGRESS`` problem of
     the live lease.
     """
-    now = utcnow()
-    taken = upsert_when(
+    statement = _acquire_statement(
+        session, tenant_id=tenant_id, resource_id=resource_id, operation=operation, owner=owner, seconds=seconds
+    )
+    if rowcount(session.execute(statement)) == 1:
+        return
+    current = held(session, resource_id)
+    if current is None:  # expired between the two statements: extremely unlikely; ask to repeat
+        raise agentic_error(IN_PROGRESS_CODES.get(operation, "PAYMENT_METHOD_OPERATION_IN_PROGRESS"))
+    raise in_progress(current)
+
+
+def stage_acquire(
+    session: Session, *, tenant_id: uuid.UUID, resource_id: str, operation: str, owner: str, seconds: float
+) -> None:
+    """:func:`acquire` sent with the transaction's other writes just before its commit
+    (``storage.db.stage_write``), for a caller that holds the lock of the resource's row and found no
+    live lease on it (every lease of a payment method is taken with the payment method locked, so
+    none can appear before the commit): nothing to check, no round trip of its own."""
+    stage_write(
         session,
+        _acquire_statement(
+            session, tenant_id=tenant_id, resource_id=resource_id, operation=operation, owner=owner, seconds=seconds
+        ),
+    )
+
+
+def _acquire_statement(
+    session: Session, *, tenant_id: uuid.UUID, resource_id: str, operation: str, owner: str, seconds: float
+) -> Insert:
+    """The one statement taking the lease on ``resource_id`` for ``owner`` (for ``seconds``), over
+    an expired lease too (:func:`storage.sql.upsert_statement`)."""
+    now = utcnow()
+    return upsert_statement(
+        session.get_bind().dialect.name,
         OperationLease,
         {
             "resource_id": resource_id,
@@ -90,12 +122,6 @@ def acquire(
         index=["resource_id"],
         when=table_of(OperationLease).c.expires_at <= now,
     )
-    if taken:
-        return
-    current = held(session, resource_id)
-    if current is None:  # expired between the two statements: extremely unlikely; ask to repeat
-        raise agentic_error(IN_PROGRESS_CODES.get(operation, "PAYMENT_METHOD_OPERATION_IN_PROGRESS"))
-    raise in_progress(current)
 
 
 def release(session: Session, resource_id: str, owner: str, *, unless=None) -> bool:

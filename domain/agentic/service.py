@@ -16,12 +16,13 @@ shown ``pending`` and flagged so that their outcome is delivered as the event
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, delete
+from sqlalchemy import Select, bindparam, delete, update
 from sqlalchemy import select as select_rows
 from sqlmodel import Session, col, func, select
 
@@ -35,6 +36,7 @@ from domain.agentic.payment_methods import (
     ENROLL_TASK,
     ENTITY_TYPE,
     card_source,
+    checked_card,
     find,
     job_statuses,
     lock_existing,
@@ -49,13 +51,15 @@ from domain.agentic.units import commit_unit
 from domain.agentic.views import payment_method_view, provider_error_view
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
+from domain.tenancy.usage import stage_token_activity
 from domain.tokens.cards import card_brand
+from domain.tokens.store import live_token_reads, open_token_data
 from infra import jobs
 from infra.errors import Problem
 from infra.wait import Outcome
 from providers.agentic import DISPLAY_FIELDS
 from providers.agentic_http import provider_for
-from storage.db import Rows, insert_rows, read_all, row_of, server_prepared, stage_changes
+from storage.db import Rows, insert_rows, read_all, row_of, server_prepared, stage_inserts, stage_write
 from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
@@ -364,23 +368,55 @@ def purge_provider_errors(
 # ---- retry ---------------------------------------------------------------------------------------
 
 
-def _blocked(session: Session, pm: PaymentMethod) -> Problem | None:
-    """The 409 an in-flight or stopped operation on ``pm`` answers, or None."""
-    lease = leases.held(session, pm.id)
-    if lease is not None:
-        return leases.in_progress(lease)
-    if pm.delete_requested_at is not None:
-        return agentic_error("PAYMENT_METHOD_DELETE_INCOMPLETE")
-    return None
+@functools.cache
+def _retry_read() -> Select:
+    """The one read of a retry (:func:`start_retry`), built once, planned once per connection: the
+    tenant's payment method ``pm_id`` locked ``FOR UPDATE`` with its status, its delete request and
+    its card token's id; the id and status of its rail ``rail``/``provider``; the operation of its
+    live lease (expiring after ``now``); the card token's stored values when it is live at ``now``
+    (:func:`domain.tokens.store.live_token_reads`). No row when the tenant has no such payment method."""
+    pm, rails, held = table_of(PaymentMethod).c, table_of(PaymentMethodRail).c, table_of(OperationLease).c
+    now = bindparam("now", type_=held.expires_at.type)
+
+    def of_rail(column):
+        return (
+            select_rows(column)
+            .where(
+                rails.payment_method_id == pm.id,
+                rails.rail == bindparam("rail", type_=rails.rail.type),
+                rails.provider == bindparam("provider", type_=rails.provider.type),
+            )
+            .scalar_subquery()
+        )
+
+    lease = select_rows(held.operation).where(held.resource_id == pm.id, held.expires_at > now).scalar_subquery()
+    token = live_token_reads(pm.tenant_id, pm.token_id, now)
+    return server_prepared(
+        select_rows(
+            pm.id,
+            pm.status,
+            pm.delete_requested_at,
+            pm.token_id,
+            of_rail(rails.id).label("rail_id"),
+            of_rail(rails.status).label("rail_status"),
+            lease.label("lease_operation"),
+            *(expression.label(name) for name, expression in token.items()),
+        )
+        .where(
+            pm.id == bindparam("pm_id", type_=pm.id.type),
+            pm.tenant_id == bindparam("tenant_id", type_=pm.tenant_id.type),
+        )
+        .with_for_update(of=table_of(PaymentMethod))
+    )
 
 
 def start_retry(
     session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, settings: Settings, owner: str
 ) -> Started:
-    """``POST .../rails/retry``, the recording part: checks, then one enrollment job (``retry``):
-    after the reads (the payment method locked, its rails, its lease, the card token), the lease taken
-    in one statement, the job with the token's activity and the log row in another, the rail's change
-    in a third just before the commit.
+    """``POST .../rails/retry``, the recording part: checks, then one enrollment job (``retry``).
+    Two statements: one read (:func:`_retry_read`: the payment method locked, its rail, its lease,
+    the card token), then, just before the commit, one write of the lease, the job, the token's
+    activity, the log row and the rail's change (``storage.db.stage_write``). No ORM object.
 
     The pair is already known valid. Raises, in this order, 404 ``PAYMENT_METHOD_NOT_FOUND``, 400
     ``PAYMENT_METHOD_DELETED``, 400 ``RAIL_NOT_FOUND``, 409 ``PAYMENT_METHOD_OPERATION_IN_PROGRESS``
@@ -388,29 +424,43 @@ def start_retry(
     enabled), 400 ``INVALID_TOKEN`` (the card token is gone). A provider without
     configuration returns ``Started(failure="PROVIDER_NOT_CONFIGURED")`` after recording its error.
     """
-    pm = find(session, caller.tenant_id, pm_id, lock=True)
-    if pm.status == PaymentMethodStatus.DELETED:
+    now = utcnow()
+    found = session.execute(
+        _retry_read(),
+        {"pm_id": pm_id, "tenant_id": caller.tenant_id, "rail": rail, "provider": provider, "now": now},
+    ).first()
+    if found is None:
+        raise agentic_error("PAYMENT_METHOD_NOT_FOUND")
+    if found.status == PaymentMethodStatus.DELETED:
         raise agentic_error("PAYMENT_METHOD_DELETED")
-    target = next((r for r in rails_of(session, pm.id) if r.rail == rail and r.provider == provider), None)
-    if target is None:
+    if found.rail_id is None:
         raise agentic_error("RAIL_NOT_FOUND", f"The payment method has no {rail} rail with {provider}.")
-    blocked = _blocked(session, pm)
-    if blocked is not None:
-        raise blocked
-    if target.status == RailStatus.ENABLED:
+    if found.lease_operation is not None:
+        raise leases.in_progress(found.lease_operation)
+    if found.delete_requested_at is not None:
+        raise agentic_error("PAYMENT_METHOD_DELETE_INCOMPLETE")
+    if found.rail_status == RailStatus.ENABLED:
         raise validation_error({"rail": ["The rail is enabled; only a rail in error or pending can be retried."]})
     if provider_for(provider, caller.tenant_type, settings) is None:
-        record_provider_error(session, target, code="PROVIDER_NOT_CONFIGURED")
-        settle_rail(
-            session, pm, target, status=RailStatus.ERROR, error_code="PROVIDER_NOT_CONFIGURED", trace_id=caller.trace_id
+        return _not_configured(session, caller, pm_id, found.rail_id)
+    rows = Rows()  # the job, the token's activity and the log row
+    data = None
+    if found.token_type is not None:  # a live token of the tenant: it counts as active this month
+        data = open_token_data(
+            session,
+            caller.tenant_id,
+            found.token_id,
+            found.token_type,
+            found.token_data_ct,
+            found.token_cvc_expires_at,
+            now=now,
         )
-        return Started(pm.id, (), failure="PROVIDER_NOT_CONFIGURED")
-    rows = Rows()  # the job, the token's activity and the log row in one statement
-    card_source(session, caller.tenant_id, pm.token_id, rows=rows)
-    leases.acquire(
+        stage_token_activity(rows, caller.tenant_id, [found.token_id], now=now)
+    checked_card(found.token_type, data, today=now.date())
+    leases.stage_acquire(
         session,
         tenant_id=caller.tenant_id,
-        resource_id=pm.id,
+        resource_id=pm_id,
         operation=leases.ENROLL,
         owner=owner,
         seconds=settings.operation_lease_seconds,
@@ -421,15 +471,30 @@ def start_retry(
         kind=ENROLL_TASK,
         tenant_id=caller.tenant_id,
         subject_type="rail",
-        subject_id=str(target.id),
+        subject_id=str(found.rail_id),
         trace_id=caller.trace_id,
         max_attempts=ENROLL_MAX_ATTEMPTS,
     )
-    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="update")
-    insert_rows(session, rows)
-    target.job_id, target.operation_id, target.attempt = job.id, owner, "retry"
-    stage_changes(session, target)  # the rail's one UPDATE, sent just before the commit
-    return Started(pm.id, (job.id,))
+    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm_id, operation="update")
+    stage_inserts(session, rows)
+    rails = table_of(PaymentMethodRail)
+    stage_write(  # last: its job is written beside it (foreign keys are checked when the statement ends)
+        session,
+        update(rails).where(rails.c.id == found.rail_id).values(job_id=job.id, operation_id=owner, attempt="retry"),
+    )
+    return Started(pm_id, (job.id,))
+
+
+def _not_configured(session: Session, caller: Caller, pm_id: str, rail_id: uuid.UUID) -> Started:
+    """A retry whose provider has no configuration: its provider error recorded, the rail in error
+    with ``PROVIDER_NOT_CONFIGURED`` (the payment method is locked already)."""
+    pm = lock_existing(session, pm_id)
+    target = next(r for r in rails_of(session, pm_id) if r.id == rail_id)
+    record_provider_error(session, target, code="PROVIDER_NOT_CONFIGURED")
+    settle_rail(
+        session, pm, target, status=RailStatus.ERROR, error_code="PROVIDER_NOT_CONFIGURED", trace_id=caller.trace_id
+    )
+    return Started(pm.id, (), failure="PROVIDER_NOT_CONFIGURED")
 
 
 def retry_failure(session: Session, pm_id: str, rail: str, provider: str, code: str) -> Problem:

@@ -414,16 +414,41 @@ def test_a_failed_rail_is_enabled_by_a_retry_which_backfills_the_display(tenant)
     ) == 2
 
 
-def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(tenant, monkeypatch):
-    """The retry's recording: the job, the card token's activity of the month and the log row go out
-    as one insert (the lease has its own statement, the rail's change goes out just before the
-    commit); the retried rail is enabled."""
+def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(tenant):
+    """The retry's recording is two statements: one read (the payment method locked, its rail, its
+    lease, the card token), then, just before the commit, one write of the lease, the job, the card
+    token's activity of the month, the log row and the rail's change; the retried rail is enabled."""
+    from sqlalchemy import event as sa_event
+    from sqlalchemy.engine import Engine
+
     pm = created(tenant.client, FAILS_ON_CREATE)
-    written = _inserted_tables(monkeypatch)
-    answer = retry(tenant.client, pm["id"])
+    seen: list[tuple[int, str]] = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        seen.append((id(connection), statement))
+
+    def committed(connection):
+        seen.append((id(connection), "COMMIT"))
+
+    sa_event.listen(Engine, "before_cursor_execute", record)
+    sa_event.listen(Engine, "commit", committed)
+    try:
+        answer = retry(tenant.client, pm["id"])
+    finally:
+        sa_event.remove(Engine, "before_cursor_execute", record)
+        sa_event.remove(Engine, "commit", committed)
     assert answer.status == 200, answer
     assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
-    assert written == [["audit_logs", "jobs", "token_activity"]]
+    start = next(n for n, (_, text) in enumerate(seen) if "FOR UPDATE OF agentic_payment_methods" in text)
+    connection = seen[start][0]
+    transaction = [text for key, text in seen[start:] if key == connection]
+    transaction = transaction[: transaction.index("COMMIT")]
+    assert len(transaction) == 2, transaction
+    write = transaction[1]
+    for table in ("agentic_operation_leases", "jobs", "token_activity", "audit_logs"):
+        assert f"INSERT INTO {table}" in write
+    assert "ON CONFLICT (resource_id) DO UPDATE" in write
+    assert re.search(r"\)\s+UPDATE agentic_payment_method_rails SET", write)  # the rail's change is the main statement
     retried = [job for job in jobs_of(pm["id"]) if job.status == "succeeded"]
     assert len(retried) == 2  # the create's psp job and the retry's vic job
     assert {rail.provider: rail.attempt for rail in rail_rows(pm["id"])} == {"vic": "retry", "psp": "create"}
