@@ -769,15 +769,16 @@ def _one_statement(inserts: list[str]) -> str:
 
 
 def stage_inserts(session: OrmSession, rows: Rows) -> None:
-    """Queue ``rows`` as ``INSERT`` statements (one per table, its rows as one multi-row ``VALUES``;
-    :func:`insert_statement`) with the other writes queued in ``session``'s transaction
-    (:func:`stage_write`): on PostgreSQL they and those writes are one statement just before the
-    commit (foreign keys are checked when it ends, so a row may name one inserted beside it). For a
-    unit of work's few rows; :func:`insert_rows` writes many."""
+    """Queue ``rows`` as ``INSERT`` statements (one a row, :func:`insert_statement`) with the other
+    writes queued in ``session``'s transaction (:func:`stage_write`): on PostgreSQL they and those
+    writes are one statement just before the commit (foreign keys are checked when it ends, so a row
+    may name one inserted beside it). One row a statement, not one multi-row ``VALUES`` a table:
+    SQLAlchemy caches the compiled form of single-row inserts only, and a statement compiled anew
+    costs more than its round trip. For a unit of work's few rows; :func:`insert_rows` writes many."""
     dialect_name = session.get_bind().dialect.name
     for (table, ignore), batch in rows.tables.items():
-        if batch:
-            stage_write(session, insert_statement(dialect_name, table, ignore_conflicts=ignore).values(batch))
+        for row in batch:
+            stage_write(session, insert_statement(dialect_name, table, ignore_conflicts=ignore).values(row))
 
 
 _STAGED = "tessera_staged_rows"
