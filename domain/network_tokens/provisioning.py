@@ -6,8 +6,10 @@ The API side records the network token ``inactive`` with its provisioning job in
 (:func:`provisioning_outcome`). The worker side reads what it needs with the lease statement
 (:func:`provisioning_reads`), calls the network outside any transaction (:func:`provisioning_input`
 gives the adapter and the card; the job id is the network's idempotency key) and writes the answer
-(:func:`apply_provisioned`) or removes the network token after a permanent failure or a dead letter
-(:func:`provisioning_failed`).
+(:func:`apply_provisioned`; in one statement with the job's completion, :func:`provisioned_write`,
+whose values its outcome message carries, the DPAN sealed as at rest, so the waiting create answers
+without reading the row back) or removes the network token after a permanent failure or a dead
+letter (:func:`provisioning_failed`).
 
 At rest the provisioning input (card number, cvc, cardholder) is sealed with the tenant's key under
 :data:`SOURCE_PURPOSE` and dropped when the job ends.
@@ -259,9 +261,11 @@ def provisioning_outcome(
 
     ``outcome``: the job's outcome the wait ended with (its status and the safe part of its result),
     used as it is when settled: a failure is answered from its code (the worker removed the network
-    token in the transaction that settled the job), a success reads the network token once, without
-    locks. Otherwise the job row is locked while deciding, so a worker finishing at this moment either
-    is seen (201 / 422) or sees the 202 (``announced``) and emits ``network-token.failed`` if it fails.
+    token in the transaction that settled the job), a success is answered from what the outcome
+    statement wrote when its message carried it (:func:`_answered`: no statement), else reads the
+    network token once, without locks. Otherwise the job row is locked while deciding, so a worker
+    finishing at this moment either is seen (201 / 422) or sees the 202 (``announced``) and emits
+    ``network-token.failed`` if it fails.
     """
     status = outcome.status if outcome is not None else None
     if outcome is not None and status in JOB_FAILED:
