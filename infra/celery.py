@@ -62,7 +62,7 @@ EVENT_FLUSH_SECONDS = 0.1
 
 
 class EventBatchingConsumer(Consumer):
-    """The worker's consumer (``worker_consumer``), publishing its buffered task events once per
+    """The worker's consumer (``worker_consumer``) on a Redis broker, publishing its buffered task events once per
     :data:`EVENT_FLUSH_SECONDS` rather than after each event. Celery's own flush of a buffer holding
     ``buffer_limit`` (24) events still applies, and the buffer is flushed at shutdown. A flush timer
     that never fired (the event loop cancels the timers of a broken connection) is armed again by
@@ -126,7 +126,9 @@ def configure(app: Celery, settings: Settings) -> None:
         task_send_sent_event=settings.task_sent_events and not embedded,
         task_default_queue="default",
         task_queues=[_queue(name, amqp=amqp) for name in QUEUES],
-        worker_consumer=f"{__name__}:EventBatchingConsumer",
+        # Batched task events on Redis; Celery's own consumer on RabbitMQ, where the batching
+        # consumer's flush timer left the test worker unable to run jobs (seen on a 2-core machine).
+        worker_consumer="celery.worker.consumer:Consumer" if amqp else f"{__name__}:EventBatchingConsumer",
         task_routes=(_route,),
         worker_hijack_root_logger=False,
         timezone="UTC",

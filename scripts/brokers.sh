@@ -29,9 +29,26 @@ if ! as_root rabbitmqctl -q status >/dev/null 2>&1; then
   for _ in $(seq 1 60); do as_root rabbitmqctl -q status >/dev/null 2>&1 && break; sleep 1; done
 fi
 as_root rabbitmqctl -q await_startup
+# A virtual host of this run's own, deleted at the end: RabbitMQ's queues outlive a run (as Redis keys
+# do not: each run has its own key prefix), and messages a stopped run left would reach this run's
+# workers. Each of the two runs below gets its own.
+rabbit_vhost=""
+rabbit_url=""
+drop_vhost() { [ -n "$rabbit_vhost" ] && as_root rabbitmqctl -q delete_vhost "$rabbit_vhost" >/dev/null 2>&1 || true; }
+fresh_vhost() {
+  drop_vhost
+  rabbit_vhost="tessera-test-$$-$1"
+  as_root rabbitmqctl -q add_vhost "$rabbit_vhost" >/dev/null
+  as_root rabbitmqctl -q set_permissions -p "$rabbit_vhost" guest ".*" ".*" ".*" >/dev/null
+  rabbit_url="amqp://guest:guest@127.0.0.1:5672/$rabbit_vhost"
+}
+trap drop_vhost EXIT
 echo "brokers: RabbitMQ"
-TESSERA_TEST_BROKER_URL=amqp://guest:guest@127.0.0.1:5672// "$PYTEST" -q "${SPINE[@]}"
-TESSERA_TEST_BROKER_URL=amqp://guest:guest@127.0.0.1:5672// "$PYTEST" -q -m kill "${KILLS[@]}"
+fresh_vhost spine
+TESSERA_TEST_BROKER_URL=$rabbit_url "$PYTEST" -q "${SPINE[@]}"
+fresh_vhost kills
+TESSERA_TEST_BROKER_URL=$rabbit_url "$PYTEST" -q -m kill "${KILLS[@]}"
+drop_vhost
 
 # ---- Redis behind a password ----
 port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
