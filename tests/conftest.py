@@ -215,7 +215,7 @@ def worker(celery_session_app):
         perform_ping_check=False,
         queues=list(QUEUES),
         loglevel="warning",
-        shutdown_timeout=20,
+        shutdown_timeout=60,  # a key rotation pass running at the end may take longer on a 2-core machine
     ) as controller:
         yield controller
 
