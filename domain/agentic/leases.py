@@ -82,9 +82,8 @@ def acquire(
     if rowcount(session.execute(statement)) == 1:
         return
     current = held(session, resource_id)
-    if current is None:  # expired between the two statements: extremely unlikely; ask to repeat
-        raise agentic_error(IN_PROGRESS_CODES.get(operation, "PAYMENT_METHOD_OPERATION_IN_PROGRESS"))
-    raise in_progress(current)
+    # expired between the two statements (extremely unlikely): the operation asked for, to repeat
+    raise in_progress(current if current is not None else operation)
 
 
 def stage_acquire(
