@@ -21,7 +21,7 @@ import io
 import logging
 import re
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from concurrent.futures import Executor
 from decimal import Decimal
 from pathlib import Path
@@ -89,8 +89,107 @@ def server_prepared(statement: T) -> T:
     subqueries, spends more time being planned than being run; the one statement of
     :func:`insert_rows`, too). Only where the setting
     ``db_prepared_statements`` is on (off behind a pooler that does not keep a session's prepared
-    statements); the results are read as usual. Elsewhere, and on SQLite, it runs as it is."""
-    return cast(Any, statement).execution_options(**{SERVER_PREPARED: True})
+    statements); the results are read as usual. Elsewhere, and on SQLite, it runs as it is.
+
+    Only for a statement built once per process (at import or behind ``functools.cache``), its values
+    in bind parameters: its compiled form is then found by the identity of its cache key
+    (:class:`BuiltOnceCache`), not by hashing the whole key on every run."""
+    marked = cast(Any, statement).execution_options(**{SERVER_PREPARED: True})
+    _BUILT_ONCE_KEYS.add(marked)
+    return marked
+
+
+class BuiltOnceCache(MutableMapping[Any, Any]):
+    """SQLAlchemy's compiled cache for an engine (its ``compiled_cache`` execution option) that finds
+    the statements built once per process (:func:`server_prepared`) by identity: the engine's own
+    LRU cache hashes a statement's whole cache key, a nested tuple of its every clause, on every run
+    (15 us for a rail outcome's statement, under the interpreter lock), where a statement built once
+    keeps the one key it memoized. Any other statement goes to the engine's cache, ``fallback``.
+    Thread-safe as a dict is (two threads compiling a statement at once each store a compiled form,
+    both alike)."""
+
+    def __init__(self, fallback: MutableMapping[Any, Any] | None) -> None:
+        self._fallback: MutableMapping[Any, Any] = fallback if fallback is not None else {}
+        self._entries: dict[tuple, tuple[Any, Any]] = {}
+
+    @staticmethod
+    def _identity(key: tuple) -> tuple | None:
+        dialect, cache_key, *rest = key
+        if id(cache_key) not in _BUILT_ONCE_KEYS.ids:
+            return None
+        return (id(dialect), id(cache_key), *rest)
+
+    def get(self, key: tuple, default: Any = None) -> Any:
+        """The compiled form stored under SQLAlchemy's ``key`` ``(dialect, cache key, column keys,
+        schema translated, executemany)``, or ``default``."""
+        identity = self._identity(key)
+        if identity is None:
+            return self._fallback.get(key, default)
+        entry = self._entries.get(identity)
+        if entry is None or entry[0] is not key[0]:  # the dialect's identity, kept alive by the entry
+            return default
+        return entry[1]
+
+    def __setitem__(self, key: tuple, compiled: Any) -> None:
+        identity = self._identity(key)
+        if identity is None:
+            self._fallback[key] = compiled
+        else:
+            self._entries[identity] = (key[0], compiled)
+
+    def __getitem__(self, key: tuple) -> Any:
+        found = self.get(key, _MISSING)
+        if found is _MISSING:
+            raise KeyError(key)
+        return found
+
+    def __delitem__(self, key: tuple) -> None:
+        identity = self._identity(key)
+        if identity is None:
+            del self._fallback[key]
+        else:
+            del self._entries[identity]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._fallback)
+
+    def __len__(self) -> int:
+        return len(self._entries) + len(self._fallback)
+
+    def clear(self) -> None:
+        """Forget every compiled form (``Engine.clear_compiled_cache``)."""
+        self._entries.clear()
+        self._fallback.clear()
+
+
+_MISSING = object()
+
+
+class _BuiltOnceKeys:
+    """The cache keys of the statements :func:`server_prepared` marked, kept alive (so their ids are
+    never reused) and known by id; at most :data:`MAX_BUILT_ONCE` (a caller building its statement
+    per call would otherwise grow them without end: past the bound, statements are cached by the
+    engine's LRU cache as usual)."""
+
+    def __init__(self) -> None:
+        self._keys: list[Any] = []
+        self.ids: set[int] = set()
+
+    def add(self, statement: Any) -> None:
+        if len(self._keys) >= MAX_BUILT_ONCE:
+            return
+        cache_key = statement._generate_cache_key()  # memoized: the key each run of it finds
+        if cache_key is not None:
+            self._keys.append(cache_key.key)
+            self.ids.add(id(cache_key.key))
+
+
+#: The most statements a process finds by identity (:class:`BuiltOnceCache`); a process builds a few
+#: dozen.
+MAX_BUILT_ONCE = 1_000
+
+
+_BUILT_ONCE_KEYS = _BuiltOnceKeys()
 
 
 def in_constants(column: ColumnElement[Any], values: Iterable[str]) -> ColumnElement[bool]:
@@ -107,10 +206,12 @@ def in_constants(column: ColumnElement[Any], values: Iterable[str]) -> ColumnEle
 
 
 def _with_server_prepared(engine: Engine) -> Engine:
-    """Install :func:`_execute_prepared` on a PostgreSQL ``engine`` when the setting allows."""
+    """Install :func:`_execute_prepared` on a PostgreSQL ``engine`` when the setting allows; the
+    engine's statements compiled through a :class:`BuiltOnceCache` either way (the engine returned
+    shares ``engine``'s pool and events)."""
     if get_settings().db_prepared_statements:
         event.listen(engine, "before_cursor_execute", _execute_prepared, retval=True)
-    return engine
+    return engine.execution_options(compiled_cache=BuiltOnceCache(engine._compiled_cache))
 
 
 def _execute_prepared(

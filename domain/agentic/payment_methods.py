@@ -24,10 +24,10 @@ from sqlmodel import Session, col, select
 from domain.agentic import leases
 from domain.agentic.errors import CATALOGUE, agentic_error
 from domain.agentic.views import rail_event_data, rail_view
-from domain.tokens.service import load_token_data
+from domain.tenancy.usage import record_token_activity, stage_token_activity
+from domain.tokens.store import live_token_data
 from domain.webhooks import events
 from infra import jobs
-from infra.errors import Problem
 from providers.agentic import DISPLAY_FIELDS
 from storage.db import Rows, stage_write
 from storage.models import Job, Tenant
@@ -261,17 +261,23 @@ def card_source(
 ) -> dict:
     """The data of the card token ``token_id`` of the tenant, else 400 ``INVALID_TOKEN``. The token's
     activity of the month is written now, or queued in ``rows`` (the caller's one recording statement).
+    The token is read outside the session's transaction (``domain.tokens.store.live_token_data``).
 
     "A card token readable in the tenant": a live (unexpired) token of the tenant whose type is
     ``card`` and whose data holds a number and an expiration not in the past. The caller needs no
     token read permission: the create permission lets the platform read the card internally, for
     the providers only (public applications, which hold create permissions alone, may create).
     """
-    try:
-        token, data = load_token_data(session, tenant_id, token_id, rows=rows)
-    except Problem:
-        token, data = None, None
-    return checked_card(token.type if token is not None else None, data, today=today)
+    now = utcnow()
+    found = live_token_data(session, tenant_id, token_id, now)
+    if found is None:
+        return checked_card(None, None, today=today)
+    if rows is None:
+        record_token_activity(session, tenant_id, [token_id], now=now)
+    else:
+        stage_token_activity(rows, tenant_id, [token_id], now=now)
+    kind, data = found
+    return checked_card(kind, data, today=today)
 
 
 def checked_card(kind: str | None, data: Any, *, today: dt.date | None = None) -> dict:

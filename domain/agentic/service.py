@@ -19,7 +19,7 @@ import datetime as dt
 import functools
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from sqlalchemy import Select, bindparam, delete, update
@@ -59,7 +59,16 @@ from infra.errors import Problem
 from infra.wait import Outcome
 from providers.agentic import DISPLAY_FIELDS
 from providers.agentic_http import provider_for
-from storage.db import Rows, insert_rows, read_all, row_of, server_prepared, stage_inserts, stage_write
+from storage.db import (
+    Rows,
+    insert_rows,
+    insert_rows_last,
+    read_all,
+    row_of,
+    server_prepared,
+    stage_inserts,
+    stage_write,
+)
 from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
@@ -111,7 +120,10 @@ def create_payment_method(
     owner: str,
     claim: idempotency.Claim | None = None,
 ) -> Started:
-    """``POST /agentic/payment-methods``, the recording part (one transaction).
+    """``POST /agentic/payment-methods``, the recording part (one transaction). The card token is read
+    outside it (:func:`card_source`); when nothing else is read or written (no agent, no idempotency
+    key, every rail with a provider), its one insert is the whole transaction, sent in autocommit
+    (``storage.db.insert_rows_last``).
 
     Raises 400 ``INVALID_TOKEN`` (see :func:`card_source`), 404 ``AGENT_NOT_FOUND``, 400
     ``UNSUPPORTED_PROVIDER`` (no provider takes the card's network). Writes the payment method, its
@@ -190,7 +202,10 @@ def create_payment_method(
             ),
         )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="create")
-    insert_rows(session, rows)
+    if errors or claim is not None:  # more writes follow, and a keyed create's commit stands apart
+        insert_rows(session, rows)
+    else:  # the unit's only write: one durable statement when nothing was read in the session
+        insert_rows_last(session, rows)
     for rail in errors:
         record_provider_error(session, rail, code="PROVIDER_NOT_CONFIGURED")
     if claim is not None:
@@ -272,14 +287,45 @@ def settled_view(tenant_id: uuid.UUID, pm_id: str) -> dict | None:
     rows = read_all(_SETTLED_VIEW, {"pm_id": pm_id, "tenant_id": tenant_id})
     if not rows:
         return None
-    found = [row._mapping for row in rows]
-    pm = PaymentMethod.model_validate({column.name: found[0][f"pm_{column.name}"] for column in _PM.columns})
+    first = rows[0]._mapping
+    pm = PaymentMethodRow(**{name: first[f"pm_{name}"] for name in _PM_FIELDS})
     rails = [
-        PaymentMethodRail.model_validate({column.name: row[f"rail_{column.name}"] for column in _RAILS.columns})
-        for row in found
-        if row["rail_id"] is not None
+        RailRow(**{name: row._mapping[f"rail_{name}"] for name in _RAIL_FIELDS})
+        for row in rows
+        if row._mapping["rail_id"] is not None
     ]
     return payment_method_view(pm, rails)
+
+
+@dataclass(frozen=True, slots=True)
+class PaymentMethodRow:
+    """The columns of a payment method its view shows, as :data:`_SETTLED_VIEW` read them (no ORM
+    object: validating one per answer cost more than the read)."""
+
+    id: str
+    source: dict
+    status: str
+    consumer: dict
+    card: dict | None
+    agent_id: str | None
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RailRow:
+    """The columns of a rail its view shows, as :data:`_SETTLED_VIEW` read them."""
+
+    position: int
+    rail: str
+    provider: str
+    status: str
+    error_code: str | None
+    provider_ids: dict | None
+
+
+_PM_FIELDS = tuple(field.name for field in fields(PaymentMethodRow))
+_RAIL_FIELDS = tuple(field.name for field in fields(RailRow))
 
 
 def view_of(session: Session, pm: PaymentMethod) -> dict:

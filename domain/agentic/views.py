@@ -6,7 +6,9 @@ workers' events and the routes. Timestamps stay ``datetime`` (the API serialises
 
 from __future__ import annotations
 
-from typing import Any
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from domain.agentic.allowance_state import effective_status
 from domain.agentic.money import money
@@ -17,7 +19,47 @@ from storage.states import AllowanceRailStatus, RailStatus
 # ---- payment methods -----------------------------------------------------------------------------
 
 
-def rail_view(rail: PaymentMethodRail) -> dict:
+class RailFields(Protocol):
+    """What :func:`rail_view` reads of a rail: a :class:`PaymentMethodRail` or a row read without
+    the ORM (``domain.agentic.service.settled_view``)."""
+
+    @property
+    def position(self) -> int: ...
+    @property
+    def rail(self) -> str: ...
+    @property
+    def provider(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def error_code(self) -> str | None: ...
+    @property
+    def provider_ids(self) -> dict | None: ...
+
+
+class PaymentMethodFields(Protocol):
+    """What :func:`payment_method_view` reads of a payment method: a :class:`PaymentMethod` or a row
+    read without the ORM."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def source(self) -> dict: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def consumer(self) -> dict: ...
+    @property
+    def card(self) -> dict | None: ...
+    @property
+    def agent_id(self) -> str | None: ...
+    @property
+    def created_at(self) -> dt.datetime: ...
+    @property
+    def updated_at(self) -> dt.datetime: ...
+
+
+def rail_view(rail: RailFields) -> dict:
     """``{rail, provider, status, provider_ids, error?: {code}}``; error only when status is error."""
     view: dict[str, Any] = {
         "rail": rail.rail,
@@ -30,7 +72,7 @@ def rail_view(rail: PaymentMethodRail) -> dict:
     return view
 
 
-def payment_method_view(pm: PaymentMethod, rails: list[PaymentMethodRail]) -> dict:
+def payment_method_view(pm: PaymentMethodFields, rails: Sequence[RailFields]) -> dict:
     """The payment method object (spec 001 section 2); ``agent_id`` only when supplied."""
     view: dict[str, Any] = {
         "id": pm.id,

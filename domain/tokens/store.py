@@ -11,6 +11,7 @@ has passed is not live (:func:`live`) and reads as missing everywhere at once.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import operator
 import uuid
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import orjson
-from sqlalchemy import ColumnElement, Select, delete, inspect, or_
+from sqlalchemy import ColumnElement, Select, bindparam, delete, inspect, or_
 from sqlalchemy import select as select_columns
 from sqlmodel import Session, col, select
 
@@ -31,7 +32,7 @@ from domain.tokens.cards import without_cvc
 from domain.webhooks import events
 from infra.errors import not_found
 from storage.crypto import get_keyring
-from storage.db import Rows
+from storage.db import Rows, read_first, server_prepared
 from storage.models import Token, TokenMetadata, TokenSearchIndex
 from storage.types import table_of, utcnow
 
@@ -169,6 +170,36 @@ def live_token_reads(tenant_id: Any, token_id: Any, now: ColumnElement[dt.dateti
         f"token_{name}": select(getattr(Token, name)).where(*where).scalar_subquery()
         for name in ("type", "data_ct", "cvc_expires_at")
     }
+
+
+@functools.cache
+def _live_token_read() -> Select:
+    """The stored values :func:`open_token_data` needs of a tenant's live token (built once, planned
+    once per connection)."""
+    tokens = table_of(Token)
+    now = bindparam("now", type_=tokens.c.created_at.type)
+    return server_prepared(
+        select_columns(tokens.c.type, tokens.c.data_ct, tokens.c.cvc_expires_at).where(
+            tokens.c.tenant_id == bindparam("tenant_id", type_=tokens.c.tenant_id.type),
+            tokens.c.id == bindparam("token_id", type_=tokens.c.id.type),
+            or_(tokens.c.expires_at.is_(None), tokens.c.expires_at > now),
+        )
+    )
+
+
+def live_token_data(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.datetime) -> tuple[str, Any] | None:
+    """``(type, plain data)`` of the live token ``token_id`` of ``tenant_id`` at ``now`` (what
+    ``domain.tokens.service.load_token_data`` reads, for a hot path): one prepared statement read
+    outside the session's transaction (``storage.db.read_first``: it sees what was committed, as a
+    first statement in the transaction would, and leaves the session without a transaction, so a
+    unit of work whose only write follows can send it as its whole transaction), no ORM object. The
+    session is the tenant's key's (read through it on a cache miss). None when the token is missing
+    or expired. No permission check, no log row and no activity: the caller does them."""
+    row = read_first(_live_token_read(), {"tenant_id": tenant_id, "token_id": token_id, "now": now})
+    if row is None:
+        return None
+    kind, data_ct, cvc_expires_at = row
+    return kind, open_token_data(session, tenant_id, token_id, kind, data_ct, cvc_expires_at, now=now)
 
 
 def cvc_expiry(kind: str, data: Any, now: dt.datetime) -> dt.datetime | None:

@@ -154,19 +154,22 @@ def _inserted_tables(monkeypatch) -> list[list[str]]:
     from domain.agentic import service
 
     written: list[list[str]] = []
-    insert_rows = service.insert_rows
 
-    def insert(session, rows):
-        written.append(sorted(table.name for (table, _), batch in rows.tables.items() if batch))
-        insert_rows(session, rows)
+    def recorded(insert_rows):
+        def insert(session, rows):
+            written.append(sorted(table.name for (table, _), batch in rows.tables.items() if batch))
+            insert_rows(session, rows)
 
-    monkeypatch.setattr(service, "insert_rows", insert)
+        return insert
+
+    for name in ("insert_rows", "insert_rows_last"):
+        monkeypatch.setattr(service, name, recorded(getattr(service, name)))
     return written
 
 
 def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, monkeypatch):
     """The payment method, its rails, both enrollment jobs, the enroll lease, the log row and the card
-    token's activity of the month: one insert in the create's transaction; after its commit both rail
+    token's activity of the month: one insert, the create's whole transaction; after it both rail
     jobs go out in one message (``job_id`` and ``sibling_ids``, run side by side by one task run)."""
     from infra import dispatch
 
@@ -452,6 +455,40 @@ def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(ten
     retried = [job for job in jobs_of(pm["id"]) if job.status == "succeeded"]
     assert len(retried) == 2  # the create's psp job and the retry's vic job
     assert {rail.provider: rail.attempt for rail in rail_rows(pm["id"])} == {"vic": "retry", "psp": "create"}
+
+
+def test_a_create_records_in_one_durable_statement_after_reading_its_card_outside_any_transaction(tenant):
+    """A create without an idempotency key whose rails all have providers: the card token is read
+    by one statement outside any transaction (no ORM object of it), then the payment method, its
+    rails, both enrollment jobs, the enroll lease, the token's activity and the log row go out as
+    one statement in autocommit (no ``BEGIN``, no ``COMMIT``: durable when it returns); the answer
+    is the object a read gives."""
+    from sqlalchemy import event as sa_event
+    from sqlalchemy.engine import Engine
+
+    token_id = card_token(tenant.client, VISA)
+    seen: list[tuple[str, bool]] = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        seen.append((statement, cursor.connection.autocommit))
+
+    sa_event.listen(Engine, "before_cursor_execute", record)
+    try:
+        answer = create(tenant.client, token_id)
+    finally:
+        sa_event.remove(Engine, "before_cursor_execute", record)
+    assert answer.status == 201, answer
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    token_reads = [(text, auto) for text, auto in seen if re.search(r"FROM tokens\b", text)]
+    assert token_reads, seen
+    assert all(auto for _, auto in token_reads), token_reads  # outside any transaction
+    assert not any(text.lstrip().startswith("SELECT tokens.tenant_id, tokens.id,") for text, _ in token_reads)
+    recordings = [(text, auto) for text, auto in seen if 'INSERT INTO "agentic_payment_methods"' in text]
+    assert len(recordings) == 1, recordings
+    text, autocommit = recordings[0]
+    assert autocommit  # its own transaction: no BEGIN before it, no COMMIT after it
+    assert 'INSERT INTO "jobs"' in text and 'INSERT INTO "agentic_payment_method_rails"' in text
+    assert get(tenant.client, answer.json["id"]) == answer.json
 
 
 def test_a_retry_that_enables_its_rail_answers_from_one_read(tenant, monkeypatch):
