@@ -37,7 +37,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.sql.dml import UpdateBase
 from sqlalchemy.sql.elements import ColumnElement
-from sqlmodel import Session
+from sqlmodel import Session, SQLModel
 
 from config.settings import get_settings
 from storage.types import table_of
@@ -598,10 +598,49 @@ def insert_statement(dialect_name: str, table: Table, *, ignore_conflicts: bool 
     return insert(table).prefix_with("IGNORE")  # MySQL-like backends
 
 
-def row_of(instance: Any) -> dict[str, Any]:
-    """The complete row of a model ``instance`` that is not in any session (its Python-side defaults
-    applied at construction), keyed by column name: what :meth:`Rows.add` takes."""
-    return {column.name: getattr(instance, column.name) for column in table_of(type(instance)).columns}
+def model_row(model: type[SQLModel], **values: Any) -> dict[str, Any]:
+    """The complete row of a new ``model`` instance made of ``values``, keyed by column name (what
+    :meth:`Rows.add` takes), its other columns given the model's Python-side defaults as its
+    constructor gives them (a table model's constructor validates nothing), without building the
+    instance and its ORM state, which cost more than the row (a rail's: 78 us against 5). Raises
+    TypeError for a name that is not a column, or a column without a default left out."""
+    columns = _defaults_of(model)
+    unknown = values.keys() - columns.keys()
+    if unknown:
+        raise TypeError(f"{model.__name__} has no column {sorted(unknown)[0]!r}")
+    row: dict[str, Any] = {}
+    for name, (kind, default) in columns.items():
+        if name in values:
+            row[name] = values[name]
+        elif kind is _FACTORY:
+            row[name] = default()
+        elif kind is _FACTORY_OF_DATA:
+            row[name] = default(row)
+        elif kind is _VALUE:
+            row[name] = default
+        else:
+            raise TypeError(f"{model.__name__}.{name} has no default: give it")
+    return row
+
+
+_VALUE, _FACTORY, _FACTORY_OF_DATA, _REQUIRED = "value", "factory", "factory of the data", "required"
+
+
+@functools.cache
+def _defaults_of(model: type[SQLModel]) -> dict[str, tuple[str, Any]]:
+    """Each column of ``model``'s table (in order) and its default: ``(kind, value or factory)``,
+    told apart once per model (pydantic inspects a factory's signature at each call)."""
+    defaults: dict[str, tuple[str, Any]] = {}
+    for column in table_of(model).columns:
+        info = model.model_fields.get(column.name)
+        if info is None or info.is_required():
+            defaults[column.name] = (_REQUIRED, None)
+        elif info.default_factory is not None:
+            kind = _FACTORY_OF_DATA if info.default_factory_takes_validated_data else _FACTORY
+            defaults[column.name] = (kind, info.default_factory)
+        else:
+            defaults[column.name] = (_VALUE, info.default)
+    return defaults
 
 
 def insert_rows(session: OrmSession, rows: Rows) -> None:

@@ -63,8 +63,8 @@ from storage.db import (
     Rows,
     insert_rows,
     insert_rows_last,
+    model_row,
     read_all,
-    row_of,
     server_prepared,
     stage_inserts,
     stage_write,
@@ -143,8 +143,11 @@ def create_payment_method(
         raise agentic_error("UNSUPPORTED_PROVIDER", f"No supported provider takes {brand or 'this'} cards.")
     now = utcnow()
     consumer = {**request.consumer, "id": request.consumer.get("id") or str(uuid.uuid4())}
-    pm = PaymentMethod(
-        id=new_id("pm_"),
+    # rows, not ORM objects: the one recording statement takes rows (``model_row``)
+    pm_id = new_id("pm_")
+    pm = model_row(
+        PaymentMethod,
+        id=pm_id,
         tenant_id=caller.tenant_id,
         source=dict(request.source),
         token_id=request.token_id,
@@ -157,12 +160,13 @@ def create_payment_method(
         created_at=now,
         updated_at=now,
     )
-    rows.add(table_of(PaymentMethod), row_of(pm))
+    rows.add(table_of(PaymentMethod), pm)
     job_ids, errors = [], []
     for position, (rail_name, provider) in enumerate(pairs):
-        rail = PaymentMethodRail(
+        rail = model_row(
+            PaymentMethodRail,
             tenant_id=caller.tenant_id,
-            payment_method_id=pm.id,
+            payment_method_id=pm_id,
             position=position,
             rail=rail_name,
             provider=provider,
@@ -170,47 +174,46 @@ def create_payment_method(
             updated_at=now,
         )
         if provider_for(provider, caller.tenant_type, settings) is None:
-            rail.status, rail.error_code = RailStatus.ERROR, "PROVIDER_NOT_CONFIGURED"
-            errors.append(rail)
+            rail.update(status=RailStatus.ERROR, error_code="PROVIDER_NOT_CONFIGURED")
+            errors.append(PaymentMethodRail(**rail))
         else:
-            rail.job_id = jobs.record(
+            job_id = jobs.record(
                 session,
                 rows=rows,
                 kind=ENROLL_TASK,
                 tenant_id=caller.tenant_id,
                 subject_type="rail",
-                subject_id=str(rail.id),
+                subject_id=str(rail["id"]),
                 trace_id=caller.trace_id,
                 max_attempts=ENROLL_MAX_ATTEMPTS,
                 together=True,  # the rails' jobs in one message, run side by side by one task run
             ).id
-            rail.operation_id, rail.attempt = owner, "create"
-            job_ids.append(rail.job_id)
-        rows.add(table_of(PaymentMethodRail), row_of(rail))
+            rail.update(job_id=job_id, operation_id=owner, attempt="create")
+            job_ids.append(job_id)
+        rows.add(table_of(PaymentMethodRail), rail)
     if job_ids:  # a new payment method: nobody else can hold its lease yet
         rows.add(
             table_of(OperationLease),
-            row_of(
-                OperationLease(
-                    resource_id=pm.id,
-                    tenant_id=caller.tenant_id,
-                    operation=leases.ENROLL,
-                    owner=owner,
-                    acquired_at=now,
-                    expires_at=now + dt.timedelta(seconds=settings.operation_lease_seconds),
-                )
+            model_row(
+                OperationLease,
+                resource_id=pm_id,
+                tenant_id=caller.tenant_id,
+                operation=leases.ENROLL,
+                owner=owner,
+                acquired_at=now,
+                expires_at=now + dt.timedelta(seconds=settings.operation_lease_seconds),
             ),
         )
-    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="create")
+    audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm_id, operation="create")
     if errors or claim is not None:  # more writes follow, and a keyed create's commit stands apart
         insert_rows(session, rows)
     else:  # the unit's only write: one durable statement when nothing was read in the session
         insert_rows_last(session, rows)
-    for rail in errors:
-        record_provider_error(session, rail, code="PROVIDER_NOT_CONFIGURED")
+    for unconfigured in errors:
+        record_provider_error(session, unconfigured, code="PROVIDER_NOT_CONFIGURED")
     if claim is not None:
-        idempotency.attach(session, claim, pm.id)
-    return Started(pm.id, tuple(job_ids))
+        idempotency.attach(session, claim, pm_id)
+    return Started(pm_id, tuple(job_ids))
 
 
 def create_unit(

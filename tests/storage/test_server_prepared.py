@@ -122,3 +122,67 @@ def test_the_rows_of_a_unit_are_inserted_by_a_prepared_statement(database):
     with get_engine().connect() as connection:
         stored = connection.execute(select(logs.c.message).where(logs.c.entity_type == "test")).scalars().all()
     assert sorted(stored) == ["100% first", "second"]
+
+
+def test_a_statement_built_once_is_compiled_once_and_found_by_identity(database, monkeypatch):
+    """A marked statement's compiled form is kept by the engine's ``BuiltOnceCache`` under its own
+    identity: the engine's LRU cache (which hashes a whole cache key) never sees it; an unmarked
+    statement, built per call, still goes there; each is compiled once."""
+    from storage import db
+
+    engine = get_lease_engine()
+    assert engine is not None
+    cache = engine.get_execution_options()["compiled_cache"]
+    assert isinstance(cache, db.BuiltOnceCache)
+    compiled = []
+    compile_element = type(_STATEMENT)._compiler
+
+    def counting(self, dialect, **kw):
+        compiled.append(self)
+        return compile_element(self, dialect, **kw)
+
+    marked = server_prepared(select(cast(bindparam("n", type_=Integer), Integer).label("n")))
+    monkeypatch.setattr(type(marked), "_compiler", counting)
+    hashed = []
+
+    class Looked(dict):  # the engine's cache, each lookup noted
+        def get(self, key, default=None):
+            hashed.append(key[1])
+            return super().get(key, default)
+
+    monkeypatch.setattr(cache, "_fallback", Looked())
+    with engine.connect() as connection:
+        assert [connection.execute(marked, {"n": n}).scalar_one() for n in (1, 2, 3)] == [1, 2, 3]
+        assert compiled == [marked]  # compiled at the first run only
+        assert hashed == []  # never looked up in the engine's own cache
+        plains = []
+        for n in (4, 5):  # a statement built per call: the engine's cache, compiled once too
+            plains.append(select(cast(bindparam("n", type_=Integer), Integer).label("m")))
+            assert connection.execute(plains[-1], {"n": n}).scalar_one() == n
+    assert len(hashed) == 2
+    assert compiled == [marked, plains[0]]
+
+
+def test_a_row_is_made_with_the_defaults_a_model_gives_without_an_instance():
+    """``model_row``: the constructor's Python-side defaults (values and factories), the given values
+    as they are, every column in table order; a column without a default must be given."""
+    from storage.db import model_row
+    from storage.models_agentic import PaymentMethodRail
+
+    now = utcnow()
+    values = {"tenant_id": uuid.uuid4(), "payment_method_id": "pm_1", "rail": "spt", "provider": "psp"}
+    values.update(created_at=now, updated_at=now)
+    built = PaymentMethodRail(**values)
+    row = model_row(PaymentMethodRail, **values)
+    columns = [column.name for column in table_of(PaymentMethodRail).columns]
+    assert list(row) == columns
+    assert {name: row[name] for name in columns if name != "id"} == {
+        name: getattr(built, name) for name in columns if name != "id"
+    }
+    assert isinstance(row["id"], uuid.UUID) and row["id"] != model_row(PaymentMethodRail, **values)["id"]
+    assert row["provider_ids"] == {}
+    assert row["provider_ids"] is not model_row(PaymentMethodRail, **values)["provider_ids"]  # a factory's
+    with pytest.raises(TypeError, match="no column 'nope'"):
+        model_row(PaymentMethodRail, nope=1, **values)
+    with pytest.raises(TypeError, match="payment_method_id has no default"):
+        model_row(PaymentMethodRail, **{k: v for k, v in values.items() if k != "payment_method_id"})
