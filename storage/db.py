@@ -125,10 +125,8 @@ class BuiltOnceCache(MutableMapping[Any, Any]):
         identity = self._identity(key)
         if identity is None:
             return self._fallback.get(key, default)
-        entry = self._entries.get(identity)
-        if entry is None or entry[0] is not key[0]:  # the dialect's identity, kept alive by the entry
-            return default
-        return entry[1]
+        entry = self._entries.get(identity)  # keeps its dialect alive: that id names no other object
+        return default if entry is None else entry[1]
 
     def __setitem__(self, key: tuple, compiled: Any) -> None:
         identity = self._identity(key)

@@ -24,7 +24,7 @@ from sqlmodel import Session, col, select
 from domain.agentic import leases
 from domain.agentic.errors import CATALOGUE, agentic_error
 from domain.agentic.views import rail_event_data, rail_view
-from domain.tenancy.usage import record_token_activity, stage_token_activity
+from domain.tenancy.usage import record_token_activity
 from domain.tokens.store import live_token_data
 from domain.webhooks import events
 from infra import jobs
@@ -272,10 +272,7 @@ def card_source(
     found = live_token_data(session, tenant_id, token_id, now)
     if found is None:
         return checked_card(None, None, today=today)
-    if rows is None:
-        record_token_activity(session, tenant_id, [token_id], now=now)
-    else:
-        stage_token_activity(rows, tenant_id, [token_id], now=now)
+    record_token_activity(session, tenant_id, [token_id], now=now, rows=rows)
     kind, data = found
     return checked_card(kind, data, today=today)
 

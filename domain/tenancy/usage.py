@@ -35,9 +35,16 @@ def month_of(moment: dt.datetime) -> dt.date:
 
 
 def record_token_activity(
-    session: Session, tenant_id: uuid.UUID, token_ids: Iterable[str], *, now: dt.datetime | None = None
+    session: Session,
+    tenant_id: uuid.UUID,
+    token_ids: Iterable[str],
+    *,
+    now: dt.datetime | None = None,
+    rows: Rows | None = None,
 ) -> None:
-    """Count ``token_ids`` as active this month for the tenant, in the caller's transaction.
+    """Count ``token_ids`` as active this month for the tenant, in the caller's transaction: written
+    now, or queued in ``rows`` when the caller writes its rows in one statement
+    (``storage.db.insert_rows``).
 
     Call it wherever tokens are read (single reads, lists, searches, children) or used (proxy and
     reactor detokenization, network tokens made from a token), and for deleted tokens (see
@@ -45,9 +52,12 @@ def record_token_activity(
     Duplicates, in the list or already recorded this month, are ignored; an empty list does
     nothing. ``now`` defaults to the current time (UTC).
     """
-    rows = Rows()
-    stage_token_activity(rows, tenant_id, token_ids, now=now)
-    insert_rows(session, rows)
+    if rows is not None:
+        stage_token_activity(rows, tenant_id, token_ids, now=now)
+        return
+    staged = Rows()
+    stage_token_activity(staged, tenant_id, token_ids, now=now)
+    insert_rows(session, staged)
 
 
 def record_token_activity_unflushed(

@@ -253,10 +253,7 @@ def load_token_data(
     missing or expired."""
     now = now or utcnow()
     token = get_live(session, tenant_id, token_id, now)
-    if rows is None:
-        record_token_activity(session, tenant_id, [token.id], now=now)
-    else:
-        stage_token_activity(rows, tenant_id, [token.id], now=now)
+    record_token_activity(session, tenant_id, [token.id], now=now, rows=rows)
     return token, open_data(session, token, now)
 
 

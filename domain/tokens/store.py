@@ -122,7 +122,8 @@ class NewToken:
 def live(now: dt.datetime | ColumnElement[dt.datetime]) -> ColumnElement[bool]:
     """The condition of a live token: no ``expires_at``, or one after ``now`` (a time, or an SQL
     expression of one such as a lease statement's :data:`infra.jobs.LEASE_NOW`)."""
-    return or_(col(Token.expires_at).is_(None), col(Token.expires_at) > now)
+    expires_at = table_of(Token).c.expires_at  # the table's column: Core statements use it too
+    return or_(expires_at.is_(None), expires_at > now)
 
 
 def seal(session: Session, tenant_id: uuid.UUID, token_id: str, data: Any) -> bytes:
@@ -182,7 +183,7 @@ def _live_token_read() -> Select:
         select_columns(tokens.c.type, tokens.c.data_ct, tokens.c.cvc_expires_at).where(
             tokens.c.tenant_id == bindparam("tenant_id", type_=tokens.c.tenant_id.type),
             tokens.c.id == bindparam("token_id", type_=tokens.c.id.type),
-            or_(tokens.c.expires_at.is_(None), tokens.c.expires_at > now),
+            live(now),
         )
     )
 
