@@ -31,6 +31,7 @@ passes lists of ids: one statement per step for the whole batch, and nothing wai
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import random
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -59,6 +60,8 @@ from storage.db import (
 from storage.models import Job
 from storage.states import JOB_TAKEABLE, JOB_TERMINAL, JobStatus
 from storage.types import table_of, utcnow
+
+log = logging.getLogger("tessera.jobs")
 
 TERMINAL = JOB_TERMINAL
 _JOBS = table_of(Job)
@@ -492,7 +495,12 @@ class OutcomeWrite:
     compiled once), ``params`` the values of those parameters, and ``result``, the job's result then.
     ``answer`` (optional): what the waiting request answers from, published with the outcome but not
     stored (:mod:`infra.wait`; JSON values: ids, states, the provider's non-secret details, values
-    sealed with the tenant's key; never a plain card number, a key or a secret).
+    sealed with the tenant's key; never a plain card number, a key or a secret). ``answer_from``
+    (optional, instead of ``answer``) builds it from what the write wrote: ``returning`` names what
+    ``statement`` returns (labelled columns of the row it changes, the same tuple every time for the
+    same statement), and ``answer_from`` gets those values by label (``{label: value}``); None from
+    it publishes no answer. (``statement`` itself has no ``RETURNING``: one added here would be lost,
+    as a copy of an ``Update`` keeps the columns its original had computed.)
     The parameter names ``outcome_job_id``, ``outcome_status``, ``outcome_result`` and
     ``outcome_at`` are :func:`settle_with`'s own (:data:`OUTCOME_JOB_ID` is the first).
 
@@ -505,6 +513,8 @@ class OutcomeWrite:
     params: Mapping[str, Any]
     result: dict
     answer: dict | None = None
+    returning: tuple[ColumnElement, ...] = ()
+    answer_from: Callable[[Mapping[str, Any]], dict | None] | None = None
 
 
 #: The job id of an outcome's one statement (:func:`settle_with` binds it).
@@ -518,13 +528,20 @@ LOCKED_JOB = select(_JOBS.c.id).where(_JOBS.c.id == OUTCOME_JOB_ID).with_for_upd
 
 class _PreparedOutcome:
     """The one statement of an :class:`OutcomeWrite`'s ``statement``, built once: the job's row locked
-    first, the write, the job settled when the write changed a row."""
+    first, the write, the job settled when the write changed a row; the values the write returns
+    (:attr:`returned`, their names) come back beside the job's id."""
 
-    __slots__ = ("statement",)
+    __slots__ = ("returned", "statement")
 
-    def __init__(self, write: Update):
+    def __init__(self, write: Update, returning: tuple[ColumnElement, ...]):
+        self.returned = tuple(str(column.key) for column in returning)
         # an uncorrelated EXISTS is a one-time filter, evaluated before the write reads (and locks) its row
-        changed = write.where(exists(select(LOCKED_JOB.c.id))).returning(literal(1).label("changed")).cte("outcome")
+        changed = (
+            write.where(exists(select(LOCKED_JOB.c.id)))
+            .returning(*returning, literal(1).label("changed"))
+            .cte("outcome")
+        )
+        values = (select(changed.c[name]).scalar_subquery().label(name) for name in self.returned)
         self.statement = server_prepared(
             update(_JOBS)
             .where(_JOBS.c.id == OUTCOME_JOB_ID, exists(select(changed.c.changed)))
@@ -535,7 +552,7 @@ class _PreparedOutcome:
                 updated_at=bindparam("outcome_at", type_=_JOBS.c.updated_at.type),
                 result=bindparam("outcome_result", type_=_JOBS.c.result.type),
             )
-            .returning(_JOBS.c.id)
+            .returning(_JOBS.c.id, *values)
         )
 
 
@@ -543,8 +560,8 @@ class _PreparedOutcome:
 _PREPARED_OUTCOMES: dict[int, tuple[object, _PreparedOutcome]] = {}
 
 
-def _prepared_outcome(write: Update) -> _PreparedOutcome:
-    return _kept(_PREPARED_OUTCOMES, write, lambda: _PreparedOutcome(write))
+def _prepared_outcome(write: Update, returning: tuple[ColumnElement, ...]) -> _PreparedOutcome:
+    return _kept(_PREPARED_OUTCOMES, write, lambda: _PreparedOutcome(write, returning))
 
 
 def settle_with(job: Job, write: OutcomeWrite) -> bool:
@@ -565,11 +582,20 @@ def settle_with(job: Job, write: OutcomeWrite) -> bool:
         "outcome_result": values["result"],
         "outcome_at": values["updated_at"],
     }
-    if execute_durable(_prepared_outcome(write.statement).statement, params) is None:
+    prepared = _prepared_outcome(write.statement, write.returning)
+    row = execute_durable(prepared.statement, params)
+    if row is None:
         return False
     for name, value in values.items():
         setattr(job, name, value)
-    wait.publish_outcome(job.id, JobStatus.SUCCEEDED, wait.safe_result(write.result), write.answer)
+    answer = write.answer
+    if write.answer_from is not None:
+        try:
+            answer = write.answer_from({name: row._mapping[name] for name in prepared.returned})
+        except Exception:  # the outcome is written: its waiter reads it instead
+            log.warning("job %s: no answer for its outcome message", job.id, exc_info=True)
+            answer = None
+    wait.publish_outcome(job.id, JobStatus.SUCCEEDED, wait.safe_result(write.result), answer)
     return True
 
 

@@ -250,7 +250,12 @@ async def create(call: Call):
     )
     outcomes = await call.wait_for_jobs(started.job_ids, timeout=settings.agentic_wait_seconds)
     return 201, await call.db(
-        service.finish_create, call.caller, started.payment_method_id, claim=claim, outcomes=outcomes
+        service.finish_create,
+        call.caller,
+        started.payment_method_id,
+        claim=claim,
+        outcomes=outcomes,
+        known=started.known,
     )
 
 
@@ -356,6 +361,7 @@ async def retry(call: Call):
         provider=body.provider,
         job_id=job_id,
         outcome=outcomes.get(job_id),
+        known=started.known,
     )
     if isinstance(result, Problem):
         raise result

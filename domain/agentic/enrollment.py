@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,7 @@ from domain.agentic.payment_methods import (
     rails_of,
     record_provider_error,
     release_if_done,
+    seal_answer,
     settle_rail,
     tenant_type,
 )
@@ -79,7 +81,7 @@ from providers.agentic import DISPLAY_FIELDS, UNCLASSIFIED, Enrollment, Enrollme
 from providers.agentic_http import require_provider
 from storage.db import session_scope, stage_changes
 from storage.models import Job, Tenant
-from storage.models_agentic import PaymentMethod, PaymentMethodRail
+from storage.models_agentic import OperationLease, PaymentMethod, PaymentMethodRail
 from storage.states import PaymentMethodStatus, RailStatus
 from storage.types import TextAsUuid, table_of, utcnow
 
@@ -352,7 +354,14 @@ def enrolled_write(job: Job, outcome: Enrollment | Stale) -> jobs.OutcomeWrite |
         "blank_display": dict.fromkeys(DISPLAY_FIELDS),
         "enrolled_at": utcnow(),
     }
-    return jobs.OutcomeWrite(_enrolled_update(), params, {"rail_status": outcome.status, "enrollment_id": outcome.id})
+    statement, returning = _enrolled_update()
+    return jobs.OutcomeWrite(
+        statement,
+        params,
+        {"rail_status": outcome.status, "enrollment_id": outcome.id},
+        returning=returning,
+        answer_from=functools.partial(enrolled_answer, job.tenant_id),
+    )
 
 
 _PMS, _RAILS = table_of(PaymentMethod), table_of(PaymentMethodRail)
@@ -371,8 +380,9 @@ def _filled(base: ColumnElement, values: ColumnElement) -> ColumnElement:
 
 
 @functools.cache
-def _enrolled_update() -> Update:
-    """The one write of an enabled enrollment, built once per process: the payment method locked
+def _enrolled_update() -> tuple[Update, tuple[ColumnElement, ...]]:
+    """The one write of an enabled enrollment and what it returns for the answer
+    (:func:`enrolled_answer`), built once per process: the payment method locked
     (after the job's row, :data:`infra.jobs.LOCKED_JOB`), the rail enabled (only while the job owns
     it, the payment method is active without a delete requested and ``notify`` is off), then the
     payment method's card merged with the provider's (:func:`merge_card`, in SQL) and its
@@ -420,7 +430,12 @@ def _enrolled_update() -> Update:
             provider_ids=func.coalesce(provider_ids, _RAILS.c.provider_ids),
             updated_at=case((view_changed, now), else_=_RAILS.c.updated_at),
         )
-        .returning(_RAILS.c.payment_method_id, _RAILS.c.operation_id, (_RAILS.c.updated_at == now).label("changed"))
+        .returning(
+            _RAILS.c.payment_method_id,
+            _RAILS.c.operation_id,
+            _RAILS.c.provider_ids,
+            (_RAILS.c.updated_at == now).label("changed"),
+        )
         .cte("enabled_rail")
     )
     pm_id = select(enabled.c.payment_method_id).scalar_subquery()
@@ -431,7 +446,11 @@ def _enrolled_update() -> Update:
         .with_for_update(read=True, of=PaymentMethodRail)
         .cte("enrolling_rails")
     )
-    released = leases.release_statement(pm_id, operation_id, unless=exists(select(busy.c.id))).cte("released_lease")
+    released = (
+        leases.release_statement(pm_id, operation_id, unless=exists(select(busy.c.id)))
+        .returning(table_of(OperationLease).c.resource_id)
+        .cte("released_lease")
+    )
     # Each step a materialized CTE, so that the stored card is parsed once and the merge computed
     # once: inlined, the expressions were repeated (the card parsed about ten times, each jsonb_each
     # run twice), 0.8 ms of the statement while the payment method's lock is held.
@@ -472,7 +491,7 @@ def _enrolled_update() -> Update:
         .cte("merged_card")
     )
     merge = bindparam("merge_card", type_=Boolean)
-    return (
+    write = (
         update(_PMS)
         .where(_PMS.c.id == pm_id)
         .values(
@@ -489,6 +508,32 @@ def _enrolled_update() -> Update:
             ),
         )
         .add_cte(released)
+    )
+    returning = (  # what the waiting request answers from (:func:`enrolled_answer`)
+        _PMS.c.id.label("payment_method_id"),
+        _PMS.c.card.label("card"),
+        _PMS.c.updated_at.label("updated_at"),
+        select(enabled.c.provider_ids).scalar_subquery().label("provider_ids"),
+        exists(select(released.c.resource_id)).label("released"),
+    )
+    return write, returning
+
+
+def enrolled_answer(tenant_id: uuid.UUID | None, written: Mapping[str, Any]) -> dict | None:
+    """The answer an enabled rail's outcome message carries (``infra.jobs.OutcomeWrite.answer_from``),
+    from what :func:`_enrolled_update` wrote (``written``): the payment method's card sealed with the
+    tenant's key (:func:`domain.agentic.payment_methods.seal_answer`), its ``updated_at``, the rail's
+    provider ids, and ``released``: True when this outcome released the operation's lease, that is
+    when it was the operation's last (its payment method values are then final)."""
+    if tenant_id is None:
+        return None
+    return seal_answer(
+        tenant_id,
+        str(written["payment_method_id"]),
+        card=written["card"],
+        updated_at=written["updated_at"],
+        provider_ids=written["provider_ids"],
+        released=bool(written["released"]),
     )
 
 

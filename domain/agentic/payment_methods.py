@@ -13,9 +13,13 @@ provider ids, the card's data, the status (deleted). Leases, jobs and idempotenc
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import json
 import secrets
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Select
@@ -29,7 +33,8 @@ from domain.tokens.store import live_token_data
 from domain.webhooks import events
 from infra import jobs
 from providers.agentic import DISPLAY_FIELDS
-from storage.db import Rows, stage_write
+from storage.crypto import get_keyring
+from storage.db import Rows, session_scope, stage_write
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail, ProviderError
 from storage.states import PaymentMethodStatus, RailStatus
@@ -46,6 +51,9 @@ ENROLL_MAX_ATTEMPTS = 4
 DELETE_MAX_ATTEMPTS = 4
 #: A provider-pending enrollment is polled this many times (backing off to 30 s): about 20 minutes.
 POLL_MAX_ATTEMPTS = 45
+
+#: The associated-data purpose of a payment method's card sealed into an enabled rail's outcome message.
+ANSWER_PURPOSE = "agentic-payment-method-answer"
 
 #: The only valid (rail, provider) pairs (spec 001 section 4, Rails and providers).
 VALID_PAIRS: tuple[tuple[str, str], ...] = (("agentic-token", "vic"), ("agentic-token", "agentpay"), ("spt", "psp"))
@@ -292,3 +300,60 @@ def checked_card(kind: str | None, data: Any, *, today: dt.date | None = None) -
     if (year, month) < (today.year, today.month):
         raise agentic_error("INVALID_TOKEN", "The card has expired.")
     return data
+
+
+# ---- an enabled rail's outcome message -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RailAnswer:
+    """What an enabled rail's outcome statement wrote, as its message carried it (:func:`seal_answer`):
+    the payment method's ``card`` and ``updated_at`` after that statement, the rail's
+    ``provider_ids``, and ``released``: True when the statement released the operation's lease (it
+    was the operation's last, so the payment method's values are final)."""
+
+    payment_method_id: str
+    card: dict | None
+    updated_at: dt.datetime
+    provider_ids: dict | None
+    released: bool
+
+
+def seal_answer(
+    tenant_id: uuid.UUID,
+    pm_id: str,
+    *,
+    card: dict | None,
+    updated_at: dt.datetime,
+    provider_ids: dict | None,
+    released: bool,
+) -> dict[str, Any]:
+    """The ``answer`` of an enabled rail's outcome message (``infra.wait``): JSON values, the card
+    sealed with the tenant's key bound to the payment method (:data:`ANSWER_PURPOSE`, base64; the
+    card holds its last four digits and expiry, so it never travels readable). The tenant's key is
+    cached: no statement runs once it was read. Opened by :func:`open_answer`."""
+    with session_scope() as session:
+        card_ct = get_keyring().encrypt(session, tenant_id, ANSWER_PURPOSE, pm_id, json.dumps(card).encode())
+    return {
+        "payment_method_id": pm_id,
+        "card_ct": base64.b64encode(card_ct).decode("ascii"),
+        "updated_at": updated_at.isoformat(),
+        "provider_ids": provider_ids,
+        "released": released,
+    }
+
+
+def open_answer(session: Session, tenant_id: uuid.UUID, answer: Mapping[str, Any]) -> RailAnswer:
+    """The :class:`RailAnswer` of a :func:`seal_answer` value of ``tenant_id``'s. Raises LookupError,
+    ValueError or TypeError on a malformed value, ``storage.crypto.DecryptionError`` when the card
+    does not open (another tenant's, another payment method's, a key version unknown)."""
+    pm_id = answer["payment_method_id"]
+    provider_ids = answer["provider_ids"]
+    if not isinstance(pm_id, str) or not (provider_ids is None or isinstance(provider_ids, dict)):
+        raise TypeError("a malformed rail answer")
+    sealed = base64.b64decode(answer["card_ct"], validate=True)
+    card = json.loads(get_keyring().decrypt(session, tenant_id, ANSWER_PURPOSE, pm_id, sealed))
+    updated_at = dt.datetime.fromisoformat(answer["updated_at"])
+    if updated_at.tzinfo is None:
+        raise ValueError("a rail answer's updated_at without its offset")
+    return RailAnswer(pm_id, card, updated_at, provider_ids, answer["released"] is True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import logging
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -35,6 +36,7 @@ from domain.agentic.payment_methods import (
     ENROLL_MAX_ATTEMPTS,
     ENROLL_TASK,
     ENTITY_TYPE,
+    RailAnswer,
     card_source,
     checked_card,
     find,
@@ -42,6 +44,7 @@ from domain.agentic.payment_methods import (
     lock_existing,
     mark_deleted,
     new_id,
+    open_answer,
     rails_for_brand,
     rails_of,
     record_provider_error,
@@ -59,6 +62,7 @@ from infra.errors import Problem
 from infra.wait import Outcome
 from providers.agentic import DISPLAY_FIELDS
 from providers.agentic_http import provider_for
+from storage.crypto import DecryptionError
 from storage.db import (
     Rows,
     insert_rows,
@@ -76,6 +80,8 @@ from storage.models_allowances import Allowance
 from storage.states import ALLOWANCE_LIVE, JOB_FAILED, JOB_UNSUCCESSFUL, JobStatus, PaymentMethodStatus, RailStatus
 from storage.types import table_of, utcnow
 
+log = logging.getLogger("tessera.agentic")
+
 # ---- create --------------------------------------------------------------------------------------
 
 
@@ -91,12 +97,25 @@ class CreateRequest:
 
 
 @dataclass(frozen=True)
+class Known:
+    """What a request knows of its payment method before the rails' outcomes: the payment method's
+    row (``pm``: at least the :class:`PaymentMethodRow` fields) and each rail's (``rails``, in their
+    order: the :class:`RailRow` fields and ``job_id``, the job this request waits for, if any). The
+    rails' outcome messages complete it (:func:`_answered`)."""
+
+    pm: Mapping[str, Any]
+    rails: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True)
 class Started:
-    """What a create, retry or delete recorded: the payment method and the jobs to wait for."""
+    """What a create, retry or delete recorded: the payment method and the jobs to wait for;
+    ``known``, what the request knows of the payment method (None: it reads it at the end)."""
 
     payment_method_id: str
     job_ids: tuple[uuid.UUID, ...]
     failure: str | None = None
+    known: Known | None = None
 
 
 def _initial_card(number: str, brand: str | None, data: dict) -> dict:
@@ -161,7 +180,7 @@ def create_payment_method(
         updated_at=now,
     )
     rows.add(table_of(PaymentMethod), pm)
-    job_ids, errors = [], []
+    job_ids, errors, rail_rows = [], [], []
     for position, (rail_name, provider) in enumerate(pairs):
         rail = model_row(
             PaymentMethodRail,
@@ -191,6 +210,7 @@ def create_payment_method(
             rail.update(job_id=job_id, operation_id=owner, attempt="create")
             job_ids.append(job_id)
         rows.add(table_of(PaymentMethodRail), rail)
+        rail_rows.append(rail)
     if job_ids:  # a new payment method: nobody else can hold its lease yet
         rows.add(
             table_of(OperationLease),
@@ -213,7 +233,7 @@ def create_payment_method(
         record_provider_error(session, unconfigured, code="PROVIDER_NOT_CONFIGURED")
     if claim is not None:
         idempotency.attach(session, claim, pm_id)
-    return Started(pm_id, tuple(job_ids))
+    return Started(pm_id, tuple(job_ids), known=Known(pm, tuple(rail_rows)))
 
 
 def create_unit(
@@ -230,17 +250,22 @@ def finish_create(
     *,
     claim: idempotency.Claim | None,
     outcomes: Mapping[uuid.UUID, Outcome] | None = None,
+    known: Known | None = None,
 ) -> dict:
     """After the bounded wait: flag rails still pending for their event, settle the idempotency
     record, answer the payment method.
 
     ``outcomes``: the outcome of each rail's job as the wait ended (``infra.wait``). When every one
     settled its rail for good (enabled, or in error: no rail left pending or overtaken) and no
-    idempotency record waits, nothing is left to flag or settle: the payment method and its rails
-    are read in one round trip outside any transaction (:func:`settled_view`), no lock, no commit.
+    idempotency record waits, nothing is left to flag or settle: the payment method is answered from
+    what the create recorded (``known``) and what the rails' outcome messages carried, when every
+    rail was enabled by its one outcome statement (:func:`_answered`: no statement runs), else read
+    in one round trip outside any transaction (:func:`settled_view`), no lock, no commit.
     """
     if claim is None and outcomes and all(_final(outcome) for outcome in outcomes.values()):
-        view = settled_view(caller.tenant_id, pm_id)
+        view = _answered(session, caller.tenant_id, known, outcomes) if known is not None else None
+        if view is None:
+            view = settled_view(caller.tenant_id, pm_id)
         if view is not None:
             return view
     pm = lock_existing(session, pm_id)
@@ -265,6 +290,53 @@ def _final(outcome: Outcome) -> bool:
         and outcome.result.get("rail_status") != "pending"
         and "stale" not in outcome.result
     )
+
+
+def _answered(
+    session: Session, tenant_id: uuid.UUID, known: Known, outcomes: Mapping[uuid.UUID, Outcome]
+) -> dict | None:
+    """The payment method object from what the request knew (``known``) and the enabled rails'
+    outcome messages (``domain.agentic.enrollment.enrolled_answer``): each rail the request waited
+    for is enabled with the provider ids its own statement wrote; the card and ``updated_at`` are
+    those the operation's last statement wrote (the one that released its lease: it merged its card
+    over the others'). The other rails are as ``known`` shows them: only an operation holding the
+    lease changes a rail in error or enabled. None, and the caller reads the payment method, when an
+    outcome carried no answer (it was written in a transaction), when no single one released the
+    lease, when an answer does not open (malformed, or not this payment method's), or when another
+    rail is ``pending`` (its provider's poll moves it without the lease)."""
+    answers: dict[uuid.UUID, RailAnswer] = {}
+    for job_id, outcome in outcomes.items():
+        if outcome.answer is None or outcome.result.get("rail_status") != RailStatus.ENABLED:
+            return None
+        try:
+            answers[job_id] = open_answer(session, tenant_id, outcome.answer)
+        except (LookupError, ValueError, TypeError, DecryptionError):
+            log.warning("the outcome of job %s carried an answer that does not open; reading the row", job_id)
+            return None
+    last = [answer for answer in answers.values() if answer.released]
+    if len(last) != 1 or any(answer.payment_method_id != known.pm["id"] for answer in answers.values()):
+        return None
+    rails = []
+    for rail in known.rails:
+        answer = answers.get(rail["job_id"]) if rail.get("job_id") is not None else None
+        if answer is None and (rail.get("job_id") is not None or rail["status"] == RailStatus.PENDING):
+            return None  # a rail whose job this request did not wait for, or one a poll may have moved since
+        rails.append(
+            RailRow(
+                position=rail["position"],
+                rail=rail["rail"],
+                provider=rail["provider"],
+                status=RailStatus.ENABLED if answer else rail["status"],
+                error_code=None if answer else rail["error_code"],
+                provider_ids=answer.provider_ids if answer else rail["provider_ids"],
+            )
+        )
+    pm = PaymentMethodRow(
+        **{name: known.pm[name] for name in _PM_FIELDS if name not in ("card", "updated_at")},
+        card=last[0].card,
+        updated_at=last[0].updated_at,
+    )
+    return payment_method_view(pm, rails)
 
 
 _PM = table_of(PaymentMethod)
@@ -419,43 +491,33 @@ def purge_provider_errors(
 
 @functools.cache
 def _retry_read() -> Select:
-    """The one read of a retry (:func:`start_retry`), built once, planned once per connection: the
-    tenant's payment method ``pm_id`` locked ``FOR UPDATE`` with its status, its delete request and
-    its card token's id; the id and status of its rail ``rail``/``provider``; the operation of its
-    live lease (expiring after ``now``); the card token's stored values when it is live at ``now``
+    """The one read of a retry (:func:`start_retry`), built once, planned once per connection: one
+    row per rail of the tenant's payment method ``pm_id`` (in their order), the payment method locked
+    ``FOR UPDATE``: its columns as :data:`_SETTLED_VIEW` names them (``pm_...``), its delete request
+    and card token's id, each rail's (``rail_...``, with its id and job), the operation of its live
+    lease (expiring after ``now``), the card token's stored values when it is live at ``now``
     (:func:`domain.tokens.store.live_token_reads`). No row when the tenant has no such payment method."""
-    pm, rails, held = table_of(PaymentMethod).c, table_of(PaymentMethodRail).c, table_of(OperationLease).c
+    pm, rails, held = _PM.c, _RAILS.c, table_of(OperationLease).c
     now = bindparam("now", type_=held.expires_at.type)
-
-    def of_rail(column):
-        return (
-            select_rows(column)
-            .where(
-                rails.payment_method_id == pm.id,
-                rails.rail == bindparam("rail", type_=rails.rail.type),
-                rails.provider == bindparam("provider", type_=rails.provider.type),
-            )
-            .scalar_subquery()
-        )
-
     lease = select_rows(held.operation).where(held.resource_id == pm.id, held.expires_at > now).scalar_subquery()
     token = live_token_reads(pm.tenant_id, pm.token_id, now)
     return server_prepared(
         select_rows(
-            pm.id,
-            pm.status,
+            *(getattr(pm, name).label(f"pm_{name}") for name in _PM_FIELDS),
             pm.delete_requested_at,
             pm.token_id,
-            of_rail(rails.id).label("rail_id"),
-            of_rail(rails.status).label("rail_status"),
+            rails.id.label("rail_id"),
+            *(getattr(rails, name).label(f"rail_{name}") for name in _RAIL_FIELDS),
             lease.label("lease_operation"),
             *(expression.label(name) for name, expression in token.items()),
         )
+        .select_from(_PM.outerjoin(_RAILS, rails.payment_method_id == pm.id))
         .where(
             pm.id == bindparam("pm_id", type_=pm.id.type),
             pm.tenant_id == bindparam("tenant_id", type_=pm.tenant_id.type),
         )
-        .with_for_update(of=table_of(PaymentMethod))
+        .order_by(rails.position)
+        .with_for_update(of=_PM)
     )
 
 
@@ -463,9 +525,10 @@ def start_retry(
     session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, settings: Settings, owner: str
 ) -> Started:
     """``POST .../rails/retry``, the recording part: checks, then one enrollment job (``retry``).
-    Two statements: one read (:func:`_retry_read`: the payment method locked, its rail, its lease,
+    Two statements: one read (:func:`_retry_read`: the payment method locked, its rails, its lease,
     the card token), then, just before the commit, one write of the lease, the job, the token's
-    activity, the log row and the rail's change (``storage.db.stage_write``). No ORM object.
+    activity, the log row and the rail's change (``storage.db.stage_write``). No ORM object. What it
+    read is the ``known`` payment method of the answer (:func:`finish_retry`).
 
     The pair is already known valid. Raises, in this order, 404 ``PAYMENT_METHOD_NOT_FOUND``, 400
     ``PAYMENT_METHOD_DELETED``, 400 ``RAIL_NOT_FOUND``, 409 ``PAYMENT_METHOD_OPERATION_IN_PROGRESS``
@@ -474,24 +537,23 @@ def start_retry(
     configuration returns ``Started(failure="PROVIDER_NOT_CONFIGURED")`` after recording its error.
     """
     now = utcnow()
-    found = session.execute(
-        _retry_read(),
-        {"pm_id": pm_id, "tenant_id": caller.tenant_id, "rail": rail, "provider": provider, "now": now},
-    ).first()
-    if found is None:
+    read = session.execute(_retry_read(), {"pm_id": pm_id, "tenant_id": caller.tenant_id, "now": now}).all()
+    if not read:
         raise agentic_error("PAYMENT_METHOD_NOT_FOUND")
-    if found.status == PaymentMethodStatus.DELETED:
+    found = read[0]
+    if found.pm_status == PaymentMethodStatus.DELETED:
         raise agentic_error("PAYMENT_METHOD_DELETED")
-    if found.rail_id is None:
+    target = next((row for row in read if row.rail_rail == rail and row.rail_provider == provider), None)
+    if target is None:
         raise agentic_error("RAIL_NOT_FOUND", f"The payment method has no {rail} rail with {provider}.")
     if found.lease_operation is not None:
         raise leases.in_progress(found.lease_operation)
     if found.delete_requested_at is not None:
         raise agentic_error("PAYMENT_METHOD_DELETE_INCOMPLETE")
-    if found.rail_status == RailStatus.ENABLED:
+    if target.rail_status == RailStatus.ENABLED:
         raise validation_error({"rail": ["The rail is enabled; only a rail in error or pending can be retried."]})
     if provider_for(provider, caller.tenant_type, settings) is None:
-        return _not_configured(session, caller, pm_id, found.rail_id)
+        return _not_configured(session, caller, pm_id, target.rail_id)
     rows = Rows()  # the job, the token's activity and the log row
     data = None
     if found.token_type is not None:  # a live token of the tenant: it counts as active this month
@@ -520,18 +582,27 @@ def start_retry(
         kind=ENROLL_TASK,
         tenant_id=caller.tenant_id,
         subject_type="rail",
-        subject_id=str(found.rail_id),
+        subject_id=str(target.rail_id),
         trace_id=caller.trace_id,
         max_attempts=ENROLL_MAX_ATTEMPTS,
     )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm_id, operation="update")
     stage_inserts(session, rows)
-    rails = table_of(PaymentMethodRail)
     stage_write(  # last: its job is written beside it (foreign keys are checked when the statement ends)
         session,
-        update(rails).where(rails.c.id == found.rail_id).values(job_id=job.id, operation_id=owner, attempt="retry"),
+        update(_RAILS).where(_RAILS.c.id == target.rail_id).values(job_id=job.id, operation_id=owner, attempt="retry"),
     )
-    return Started(pm_id, (job.id,))
+    known = Known(
+        {name: found._mapping[f"pm_{name}"] for name in _PM_FIELDS},
+        tuple(
+            {
+                **{name: row._mapping[f"rail_{name}"] for name in _RAIL_FIELDS},
+                "job_id": job.id if row is target else None,
+            }
+            for row in read
+        ),
+    )
+    return Started(pm_id, (job.id,), known=known)
 
 
 def _not_configured(session: Session, caller: Caller, pm_id: str, rail_id: uuid.UUID) -> Started:
@@ -570,16 +641,20 @@ def finish_retry(
     provider: str,
     job_id: uuid.UUID,
     outcome: Outcome | None = None,
+    known: Known | None = None,
 ) -> dict | Problem:
     """After the bounded wait: the payment method (200), or the problem of a rejected retry.
 
     A retry still running is shown ``pending`` (and flagged: its outcome is delivered as the
     event); an overtaken job shows the rail as it is. ``outcome``: the job's outcome as the wait
-    ended; a retry that enabled its rail for good is answered from one read outside any transaction
-    (:func:`settled_view`: nothing to flag, no lock).
+    ended; a retry that enabled its rail for good is answered, with nothing to flag and no lock,
+    from what :func:`start_retry` read (``known``) and what the outcome message carried
+    (:func:`_answered`), else from one read outside any transaction (:func:`settled_view`).
     """
     if outcome is not None and outcome.status == JobStatus.SUCCEEDED and _final(outcome):
-        view = settled_view(caller.tenant_id, pm_id)
+        view = _answered(session, caller.tenant_id, known, {job_id: outcome}) if known is not None else None
+        if view is None:
+            view = settled_view(caller.tenant_id, pm_id)
         if view is not None:
             return view
     pm = lock_existing(session, pm_id)

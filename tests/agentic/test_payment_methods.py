@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import re
 import threading
 import time
@@ -146,6 +147,19 @@ def test_each_rail_is_its_own_job_and_they_run_in_parallel(tenant):
         ("PROVIDER_ENROLLMENT_FAILED", "vic", None)
     ]
     assert "in time" in errors[0]["detail"]
+
+
+def _recorded(monkeypatch, owner, name: str) -> list[tuple]:
+    """The arguments of every call of ``owner.<name>`` from now on (the function still runs)."""
+    calls: list[tuple] = []
+    real = getattr(owner, name)
+
+    def recording(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, recording)
+    return calls
 
 
 def _inserted_tables(monkeypatch) -> list[list[str]]:
@@ -325,21 +339,14 @@ def test_a_create_whose_rails_all_settled_answers_without_a_lock(tenant, monkeyp
     no write; a rail still pending at its provider takes the locked path that flags it for its event."""
     from domain.agentic import service
 
-    locked = []
-    lock_existing = service.lock_existing
-
-    def lock(session, pm_id):
-        locked.append(pm_id)
-        return lock_existing(session, pm_id)
-
-    monkeypatch.setattr(service, "lock_existing", lock)
+    locked = _recorded(monkeypatch, service, "lock_existing")
     pm = created(tenant.client, VISA)
     assert outcome(pm) == {"vic": "enabled", "psp": "enabled"}
     assert locked == []
     assert pm == get(tenant.client, pm["id"])  # the same object a read answers
     pending = created(tenant.client, PENDING)
     assert "pending" in outcome(pending).values()
-    assert locked == [pending["id"]]
+    assert [pm_id for _, pm_id in locked] == [pending["id"]]
 
 
 def test_an_unsupported_network_is_400_unsupported_provider(tenant):
@@ -491,25 +498,82 @@ def test_a_create_records_in_one_durable_statement_after_reading_its_card_outsid
     assert get(tenant.client, answer.json["id"]) == answer.json
 
 
-def test_a_retry_that_enables_its_rail_answers_from_one_read(tenant, monkeypatch):
-    """The retry's job settled with the rail enabled: the answer is read outside any transaction
-    (``settled_view``), as for a create whose rails all settled; it is the object a read answers."""
+def test_a_create_whose_rails_are_enabled_answers_from_their_outcome_messages(tenant, monkeypatch):
+    """Both rails enabled, each by its one outcome statement: the create answers from what it
+    recorded and what the two outcome messages carried, without reading the payment method. Each
+    message carries the card sealed (no card field readable in it); exactly one says it released the
+    operation's lease (the last: its card and updated_at are final); the answer is the object a later
+    read gives."""
     from domain.agentic import service
+    from infra import wait
 
-    pm = created(tenant.client, FAILS_ON_CREATE)
-    read = []
-    settled_view = service.settled_view
+    token_id = card_token(tenant.client, VISA)
+    read = _recorded(monkeypatch, service, "settled_view")
+    published: list[dict] = []
+    publish_outcome = wait.publish_outcome
 
-    def view(tenant_id, pm_id):
-        read.append(pm_id)
-        return settled_view(tenant_id, pm_id)
+    def publish(job_id, status, result, answer=None):
+        if answer is not None:
+            published.append(answer)
+        publish_outcome(job_id, status, result, answer)
 
-    monkeypatch.setattr(service, "settled_view", view)
-    answer = retry(tenant.client, pm["id"])
+    monkeypatch.setattr(wait, "publish_outcome", publish)
+    answer = create(tenant.client, token_id)
+    assert answer.status == 201, answer
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    assert read == []
+    answers = [message for message in published if message.get("payment_method_id") == answer.json["id"]]
+    assert len(answers) == 2, published
+    assert sorted(message["released"] for message in answers) == [False, True]
+    for message in answers:
+        assert set(message) == {"payment_method_id", "card_ct", "updated_at", "provider_ids", "released"}
+        assert "last4" not in json.dumps(message) and VISA[-4:] not in json.dumps(message)
+    assert get(tenant.client, answer.json["id"]) == answer.json
+
+
+def test_a_create_whose_outcome_answer_does_not_open_reads_the_payment_method(tenant, monkeypatch):
+    """An answer that does not open (tampered, another payment method's, a key version gone) is not
+    used: the create reads the payment method once instead, and answers what a later read gives."""
+    from domain.agentic import service
+    from storage.crypto import DecryptionError
+
+    def does_not_open(session, tenant_id, answer):
+        raise DecryptionError("tampered")
+
+    monkeypatch.setattr(service, "open_answer", does_not_open)
+    read = _recorded(monkeypatch, service, "settled_view")
+    answer = created(tenant.client, VISA)
+    assert [pm_id for _, pm_id in read] == [answer["id"]]
+    assert outcome(answer) == {"vic": "enabled", "psp": "enabled"}
+    assert get(tenant.client, answer["id"]) == answer
+
+
+def test_a_retry_that_enables_its_rail_answers_from_its_outcome_message(tenant, monkeypatch):
+    """The retry's job settled with the rail enabled by its one outcome statement: the answer is made
+    of what the retry read when it started (the payment method and its other rail) and what the
+    outcome message carried, without reading the payment method again; it is the object a read
+    answers, the retried rail's provider ids and the backfilled card included. When the message's
+    answer does not open, the payment method is read once instead, with the same answer."""
+    from domain.agentic import service
+    from storage.crypto import DecryptionError
+
+    first, second = created(tenant.client, FAILS_ON_CREATE), created(tenant.client, FAILS_ON_CREATE)
+    read = _recorded(monkeypatch, service, "settled_view")
+    answer = retry(tenant.client, first["id"])
     assert answer.status == 200, answer
     assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
-    assert read == [pm["id"]]
-    assert get(tenant.client, pm["id"]) == answer.json
+    assert read == []
+    assert answer.json["updated_at"] > first["updated_at"]
+    assert get(tenant.client, first["id"]) == answer.json
+
+    def does_not_open(session, tenant_id, answer):
+        raise DecryptionError("tampered")
+
+    monkeypatch.setattr(service, "open_answer", does_not_open)
+    answer = retry(tenant.client, second["id"])
+    assert answer.status == 200, answer
+    assert [pm_id for _, pm_id in read] == [second["id"]]
+    assert get(tenant.client, second["id"]) == answer.json
 
 
 def test_a_pending_rail_can_be_retried(tenant, monkeypatch):
