@@ -79,7 +79,7 @@ from infra.jobs import PermanentError, TransientError
 from providers import ProviderNotConfigured
 from providers.agentic import DISPLAY_FIELDS, UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed
 from providers.agentic_http import require_provider
-from storage.db import session_scope, stage_changes
+from storage.db import lazy_session, session_scope, stage_changes
 from storage.models import Job, Tenant
 from storage.models_agentic import OperationLease, PaymentMethod, PaymentMethodRail
 from storage.states import PaymentMethodStatus, RailStatus
@@ -236,7 +236,7 @@ def perform_enrollment_read(job: Job, read: dict, settings: Settings) -> Enrollm
     try:
         data = None
         if read["token_type"] is not None:
-            with session_scope() as session:  # the tenant's key is cached: no statement runs
+            with lazy_session() as session:  # the tenant's key is cached: no statement runs
                 data = open_token_data(
                     session,
                     target.tenant_id,

@@ -34,7 +34,7 @@ from domain.webhooks import events
 from infra import jobs
 from providers.agentic import DISPLAY_FIELDS
 from storage.crypto import get_keyring
-from storage.db import Rows, session_scope, stage_write
+from storage.db import Rows, lazy_session, stage_write
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail, ProviderError
 from storage.states import PaymentMethodStatus, RailStatus
@@ -332,7 +332,7 @@ def seal_answer(
     sealed with the tenant's key bound to the payment method (:data:`ANSWER_PURPOSE`, base64; the
     card holds its last four digits and expiry, so it never travels readable). The tenant's key is
     cached: no statement runs once it was read. Opened by :func:`open_answer`."""
-    with session_scope() as session:
+    with lazy_session() as session:
         card_ct = get_keyring().encrypt(session, tenant_id, ANSWER_PURPOSE, pm_id, json.dumps(card).encode())
     return {
         "payment_method_id": pm_id,

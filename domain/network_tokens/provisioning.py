@@ -62,7 +62,7 @@ from providers.card_network import (
     ensure_configured,
 )
 from storage.crypto import DecryptionError, get_keyring
-from storage.db import Rows, insert_rows_last, read_first, server_prepared, session_scope
+from storage.db import Rows, insert_rows_last, lazy_session, read_first, server_prepared
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
 from storage.states import JOB_FAILED, JobStatus, NetworkTokenStatus
@@ -338,7 +338,7 @@ def provisioning_input(job: Job, read: dict) -> tuple[CardNetwork, CardToProvisi
         or read["source_ct"] is None
     ):
         return None
-    with session_scope() as session:  # the tenant's key is cached: no statement runs
+    with lazy_session() as session:  # the tenant's key is cached: no statement runs
         source = json.loads(
             get_keyring().decrypt(session, job.tenant_id, SOURCE_PURPOSE, str(job.subject_id), read["source_ct"])
         )
@@ -423,7 +423,7 @@ def provisioned_write(job: Job, outcome: ProvisionedToken | None) -> jobs.Outcom
     if outcome is None:
         return None
     tenant_id, token_id = job_subject(job)
-    with session_scope() as session:  # the tenant's key and subscriptions are cached: no statement runs
+    with lazy_session() as session:  # the tenant's key and subscriptions are cached: no statement runs
         if CREATED_EVENT in events.subscriptions.types(session, tenant_id):
             return None
         params = _provisioned_params(session, tenant_id, token_id, outcome)

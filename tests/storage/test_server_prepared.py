@@ -186,3 +186,41 @@ def test_a_row_is_made_with_the_defaults_a_model_gives_without_an_instance():
         model_row(PaymentMethodRail, nope=1, **values)
     with pytest.raises(TypeError, match="payment_method_id has no default"):
         model_row(PaymentMethodRail, **{k: v for k, v in values.items() if k != "payment_method_id"})
+
+
+def test_a_lazy_session_is_made_only_when_used_and_ends_as_a_session_scope_does(database, monkeypatch):
+    """``lazy_session``: a block that runs no statement makes no session at all; one that does gets
+    a real session, committed when the block ends; one that raises has its writes rolled back."""
+    from sqlmodel import Session
+
+    from storage import db
+    from storage.db import lazy_session, session_scope
+
+    made = []
+    real_session = db.Session
+
+    def counted(*args, **kwargs):
+        made.append(args)
+        return real_session(*args, **kwargs)
+
+    monkeypatch.setattr(db, "Session", counted)
+    with lazy_session() as session:
+        assert not isinstance(session, Session)
+    assert made == []
+
+    name = f"lazy-{uuid.uuid4().hex[:8]}"
+    with lazy_session() as session:
+        tenant = create_tenant(session, name=name, owner_email=f"{name}@example.com")
+    assert len(made) == 1
+    with session_scope() as session:
+        assert (
+            session.execute(text("select name from tenants where id = :id"), {"id": tenant.tenant_id}).scalar() == name
+        )
+
+    with pytest.raises(RuntimeError), lazy_session() as session:
+        session.execute(text("update tenants set name = 'renamed' where id = :id"), {"id": tenant.tenant_id})
+        raise RuntimeError("the block failed")
+    with session_scope() as session:
+        assert (
+            session.execute(text("select name from tenants where id = :id"), {"id": tenant.tenant_id}).scalar() == name
+        )
