@@ -448,38 +448,31 @@ def session_scope() -> Iterator[Session]:
 
 
 class _LazySession:
-    """A stand-in for the :class:`Session` of :func:`lazy_session`, made on first use."""
+    """A stand-in for the :class:`Session` of :func:`lazy_session`: a :func:`session_scope` entered
+    into ``scopes`` on first use."""
 
-    __slots__ = ("made",)
+    __slots__ = ("made", "scopes")
 
-    def __init__(self) -> None:
+    def __init__(self, scopes: contextlib.ExitStack) -> None:
+        self.scopes = scopes
         self.made: Session | None = None
 
     def __getattr__(self, name: str) -> Any:
         if self.made is None:
-            self.made = Session(get_engine(), expire_on_commit=False)
+            self.made = self.scopes.enter_context(session_scope())
         return getattr(self.made, name)
 
 
 @contextlib.contextmanager
 def lazy_session() -> Iterator[Session]:
     """:func:`session_scope` for a block that usually runs no statement (a tenant's key or a list of
-    subscriptions a per-process cache holds, say): the session is made only when the block first
-    uses it, then committed, rolled back and closed as :func:`session_scope` does; a block that never
-    used it costs nothing (making and closing a session costs about 20 us). What the block gets is a
-    stand-in that passes every attribute to the session: ``isinstance(..., Session)`` is False."""
-    lazy = _LazySession()
-    try:
-        yield cast(Session, lazy)
-        if lazy.made is not None:
-            lazy.made.commit()
-    except BaseException:
-        if lazy.made is not None:
-            lazy.made.rollback()
-        raise
-    finally:
-        if lazy.made is not None:
-            lazy.made.close()
+    subscriptions a per-process cache holds, say): the session scope is entered only when the block
+    first uses its session, and ends with the block (commit, or rollback on an exception); a block
+    that never used it costs nothing (making and closing a session costs about 20 us). What the block
+    gets is a stand-in that passes every attribute to the session: ``isinstance(..., Session)`` is
+    False."""
+    with contextlib.ExitStack() as scopes:
+        yield cast(Session, _LazySession(scopes))
 
 
 _ON_COMMIT = "tessera_on_commit"

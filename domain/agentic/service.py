@@ -263,9 +263,7 @@ def finish_create(
     in one round trip outside any transaction (:func:`settled_view`), no lock, no commit.
     """
     if claim is None and outcomes and all(_final(outcome) for outcome in outcomes.values()):
-        view = _answered(session, caller.tenant_id, known, outcomes) if known is not None else None
-        if view is None:
-            view = settled_view(caller.tenant_id, pm_id)
+        view = _settled_answer(session, caller.tenant_id, pm_id, known, outcomes)
         if view is not None:
             return view
     pm = lock_existing(session, pm_id)
@@ -290,6 +288,20 @@ def _final(outcome: Outcome) -> bool:
         and outcome.result.get("rail_status") != "pending"
         and "stale" not in outcome.result
     )
+
+
+def _settled_answer(
+    session: Session,
+    tenant_id: uuid.UUID,
+    pm_id: str,
+    known: Known | None,
+    outcomes: Mapping[uuid.UUID, Outcome],
+) -> dict | None:
+    """The payment method object once every outcome settled its rail for good: from ``known`` and the
+    outcome messages (:func:`_answered`), else read outside any transaction (:func:`settled_view`);
+    None when the payment method is not there."""
+    view = _answered(session, tenant_id, known, outcomes) if known is not None else None
+    return view if view is not None else settled_view(tenant_id, pm_id)
 
 
 def _answered(
@@ -318,8 +330,9 @@ def _answered(
         return None
     rails = []
     for rail in known.rails:
-        answer = answers.get(rail["job_id"]) if rail.get("job_id") is not None else None
-        if answer is None and (rail.get("job_id") is not None or rail["status"] == RailStatus.PENDING):
+        waited = rail["job_id"]
+        answer = answers.get(waited) if waited is not None else None
+        if answer is None and (waited is not None or rail["status"] == RailStatus.PENDING):
             return None  # a rail whose job this request did not wait for, or one a poll may have moved since
         rails.append(
             RailRow(
@@ -652,9 +665,7 @@ def finish_retry(
     (:func:`_answered`), else from one read outside any transaction (:func:`settled_view`).
     """
     if outcome is not None and outcome.status == JobStatus.SUCCEEDED and _final(outcome):
-        view = _answered(session, caller.tenant_id, known, {job_id: outcome}) if known is not None else None
-        if view is None:
-            view = settled_view(caller.tenant_id, pm_id)
+        view = _settled_answer(session, caller.tenant_id, pm_id, known, {job_id: outcome})
         if view is not None:
             return view
     pm = lock_existing(session, pm_id)
