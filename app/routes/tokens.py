@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field
 
-from app.api import Api, Call, query_extras
+from app.api import Api, Call, JsonAnswer, query_extras
 from app.pagination import CursorPage, OffsetPage, cursor_page, cursor_query, decode_cursor, offset_page, offset_query
 from app.schemas import RequestModel, ResponseModel
 from domain.tokens import idempotency, service
@@ -211,6 +211,7 @@ class _AnyJson:
     body_adapter=_AnyJson(),
     status=201,
     response=TokenizeOut,
+    answer_adapter=JsonAnswer(TokenizeOut),
     tag=TAG,
     summary="Tokenize one or many values",
     errors=(400, 401, 403, 409),

@@ -436,6 +436,57 @@ def test_every_route_declares_its_request_and_response_models():
             assert "requestBody" not in route.openapi_extra, f"{where}: a body described beside its model"
 
 
+def test_a_json_answer_is_written_as_its_documented_type_writes_it():
+    """``JsonAnswer`` (the answer of ``POST /tokenize``) writes with orjson what the documented
+    union's adapter writes: the same bytes for token objects (UUIDs, datetimes in UTC, with an
+    offset, without microseconds), nested structures, unicode, control characters and floats; what
+    orjson refuses (an integer beyond 64 bits) goes through the adapter."""
+    import datetime as dt
+
+    from pydantic import TypeAdapter
+
+    from app.api import JsonAnswer
+    from app.routes.tokens import TokenizeOut
+
+    token = {
+        "id": "tok-1",
+        "tenant_id": uuid.uuid4(),
+        "type": "card",
+        "data": {"number": "XXXXXXXXXXXX4242", "expiration_month": 12, "expiration_year": 2031},
+        "mask": {"number": "{{ data.number | card_mask }}"},
+        "containers": ["/pci/high/"],
+        "metadata": {"k\u00e9": 'v\u2028\n\t\x01"/'},
+        "search_indexes": [],
+        "fingerprint": None,
+        "fingerprint_expression": "{{ data.number }}",
+        "deduplicate_token": None,
+        "parent_id": None,
+        "created_by": uuid.uuid4(),
+        "created_at": dt.datetime(2026, 11, 27, 19, 42, 10, 428465, tzinfo=dt.UTC),
+        "modified_by": None,
+        "modified_at": dt.datetime(2026, 11, 27, 19, 42, 10, tzinfo=dt.timezone(dt.timedelta(0))),
+        "expires_at": dt.datetime(2027, 1, 2, 3, 4, 5, 6, tzinfo=dt.timezone(dt.timedelta(hours=2))),
+    }
+    masked = {key: value for key, value in token.items() if key != "data"}
+    documented = TypeAdapter(TokenizeOut)
+    answer = JsonAnswer(TokenizeOut)
+    values = [
+        token,
+        masked,
+        "d2cbc1b4-5c3e-40d4-9a5d-8e8f3c1b5a9e",
+        None,
+        [token, None, "id", [masked]],
+        {"card": token, "nested": {"list": [1.5, 1e16, 0.1, -0.0, 12345678901234567890 // 10, True]}},
+        {"big": 2**70},
+    ]
+    for value in values:
+        expected = documented.dump_json(documented.validate_python(value), exclude_unset=True, by_alias=True)
+        written = answer.dump_json(answer.validate_python(value), exclude_unset=True, by_alias=True)
+        assert written == expected, value
+    assert b"2026-11-27T19:42:10.428465Z" in answer.dump_json(token)
+    assert b'"big":1180591620717411303424' in answer.dump_json({"big": 2**70})
+
+
 def test_served_answers_fit_the_description(api, tenant):
     """Answers served by the running API validate against the schemas of /openapi.json (each answer is
     serialised through its model; this checks the description says the same)."""

@@ -4,6 +4,7 @@ one commit; when one of them fails, each runs again alone and answers for itself
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -94,6 +95,40 @@ def test_a_conflict_in_the_shared_statement_is_answered_by_the_unit_that_caused_
     assert _logged(tenant, ids) == sorted(ids[:2])
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(AuditLog).where(AuditLog.id == taken)) == 1
+
+
+def test_what_arrives_while_a_group_runs_forms_the_next_group_once_it_ends(tenant):
+    """One group at a time (the default): units submitted while a group runs wait for it to end and
+    then share one transaction; no two units ever run at once."""
+    caller = _caller(tenant)
+    executor = ThreadPoolExecutor(4)
+    running, overlaps = [0], []
+
+    def unit(session, entity_id: str, *, hold: float = 0.0):
+        running[0] += 1
+        overlaps.append(running[0])
+        try:
+            time.sleep(hold)
+            return _log_unit(session, caller, entity_id)
+        finally:
+            running[0] -= 1
+
+    ids = [f"next-{n}-{uuid.uuid4()}" for n in range(4)]
+
+    async def main():
+        group = GroupCommit(executor, window=0.001)
+        first = asyncio.ensure_future(group.run(unit, ids[0], hold=0.3))
+        await asyncio.sleep(0.1)  # the first group holds its transaction
+        later = [group.run(unit, entity_id) for entity_id in ids[1:]]
+        return await asyncio.gather(first, *later)
+
+    try:
+        transactions = asyncio.run(main())
+    finally:
+        executor.shutdown()
+    assert max(overlaps) == 1
+    assert len(set(transactions[1:])) == 1 and transactions[0] not in transactions[1:]
+    assert _logged(tenant, ids) == sorted(ids)
 
 
 @pytest.mark.parametrize("window", [0.0, 0.001])
