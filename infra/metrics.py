@@ -55,15 +55,19 @@ _HOST = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())
 def process_identifier() -> str:
     """This process's name in the multiprocess files: host and pid (containers share a volume and
     each may have a pid 1), with no ``_`` (the file names are split on it). Asked on every update
-    of a series (to notice a fork): made once per pid."""
+    of a series (to notice a fork), so it asks the kernel nothing: made at import and again in a
+    forked child (``os.register_at_fork``; ``os.getpid()`` is a system call, three a request)."""
+    return _IDENTIFIER
+
+
+def _name_this_process() -> None:
     global _IDENTIFIER
-    pid = os.getpid()
-    if _IDENTIFIER[0] != pid:
-        _IDENTIFIER = (pid, f"{_HOST}-{pid}")
-    return _IDENTIFIER[1]
+    _IDENTIFIER = f"{_HOST}-{os.getpid()}"
 
 
-_IDENTIFIER: tuple[int, str] = (-1, "")
+_IDENTIFIER = ""
+_name_this_process()
+os.register_at_fork(after_in_child=_name_this_process)
 
 
 def multiprocess_dir() -> str | None:

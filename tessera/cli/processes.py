@@ -177,9 +177,18 @@ async def _serve_until_signalled(
 async def _freeze_heap(_app) -> None:
     """Once started, move every object made so far (modules, models, routes: most of the heap) out
     of the garbage collector's sight: a full collection then walks what requests make, not the
-    whole platform, so it no longer stalls the event loop for tens of milliseconds."""
+    whole platform, so it no longer stalls the event loop for tens of milliseconds. Then collect
+    the youngest generation every :data:`YOUNG_COLLECTION_THRESHOLD` allocations instead of 700."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
+
+
+#: Net allocations between two collections of the youngest generation in an api process. A request
+#: leaves a few dozen container objects to the collector; at the interpreter's 700, ``POST /tokenize``
+#: under load (64 clients, 2 cores) spent 10 us a request in about 60 collections a second, each
+#: about 0.3 ms; at 7,000, 4 us a request in collections of about 2 ms.
+YOUNG_COLLECTION_THRESHOLD = 7_000
 
 
 class _Supervisor:

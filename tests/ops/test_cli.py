@@ -366,3 +366,21 @@ def test_the_settings_class_reads_dot_env_below_the_environment(tmp_path, monkey
     monkeypatch.setenv("TESSERA_HEADER_PREFIX", "YY")
     settings = Settings()
     assert (settings.api_port, settings.header_prefix) == (9123, "YY")
+
+
+def test_a_started_api_process_freezes_its_heap_and_collects_young_objects_less_often():
+    """``_freeze_heap`` (run once the api listens): what exists is frozen out of the collector's
+    sight, and the youngest generation is collected every 7,000 allocations, the others as before.
+    In a child interpreter, so this process's collector is left as it is."""
+    script = (
+        "import asyncio, gc, json\n"
+        "from tessera.cli.processes import _freeze_heap, YOUNG_COLLECTION_THRESHOLD\n"
+        "before = gc.get_threshold()\n"
+        "asyncio.run(_freeze_heap(None))\n"
+        "print(json.dumps([before, gc.get_threshold(), gc.get_freeze_count(), YOUNG_COLLECTION_THRESHOLD]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    before, after, frozen, threshold = json.loads(done.stdout.splitlines()[-1])
+    assert threshold == 7_000
+    assert after == [threshold, *before[1:]]
+    assert frozen > 10_000  # what the child imported

@@ -196,3 +196,24 @@ def test_queue_depth_on_the_embedded_broker(tmp_path):
         producer.send_task("webhooks.deliver", kwargs={"delivery_ids": []})
     assert ops.queue_depths(settings)["webhooks"] == 2
     ops.check_broker(settings)  # answers: no exception
+
+
+def test_a_forked_child_names_its_series_after_its_own_pid():
+    """The name of this process in the multiprocess files (host and pid) is made at import and again
+    in a forked child, never asked of the kernel per update: a child's series are never written to
+    its parent's file."""
+    import os
+
+    parent = metrics.process_identifier()
+    assert parent.endswith(f"-{os.getpid()}") and "_" not in parent
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        os.write(write, f"{os.getpid()} {metrics.process_identifier()}".encode())
+        os._exit(0)
+    os.close(write)
+    pid, name = os.read(read, 200).decode().split()
+    os.close(read)
+    os.waitpid(child, 0)
+    assert name.endswith(f"-{pid}") and name != parent
+    assert metrics.process_identifier() == parent

@@ -16,6 +16,28 @@ def test_ids_are_random_version_4_uuids_never_repeated():
     assert len(set(ids)) == len(ids)
 
 
+def test_an_id_is_what_the_uuid_constructor_makes_of_the_same_bytes(monkeypatch):
+    """The value set directly equals ``uuid.UUID(bytes=..., version=4)`` of the bytes drawn: the
+    same text, hash, version and variant, and it pickles and copies as any UUID."""
+    import copy
+    import pickle
+
+    import storage.types
+
+    for drawn in (b"\x00" * 16, b"\xff" * 16, os.urandom(16), os.urandom(16)):
+        monkeypatch.setattr(storage.types, "random_bytes", lambda count, drawn=drawn: drawn)
+        made, expected = random_uuid(), uuid.UUID(bytes=drawn, version=4)
+        assert (made, str(made), hash(made), made.version, made.variant) == (
+            expected,
+            str(expected),
+            hash(expected),
+            4,
+            uuid.RFC_4122,
+        )
+        assert pickle.loads(pickle.dumps(made)) == made == copy.deepcopy(made)  # noqa: S301 - our own bytes
+        assert made.is_safe is uuid.SafeUUID.unknown
+
+
 def test_threads_draw_from_buffers_of_their_own():
     found: list[uuid.UUID] = []
     lock = threading.Lock()
