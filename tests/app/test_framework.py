@@ -103,6 +103,36 @@ def test_malformed_json_is_400(api, tenant, raw):
     assert_problem(tenant.client.post("/applications", raw=raw), 400)
 
 
+@pytest.mark.parametrize(
+    "raw, where",
+    [
+        (b'{"amount": 1e400}', "amount"),
+        (b'{"a": [1, 2E+309]}', "a[1]"),
+        (b'{"n": ' + b"9" * 309 + b"e0}", "n"),
+        (b'{"n": ' + b"9" * 400 + b".5}", "n"),
+        (b"-1e999", "body"),
+    ],
+)
+def test_a_number_too_large_for_a_double_is_400_naming_where(raw, where):
+    """Stored JSON has no Infinity: a literal that overflows a double is refused, by its path."""
+    from app.api import parse_json
+    from infra.errors import Problem
+
+    with pytest.raises(Problem) as refused:
+        parse_json(raw)
+    assert refused.value.status == 400
+    assert refused.value.errors == {where: ["This number is too large."]}
+
+
+@pytest.mark.parametrize(
+    "raw", [b'{"a": 1e308, "e": "e999"}', b'{"n": ' + b"9" * 308 + b".5}", b'{"n": 1e-999}', b"9" * 400]
+)
+def test_a_large_number_that_fits_a_double_is_parsed(raw):
+    from app.api import parse_json
+
+    assert isinstance(parse_json(raw), dict | int)
+
+
 def test_unknown_property_is_400_naming_it(api, tenant):
     answer = tenant.client.post("/applications", {"name": "n", "type": "public", "colour": "red"})
     body = assert_problem(answer, 400)
