@@ -991,7 +991,9 @@ def insert_rows_last(session: OrmSession, rows: Rows) -> None:
 class GroupCommit:
     """Units of work submitted within ``window`` seconds of each other share one transaction: they
     run one after the other in one session (each in its own submitter's context), their staged rows
-    (:func:`stage_rows`) go out in one statement, and one commit ends them all. When any of them
+    (:func:`stage_rows`) go out in one statement, and one commit ends them all. When none of them sent
+    a statement (what they read was cached: ``POST /tokenize`` under load), that statement is the
+    whole transaction, sent in autocommit mode (:func:`insert_rows_last`: no ``BEGIN``, no ``COMMIT``). When any of them
     raises, or the shared statement or commit fails, the group is rolled back and each unit of
     work runs again alone, in a transaction of its own, so each answers exactly as it would have
     alone (a 409 for the one whose id was taken, success for the others).
@@ -1070,7 +1072,7 @@ def _run_group(group: list) -> list[tuple[bool, object]]:
                 staged = session.info[_STAGED] = Rows()
                 results = [context.run(fn, session, *args, **kwargs) for context, fn, args, kwargs, _ in group]
                 del session.info[_STAGED]
-                insert_rows(session, staged)
+                insert_rows_last(session, staged)
             return [(True, result) for result in results]
         except Exception:
             log.debug("a shared transaction failed; its units of work run again alone", exc_info=True)

@@ -9,12 +9,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text
 from sqlalchemy.exc import IntegrityError
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
-from storage.db import GroupCommit, Rows, session_scope, stage_rows
+from storage.db import GroupCommit, Rows, get_engine, on_commit, session_scope, stage_rows
 from storage.models import AuditLog
 
 pytestmark = pytest.mark.api
@@ -66,6 +66,36 @@ def test_units_arriving_together_share_one_transaction(tenant):
     ids = [f"group-{n}-{uuid.uuid4()}" for n in range(5)]
     transactions = _run_together([((_log_unit, caller, entity_id), {}) for entity_id in ids])
     assert len(set(transactions)) == 1  # one transaction, one commit
+    assert _logged(tenant, ids) == sorted(ids)
+
+
+def test_units_that_only_stage_rows_are_written_by_one_statement_that_is_its_own_transaction(tenant):
+    """When no unit of the group sent a statement (their reads were cached), the group's rows go out
+    in one statement in autocommit mode (no BEGIN, no COMMIT), and what waits for the commit runs."""
+    caller = _caller(tenant)
+    ids = [f"alone-{n}-{uuid.uuid4()}" for n in range(4)]
+    fired: list[str] = []
+
+    def stage_unit(session, entity_id: str):
+        rows = Rows()
+        audit.stage(rows, caller, entity_type="token", entity_id=entity_id, operation="read")
+        stage_rows(session, rows)
+        on_commit(session, lambda: fired.append(entity_id))
+        return entity_id
+
+    sent: list[tuple[str, bool]] = []
+
+    def record(connection, _cursor, statement, _parameters, _context, _many):
+        sent.append((statement, connection.connection.dbapi_connection.autocommit))
+
+    event.listen(get_engine(), "before_cursor_execute", record)
+    try:
+        answers = _run_together([((stage_unit, entity_id), {}) for entity_id in ids])
+    finally:
+        event.remove(get_engine(), "before_cursor_execute", record)
+    assert answers == ids
+    assert len(sent) == 1 and "INSERT INTO" in sent[0][0] and sent[0][1] is True
+    assert sorted(fired) == sorted(ids)
     assert _logged(tenant, ids) == sorted(ids)
 
 
