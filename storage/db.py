@@ -991,12 +991,13 @@ def insert_rows_last(session: OrmSession, rows: Rows) -> None:
 class GroupCommit:
     """Units of work submitted within ``window`` seconds of each other share one transaction: they
     run one after the other in one session (each in its own submitter's context), their staged rows
-    (:func:`stage_rows`) go out in one statement, and one commit ends them all. When none of them sent
-    a statement (what they read was cached: ``POST /tokenize`` under load), that statement is the
-    whole transaction, sent in autocommit mode (:func:`insert_rows_last`: no ``BEGIN``, no ``COMMIT``). When any of them
-    raises, or the shared statement or commit fails, the group is rolled back and each unit of
-    work runs again alone, in a transaction of its own, so each answers exactly as it would have
-    alone (a 409 for the one whose id was taken, success for the others).
+    (:func:`stage_rows`) go out in one statement, and one commit ends them all. When none of them
+    sent a statement (what they read was cached: ``POST /tokenize`` under load), that statement is
+    the whole transaction, sent in autocommit mode (:func:`insert_rows_last`: no ``BEGIN``, no
+    ``COMMIT``). When any of them raises, or the shared statement or commit fails, the group is
+    rolled back and each unit of work runs again alone, in a transaction of its own, so each
+    answers exactly as it would have alone (a 409 for the one whose id was taken, success for the
+    others).
 
     A unit of work is ``fn(session, *args, **kwargs)``: it must not commit, and whatever it does
     outside the transaction must bear being done twice (a unit may run again alone). Rows staged by
