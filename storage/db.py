@@ -1032,8 +1032,9 @@ class GroupCommit:
         self._pending.append((contextvars.copy_context(), fn, args, kwargs, future))
         if len(self._pending) >= self._max_group:
             self._flush()
-        elif self._timer is None:
-            # idle: at the end of this turn of the loop; else within the window (or when a group ends)
+        elif self._timer is None and self._running < self._max_running:
+            # idle: at the end of this turn of the loop; else within the window. With every group
+            # slot taken, no timer: the group that ends first sends what is pending (``_ended``).
             self._timer = loop.call_later(self._window if self._running else 0, self._flush)
         return await future
 
