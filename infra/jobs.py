@@ -51,6 +51,7 @@ from storage.db import (
     in_constants,
     is_staging,
     one_statement_transactions,
+    row_instance,
     rowcount,
     server_prepared,
     session_scope,
@@ -226,14 +227,16 @@ def record(
         return ids
     assert subject_id is not None  # checked above: exactly one of subject_id and subjects
     row = new_row(subject_id=subject_id, subject_number=subject_number, operation_id=operation_id, **common)
-    job = Job(**row)
     if rows is not None:
         rows.add(_JOBS, row)
+        job = row_instance(Job, row)
     elif is_staging(session):
         staged = Rows()
         staged.add(_JOBS, row)
         stage_rows(session, staged)
+        job = row_instance(Job, row)
     else:
+        job = Job(**row)
         session.add(job)
     enqueue_jobs_after_commit(session, kind, [str(job.id)], together=together)
     return job
@@ -390,7 +393,7 @@ def lease(
         row = execute_once_more_on_disconnect(engine, prepared.statement, prepared.params(job_id, owner, lease_seconds))
         if row is None:
             return None
-        job = Job.model_validate({column.name: row[column] for column in _JOBS.columns})
+        job = row_instance(Job, {column.name: row[column] for column in _JOBS.columns})
         return job, {name: row[label] for name, label in prepared.labels.items()}
     with session_scope() as own:
         leased = _lease_in(own, job_id, owner, lease_seconds, prepared)
