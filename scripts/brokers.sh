@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The spine's tests and the kill tests on the other brokers Tessera supports (make test-brokers):
-#  * RabbitMQ on loopback (quorum queues, publisher confirms): started when stopped, installed from
-#    Debian's packages when missing (root or sudo);
+#  * RabbitMQ on loopback (quorum queues, publisher confirms): started when stopped, restarted when it
+#    runs but does not answer within 20 s, installed from Debian's packages when missing (root or
+#    sudo); the virtual hosts that killed runs left behind are deleted first;
 #  * Redis behind a password: a second redis-server of this run's own on a free port, with a password
 #    it makes up, stopped at the end: the kill tests;
 #  * Redis Sentinel: a master behind a password, one replica and one sentinel of this run's own
@@ -24,11 +25,28 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo -n "$@"; fi; }
 if ! command -v rabbitmq-server >/dev/null; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null
 fi
-if ! as_root rabbitmqctl -q status >/dev/null 2>&1; then
+rabbit_answers() { timeout 20 bash -c "$(declare -f as_root); as_root rabbitmqctl -q status" >/dev/null 2>&1; }
+if ! rabbit_answers; then
+  # Not running, or running and not answering (a node left overloaded or wedged by an earlier run):
+  # stopped first, then started afresh.
+  if pgrep -f 'beam.*rabbit' >/dev/null; then
+    echo "brokers: RabbitMQ does not answer; restarting it"
+    timeout 30 bash -c "$(declare -f as_root); as_root rabbitmqctl -q stop" >/dev/null 2>&1 || true
+    as_root pkill -KILL -f 'beam.*rabbit' || true
+    sleep 1
+  fi
   as_root rabbitmq-server -detached
-  for _ in $(seq 1 60); do as_root rabbitmqctl -q status >/dev/null 2>&1 && break; sleep 1; done
+  for _ in $(seq 1 60); do rabbit_answers && break; sleep 1; done
 fi
-as_root rabbitmqctl -q await_startup
+as_root timeout 120 rabbitmqctl -q await_startup
+# Virtual hosts of runs that were killed before their cleanup (a stage's here, tessera-test-<pid>-<stage>;
+# a kill test's, test<pid>:<name>): each one left costs the node memory and processes.
+as_root rabbitmqctl -q list_vhosts --no-table-headers name | while read -r vhost; do
+  owner=$(sed -nE 's/^(tessera-test-|test)([0-9]+)[-:].*/\2/p' <<<"$vhost")
+  if [ -n "$owner" ] && ! kill -0 "$owner" 2>/dev/null; then
+    as_root timeout 60 rabbitmqctl -q delete_vhost "$vhost" </dev/null >/dev/null 2>&1 || true
+  fi
+done
 # A virtual host of this run's own, deleted at the end: RabbitMQ's queues outlive a run (as Redis keys
 # do not: each run has its own key prefix), and messages a stopped run left would reach this run's
 # workers. Each of the two runs below gets its own.
