@@ -190,42 +190,47 @@ def test_a_row_is_made_with_the_defaults_a_model_gives_without_an_instance():
 
 def test_a_row_instance_holds_the_row_as_the_orm_loads_it(database):
     """``row_instance``: the job a lease returns (its ``RETURNING`` row) has every field the ORM
-    loads for the same row, with the same types, and belongs to no session."""
+    loads for the same row, with the same types, and belongs to no session; the job ``record``
+    describes when its row goes out with the caller's rows holds that row."""
     from sqlalchemy import inspect as orm_state
     from sqlmodel import Session
 
     from infra import jobs
-    from storage.db import row_instance, session_scope
+    from storage.db import Rows, session_scope
 
     name = f"row-{uuid.uuid4().hex[:8]}"
     with session_scope() as session:
         tenant = create_tenant(session, name=name, owner_email=f"{name}@example.com")
-        recorded = jobs.record(
-            session,
-            kind="test.row_instance",
-            tenant_id=tenant.tenant_id,
-            subject_type="test",
-            subject_id="s",
-            trace_id=None,
-        )
-    leased = jobs.lease(recorded.id, "owner-1", lease_seconds=30)
+        stored = Job(kind="test.row_instance", tenant_id=tenant.tenant_id, subject_type="test", subject_id="s")
+        session.add(stored)  # no message: nothing runs it but the lease below
+    leased = jobs.lease(stored.id, "owner-1", lease_seconds=30)
     assert leased is not None
     job, inputs = leased
     assert inputs == {} and orm_state(job).transient
+    columns = [column.name for column in _JOBS.columns]
     with Session(get_engine()) as session:
-        loaded = session.get(Job, recorded.id)
+        loaded = session.get(Job, stored.id)
         assert loaded is not None
-        columns = [column.name for column in _JOBS.columns]
         assert {name: getattr(job, name) for name in columns} == {name: getattr(loaded, name) for name in columns}
         assert {name: type(getattr(job, name)) for name in columns} == {
             name: type(getattr(loaded, name)) for name in columns
         }
     assert job.status == "running" and job.lease_owner == "owner-1" and job.attempts == 1
 
-    row = {column.name: getattr(loaded, column.name) for column in _JOBS.columns}
-    described = row_instance(Job, row)
-    assert {name: getattr(described, name) for name in row} == row
-    assert described is not row_instance(Job, row) and orm_state(described).transient
+    rows = Rows()
+    with Session(get_engine()) as session:  # closed without a commit: the job's message is dropped
+        described = jobs.record(
+            session,
+            rows=rows,
+            kind="test.row_instance",
+            tenant_id=None,
+            subject_type="test",
+            subject_id="t",
+            trace_id=None,
+        )
+        assert not session.new
+    [row] = next(iter(rows.tables.values()))
+    assert {name: getattr(described, name) for name in columns} == row and orm_state(described).transient
 
 
 def test_a_lazy_session_is_made_only_when_used_and_ends_as_a_session_scope_does(database, monkeypatch):
