@@ -227,17 +227,17 @@ def record(
         return ids
     assert subject_id is not None  # checked above: exactly one of subject_id and subjects
     row = new_row(subject_id=subject_id, subject_number=subject_number, operation_id=operation_id, **common)
-    if rows is not None:
-        rows.add(_JOBS, row)
-        job = row_instance(Job, row)
-    elif is_staging(session):
-        staged = Rows()
-        staged.add(_JOBS, row)
-        stage_rows(session, staged)
-        job = row_instance(Job, row)
-    else:
+    if rows is None and not is_staging(session):
         job = Job(**row)
         session.add(job)
+    else:
+        if rows is not None:
+            rows.add(_JOBS, row)
+        else:  # with the group's rows, in one statement before its commit
+            staged = Rows()
+            staged.add(_JOBS, row)
+            stage_rows(session, staged)
+        job = row_instance(Job, row)
     enqueue_jobs_after_commit(session, kind, [str(job.id)], together=together)
     return job
 

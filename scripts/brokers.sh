@@ -25,13 +25,13 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo -n "$@"; fi; }
 if ! command -v rabbitmq-server >/dev/null; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null
 fi
-rabbit_answers() { timeout 20 bash -c "$(declare -f as_root); as_root rabbitmqctl -q status" >/dev/null 2>&1; }
+rabbit_answers() { as_root timeout 20 rabbitmqctl -q status >/dev/null 2>&1; }
 if ! rabbit_answers; then
   # Not running, or running and not answering (a node left overloaded or wedged by an earlier run):
   # stopped first, then started afresh.
   if pgrep -f 'beam.*rabbit' >/dev/null; then
     echo "brokers: RabbitMQ does not answer; restarting it"
-    timeout 30 bash -c "$(declare -f as_root); as_root rabbitmqctl -q stop" >/dev/null 2>&1 || true
+    as_root timeout 30 rabbitmqctl -q stop >/dev/null 2>&1 || true
     as_root pkill -KILL -f 'beam.*rabbit' || true
     sleep 1
   fi
