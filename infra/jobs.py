@@ -38,7 +38,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
-from sqlalchemy import ColumnElement, Date, Update, bindparam, exists, literal, or_, select, update
+from sqlalchemy import (
+    ARRAY,
+    ColumnElement,
+    Date,
+    String,
+    Update,
+    any_,
+    bindparam,
+    cast,
+    exists,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlmodel import Session, col
 
 from infra import wait
@@ -278,17 +292,24 @@ def _moment(now: dt.datetime) -> dict[str, Any]:
 
 class _PreparedLease:
     """The lease-and-read statement of one set of ``reads``, built once with bind parameters: neither
-    the SQL tree nor its cache key is computed again per job."""
+    the SQL tree nor its cache key is computed again per job. ``many``: the statement takes a list of
+    jobs (``id = ANY(...)``, PostgreSQL only), not one."""
 
-    __slots__ = ("labels", "reads", "statement")
+    __slots__ = ("labels", "many", "reads", "statement")
 
-    def __init__(self, reads: Mapping[str, ColumnElement]):
+    def __init__(self, reads: Mapping[str, ColumnElement], *, many: bool = False):
         self.reads = reads
+        self.many = many
         self.labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
         labelled = [expression.label(self.labels[name]) for name, expression in reads.items()]
+        which = (
+            col(Job.id) == any_(cast(bindparam("lease_job_ids", type_=String()), ARRAY(_JOBS.c.id.type)))
+            if many
+            else col(Job.id) == bindparam("lease_job_id", type_=_JOBS.c.id.type)
+        )
         self.statement = server_prepared(
             _takeable_update(
-                col(Job.id) == bindparam("lease_job_id", type_=_JOBS.c.id.type),
+                which,
                 LEASE_NOW,
                 bindparam("lease_due_by", type_=_JOBS.c.due_at.type),
                 bindparam("lease_owner_name", type_=_JOBS.c.lease_owner.type),
@@ -296,12 +317,19 @@ class _PreparedLease:
             ).returning(*_JOBS.columns, *labelled)
         )
 
-    def params(self, job_id: uuid.UUID, owner: str, lease_seconds: float) -> dict[str, Any]:
-        """The bind values taking ``job_id`` for ``owner`` now, for ``lease_seconds``."""
+    def params(self, job_ids: uuid.UUID | Sequence[uuid.UUID], owner: str, lease_seconds: float) -> dict[str, Any]:
+        """The bind values taking ``job_ids`` (one id, or a list when :attr:`many`) for ``owner`` now,
+        for ``lease_seconds``; a list travels as one array literal (``{id,id}``), so the statement's
+        text is the same whatever its length."""
         now = utcnow()
+        taken = (
+            {"lease_job_id": job_ids}
+            if isinstance(job_ids, uuid.UUID)
+            else {"lease_job_ids": "{" + ",".join(str(job_id) for job_id in job_ids) + "}"}
+        )
         return {
             **_moment(now),
-            "lease_job_id": job_id,
+            **taken,
             "lease_due_by": now + dt.timedelta(seconds=1),
             "lease_owner_name": owner,
             "lease_expires": now + dt.timedelta(seconds=lease_seconds),
@@ -328,7 +356,13 @@ _PREPARED: dict[int, tuple[object, _PreparedLease]] = {}
 _NO_READS: Mapping[str, ColumnElement] = {}
 
 
-def _prepared(reads: Mapping[str, ColumnElement]) -> _PreparedLease:
+#: The same for the statement taking a list of jobs (:func:`lease_together`).
+_PREPARED_MANY: dict[int, tuple[object, _PreparedLease]] = {}
+
+
+def _prepared(reads: Mapping[str, ColumnElement], *, many: bool = False) -> _PreparedLease:
+    if many:
+        return _kept(_PREPARED_MANY, reads, lambda: _PreparedLease(reads, many=True))
     return _kept(_PREPARED, reads, lambda: _PreparedLease(reads))
 
 
@@ -420,6 +454,34 @@ def _lease_in(
         return taken, {}
     values = session.execute(select(*labelled).where(col(Job.id) == job_id), _moment(now)).mappings().one()
     return taken, {name: values[prepared.labels[name]] for name in prepared.reads}
+
+
+def lease_together(
+    job_ids: Sequence[uuid.UUID], owner: str, *, lease_seconds: float, reads: Mapping[str, ColumnElement] | None = None
+) -> dict[uuid.UUID, tuple[Job, dict[str, Any]]]:
+    """:func:`lease` of several jobs of one kind at once (the jobs a transaction recorded together,
+    e.g. a payment method's rails, which one message names): the takeable ones are taken for
+    ``owner`` and each read with ``reads``, as :func:`lease` takes one. Returns job id -> (the
+    detached job, ``{name: value}``) for the jobs taken; the others are absent (a duplicate message,
+    another worker's lease, not due yet). On PostgreSQL one prepared ``UPDATE ... WHERE id =
+    ANY(...) RETURNING`` (one round trip for all, committed as :func:`lease` commits); elsewhere one
+    :func:`lease` per job."""
+    kept = reads if reads is not None else _NO_READS
+    engine = get_lease_engine()
+    if engine is None:
+        taken = ((job_id, lease(job_id, owner, lease_seconds=lease_seconds, reads=kept)) for job_id in job_ids)
+        return {job_id: leased for job_id, leased in taken if leased is not None}
+    prepared = _prepared(kept, many=True)
+    rows = execute_once_more_on_disconnect(
+        engine, prepared.statement, prepared.params(job_ids, owner, lease_seconds), every_row=True
+    )
+    return {
+        row[_JOBS.c.id]: (
+            row_instance(Job, {column.name: row[column] for column in _JOBS.columns}),
+            {name: row[label] for name, label in prepared.labels.items()},
+        )
+        for row in rows
+    }
 
 
 #: Prepared once (bind parameters): a worker neither builds these SQL trees nor their cache keys per job.

@@ -275,21 +275,26 @@ class JobTask(TesseraTask):
         recording a retry or a failure.
 
         ``sibling_ids``: the jobs recorded together with this one (``infra.dispatch.SIBLINGS_ARGUMENT``,
-        a payment method's rails): each runs side by side with it on a thread of its own, leased,
-        performed and settled on its own as if it had come alone, under this run's lease owner. The
-        run ends when all have: FAILURE when one failed, RETRY when one is retried (each has its own
-        row and its own retry message), else this job's result; an unexpected error of one is
-        raised after the others ended."""
-        if not sibling_ids:
-            return self._run_one(job_id, self.worker_id())
+        a payment method's rails): all are leased by one statement (:func:`infra.jobs.lease_together`),
+        then each runs side by side with this one on a thread of its own, performed and settled on
+        its own as if it had come alone (giving way to a waiting tenant on its own, too), under this
+        run's lease owner. The run ends when all have: FAILURE when one failed, RETRY when one is
+        retried (each has its own row and its own retry message), else this job's result; an
+        unexpected error of one is raised after the others ended."""
         owner = self.worker_id()
+        if not sibling_ids:
+            return self._run_taken(
+                jobs.lease(uuid.UUID(job_id), owner, lease_seconds=self._job_lease(), reads=self._lease_reads)
+            )
+        ids = [uuid.UUID(job_id), *(uuid.UUID(sibling) for sibling in sibling_ids)]
+        leased = jobs.lease_together(ids, owner, lease_seconds=self._job_lease(), reads=self._lease_reads)
         runs = [
-            _sibling_runner().submit(contextvars.copy_context().run, self._run_one, sibling, owner)
-            for sibling in sibling_ids
+            _sibling_runner().submit(contextvars.copy_context().run, self._run_taken, leased.get(sibling))
+            for sibling in ids[1:]
         ]
         own: concurrent.futures.Future[str] = concurrent.futures.Future()
         try:
-            own.set_result(self._run_one(job_id, owner))
+            own.set_result(self._run_taken(leased.get(ids[0])))
         except BaseException as exc:  # noqa: BLE001 - raised below, once the siblings ended
             own.set_exception(exc)
         concurrent.futures.wait(runs)
@@ -298,9 +303,9 @@ class JobTask(TesseraTask):
             raise min(errors, key=_severity)
         return own.result()
 
-    def _run_one(self, job_id: str, owner: str) -> str:
-        """:meth:`run` of one job for lease owner ``owner``."""
-        leased = jobs.lease(uuid.UUID(job_id), owner, lease_seconds=self._job_lease(), reads=self._lease_reads)
+    def _run_taken(self, leased: tuple[Job, dict[str, Any]] | None) -> str:
+        """:meth:`run` of one job once its lease statement ran: ``leased`` is what it took (the job
+        and its lease reads), None when the job was not takeable (``skipped``)."""
         if leased is None:
             return "skipped"
         job, inputs = leased

@@ -307,10 +307,11 @@ def _once_more_on_disconnect(engine: Engine, run: Callable[[Connection], T]) -> 
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
 
-def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | None = None):
+def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | None = None, *, every_row: bool = False):
     """Run ``statement`` on a connection of ``engine`` (an autocommit engine such as
     :func:`get_lease_engine`) and return its first row as a mapping (None without rows, or when the
-    statement returns none). When the connection turns out to be closed by the server (a database
+    statement returns none); ``every_row``: the list of all its rows as mappings instead (empty when
+    none). When the connection turns out to be closed by the server (a database
     restart), SQLAlchemy invalidates the pool and the statement runs once more on a fresh
     connection; any other error is raised. Only for statements that bear running twice (a lease:
     the second run takes nothing the first one took). ``params``: values of the statement's bind
@@ -318,6 +319,8 @@ def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | No
 
     def run(connection: Connection):
         result = connection.execute(statement, params)
+        if every_row:
+            return result.mappings().all() if result.returns_rows else []
         return result.mappings().first() if result.returns_rows else None
 
     return _once_more_on_disconnect(engine, run)

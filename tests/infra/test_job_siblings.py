@@ -49,11 +49,11 @@ class SiblingJob(JobTask):
 celery_app.register_task(SiblingJob())
 
 
-def _together(*outcomes: str) -> tuple[list[uuid.UUID], list[tuple[str, dict]]]:
+def _together(*outcomes: str, meeting_of: int | None = None) -> tuple[list[uuid.UUID], list[tuple[str, dict]]]:
     """Jobs recorded together in one transaction, one per outcome; their ids and the messages the
-    commit would send."""
+    commit would send. ``meeting_of``: how many of them run and meet (default: all)."""
     meeting = uuid.uuid4().hex
-    _MEETING[meeting] = threading.Barrier(len(outcomes))
+    _MEETING[meeting] = threading.Barrier(meeting_of or len(outcomes))
     with session_scope() as session:
         tenant_id = create_tenant(session, name="siblings", owner_email=f"o-{meeting[:8]}@example.com").tenant_id
         ids = [
@@ -112,6 +112,42 @@ def test_a_retried_sibling_is_retried_alone(database):
     retried, done = _job(ids[0]), _job(ids[1])
     assert (retried.status, retried.lease_owner, retried.attempts) == ("queued", None, 1)
     assert done.status == "succeeded"
+
+
+@pytest.mark.parametrize("lease_engine", [True, False], ids=["one-statement", "one-lease-each"])
+def test_the_takeable_siblings_are_leased_with_their_reads(database, monkeypatch, lease_engine):
+    """On PostgreSQL one statement; without the lease engine (as on SQLite, which has no ``ANY``:
+    here the engine is withheld on PostgreSQL) one lease per job, with the same outcome."""
+    if not lease_engine:
+        monkeypatch.setattr(jobs, "get_lease_engine", lambda: None)
+    ids, _ = _together("a", "b", "c")
+    assert jobs.lease(ids[1], "another-worker", lease_seconds=60) is not None  # held elsewhere
+
+    leased = jobs.lease_together(
+        [*ids, uuid.uuid4()], "this-worker", lease_seconds=60, reads={"subject": Job.__table__.c.subject_id}
+    )
+
+    assert set(leased) == {ids[0], ids[2]}  # not the one held elsewhere, nor an unknown id
+    for job_id in (ids[0], ids[2]):
+        job, inputs = leased[job_id]
+        assert (job.id, job.status, job.lease_owner, job.attempts) == (job_id, "running", "this-worker", 1)
+        assert inputs == {"subject": job.subject_id}
+        assert job.lease_expires_at is not None
+    assert _job(ids[1]).lease_owner == "another-worker"
+    assert jobs.lease_together(ids, "a-third-worker", lease_seconds=60) == {}  # all held now
+    with session_scope() as session:
+        session.execute(delete(Job).where(col(Job.id).in_(ids)))
+
+
+def test_a_sibling_held_by_another_worker_is_left_to_it_and_the_others_run(database):
+    ids, messages = _together("a", "b", "c", meeting_of=2)
+    assert jobs.lease(ids[0], "another-worker", lease_seconds=60) is not None  # the message's own job
+
+    assert _run(messages) == "skipped"  # its own job was not taken; its siblings ran side by side
+    assert [_job(job_id).status for job_id in ids] == ["running", "succeeded", "succeeded"]
+    assert _job(ids[0]).lease_owner == "another-worker"
+    with session_scope() as session:
+        session.execute(delete(Job).where(col(Job.id).in_(ids)))
 
 
 def test_jobs_not_recorded_together_go_one_message_each(database):
