@@ -47,6 +47,18 @@ log = logging.getLogger("tessera.db")
 T = TypeVar("T")
 
 
+def _pool_options(pool_size: int) -> dict[str, Any]:
+    """The connection pool of a PostgreSQL engine: ``pool_size`` kept, as many more at a peak, each
+    replaced after an hour, and handed out last in, first out. LIFO keeps the work on as few
+    connections as the concurrency needs while the others idle: a server backend fills its catalog
+    caches on its first statements and plans a prepared statement afresh on each of its first six
+    runs (a rail outcome's first run on a connection took a median 11-22 ms, its second to sixth
+    3-9 ms, later ones 2.6-3.0 ms, a sibling's lock wait included). In the payment-method
+    benchmark at one client (2,200 rail outcomes), handed out in turn (FIFO) they went to 39
+    connections, LIFO to 19: a mean of 5.2 against 4.2 ms; the lease's median 0.83 against 0.59."""
+    return {"pool_size": pool_size, "max_overflow": pool_size, "pool_recycle": 3600, "pool_use_lifo": True}
+
+
 def make_engine(url: str, *, pool_size: int = 10) -> Engine:
     """Create an engine for ``url`` with the platform's connection settings.
 
@@ -71,7 +83,7 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
     # No pre-ping: a SELECT 1 on every checkout is a round trip per unit of work. A connection the
     # server closed fails its one statement instead; SQLAlchemy then invalidates every pooled
     # connection older than it, so one request answers 500 after a database restart, not each.
-    return _with_server_prepared(create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_recycle=3600))
+    return _with_server_prepared(create_engine(url, **_pool_options(pool_size)))
 
 
 #: The execution option that runs a statement as a server-side prepared statement on PostgreSQL
@@ -284,9 +296,7 @@ def get_lease_engine() -> Engine | None:
     return _with_server_prepared(
         create_engine(
             settings.effective_database_url,
-            pool_size=settings.db_pool_size,
-            max_overflow=settings.db_pool_size,
-            pool_recycle=3600,
+            **_pool_options(settings.db_pool_size),
             isolation_level="AUTOCOMMIT",
             connect_args={"options": "-c synchronous_commit=off"},
         )
