@@ -141,7 +141,8 @@ class Settings(BaseSettings):
     group_commit_ms: float = 1.0
     db_pool_size: int = 10
     # Run the hot statements (a job's lease and outcome, the recording of rows, the reads answering a
-    # create) as server-side prepared statements, planned once per connection; off behind a pooler in
+    # create) as server-side prepared statements, planned once per connection for any values
+    # (`plan_cache_mode = force_generic_plan`); off behind a pooler in
     # transaction mode that does not keep a session's prepared statements (PgBouncer's
     # `pool_mode = transaction`).
     db_prepared_statements: bool = True

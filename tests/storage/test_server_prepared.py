@@ -67,6 +67,26 @@ def test_a_marked_statement_is_prepared_once_per_connection_and_reads_as_usual(d
     assert [statement.split(" ", 2)[:2] for statement in sent if "tessera_" in statement] == [["EXECUTE", names[0]]] * 3
 
 
+@pytest.mark.parametrize("lease", [False, True], ids=["engine", "lease-engine"])
+def test_a_prepared_statement_runs_on_its_generic_plan_from_its_first_run(database, lease):
+    """``plan_cache_mode = force_generic_plan`` on every connection of both engines: no run of a
+    prepared statement is planned for its values (``pg_prepared_statements`` counts the plans)."""
+    engine = get_lease_engine() if lease else get_engine()
+    assert engine is not None
+    engine.dispose()  # a new connection: nothing prepared on it yet
+    with engine.connect() as connection:
+        for n in (1, 2, 3):
+            connection.execute(_STATEMENT, {"id": uuid.uuid4(), "at": utcnow(), "result": {}, "n": n}).one()
+        plans = connection.execute(
+            text("SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%100%%'")
+        ).one()
+        settings = connection.execute(
+            text("SELECT current_setting('plan_cache_mode'), current_setting('synchronous_commit')")
+        ).one()
+    assert tuple(plans) == (3, 0)
+    assert tuple(settings) == ("force_generic_plan", "off" if lease else "on")
+
+
 def test_a_statement_the_server_cannot_prepare_runs_as_it_is(database):
     """A parameter whose type the server cannot tell without its value: on an autocommit connection
     the statement runs unprepared (and is not tried again on that connection)."""
