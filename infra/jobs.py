@@ -60,6 +60,7 @@ from infra.dispatch import enqueue_jobs_after_commit
 from storage.db import (
     Rows,
     execute_durable,
+    execute_durable_together,
     execute_once_more_on_disconnect,
     get_lease_engine,
     in_constants,
@@ -637,18 +638,49 @@ def settle_with(job: Job, write: OutcomeWrite) -> bool:
     and settles the job only when that changed a row. Returns True when it did; False when it changed
     nothing (then nothing was written and the job is still leased: write the outcome in a transaction,
     :func:`lock` then :func:`settle`) and on a database without one-statement transactions."""
+    return settle_together([(job, write)])[0]
+
+
+def settle_together(outcomes: Sequence[tuple[Job, OutcomeWrite]]) -> list[bool]:
+    """:func:`settle_with` of several leased jobs at once: their statements, in the order given, in
+    one durable transaction (:func:`storage.db.execute_durable_together`: one commit, one WAL flush),
+    each outcome published once it committed. Jobs whose outcomes lock the same row (the rails of one
+    payment method) then no longer commit one after the other, the second waiting for the first's
+    lock and its flush; a later statement sees what an earlier one wrote, as it would have after the
+    earlier one's commit. One job: :func:`settle_with`'s one statement. Returns, per job, what
+    :func:`settle_with` returns. Raises the driver's error when a statement fails: then none of the
+    outcomes is written and every job is still leased."""
+    if not outcomes:
+        return []
     if not one_statement_transactions():
-        return False
-    values = _settled(JobStatus.SUCCEEDED, error=None, result=write.result, now=utcnow())
-    params = {
-        **write.params,
-        "outcome_job_id": job.id,
-        "outcome_status": values["status"],
-        "outcome_result": values["result"],
-        "outcome_at": values["updated_at"],
-    }
-    prepared = _prepared_outcome(write.statement, write.returning)
-    row = execute_durable(prepared.statement, params)
+        return [False] * len(outcomes)
+    now = utcnow()
+    runs = []
+    for job, write in outcomes:
+        values = _settled(JobStatus.SUCCEEDED, error=None, result=write.result, now=now)
+        params = {
+            **write.params,
+            "outcome_job_id": job.id,
+            "outcome_status": values["status"],
+            "outcome_result": values["result"],
+            "outcome_at": values["updated_at"],
+        }
+        runs.append((job, write, values, _prepared_outcome(write.statement, write.returning), params))
+    if len(runs) == 1:
+        _, _, _, prepared, params = runs[0]
+        rows = [execute_durable(prepared.statement, params)]
+    else:
+        rows = execute_durable_together([(prepared.statement, params) for _, _, _, prepared, params in runs])
+    return [
+        _settled_with(job, write, values, prepared, row)
+        for (job, write, values, prepared, _), row in zip(runs, rows, strict=True)
+    ]
+
+
+def _settled_with(job: Job, write: OutcomeWrite, values: dict[str, Any], prepared: _PreparedOutcome, row: Any) -> bool:
+    """After the commit of a job's outcome statement: False when it changed nothing (``row`` None),
+    else the job's fields set as settled and its outcome published (with the answer, when the write
+    gives one), True."""
     if row is None:
         return False
     for name, value in values.items():

@@ -64,6 +64,7 @@ import gc
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -278,9 +279,12 @@ class JobTask(TesseraTask):
         a payment method's rails): all are leased by one statement (:func:`infra.jobs.lease_together`),
         then each runs side by side with this one on a thread of its own, performed and settled on
         its own as if it had come alone (giving way to a waiting tenant on its own, too), under this
-        run's lease owner. The run ends when all have: FAILURE when one failed, RETRY when one is
-        retried (each has its own row and its own retry message), else this job's result; an
-        unexpected error of one is raised after the others ended."""
+        run's lease owner, except that the outcomes given as one write each (:meth:`outcome_write`)
+        are written together, by one transaction, when every job's perform ended within
+        :data:`JOINT_SETTLE_SECONDS` of the first (:class:`_JointSettle`). The run ends when all
+        have: FAILURE when one failed, RETRY when one is retried (each has its own row and its own
+        retry message), else this job's result; an unexpected error of one is raised after the
+        others ended."""
         owner = self.worker_id()
         if not sibling_ids:
             return self._run_taken(
@@ -288,13 +292,14 @@ class JobTask(TesseraTask):
             )
         ids = [uuid.UUID(job_id), *(uuid.UUID(sibling) for sibling in sibling_ids)]
         leased = jobs.lease_together(ids, owner, lease_seconds=self._job_lease(), reads=self._lease_reads)
+        joint = _JointSettle(len(leased))
         runs = [
-            _sibling_runner().submit(contextvars.copy_context().run, self._run_taken, leased.get(sibling))
+            _sibling_runner().submit(contextvars.copy_context().run, self._run_taken, leased.get(sibling), joint)
             for sibling in ids[1:]
         ]
         own: concurrent.futures.Future[str] = concurrent.futures.Future()
         try:
-            own.set_result(self._run_taken(leased.get(ids[0])))
+            own.set_result(self._run_taken(leased.get(ids[0]), joint))
         except BaseException as exc:  # noqa: BLE001 - raised below, once the siblings ended
             own.set_exception(exc)
         concurrent.futures.wait(runs)
@@ -303,16 +308,22 @@ class JobTask(TesseraTask):
             raise min(errors, key=_severity)
         return own.result()
 
-    def _run_taken(self, leased: tuple[Job, dict[str, Any]] | None) -> str:
+    def _run_taken(self, leased: tuple[Job, dict[str, Any]] | None, joint: _JointSettle | None = None) -> str:
         """:meth:`run` of one job once its lease statement ran: ``leased`` is what it took (the job
-        and its lease reads), None when the job was not takeable (``skipped``)."""
+        and its lease reads), None when the job was not takeable (``skipped``); ``joint``: the
+        joint settle of the siblings it was leased with (it takes part exactly once, whatever
+        happens)."""
         if leased is None:
             return "skipped"
-        job, inputs = leased
-        if inputs.pop(_OTHERS_WAIT, False) and job.tenant_id is not None:
-            task, job, inputs = self._give_way(job, inputs)
-            return task.run_leased(job, inputs)
-        return self.run_leased(job, inputs)
+        part = _Part(joint)
+        try:
+            job, inputs = leased
+            if inputs.pop(_OTHERS_WAIT, False) and job.tenant_id is not None:
+                task, job, inputs = self._give_way(job, inputs)
+                return task.run_leased(job, inputs, part)
+            return self.run_leased(job, inputs, part)
+        finally:
+            part.leave()
 
     def _give_way(self, job: Job, inputs: dict[str, Any]) -> tuple[JobTask, Job, dict[str, Any]]:
         """Another tenant waits on this task's group (:mod:`infra.fairness`): when the leased job's
@@ -354,19 +365,24 @@ class JobTask(TesseraTask):
             return task, other_job, other_inputs
         return self, job, inputs
 
-    def run_leased(self, job: Job, inputs: dict[str, Any]) -> str:
-        """Perform and apply a job this run leased (see :meth:`run`)."""
+    def run_leased(self, job: Job, inputs: dict[str, Any], part: _Part | None = None) -> str:
+        """Perform and apply a job this run leased (see :meth:`run`); ``part``: its part in the joint
+        settle of its siblings (none: settled alone)."""
+        part = part or _Part(None)
         with _gc_paused(self.pause_gc):
             try:
                 outcome = self.perform(job, inputs)
             except TransientError as exc:
+                part.leave()
                 return self._retry(job, exc)
             except PermanentError as exc:
+                part.leave()
                 return self._fail(job, exc)
             if self.apply_to_leased_job:
                 write = self.outcome_write(job, outcome)
-                if write is not None and jobs.settle_with(job, write):
+                if write is not None and part.settle(job, write):
                     return "succeeded"
+            part.leave()
             with self.session_scope() as session:
                 if self.apply_to_leased_job:
                     jobs.lock(session, job.id)  # locked first: the lock order of ``apply``
@@ -410,6 +426,105 @@ class JobTask(TesseraTask):
             )
             self.on_job_failure(session, current, exc)
         return self.report("failed", failed=1, error=f"{exc.code}: {exc}")
+
+
+#: How long a job's outcome write waits for its siblings' (seconds) before it is written alone: long
+#: enough for providers that answer together (a sandbox's answers come a millisecond apart), short
+#: beside a provider that hangs (its sibling's state is not held back behind it).
+JOINT_SETTLE_SECONDS = 0.05
+
+
+class _JointSettle:
+    """The outcome writes of jobs leased together (:meth:`JobTask.run` with siblings), written by one
+    transaction (:func:`infra.jobs.settle_together`) once each of the ``parties`` jobs has either given
+    its write (:meth:`settle`) or left (:meth:`leave`: its perform failed, it gives no write, or it
+    ended otherwise). The rails of one payment method lock the payment method in their outcome
+    statements: written apart, the second waited for the first's lock and its commit; written
+    together, they commit once. The last party to arrive runs the transaction. A write that waited
+    :data:`JOINT_SETTLE_SECONDS` without it is taken back and written alone
+    (:func:`infra.jobs.settle_with`): a rail whose provider answered is not held back behind a
+    sibling whose provider takes its time. Thread-safe."""
+
+    def __init__(self, parties: int, patience: float = JOINT_SETTLE_SECONDS) -> None:
+        self._condition = threading.Condition()
+        self._missing = parties
+        self._patience = patience
+        self._waiting: list[_Waiting] = []
+
+    def settle(self, job: Job, write: jobs.OutcomeWrite) -> bool:
+        """Give ``job``'s outcome write and wait for the transaction (at most the patience, then
+        write it alone): what :func:`infra.jobs.settle_with` returns for it; raises what the
+        transaction raised."""
+        waiting = _Waiting(job, write)
+        with self._condition:
+            self._waiting.append(waiting)
+            self._arrived()
+            alone = not self._condition.wait_for(lambda: waiting.ended, timeout=self._patience)
+            if alone:  # the transaction has not started: it runs under this lock
+                self._waiting.remove(waiting)
+        if alone:
+            return jobs.settle_with(job, write)
+        if waiting.error is not None:
+            raise waiting.error
+        return waiting.settled
+
+    def leave(self) -> None:
+        """Take part without a write (the others need not wait for this job any longer)."""
+        with self._condition:
+            self._arrived()
+
+    def _arrived(self) -> None:
+        """One more party arrived (the condition's lock held): the last one runs the transaction of
+        the writes still waiting."""
+        self._missing -= 1
+        if self._missing or not self._waiting:
+            return
+        together, self._waiting = self._waiting, []
+        try:
+            settled = jobs.settle_together([(waiting.job, waiting.write) for waiting in together])
+        except BaseException as exc:  # noqa: BLE001 - raised to every party whose write it was
+            for waiting in together:
+                waiting.error = exc
+        else:
+            for waiting, done in zip(together, settled, strict=True):
+                waiting.settled = done
+        for waiting in together:
+            waiting.ended = True
+        self._condition.notify_all()
+
+
+class _Waiting:
+    """One write given to a :class:`_JointSettle`, and what became of it."""
+
+    __slots__ = ("ended", "error", "job", "settled", "write")
+
+    def __init__(self, job: Job, write: jobs.OutcomeWrite) -> None:
+        self.job, self.write = job, write
+        self.ended, self.settled = False, False
+        self.error: BaseException | None = None
+
+
+class _Part:
+    """One job's part in a :class:`_JointSettle` (or, without one, its own :func:`infra.jobs.settle_with`):
+    it settles or leaves once; leaving again does nothing."""
+
+    __slots__ = ("_done", "_joint")
+
+    def __init__(self, joint: _JointSettle | None) -> None:
+        self._joint = joint
+        self._done = False
+
+    def settle(self, job: Job, write: jobs.OutcomeWrite) -> bool:
+        """Write ``job``'s outcome (see :func:`infra.jobs.settle_with`), with the siblings' when joint."""
+        self._done = True
+        return jobs.settle_with(job, write) if self._joint is None else self._joint.settle(job, write)
+
+    def leave(self) -> None:
+        """No write from this job (a no-op once it settled or left)."""
+        if not self._done:
+            self._done = True
+            if self._joint is not None:
+                self._joint.leave()
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import io
 import logging
 import re
 import uuid
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Executor
 from decimal import Decimal
 from pathlib import Path
@@ -383,6 +383,24 @@ def execute_durable(statement, params: dict | None = None):
     with _durable_autocommit() as connection:
         result = connection.execute(statement, params)
         return result.first() if result.returns_rows else None
+
+
+def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
+    """Run the writing ``statements`` (each ``(statement, values of its bind parameters)``), in order,
+    as one transaction of the process's engine, durable when it returns (one commit, one WAL flush for
+    all), and return the first row of each (None for one without rows). Used where several outcomes
+    would otherwise commit one after the other, each waiting for the previous one's lock (the rails
+    of one payment method). Raises the driver's error, with nothing written, when one fails.
+    PostgreSQL only, as :func:`execute_durable`."""
+    engine = get_engine()
+    if engine.dialect.name != "postgresql":
+        raise NotImplementedError("durable statements need PostgreSQL")
+    with engine.begin() as connection:
+        rows = []
+        for statement, params in statements:
+            result = connection.execute(statement, params)
+            rows.append(result.first() if result.returns_rows else None)
+    return rows
 
 
 def one_statement_transactions() -> bool:

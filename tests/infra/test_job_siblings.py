@@ -5,11 +5,12 @@ task's ``run`` is called as the worker calls it."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
 from celery.exceptions import Retry
-from sqlalchemy import delete
+from sqlalchemy import bindparam, delete, select, text, update
 from sqlmodel import col
 
 from domain.tenancy.tenants import create_tenant
@@ -48,6 +49,41 @@ class SiblingJob(JobTask):
 
 celery_app.register_task(SiblingJob())
 
+_JOBS = Job.__table__
+#: One sibling's outcome as one write, built once (as a task builds it): a count on a marker job's row.
+_COUNTED = (
+    update(_JOBS)
+    .where(_JOBS.c.id == bindparam("marker_id", type_=_JOBS.c.id.type))
+    .values(attempts=_JOBS.c.attempts + 1)
+)
+
+
+class SiblingWrite(JobTask):
+    """Gives its outcome as one write (subject ``<marker job id>:<what>``): each sibling adds one to the
+    marker job's ``attempts``; ``permanent`` fails for good instead."""
+
+    name = "tests.sibling_write"
+    lease_seconds = 10
+    apply_to_leased_job = True
+
+    def perform(self, job, inputs):
+        marker, what = job.subject_id.split(":")
+        if what == "permanent":
+            raise PermanentError("DECLINED", "the provider declined")
+        if what == "slow":
+            time.sleep(0.5)  # a provider answering long after its sibling's
+        return marker, what
+
+    def outcome_write(self, job, outcome):
+        marker, what = outcome
+        return jobs.OutcomeWrite(_COUNTED, {"marker_id": uuid.UUID(marker)}, {"done": what})
+
+    def apply(self, session, job, outcome):  # pragma: no cover - the write always changes its row here
+        raise AssertionError("the outcome is written by its one statement")
+
+
+celery_app.register_task(SiblingWrite())
+
 
 def _together(*outcomes: str, meeting_of: int | None = None) -> tuple[list[uuid.UUID], list[tuple[str, dict]]]:
     """Jobs recorded together in one transaction, one per outcome; their ids and the messages the
@@ -56,20 +92,25 @@ def _together(*outcomes: str, meeting_of: int | None = None) -> tuple[list[uuid.
     _MEETING[meeting] = threading.Barrier(meeting_of or len(outcomes))
     with session_scope() as session:
         tenant_id = create_tenant(session, name="siblings", owner_email=f"o-{meeting[:8]}@example.com").tenant_id
-        ids = [
-            jobs.record(
-                session,
-                kind=SiblingJob.name,
-                tenant_id=tenant_id,
-                subject_type="script",
-                subject_id=f"{meeting}:{what}",
-                trace_id=None,
-                together=True,
-            ).id
-            for what in outcomes
-        ]
+        ids = _recorded_together(session, SiblingJob.name, tenant_id, [f"{meeting}:{what}" for what in outcomes])
         messages = take_pending(session)  # this test is the worker
     return ids, messages
+
+
+def _recorded_together(session, kind: str, tenant_id, subjects: list[str]) -> list[uuid.UUID]:
+    """Jobs of ``kind`` recorded together in ``session``'s transaction, one per subject id; their ids."""
+    return [
+        jobs.record(
+            session,
+            kind=kind,
+            tenant_id=tenant_id,
+            subject_type="script",
+            subject_id=subject,
+            trace_id=None,
+            together=True,
+        ).id
+        for subject in subjects
+    ]
 
 
 def _job(job_id) -> Job:
@@ -77,9 +118,9 @@ def _job(job_id) -> Job:
         return session.get(Job, job_id)
 
 
-def _run(messages: list[tuple[str, dict]]) -> str:
+def _run(messages: list[tuple[str, dict]], task: str = SiblingJob.name) -> str:
     ((name, kwargs),) = messages
-    assert name == SiblingJob.name
+    assert name == task
     return celery_app.tasks[name].run(**kwargs)
 
 
@@ -148,6 +189,69 @@ def test_a_sibling_held_by_another_worker_is_left_to_it_and_the_others_run(datab
     assert _job(ids[0]).lease_owner == "another-worker"
     with session_scope() as session:
         session.execute(delete(Job).where(col(Job.id).in_(ids)))
+
+
+def _written_together(*outcomes: str) -> tuple[uuid.UUID, list[uuid.UUID], list[tuple[str, dict]]]:
+    """A marker job, then jobs of :class:`SiblingWrite` recorded together, one per outcome."""
+    with session_scope() as session:
+        marker = jobs.record(
+            session, kind="tests.marker", tenant_id=None, subject_type="script", subject_id="marker", trace_id=None
+        ).id
+        take_pending(session)  # the marker is never run
+        ids = _recorded_together(session, SiblingWrite.name, None, [f"{marker}:{what}" for what in outcomes])
+        messages = take_pending(session)
+    return marker, ids, messages
+
+
+def test_the_siblings_outcome_writes_commit_in_one_transaction(database):
+    marker, ids, messages = _written_together("a", "b", "c")
+
+    assert _run(messages, SiblingWrite.name) == "succeeded"
+
+    assert [(_job(job_id).status, _job(job_id).result) for job_id in ids] == [
+        ("succeeded", {"done": what}) for what in "abc"
+    ]
+    assert _job(marker).attempts == 3  # each sibling's write ran once
+    with session_scope() as session:  # rows written by one transaction carry its id as their xmin
+        writers = session.execute(
+            select(text("xmin::text")).select_from(_JOBS).where(_JOBS.c.id.in_([*ids, marker]))
+        ).scalars()
+        assert len(set(writers)) == 1
+    assert _run(messages, SiblingWrite.name) == "skipped"  # a redelivery writes nothing twice
+    assert _job(marker).attempts == 3
+    _forget(marker)
+
+
+def test_a_sibling_answered_long_after_the_others_is_written_alone(database):
+    marker, ids, messages = _written_together("a", "slow")
+
+    assert _run(messages, SiblingWrite.name) == "succeeded"
+
+    fast, slow = _job(ids[0]), _job(ids[1])
+    assert (fast.status, slow.status) == ("succeeded", "succeeded")
+    assert (slow.updated_at - fast.updated_at).total_seconds() > 0.3  # not held back for its sibling
+    with session_scope() as session:
+        writers = session.execute(select(text("xmin::text")).select_from(_JOBS).where(_JOBS.c.id.in_(ids))).scalars()
+        assert len(set(writers)) == 2
+    assert _job(marker).attempts == 2
+    _forget(marker)
+
+
+def test_a_sibling_that_fails_leaves_the_joint_write_to_the_others(database):
+    marker, ids, messages = _written_together("a", "permanent", "c")
+
+    with pytest.raises(AttemptFailed):
+        _run(messages, SiblingWrite.name)
+
+    assert [_job(job_id).status for job_id in ids] == ["succeeded", "failed", "succeeded"]
+    assert _job(marker).attempts == 2
+    _forget(marker)
+
+
+def _forget(marker: uuid.UUID) -> None:
+    """Delete the marker job, never run (left queued, a later test's relay would send it)."""
+    with session_scope() as session:
+        session.execute(delete(Job).where(col(Job.id) == marker))
 
 
 def test_jobs_not_recorded_together_go_one_message_each(database):
