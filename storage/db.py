@@ -51,11 +51,12 @@ def _pool_options(pool_size: int) -> dict[str, Any]:
     """The connection pool of a PostgreSQL engine: ``pool_size`` kept, as many more at a peak, each
     replaced after an hour, and handed out last in, first out. LIFO keeps the work on as few
     connections as the concurrency needs while the others idle: a server backend fills its catalog
-    caches on its first statements and plans a prepared statement afresh on each of its first six
-    runs (a rail outcome's first run on a connection took a median 11-22 ms, its second to sixth
-    3-9 ms, later ones 2.6-3.0 ms, a sibling's lock wait included). In the payment-method
-    benchmark at one client (2,200 rail outcomes), handed out in turn (FIFO) they went to 39
-    connections, LIFO to 19: a mean of 5.2 against 4.2 ms; the lease's median 0.83 against 0.59."""
+    caches and plans each prepared statement on its first runs. Measured before prepared statements
+    ran on their generic plan from the first run (:func:`_connect_args`): a rail outcome's first run
+    on a connection took a median 11-22 ms, its second to sixth 3-9 ms, later ones 2.6-3.0 ms (a
+    sibling's lock wait included); in the payment-method benchmark at one client (2,200 rail
+    outcomes), handed out in turn (FIFO) they went to 39 connections, LIFO to 19: a mean of 5.2
+    against 4.2 ms; the lease's median 0.83 against 0.59."""
     return {"pool_size": pool_size, "max_overflow": pool_size, "pool_recycle": 3600, "pool_use_lifo": True}
 
 
@@ -390,8 +391,9 @@ def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
     as one transaction of the process's engine, durable when it returns (one commit, one WAL flush for
     all), and return the first row of each (None for one without rows). Used where several outcomes
     would otherwise commit one after the other, each waiting for the previous one's lock (the rails
-    of one payment method). Raises the driver's error, with nothing written, when one fails.
-    PostgreSQL only, as :func:`execute_durable`."""
+    of one payment method). Raises the driver's error when one fails: nothing is written (at the
+    commit itself, a lost connection leaves it unknown whether all was). PostgreSQL only, as
+    :func:`execute_durable`."""
     engine = get_engine()
     if engine.dialect.name != "postgresql":
         raise NotImplementedError("durable statements need PostgreSQL")
