@@ -386,6 +386,17 @@ def execute_durable(statement, params: dict | None = None):
         return result.first() if result.returns_rows else None
 
 
+def read_one_snapshot(session: OrmSession) -> None:
+    """Make every statement of ``session``'s transaction read the same snapshot (``REPEATABLE READ`` on
+    PostgreSQL, whose default gives each statement its own): a read made of several statements, a
+    row then its children, then sees them as of one moment, never a child already changed beside its
+    parent not yet (a payment method's rail enabled beside the payment method's earlier
+    ``updated_at``). Call before the transaction's first statement. Elsewhere nothing: a SQLite
+    transaction reads one snapshot already."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+
+
 def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
     """Run the writing ``statements`` (each ``(statement, values of its bind parameters)``), in order,
     as one transaction of the process's engine, durable when it returns (one commit, one WAL flush for

@@ -69,6 +69,7 @@ from storage.db import (
     insert_rows_last,
     model_row,
     read_all,
+    read_one_snapshot,
     server_prepared,
     stage_inserts,
     stage_write,
@@ -430,7 +431,9 @@ def replay(session: Session, caller: Caller, pm_id: str) -> dict:
 
 
 def read_payment_method(session: Session, caller: Caller, pm_id: str) -> dict:
-    """``GET /agentic/payment-methods/{id}``: 404 ``PAYMENT_METHOD_NOT_FOUND`` when absent in the tenant."""
+    """``GET /agentic/payment-methods/{id}``: 404 ``PAYMENT_METHOD_NOT_FOUND`` when absent in the tenant.
+    The payment method and its rails are read from one snapshot (:func:`storage.db.read_one_snapshot`)."""
+    read_one_snapshot(session)
     pm = find(session, caller.tenant_id, pm_id)
     audit.record(session, caller, entity_type=ENTITY_TYPE, entity_id=pm.id, operation="read")
     return view_of(session, pm)
@@ -440,7 +443,9 @@ def list_payment_methods(
     session: Session, caller: Caller, *, size: int, after: dict | None, consumer_id: str | None, status: str
 ) -> tuple[list[dict], dict | None]:
     """``GET /agentic/payment-methods``: newest first (created_at, id), filtered by ``consumer_id``
-    and ``status`` (active, deleted, all); one page and the next keyset position (or None)."""
+    and ``status`` (active, deleted, all); one page and the next keyset position (or None), the
+    payment methods and their rails read from one snapshot (:func:`storage.db.read_one_snapshot`)."""
+    read_one_snapshot(session)
     query = select(PaymentMethod).where(PaymentMethod.tenant_id == caller.tenant_id)
     if status != "all":
         query = query.where(PaymentMethod.status == status)
