@@ -296,11 +296,10 @@ class _PreparedLease:
     the SQL tree nor its cache key is computed again per job. ``many``: the statement takes a list of
     jobs (``id = ANY(...)``, PostgreSQL only), not one."""
 
-    __slots__ = ("labels", "many", "reads", "statement")
+    __slots__ = ("labels", "reads", "statement")
 
     def __init__(self, reads: Mapping[str, ColumnElement], *, many: bool = False):
         self.reads = reads
-        self.many = many
         self.labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
         labelled = [expression.label(self.labels[name]) for name, expression in reads.items()]
         which = (
@@ -319,7 +318,7 @@ class _PreparedLease:
         )
 
     def params(self, job_ids: uuid.UUID | Sequence[uuid.UUID], owner: str, lease_seconds: float) -> dict[str, Any]:
-        """The bind values taking ``job_ids`` (one id, or a list when :attr:`many`) for ``owner`` now,
+        """The bind values taking ``job_ids`` (one id, or a list for a statement built ``many``) for ``owner`` now,
         for ``lease_seconds``; a list travels as one array literal (``{id,id}``), so the statement's
         text is the same whatever its length."""
         now = utcnow()
