@@ -42,6 +42,7 @@ from sqlalchemy import (
     ARRAY,
     ColumnElement,
     Date,
+    FromClause,
     String,
     Update,
     any_,
@@ -291,31 +292,89 @@ def _moment(now: dt.datetime) -> dict[str, Any]:
     return {LEASE_NOW.key: now, LEASE_MONTH.key: dt.date(now.year, now.month, 1)}
 
 
+@dataclass(frozen=True, eq=False)
+class LeaseReads:
+    """What a lease statement (:func:`lease`) reads beside the job row, from tables joined to it.
+
+    ``columns``: name -> SQL expression over the job row (``jobs``) and the tables of ``joins`` (a
+    scalar subquery correlated to the job row does as well); ``perform`` gets their values under these
+    names. ``joins``: ``(table, ON clause)`` pairs, each outer-joined in turn to the job row and the
+    tables before it, so that a row a join does not find reads as NULLs (the job is leased all the
+    same: its work decides what a missing row means). A joined table is looked up once per job,
+    where a scalar subquery per name looks the same row up again for each name it reads (a rail's
+    lease read its rail five times and its payment method eight). Kept by identity
+    (:func:`_kept`): build it once per process."""
+
+    columns: Mapping[str, ColumnElement[Any]]
+    joins: tuple[tuple[FromClause, ColumnElement[bool]], ...] = ()
+
+    def with_columns(self, **more: ColumnElement[Any]) -> LeaseReads:
+        """These reads and ``more`` (the same joins)."""
+        return LeaseReads({**self.columns, **more}, self.joins)
+
+    def source(self, job: FromClause) -> FromClause:
+        """``job`` (the job row's table, or what holds it) with every table of :attr:`joins` outer-joined."""
+        joined = job
+        for table, on in self.joins:
+            joined = joined.outerjoin(table, on)
+        return joined
+
+
+#: What a lease reads: the names' SQL expressions (scalar, over the job row), or :class:`LeaseReads`.
+Reads = Mapping[str, ColumnElement[Any]] | LeaseReads
+
+
+def lease_reads_of(reads: Reads | None) -> LeaseReads:
+    """``reads`` as :class:`LeaseReads` (a mapping: its columns, no join)."""
+    if isinstance(reads, LeaseReads):
+        return reads
+    return LeaseReads(dict(reads or {}))
+
+
 class _PreparedLease:
     """The lease-and-read statement of one set of ``reads``, built once with bind parameters: neither
     the SQL tree nor its cache key is computed again per job. ``many``: the statement takes a list of
-    jobs (``id = ANY(...)``, PostgreSQL only), not one."""
+    jobs (``id = ANY(...)``, PostgreSQL only), not one.
+
+    Without joins, one ``UPDATE jobs ... RETURNING`` the job's columns and the reads. With joins
+    (:class:`LeaseReads`), the same ``UPDATE`` in a CTE returning the taken rows, and a ``SELECT`` of
+    those rows, each joined by its id to its ``jobs`` row (the snapshot's: only its unchanged columns
+    are used, as join keys) and from there to the joined tables: still one statement and one round
+    trip. Either way a row's values are found under the job columns' names and :attr:`labels`."""
 
     __slots__ = ("labels", "reads", "statement")
 
-    def __init__(self, reads: Mapping[str, ColumnElement], *, many: bool = False):
-        self.reads = reads
-        self.labels = {name: f"read_{index}" for index, name in enumerate(reads)}  # never a job column's name
-        labelled = [expression.label(self.labels[name]) for name, expression in reads.items()]
+    def __init__(self, reads: Reads, *, many: bool = False):
+        self.reads = lease_reads_of(reads)
+        # never a job column's name
+        self.labels = {name: f"read_{index}" for index, name in enumerate(self.reads.columns)}
+        labelled = [expression.label(self.labels[name]) for name, expression in self.reads.columns.items()]
         which = (
             col(Job.id) == any_(cast(bindparam("lease_job_ids", type_=String()), ARRAY(_JOBS.c.id.type)))
             if many
             else col(Job.id) == bindparam("lease_job_id", type_=_JOBS.c.id.type)
         )
-        self.statement = server_prepared(
-            _takeable_update(
-                which,
-                LEASE_NOW,
-                bindparam("lease_due_by", type_=_JOBS.c.due_at.type),
-                bindparam("lease_owner_name", type_=_JOBS.c.lease_owner.type),
-                bindparam("lease_expires", type_=_JOBS.c.lease_expires_at.type),
-            ).returning(*_JOBS.columns, *labelled)
+        taking = _takeable_update(
+            which,
+            LEASE_NOW,
+            bindparam("lease_due_by", type_=_JOBS.c.due_at.type),
+            bindparam("lease_owner_name", type_=_JOBS.c.lease_owner.type),
+            bindparam("lease_expires", type_=_JOBS.c.lease_expires_at.type),
         )
+        if not self.reads.joins:
+            self.statement: Any = server_prepared(taking.returning(*_JOBS.columns, *labelled))
+            return
+        taken = taking.returning(*_JOBS.columns).cte("taken")
+        self.statement = server_prepared(
+            select(*(taken.c[column.name].label(column.name) for column in _JOBS.columns), *labelled).select_from(
+                self.reads.source(taken.join(_JOBS, _JOBS.c.id == taken.c.id))
+            )
+        )
+
+    def taken(self, row: Mapping[str, Any]) -> tuple[Job, dict[str, Any]]:
+        """The detached job and ``{name: value}`` of the reads, from a row of :attr:`statement`."""
+        job = row_instance(Job, {column.name: row[column.name] for column in _JOBS.columns})
+        return job, {name: row[label] for name, label in self.labels.items()}
 
     def params(self, job_ids: uuid.UUID | Sequence[uuid.UUID], owner: str, lease_seconds: float) -> dict[str, Any]:
         """The bind values taking ``job_ids`` (one id, or a list for a statement built ``many``) for ``owner`` now,
@@ -351,7 +410,7 @@ def _kept(cache: dict[int, tuple[object, _P]], source: object, build: Callable[[
     return kept[1]
 
 
-#: The prepared lease of each ``reads`` mapping a caller keeps (:func:`_kept`).
+#: The prepared lease of each ``reads`` object a caller keeps (:func:`_kept`).
 _PREPARED: dict[int, tuple[object, _PreparedLease]] = {}
 _NO_READS: Mapping[str, ColumnElement] = {}
 
@@ -360,7 +419,7 @@ _NO_READS: Mapping[str, ColumnElement] = {}
 _PREPARED_MANY: dict[int, tuple[object, _PreparedLease]] = {}
 
 
-def _prepared(reads: Mapping[str, ColumnElement], *, many: bool = False) -> _PreparedLease:
+def _prepared(reads: Reads, *, many: bool = False) -> _PreparedLease:
     if many:
         return _kept(_PREPARED_MANY, reads, lambda: _PreparedLease(reads, many=True))
     return _kept(_PREPARED, reads, lambda: _PreparedLease(reads))
@@ -372,7 +431,7 @@ def lease(
     owner: str,
     *,
     lease_seconds: float,
-    reads: Mapping[str, ColumnElement] | None = None,
+    reads: Reads | None = None,
     session: Session | None = None,
 ) -> tuple[Job, dict[str, Any]] | None: ...
 
@@ -388,7 +447,7 @@ def lease(
     owner: str,
     *,
     lease_seconds: float,
-    reads: Mapping[str, ColumnElement] | None = None,
+    reads: Reads | None = None,
     now: dt.datetime | None = None,
     session: Session | None = None,
 ) -> tuple[Job, dict[str, Any]] | Update | None:
@@ -397,9 +456,10 @@ def lease(
     lease expires after ``lease_seconds`` (then ``sweeps.release_stale_leases`` queues the job again).
 
     One job (``job_ids`` a UUID): taken and read in its own short transaction; ``reads`` maps names
-    to scalar SQL expressions over the job row (correlated subqueries) that the work needs. Returns
-    the detached job and ``{name: value}``, or None when the job is not takeable now. On PostgreSQL
-    one prepared ``UPDATE ... RETURNING`` (built once per ``reads`` mapping and reused; committed
+    to scalar SQL expressions over the job row (correlated subqueries) that the work needs, or is a
+    :class:`LeaseReads` (expressions over tables joined to the job row). Returns the detached job
+    and ``{name: value}``, or None when the job is not takeable now. On PostgreSQL one prepared
+    statement (:class:`_PreparedLease`, built once per ``reads`` object and reused; committed
     without waiting for the WAL flush: a lease lost in a database crash only means the job is taken
     again, with the same idempotency key); elsewhere an ``UPDATE`` and a ``SELECT`` in one transaction.
     Given a ``session``, the job is taken in that session's transaction instead (it may be a job that
@@ -425,10 +485,7 @@ def lease(
     engine = get_lease_engine()
     if engine is not None:
         row = execute_once_more_on_disconnect(engine, prepared.statement, prepared.params(job_id, owner, lease_seconds))
-        if row is None:
-            return None
-        job = row_instance(Job, {column.name: row[column] for column in _JOBS.columns})
-        return job, {name: row[label] for name, label in prepared.labels.items()}
+        return None if row is None else prepared.taken(row)
     with session_scope() as own:
         leased = _lease_in(own, job_id, owner, lease_seconds, prepared)
         if leased is not None:
@@ -449,15 +506,20 @@ def _lease_in(
     taken = session.get(Job, job_id, populate_existing=True)
     if taken is None:
         return None
-    labelled = [expression.label(prepared.labels[name]) for name, expression in prepared.reads.items()]
+    reads = prepared.reads
+    labelled = [expression.label(prepared.labels[name]) for name, expression in reads.columns.items()]
     if not labelled:
         return taken, {}
-    values = session.execute(select(*labelled).where(col(Job.id) == job_id), _moment(now)).mappings().one()
-    return taken, {name: values[prepared.labels[name]] for name in prepared.reads}
+    values = (
+        session.execute(select(*labelled).select_from(reads.source(_JOBS)).where(col(Job.id) == job_id), _moment(now))
+        .mappings()
+        .one()
+    )
+    return taken, {name: values[label] for name, label in prepared.labels.items()}
 
 
 def lease_together(
-    job_ids: Sequence[uuid.UUID], owner: str, *, lease_seconds: float, reads: Mapping[str, ColumnElement] | None = None
+    job_ids: Sequence[uuid.UUID], owner: str, *, lease_seconds: float, reads: Reads | None = None
 ) -> dict[uuid.UUID, tuple[Job, dict[str, Any]]]:
     """:func:`lease` of several jobs of one kind at once (the jobs a transaction recorded together,
     e.g. a payment method's rails, which one message names): the takeable ones are taken for
@@ -475,13 +537,7 @@ def lease_together(
     rows = execute_once_more_on_disconnect(
         engine, prepared.statement, prepared.params(job_ids, owner, lease_seconds), every_row=True
     )
-    return {
-        row[_JOBS.c.id]: (
-            row_instance(Job, {column.name: row[column] for column in _JOBS.columns}),
-            {name: row[label] for name, label in prepared.labels.items()},
-        )
-        for row in rows
-    }
+    return {row["id"]: prepared.taken(row) for row in rows}
 
 
 #: Prepared once (bind parameters): a worker neither builds these SQL trees nor their cache keys per job.

@@ -235,18 +235,19 @@ class JobTask(TesseraTask):
             )
         )
 
-    def lease_reads(self) -> dict[str, Any]:
+    def lease_reads(self) -> jobs.Reads:
         """What ``perform`` needs, read by the lease statement itself (:func:`infra.jobs.lease`):
-        name -> scalar SQL expression over the job row; ``perform(job, inputs)`` gets their values."""
+        name -> scalar SQL expression over the job row, or :class:`infra.jobs.LeaseReads` (over
+        tables joined to it); ``perform(job, inputs)`` gets their values by name."""
         return {}
 
     @functools.cached_property
-    def _lease_reads(self) -> dict[str, Any]:
-        """:meth:`lease_reads`, built on a process's first run and kept (the same mapping each run, so
+    def _lease_reads(self) -> jobs.LeaseReads:
+        """:meth:`lease_reads`, built on a process's first run and kept (the same object each run, so
         :func:`infra.jobs.lease` reuses its prepared statement)."""
-        reads = self.lease_reads()
+        reads = jobs.lease_reads_of(self.lease_reads())
         if self.fair_between_tenants:
-            reads = {**reads, _OTHERS_WAIT: fairness.others_wait(self.fair_group, jobs.LEASE_NOW)}
+            reads = reads.with_columns(**{_OTHERS_WAIT: fairness.others_wait(self.fair_group, jobs.LEASE_NOW)})
         return reads
 
     def perform(self, job: Job, inputs: dict[str, Any]) -> Any:

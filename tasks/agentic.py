@@ -22,6 +22,7 @@ from config.settings import get_settings
 from domain.agentic import allowance_state, allowance_work, enrollment, leases
 from domain.agentic.payment_methods import DELETE_TASK, ENROLL_TASK, POLL_TASK
 from domain.agentic.service import purge_provider_errors
+from infra import jobs
 from infra.celery import celery_app
 from infra.task import JobTask, TesseraTask
 from tasks.sweeps import in_batches
@@ -46,7 +47,7 @@ class EnrollRail(_ProviderJob):
     name = ENROLL_TASK
     apply_to_leased_job = True
 
-    def lease_reads(self):
+    def lease_reads(self) -> jobs.LeaseReads:
         """See :func:`domain.agentic.enrollment.enrollment_reads`."""
         return enrollment.enrollment_reads()
 

@@ -46,7 +46,7 @@ class Provision(NetworkTokenJob):
     backoff_base = records.PROVISION_BACKOFF_BASE
     apply_to_leased_job = True
 
-    def lease_reads(self) -> dict[str, Any]:
+    def lease_reads(self) -> jobs.LeaseReads:
         """See :func:`domain.network_tokens.provisioning.provisioning_reads`."""
         return provisioning.provisioning_reads()
 

@@ -72,7 +72,7 @@ from domain.agentic.payment_methods import (
     tenant_type,
 )
 from domain.tenancy.usage import activity_recorded, record_token_activity_unflushed
-from domain.tokens.store import live_token_reads, open_token_data
+from domain.tokens.store import live_token_join, open_token_data
 from infra import jobs
 from infra.errors import Problem
 from infra.jobs import PermanentError, TransientError
@@ -129,39 +129,39 @@ def _target(session: Session, job: Job) -> _Target | Stale:
     )
 
 
-def _of_rail(column):
-    """``column`` of the job's rail (its subject), as a scalar subquery over the job row."""
-    return select(column).where(PaymentMethodRail.id == TextAsUuid(Job.subject_id)).correlate(Job).scalar_subquery()
-
-
-def enrollment_reads() -> dict[str, Any]:
-    """What an enrollment job needs, read by its lease statement (:func:`infra.jobs.lease`):
-    the rail, its payment method, the tenant's type, the payment method's card token (live at the
-    lease's time or None, see :func:`domain.tokens.store.live_token_reads`) and whether that token
-    already counts as active this month (``token_active``); no transaction of its own."""
-    pm_id = _of_rail(PaymentMethodRail.payment_method_id)
-
-    def of_pm(column):
-        return select(column).where(PaymentMethod.id == pm_id).scalar_subquery()
-
-    tenant_id, token_id = of_pm(PaymentMethod.tenant_id), of_pm(PaymentMethod.token_id)
-    reads = {
-        "rail_id": _of_rail(PaymentMethodRail.id),
-        "rail_job_id": _of_rail(PaymentMethodRail.job_id),
-        "provider": _of_rail(PaymentMethodRail.provider),
-        "attempt": _of_rail(PaymentMethodRail.attempt),
-        "enrollment_id": _of_rail(PaymentMethodRail.enrollment_id),
-        "pm_id": of_pm(PaymentMethod.id),
-        "pm_status": of_pm(PaymentMethod.status),
-        "pm_delete_requested_at": of_pm(PaymentMethod.delete_requested_at),
-        "consumer": of_pm(PaymentMethod.consumer),
-        "token_id": token_id,
-        "tenant_id": tenant_id,
-        "tenant_type": select(Tenant.type).where(Tenant.id == tenant_id).scalar_subquery(),
-    }
-    reads.update(live_token_reads(tenant_id, token_id, jobs.LEASE_NOW))
-    reads["token_active"] = activity_recorded(tenant_id, token_id, jobs.LEASE_MONTH)
-    return reads
+def enrollment_reads() -> jobs.LeaseReads:
+    """What an enrollment job needs, read by its lease statement (:func:`infra.jobs.lease`), each
+    table joined once by its primary key: the rail (the job's subject), its payment method, the
+    tenant's type, the payment method's card token (live at the lease's time, else NULLs, see
+    :func:`domain.tokens.store.live_token_join`) and whether that token already counts as active this
+    month (``token_active``); no transaction of its own. A rail that is gone reads as NULLs
+    (``rail_id`` None: :class:`Stale`)."""
+    rail, pm, tenant = table_of(PaymentMethodRail).alias("rail"), table_of(PaymentMethod).alias("pm"), table_of(Tenant)
+    token = live_token_join(pm.c.tenant_id, pm.c.token_id, jobs.LEASE_NOW)
+    return jobs.LeaseReads(
+        {
+            "rail_id": rail.c.id,
+            "rail_job_id": rail.c.job_id,
+            "provider": rail.c.provider,
+            "attempt": rail.c.attempt,
+            "enrollment_id": rail.c.enrollment_id,
+            "pm_id": pm.c.id,
+            "pm_status": pm.c.status,
+            "pm_delete_requested_at": pm.c.delete_requested_at,
+            "consumer": pm.c.consumer,
+            "token_id": pm.c.token_id,
+            "tenant_id": pm.c.tenant_id,
+            "tenant_type": tenant.c.type,
+            **token.columns,
+            "token_active": activity_recorded(pm.c.tenant_id, pm.c.token_id, jobs.LEASE_MONTH),
+        },
+        (
+            (rail, rail.c.id == TextAsUuid(Job.subject_id)),
+            (pm, pm.c.id == rail.c.payment_method_id),
+            (tenant, tenant.c.id == pm.c.tenant_id),
+            (token.table, token.on),
+        ),
+    )
 
 
 def _target_read(job: Job, read: dict) -> _Target | Stale:

@@ -56,7 +56,7 @@ from domain.tenancy import audit
 from domain.tenancy.caller import Caller
 from domain.tenancy.usage import stage_token_activity
 from domain.tokens.cards import card_brand
-from domain.tokens.store import live_token_reads, open_token_data
+from domain.tokens.store import live_token_join, open_token_data
 from infra import jobs
 from infra.errors import Problem
 from infra.wait import Outcome
@@ -514,11 +514,11 @@ def _retry_read() -> Select:
     ``FOR UPDATE``: its columns as :data:`_SETTLED_VIEW` names them (``pm_...``), its delete request
     and card token's id, each rail's (``rail_...``, with its id and job), the operation of its live
     lease (expiring after ``now``), the card token's stored values when it is live at ``now``
-    (:func:`domain.tokens.store.live_token_reads`). No row when the tenant has no such payment method."""
+    (:func:`domain.tokens.store.live_token_join`). No row when the tenant has no such payment method."""
     pm, rails, held = _PM.c, _RAILS.c, table_of(OperationLease).c
     now = bindparam("now", type_=held.expires_at.type)
     lease = select_rows(held.operation).where(held.resource_id == pm.id, held.expires_at > now).scalar_subquery()
-    token = live_token_reads(pm.tenant_id, pm.token_id, now)
+    token = live_token_join(pm.tenant_id, pm.token_id, now)
     return server_prepared(
         select_rows(
             *(getattr(pm, name).label(f"pm_{name}") for name in _PM_FIELDS),
@@ -527,9 +527,9 @@ def _retry_read() -> Select:
             rails.id.label("rail_id"),
             *(getattr(rails, name).label(f"rail_{name}") for name in _RAIL_FIELDS),
             lease.label("lease_operation"),
-            *(expression.label(name) for name, expression in token.items()),
+            *(column.label(name) for name, column in token.columns.items()),
         )
-        .select_from(_PM.outerjoin(_RAILS, rails.payment_method_id == pm.id))
+        .select_from(_PM.outerjoin(_RAILS, rails.payment_method_id == pm.id).outerjoin(token.table, token.on))
         .where(
             pm.id == bindparam("pm_id", type_=pm.id.type),
             pm.tenant_id == bindparam("tenant_id", type_=pm.tenant_id.type),

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ScalarSelect, Update, bindparam, update
+from sqlalchemy import Update, bindparam, update
 from sqlalchemy import select as select_rows
 from sqlmodel import Session, select
 
@@ -53,6 +53,7 @@ from domain.tokens.service import load_token_data
 from domain.webhooks import events
 from infra import jobs
 from infra.errors import Problem, validation_problem
+from infra.jobs import LeaseReads
 from infra.lookup import parse_uuid
 from infra.wait import Outcome
 from providers.card_network import (
@@ -307,25 +308,21 @@ def _answered(session: Session, caller: Caller, started: Started, outcome: Outco
 # ---- the provisioning job (worker side) ----------------------------------------------------------
 
 
-def _of_token(column) -> ScalarSelect:
-    """``column`` of the job's network token (its subject), as a scalar subquery over the job row."""
-    return select(column).where(NetworkToken.id == TextAsUuid(Job.subject_id)).scalar_subquery()
-
-
-def _tenant_type() -> ScalarSelect:
-    return select(Tenant.type).where(Tenant.id == Job.tenant_id).scalar_subquery()
-
-
-def provisioning_reads() -> dict[str, ScalarSelect]:
-    """What a provisioning job needs, read by its lease statement (:func:`infra.jobs.lease`):
-    the tenant's type and the network token's tenant, status, sealed input and merchant."""
-    return {
-        "tenant_type": _tenant_type(),
-        "token_tenant_id": _of_token(NetworkToken.tenant_id),
-        "status": _of_token(NetworkToken.status),
-        "source_ct": _of_token(NetworkToken.source_ct),
-        "merchant_id": _of_token(NetworkToken.merchant_id),
-    }
+def provisioning_reads() -> LeaseReads:
+    """What a provisioning job needs, read by its lease statement (:func:`infra.jobs.lease`), each
+    table joined once by its primary key: the tenant's type and the network token's (the job's
+    subject) tenant, status, sealed input and merchant (NULLs when the network token is gone)."""
+    token, tenant = table_of(NetworkToken).alias("network_token"), table_of(Tenant)
+    return LeaseReads(
+        {
+            "tenant_type": tenant.c.type,
+            "token_tenant_id": token.c.tenant_id,
+            "status": token.c.status,
+            "source_ct": token.c.source_ct,
+            "merchant_id": token.c.merchant_id,
+        },
+        ((tenant, tenant.c.id == Job.tenant_id), (token, token.c.id == TextAsUuid(Job.subject_id))),
+    )
 
 
 def provisioning_input(job: Job, read: dict) -> tuple[CardNetwork, CardToProvision] | None:

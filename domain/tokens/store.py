@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import orjson
-from sqlalchemy import ColumnElement, Select, bindparam, delete, inspect, or_
+from sqlalchemy import ColumnElement, FromClause, Select, and_, bindparam, delete, inspect, or_
 from sqlalchemy import select as select_columns
 from sqlmodel import Session, col, select
 
@@ -150,7 +150,7 @@ def open_token_data(
     *,
     now: dt.datetime | None = None,
 ) -> Any:
-    """The plain data of a token from its stored values (e.g. read by :func:`live_token_reads`): a
+    """The plain data of a token from its stored values (e.g. read by :func:`live_token_join`): a
     card's cvc past its retention is left out even before the sweep."""
     data = json.loads(get_keyring().decrypt(session, tenant_id, DATA_PURPOSE, token_id, data_ct))
     if cvc_expires_at is not None and cvc_expires_at <= (now or utcnow()):
@@ -158,19 +158,35 @@ def open_token_data(
     return data
 
 
-def live_token_reads(tenant_id: Any, token_id: Any, now: ColumnElement[dt.datetime]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LiveTokenJoin:
+    """The live token a statement joins (:func:`live_token_join`): ``table`` to outer-join ``on``
+    ``on``, and ``columns``, the values :func:`open_token_data` needs (``token_type``,
+    ``token_data_ct``, ``token_cvc_expires_at``: NULL when the token is missing or expired)."""
+
+    table: FromClause
+    on: ColumnElement[bool]
+    columns: dict[str, ColumnElement[Any]]
+
+
+def live_token_join(tenant_id: Any, token_id: Any, now: ColumnElement[dt.datetime]) -> LiveTokenJoin:
     """What :func:`open_token_data` needs of the live token ``token_id`` of ``tenant_id`` (both SQL
-    expressions, e.g. over a job row), as scalar subqueries for a lease statement
-    (:func:`infra.jobs.lease`): ``token_type``, ``token_data_ct``, ``token_cvc_expires_at``
-    (each None when the token is missing or expired at ``now``: the statement's own time, such as
-    :data:`infra.jobs.LEASE_NOW`, never a time fixed when the reads were built, since a worker builds
-    them once and keeps them). Like ``domain.tokens.service.load_token_data``, no permission check and
-    no log row; the caller also counts the token's activity."""
-    where = (Token.tenant_id == tenant_id, Token.id == token_id, live(now))
-    return {
-        f"token_{name}": select(getattr(Token, name)).where(*where).scalar_subquery()
-        for name in ("type", "data_ct", "cvc_expires_at")
-    }
+    expressions over the statement's other tables, e.g. a payment method's columns), as a join by
+    the tokens' primary key for one statement that reads the token beside its owner: a lease
+    (:class:`infra.jobs.LeaseReads`) or a retry's read. Live at ``now``: the statement's own time,
+    such as :data:`infra.jobs.LEASE_NOW`, never a time fixed when the statement was built, since a
+    worker builds it once and keeps it. Like ``domain.tokens.service.load_token_data``, no
+    permission check and no log row; the caller also counts the token's activity."""
+    token = table_of(Token).alias("live_token")
+    return LiveTokenJoin(
+        token,
+        and_(
+            token.c.tenant_id == tenant_id,
+            token.c.id == token_id,
+            or_(token.c.expires_at.is_(None), token.c.expires_at > now),
+        ),
+        {f"token_{name}": token.c[name] for name in ("type", "data_ct", "cvc_expires_at")},
+    )
 
 
 @functools.cache

@@ -32,7 +32,7 @@ from storage.db import (
     stage_rows,
     stage_write,
 )
-from storage.models import Event, Job, Webhook, WebhookDelivery
+from storage.models import Event, Job, Tenant, Webhook, WebhookDelivery
 from storage.models_tenancy import TokenActivity
 from tests.helpers import wait_until
 
@@ -197,6 +197,36 @@ def test_a_lease_runs_again_on_a_connection_the_server_closed(database):
     assert (leased[0].status, leased[0].lease_owner, leased[1]) == ("running", "tests:owner", {"kind": LeasedJob.name})
     with engine.connect() as connection:
         assert connection.exec_driver_sql("SELECT pg_backend_pid()").scalar() != closed_pid
+
+
+def test_a_lease_reads_the_tables_joined_to_the_job_row_and_nulls_where_a_row_is_missing(database):
+    """``LeaseReads``: the joined tenant is read beside the job by each form of the lease (one job on
+    the lease engine, a list of jobs, one job in the caller's transaction); a job whose join finds no
+    row is leased all the same, its reads NULL."""
+    tenant_id = _tenant_id()
+    tenants = Tenant.__table__
+    reads = jobs.LeaseReads(
+        {"tenant_name": tenants.c.name, "kind": Job.kind}, ((tenants, tenants.c.id == Job.tenant_id),)
+    )
+    with session_scope() as session:
+        alone, owned, orphan, in_session = (
+            jobs.record(
+                session, kind=LeasedJob.name, tenant_id=owner, subject_type="script", subject_id=s, trace_id=None
+            )
+            for owner, s in ((tenant_id, "j1"), (tenant_id, "j2"), (None, "j3"), (tenant_id, "j4"))
+        )
+        take_pending(session)  # no worker: the test takes the leases itself
+        here = jobs.lease(in_session.id, "tests:owner", lease_seconds=5, reads=reads, session=session)
+        assert here is not None and here[1] == {"tenant_name": "statements", "kind": LeasedJob.name}
+    one = jobs.lease(alone.id, "tests:owner", lease_seconds=5, reads=reads)
+    assert one is not None and (one[0].id, one[0].status, one[0].attempts) == (alone.id, "running", 1)
+    assert one[1] == {"tenant_name": "statements", "kind": LeasedJob.name}
+    together = jobs.lease_together([owned.id, orphan.id, alone.id], "tests:owner", lease_seconds=5, reads=reads)
+    assert set(together) == {owned.id, orphan.id}  # the first job is leased already
+    assert together[owned.id][1] == {"tenant_name": "statements", "kind": LeasedJob.name}
+    assert together[orphan.id][1] == {"tenant_name": None, "kind": LeasedJob.name}
+    assert together[orphan.id][0].lease_owner == "tests:owner" and _job(orphan.id).status == "running"
+    assert jobs.lease(owned.id, "tests:other", lease_seconds=5, reads=reads) is None
 
 
 def test_the_lease_probes_of_other_tenants_keep_the_partial_index_under_a_generic_plan(database):

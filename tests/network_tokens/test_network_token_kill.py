@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from tests.conftest import REDIS_PREFIX, TEST_DATABASE_URL, _drop_database, _recreate_database, free_port
@@ -272,14 +272,9 @@ def test_a_worker_dying_after_the_network_answered_gets_the_same_token_on_retry(
         caller = authenticate(session, tenant.api_key)
         started = network_tokens.create_network_token(session, caller, {"data": card})
         session.flush()
-        doomed, _ = jobs_.lease(started.job_id, "doomed-worker", lease_seconds=2, session=session)
-        reads = Provision().lease_reads()  # what the lease statement reads for the provider call
-        read = dict(
-            session.execute(
-                select(*(value.label(name) for name, value in reads.items())).where(Job.id == started.job_id)
-            )
-            .mappings()
-            .one()
+        # with what the lease statement reads for the provider call
+        doomed, read = jobs_.lease(
+            started.job_id, "doomed-worker", lease_seconds=2, reads=Provision().lease_reads(), session=session
         )
         session.expunge(doomed)
     # the doomed worker calls the network with the job id as idempotency key; the network answers ...
