@@ -53,6 +53,7 @@ from domain.tenancy.caller import Caller
 from infra import jobs
 from providers.agentic_http import provider_for
 from storage.crypto import get_keyring
+from storage.db import read_one_snapshot
 from storage.keyset import keyset_page
 from storage.models_agentic import ProviderError
 from storage.models_allowances import Allowance, AllowanceRail
@@ -196,7 +197,9 @@ def view_of(session: Session, allowance: Allowance) -> dict:
 
 
 def read_allowance(session: Session, caller: Caller, allowance_id: str) -> dict:
-    """``GET /agentic/allowances/{id}``: 404 ``ALLOWANCE_NOT_FOUND`` when absent in the tenant."""
+    """``GET /agentic/allowances/{id}``: 404 ``ALLOWANCE_NOT_FOUND`` when absent in the tenant. The
+    allowance and its rails are read from one snapshot (:func:`storage.db.read_one_snapshot`)."""
+    read_one_snapshot(session)
     row = session.exec(
         select(Allowance).where(Allowance.id == allowance_id, Allowance.tenant_id == caller.tenant_id)
     ).first()
@@ -216,7 +219,9 @@ def list_allowances(
     status: AllowanceStatus | None,
 ) -> tuple[list[dict], dict | None]:
     """``GET /agentic/allowances``: newest first (created_at, id), filtered by payment method and
-    status (as stored; ``expired`` also matches live allowances past their expiry)."""
+    status (as stored; ``expired`` also matches live allowances past their expiry); the allowances
+    and their rails read from one snapshot (:func:`storage.db.read_one_snapshot`)."""
+    read_one_snapshot(session)
     query = select(Allowance).where(Allowance.tenant_id == caller.tenant_id)
     if payment_method_id is not None:
         query = query.where(Allowance.payment_method_id == payment_method_id)
