@@ -35,6 +35,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, CursorResult, Engine, Result
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.orm import configure_mappers
 from sqlalchemy.sql.dml import UpdateBase
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session, SQLModel
@@ -739,10 +740,18 @@ def row_instance(model: type[M], row: dict[str, Any]) -> M:
     (a job's lease returns its row) or one the caller writes itself (a job recorded into
     :class:`Rows`): about 2 us, where ``model.model_validate`` takes about 45 and the constructor
     more. Not for ``session.add``: nothing in it counts as a change, so a flush would write none of
-    its values."""
+    its values. The mappers are configured on a process's first call (as the ORM's first query would
+    configure them), so an instance made before any query still reads its attributes."""
+    if model not in _CONFIGURED_MODELS:
+        configure_mappers()
+        _CONFIGURED_MODELS.add(model)
     instance = cast(M, inspect(model).class_manager.new_instance())
     instance.__dict__.update(row)
     return instance
+
+
+#: The models :func:`row_instance` has seen with their mappers configured.
+_CONFIGURED_MODELS: set[type] = set()
 
 
 def insert_rows(session: OrmSession, rows: Rows) -> None:

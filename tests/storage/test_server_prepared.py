@@ -289,3 +289,22 @@ def test_a_lazy_session_is_made_only_when_used_and_ends_as_a_session_scope_does(
         assert (
             session.execute(text("select name from tenants where id = :id"), {"id": tenant.tenant_id}).scalar() == name
         )
+
+
+def test_a_row_instance_made_before_any_query_of_its_process_reads_its_fields():
+    """A fresh process (a worker's first lease returns its job before the ORM ran any query) gets a
+    job whose fields read: ``row_instance`` configures the mappers first, as a query would."""
+    import subprocess
+    import sys
+
+    script = (
+        "import uuid\n"
+        "from storage.db import row_instance\n"
+        "from storage.models import Job\n"
+        "job_id = uuid.uuid4()\n"
+        "job = row_instance(Job, {'id': job_id, 'kind': 'k'})\n"
+        "assert (job.id, job.kind) == (job_id, 'k')\n"
+        "print('read')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "read"), done.stderr
