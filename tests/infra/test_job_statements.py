@@ -222,7 +222,7 @@ def test_a_lease_reads_the_tables_joined_to_the_job_row_and_nulls_where_a_row_is
     assert one is not None and (one[0].id, one[0].status, one[0].attempts) == (alone.id, "running", 1)
     assert one[1] == {"tenant_name": "statements", "kind": LeasedJob.name}
     together = jobs.lease_together([owned.id, orphan.id, alone.id], "tests:owner", lease_seconds=5, reads=reads)
-    assert set(together) == {owned.id, orphan.id}  # the first job is leased already
+    assert set(together) == {owned.id, orphan.id}  # `alone` is leased already
     assert together[owned.id][1] == {"tenant_name": "statements", "kind": LeasedJob.name}
     assert together[orphan.id][1] == {"tenant_name": None, "kind": LeasedJob.name}
     assert together[orphan.id][0].lease_owner == "tests:owner" and _job(orphan.id).status == "running"
