@@ -119,10 +119,11 @@ class NewToken:
         return dict(zip(_COLUMN_NAMES, _ATTRIBUTES(self), strict=True))
 
 
-def live(now: dt.datetime | ColumnElement[dt.datetime]) -> ColumnElement[bool]:
+def live(now: dt.datetime | ColumnElement[dt.datetime], tokens: FromClause | None = None) -> ColumnElement[bool]:
     """The condition of a live token: no ``expires_at``, or one after ``now`` (a time, or an SQL
-    expression of one such as a lease statement's :data:`infra.jobs.LEASE_NOW`)."""
-    expires_at = table_of(Token).c.expires_at  # the table's column: Core statements use it too
+    expression of one such as a lease statement's :data:`infra.jobs.LEASE_NOW`); over ``tokens``, an
+    alias of the table, when given."""
+    expires_at = (tokens if tokens is not None else table_of(Token)).c.expires_at  # Core statements use it too
     return or_(expires_at.is_(None), expires_at > now)
 
 
@@ -160,8 +161,8 @@ def open_token_data(
 
 @dataclass(frozen=True)
 class LiveTokenJoin:
-    """The live token a statement joins (:func:`live_token_join`): ``table`` to outer-join ``on``
-    ``on``, and ``columns``, the values :func:`open_token_data` needs (``token_type``,
+    """The live token a statement joins (:func:`live_token_join`): ``table``, to outer-join on the
+    condition ``on``, and ``columns``, the values :func:`open_token_data` needs (``token_type``,
     ``token_data_ct``, ``token_cvc_expires_at``: NULL when the token is missing or expired)."""
 
     table: FromClause
@@ -180,11 +181,7 @@ def live_token_join(tenant_id: Any, token_id: Any, now: ColumnElement[dt.datetim
     token = table_of(Token).alias("live_token")
     return LiveTokenJoin(
         token,
-        and_(
-            token.c.tenant_id == tenant_id,
-            token.c.id == token_id,
-            or_(token.c.expires_at.is_(None), token.c.expires_at > now),
-        ),
+        and_(token.c.tenant_id == tenant_id, token.c.id == token_id, live(now, token)),
         {f"token_{name}": token.c[name] for name in ("type", "data_ct", "cvc_expires_at")},
     )
 
