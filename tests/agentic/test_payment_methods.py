@@ -456,7 +456,9 @@ def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(ten
     assert len(transaction) == 2, transaction
     write = transaction[1]
     for table in ("agentic_operation_leases", "jobs", "token_activity", "audit_logs"):
-        assert f"INSERT INTO {table}" in write
+        assert re.search(rf'INSERT INTO "?{table}"? ', write), table
+    for table in ("jobs", "token_activity", "audit_logs"):  # the rows from JSON documents, no statement per row
+        assert f'FROM json_populate_recordset(NULL::"{table}", ' in write
     assert "ON CONFLICT (resource_id) DO UPDATE" in write
     assert re.search(r"\)\s+UPDATE agentic_payment_method_rails SET", write)  # the rail's change is the main statement
     retried = [job for job in jobs_of(pm["id"]) if job.status == "succeeded"]

@@ -8,9 +8,10 @@ import datetime as dt
 import uuid
 
 import pytest
-from sqlalchemy import inspect, select
+from sqlalchemy import event, inspect, select, update
+from sqlalchemy.engine import Engine
 
-from storage.db import Rows, insert_rows, session_scope
+from storage.db import Rows, insert_rows, session_scope, stage_inserts, stage_write
 from storage.models import AuditLog, Token
 from storage.types import table_of
 
@@ -71,7 +72,10 @@ def _orm_twin(tenant, **values) -> dict:
     ],
     ids=["values", "json-string", "nulls", "huge-integer"],
 )
-def test_rows_are_stored_as_an_orm_insert_stores_them(tenant, values):
+@pytest.mark.parametrize("how", ["insert_rows", "stage_inserts", "stage_inserts beside a write"])
+def test_rows_are_stored_as_an_orm_insert_stores_them(tenant, values, how):
+    """``insert_rows`` writes at once; ``stage_inserts`` at the commit, in the one statement of the
+    writes queued beside (``stage_write``): here an update of another token."""
     token_id = f"rows-{uuid.uuid4()}"
     rows = Rows()
     token = _token(tenant, token_id, **values)
@@ -91,9 +95,38 @@ def test_rows_are_stored_as_an_orm_insert_stores_them(tenant, values):
             "created_at": token.created_at,
         },
     )
-    with session_scope() as session:
-        insert_rows(session, rows)
+    other_id = f"other-{uuid.uuid4()}"
+    if how == "stage_inserts beside a write":
+        other = Rows()
+        other.add(TOKENS, _row(_token(tenant, other_id)))
+        with session_scope() as session:
+            insert_rows(session, other)
+    sent: list[str] = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        sent.append(statement)
+
+    event.listen(Engine, "before_cursor_execute", record)
+    try:
+        with session_scope() as session:
+            if how == "insert_rows":
+                insert_rows(session, rows)
+            else:
+                stage_inserts(session, rows)
+                if how == "stage_inserts beside a write":
+                    stage_write(
+                        session,
+                        update(TOKENS)
+                        .where(TOKENS.c.tenant_id == tenant.id, TOKENS.c.id == other_id)
+                        .values(metadata={"touched": True}),
+                    )
+                assert sent == []  # nothing is sent before the commit
+    finally:
+        event.remove(Engine, "before_cursor_execute", record)
+    assert len(sent) == 1, sent  # one statement: every table's rows (and the write beside them)
     assert _stored(tenant, token_id) == _orm_twin(tenant, **values)
+    if how == "stage_inserts beside a write":
+        assert _stored(tenant, other_id)["metadata"] == {"touched": True}
     with session_scope() as session:
         log = session.get(AuditLog, log_id)
         assert log is not None and log.message == 'it\'s "made"' and log.created_at == token.created_at
