@@ -1072,8 +1072,9 @@ def stage_inserts(session: OrmSession, rows: Rows) -> None:
     (:func:`stage_write`), just before the commit (:func:`flush_writes`): on PostgreSQL they and those
     writes are one statement (foreign keys are checked when it ends, so a row may name one inserted
     beside it), each table's rows one ``INSERT`` from a JSON document whose text is made once per
-    shape: no statement object is built and no cache key walked per value (a rail retry's job, audit
-    and activity rows: about 0.4 ms of the api's CPU as one Core ``INSERT`` a row). Rows of one table
+    shape: no statement object is built and no cache key walked per value (a rail retry's writes
+    took 0.87 ms of CPU to stage and send, against 1.09 ms with one Core ``INSERT`` a row;
+    ``benchmarks/README.md``). Rows of one table
     queued by several calls share one set of keys (:class:`Rows`). For a unit of work's few rows;
     :func:`insert_rows` writes many."""
     staged, _ = transaction_state(session, _ROWS, Rows)
