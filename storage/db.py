@@ -37,7 +37,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.orm import configure_mappers
 from sqlalchemy.sql.dml import UpdateBase
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.elements import ColumnElement, TextClause
 from sqlmodel import Session, SQLModel
 
 from config.settings import get_settings
@@ -634,7 +634,7 @@ def flush_writes(session: OrmSession) -> None:
     if not writes and not rows:
         return
     statements: list[UpdateBase] = list(writes or ())
-    batches = [(table, ignore, list(batch)) for (table, ignore), batch in rows.tables.items() if batch] if rows else []
+    batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch] if rows else []
     session.info.pop(_WRITES, None)
     session.info.pop(_ROWS, None)
     if not statements and not batches:
@@ -642,22 +642,21 @@ def flush_writes(session: OrmSession) -> None:
     session.flush()
     connection = session.connection()
     dialect = connection.dialect
-    if dialect.name == "postgresql":
-        parts = _json_parts(batches, dialect)
-        if parts is None:  # a value JSON cannot carry: one statement a row, beside the writes
-            statements += _row_statements(dialect.name, batches)
-        elif not statements:
-            _pg_insert(connection, batches)
-            return
-        if len(statements) > 1 or parts:
-            *first, last = statements
-            ctes = [statement.cte(f"staged_{n}") for n, statement in enumerate(first)]
-            session.execute(last.add_cte(*ctes, *(part.cte(f"staged_rows_{n}") for n, part in enumerate(parts or ()))))
-            return
-    else:
+    if dialect.name != "postgresql":
+        for statement in statements + _row_statements(dialect.name, batches):
+            session.execute(statement)
+        return
+    if not statements:  # rows only: the one statement of insert_rows
+        _pg_insert(connection, batches)
+        return
+    parts = _json_parts(batches, dialect)
+    if parts is None:  # a value JSON cannot carry: one statement a row, beside the writes
         statements += _row_statements(dialect.name, batches)
-    for statement in statements:
-        session.execute(statement)
+        parts = []
+    *first, last = statements
+    ctes = [statement.cte(f"staged_{n}") for n, statement in enumerate(first)]
+    ctes += [part.cte(f"staged_rows_{n}") for n, part in enumerate(parts)]
+    session.execute(last.add_cte(*ctes) if ctes else last)
 
 
 def _json_parts(batches: list[tuple[Table, bool, list[dict]]], dialect) -> list | None:
@@ -667,12 +666,17 @@ def _json_parts(batches: list[tuple[Table, bool, list[dict]]], dialect) -> list 
         documents = [_json_rows(table, batch, dialect) for table, _, batch in batches]
     except TypeError:
         return None
-    parts = []
-    for n, ((table, ignore, batch), document) in enumerate(zip(batches, documents, strict=True)):
-        name = f"rows_{n}"
-        sql = _pg_json_insert(table, ignore, tuple(batch[0]), f":{name}")
-        parts.append(text(sql).bindparams(**{name: document}).columns())
-    return parts
+    return [
+        _json_insert_clause(table, ignore, tuple(batch[0]), n).bindparams(**{f"rows_{n}": document}).columns()
+        for n, ((table, ignore, batch), document) in enumerate(zip(batches, documents, strict=True))
+    ]
+
+
+@functools.lru_cache(maxsize=2_000)
+def _json_insert_clause(table: Table, ignore: bool, names: tuple[str, ...], n: int) -> TextClause:
+    """:func:`_pg_json_insert` as a textual clause whose document is the bind parameter ``rows_<n>``
+    (parsed once per shape)."""
+    return text(_pg_json_insert(table, ignore, names, f":rows_{n}"))
 
 
 def _row_statements(dialect_name: str, batches: list[tuple[Table, bool, list[dict]]]) -> list[UpdateBase]:
