@@ -28,7 +28,6 @@ if __name__ == "__main__" and not __package__:  # run as a file: import from the
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import argparse
-import statistics
 import time
 import uuid
 
@@ -83,29 +82,13 @@ def main() -> None:
     leftovers = redis.Redis.from_url(args.redis_url)
     for key in leftovers.scan_iter(f"{PREFIX}*"):  # the exchanges' bindings
         leftovers.delete(key)
-    cpu = {name: statistics.median(c for c, _ in rounds) for name, rounds in figures.items()}
-    wall = {name: statistics.median(w for _, w in rounds) for name, rounds in figures.items()}
-    common.print_table(
-        f"Per publish, medians of {args.rounds} rounds of {args.messages:,} messages",
-        ["transport", "CPU us", "wall us"],
-        [(name, round(cpu[name], 1), round(wall[name], 1)) for name in TRANSPORTS],
-    )
-    print(f"CPU ratio platform / kombu: {cpu[PLATFORM] / cpu[KOMBU]:.2f}")
-    common.publish(
+    common.publish_cpu_and_wall(
         "broker_publish",
-        [
-            common.Figure(
-                "broker_publish", "CPU per message published", cpu[PLATFORM] / 1000, "ms", KOMBU, cpu[KOMBU] / 1000
-            ),
-            common.Figure(
-                "broker_publish",
-                "wall time per message published",
-                wall[PLATFORM] / 1000,
-                "ms",
-                KOMBU,
-                wall[KOMBU] / 1000,
-            ),
-        ],
+        figures,
+        platform=PLATFORM,
+        reference=KOMBU,
+        per="message published",
+        title=f"Per publish, medians of {args.rounds} rounds of {args.messages:,} messages",
     )
 
 

@@ -577,6 +577,36 @@ def publish(benchmark: str, figures: Sequence[Figure]) -> Path:
     return path
 
 
+def publish_cpu_and_wall(
+    benchmark: str,
+    rounds: dict[str, list[tuple[float, float]]],
+    *,
+    platform: str,
+    reference: str,
+    per: str,
+    title: str,
+) -> None:
+    """Print and publish two variants measured in one process: ``rounds`` maps each variant's name to
+    its rounds' ``(CPU, wall)`` microseconds per ``per`` (e.g. "message published"); their medians
+    in a table titled ``title``, the CPU ratio ``platform`` / ``reference``, and both figures (in ms)
+    with ``reference`` as their reference."""
+    cpu = {name: statistics.median(c for c, _ in figures) for name, figures in rounds.items()}
+    wall = {name: statistics.median(w for _, w in figures) for name, figures in rounds.items()}
+    print_table(
+        f"{title} (load average {os.getloadavg()[0]:.2f} at the end)",
+        ["variant", "CPU us", "wall us"],
+        [(name, round(cpu[name], 1), round(wall[name], 1)) for name in rounds],
+    )
+    print(f"CPU ratio {platform} / {reference}: {cpu[platform] / cpu[reference]:.2f}")
+    publish(
+        benchmark,
+        [
+            Figure(benchmark, f"CPU per {per}", cpu[platform] / 1000, "ms", reference, cpu[reference] / 1000),
+            Figure(benchmark, f"wall time per {per}", wall[platform] / 1000, "ms", reference, wall[reference] / 1000),
+        ],
+    )
+
+
 def print_table(title: str, headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
     """Print a plain-text table: text left-aligned, numbers right-aligned."""
     cells = [[_cell(v) for v in row] for row in rows]

@@ -47,6 +47,7 @@ BENCHMARKS = (
     "reactors",
     "sandbox_account_updates",
     "soak",
+    "statements",
     "tokenize",
     "webhooks",
 )

@@ -7,6 +7,12 @@ One engine per process, made on first use from the settings. A unit of work is::
 
 SQLite (the embedded default) runs in WAL mode with a busy timeout so the api, the worker and beat
 can share the file.
+
+The one-statement paths of the jobs (:func:`execute_once_more_on_disconnect`, :func:`execute_durable`,
+:func:`execute_durable_together`, :func:`read_first`, :func:`read_all`, :func:`insert_rows_last`) run
+a statement built once (:func:`server_prepared`) on the driver's cursor on PostgreSQL, without
+SQLAlchemy's execution (:mod:`storage.driver`), with the same rows and errors; through SQLAlchemy
+elsewhere, and while something listens to the engine's statements.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import decimal
 import functools
 import io
 import logging
-import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Executor
@@ -28,7 +33,6 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import orjson
-import psycopg2
 from sqlalchemy import JSON, LargeBinary, Table, create_engine, event, insert, inspect, literal_column, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -41,6 +45,8 @@ from sqlalchemy.sql.elements import ColumnElement, TextClause
 from sqlmodel import Session, SQLModel
 
 from config.settings import get_settings
+from storage import driver
+from storage.driver import SERVER_PREPARED
 from storage.types import table_of
 
 log = logging.getLogger("tessera.db")
@@ -104,12 +110,7 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
     return _with_server_prepared(create_engine(url, **_pool_options(pool_size), connect_args=_connect_args()))
 
 
-#: The execution option that runs a statement as a server-side prepared statement on PostgreSQL
-#: (:func:`server_prepared`).
-SERVER_PREPARED = "tessera_server_prepared"
-_PREPARED_ON_CONNECTION = "tessera_prepared"
 _PREPARED_OPTIONS = {SERVER_PREPARED: True}
-_PLACEHOLDER = re.compile(r"%%|%s|%\(([^)]+)\)s")
 
 
 def server_prepared(statement: T) -> T:
@@ -258,39 +259,7 @@ def _execute_prepared(
         or not context.execution_options.get(SERVER_PREPARED)
     ):
         return statement, parameters
-    prepared = connection.info.setdefault(_PREPARED_ON_CONNECTION, {})
-    if statement not in prepared:
-        order: list[str] = []
-
-        def positional(match: re.Match[str]) -> str:
-            if match.group(0) == "%%":
-                return "%"
-            key = match.group(1) if match.group(1) is not None else str(len(order))
-            if key not in order:
-                order.append(key)
-            return f"${order.index(key) + 1}"
-
-        body = _PLACEHOLDER.sub(positional, statement)
-        name = f"tessera_{len(prepared) + 1}"
-        try:
-            cursor.execute(f"PREPARE {name} AS {body}")
-        except psycopg2.Error:
-            if not cursor.connection.autocommit:  # the transaction is lost: the statement fails
-                raise
-            # a parameter whose type the server cannot tell without its value: run it as it is
-            log.warning("a statement could not be prepared; it runs unprepared", exc_info=True)
-            prepared[statement] = None
-        else:
-            prepared[statement] = (name, tuple(order))
-    known = prepared[statement]
-    if known is None:
-        return statement, parameters
-    name, order = known
-    if not order:
-        return f"EXECUTE {name}", parameters
-    if isinstance(parameters, tuple):
-        return f"EXECUTE {name} ({', '.join(['%s'] * len(order))})", parameters
-    return f"EXECUTE {name} ({', '.join(f'%({key})s' for key in order)})", parameters
+    return driver.prepared_text(connection.info, cursor, statement, parameters)
 
 
 @functools.cache
@@ -321,6 +290,28 @@ def get_lease_engine() -> Engine | None:
     )
 
 
+def _on_driver(engine: Engine, statement: Any) -> driver.DriverStatement | None:
+    """``statement`` compiled to run on the driver of ``engine``'s connections (:mod:`storage.driver`),
+    or None when it runs through SQLAlchemy."""
+    if not driver.runs_on_driver(engine, statement):
+        return None
+    return driver.driver_statement(statement, engine.dialect, prepared=get_settings().db_prepared_statements)
+
+
+def _driver_once_more_on_disconnect(engine: Engine, run: Callable[[dict, Any], T]) -> T:
+    """``run(info, cursor)`` on a driver cursor of ``engine`` (:func:`storage.driver.driver_cursor`),
+    once more on a fresh connection when the first turned out to be closed by the server."""
+    for attempt in (1, 2):
+        try:
+            with driver.driver_cursor(engine) as (info, cursor):
+                return run(info, cursor)
+        except DBAPIError as exc:
+            if attempt == 2 or not exc.connection_invalidated:
+                raise
+            log.info("a pooled connection was closed by the server; running the statement again")
+    raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+
 def _once_more_on_disconnect(engine: Engine, run: Callable[[Connection], T]) -> T:
     """``run(connection)`` on a connection of ``engine``; once more on a fresh connection when the
     first turned out to be closed by the server (SQLAlchemy then invalidates the pool)."""
@@ -345,13 +336,21 @@ def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | No
     the second run takes nothing the first one took). ``params``: values of the statement's bind
     parameters."""
 
+    def rows(result: Result | None):
+        if every_row:
+            return result.mappings().all() if result is not None else []
+        return result.mappings().first() if result is not None else None
+
     def run(connection: Connection):
         result = connection.execute(statement, params)
-        if every_row:
-            return result.mappings().all() if result.returns_rows else []
-        return result.mappings().first() if result.returns_rows else None
+        return rows(result if result.returns_rows else None)
 
-    return _once_more_on_disconnect(engine, run)
+    compiled = _on_driver(engine, statement)
+    if compiled is None:
+        return _once_more_on_disconnect(engine, run)
+    return _driver_once_more_on_disconnect(
+        engine, lambda info, cursor: rows(driver.execute(info, cursor, compiled, params))
+    )
 
 
 @contextlib.contextmanager
@@ -365,14 +364,14 @@ def _durable_autocommit() -> Iterator[Connection]:
     if engine.dialect.name != "postgresql":
         raise NotImplementedError("one-statement transactions need PostgreSQL")
     with engine.connect() as connection:
-        driver = connection.connection.dbapi_connection
-        assert driver is not None  # a connection just checked out of the pool
-        driver.autocommit = True  # psycopg2 sends no BEGIN: each statement commits when it ends
+        dbapi = connection.connection.dbapi_connection
+        assert dbapi is not None  # a connection just checked out of the pool
+        dbapi.autocommit = True  # psycopg2 sends no BEGIN: each statement commits when it ends
         try:
             yield connection
         finally:
-            if not driver.closed:
-                driver.autocommit = False  # as the pool hands it out: nothing was sent to the server
+            if not dbapi.closed:
+                dbapi.autocommit = False  # as the pool hands it out: nothing was sent to the server
 
 
 def execute_durable(statement, params: dict | None = None):
@@ -382,6 +381,12 @@ def execute_durable(statement, params: dict | None = None):
     PostgreSQL only: raises :class:`NotImplementedError` elsewhere (check
     :func:`one_statement_transactions` first). Not run again after a lost connection: whether it
     committed is then unknown, so the error is raised."""
+    engine = get_engine()
+    compiled = _on_driver(engine, statement)
+    if compiled is not None:
+        with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+            result = driver.execute(info, cursor, compiled, params)
+            return result.first() if result is not None else None
     with _durable_autocommit() as connection:
         result = connection.execute(statement, params)
         return result.first() if result.returns_rows else None
@@ -409,6 +414,17 @@ def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
     engine = get_engine()
     if engine.dialect.name != "postgresql":
         raise NotImplementedError("durable statements need PostgreSQL")
+    compiled = [_on_driver(engine, statement) for statement, _ in statements]
+    if all(each is not None for each in compiled):
+        with driver.driver_cursor(engine, autocommit=False) as (info, cursor):
+            # a failure leaves the transaction to the pool's reset (a rollback) when the connection goes back
+            firsts = [
+                _first(driver.execute(info, cursor, each, params))
+                for each, (_, params) in zip(compiled, statements, strict=True)
+                if each is not None
+            ]
+            cursor.connection.commit()
+        return firsts
     with engine.begin() as connection:
         rows = []
         for statement, params in statements:
@@ -432,7 +448,16 @@ def read_first(statement, params: dict | None = None):
     if engine is None:
         with session_scope() as session:
             return session.execute(statement, params).first()
+    compiled = _on_driver(engine, statement)
+    if compiled is not None:
+        return _driver_once_more_on_disconnect(
+            engine, lambda info, cursor: _first(driver.execute(info, cursor, compiled, params))
+        )
     return _once_more_on_disconnect(engine, lambda connection: connection.execute(statement, params).first())
+
+
+def _first(result: Result | None):
+    return result.first() if result is not None else None
 
 
 def read_all(statement, params: dict | None = None) -> list:
@@ -442,7 +467,16 @@ def read_all(statement, params: dict | None = None) -> list:
     if engine is None:
         with session_scope() as session:
             return list(session.execute(statement, params).all())
+    compiled = _on_driver(engine, statement)
+    if compiled is not None:
+        return _driver_once_more_on_disconnect(
+            engine, lambda info, cursor: _all(driver.execute(info, cursor, compiled, params))
+        )
     return _once_more_on_disconnect(engine, lambda connection: list(connection.execute(statement, params).all()))
+
+
+def _all(result: Result | None) -> list:
+    return list(result.all()) if result is not None else []
 
 
 def execute_unflushed(statement) -> None:
@@ -960,8 +994,15 @@ def _pg_insert(connection: Connection, batches: list[tuple[Table, bool, list[dic
     except TypeError:  # e.g. an integer beyond 64 bits in a JSON column
         _pg_values_insert(connection, batches)
         return
-    shape = tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
-    connection.exec_driver_sql(_pg_json_text(shape), tuple(documents), execution_options=_PREPARED_OPTIONS)
+    connection.exec_driver_sql(
+        _pg_json_text(_json_shape(batches)), tuple(documents), execution_options=_PREPARED_OPTIONS
+    )
+
+
+def _json_shape(batches: list[tuple[Table, bool, list[dict]]]) -> tuple:
+    """The key of :func:`_pg_json_text` for ``batches``: each table, whether it ignores conflicts,
+    and the names of its rows' columns."""
+    return tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
 
 
 def _json_rows(table: Table, batch: list[dict], dialect) -> str:
@@ -1122,6 +1163,22 @@ def insert_rows_last(session: OrmSession, rows: Rows) -> None:
         return
     batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
     if batches:
+        engine = get_engine()
+        if driver.runs_on_driver(engine):
+            try:
+                documents = [_json_rows(table, batch, engine.dialect) for table, _, batch in batches]
+            except TypeError:  # a value JSON cannot carry: the statement of VALUES literals below
+                pass
+            else:
+                with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+                    driver.execute_text(
+                        info,
+                        cursor,
+                        _pg_json_text(_json_shape(batches)),
+                        tuple(documents),
+                        prepared=get_settings().db_prepared_statements,
+                    )
+                return
         with _durable_autocommit() as connection:
             _pg_insert(connection, batches)
 

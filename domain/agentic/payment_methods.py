@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Select
+from sqlalchemy import Select, not_
 from sqlmodel import Session, col, select
 
 from domain.agentic import leases
@@ -34,11 +34,11 @@ from domain.webhooks import events
 from infra import jobs
 from providers.agentic import DISPLAY_FIELDS
 from storage.crypto import get_keyring
-from storage.db import Rows, lazy_session, stage_write
+from storage.db import Rows, in_constants, lazy_session, stage_write
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail, ProviderError
 from storage.states import PaymentMethodStatus, RailStatus
-from storage.types import utcnow
+from storage.types import table_of, utcnow
 
 SOURCE_TYPE = "svc_card_token"
 RAIL_EVENT = "agentic.payment-method.rail.retried"
@@ -222,7 +222,10 @@ def enrolling_rails(pm_id: Any, operation_id: Any, *, other_than_job: uuid.UUID 
     whose enrollment job is not settled yet (but ``other_than_job``); both may be SQL expressions.
     The one test of "an enrollment of the operation is still running" that releasing its lease asks."""
     unsettled = select(Job.id).where(
-        Job.id == PaymentMethodRail.job_id, Job.kind == ENROLL_TASK, col(Job.status).not_in(jobs.TERMINAL)
+        Job.id == PaymentMethodRail.job_id,
+        Job.kind == ENROLL_TASK,
+        # constants, not an expanding IN: the statement's text is the same on every run
+        not_(in_constants(table_of(Job).c.status, jobs.TERMINAL)),
     )
     if other_than_job is not None:
         unsettled = unsettled.where(Job.id != other_than_job)

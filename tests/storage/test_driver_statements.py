@@ -1,0 +1,238 @@
+"""Statements run on the driver's cursor (``storage.driver``) on real PostgreSQL: the same rows, types
+and errors as through SQLAlchemy; prepared once per connection; a connection the server closed is
+replaced (and a lease-like statement runs once more); a joint transaction writes all or nothing;
+SQLAlchemy's path is kept while something listens to the engine's statements."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import psycopg2
+import pytest
+from sqlalchemy import Integer, bindparam, event, insert, literal_column, select, text
+from sqlalchemy.exc import DBAPIError, IntegrityError
+
+from config.settings import get_settings, reload_settings
+from domain.tenancy.tenants import create_tenant
+from storage import driver
+from storage.db import (
+    execute_durable,
+    execute_durable_together,
+    execute_once_more_on_disconnect,
+    get_engine,
+    get_lease_engine,
+    read_all,
+    read_first,
+    reset_engine,
+    server_prepared,
+    session_scope,
+)
+from storage.models import Job
+from storage.types import table_of
+from tests.storage.test_server_prepared import _STATEMENT
+
+pytestmark = pytest.mark.worker
+
+_JOBS = table_of(Job)
+_READ = _STATEMENT  # typed parameters, a repeated one, a literal percent sign, typed results
+_SERIES = server_prepared(
+    select(literal_column("n").label("n")).select_from(
+        text("generate_series(1, :count) AS n").bindparams(bindparam("count", type_=Integer))
+    )
+)
+
+
+def _tenant_id() -> uuid.UUID:
+    name = f"driver-{uuid.uuid4().hex[:8]}"
+    with session_scope() as session:
+        return create_tenant(session, name=name, owner_email=f"{name}@example.com").tenant_id
+
+
+def _job_insert():
+    return server_prepared(
+        insert(_JOBS)
+        .values(
+            id=bindparam("job_id", type_=_JOBS.c.id.type),
+            tenant_id=bindparam("tenant_id", type_=_JOBS.c.tenant_id.type),
+            kind="driver.test",
+            subject_type="test",
+            subject_id=bindparam("subject", type_=_JOBS.c.subject_id.type),
+            status="succeeded",  # settled: no sweep or relay of the shared test database picks it up
+            attempts=0,
+            max_attempts=1,
+            due_at=bindparam("at", type_=_JOBS.c.due_at.type),
+            created_at=bindparam("at", type_=_JOBS.c.created_at.type),
+            updated_at=bindparam("at", type_=_JOBS.c.updated_at.type),
+        )
+        .returning(_JOBS.c.id, _JOBS.c.created_at, _JOBS.c.result)
+    )
+
+
+_INSERT = _job_insert()
+
+
+def _jobs_named(subject: str) -> int:
+    with session_scope() as session:
+        return len(session.execute(select(_JOBS.c.id).where(_JOBS.c.subject_id == subject)).all())
+
+
+def _terminate_pooled(engine) -> None:
+    """Close every pooled connection of ``engine`` from the server's side (as a database restart
+    would), from a connection of its own."""
+    with engine.connect() as connection:
+        mine = connection.execute(text("SELECT pg_backend_pid()")).scalar()
+        connection.commit()
+    other = psycopg2.connect(get_engine().url.render_as_string(hide_password=False).replace("+psycopg2", ""))
+    try:
+        other.autocommit = True
+        with other.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", (mine,))
+    finally:
+        other.close()
+
+
+def test_the_driver_path_is_taken_and_reads_what_sqlalchemy_reads(database):
+    engine = get_lease_engine()
+    assert engine is not None and driver.runs_on_driver(engine, _READ)
+    job_id, at = uuid.uuid4(), dt.datetime(2026, 11, 28, 21, 0, tzinfo=dt.UTC)
+    params = {"id": job_id, "at": at, "result": {"k": [1, "two"]}, "n": 4}
+    row = read_first(_READ, params)
+    assert id(_READ) in driver._COMPILED  # compiled once for the driver: the path was taken
+    with engine.connect() as connection:
+        through_sqlalchemy = connection.execute(_READ, params).one()
+    assert tuple(row) == tuple(through_sqlalchemy) == (job_id, at, {"k": [1, "two"]}, 8, "100%")
+    assert isinstance(row.id, uuid.UUID) and row.at.tzinfo is not None and row._mapping["twice"] == 8
+    mapping = execute_once_more_on_disconnect(engine, _READ, params)
+    assert dict(mapping) == dict(through_sqlalchemy._mapping)
+    assert [row.n for row in read_all(_SERIES, {"count": 3})] == [1, 2, 3]
+    assert read_all(_SERIES, {"count": 0}) == []
+    assert execute_once_more_on_disconnect(engine, _SERIES, {"count": 0}) is None
+    assert execute_once_more_on_disconnect(engine, _SERIES, {"count": 2}, every_row=True) == [{"n": 1}, {"n": 2}]
+
+
+def test_a_statement_is_prepared_once_per_connection(database):
+    engine = get_lease_engine()
+    assert engine is not None
+    engine.dispose()  # a new connection: nothing prepared on it yet
+    for n in (1, 2, 3):
+        assert (
+            read_first(_READ, {"id": uuid.uuid4(), "at": dt.datetime.now(dt.UTC), "result": {}, "n": n}).twice == 2 * n
+        )
+    with driver.driver_cursor(engine) as (info, cursor):
+        cursor.execute("SELECT name, statement FROM pg_prepared_statements")
+        prepared = cursor.fetchall()
+        assert len(info[driver._PREPARED_ON_CONNECTION]) == 1
+    assert len(prepared) == 1 and prepared[0][0].startswith("tessera_")
+
+
+@pytest.fixture
+def unprepared(database, monkeypatch):
+    """The settings with ``db_prepared_statements`` off (as behind a transaction pooler), new engines."""
+    monkeypatch.setenv("TESSERA_DB_PREPARED_STATEMENTS", "false")
+    reload_settings()
+    reset_engine()
+    yield
+    monkeypatch.delenv("TESSERA_DB_PREPARED_STATEMENTS")
+    reload_settings()
+    reset_engine()
+
+
+def test_with_prepared_statements_off_the_statement_is_sent_as_it_is(unprepared):
+    assert not get_settings().db_prepared_statements
+    engine = get_lease_engine()
+    assert engine is not None and driver.runs_on_driver(engine, _READ)
+    assert read_first(_READ, {"id": uuid.uuid4(), "at": dt.datetime.now(dt.UTC), "result": None, "n": 1}).twice == 2
+    with driver.driver_cursor(engine) as (info, cursor):
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements")
+        assert cursor.fetchone()[0] == 0
+        assert driver._PREPARED_ON_CONNECTION not in info
+
+
+def test_a_durable_write_commits_and_its_errors_are_sqlalchemys(database):
+    tenant_id, subject = _tenant_id(), f"driver-{uuid.uuid4()}"
+    job_id, at = uuid.uuid4(), dt.datetime(2026, 11, 28, 21, 30, tzinfo=dt.UTC)
+    params = {"job_id": job_id, "tenant_id": tenant_id, "subject": subject, "at": at}
+    row = execute_durable(_INSERT, params)
+    assert tuple(row) == (job_id, at, None)
+    assert _jobs_named(subject) == 1  # committed: another connection sees it
+    with pytest.raises(IntegrityError):
+        execute_durable(_INSERT, params)  # the same id again
+    # the connection went back to the pool usable: the next write on it works
+    assert execute_durable(_INSERT, {**params, "job_id": uuid.uuid4()}) is not None
+    assert _jobs_named(subject) == 2
+
+
+def test_a_joint_transaction_writes_all_or_nothing(database):
+    tenant_id, subject = _tenant_id(), f"driver-{uuid.uuid4()}"
+    at = dt.datetime(2026, 11, 28, 21, 45, tzinfo=dt.UTC)
+    first = {"job_id": uuid.uuid4(), "tenant_id": tenant_id, "subject": subject, "at": at}
+    second = {**first, "job_id": uuid.uuid4()}
+    rows = execute_durable_together([(_INSERT, first), (_INSERT, second)])
+    assert [row.id for row in rows] == [first["job_id"], second["job_id"]]
+    assert _jobs_named(subject) == 2
+    third = {**first, "job_id": uuid.uuid4()}
+    with pytest.raises(IntegrityError):
+        execute_durable_together([(_INSERT, third), (_INSERT, first)])  # the second fails: the first is undone
+    assert _jobs_named(subject) == 2
+    with get_engine().connect() as connection:  # nothing left open on the pooled connections
+        idle = connection.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' AND pid <> pg_backend_pid()"
+            )
+        ).scalar()
+    assert idle == 0
+
+
+def test_a_connection_closed_by_the_server_is_replaced(database):
+    engine = get_lease_engine()
+    assert engine is not None
+    engine.dispose()
+    params = {"id": uuid.uuid4(), "at": dt.datetime.now(dt.UTC), "result": {}, "n": 5}
+    assert read_first(_READ, params).twice == 10  # one pooled connection, with the statement prepared
+    _terminate_pooled(engine)
+    # a read or a lease runs once more on a fresh connection
+    assert execute_once_more_on_disconnect(engine, _READ, params)["twice"] == 10
+    durable = get_engine()
+    durable.dispose()
+    tenant_id, subject = _tenant_id(), f"driver-{uuid.uuid4()}"
+    at = dt.datetime.now(dt.UTC)
+    assert execute_durable(_INSERT, {"job_id": uuid.uuid4(), "tenant_id": tenant_id, "subject": subject, "at": at})
+    _terminate_pooled(durable)
+    # a durable write is not sent again (whether it committed would be unknown): the error says why
+    with pytest.raises(DBAPIError) as raised:
+        execute_durable(_INSERT, {"job_id": uuid.uuid4(), "tenant_id": tenant_id, "subject": subject, "at": at})
+    assert raised.value.connection_invalidated
+    assert execute_durable(_INSERT, {"job_id": uuid.uuid4(), "tenant_id": tenant_id, "subject": subject, "at": at})
+    assert _jobs_named(subject) == 2
+
+
+def test_while_something_listens_to_the_engine_sqlalchemy_runs_the_statements(database):
+    engine = get_lease_engine()
+    assert engine is not None
+    sent: list[str] = []
+
+    def record(connection, cursor, statement, parameters, context, executemany):
+        sent.append(statement)
+
+    event.listen(engine, "after_cursor_execute", record)
+    try:
+        assert not driver.runs_on_driver(engine, _READ)
+        assert read_first(_READ, {"id": uuid.uuid4(), "at": dt.datetime.now(dt.UTC), "result": {}, "n": 1}).twice == 2
+    finally:
+        event.remove(engine, "after_cursor_execute", record)
+    assert len(sent) == 1  # seen by the listener: it went through SQLAlchemy
+    assert driver.runs_on_driver(engine, _READ)
+
+
+def test_a_statement_whose_text_depends_on_its_values_runs_through_sqlalchemy(database):
+    expanding = server_prepared(
+        select(literal_column("n").label("n"))
+        .select_from(text("generate_series(1, 5) AS n"))
+        .where(literal_column("n").in_(bindparam("wanted", expanding=True)))
+    )
+    engine = get_lease_engine()
+    assert engine is not None
+    assert driver.driver_statement(expanding, engine.dialect, prepared=True) is None
+    assert [row.n for row in read_all(expanding, {"wanted": [2, 4]})] == [2, 4]
+    assert [row.n for row in read_all(expanding, {"wanted": [1, 3, 5]})] == [1, 3, 5]
