@@ -385,8 +385,7 @@ def execute_durable(statement, params: dict | None = None):
     compiled = _on_driver(engine, statement)
     if compiled is not None:
         with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
-            result = driver.execute(info, cursor, compiled, params)
-            return result.first() if result is not None else None
+            return _first(driver.execute(info, cursor, compiled, params))
     with _durable_autocommit() as connection:
         result = connection.execute(statement, params)
         return result.first() if result.returns_rows else None
@@ -457,6 +456,7 @@ def read_first(statement, params: dict | None = None):
 
 
 def _first(result: Result | None):
+    """The first row of ``result`` (None without one, or without a result)."""
     return result.first() if result is not None else None
 
 
@@ -476,6 +476,7 @@ def read_all(statement, params: dict | None = None) -> list:
 
 
 def _all(result: Result | None) -> list:
+    """Every row of ``result`` (empty without a result)."""
     return list(result.all()) if result is not None else []
 
 

@@ -187,9 +187,9 @@ def driver_cursor(engine: Engine, *, autocommit: bool | None = None) -> Iterator
     """The ``info`` dict and a cursor of a connection from ``engine``'s pool, for the block; the
     connection goes back to the pool after it. ``autocommit``: the driver's mode for the block (set
     back after it; None: as the pool hands it out). A driver error is raised as SQLAlchemy's wrapped
-    error; one that shows the server closed the connection invalidates the pool (the connections
-    made before it are replaced), as SQLAlchemy's own execution does, and is raised with
-    ``connection_invalidated`` set."""
+    error, without the query the driver sent (its values are interpolated into it); one that
+    shows the server closed the connection invalidates the pool (the connections made before it are
+    replaced), as SQLAlchemy's own execution does, and is raised with ``connection_invalidated`` set."""
     raw = engine.raw_connection()
     driver: Any = raw.dbapi_connection
     assert driver is not None  # a connection just checked out of the pool
@@ -204,9 +204,8 @@ def driver_cursor(engine: Engine, *, autocommit: bool | None = None) -> Iterator
         closed = engine.dialect.is_disconnect(exc, driver, cursor)
         if closed:
             engine.pool._invalidate(raw, exc)
-        statement = getattr(cursor, "query", None)
         raise DBAPIError.instance(
-            statement.decode(errors="replace") if isinstance(statement, bytes) else None,
+            None,  # not the cursor's query: the driver interpolated the values into it
             None,
             exc,
             psycopg2.Error,

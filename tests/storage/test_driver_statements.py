@@ -156,8 +156,9 @@ def test_a_durable_write_commits_and_its_errors_are_sqlalchemys(database):
     row = execute_durable(_INSERT, params)
     assert tuple(row) == (job_id, at, None)
     assert _jobs_named(subject) == 1  # committed: another connection sees it
-    with pytest.raises(IntegrityError):
+    with pytest.raises(IntegrityError) as raised:
         execute_durable(_INSERT, params)  # the same id again
+    assert subject not in str(raised.value)  # the query, its values interpolated, is not in the error
     # the connection went back to the pool usable: the next write on it works
     assert execute_durable(_INSERT, {**params, "job_id": uuid.uuid4()}) is not None
     assert _jobs_named(subject) == 2
