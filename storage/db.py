@@ -235,31 +235,12 @@ def in_constants(column: ColumnElement[Any], values: Iterable[str]) -> ColumnEle
 
 
 def _with_server_prepared(engine: Engine) -> Engine:
-    """Install :func:`_execute_prepared` on a PostgreSQL ``engine`` when the setting allows; the
+    """Install :func:`storage.driver.execute_prepared` on a PostgreSQL ``engine`` when the setting allows; the
     engine's statements compiled through a :class:`BuiltOnceCache` either way (the engine returned
     shares ``engine``'s pool and events)."""
     if get_settings().db_prepared_statements:
-        event.listen(engine, "before_cursor_execute", _execute_prepared, retval=True)
+        event.listen(engine, "before_cursor_execute", driver.execute_prepared, retval=True)
     return engine.execution_options(compiled_cache=BuiltOnceCache(engine._compiled_cache))
-
-
-def _execute_prepared(
-    connection: Connection, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
-) -> tuple[str, Any]:
-    """The ``EXECUTE`` of a statement marked :data:`SERVER_PREPARED`, after its ``PREPARE`` when the
-    connection has not prepared it yet (the names a connection prepared are kept with the driver's
-    connection, so they go when it is closed or invalidated). The statement's text, already
-    compiled and expanded, is its key; its parameters, named or positional, become ``$1``... in the
-    ``PREPARE`` (a statement sent with ``exec_driver_sql`` is marked by that option in its
-    ``execution_options``). Any other statement passes unchanged."""
-    if (
-        executemany
-        or context is None
-        or not isinstance(parameters, dict | tuple)
-        or not context.execution_options.get(SERVER_PREPARED)
-    ):
-        return statement, parameters
-    return driver.prepared_text(connection.info, cursor, statement, parameters)
 
 
 @functools.cache
@@ -300,27 +281,34 @@ def _on_driver(engine: Engine, statement: Any) -> driver.DriverStatement | None:
 
 def _driver_once_more_on_disconnect(engine: Engine, run: Callable[[dict, Any], T]) -> T:
     """``run(info, cursor)`` on a driver cursor of ``engine`` (:func:`storage.driver.driver_cursor`),
-    once more on a fresh connection when the first turned out to be closed by the server."""
-    for attempt in (1, 2):
-        try:
-            with driver.driver_cursor(engine) as (info, cursor):
-                return run(info, cursor)
-        except DBAPIError as exc:
-            if attempt == 2 or not exc.connection_invalidated:
-                raise
-            log.info("a pooled connection was closed by the server; running the statement again")
-    raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+    as :func:`_once_more_on_disconnect` runs it."""
+
+    def attempt() -> T:
+        with driver.driver_cursor(engine) as (info, cursor):
+            return run(info, cursor)
+
+    return _twice_on_disconnect(attempt)
 
 
 def _once_more_on_disconnect(engine: Engine, run: Callable[[Connection], T]) -> T:
     """``run(connection)`` on a connection of ``engine``; once more on a fresh connection when the
     first turned out to be closed by the server (SQLAlchemy then invalidates the pool)."""
-    for attempt in (1, 2):
+
+    def attempt() -> T:
+        with engine.connect() as connection:
+            return run(connection)
+
+    return _twice_on_disconnect(attempt)
+
+
+def _twice_on_disconnect(attempt: Callable[[], T]) -> T:
+    """``attempt()``, once more when it raised with its connection invalidated (closed by the server);
+    any other error, or a second failure, is raised."""
+    for number in (1, 2):
         try:
-            with engine.connect() as connection:
-                return run(connection)
+            return attempt()
         except DBAPIError as exc:
-            if attempt == 2 or not exc.connection_invalidated:
+            if number == 2 or not exc.connection_invalidated:
                 raise
             log.info("a pooled connection was closed by the server; running the statement again")
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
@@ -990,20 +978,22 @@ def _copy_processors(table: Table, names: tuple[str, ...], dialect) -> tuple:
 def _pg_insert(connection: Connection, batches: list[tuple[Table, bool, list[dict]]]) -> None:
     """One PostgreSQL statement inserting ``batches`` (``(table, ignore_conflicts, rows)``, in order):
     each table's rows as one JSON document, else (a value JSON cannot carry) as ``VALUES`` literals."""
-    try:
-        documents = [_json_rows(table, batch, connection.dialect) for table, _, batch in batches]
-    except TypeError:  # e.g. an integer beyond 64 bits in a JSON column
+    json_insert = _pg_json_statement(batches, connection.dialect)
+    if json_insert is None:
         _pg_values_insert(connection, batches)
         return
-    connection.exec_driver_sql(
-        _pg_json_text(_json_shape(batches)), tuple(documents), execution_options=_PREPARED_OPTIONS
-    )
+    connection.exec_driver_sql(*json_insert, execution_options=_PREPARED_OPTIONS)
 
 
-def _json_shape(batches: list[tuple[Table, bool, list[dict]]]) -> tuple:
-    """The key of :func:`_pg_json_text` for ``batches``: each table, whether it ignores conflicts,
-    and the names of its rows' columns."""
-    return tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
+def _pg_json_statement(batches: list[tuple[Table, bool, list[dict]]], dialect) -> tuple[str, tuple] | None:
+    """The text and parameters of the one statement inserting ``batches`` from JSON documents
+    (:func:`_pg_insert`), or None when a value cannot travel as JSON (e.g. an integer beyond 64 bits
+    in a JSON column)."""
+    try:
+        documents = tuple(_json_rows(table, batch, dialect) for table, _, batch in batches)
+    except TypeError:
+        return None
+    return _pg_json_text(tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)), documents
 
 
 def _json_rows(table: Table, batch: list[dict], dialect) -> str:
@@ -1165,22 +1155,12 @@ def insert_rows_last(session: OrmSession, rows: Rows) -> None:
     batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
     if batches:
         engine = get_engine()
-        if driver.runs_on_driver(engine):
-            try:
-                documents = [_json_rows(table, batch, engine.dialect) for table, _, batch in batches]
-            except TypeError:  # a value JSON cannot carry: the statement of VALUES literals below
-                pass
-            else:
-                with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
-                    driver.execute_text(
-                        info,
-                        cursor,
-                        _pg_json_text(_json_shape(batches)),
-                        tuple(documents),
-                        prepared=get_settings().db_prepared_statements,
-                    )
-                return
-        with _durable_autocommit() as connection:
+        json_insert = _pg_json_statement(batches, engine.dialect) if driver.runs_on_driver(engine) else None
+        if json_insert is not None:
+            with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+                driver.execute_text(info, cursor, *json_insert, prepared=get_settings().db_prepared_statements)
+            return
+        with _durable_autocommit() as connection:  # a value JSON cannot carry: VALUES literals
             _pg_insert(connection, batches)
 
 

@@ -23,7 +23,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg2
 from sqlalchemy.engine import Engine, Result
@@ -31,8 +31,6 @@ from sqlalchemy.engine.result import IteratorResult, SimpleResultMetaData
 from sqlalchemy.exc import DBAPIError
 
 log = logging.getLogger("tessera.db")
-
-T = TypeVar("T")
 
 #: The execution option that runs a statement as a server-side prepared statement on PostgreSQL
 #: (:func:`storage.db.server_prepared`).
@@ -82,6 +80,24 @@ def prepared_text(info: dict, cursor: Any, statement: str, parameters: Any) -> t
     if isinstance(parameters, tuple):
         return f"EXECUTE {name} ({', '.join(['%s'] * len(order))})", parameters
     return f"EXECUTE {name} ({', '.join(f'%({key})s' for key in order)})", parameters
+
+
+def execute_prepared(
+    connection: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool
+) -> tuple[str, Any]:
+    """SQLAlchemy's ``before_cursor_execute`` hook (installed by ``storage.db`` where statements are
+    server-prepared): the ``EXECUTE`` of a statement marked :data:`SERVER_PREPARED`, after its
+    ``PREPARE`` when the connection has not prepared it yet (:func:`prepared_text`; a statement sent
+    with ``exec_driver_sql`` is marked by that option in its ``execution_options``). Any other
+    statement passes unchanged."""
+    if (
+        executemany
+        or context is None
+        or not isinstance(parameters, dict | tuple)
+        or not context.execution_options.get(SERVER_PREPARED)
+    ):
+        return statement, parameters
+    return prepared_text(connection.info, cursor, statement, parameters)
 
 
 class DriverStatement:
@@ -179,7 +195,7 @@ def runs_on_driver(engine: Engine, statement: Any = None) -> bool:
     dispatch = engine.dispatch
     if dispatch.engine_connect or dispatch.after_cursor_execute:
         return False
-    return all(getattr(listener, "__name__", "") == "_execute_prepared" for listener in dispatch.before_cursor_execute)
+    return all(listener is execute_prepared for listener in dispatch.before_cursor_execute)
 
 
 @contextmanager
