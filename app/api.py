@@ -38,7 +38,7 @@ from domain.tenancy.auth import authenticate, caller_cache
 from domain.tenancy.caller import Caller
 from infra.errors import Problem, not_found, validation_errors, validation_problem
 from infra.lookup import parse_uuid
-from infra.wait import Outcome, read_outcomes
+from infra.wait import Outcome, read_outcomes, reply_to_waits
 from storage.crypto import KeyUnavailable
 from storage.db import session_scope
 
@@ -349,6 +349,8 @@ async def _pipeline(route: Route, request: web.Request) -> web.StreamResponse:
     query = _parse_query(route.query, request) if route.query else None
     payload, body = await _parse_body(route, request) if route.body is not None else (None, None)
     call = Call(request, caller, body, query, trace_id, payload=payload)
+    waits = request.app.get(JOB_WAITS)
+    reply_to_waits(waits.reply_address if waits is not None else None)  # the jobs it records answer here
     result = await route.handler(call)
     response = _to_response(route, result)
     for name, value in route.extra_headers.items():

@@ -26,6 +26,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from infra import wait
 from infra.celery import DELIVER_TASK, celery_app
 from storage.db import on_commit, transaction_state
 
@@ -146,7 +147,9 @@ def take_pending(session: Session) -> list[tuple[str, dict]]:
 def send_task(task_name: str, *, countdown: float | None = None, producer: Any = None, **kwargs) -> bool:
     """Send one task now (to run after ``countdown`` seconds, at most a minute, when given), on
     ``producer`` when given (a kombu producer of :data:`celery_app`'s pool), else on one taken from
-    the pool for this message; False (and a log line) when the broker did not take it."""
+    the pool for this message; False (and a log line) when the broker did not take it. The message's
+    ``reply_to`` names the job-outcome subscription this context's jobs answer to, if any
+    (``infra.wait.message_reply_to``)."""
     try:
         celery_app.send_task(
             task_name,
@@ -155,6 +158,7 @@ def send_task(task_name: str, *, countdown: float | None = None, producer: Any =
             producer=producer,
             retry=True,
             retry_policy=_RETRY_POLICY,
+            reply_to=wait.message_reply_to(),
         )
     except Exception:
         log.warning("could not send task %s; the outbox relay will re-send it", task_name, exc_info=True)

@@ -702,7 +702,8 @@ def settle_together(outcomes: Sequence[tuple[Job, OutcomeWrite]]) -> list[bool]:
     each outcome published once it committed. Jobs whose outcomes lock the same row (the rails of one
     payment method) then no longer commit one after the other, the second waiting for the first's
     lock and its flush; a later statement sees what an earlier one wrote, as it would have after the
-    earlier one's commit. One job: :func:`settle_with`'s one statement. Returns, per job, what
+    earlier one's commit. Their outcomes go out in one message (``infra.wait.publish_outcomes``: the
+    request waiting for them all is woken once). One job: :func:`settle_with`'s one statement. Returns, per job, what
     :func:`settle_with` returns. Raises the driver's error when a statement fails: then none of the
     outcomes is written and every job is still leased."""
     if not outcomes:
@@ -726,16 +727,26 @@ def settle_together(outcomes: Sequence[tuple[Job, OutcomeWrite]]) -> list[bool]:
         rows = [execute_durable(prepared.statement, params)]
     else:
         rows = execute_durable_together([(prepared.statement, params) for _, _, _, prepared, params in runs])
-    return [
-        _settled_with(job, write, values, prepared, row)
+    published: list[wait.SettledJob] = []
+    settled = [
+        _settled_with(job, write, values, prepared, row, published)
         for (job, write, values, prepared, _), row in zip(runs, rows, strict=True)
     ]
+    wait.publish_outcomes(published)
+    return settled
 
 
-def _settled_with(job: Job, write: OutcomeWrite, values: dict[str, Any], prepared: _PreparedOutcome, row: Any) -> bool:
+def _settled_with(
+    job: Job,
+    write: OutcomeWrite,
+    values: dict[str, Any],
+    prepared: _PreparedOutcome,
+    row: Any,
+    published: list[wait.SettledJob],
+) -> bool:
     """After the commit of a job's outcome statement: False when it changed nothing (``row`` None),
-    else the job's fields set as settled and its outcome published (with the answer, when the write
-    gives one), True."""
+    else the job's fields set as settled and its outcome added to ``published`` (with the answer,
+    when the write gives one), True."""
     if row is None:
         return False
     for name, value in values.items():
@@ -747,7 +758,7 @@ def _settled_with(job: Job, write: OutcomeWrite, values: dict[str, Any], prepare
         except Exception:  # the outcome is written: its waiter reads it instead
             log.warning("job %s: no answer for its outcome message", job.id, exc_info=True)
             answer = None
-    wait.publish_outcome(job.id, JobStatus.SUCCEEDED, wait.safe_result(write.result), answer)
+    published.append((job.id, JobStatus.SUCCEEDED, wait.safe_result(write.result), answer))
     return True
 
 

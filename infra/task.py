@@ -75,7 +75,7 @@ from celery.exceptions import Retry
 from sqlmodel import Session
 
 from config.settings import Settings, get_settings
-from infra import fairness, jobs
+from infra import fairness, jobs, wait
 from infra.celery import QUIET_TASKS, queue_of
 from infra.jobs import PermanentError, TransientError
 from storage.db import session_scope
@@ -285,7 +285,12 @@ class JobTask(TesseraTask):
         :data:`JOINT_SETTLE_SECONDS` of the first (:class:`_JointSettle`). The run ends when all
         have: FAILURE when one failed, RETRY when one is retried (each has its own row and its own
         retry message), else this job's result; an unexpected error of one is raised after the
-        others ended."""
+        others ended. Outcomes are published where the message's ``reply_to`` asks
+        (``infra.wait.answering``: the api process that waits for them)."""
+        with wait.answering(getattr(self.request, "reply_to", None)):
+            return self._run(job_id, sibling_ids)
+
+    def _run(self, job_id: str, sibling_ids: Sequence[str]) -> str:
         owner = self.worker_id()
         if not sibling_ids:
             return self._run_taken(

@@ -2,20 +2,31 @@
 
 The worker side: when a job settles (``infra.jobs`` closes it: ``succeeded``, ``failed``, ``dead``),
 :func:`announce_on_commit` publishes its outcome once the transaction that settled it commits, on the
-channel ``<TESSERA_REDIS_KEY_PREFIX>tessera:job-outcome:<job id>``. The message is JSON
+channel ``<TESSERA_REDIS_KEY_PREFIX>tessera:job-outcome:<job id>``, or, when the job's task message
+names the api process whose request recorded it (its ``reply_to``, :func:`message_reply_to`), on that
+process's own channel ``<prefix>tessera:job-outcome-to:<its address>``: then only the process that
+waits for the job reads the message (the other api processes are not woken by it). The message is JSON
 ``{"job_id", "status", "result"}`` where ``result`` keeps only the :data:`SAFE_RESULT_KEYS` of the job
 result (ids, status codes and error codes: never card data, a key or a secret; a sealed cryptogram
 stays in the job row, read once by its request). A job whose outcome was written in one statement
 may add ``"answer"``: the values that statement wrote, for the waiting request to answer from without
 reading them back (ids, states, the provider's non-secret details and values sealed with the tenant's
-key, bound to their resource: never a plain card number or a key; ``infra.jobs.OutcomeWrite``).
+key, bound to their resource: never a plain card number or a key; ``infra.jobs.OutcomeWrite``). Jobs
+settled together by one commit (a payment method's rails) share one message, ``{"outcomes": [...]}``
+with one such object per job, on the first job's channel (:func:`publish_outcomes`): their waiter is
+woken once, by one message, when all of them are in.
 Publishing is best effort: a lost message costs the waiting request one poll interval, nothing else.
 
 The api side: one :class:`JobWaits` per api process holds one pattern subscription
-(``PSUBSCRIBE <prefix>tessera:job-outcome:*``) and a map of job id -> futures of the requests waiting
-for it (started and stopped in the aiohttp application's ``cleanup_ctx``). A message for a job nobody
-waits for yet is kept for :data:`RECENT_SECONDS` (the worker can be faster than the request that
-recorded the job is to start waiting). :meth:`JobWaits.wait` registers its futures first; unless the
+(``PSUBSCRIBE <prefix>tessera:job-outcome:*``) and the subscription of its own channel (``SUBSCRIBE
+<prefix>tessera:job-outcome-to:<address>``, a random address per process, on the same connection),
+and a map of job id -> futures of the requests waiting for it (started and stopped in the aiohttp
+application's ``cleanup_ctx``). While it is subscribed, the jobs a request records are sent naming
+its address (:func:`reply_to_waits`; a job a worker sends while running one answers where that one
+does); jobs sent otherwise (the outbox relay's re-sends, an api process without its subscription)
+answer on the job's channel, which every api process reads. A message for a job nobody waits for yet
+is kept for :data:`RECENT_SECONDS` (the worker can be faster than the request that recorded the job
+is to start waiting). :meth:`JobWaits.wait` registers its futures first; unless the
 subscription has been live without a break since before the job was recorded (``since``), it then
 reads the jobs' statuses once from the database (the job may have settled, and its message gone out,
 before this process listened); then it sleeps on the futures. The database is read again every
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -35,7 +47,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -52,6 +64,14 @@ from storage.states import JOB_TERMINAL
 log = logging.getLogger("tessera.wait")
 
 CHANNEL = "tessera:job-outcome:"
+#: The channel of one api process's outcomes, before its address.
+ADDRESSED_CHANNEL = "tessera:job-outcome-to:"
+#: How a task message's ``reply_to`` names a :class:`JobWaits` address (Celery puts its own value
+#: there when none is given; no result backend reads it).
+REPLY_PREFIX = "tessera-job-waits:"
+#: The address of the subscription the jobs recorded in this context answer to (api: the request's
+#: process's; worker: the running job's message's); None: the job's own channel.
+_REPLY_TO: contextvars.ContextVar[str | None] = contextvars.ContextVar("tessera_job_reply_to", default=None)
 #: A job in one of these states is settled: nothing about it changes any more (``infra.jobs.TERMINAL``).
 SETTLED = frozenset(JOB_TERMINAL)
 #: The keys of a job result that its outcome message may carry (ids, codes, states; nothing secret).
@@ -68,6 +88,37 @@ RECENT_MAX = 10_000
 def channel_prefix(prefix: str) -> str:
     """The channel name of a job outcome without the job id, under the Redis key prefix ``prefix``."""
     return f"{prefix}{CHANNEL}"
+
+
+def addressed_channel(prefix: str, address: str) -> str:
+    """The channel of the api process whose :class:`JobWaits` has ``address``, under ``prefix``."""
+    return f"{prefix}{ADDRESSED_CHANNEL}{address}"
+
+
+def reply_to_waits(address: str | None) -> None:
+    """The jobs recorded from now on in this context (an api request's task) answer to the
+    :class:`JobWaits` of ``address`` (:attr:`JobWaits.reply_address`; None: on their own channels)."""
+    _REPLY_TO.set(address)
+
+
+def message_reply_to() -> str | None:
+    """The ``reply_to`` of a task message sent now: the address this context's jobs answer to
+    (:func:`reply_to_waits`), or None (Celery's default, which names no subscription)."""
+    address = _REPLY_TO.get()
+    return f"{REPLY_PREFIX}{address}" if address else None
+
+
+@contextlib.contextmanager
+def answering(reply_to: str | None) -> Iterator[None]:
+    """Within the block, outcomes published in this context go where a task message's ``reply_to``
+    asks (:func:`message_reply_to`), else on each job's channel (any other ``reply_to``: Celery's
+    own default value, a message the outbox relay sent)."""
+    address = reply_to[len(REPLY_PREFIX) :] if reply_to and reply_to.startswith(REPLY_PREFIX) else None
+    token = _REPLY_TO.set(address or None)
+    try:
+        yield
+    finally:
+        _REPLY_TO.reset(token)
 
 
 @dataclass(frozen=True)
@@ -91,13 +142,30 @@ def safe_result(result: dict | None) -> dict:
     return {key: value for key, value in (result or {}).items() if key in SAFE_RESULT_KEYS}
 
 
-def outcome_message(job_id: uuid.UUID, status: str, result: dict | None, answer: dict | None = None) -> str:
-    """The JSON published for a settled job (only the :func:`safe_result` of ``result``; ``answer``
-    when given: JSON values only, see the module's text)."""
+#: One settled job as an outcome message names it: ``(job id, status, result, answer)`` (see
+#: :func:`outcome_message`).
+SettledJob = tuple[uuid.UUID, str, dict | None, dict | None]
+
+
+def _outcome_body(job_id: uuid.UUID, status: str, result: dict | None, answer: dict | None) -> dict:
     body: dict = {"job_id": str(job_id), "status": status, "result": safe_result(result)}
     if answer is not None:
         body["answer"] = answer
-    return json.dumps(body)
+    return body
+
+
+def outcome_message(job_id: uuid.UUID, status: str, result: dict | None, answer: dict | None = None) -> str:
+    """The JSON published for a settled job (only the :func:`safe_result` of ``result``; ``answer``
+    when given: JSON values only, see the module's text)."""
+    return json.dumps(_outcome_body(job_id, status, result, answer))
+
+
+def outcomes_message(settled: Sequence[SettledJob]) -> str:
+    """The JSON published for jobs settled by one commit: :func:`outcome_message` of one job, else
+    ``{"outcomes": [...]}`` holding each job's body in order."""
+    if len(settled) == 1:
+        return outcome_message(*settled[0])
+    return json.dumps({"outcomes": [_outcome_body(*one) for one in settled]})
 
 
 # ---- the worker side -----------------------------------------------------------------------------
@@ -123,26 +191,32 @@ class _Publisher:
                 self._key = key
             return self._client
 
-    def publish(self, job_id: uuid.UUID, status: str, result: dict | None, answer: dict | None = None) -> None:
+    def publish(self, settled: Sequence[SettledJob]) -> None:
         client = self.client()
-        if client is None:
+        if client is None or not settled:
             return
+        first, address, prefix = settled[0][0], _REPLY_TO.get(), get_settings().redis_key_prefix
+        channel = addressed_channel(prefix, address) if address else channel_prefix(prefix) + str(first)
         try:
-            client.publish(
-                channel_prefix(get_settings().redis_key_prefix) + str(job_id),
-                outcome_message(job_id, status, result, answer),
-            )
+            client.publish(channel, outcomes_message(settled))
         except Exception:
-            log.warning("could not publish the outcome of job %s; its waiter polls", job_id, exc_info=True)
+            log.warning("could not publish the outcome of job %s; its waiter polls", first, exc_info=True)
 
 
 _publisher = _Publisher()
 
 
 def publish_outcome(job_id: uuid.UUID, status: str, result: dict | None, answer: dict | None = None) -> None:
-    """Publish a job's outcome now (best effort; nothing when no Redis is configured); ``answer``:
+    """Publish a job's outcome now (best effort; nothing when no Redis is configured), on the channel
+    of the subscription this context answers to (:func:`answering`), else on the job's; ``answer``:
     see :func:`outcome_message`."""
-    _publisher.publish(job_id, status, result, answer)
+    publish_outcomes([(job_id, status, result, answer)])
+
+
+def publish_outcomes(settled: Sequence[SettledJob]) -> None:
+    """Publish the outcomes of jobs one commit settled now, in one message (:func:`outcomes_message`;
+    best effort, nothing when no Redis is configured), where :func:`publish_outcome` would."""
+    _publisher.publish(settled)
 
 
 def announce_on_commit(session: Session, job_id: uuid.UUID, status: str, result: dict | None) -> None:
@@ -171,6 +245,9 @@ class JobWaits:
         self.redis_url = redis_url
         self.settings = settings
         self.pattern = channel_prefix(prefix) + "*"
+        #: This instance's address: the jobs its process's requests record answer on its channel.
+        self.address = uuid.uuid4().hex
+        self.channel = addressed_channel(prefix, self.address)
         #: The subscription's Redis client name (``CLIENT LIST``): the process and this instance.
         self.client_name = f"tessera-job-waits-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.poll_seconds = poll_seconds
@@ -189,8 +266,14 @@ class JobWaits:
 
     @property
     def subscribed(self) -> bool:
-        """True while the pattern subscription is live."""
+        """True while the subscriptions (the pattern and this instance's channel) are live."""
         return self._subscribed.is_set()
+
+    @property
+    def reply_address(self) -> str | None:
+        """What the jobs a request records now should answer to (:func:`reply_to_waits`): this
+        instance's address while it is subscribed, else None (their own channels)."""
+        return self.address if self.subscribed else None
 
     def live_since(self, since: float) -> bool:
         """True when the subscription has been live without a break since ``time.monotonic()`` was
@@ -223,14 +306,18 @@ class JobWaits:
             pubsub = client.pubsub()
             try:
                 await pubsub.psubscribe(self.pattern)
+                await pubsub.subscribe(self.channel)
+                confirmed: set[str] = set()
                 while True:
                     message = await pubsub.get_message(timeout=None)
                     if message is None:
                         continue
-                    if message["type"] == "psubscribe":
-                        self._live_since = time.monotonic()
-                        self._subscribed.set()
-                    elif message["type"] == "pmessage":
+                    if message["type"] in ("psubscribe", "subscribe"):
+                        confirmed.add(message["type"])
+                        if len(confirmed) == 2:  # both live: no outcome of ours can be missed from now on
+                            self._live_since = time.monotonic()
+                            self._subscribed.set()
+                    elif message["type"] in ("pmessage", "message"):
                         self._deliver(message["data"])
             except asyncio.CancelledError:
                 raise
@@ -245,15 +332,26 @@ class JobWaits:
 
     def _deliver(self, data: bytes) -> None:
         try:
-            body = json.loads(data)
-            job_id = uuid.UUID(body["job_id"])
-            answer = body.get("answer")
-            outcome = Outcome(
-                body.get("status"), body.get("result") or {}, answer if isinstance(answer, dict) else None
-            )
-        except (ValueError, KeyError, TypeError):
+            message = json.loads(data)
+            bodies = message["outcomes"] if "outcomes" in message else [message]
+            outcomes = []
+            for body in bodies:
+                answer = body.get("answer")
+                outcomes.append(
+                    (
+                        uuid.UUID(body["job_id"]),
+                        Outcome(
+                            body.get("status"), body.get("result") or {}, answer if isinstance(answer, dict) else None
+                        ),
+                    )
+                )
+        except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignored a malformed job outcome message")
             return
+        for job_id, outcome in outcomes:
+            self._settle(job_id, outcome)
+
+    def _settle(self, job_id: uuid.UUID, outcome: Outcome) -> None:
         waiting = self._waiters.get(job_id)
         if not waiting:
             self._keep(job_id, outcome)

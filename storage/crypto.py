@@ -69,6 +69,11 @@ class DecryptionError(Exception):
     version that was destroyed."""
 
 
+class KeyNotCached(LookupError):
+    """A key the keyring would read from the database, asked for without a session
+    (:meth:`Keyring.data_key` with ``session`` None: the caches only, as on the event loop)."""
+
+
 class KeyUnavailable(Exception):
     """The key service (AWS KMS) could not be reached or refused to work: nothing was changed, and
     the operation may be tried again (the api answers 503)."""
@@ -490,12 +495,16 @@ class Keyring:
             self._active[tenant_id] = (version, time.monotonic() + ACTIVE_VERSION_TTL)
         return version
 
-    def data_key(self, session: Session, tenant_id: uuid.UUID, version: int) -> bytes:
+    def data_key(self, session: Session | None, tenant_id: uuid.UUID, version: int) -> bytes:
         """The plain data key of one version, unwrapped once per process. Raises LookupError for an
-        unknown tenant or version, DecryptionError for a destroyed one."""
+        unknown tenant or version, DecryptionError for a destroyed one; ``session`` None: the cache
+        only, :class:`KeyNotCached` (a LookupError) when the key is not in it (no statement, no key
+        service call: what the event loop may ask)."""
         cached = self._data_keys.get((tenant_id, version))
         if cached is not None:
             return cached
+        if session is None:
+            raise KeyNotCached(f"data key version {version} of tenant {tenant_id} is not cached")
         row = session.get(TenantDataKey, (tenant_id, version))
         if row is None:
             raise LookupError(f"no data key version {version} for tenant {tenant_id}")
@@ -543,9 +552,12 @@ class Keyring:
             self.data_key(session, tenant_id, version), plaintext, _aad(purpose, tenant_id, resource_id), version
         )
 
-    def decrypt(self, session: Session, tenant_id: uuid.UUID, purpose: str, resource_id: str, envelope: bytes) -> bytes:
+    def decrypt(
+        self, session: Session | None, tenant_id: uuid.UUID, purpose: str, resource_id: str, envelope: bytes
+    ) -> bytes:
         """Open a value sealed by :meth:`encrypt` with the version it names; raises
-        :class:`DecryptionError` on mismatch or when that version was destroyed."""
+        :class:`DecryptionError` on mismatch or when that version was destroyed, LookupError as
+        :meth:`data_key` (``session`` None: the cached keys only)."""
         key = self.data_key(session, tenant_id, envelope_version(envelope))
         return open_sealed(key, envelope, _aad(purpose, tenant_id, resource_id))
 

@@ -249,6 +249,9 @@ async def create(call: Call):
         call, service.create_unit, call.caller, request, settings=settings, owner=owner, claim=claim
     )
     outcomes = await call.wait_for_jobs(started.job_ids, timeout=settings.agentic_wait_seconds)
+    view = service.answered(call.require_caller(), started.known, outcomes, claim=claim)  # on the loop: no statement
+    if view is not None:
+        return 201, view
     return 201, await call.db(
         service.finish_create,
         call.caller,
@@ -353,6 +356,9 @@ async def retry(call: Call):
         raise agentic_error(started.failure)
     job_id = started.job_ids[0]
     outcomes = await call.wait_for_jobs([job_id], timeout=call.settings.agentic_wait_seconds)
+    view = service.answered(call.require_caller(), started.known, outcomes)  # on the loop: no statement
+    if view is not None:
+        return view
     result = await call.db(
         service.finish_retry,
         call.caller,

@@ -246,6 +246,9 @@ async def create(call: Call):
     """Record, wait, answer 201 / 202 / 422 (see the description)."""
     started = await call.db(provisioning.create_network_token, call.caller, call.body.model_dump())
     outcome = await _wait(call, started.job_id)
+    answered = provisioning.settled_answer(None, call.require_caller(), started, outcome)  # on the loop: no statement
+    if answered is not None:
+        return answered
     return await call.db(provisioning.provisioning_outcome, call.caller, started, outcome=outcome)
 
 

@@ -346,10 +346,11 @@ def seal_answer(
     }
 
 
-def open_answer(session: Session, tenant_id: uuid.UUID, answer: Mapping[str, Any]) -> RailAnswer:
+def open_answer(session: Session | None, tenant_id: uuid.UUID, answer: Mapping[str, Any]) -> RailAnswer:
     """The :class:`RailAnswer` of a :func:`seal_answer` value of ``tenant_id``'s. Raises LookupError,
     ValueError or TypeError on a malformed value, ``storage.crypto.DecryptionError`` when the card
-    does not open (another tenant's, another payment method's, a key version unknown)."""
+    does not open (another tenant's, another payment method's, a key version unknown);
+    ``storage.crypto.KeyNotCached`` when ``session`` is None and the tenant's key is not cached."""
     pm_id = answer["payment_method_id"]
     provider_ids = answer["provider_ids"]
     if not isinstance(pm_id, str) or not (provider_ids is None or isinstance(provider_ids, dict)):

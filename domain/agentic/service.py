@@ -62,7 +62,7 @@ from infra.errors import Problem
 from infra.wait import Outcome
 from providers.agentic import DISPLAY_FIELDS
 from providers.agentic_http import provider_for
-from storage.crypto import DecryptionError
+from storage.crypto import DecryptionError, KeyNotCached
 from storage.db import (
     Rows,
     insert_rows,
@@ -291,6 +291,24 @@ def _final(outcome: Outcome) -> bool:
     )
 
 
+def answered(
+    caller: Caller,
+    known: Known | None,
+    outcomes: Mapping[uuid.UUID, Outcome] | None,
+    *,
+    claim: idempotency.Claim | None = None,
+) -> dict | None:
+    """The answer of a create (:func:`finish_create`) or a retry (:func:`finish_retry`, its one
+    outcome) that needs no statement at all, or None: the payment method from ``known`` and the
+    outcome messages alone (:func:`_answered`) when no idempotency record waits (``claim`` None)
+    and every rail the request waited for was enabled by its outcome statement, the tenant's key
+    being in the keyring's cache. The event loop calls it before the finish (saving the database
+    pool's thread hop); None sends the request there."""
+    if claim is not None or known is None or not outcomes or not all(_final(o) for o in outcomes.values()):
+        return None
+    return _answered(None, caller.tenant_id, known, outcomes)
+
+
 def _settled_answer(
     session: Session,
     tenant_id: uuid.UUID,
@@ -306,7 +324,7 @@ def _settled_answer(
 
 
 def _answered(
-    session: Session, tenant_id: uuid.UUID, known: Known, outcomes: Mapping[uuid.UUID, Outcome]
+    session: Session | None, tenant_id: uuid.UUID, known: Known, outcomes: Mapping[uuid.UUID, Outcome]
 ) -> dict | None:
     """The payment method object from what the request knew (``known``) and the enabled rails'
     outcome messages (``domain.agentic.enrollment.enrolled_answer``): each rail the request waited
@@ -316,15 +334,19 @@ def _answered(
     lease changes a rail in error or enabled. None, and the caller reads the payment method, when an
     outcome carried no answer (it was written in a transaction), when no single one released the
     lease, when an answer does not open (malformed, or not this payment method's), or when another
-    rail is ``pending`` (its provider's poll moves it without the lease)."""
+    rail is ``pending`` (its provider's poll moves it without the lease). ``session`` None: the
+    tenant's key from the keyring's cache only (None when it is not there)."""
     answers: dict[uuid.UUID, RailAnswer] = {}
     for job_id, outcome in outcomes.items():
         if outcome.answer is None or outcome.result.get("rail_status") != RailStatus.ENABLED:
             return None
         try:
             answers[job_id] = open_answer(session, tenant_id, outcome.answer)
+        except KeyNotCached:  # asked on the loop: the finish reads the key
+            return None
         except (LookupError, ValueError, TypeError, DecryptionError):
-            log.warning("the outcome of job %s carried an answer that does not open; reading the row", job_id)
+            if session is not None:  # on the loop, the finish that follows says it
+                log.warning("the outcome of job %s carried an answer that does not open; reading the row", job_id)
             return None
     last = [answer for answer in answers.values() if answer.released]
     if len(last) != 1 or any(answer.payment_method_id != known.pm["id"] for answer in answers.values()):

@@ -62,7 +62,7 @@ from providers.card_network import (
     ProvisionedToken,
     ensure_configured,
 )
-from storage.crypto import DecryptionError, get_keyring
+from storage.crypto import DecryptionError, KeyNotCached, get_keyring
 from storage.db import Rows, insert_rows_last, lazy_session, read_first, server_prepared
 from storage.models import Job, Tenant
 from storage.models_network_tokens import NetworkToken
@@ -268,13 +268,10 @@ def provisioning_outcome(
     finishing at this moment either is seen (201 / 422) or sees the 202 (``announced``) and emits
     ``network-token.failed`` if it fails.
     """
+    answered = settled_answer(session, caller, started, outcome)
+    if answered is not None:
+        return answered
     status = outcome.status if outcome is not None else None
-    if outcome is not None and status in JOB_FAILED:
-        raise provisioning_problem(status, outcome.result)
-    if outcome is not None and status == JobStatus.SUCCEEDED:
-        answered = _answered(session, caller, started, outcome)
-        if answered is not None:
-            return 201, answered
     if status == JobStatus.SUCCEEDED:  # one read outside any transaction, a plain row
         row = read_first(_READ_TOKEN, {"network_token_id": started.network_token_id, "tenant_id": caller.tenant_id})
         if row is not None and row.status != NetworkTokenStatus.INACTIVE:
@@ -290,18 +287,42 @@ def provisioning_outcome(
     return 202, caller_view(session, caller, token)
 
 
-def _answered(session: Session, caller: Caller, started: Started, outcome: Outcome) -> dict | None:
+def settled_answer(
+    session: Session | None, caller: Caller, started: Started, outcome: Outcome | None
+) -> tuple[int, dict] | None:
+    """The answer the job's outcome message gives by itself, no statement run: a failure raises its
+    problem (:func:`provisioning_problem`), a success answers ``(201, active object)`` when the
+    message carried what the outcome statement wrote (:func:`_answered`); None otherwise (no outcome
+    yet, no answer in it, or one that does not open): :func:`provisioning_outcome` then reads.
+    ``session`` None: the tenant's key from the keyring's cache only (an uncached key gives None),
+    so the event loop may call it."""
+    if outcome is None:
+        return None
+    if outcome.status in JOB_FAILED:
+        raise provisioning_problem(outcome.status, outcome.result)
+    if outcome.status == JobStatus.SUCCEEDED:
+        answered = _answered(session, caller, started, outcome)
+        if answered is not None:
+            return 201, answered
+    return None
+
+
+def _answered(session: Session | None, caller: Caller, started: Started, outcome: Outcome) -> dict | None:
     """The active network token as ``caller`` sees it, from what the create recorded and what the
     provisioning's outcome statement wrote (its message's ``answer``, :func:`provisioned_write`):
-    no statement runs (the tenant's key is cached). None when the message carried no answer, or one
-    that does not open (the caller then reads the row)."""
+    no statement runs when the tenant's key is cached (``session`` None: only then). None when the
+    message carried no answer, or one that does not open, or the key is not cached and ``session``
+    is None (the caller then reads the row)."""
     if outcome.answer is None or started.created is None:
         return None
     try:
         row = started.created.provisioned(outcome.answer)
         return caller_view(session, caller, row)
+    except KeyNotCached:  # asked on the loop: the caller reads the key with the row
+        return None
     except (LookupError, ValueError, TypeError, DecryptionError):  # a malformed value, a key version unknown
-        log.warning("the outcome of job %s carried an answer that does not open; reading the row", started.job_id)
+        if session is not None:  # on the loop, the finish that follows says it
+            log.warning("the outcome of job %s carried an answer that does not open; reading the row", started.job_id)
         return None
 
 

@@ -89,8 +89,9 @@ def mask_number(number: str) -> str:
     return reveal_last_filter(number, 4) or ""
 
 
-def open_data(session: Session, token: NetworkToken | TokenRow) -> dict | None:
-    """The plain ``{number, expiration_month, expiration_year}`` of ``token``; None while inactive."""
+def open_data(session: Session | None, token: NetworkToken | TokenRow) -> dict | None:
+    """The plain ``{number, expiration_month, expiration_year}`` of ``token``; None while inactive.
+    ``session`` None: the tenant's key from the keyring's cache only (``KeyNotCached`` otherwise)."""
     if token.data_ct is None:
         return None
     plain = get_keyring().decrypt(session, token.tenant_id, DATA_PURPOSE, str(token.id), token.data_ct)
@@ -131,7 +132,7 @@ def network_token_view(token: NetworkToken | TokenRow, data: dict | None, *, rev
     }
 
 
-def caller_view(session: Session, caller: Caller, token: NetworkToken | TokenRow) -> dict:
+def caller_view(session: Session | None, caller: Caller, token: NetworkToken | TokenRow) -> dict:
     """The object as ``caller`` sees it: ``data.number`` complete only with :data:`REVEAL` (reveal wins
     over read)."""
     return network_token_view(token, open_data(session, token), reveal=caller.has(REVEAL))

@@ -154,9 +154,9 @@ def _recorded(monkeypatch, owner, name: str) -> list[tuple]:
     calls: list[tuple] = []
     real = getattr(owner, name)
 
-    def recording(*args):
+    def recording(*args, **kwargs):
         calls.append(args)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, recording)
     return calls
@@ -501,9 +501,10 @@ def test_a_create_records_in_one_durable_statement_after_reading_its_card_outsid
 
 
 def test_a_create_whose_rails_are_enabled_answers_from_their_outcome_messages(tenant, monkeypatch):
-    """Both rails enabled, each by its one outcome statement: the create answers from what it
-    recorded and what the two outcome messages carried, without reading the payment method. Each
-    message carries the card sealed (no card field readable in it); exactly one says it released the
+    """Both rails enabled, each by its one outcome statement, the two settled by one commit: the
+    create answers from what it recorded and what their one outcome message carried, without reading
+    the payment method, on the event loop (the finish on the database pool is not called). Each
+    answer carries the card sealed (no card field readable in it); exactly one says it released the
     operation's lease (the last: its card and updated_at are final); the answer is the object a later
     read gives."""
     from domain.agentic import service
@@ -511,21 +512,27 @@ def test_a_create_whose_rails_are_enabled_answers_from_their_outcome_messages(te
 
     token_id = card_token(tenant.client, VISA)
     read = _recorded(monkeypatch, service, "settled_view")
-    published: list[dict] = []
-    publish_outcome = wait.publish_outcome
+    finishes = _recorded(monkeypatch, service, "finish_create")
+    messages: list[list[dict]] = []
+    publish_outcomes = wait.publish_outcomes
 
-    def publish(job_id, status, result, answer=None):
-        if answer is not None:
-            published.append(answer)
-        publish_outcome(job_id, status, result, answer)
+    def publish(settled):
+        messages.append([answer for _, _, _, answer in settled if answer is not None])
+        publish_outcomes(settled)
 
-    monkeypatch.setattr(wait, "publish_outcome", publish)
+    monkeypatch.setattr(wait, "publish_outcomes", publish)
     answer = create(tenant.client, token_id)
     assert answer.status == 201, answer
     assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
-    assert read == []
-    answers = [message for message in published if message.get("payment_method_id") == answer.json["id"]]
-    assert len(answers) == 2, published
+    assert read == [] and finishes == []
+    ours = [
+        [one for one in message if one.get("payment_method_id") == answer.json["id"]]
+        for message in messages
+        if any(one.get("payment_method_id") == answer.json["id"] for one in message)
+    ]
+    assert len(ours) == 1, messages  # the rails settled by one commit: one message for both
+    answers = ours[0]
+    assert len(answers) == 2, messages
     assert sorted(message["released"] for message in answers) == [False, True]
     for message in answers:
         assert set(message) == {"payment_method_id", "card_ct", "updated_at", "provider_ids", "released"}
@@ -553,29 +560,46 @@ def test_a_create_whose_outcome_answer_does_not_open_reads_the_payment_method(te
 def test_a_retry_that_enables_its_rail_answers_from_its_outcome_message(tenant, monkeypatch):
     """The retry's job settled with the rail enabled by its one outcome statement: the answer is made
     of what the retry read when it started (the payment method and its other rail) and what the
-    outcome message carried, without reading the payment method again; it is the object a read
-    answers, the retried rail's provider ids and the backfilled card included. When the message's
-    answer does not open, the payment method is read once instead, with the same answer."""
+    outcome message carried, without reading the payment method again, on the event loop (the finish
+    on the database pool is not called); it is the object a read answers, the retried rail's provider
+    ids and the backfilled card included. When the message's answer does not open, the payment method
+    is read once instead, by the finish, with the same answer; so it is when the tenant's key is not
+    in the keyring's cache (the loop reads nothing)."""
     from domain.agentic import service
+    from storage import crypto
     from storage.crypto import DecryptionError
 
-    first, second = created(tenant.client, FAILS_ON_CREATE), created(tenant.client, FAILS_ON_CREATE)
+    first, second, third = (created(tenant.client, FAILS_ON_CREATE) for _ in range(3))
     read = _recorded(monkeypatch, service, "settled_view")
+    finishes = _recorded(monkeypatch, service, "finish_retry")
     answer = retry(tenant.client, first["id"])
     assert answer.status == 200, answer
     assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
-    assert read == []
+    assert read == [] and finishes == []
     assert answer.json["updated_at"] > first["updated_at"]
     assert get(tenant.client, first["id"]) == answer.json
 
     def does_not_open(session, tenant_id, answer):
         raise DecryptionError("tampered")
 
-    monkeypatch.setattr(service, "open_answer", does_not_open)
+    open_answer = service.open_answer
+
+    def uncached(session, tenant_id, answer):
+        if session is None:
+            raise crypto.KeyNotCached("not cached")
+        return open_answer(session, tenant_id, answer)
+
+    monkeypatch.setattr(service, "open_answer", uncached)
     answer = retry(tenant.client, second["id"])
     assert answer.status == 200, answer
-    assert [pm_id for _, pm_id in read] == [second["id"]]
+    assert read == [] and len(finishes) == 1  # the finish opened the answer with its session
     assert get(tenant.client, second["id"]) == answer.json
+
+    monkeypatch.setattr(service, "open_answer", does_not_open)
+    answer = retry(tenant.client, third["id"])
+    assert answer.status == 200, answer
+    assert [pm_id for _, pm_id in read] == [third["id"]]
+    assert get(tenant.client, third["id"]) == answer.json
 
 
 def test_a_pending_rail_can_be_retried(tenant, monkeypatch):

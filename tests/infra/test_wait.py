@@ -206,3 +206,78 @@ def test_the_message_carries_no_secret(result):
     assert body["job_id"] == str(job_id)
     assert set(body["result"]) <= {"code"}
     assert "4242" not in json.dumps(body) and "abc" not in json.dumps(body)
+
+
+def test_one_message_for_jobs_settled_together_wakes_their_wait_once(worker):
+    """Jobs settled by one commit (a payment method's rails) publish one message holding both
+    outcomes (``publish_outcomes``): the wait for both resumes once, with both, from that message;
+    the message keeps only the safe part of each result. A malformed message is ignored."""
+    from infra.wait import outcomes_message, publish_outcomes
+
+    first, second = uuid.UUID(int=2), uuid.UUID(int=3)
+    body = json.loads(outcomes_message([(first, "succeeded", {"rail_status": "enabled", "number": "4242"}, None)] * 2))
+    assert [one["result"] for one in body["outcomes"]] == [{"rail_status": "enabled"}] * 2
+
+    async def scenario():
+        waits = await _started(TEST_REDIS_URL, LONG_POLL)
+        try:
+            waiting = asyncio.create_task(waits.wait([first, second], _read, timeout=30, since=time.monotonic()))
+            while waits.waiting < 2:
+                await asyncio.sleep(0.01)
+            waits._deliver(b'{"outcomes": [{"job_id": "not an id"}]}')
+            waits._deliver(b'{"outcomes": 3}')
+            await asyncio.to_thread(
+                publish_outcomes,
+                [(first, "succeeded", {"rail_status": "enabled"}, {"a": 1}), (second, "succeeded", {}, None)],
+            )
+            outcomes = await waiting
+            return outcomes, waits.wakes, waits.polls, waits.notified
+        finally:
+            await waits.close()
+
+    outcomes, wakes, polls, notified = asyncio.run(scenario())
+    assert (outcomes[first].status, outcomes[first].result, outcomes[first].answer) == (
+        "succeeded",
+        {"rail_status": "enabled"},
+        {"a": 1},
+    )
+    assert (outcomes[second].status, outcomes[second].answer) == ("succeeded", None)
+    assert wakes == 1 and polls == 0 and notified == 2
+
+
+def test_a_requests_job_answers_only_to_the_process_that_recorded_it(worker):
+    """Two api processes' subscriptions: a job recorded while the context answers to the first
+    (``reply_to_waits``, as an api request does) carries its address in the task message's
+    ``reply_to``; the worker publishes its outcome on that process's channel only, so the first is
+    woken by it and the second never sees it. A job recorded answering to nobody (the outbox relay's
+    re-send) is published on its own channel, which both read."""
+    from infra.wait import message_reply_to, reply_to_waits
+
+    async def scenario():
+        first, second = await _started(TEST_REDIS_URL, LONG_POLL), await _started(TEST_REDIS_URL, LONG_POLL)
+        try:
+            assert first.reply_address == first.address and first.address != second.address
+            reply_to_waits(first.reply_address)
+            assert message_reply_to() == f"tessera-job-waits:{first.address}"
+            since = time.monotonic()
+            addressed = await asyncio.to_thread(_record, "ok")
+            outcome = (await first.wait([addressed.id], _read, timeout=30, since=since))[addressed.id]
+            reply_to_waits(None)
+            assert message_reply_to() is None
+            broadcast = await asyncio.to_thread(_record, "ok")
+            both = await asyncio.gather(
+                first.wait([broadcast.id], _read, timeout=30, since=since),
+                second.wait([broadcast.id], _read, timeout=30, since=since),
+            )
+            await asyncio.sleep(0.2)  # a stray message for the addressed job would have come by now
+            return addressed, outcome, broadcast, both, first, second
+        finally:
+            await first.close()
+            await second.close()
+
+    addressed, outcome, broadcast, both, first, second = asyncio.run(scenario())
+    assert outcome.status == "succeeded"
+    assert [result[broadcast.id].status for result in both] == ["succeeded", "succeeded"]
+    assert first.notified == 2 and first.polls == 0
+    assert second.notified == 1 and second.polls == 0
+    assert addressed.id not in second._recent  # the second process never read the addressed outcome

@@ -207,6 +207,44 @@ def test_the_create_answers_from_the_outcome_message_without_reading_the_network
     )
 
 
+def test_the_create_answers_on_the_event_loop_unless_the_tenants_key_is_not_cached(tenant, sandbox, monkeypatch):
+    """An outcome message that answers the create is turned into the answer on the event loop: the
+    finish on the database pool (``provisioning_outcome``) is not called. Without the tenant's key in
+    the keyring's cache the loop gets no answer (no statement runs there: the key is not read) and the
+    finish answers the same object, reading the key."""
+    from domain.tenancy.auth import authenticate
+    from storage.crypto import get_keyring
+
+    finishes: list[records.Started] = []
+    asked: list[tuple] = []
+    finish, settled_answer = provisioning.provisioning_outcome, provisioning.settled_answer
+
+    def counted_finish(session, caller, started, *, outcome=None):
+        finishes.append(started)
+        return finish(session, caller, started, outcome=outcome)
+
+    def recorded(session, caller, started, outcome):
+        if session is None:
+            asked.append((started, outcome))
+        return settled_answer(session, caller, started, outcome)
+
+    monkeypatch.setattr(provisioning, "provisioning_outcome", counted_finish)
+    monkeypatch.setattr(provisioning, "settled_answer", recorded)
+    created = _active(tenant.client, OTHER_VISA)
+    assert finishes == [] and len(asked) == 1
+    started, outcome = asked[0]
+    assert outcome.answer is not None and str(started.network_token_id) == created["id"]
+    with session_scope() as session:
+        caller = authenticate(session, tenant.api_key)
+        keyring = get_keyring()
+        keyring._data_keys.clear()
+        assert settled_answer(None, caller, started, outcome) is None
+        read = settled_answer(session, caller, started, outcome)
+        assert read is not None and read[0] == 201 and str(read[1]["id"]) == created["id"]
+        assert read[1]["data"]["number"] == created["data"]["number"]
+        assert settled_answer(None, caller, started, outcome) == read  # the key is cached by the read
+
+
 def test_an_outcome_answer_that_does_not_open_is_not_believed(tenant, sandbox):
     """A message whose answer is not what the worker wrote (a sealed value that does not open for
     this network token, a missing value) is not answered from: the create reads the row instead."""

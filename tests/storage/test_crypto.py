@@ -269,6 +269,23 @@ def test_each_tenant_has_its_own_data_key(keyring, session):
     assert keyring.keys(session, a).data_key not in rows[0]
 
 
+def test_without_a_session_the_keyring_opens_values_with_cached_keys_only(keyring, session):
+    """``session`` None asks the caches only (what the event loop may do): a key not cached raises
+    KeyNotCached, a LookupError, without reading anything; once a read cached it, the value opens."""
+    from storage.crypto import KeyNotCached
+
+    tenant = new_tenant(session)
+    keyring.create_tenant_key(session, tenant)
+    session.commit()
+    envelope = keyring.encrypt(session, tenant, "token-data", "tok_1", CARD)
+    keyring._data_keys.clear()
+    with pytest.raises(KeyNotCached) as raised:
+        keyring.decrypt(None, tenant, "token-data", "tok_1", envelope)
+    assert isinstance(raised.value, LookupError)
+    assert keyring.decrypt(session, tenant, "token-data", "tok_1", envelope) == CARD
+    assert keyring.decrypt(None, tenant, "token-data", "tok_1", envelope) == CARD
+
+
 def test_unknown_tenant(keyring, session):
     with pytest.raises(LookupError):
         keyring.encrypt(session, uuid.uuid4(), "token-data", "tok_1", CARD)
