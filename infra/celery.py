@@ -7,7 +7,13 @@ events for Flower, results in the database (no result backend), arguments that a
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
+import queue
+import threading
 import time
+from typing import Any
 
 from celery import Celery, signals
 from celery.worker.consumer import Consumer
@@ -16,6 +22,8 @@ from kombu import Exchange, Queue
 from config.settings import Settings, get_settings
 from infra import broker_transport, logs
 from infra.redis_clients import broker_transport_options
+
+_log = logging.getLogger("tessera.celery")
 
 #: Message headers that carry the producer's log context to the worker.
 TRACE_HEADER = "tessera_trace_id"
@@ -93,6 +101,75 @@ class EventBatchingConsumer(Consumer):
         """Publish what is buffered, then shut down as Celery does."""
         self._flush_events()
         super().shutdown()
+
+
+class SentEvents:
+    """Celery's ``task-sent`` events of this process, published after the task's message, by a thread
+    of their own: the sender (a request waiting for its job) goes on once the message is out, rather
+    than after one more publish. Given to Celery as a send's ``event_dispatcher`` (Celery calls
+    :meth:`publish` after the message is out); each event keeps the time it was queued as its
+    ``timestamp``. Events wait at most one publish behind the message (Flower sees them that much
+    later); the thread publishes what queued meanwhile on one producer. A process forked from this one
+    starts a thread of its own on its first event, and drops its parent's queue. What could not be
+    published is logged and dropped (events are monitoring: a task never waits for one); what is
+    queued at exit is published then."""
+
+    def __init__(self, app: Celery) -> None:
+        self._app = app
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], dict[str, Any] | None]] = queue.SimpleQueue()
+
+    def publish(
+        self,
+        event_type: str,
+        fields: dict[str, Any],
+        producer: Any,
+        retry: bool = False,
+        retry_policy: Any = None,
+        **_: Any,
+    ) -> None:
+        """Queue the event ``event_type`` (``task-sent``) with ``fields`` (Celery's: the task's id, name,
+        arguments, queue ...) for the thread; ``producer`` (the message's) is not used."""
+        self._started().put((event_type, {**fields, "timestamp": time.time()}, retry_policy if retry else None))
+
+    def _started(self) -> queue.SimpleQueue[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+        """This process's queue, its thread started on the first event."""
+        pid = os.getpid()
+        if self._pid != pid:
+            with self._lock:
+                if self._pid != pid:
+                    self._queue = queue.SimpleQueue()  # a parent's events are its own to publish
+                    threading.Thread(target=self._publish_forever, name="tessera-sent-events", daemon=True).start()
+                    if self._pid is None:
+                        atexit.register(self.flush)
+                    self._pid = pid
+        return self._queue
+
+    def _publish_forever(self) -> None:
+        while True:
+            self._publish([self._queue.get()])
+
+    def flush(self) -> None:
+        """Publish what is queued now, on the calling thread."""
+        self._publish([])
+
+    def _publish(self, events: list[tuple[str, dict[str, Any], dict[str, Any] | None]]) -> None:
+        """Publish ``events`` and whatever else is queued, on one producer of the pool."""
+        while True:
+            try:
+                events.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if not events:
+            return
+        try:
+            dispatcher = self._app.amqp._event_dispatcher  # Celery's own, for a producer of ours
+            with self._app.producer_or_acquire() as producer:
+                for type_, fields, policy in events:
+                    dispatcher.publish(type_, fields, producer, retry=policy is not None, retry_policy=policy)
+        except Exception:  # noqa: BLE001 - events are monitoring: the thread goes on, the events are dropped
+            _log.warning("could not publish %d task-sent events", len(events), exc_info=True)
 
 
 def queue_of(task_name: str) -> str:
@@ -176,6 +253,8 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 
 celery_app = create_app()
+#: This process's ``task-sent`` events (:class:`SentEvents`), for :func:`infra.dispatch.send_task`.
+sent_events = SentEvents(celery_app)
 
 
 @signals.before_task_publish.connect

@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from infra import wait
-from infra.celery import DELIVER_TASK, celery_app
+from infra.celery import DELIVER_TASK, celery_app, sent_events
 from storage.db import on_commit, transaction_state
 
 log = logging.getLogger("tessera.dispatch")
@@ -149,7 +149,8 @@ def send_task(task_name: str, *, countdown: float | None = None, producer: Any =
     ``producer`` when given (a kombu producer of :data:`celery_app`'s pool), else on one taken from
     the pool for this message; False (and a log line) when the broker did not take it. The message's
     ``reply_to`` names the job-outcome subscription this context's jobs answer to, if any
-    (``infra.wait.message_reply_to``)."""
+    (``infra.wait.message_reply_to``). Its ``task-sent`` event, when they are on, goes out after it
+    from a thread of its own (``infra.celery.SentEvents``)."""
     try:
         celery_app.send_task(
             task_name,
@@ -159,6 +160,7 @@ def send_task(task_name: str, *, countdown: float | None = None, producer: Any =
             retry=True,
             retry_policy=_RETRY_POLICY,
             reply_to=wait.message_reply_to(),
+            event_dispatcher=sent_events,  # its task-sent event published after it, off this thread
         )
     except Exception:
         log.warning("could not send task %s; the outbox relay will re-send it", task_name, exc_info=True)

@@ -616,7 +616,7 @@ def stage_write(session: OrmSession, statement: UpdateBase) -> None:
     its values bound in it) to go out with the other writes queued in ``session``'s transaction, in one
     round trip just before it commits (:func:`flush_writes`), after everything else the transaction did
     (the ORM's pending changes are flushed first): the outcome of a job written in one statement. On
-    PostgreSQL the queued writes are one statement (each but the last a data-modifying ``WITH``), so
+    PostgreSQL the queued writes are one prepared statement (each but the last a data-modifying ``WITH``), so
     each sees the rows as they were when that statement began and none sees another's changes: no two
     may change the same row, none may depend on another's effect. Elsewhere they run one by one, in
     order. Dropped on rollback."""
@@ -679,7 +679,9 @@ def flush_writes(session: OrmSession) -> None:
     *first, last = statements
     ctes = [statement.cte(f"staged_{n}") for n, statement in enumerate(first)]
     ctes += [part.cte(f"staged_rows_{n}") for n, part in enumerate(parts)]
-    session.execute(last.add_cte(*ctes) if ctes else last)
+    # prepared: its text is the same for each unit of work of one shape (the values are bound), and
+    # the server would otherwise plan its CTEs again each time (storage.driver.prepared_text)
+    session.execute((last.add_cte(*ctes) if ctes else last).execution_options(**_PREPARED_OPTIONS))
 
 
 def _json_parts(batches: list[tuple[Table, bool, list[dict]]], dialect) -> list | None:

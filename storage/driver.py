@@ -39,16 +39,25 @@ _PREPARED_ON_CONNECTION = "tessera_prepared"
 _PLACEHOLDER = re.compile(r"%%|%s|%\(([^)]+)\)s")
 
 
+#: The most statements one connection prepares; beyond them a new statement runs as it is (its text
+#: sent each time), so that statements composed per unit of work (``storage.db.flush_writes``) cannot
+#: fill a long-lived connection with prepared statements.
+MOST_PREPARED = 256
+
+
 def prepared_text(info: dict, cursor: Any, statement: str, parameters: Any) -> tuple[str, Any]:
     """The ``EXECUTE`` of ``statement`` (its text, compiled, with psycopg2's ``%s`` or ``%(name)s``
     placeholders) and its ``parameters`` (a dict or a tuple), after its ``PREPARE`` on ``cursor``'s
     connection when that connection has not prepared it yet. ``info``: the pooled connection's
     ``info`` dict, where the names it prepared are kept (they go when the connection is closed or
-    invalidated). A statement whose parameter types the server cannot tell without their values
-    runs as it is (logged once per connection); raises the driver's error when the ``PREPARE`` fails
-    inside a transaction (the transaction is lost)."""
+    invalidated). A statement whose parameter types the server cannot tell without their values runs
+    as it is (logged once per connection): inside a transaction its ``PREPARE`` goes behind a
+    savepoint, in the same round trip, so that a failing one costs the transaction nothing. Past
+    :data:`MOST_PREPARED` statements on the connection, a new one runs as it is."""
     prepared = info.setdefault(_PREPARED_ON_CONNECTION, {})
     if statement not in prepared:
+        if len(prepared) >= MOST_PREPARED:
+            return statement, parameters
         order: list[str] = []
 
         def positional(match: re.Match[str]) -> str:
@@ -61,11 +70,15 @@ def prepared_text(info: dict, cursor: Any, statement: str, parameters: Any) -> t
 
         body = _PLACEHOLDER.sub(positional, statement)
         name = f"tessera_{len(prepared) + 1}"
+        in_transaction = not cursor.connection.autocommit
         try:
-            cursor.execute(f"PREPARE {name} AS {body}")
+            if in_transaction:
+                cursor.execute(f"SAVEPOINT {name}; PREPARE {name} AS {body}; RELEASE SAVEPOINT {name}")
+            else:
+                cursor.execute(f"PREPARE {name} AS {body}")
         except psycopg2.Error:
-            if not cursor.connection.autocommit:  # the transaction is lost: the statement fails
-                raise
+            if in_transaction:  # back to before the PREPARE: the transaction goes on
+                cursor.execute(f"ROLLBACK TO SAVEPOINT {name}; RELEASE SAVEPOINT {name}")
             # a parameter whose type the server cannot tell without its value: run it as it is
             log.warning("a statement could not be prepared; it runs unprepared", exc_info=True)
             prepared[statement] = None

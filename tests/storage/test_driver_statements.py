@@ -10,7 +10,7 @@ import uuid
 
 import psycopg2
 import pytest
-from sqlalchemy import Integer, bindparam, event, insert, literal_column, select, text
+from sqlalchemy import Integer, bindparam, event, insert, literal_column, select, text, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from config.settings import get_settings, reload_settings
@@ -27,6 +27,7 @@ from storage.db import (
     reset_engine,
     server_prepared,
     session_scope,
+    stage_write,
 )
 from storage.models import Job
 from storage.types import table_of
@@ -124,6 +125,56 @@ def test_a_statement_is_prepared_once_per_connection(database):
         prepared = cursor.fetchall()
         assert len(info[driver._PREPARED_ON_CONNECTION]) == 1
     assert len(prepared) == 1 and prepared[0][0].startswith("tessera_")
+
+
+def test_a_statement_the_server_cannot_prepare_runs_as_it_is_and_its_transaction_goes_on(database):
+    untyped = server_prepared(text("SELECT :value IS NULL AS missing"))  # $1's type: unknown to PREPARE
+    tenant_id, subject = _tenant_id(), f"driver-{uuid.uuid4()}"
+    at = dt.datetime(2026, 11, 29, 3, 0, tzinfo=dt.UTC)
+    get_engine().dispose()  # a new connection: the statement's first run there
+    with session_scope() as session:
+        session.execute(_INSERT, {"job_id": uuid.uuid4(), "tenant_id": tenant_id, "subject": subject, "at": at})
+        assert session.execute(untyped, {"value": "x"}).scalar_one() is False  # run unprepared, in the transaction
+        assert session.execute(untyped, {"value": None}).scalar_one() is True  # not tried again
+        session.execute(_INSERT, {"job_id": uuid.uuid4(), "tenant_id": tenant_id, "subject": subject, "at": at})
+        prepared = session.execute(text("SELECT statement FROM pg_prepared_statements")).scalars().all()
+    assert _jobs_named(subject) == 2  # the failed PREPARE cost the transaction nothing
+    assert len(prepared) == 1 and "INSERT INTO jobs" in prepared[0]
+
+
+def test_the_writes_staged_for_a_commit_are_one_statement_prepared_once_per_connection(database):
+    tenant_id, subject = _tenant_id(), f"driver-{uuid.uuid4()}"
+    at = dt.datetime(2026, 11, 29, 3, 5, tzinfo=dt.UTC)
+    first, second = uuid.uuid4(), uuid.uuid4()
+    for job_id in (first, second):
+        execute_durable(_INSERT, {"job_id": job_id, "tenant_id": tenant_id, "subject": subject, "at": at})
+    get_engine().dispose()
+    for n in (1, 2, 3):
+        with session_scope() as session:
+            stage_write(session, update(_JOBS).where(_JOBS.c.id == first).values(result={"n": n}))
+            stage_write(session, update(_JOBS).where(_JOBS.c.id == second).values(result={"n": -n}))
+    with session_scope() as session:
+        prepared = (
+            session.execute(text("SELECT statement FROM pg_prepared_statements WHERE statement LIKE '%%staged_0%%'"))
+            .scalars()
+            .all()
+        )
+        results = dict(session.execute(select(_JOBS.c.id, _JOBS.c.result).where(_JOBS.c.subject_id == subject)).all())
+    assert len(prepared) == 1  # planned once on the connection, run three times
+    assert results == {first: {"n": 3}, second: {"n": -3}}
+
+
+def test_past_the_most_prepared_statements_a_new_one_runs_as_it_is(database, monkeypatch):
+    monkeypatch.setattr(driver, "MOST_PREPARED", 1)
+    engine = get_lease_engine()
+    assert engine is not None
+    engine.dispose()
+    assert read_first(_READ, {"id": uuid.uuid4(), "at": dt.datetime.now(dt.UTC), "result": {}, "n": 2}).twice == 4
+    assert read_all(_SERIES, {"count": 3}) == [(1,), (2,), (3,)]  # the second statement: sent as it is
+    with driver.driver_cursor(engine) as (info, cursor):
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements")
+        assert cursor.fetchone()[0] == 1
+        assert len(info[driver._PREPARED_ON_CONNECTION]) == 1
 
 
 @pytest.fixture
