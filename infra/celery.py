@@ -8,6 +8,7 @@ events for Flower, results in the database (no result backend), arguments that a
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import queue
@@ -146,6 +147,12 @@ class SentEvents:
                     self._pid = pid
         return self._queue
 
+    @functools.cached_property
+    def _dispatcher(self) -> Any:
+        """Celery's event dispatcher, not enabled: it publishes on the producer it is given (as
+        Celery's own for ``task-sent`` events)."""
+        return self._app.events.Dispatcher(enabled=False)
+
     def _publish_forever(self) -> None:
         while True:
             self._publish([self._queue.get()])
@@ -164,7 +171,7 @@ class SentEvents:
         if not events:
             return
         try:
-            dispatcher = self._app.amqp._event_dispatcher  # Celery's own, for a producer of ours
+            dispatcher = self._dispatcher
             with self._app.producer_or_acquire() as producer:
                 for type_, fields, policy in events:
                     dispatcher.publish(type_, fields, producer, retry=policy is not None, retry_policy=policy)
