@@ -189,6 +189,15 @@ def race(take, owners=("a", "b"), timeout: float = 30.0) -> dict[str, list]:
     return got
 
 
+def in_one_minute_window(needs: float) -> None:
+    """Wait, when the current fixed minute window of the rate limits (``app/ratelimit.py``: slots of
+    ``time.time() // 60``) has less than ``needs`` seconds left, for the next one to start: what
+    follows then counts in one window, never split across two (each would count up to its limit)."""
+    left = 60 - time.time() % 60
+    if left < needs:
+        time.sleep(left + 0.1)
+
+
 def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05):
     """Poll ``predicate()`` until it returns something truthy; return it, or fail after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 import uuid
 
 import pytest
@@ -20,7 +19,7 @@ from storage.models import AuditLog, Job
 from storage.models_documents import Document
 from tests.documents.conftest import SMALL_DOCUMENT_MAX_BYTES, SMALL_DOCUMENTS_PER_MINUTE
 from tests.factories.documents import multipart, upload
-from tests.helpers import assert_problem, wait_until
+from tests.helpers import assert_problem, in_one_minute_window, wait_until
 
 pytestmark = pytest.mark.api
 
@@ -227,8 +226,7 @@ def test_too_large_is_413_while_streaming(small_limits_api, tenant):
 
 
 def test_the_documents_api_is_rate_limited_per_application(small_limits_api, tenant, limited):
-    if 60 - time.time() % 60 < 5:  # the limit counts in minute windows: do not straddle one
-        time.sleep(60 - time.time() % 60 + 0.1)
+    in_one_minute_window(5)
     client = _small(small_limits_api, tenant)
     doc = upload(client, b"one").json
     assert client.get(f"/documents/{doc['id']}").status == 200

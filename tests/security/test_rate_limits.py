@@ -9,23 +9,18 @@ limit (the counters are one Redis script call per request, shared by every api p
 
 from __future__ import annotations
 
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.conftest import free_port, serve_in_thread
-from tests.helpers import ApiClient
+from tests.helpers import ApiClient, in_one_minute_window
 
 THREADS = 16
 
 
 def _burst(call, count: int) -> list[int]:
-    """The statuses of ``count`` calls, ``THREADS`` at a time, all in one window of the limits: the
-    counters are fixed windows of a minute (``app/ratelimit.py``: slots of ``time.time() // 60``), so
-    a burst split by a window's end would count in two, each up to its limit, as documented."""
-    left = 60 - time.time() % 60
-    if left < 15:  # too close to the window's end: start with the next one
-        time.sleep(left + 0.1)
+    """The statuses of ``count`` calls, ``THREADS`` at a time, all in one window of the limits."""
+    in_one_minute_window(15)
     with ThreadPoolExecutor(max_workers=THREADS) as pool:
         return list(pool.map(lambda _: call().status, range(count)))
 
