@@ -4,7 +4,9 @@ Code that records work calls :func:`enqueue_after_commit` (or :func:`enqueue_bat
 inside its unit of work; the messages go out when the session commits (through the one after-commit
 hook, :func:`storage.db.on_commit`) and are dropped if it rolls back. A lost message (the process died
 after the commit, or the broker was down) is re-sent by the outbox relay (``sweeps.relay_outbox``), so
-a send failure here is logged and otherwise ignored.
+a send failure here is logged and otherwise ignored. A job whose request waits for its outcome may be
+``gated`` (:func:`enqueue_jobs_after_commit`): its message goes out just before the ``COMMIT``, while
+the transaction holds the job's gate, and its lease waits there until the commit is done.
 
 Jobs of a batched kind (:data:`BATCH_ARGUMENT`: webhook deliveries) travel as lists of ids, about a
 hundred a message; :func:`enqueue_jobs_after_commit` picks the form by the kind. Jobs recorded
@@ -28,11 +30,12 @@ from sqlalchemy.orm import Session
 
 from infra import wait
 from infra.celery import DELIVER_TASK, celery_app, sent_events
-from storage.db import on_commit, transaction_state
+from storage.db import before_commit, hold_gates, on_commit, transaction_state
 
 log = logging.getLogger("tessera.dispatch")
 
 _PENDING = "tessera_enqueue"
+_GATED = "tessera_enqueue_gated"
 #: At most this many ids ride in one batched message (the task works through them together).
 BATCH_SIZE = 100
 #: The longest delay carried by a Celery countdown (seconds); longer ones wait as ``due_at``.
@@ -72,10 +75,12 @@ class _Outgoing:
         send_messages(self.messages())
 
 
-def _outgoing(session: Session) -> _Outgoing:
-    outgoing, made = transaction_state(session, _PENDING, _Outgoing)
+def _outgoing(session: Session, *, gated: bool = False) -> _Outgoing:
+    """The messages ``session``'s transaction sends once it commits, or (``gated``) just before its
+    ``COMMIT``, behind the gates of their jobs (:func:`storage.db.before_commit`)."""
+    outgoing, made = transaction_state(session, _GATED if gated else _PENDING, _Outgoing)
     if made:
-        on_commit(session, outgoing.send)
+        (before_commit if gated else on_commit)(session, outgoing.send)
     return outgoing
 
 
@@ -110,37 +115,54 @@ def enqueue_batch_after_commit(
 
 
 def enqueue_jobs_after_commit(
-    session: Session, kind: str, job_ids: list[str], *, delay: float | None = None, together: bool = False
+    session: Session,
+    kind: str,
+    job_ids: list[str],
+    *,
+    delay: float | None = None,
+    together: bool = False,
+    gated: bool = False,
 ) -> None:
     """Send the task ``kind`` of the jobs ``job_ids`` once ``session`` commits: for a kind of
     :data:`BATCH_ARGUMENT` in messages of at most :data:`BATCH_SIZE` ids
     (:func:`enqueue_batch_after_commit`); ``together``: in the one message of the jobs of ``kind``
     this transaction records together (``job_id``, then ``sibling_ids``); otherwise one message per job
-    with ``job_id``. ``delay`` as in :func:`enqueue_after_commit`."""
+    with ``job_id``. ``delay`` as in :func:`enqueue_after_commit`.
+
+    ``gated``: the task leases the message's ``job_id`` by ``infra.jobs.lease`` (or its siblings with
+    it, ``lease_together``), whose statement waits at the job's gate (:func:`storage.db.gate_wait`).
+    On PostgreSQL the transaction then holds the jobs' gates and their messages go out just before
+    its ``COMMIT`` instead of after it (:func:`storage.db.hold_gates`): the worker receives the message
+    while the commit waits for its WAL flush, and its lease runs once the commit is done. A commit that
+    fails leaves a message naming a job that was never written: its lease takes nothing. Elsewhere,
+    or for a batched kind, as without it."""
     key = BATCH_ARGUMENT.get(kind)
     if key is not None:
         enqueue_batch_after_commit(session, kind, key, job_ids, delay=delay)
         return
-    if together:
-        countdown = countdown_for(delay)
-        if countdown is not False and job_ids:
-            _outgoing(session).together.setdefault((kind, countdown), []).extend(job_ids)
+    countdown = countdown_for(delay)
+    if countdown is False or not job_ids:
         return
-    for job_id in job_ids:
-        enqueue_after_commit(session, kind, delay=delay, job_id=job_id)
+    outgoing = _outgoing(session, gated=gated and hold_gates(session, job_ids))
+    if together:
+        outgoing.together.setdefault((kind, countdown), []).extend(job_ids)
+        return
+    outgoing.single.extend((kind, countdown, {"job_id": job_id}) for job_id in job_ids)
 
 
 def take_pending(session: Session) -> list[tuple[str, dict]]:
     """Remove the messages ``session``'s transaction would send when it commits and return them as
     ``(task name, kwargs)`` (batches cut as they would be sent, countdowns dropped): for a caller that
     sends them elsewhere itself, or not at all (the relay recovers recorded work)."""
-    outgoing = session.info.get(_PENDING)
-    if outgoing is None:
-        return []
-    taken = [(task_name, kwargs) for task_name, _countdown, kwargs in outgoing.messages()]
-    outgoing.single.clear()
-    outgoing.batches.clear()
-    outgoing.together.clear()
+    taken = []
+    for key in (_GATED, _PENDING):
+        outgoing = session.info.get(key)
+        if outgoing is None:
+            continue
+        taken += [(task_name, kwargs) for task_name, _countdown, kwargs in outgoing.messages()]
+        outgoing.single.clear()
+        outgoing.batches.clear()
+        outgoing.together.clear()
     return taken
 
 

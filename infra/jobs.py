@@ -63,6 +63,7 @@ from storage.db import (
     execute_durable,
     execute_durable_together,
     execute_once_more_on_disconnect,
+    gate_wait,
     get_lease_engine,
     in_constants,
     is_staging,
@@ -166,6 +167,7 @@ def record(
     max_attempts: int = 5,
     rows: Rows | None = None,
     together: bool = False,
+    gated: bool = False,
 ) -> Job: ...
 
 
@@ -181,6 +183,7 @@ def record(
     max_attempts: int = 5,
     rows: Rows,
     now: dt.datetime | None = None,
+    gated: bool = False,
 ) -> list[uuid.UUID]: ...
 
 
@@ -199,11 +202,15 @@ def record(
     rows: Rows | None = None,
     now: dt.datetime | None = None,
     together: bool = False,
+    gated: bool = False,
 ) -> Job | list[uuid.UUID]:
     """Record work in the caller's transaction: one ``queued`` job per subject, its task ``kind`` sent
     with the job's id once the transaction commits (batch messages for a batched kind,
     :data:`infra.dispatch.BATCH_ARGUMENT`; ``together``: one message for every job of ``kind`` the
-    transaction records together, run side by side, ``infra.task.JobTask.run``).
+    transaction records together, run side by side, ``infra.task.JobTask.run``; ``gated``: sent just
+    before the commit, for a task that leases its job with :func:`lease` or :func:`lease_together`,
+    whose statement waits for the commit, see ``infra.dispatch.enqueue_jobs_after_commit``: a request
+    that waits for the job's outcome).
 
     One job (``subject_id``; the fields are those of :func:`new_row`) returns the :class:`Job`. Many
     (``subjects``: ``[(job id, subject id)]``, all due ``now``) return their ids. Where the row goes is
@@ -239,7 +246,7 @@ def record(
             row.update(id=job_id, due_at=now, created_at=now, updated_at=now)
             rows.add(_JOBS, row)
             ids.append(job_id)
-        enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in ids])
+        enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in ids], gated=gated)
         return ids
     assert subject_id is not None  # checked above: exactly one of subject_id and subjects
     row = new_row(subject_id=subject_id, subject_number=subject_number, operation_id=operation_id, **common)
@@ -254,7 +261,7 @@ def record(
             staged.add(_JOBS, row)
             stage_rows(session, staged)
         job = row_instance(Job, row)
-    enqueue_jobs_after_commit(session, kind, [str(job.id)], together=together)
+    enqueue_jobs_after_commit(session, kind, [str(job.id)], together=together, gated=gated)
     return job
 
 
@@ -461,7 +468,9 @@ def lease(
     and ``{name: value}``, or None when the job is not takeable now. On PostgreSQL one prepared
     statement (:class:`_PreparedLease`, built once per ``reads`` object and reused; committed
     without waiting for the WAL flush: a lease lost in a database crash only means the job is taken
-    again, with the same idempotency key); elsewhere an ``UPDATE`` and a ``SELECT`` in one transaction.
+    again, with the same idempotency key; it runs behind the job's gate, :func:`storage.db.gate_wait`,
+    so a message sent before the commit that recorded the job, ``record(gated=True)``, is leased once
+    that commit is done); elsewhere an ``UPDATE`` and a ``SELECT`` in one transaction.
     Given a ``session``, the job is taken in that session's transaction instead (it may be a job that
     transaction recorded) and returned loaded in it.
 
@@ -484,7 +493,9 @@ def lease(
         return _lease_in(session, job_id, owner, lease_seconds, prepared)
     engine = get_lease_engine()
     if engine is not None:
-        row = execute_once_more_on_disconnect(engine, prepared.statement, prepared.params(job_id, owner, lease_seconds))
+        row = execute_once_more_on_disconnect(
+            engine, prepared.statement, prepared.params(job_id, owner, lease_seconds), after=gate_wait(job_id)
+        )
         return None if row is None else prepared.taken(row)
     with session_scope() as own:
         leased = _lease_in(own, job_id, owner, lease_seconds, prepared)
@@ -535,7 +546,11 @@ def lease_together(
         return {job_id: leased for job_id, leased in taken if leased is not None}
     prepared = _prepared(kept, many=True)
     rows = execute_once_more_on_disconnect(
-        engine, prepared.statement, prepared.params(job_ids, owner, lease_seconds), every_row=True
+        engine,
+        prepared.statement,
+        prepared.params(job_ids, owner, lease_seconds),
+        every_row=True,
+        after=gate_wait(job_ids[0]) if job_ids else None,
     )
     return {row["id"]: prepared.taken(row) for row in rows}
 

@@ -314,7 +314,9 @@ def _twice_on_disconnect(attempt: Callable[[], T]) -> T:
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
 
-def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | None = None, *, every_row: bool = False):
+def execute_once_more_on_disconnect(
+    engine: Engine, statement, params: dict | None = None, *, every_row: bool = False, after: str | None = None
+):
     """Run ``statement`` on a connection of ``engine`` (an autocommit engine such as
     :func:`get_lease_engine`) and return its first row as a mapping (None without rows, or when the
     statement returns none); ``every_row``: the list of all its rows as mappings instead (empty when
@@ -322,7 +324,8 @@ def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | No
     restart), SQLAlchemy invalidates the pool and the statement runs once more on a fresh
     connection; any other error is raised. Only for statements that bear running twice (a lease:
     the second run takes nothing the first one took). ``params``: values of the statement's bind
-    parameters."""
+    parameters. ``after``: a statement sent just before it, in the same round trip where the driver
+    runs it (a :func:`gate_wait`: the statement then runs once the gate's holder committed)."""
 
     def rows(result: Result | None):
         if every_row:
@@ -330,6 +333,8 @@ def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | No
         return result.mappings().first() if result is not None else None
 
     def run(connection: Connection):
+        if after is not None:
+            connection.exec_driver_sql(after)
         result = connection.execute(statement, params)
         return rows(result if result.returns_rows else None)
 
@@ -337,7 +342,7 @@ def execute_once_more_on_disconnect(engine: Engine, statement, params: dict | No
     if compiled is None:
         return _once_more_on_disconnect(engine, run)
     return _driver_once_more_on_disconnect(
-        engine, lambda info, cursor: rows(driver.execute(info, cursor, compiled, params))
+        engine, lambda info, cursor: rows(driver.execute(info, cursor, compiled, params, prefix=after))
     )
 
 
@@ -605,6 +610,89 @@ def _drop_on_commit(session: OrmSession) -> None:
     _end_transaction(session)
 
 
+# ---- gates: what waits for a commit may be told before it -------------------------------------------
+
+#: The first key of the advisory locks that are gates (``pg_advisory_xact_lock(GATE_CLASS, key)``); no
+#: other lock of the platform uses it.
+GATE_CLASS = 0x7E55
+_GATES = "tessera_gates"
+
+
+def gate_key(subject: uuid.UUID | str) -> int:
+    """The second key of the gate of ``subject`` (a job id, as a UUID or its text): its last 32 bits,
+    signed (PostgreSQL's ``integer``). Raises ValueError for text that is not a UUID."""
+    return int.from_bytes(uuid.UUID(str(subject)).bytes[-4:], "big", signed=True)
+
+
+def gate_wait(subject: uuid.UUID | str) -> str:
+    """The statement that waits while a transaction holds the gate of ``subject`` (:func:`hold_gates`)
+    and passes at once otherwise: a shared lock, released when its own transaction ends. Sent just
+    before a statement in the same round trip, on PostgreSQL (:func:`execute_once_more_on_disconnect`),
+    that statement runs after the holder's commit and sees what it wrote (each statement of a
+    transaction in ``READ COMMITTED`` reads the database as it is when the statement starts). Its
+    text holds two integers, nothing else."""
+    return f"SELECT pg_advisory_xact_lock_shared({GATE_CLASS}, {gate_key(subject)})"
+
+
+class _Gates:
+    """The gates a transaction holds or will hold, and what runs once they are held."""
+
+    def __init__(self) -> None:
+        self.keys: set[int] = set()
+        self.held: set[int] = set()
+        self.callbacks: list[Callable[[], object]] = []
+
+    def hold_text(self) -> str | None:
+        """The statement locking the gates not held yet (in key order), marking them held; None when
+        all are."""
+        keys = sorted(self.keys - self.held)
+        if not keys:
+            return None
+        self.held.update(keys)
+        return "SELECT " + ", ".join(f"pg_advisory_xact_lock({GATE_CLASS}, {key})" for key in keys)
+
+    def run(self) -> None:
+        """The callbacks, in order, each once."""
+        callbacks, self.callbacks = self.callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+def hold_gates(session: OrmSession, subjects: Iterable[uuid.UUID | str]) -> bool:
+    """Have ``session``'s transaction hold the gates of ``subjects`` (job ids) from before the
+    callbacks of :func:`before_commit` until it ends (commit or rollback): who waits at one of them
+    (:func:`gate_wait`) waits for the commit and then sees what it wrote. The locks are taken with the
+    transaction's last write when they can be (in its round trip), else by one statement just before
+    the callbacks. False, and nothing held, where there are no gates (a database other than
+    PostgreSQL): the caller then waits for the commit itself (:func:`on_commit`)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return False
+    gates, _ = transaction_state(session, _GATES, _Gates)
+    gates.keys.update(gate_key(subject) for subject in subjects)
+    return True
+
+
+def before_commit(session: OrmSession, callback: Callable[[], object]) -> None:
+    """Run ``callback()`` once the gates ``session``'s transaction holds are locked and its writes
+    sent, just before its ``COMMIT`` (dropped if it rolls back first): what may be told before the
+    commit because whoever acts on it waits at a gate (``infra.dispatch``: the messages of recorded
+    jobs, whose lease waits for the commit). Only after :func:`hold_gates` returned True; an
+    exception it raises rolls the transaction back."""
+    gates, _ = transaction_state(session, _GATES, _Gates)
+    gates.callbacks.append(callback)
+
+
+def _open_gates(session: OrmSession) -> None:
+    """Lock the gates not held yet (one statement) and run the :func:`before_commit` callbacks."""
+    gates = session.info.pop(_GATES, None)
+    if gates is None:
+        return
+    hold = gates.hold_text()
+    if hold is not None:
+        session.execute(text(hold))
+    gates.run()
+
+
 # ---- writes sent together before the commit ----------------------------------------------------------
 
 _WRITES = "tessera_staged_writes"
@@ -681,7 +769,11 @@ def flush_writes(session: OrmSession) -> None:
     ctes += [part.cte(f"staged_rows_{n}") for n, part in enumerate(parts)]
     # prepared: its text is the same for each unit of work of one shape (the values are bound), and
     # the server would otherwise plan its CTEs again each time (storage.driver.prepared_text)
-    session.execute((last.add_cte(*ctes) if ctes else last).execution_options(**_PREPARED_OPTIONS))
+    options: dict[str, Any] = dict(_PREPARED_OPTIONS)
+    gates = session.info.get(_GATES)
+    if gates is not None and get_settings().db_prepared_statements:  # the gates' locks in its round trip
+        options[driver.PREFIX] = gates.hold_text()
+    session.execute((last.add_cte(*ctes) if ctes else last).execution_options(**options))
 
 
 def _json_parts(batches: list[tuple[Table, bool, list[dict]]], dialect) -> list | None:
@@ -717,6 +809,8 @@ def _row_statements(dialect_name: str, batches: list[tuple[Table, bool, list[dic
 def _flush_writes_before_commit(session: OrmSession) -> None:
     if session.info.get(_WRITES) or session.info.get(_ROWS):
         flush_writes(session)
+    if not session.in_nested_transaction():
+        _open_gates(session)
 
 
 # ---- rows written without ORM objects --------------------------------------------------------------
@@ -1155,15 +1249,64 @@ def insert_rows_last(session: OrmSession, rows: Rows) -> None:
         stage_rows(session, rows)
         return
     batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
-    if batches:
-        engine = get_engine()
-        json_insert = _pg_json_statement(batches, engine.dialect) if driver.runs_on_driver(engine) else None
-        if json_insert is not None:
-            with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
-                driver.execute_text(info, cursor, *json_insert, prepared=get_settings().db_prepared_statements)
-            return
-        with _durable_autocommit() as connection:  # a value JSON cannot carry: VALUES literals
-            _pg_insert(connection, batches)
+    if not batches:
+        return
+    engine = get_engine()
+    on_driver = driver.runs_on_driver(engine)
+    gates = session.info.get(_GATES)
+    json_insert = _pg_json_statement(batches, engine.dialect) if on_driver or gates is not None else None
+    if gates is not None:
+        if json_insert is None:  # a value JSON cannot carry: in the session's transaction
+            stage_rows(session, rows)
+        else:
+            _insert_behind_gates(session, engine, json_insert, gates, on_driver=on_driver)
+        return
+    if json_insert is not None:
+        with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+            driver.execute_text(info, cursor, *json_insert, prepared=get_settings().db_prepared_statements)
+        return
+    with _durable_autocommit() as connection:  # a value JSON cannot carry: VALUES literals
+        _pg_insert(connection, batches)
+
+
+def _insert_behind_gates(
+    session: OrmSession, engine: Engine, json_insert: tuple[str, tuple], gates: _Gates, *, on_driver: bool
+) -> None:
+    """:func:`insert_rows_last`'s one statement when ``session``'s transaction holds gates: ``BEGIN``,
+    the gates' locks and the statement in one round trip (on the driver's cursor, else through
+    SQLAlchemy, unprepared), the :func:`before_commit` callbacks, then ``COMMIT``: two round trips
+    (the session's own transaction, empty, then ends without any)."""
+    session.info.pop(_GATES, None)
+    begin = f"BEGIN; {gates.hold_text()}"
+    if on_driver:
+        with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+            _behind_gates(
+                gates,
+                lambda: driver.execute_text(
+                    info, cursor, *json_insert, prepared=get_settings().db_prepared_statements, prefix=begin
+                ),
+                cursor.execute,
+            )
+        return
+    with _durable_autocommit() as connection:
+        _behind_gates(
+            gates,
+            lambda: connection.exec_driver_sql(f"{begin}; {json_insert[0]}", json_insert[1]),
+            connection.exec_driver_sql,
+        )
+
+
+def _behind_gates(gates: _Gates, write: Callable[[], object], send: Callable[[str], object]) -> None:
+    """``write()`` (which begins the transaction and locks the gates), the gates' callbacks, then
+    ``COMMIT`` sent by ``send``; ``ROLLBACK`` instead when any of them raised (then re-raised)."""
+    try:
+        write()
+        gates.run()
+        send("COMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error raised says what went wrong
+            send("ROLLBACK")
+        raise
 
 
 class GroupCommit:

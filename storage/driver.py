@@ -35,6 +35,10 @@ log = logging.getLogger("tessera.db")
 #: The execution option that runs a statement as a server-side prepared statement on PostgreSQL
 #: (:func:`storage.db.server_prepared`).
 SERVER_PREPARED = "tessera_server_prepared"
+#: The execution option of a statement marked :data:`SERVER_PREPARED` naming SQL sent before it in the
+#: same round trip (constants only, no ``%``; its rows are not read): the locks of ``storage.db``'s
+#: gates.
+PREFIX = "tessera_prefix"
 _PREPARED_ON_CONNECTION = "tessera_prepared"
 _PLACEHOLDER = re.compile(r"%%|%s|%\(([^)]+)\)s")
 
@@ -101,8 +105,8 @@ def execute_prepared(
     """SQLAlchemy's ``before_cursor_execute`` hook (installed by ``storage.db`` where statements are
     server-prepared): the ``EXECUTE`` of a statement marked :data:`SERVER_PREPARED`, after its
     ``PREPARE`` when the connection has not prepared it yet (:func:`prepared_text`; a statement sent
-    with ``exec_driver_sql`` is marked by that option in its ``execution_options``). Any other
-    statement passes unchanged."""
+    with ``exec_driver_sql`` is marked by that option in its ``execution_options``), after the SQL its
+    :data:`PREFIX` option names, in the same round trip. Any other statement passes unchanged."""
     if (
         executemany
         or context is None
@@ -110,7 +114,9 @@ def execute_prepared(
         or not context.execution_options.get(SERVER_PREPARED)
     ):
         return statement, parameters
-    return prepared_text(connection.info, cursor, statement, parameters)
+    text, values = prepared_text(connection.info, cursor, statement, parameters)
+    prefix = context.execution_options.get(PREFIX)
+    return (f"{prefix}; {text}" if prefix else text), values
 
 
 class DriverStatement:
@@ -254,19 +260,25 @@ def driver_cursor(engine: Engine, *, autocommit: bool | None = None) -> Iterator
         raw.close()
 
 
-def execute(info: dict, cursor: Any, statement: DriverStatement, params: dict | None) -> Result | None:
+def execute(
+    info: dict, cursor: Any, statement: DriverStatement, params: dict | None, *, prefix: str | None = None
+) -> Result | None:
     """Run ``statement`` with ``params`` (values of its bind parameters) on ``cursor``, as a
-    prepared statement when it was compiled so; its rows (None when it returns none)."""
+    prepared statement when it was compiled so; its rows (None when it returns none). ``prefix``: SQL
+    sent before it in the same round trip (as :data:`PREFIX`)."""
     text, values = statement.text, statement.values(params)
     if statement.prepared:
         text, values = prepared_text(info, cursor, text, values)
-    cursor.execute(text, values)
+    cursor.execute(f"{prefix}; {text}" if prefix else text, values)
     return statement.result(cursor)
 
 
-def execute_text(info: dict, cursor: Any, text: str, parameters: tuple, *, prepared: bool) -> None:
+def execute_text(
+    info: dict, cursor: Any, text: str, parameters: tuple, *, prepared: bool, prefix: str | None = None
+) -> None:
     """Run the driver-level SQL ``text`` with its positional ``parameters`` on ``cursor`` (as a
-    prepared statement when ``prepared``); its rows are not read."""
+    prepared statement when ``prepared``); its rows are not read. ``prefix``: SQL sent before it in
+    the same round trip (as :data:`PREFIX`)."""
     if prepared:
         text, parameters = prepared_text(info, cursor, text, parameters)
-    cursor.execute(text, parameters)
+    cursor.execute(f"{prefix}; {text}" if prefix else text, parameters)

@@ -207,6 +207,7 @@ def create_payment_method(
                 trace_id=caller.trace_id,
                 max_attempts=ENROLL_MAX_ATTEMPTS,
                 together=True,  # the rails' jobs in one message, run side by side by one task run
+                gated=True,  # the message goes before the commit: the request waits for the outcome
             ).id
             rail.update(job_id=job_id, operation_id=owner, attempt="create")
             job_ids.append(job_id)
@@ -625,6 +626,7 @@ def start_retry(
         subject_id=str(target.rail_id),
         trace_id=caller.trace_id,
         max_attempts=ENROLL_MAX_ATTEMPTS,
+        gated=True,  # the message goes before the commit: the request waits for the outcome
     )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm_id, operation="update")
     stage_inserts(session, rows)

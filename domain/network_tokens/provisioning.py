@@ -226,6 +226,7 @@ def create_network_token(session: Session, caller: Caller, request: dict, *, now
         subject_id=str(token_id),
         trace_id=caller.trace_id,
         max_attempts=PROVISION_MAX_ATTEMPTS,
+        gated=True,  # the message goes before the commit: the request waits for the outcome
     ).id
     values = {
         "id": token_id,

@@ -275,15 +275,17 @@ def test_an_outcome_answer_that_does_not_open_is_not_believed(tenant, sandbox):
             assert status == 201 and shown["par"] == created["par"] and shown["data"] == created["data"]
 
 
-def test_a_create_from_card_data_is_recorded_by_one_statement_without_begin_or_commit(tenant, sandbox):
+def test_a_create_from_card_data_is_recorded_by_one_statement_and_its_commit(tenant, sandbox, monkeypatch):
     """Nothing to read first (card data, not a token): the recording's rows (network token, job, log
-    row) are the unit's one statement, committed on its own (no ``BEGIN``/``COMMIT`` round trips);
-    the job's message still goes out after it. A create from a token reads the token first: its rows
-    go out in that transaction."""
+    row) are one statement, sent with ``BEGIN`` and the lock of the job's gate in one round trip; the
+    job's message goes out next, then ``COMMIT`` (the worker's lease waits at the gate for it); the
+    session's own transaction never begins. A create from a token reads the token first: its rows go
+    out in that transaction."""
     from sqlalchemy import event as sa_event
     from sqlalchemy.engine import Engine
 
     from domain.tenancy.auth import authenticate
+    from infra import dispatch
 
     commits: list[int] = []
     statements: list[str] = []
@@ -297,8 +299,15 @@ def test_a_create_from_card_data_is_recorded_by_one_statement_without_begin_or_c
         if threading.get_ident() == here:
             statements.append(statement)
 
+    send = dispatch.send_messages
+
+    def sent(messages):
+        statements.append(f"sent {[kwargs['job_id'] for _, _, kwargs in messages]}")
+        send(messages)
+
     with session_scope() as session:
         caller = authenticate(session, tenant.api_key)
+    monkeypatch.setattr(dispatch, "send_messages", sent)
     sa_event.listen(Engine, "commit", committed)
     sa_event.listen(Engine, "before_cursor_execute", record)
     try:
@@ -309,7 +318,11 @@ def test_a_create_from_card_data_is_recorded_by_one_statement_without_begin_or_c
         sa_event.remove(Engine, "commit", committed)
         sa_event.remove(Engine, "before_cursor_execute", record)
     assert commits == []
-    assert len(statements) == 1 and all(table in statements[0] for table in ("network_tokens", "jobs", "audit_logs"))
+    written, message, commit = statements
+    assert written.startswith("BEGIN; SELECT pg_advisory_xact_lock(")
+    assert all(table in written for table in ("network_tokens", "jobs", "audit_logs"))
+    assert message == f"sent {[str(started.job_id)]}"
+    assert commit == "COMMIT"
     job = wait_until(lambda: (found := _provision_job(str(started.network_token_id))).status == "succeeded" and found)
     assert job.result == {"network_token_id": str(started.network_token_id)}
 
