@@ -398,7 +398,7 @@ def read_one_snapshot(session: OrmSession) -> None:
 def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
     """Run the writing ``statements`` (each ``(statement, values of its bind parameters)``), in order,
     as one transaction of the process's engine, durable when it returns (one commit, one WAL flush for
-    all), and return the first row of each (None for one without rows). Used where several outcomes
+    all; on the driver's cursor ``BEGIN`` goes in the first statement's round trip), and return the first row of each (None for one without rows). Used where several outcomes
     would otherwise commit one after the other, each waiting for the previous one's lock (the rails
     of one payment method). Raises the driver's error when one fails: nothing is written (at the
     commit itself, a lost connection leaves it unknown whether all was). PostgreSQL only, as
@@ -408,14 +408,15 @@ def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
         raise NotImplementedError("durable statements need PostgreSQL")
     compiled = [_on_driver(engine, statement) for statement, _ in statements]
     if all(each is not None for each in compiled):
-        with driver.driver_cursor(engine, autocommit=False) as (info, cursor):
-            # a failure leaves the transaction to the pool's reset (a rollback) when the connection goes back
-            firsts = [
-                _first(driver.execute(info, cursor, each, params))
-                for each, (_, params) in zip(compiled, statements, strict=True)
-                if each is not None
-            ]
-            cursor.connection.commit()
+        firsts: list = []
+        with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+
+            def write() -> None:  # BEGIN in the first statement's round trip
+                for n, (each, (_, params)) in enumerate(zip(compiled, statements, strict=True)):
+                    assert each is not None  # checked above
+                    firsts.append(_first(driver.execute(info, cursor, each, params, prefix=None if n else "BEGIN")))
+
+            _one_transaction(write, cursor.execute)
         return firsts
     with engine.begin() as connection:
         rows = []
@@ -1280,28 +1281,33 @@ def _insert_behind_gates(
     begin = f"BEGIN; {gates.hold_text()}"
     if on_driver:
         with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
-            _behind_gates(
-                gates,
+            _one_transaction(
                 lambda: driver.execute_text(
                     info, cursor, *json_insert, prepared=get_settings().db_prepared_statements, prefix=begin
                 ),
                 cursor.execute,
+                gates.run,
             )
         return
     with _durable_autocommit() as connection:
-        _behind_gates(
-            gates,
+        _one_transaction(
             lambda: connection.exec_driver_sql(f"{begin}; {json_insert[0]}", json_insert[1]),
             connection.exec_driver_sql,
+            gates.run,
         )
 
 
-def _behind_gates(gates: _Gates, write: Callable[[], object], send: Callable[[str], object]) -> None:
-    """``write()`` (which begins the transaction and locks the gates), the gates' callbacks, then
-    ``COMMIT`` sent by ``send``; ``ROLLBACK`` instead when any of them raised (then re-raised)."""
+def _one_transaction(
+    write: Callable[[], object], send: Callable[[str], object], before_commit: Callable[[], object] | None = None
+) -> None:
+    """On a connection in the driver's autocommit mode: ``write()`` (whose first statement goes with
+    ``BEGIN`` in its round trip), ``before_commit()``, then ``COMMIT`` sent by ``send``; ``ROLLBACK``
+    instead when any of them raised (then re-raised). A transaction without psycopg2's own ``BEGIN``
+    round trip."""
     try:
         write()
-        gates.run()
+        if before_commit is not None:
+            before_commit()
         send("COMMIT")
     except BaseException:
         with contextlib.suppress(Exception):  # the error raised says what went wrong
