@@ -398,11 +398,11 @@ def read_one_snapshot(session: OrmSession) -> None:
 def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
     """Run the writing ``statements`` (each ``(statement, values of its bind parameters)``), in order,
     as one transaction of the process's engine, durable when it returns (one commit, one WAL flush for
-    all; on the driver's cursor ``BEGIN`` goes in the first statement's round trip), and return the first row of each (None for one without rows). Used where several outcomes
-    would otherwise commit one after the other, each waiting for the previous one's lock (the rails
-    of one payment method). Raises the driver's error when one fails: nothing is written (at the
-    commit itself, a lost connection leaves it unknown whether all was). PostgreSQL only, as
-    :func:`execute_durable`."""
+    all; on the driver's cursor ``BEGIN`` goes in the first statement's round trip), and return the
+    first row of each (None for one without rows). Used where several outcomes would otherwise commit
+    one after the other, each waiting for the previous one's lock (the rails of one payment method).
+    Raises the driver's error when one fails: nothing is written (at the commit itself, a lost
+    connection leaves it unknown whether all was). PostgreSQL only, as :func:`execute_durable`."""
     engine = get_engine()
     if engine.dialect.name != "postgresql":
         raise NotImplementedError("durable statements need PostgreSQL")

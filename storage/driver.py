@@ -105,17 +105,15 @@ def execute_prepared(
     """SQLAlchemy's ``before_cursor_execute`` hook (installed by ``storage.db`` where statements are
     server-prepared): the ``EXECUTE`` of a statement marked :data:`SERVER_PREPARED`, after its
     ``PREPARE`` when the connection has not prepared it yet (:func:`prepared_text`; a statement sent
-    with ``exec_driver_sql`` is marked by that option in its ``execution_options``), after the SQL its
-    :data:`PREFIX` option names, in the same round trip. Any other statement passes unchanged."""
-    if (
-        executemany
-        or context is None
-        or not isinstance(parameters, dict | tuple)
-        or not context.execution_options.get(SERVER_PREPARED)
-    ):
+    with ``exec_driver_sql`` is marked by that option in its ``execution_options``). The SQL a statement's
+    :data:`PREFIX` option names goes before it, in the same round trip, prepared or not. Any other
+    statement passes unchanged."""
+    if context is None:
         return statement, parameters
-    text, values = prepared_text(connection.info, cursor, statement, parameters)
-    prefix = context.execution_options.get(PREFIX)
+    text, values = statement, parameters
+    if not executemany and isinstance(parameters, dict | tuple) and context.execution_options.get(SERVER_PREPARED):
+        text, values = prepared_text(connection.info, cursor, statement, parameters)
+    prefix = context.execution_options.get(PREFIX)  # sent whether or not the statement is prepared
     return (f"{prefix}; {text}" if prefix else text), values
 
 
