@@ -40,6 +40,7 @@ from sqlalchemy.engine import Connection, CursorResult, Engine, Result
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.orm import configure_mappers
+from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.dml import UpdateBase
 from sqlalchemy.sql.elements import ColumnElement, TextClause
 from sqlmodel import Session, SQLModel
@@ -52,6 +53,7 @@ from storage.types import table_of
 log = logging.getLogger("tessera.db")
 
 T = TypeVar("T")
+ExecutableT = TypeVar("ExecutableT", bound=Executable)
 
 
 def _pool_options(pool_size: int) -> dict[str, Any]:
@@ -673,12 +675,28 @@ def hold_gates(session: OrmSession, subjects: Iterable[uuid.UUID | str]) -> bool
     return True
 
 
+def with_gates(session: OrmSession, statement: ExecutableT) -> ExecutableT:
+    """``statement`` with the locks of the gates ``session``'s transaction is to hold
+    (:func:`hold_gates`) and does not hold yet sent before it, in its round trip
+    (:data:`storage.driver.PREFIX`; they are then held), for a transaction that names its jobs before
+    its first read: their :func:`before_commit` callbacks then go out before its writes instead of
+    after them. ``statement`` itself when there is no lock to take, or where statements are not
+    server-prepared (the locks are then taken as :func:`hold_gates` says)."""
+    gates = session.info.get(_GATES)
+    if gates is None or not get_settings().db_prepared_statements:
+        return statement
+    hold = gates.hold_text()
+    return statement if hold is None else statement.execution_options(**{driver.PREFIX: hold})
+
+
 def before_commit(session: OrmSession, callback: Callable[[], object]) -> None:
-    """Run ``callback()`` once the gates ``session``'s transaction holds are locked and its writes
-    sent, just before its ``COMMIT`` (dropped if it rolls back first): what may be told before the
-    commit because whoever acts on it waits at a gate (``infra.dispatch``: the messages of recorded
-    jobs, whose lease waits for the commit). Only after :func:`hold_gates` returned True; an
-    exception it raises rolls the transaction back."""
+    """Run ``callback()`` once the gates ``session``'s transaction holds are locked, just before its
+    ``COMMIT`` (dropped if it rolls back first): what may be told before the commit because whoever
+    acts on it waits at a gate (``infra.dispatch``: the messages of recorded jobs, whose lease waits
+    for the commit). The transaction's staged writes (:func:`stage_write`) go first, their round trip
+    carrying the locks, unless every gate was held already (:func:`with_gates`): then the callbacks
+    go first, and whoever they tell waits at the gate while the writes and the ``COMMIT`` run. Only
+    after :func:`hold_gates` returned True; an exception it raises rolls the transaction back."""
     gates, _ = transaction_state(session, _GATES, _Gates)
     gates.callbacks.append(callback)
 
@@ -808,6 +826,9 @@ def _row_statements(dialect_name: str, batches: list[tuple[Table, bool, list[dic
 
 @event.listens_for(OrmSession, "before_commit")
 def _flush_writes_before_commit(session: OrmSession) -> None:
+    gates = session.info.get(_GATES)
+    if gates is not None and not gates.keys - gates.held and not session.in_nested_transaction():
+        _open_gates(session)  # every gate is held: tell before the writes (:func:`with_gates`)
     if session.info.get(_WRITES) or session.info.get(_ROWS):
         flush_writes(session)
     if not session.in_nested_transaction():

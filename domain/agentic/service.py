@@ -65,6 +65,7 @@ from providers.agentic_http import provider_for
 from storage.crypto import DecryptionError, KeyNotCached
 from storage.db import (
     Rows,
+    hold_gates,
     insert_rows,
     insert_rows_last,
     model_row,
@@ -73,13 +74,14 @@ from storage.db import (
     server_prepared,
     stage_inserts,
     stage_write,
+    with_gates,
 )
 from storage.keyset import keyset_page
 from storage.models import Job
 from storage.models_agentic import Agent, OperationLease, PaymentMethod, PaymentMethodRail, ProviderError
 from storage.models_allowances import Allowance
 from storage.states import ALLOWANCE_LIVE, JOB_FAILED, JOB_UNSUCCESSFUL, JobStatus, PaymentMethodStatus, RailStatus
-from storage.types import table_of, utcnow
+from storage.types import random_uuid, table_of, utcnow
 
 log = logging.getLogger("tessera.agentic")
 
@@ -569,7 +571,9 @@ def start_retry(
     Two statements: one read (:func:`_retry_read`: the payment method locked, its rails, its lease,
     the card token), then, just before the commit, one write of the lease, the job, the token's
     activity, the log row and the rail's change (``storage.db.stage_write``). No ORM object. What it
-    read is the ``known`` payment method of the answer (:func:`finish_retry`).
+    read is the ``known`` payment method of the answer (:func:`finish_retry`). The job's id is drawn
+    first: the lock of its gate goes with the read (``storage.db.with_gates``), so its message goes
+    out before the write, and the worker waits at the gate while the write and the commit run.
 
     The pair is already known valid. Raises, in this order, 404 ``PAYMENT_METHOD_NOT_FOUND``, 400
     ``PAYMENT_METHOD_DELETED``, 400 ``RAIL_NOT_FOUND``, 409 ``PAYMENT_METHOD_OPERATION_IN_PROGRESS``
@@ -577,8 +581,11 @@ def start_retry(
     enabled), 400 ``INVALID_TOKEN`` (the card token is gone). A provider without
     configuration returns ``Started(failure="PROVIDER_NOT_CONFIGURED")`` after recording its error.
     """
-    now = utcnow()
-    read = session.execute(_retry_read(), {"pm_id": pm_id, "tenant_id": caller.tenant_id, "now": now}).all()
+    now, job_id = utcnow(), random_uuid()
+    hold_gates(session, [job_id])  # False (nothing held) off PostgreSQL: then sent after the commit
+    read = session.execute(
+        with_gates(session, _retry_read()), {"pm_id": pm_id, "tenant_id": caller.tenant_id, "now": now}
+    ).all()
     if not read:
         raise agentic_error("PAYMENT_METHOD_NOT_FOUND")
     found = read[0]
@@ -617,34 +624,35 @@ def start_retry(
         owner=owner,
         seconds=settings.operation_lease_seconds,
     )
-    job = jobs.record(
+    jobs.record(
         session,
         rows=rows,
         kind=ENROLL_TASK,
         tenant_id=caller.tenant_id,
         subject_type="rail",
-        subject_id=str(target.rail_id),
+        subjects=[(job_id, str(target.rail_id))],
         trace_id=caller.trace_id,
         max_attempts=ENROLL_MAX_ATTEMPTS,
+        now=now,
         gated=True,  # the message goes before the commit: the request waits for the outcome
     )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm_id, operation="update")
     stage_inserts(session, rows)
     stage_write(  # last: its job is written beside it (foreign keys are checked when the statement ends)
         session,
-        update(_RAILS).where(_RAILS.c.id == target.rail_id).values(job_id=job.id, operation_id=owner, attempt="retry"),
+        update(_RAILS).where(_RAILS.c.id == target.rail_id).values(job_id=job_id, operation_id=owner, attempt="retry"),
     )
     known = Known(
         {name: found._mapping[f"pm_{name}"] for name in _PM_FIELDS},
         tuple(
             {
                 **{name: row._mapping[f"rail_{name}"] for name in _RAIL_FIELDS},
-                "job_id": job.id if row is target else None,
+                "job_id": job_id if row is target else None,
             }
             for row in read
         ),
     )
-    return Started(pm_id, (job.id,), known=known)
+    return Started(pm_id, (job_id,), known=known)
 
 
 def _not_configured(session: Session, caller: Caller, pm_id: str, rail_id: uuid.UUID) -> Started:

@@ -18,6 +18,7 @@ from sqlmodel import col, select
 from domain.webhooks.events import EVENT_TYPES
 from providers import agentic_http as providers
 from storage.db import session_scope
+from storage.driver import PREFIX
 from storage.models import Job, Token
 from storage.models_agentic import OperationLease, PaymentMethod
 from storage.models_tenancy import TokenActivity
@@ -424,18 +425,30 @@ def test_a_failed_rail_is_enabled_by_a_retry_which_backfills_the_display(tenant)
     ) == 2
 
 
-def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(tenant):
+def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(tenant, monkeypatch):
     """The retry's recording is two statements: one read (the payment method locked, its rail, its
-    lease, the card token), then, just before the commit, one write of the lease, the job, the card
-    token's activity of the month, the log row and the rail's change; the retried rail is enabled."""
+    lease, the card token; the lock of the job's gate sent before it, in its round trip), then, just
+    before the commit, one write of the lease, the job, the card token's activity of the month, the
+    log row and the rail's change. The job's message goes out between the two (the worker waits at
+    the gate for the commit); the retried rail is enabled."""
     from sqlalchemy import event as sa_event
     from sqlalchemy.engine import Engine
 
+    from infra import dispatch
+
     pm = created(tenant.client, FAILS_ON_CREATE)
-    seen: list[tuple[int, str]] = []
+    seen: list[tuple[int | None, str]] = []
+    send = dispatch.send_messages
+
+    def sent(messages):
+        seen.append((None, f"sent {[kwargs['job_id'] for _, _, kwargs in messages]}"))
+        send(messages)
+
+    monkeypatch.setattr(dispatch, "send_messages", sent)
 
     def record(connection, cursor, statement, parameters, context, executemany):
-        seen.append((id(connection), statement))
+        prefix = context.execution_options.get(PREFIX)  # sent before it, in its round trip
+        seen.append((id(connection), f"{prefix}; {statement}" if prefix else statement))
 
     def committed(connection):
         seen.append((id(connection), "COMMIT"))
@@ -451,10 +464,13 @@ def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(ten
     assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
     start = next(n for n, (_, text) in enumerate(seen) if "FOR UPDATE OF agentic_payment_methods" in text)
     connection = seen[start][0]
-    transaction = [text for key, text in seen[start:] if key == connection]
+    transaction = [text for key, text in seen[start:] if key in (connection, None)]
     transaction = transaction[: transaction.index("COMMIT")]
-    assert len(transaction) == 2, transaction
-    write = transaction[1]
+    assert len(transaction) == 3, transaction
+    read, message, write = transaction
+    assert read.startswith("SELECT pg_advisory_xact_lock(") and "FOR UPDATE OF agentic_payment_methods" in read
+    retried_job = next(rail.job_id for rail in rail_rows(pm["id"]) if rail.provider == "vic")
+    assert message == f"sent {[str(retried_job)]}"
     for table in ("agentic_operation_leases", "jobs", "token_activity", "audit_logs"):
         assert re.search(rf'INSERT INTO "?{table}"? ', write), table
     for table in ("jobs", "token_activity", "audit_logs"):  # the rows from JSON documents, no statement per row
