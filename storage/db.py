@@ -26,7 +26,7 @@ import functools
 import io
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Executor
 from decimal import Decimal
 from pathlib import Path
@@ -718,17 +718,22 @@ _WRITES = "tessera_staged_writes"
 _ROWS = "tessera_staged_insert_rows"
 
 
-def stage_write(session: OrmSession, statement: UpdateBase) -> None:
+def stage_write(session: OrmSession, statement: UpdateBase, params: Mapping[str, Any] | None = None) -> None:
     """Queue the writing ``statement`` (an ``UPDATE``, ``DELETE`` or ``INSERT`` without ``RETURNING``,
-    its values bound in it) to go out with the other writes queued in ``session``'s transaction, in one
-    round trip just before it commits (:func:`flush_writes`), after everything else the transaction did
-    (the ORM's pending changes are flushed first): the outcome of a job written in one statement. On
-    PostgreSQL the queued writes are one prepared statement (each but the last a data-modifying ``WITH``), so
-    each sees the rows as they were when that statement began and none sees another's changes: no two
-    may change the same row, none may depend on another's effect. Elsewhere they run one by one, in
-    order. Dropped on rollback."""
+    its values bound in it, or given by ``params``) to go out with the other writes queued in
+    ``session``'s transaction, in one round trip just before it commits (:func:`flush_writes`), after
+    everything else the transaction did (the ORM's pending changes are flushed first): the outcome of
+    a job written in one statement. On PostgreSQL the queued writes are one prepared statement (each
+    but the last a data-modifying ``WITH``), so each sees the rows as they were when that statement
+    began and none sees another's changes: no two may change the same row, none may depend on
+    another's effect. Elsewhere they run one by one, in order. Dropped on rollback.
+
+    ``params``: the values of ``statement``'s bind parameters, for a statement built once (a module's
+    ``functools.cache``; its parameter names unique among what one transaction stages). When every
+    queued write comes so, their one statement is built once per shape too, not per transaction:
+    no statement object made, no cache key walked (:func:`_staged_statement`)."""
     writes, _ = transaction_state(session, _WRITES, list)
-    writes.append(statement)
+    writes.append((statement, params))
 
 
 def stage_changes(session: OrmSession, instance: Any) -> None:
@@ -759,11 +764,14 @@ def flush_writes(session: OrmSession) -> None:
     commit. On PostgreSQL one statement: each table's rows one ``INSERT`` from a JSON document (the
     text of :func:`insert_rows`, made once per shape), in a data-modifying ``WITH`` beside the queued
     writes; elsewhere one statement a write, then one ``INSERT`` a row."""
-    writes = session.info.get(_WRITES)
+    writes: list[tuple[UpdateBase, Mapping[str, Any] | None]] = session.info.get(_WRITES) or []
     rows = session.info.get(_ROWS)
     if not writes and not rows:
         return
-    statements: list[UpdateBase] = list(writes or ())
+    statements = [statement for statement, _ in writes]
+    params: dict[str, Any] = {}
+    for _, values in writes:
+        params.update(values or {})
     batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch] if rows else []
     session.info.pop(_WRITES, None)
     session.info.pop(_ROWS, None)
@@ -773,12 +781,28 @@ def flush_writes(session: OrmSession) -> None:
     connection = session.connection()
     dialect = connection.dialect
     if dialect.name != "postgresql":
-        for statement in statements + _row_statements(dialect.name, batches):
-            session.execute(statement)
+        for statement, values in [*writes, *((row, None) for row in _row_statements(dialect.name, batches))]:
+            session.execute(statement, values)
         return
     if not statements:  # rows only: the one statement of insert_rows
         _pg_insert(connection, batches)
         return
+    # prepared: its text is the same for each unit of work of one shape (the values are bound), and
+    # the server would otherwise plan its CTEs again each time (storage.driver.prepared_text)
+    options: dict[str, Any] = dict(_PREPARED_OPTIONS)
+    gates = session.info.get(_GATES)
+    if gates is not None and get_settings().db_prepared_statements:  # the gates' locks in its round trip
+        options[driver.PREFIX] = gates.hold_text()
+    if all(values is not None for _, values in writes):  # every write built once: so is the statement
+        try:
+            documents = [_json_rows(table, batch, dialect) for table, _, batch in batches]
+        except TypeError:
+            documents = None
+        if documents is not None:
+            shape = tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
+            params.update({f"rows_{n}": document for n, document in enumerate(documents)})
+            session.execute(_staged_statement(tuple(statements), shape).execution_options(**options), params)
+            return
     parts = _json_parts(batches, dialect)
     if parts is None:  # a value JSON cannot carry: one statement a row, beside the writes
         statements += _row_statements(dialect.name, batches)
@@ -786,13 +810,24 @@ def flush_writes(session: OrmSession) -> None:
     *first, last = statements
     ctes = [statement.cte(f"staged_{n}") for n, statement in enumerate(first)]
     ctes += [part.cte(f"staged_rows_{n}") for n, part in enumerate(parts)]
-    # prepared: its text is the same for each unit of work of one shape (the values are bound), and
-    # the server would otherwise plan its CTEs again each time (storage.driver.prepared_text)
-    options: dict[str, Any] = dict(_PREPARED_OPTIONS)
-    gates = session.info.get(_GATES)
-    if gates is not None and get_settings().db_prepared_statements:  # the gates' locks in its round trip
-        options[driver.PREFIX] = gates.hold_text()
-    session.execute((last.add_cte(*ctes) if ctes else last).execution_options(**options))
+    session.execute((last.add_cte(*ctes) if ctes else last).execution_options(**options), params or None)
+
+
+@functools.lru_cache(maxsize=64)
+def _staged_statement(statements: tuple[UpdateBase, ...], shape: tuple[tuple[Table, bool, tuple[str, ...]], ...]):
+    """The one statement of :func:`flush_writes` for ``statements`` (each built once, its values
+    bound by name at run time) and rows of ``shape`` (per table, in order: the table, whether
+    conflicts are skipped, the rows' keys; each table's JSON document bound as ``rows_<n>``): each
+    statement but the last, then each table's ``INSERT``, a data-modifying ``WITH`` of the last.
+    Built once per shape (the same objects each time: SQLAlchemy's compiled form is found by
+    identity of the parts, and the server plans it once per connection)."""
+    *first, last = statements
+    ctes = [statement.cte(f"staged_{n}") for n, statement in enumerate(first)]
+    ctes += [
+        _json_insert_clause(table, ignore, names, n).columns().cte(f"staged_rows_{n}")
+        for n, (table, ignore, names) in enumerate(shape)
+    ]
+    return last.add_cte(*ctes) if ctes else last
 
 
 def _json_parts(batches: list[tuple[Table, bool, list[dict]]], dialect) -> list | None:

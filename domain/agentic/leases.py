@@ -20,9 +20,10 @@ is also taken over atomically by the next :func:`acquire`.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import uuid
 
-from sqlalchemy import ColumnElement, Delete, Insert, delete, select
+from sqlalchemy import ColumnElement, Delete, Insert, bindparam, delete, select
 from sqlmodel import Session, col
 
 from domain.agentic.errors import agentic_error
@@ -92,12 +93,34 @@ def stage_acquire(
     """:func:`acquire` sent with the transaction's other writes just before its commit
     (``storage.db.stage_write``), for a caller that holds the lock of the resource's row and found no
     live lease on it (every lease of a payment method is taken with the payment method locked, so
-    none can appear before the commit): nothing to check, no round trip of its own."""
+    none can appear before the commit): nothing to check, no round trip of its own. The statement is
+    built once per database kind, its values bound by name (``lease_...``)."""
+    now = utcnow()
     stage_write(
         session,
-        _acquire_statement(
-            session, tenant_id=tenant_id, resource_id=resource_id, operation=operation, owner=owner, seconds=seconds
-        ),
+        _staged_acquire(session.get_bind().dialect.name),
+        {
+            "lease_resource_id": resource_id,
+            "lease_tenant_id": tenant_id,
+            "lease_operation": operation,
+            "lease_owner": owner,
+            "lease_acquired_at": now,
+            "lease_expires_at": now + dt.timedelta(seconds=seconds),
+        },
+    )
+
+
+@functools.cache
+def _staged_acquire(dialect_name: str) -> Insert:
+    """:func:`_acquire_statement` built once for ``dialect_name``, its values the bind parameters
+    ``lease_<column>`` (an expired lease is one whose ``expires_at`` is not after ``lease_acquired_at``)."""
+    columns = table_of(OperationLease).c
+    values = {
+        name: bindparam(f"lease_{name}", type_=columns[name].type)
+        for name in ("resource_id", "tenant_id", "operation", "owner", "acquired_at", "expires_at")
+    }
+    return upsert_statement(
+        dialect_name, OperationLease, values, index=["resource_id"], when=columns.expires_at <= values["acquired_at"]
     )
 
 

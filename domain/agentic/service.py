@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import Select, bindparam, delete, update
+from sqlalchemy import Select, Update, bindparam, delete, update
 from sqlalchemy import select as select_rows
 from sqlmodel import Session, col, func, select
 
@@ -564,6 +564,21 @@ def _retry_read() -> Select:
     )
 
 
+@functools.cache
+def _retried_rail() -> Update:
+    """The rail's change of a retry (:func:`start_retry`), built once: its job and operation, its
+    attempt ``retry`` (bind parameters ``retried_rail_id``, ``retried_job_id``, ``retried_by``)."""
+    return (
+        update(_RAILS)
+        .where(_RAILS.c.id == bindparam("retried_rail_id", type_=_RAILS.c.id.type))
+        .values(
+            job_id=bindparam("retried_job_id", type_=_RAILS.c.job_id.type),
+            operation_id=bindparam("retried_by", type_=_RAILS.c.operation_id.type),
+            attempt="retry",
+        )
+    )
+
+
 def start_retry(
     session: Session, caller: Caller, pm_id: str, *, rail: str, provider: str, settings: Settings, owner: str
 ) -> Started:
@@ -639,8 +654,7 @@ def start_retry(
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm_id, operation="update")
     stage_inserts(session, rows)
     stage_write(  # last: its job is written beside it (foreign keys are checked when the statement ends)
-        session,
-        update(_RAILS).where(_RAILS.c.id == target.rail_id).values(job_id=job_id, operation_id=owner, attempt="retry"),
+        session, _retried_rail(), {"retried_rail_id": target.rail_id, "retried_job_id": job_id, "retried_by": owner}
     )
     known = Known(
         {name: found._mapping[f"pm_{name}"] for name in _PM_FIELDS},

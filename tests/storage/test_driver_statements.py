@@ -15,8 +15,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from config.settings import get_settings, reload_settings
 from domain.tenancy.tenants import create_tenant
-from storage import driver
+from storage import db, driver
 from storage.db import (
+    Rows,
     execute_durable,
     execute_durable_together,
     execute_once_more_on_disconnect,
@@ -27,6 +28,7 @@ from storage.db import (
     reset_engine,
     server_prepared,
     session_scope,
+    stage_inserts,
     stage_write,
 )
 from storage.models import Job
@@ -142,13 +144,20 @@ def test_a_statement_the_server_cannot_prepare_runs_as_it_is_and_its_transaction
     assert len(prepared) == 1 and "INSERT INTO jobs" in prepared[0]
 
 
-def test_the_writes_staged_for_a_commit_are_one_statement_prepared_once_per_connection(database):
+def _two_jobs() -> tuple[uuid.UUID, str, uuid.UUID, uuid.UUID]:
+    """Two jobs of a new tenant with a new subject, written; the engine's connections closed (no
+    statement prepared on any). Returns the tenant's id, the subject and the jobs' ids."""
     tenant_id, subject = _tenant_id(), f"driver-{uuid.uuid4()}"
     at = dt.datetime(2026, 11, 29, 3, 5, tzinfo=dt.UTC)
     first, second = uuid.uuid4(), uuid.uuid4()
     for job_id in (first, second):
         execute_durable(_INSERT, {"job_id": job_id, "tenant_id": tenant_id, "subject": subject, "at": at})
     get_engine().dispose()
+    return tenant_id, subject, first, second
+
+
+def test_the_writes_staged_for_a_commit_are_one_statement_prepared_once_per_connection(database):
+    _, subject, first, second = _two_jobs()
     for n in (1, 2, 3):
         with session_scope() as session:
             stage_write(session, update(_JOBS).where(_JOBS.c.id == first).values(result={"n": n}))
@@ -162,6 +171,57 @@ def test_the_writes_staged_for_a_commit_are_one_statement_prepared_once_per_conn
         results = dict(session.execute(select(_JOBS.c.id, _JOBS.c.result).where(_JOBS.c.subject_id == subject)).all())
     assert len(prepared) == 1  # planned once on the connection, run three times
     assert results == {first: {"n": 3}, second: {"n": -3}}
+
+
+_STAGED_RESULT = (
+    update(_JOBS)
+    .where(_JOBS.c.id == bindparam("staged_id", type_=_JOBS.c.id.type))
+    .values(result=bindparam("staged_result", type_=_JOBS.c.result.type))
+)
+_STAGED_ERROR = (
+    update(_JOBS)
+    .where(_JOBS.c.id == bindparam("staged_other_id", type_=_JOBS.c.id.type))
+    .values(last_error=bindparam("staged_error", type_=_JOBS.c.last_error.type))
+)
+
+
+def test_writes_staged_with_their_values_and_rows_beside_them_are_one_statement_built_once(database):
+    """Writes built once, their values given at staging (``stage_write(..., params)``), with rows
+    staged beside them: one statement per transaction, the same statement object each time (built
+    once per shape), prepared once on the connection; each transaction writes its own values."""
+    from infra.jobs import new_row
+
+    tenant_id, subject, first, second = _two_jobs()
+    built = db._staged_statement.cache_info()
+    added = []
+    for n in (1, 2, 3):
+        with session_scope() as session:
+            rows = Rows()
+            row = new_row(
+                kind="driver.test", tenant_id=tenant_id, subject_type="test", subject_id=subject, trace_id=None
+            )
+            rows.add(_JOBS, row)
+            added.append(row["id"])
+            stage_inserts(session, rows)
+            stage_write(session, _STAGED_RESULT, {"staged_id": first, "staged_result": {"n": n}})
+            stage_write(session, _STAGED_ERROR, {"staged_other_id": second, "staged_error": f"error {n}"})
+    after = db._staged_statement.cache_info()
+    assert (after.misses - built.misses, after.hits - built.hits) == (1, 2)  # built once, used three times
+    with session_scope() as session:
+        prepared = (
+            session.execute(text("SELECT statement FROM pg_prepared_statements WHERE statement LIKE '%%staged_0%%'"))
+            .scalars()
+            .all()
+        )
+        found = {
+            job_id: (result, error)
+            for job_id, result, error in session.execute(
+                select(_JOBS.c.id, _JOBS.c.result, _JOBS.c.last_error).where(_JOBS.c.subject_id == subject)
+            ).all()
+        }
+    assert len(prepared) == 1  # planned once on the connection, run three times
+    assert found[first][0] == {"n": 3} and found[second][1] == "error 3"
+    assert set(added) <= set(found) and len(found) == 5
 
 
 def test_past_the_most_prepared_statements_a_new_one_runs_as_it_is(database, monkeypatch):
