@@ -793,24 +793,17 @@ def flush_writes(session: OrmSession) -> None:
     gates = session.info.get(_GATES)
     if gates is not None and get_settings().db_prepared_statements:  # the gates' locks in its round trip
         options[driver.PREFIX] = gates.hold_text()
-    if all(values is not None for _, values in writes):  # every write built once: so is the statement
-        try:
-            documents = [_json_rows(table, batch, dialect) for table, _, batch in batches]
-        except TypeError:
-            documents = None
-        if documents is not None:
-            shape = tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
-            params.update({f"rows_{n}": document for n, document in enumerate(documents)})
-            session.execute(_staged_statement(tuple(statements), shape).execution_options(**options), params)
-            return
-    parts = _json_parts(batches, dialect)
-    if parts is None:  # a value JSON cannot carry: one statement a row, beside the writes
+    try:  # each table's rows one JSON document, bound as rows_<n>
+        params.update({f"rows_{n}": _json_rows(table, batch, dialect) for n, (table, _, batch) in enumerate(batches)})
+        shape = tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
+    except TypeError:  # a value JSON cannot carry: one statement a row, beside the writes
         statements += _row_statements(dialect.name, batches)
-        parts = []
-    *first, last = statements
-    ctes = [statement.cte(f"staged_{n}") for n, statement in enumerate(first)]
-    ctes += [part.cte(f"staged_rows_{n}") for n, part in enumerate(parts)]
-    session.execute((last.add_cte(*ctes) if ctes else last).execution_options(**options), params or None)
+        shape = ()
+    if all(values is not None for _, values in writes) and len(statements) == len(writes):
+        statement = _staged_statement(tuple(statements), shape)  # every write built once: so is the statement
+    else:
+        statement = _staged_statement.__wrapped__(tuple(statements), shape)
+    session.execute(statement.execution_options(**options), params or None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -819,8 +812,9 @@ def _staged_statement(statements: tuple[UpdateBase, ...], shape: tuple[tuple[Tab
     bound by name at run time) and rows of ``shape`` (per table, in order: the table, whether
     conflicts are skipped, the rows' keys; each table's JSON document bound as ``rows_<n>``): each
     statement but the last, then each table's ``INSERT``, a data-modifying ``WITH`` of the last.
-    Built once per shape (the same objects each time: SQLAlchemy's compiled form is found by
-    identity of the parts, and the server plans it once per connection)."""
+    Kept per shape when every statement was built once (the same objects each time: SQLAlchemy's
+    compiled form is found by identity of the parts, and the server plans it once per connection);
+    :func:`flush_writes` builds it anew (``__wrapped__``) for statements with their values bound in."""
     *first, last = statements
     ctes = [statement.cte(f"staged_{n}") for n, statement in enumerate(first)]
     ctes += [
@@ -828,19 +822,6 @@ def _staged_statement(statements: tuple[UpdateBase, ...], shape: tuple[tuple[Tab
         for n, (table, ignore, names) in enumerate(shape)
     ]
     return last.add_cte(*ctes) if ctes else last
-
-
-def _json_parts(batches: list[tuple[Table, bool, list[dict]]], dialect) -> list | None:
-    """Each batch of :func:`flush_writes` as one textual ``INSERT`` from its JSON document (bound as
-    ``rows_<n>``), to go in a ``WITH``; None when a value does not fit JSON."""
-    try:
-        documents = [_json_rows(table, batch, dialect) for table, _, batch in batches]
-    except TypeError:
-        return None
-    return [
-        _json_insert_clause(table, ignore, tuple(batch[0]), n).bindparams(**{f"rows_{n}": document}).columns()
-        for n, ((table, ignore, batch), document) in enumerate(zip(batches, documents, strict=True))
-    ]
 
 
 @functools.lru_cache(maxsize=2_000)

@@ -77,10 +77,10 @@ def acquire(
     other's transaction and then find its live lease. Raises the ``409 ..._IN_PROGRESS`` problem of
     the live lease.
     """
-    statement = _acquire_statement(
-        session, tenant_id=tenant_id, resource_id=resource_id, operation=operation, owner=owner, seconds=seconds
+    values = _acquire_values(
+        tenant_id=tenant_id, resource_id=resource_id, operation=operation, owner=owner, seconds=seconds
     )
-    if rowcount(session.execute(statement)) == 1:
+    if rowcount(session.execute(_acquire_statement(session.get_bind().dialect.name), values)) == 1:
         return
     current = held(session, resource_id)
     # expired between the two statements (extremely unlikely): the operation asked for, to repeat
@@ -95,25 +95,21 @@ def stage_acquire(
     live lease on it (every lease of a payment method is taken with the payment method locked, so
     none can appear before the commit): nothing to check, no round trip of its own. The statement is
     built once per database kind, its values bound by name (``lease_...``)."""
-    now = utcnow()
     stage_write(
         session,
-        _staged_acquire(session.get_bind().dialect.name),
-        {
-            "lease_resource_id": resource_id,
-            "lease_tenant_id": tenant_id,
-            "lease_operation": operation,
-            "lease_owner": owner,
-            "lease_acquired_at": now,
-            "lease_expires_at": now + dt.timedelta(seconds=seconds),
-        },
+        _acquire_statement(session.get_bind().dialect.name),
+        _acquire_values(
+            tenant_id=tenant_id, resource_id=resource_id, operation=operation, owner=owner, seconds=seconds
+        ),
     )
 
 
 @functools.cache
-def _staged_acquire(dialect_name: str) -> Insert:
-    """:func:`_acquire_statement` built once for ``dialect_name``, its values the bind parameters
-    ``lease_<column>`` (an expired lease is one whose ``expires_at`` is not after ``lease_acquired_at``)."""
+def _acquire_statement(dialect_name: str) -> Insert:
+    """The one statement taking a lease, over an expired lease too (:func:`storage.sql.upsert_statement`),
+    built once for ``dialect_name``: its values the bind parameters ``lease_<column>``
+    (:func:`_acquire_values`); an expired lease is one whose ``expires_at`` is not after
+    ``lease_acquired_at``."""
     columns = table_of(OperationLease).c
     values = {
         name: bindparam(f"lease_{name}", type_=columns[name].type)
@@ -124,26 +120,20 @@ def _staged_acquire(dialect_name: str) -> Insert:
     )
 
 
-def _acquire_statement(
-    session: Session, *, tenant_id: uuid.UUID, resource_id: str, operation: str, owner: str, seconds: float
-) -> Insert:
-    """The one statement taking the lease on ``resource_id`` for ``owner`` (for ``seconds``), over
-    an expired lease too (:func:`storage.sql.upsert_statement`)."""
+def _acquire_values(
+    *, tenant_id: uuid.UUID, resource_id: str, operation: str, owner: str, seconds: float
+) -> dict[str, object]:
+    """The values of :func:`_acquire_statement`: the lease on ``resource_id`` for ``owner``, from now
+    for ``seconds``."""
     now = utcnow()
-    return upsert_statement(
-        session.get_bind().dialect.name,
-        OperationLease,
-        {
-            "resource_id": resource_id,
-            "tenant_id": tenant_id,
-            "operation": operation,
-            "owner": owner,
-            "acquired_at": now,
-            "expires_at": now + dt.timedelta(seconds=seconds),
-        },
-        index=["resource_id"],
-        when=table_of(OperationLease).c.expires_at <= now,
-    )
+    return {
+        "lease_resource_id": resource_id,
+        "lease_tenant_id": tenant_id,
+        "lease_operation": operation,
+        "lease_owner": owner,
+        "lease_acquired_at": now,
+        "lease_expires_at": now + dt.timedelta(seconds=seconds),
+    }
 
 
 def release(session: Session, resource_id: str, owner: str, *, unless=None) -> bool:
