@@ -40,6 +40,7 @@ from typing import Any, TypeVar, overload
 
 from sqlalchemy import (
     ARRAY,
+    CTE,
     ColumnElement,
     Date,
     FromClause,
@@ -183,6 +184,7 @@ def record(
     max_attempts: int = 5,
     rows: Rows,
     now: dt.datetime | None = None,
+    together: bool = False,
     gated: bool = False,
 ) -> list[uuid.UUID]: ...
 
@@ -246,7 +248,7 @@ def record(
             row.update(id=job_id, due_at=now, created_at=now, updated_at=now)
             rows.add(_JOBS, row)
             ids.append(job_id)
-        enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in ids], gated=gated)
+        enqueue_jobs_after_commit(session, kind, [str(job_id) for job_id in ids], together=together, gated=gated)
         return ids
     assert subject_id is not None  # checked above: exactly one of subject_id and subjects
     row = new_row(subject_id=subject_id, subject_number=subject_number, operation_id=operation_id, **common)
@@ -645,12 +647,63 @@ class OutcomeWrite:
     ``WITH``, so a data-modifying one runs, once, even when nothing reads it. The rows such a CTE
     locks before ``statement``'s own are locked behind ``EXISTS`` of :data:`LOCKED_JOB`."""
 
-    statement: Update
+    statement: Update | None
     params: Mapping[str, Any]
     result: dict
     answer: dict | None = None
     returning: tuple[ColumnElement, ...] = ()
     answer_from: Callable[[Mapping[str, Any]], dict | None] | None = None
+    #: Instead of ``statement`` (None): the one statement of this write and of the writes of the
+    #: jobs leased with it that have the same ``joint`` (:func:`settle_together`), made from them.
+    joint: Callable[[Sequence[tuple[Job, OutcomeWrite]]], JointWrite] | None = None
+
+
+@dataclass(frozen=True)
+class JointWrite:
+    """The outcome writes of one or several jobs leased together as one statement, made by their
+    :attr:`OutcomeWrite.joint`: ``statement``, built once, is :func:`settle_applied` of a CTE that
+    writes their outcomes, returning for each job whose outcome applied its id and the values its
+    answer is made of (``returned``, their labels, for each write's ``answer_from``); ``params``,
+    its values (but ``outcome_job_ids``, ``outcome_status`` and ``outcome_at``,
+    :func:`settle_together`'s own)."""
+
+    statement: Update
+    returned: tuple[str, ...]
+    params: Mapping[str, Any]
+
+
+#: The lock of the rows of a :class:`JointWrite`'s jobs, in id order (a CTE, ``SELECT ... FOR UPDATE``), that
+#: its statement takes first, as :data:`LOCKED_JOB` for one job (an uncorrelated ``EXISTS`` of it in the
+#: ``WHERE`` of a CTE's lock puts that lock after it). Its ids are a bound array (``outcome_job_ids``,
+#: bound by :func:`settle_together`), not read from the statement's JSON rows: an array is found by
+#: the primary key's index on a generic plan, rows from JSON are estimated at a hundred and joined
+#: by a scan of the whole table.
+LOCKED_JOBS = (
+    select(_JOBS.c.id)
+    .where(_JOBS.c.id == any_(cast(bindparam("outcome_job_ids", type_=String()), ARRAY(_JOBS.c.id.type))))
+    .order_by(_JOBS.c.id)
+    .with_for_update()
+    .cte("locked_jobs")
+)
+
+
+def settle_applied(applied: CTE, *returned: ColumnElement[Any]) -> Update:
+    """The main statement of a :class:`JointWrite`: each job named by ``applied`` (a CTE with its
+    ``job_id`` and its ``result``, one row per job whose outcome applied) settled ``succeeded``, its
+    lease cleared, returning its id and ``returned`` (expressions over ``applied`` and the
+    statement's other CTEs, labelled)."""
+    return (
+        update(_JOBS)
+        .where(_JOBS.c.id == applied.c.job_id)
+        .values(
+            status=bindparam("outcome_status", type_=_JOBS.c.status.type),
+            lease_owner=None,
+            lease_expires_at=None,
+            updated_at=bindparam("outcome_at", type_=_JOBS.c.updated_at.type),
+            result=applied.c.result,
+        )
+        .returning(_JOBS.c.id, *returned)
+    )
 
 
 #: The job id of an outcome's one statement (:func:`settle_with` binds it).
@@ -705,29 +758,38 @@ def settle_with(job: Job, write: OutcomeWrite) -> bool:
     transaction of its own (:func:`storage.db.execute_durable`: no ``BEGIN``, no ``COMMIT``), then
     publish the outcome to a waiting request (:mod:`infra.wait`). The statement locks the job's row
     first (the lock order of an outcome's transaction, as :func:`lock`), then runs ``write.statement``
-    and settles the job only when that changed a row. Returns True when it did; False when it changed
+    (or its :attr:`OutcomeWrite.joint`'s) and settles the job only when that changed a row. Returns
+    True when it did; False when it changed
     nothing (then nothing was written and the job is still leased: write the outcome in a transaction,
     :func:`lock` then :func:`settle`) and on a database without one-statement transactions."""
     return settle_together([(job, write)])[0]
 
 
 def settle_together(outcomes: Sequence[tuple[Job, OutcomeWrite]]) -> list[bool]:
-    """:func:`settle_with` of several leased jobs at once: their statements, in the order given, in
-    one durable transaction (:func:`storage.db.execute_durable_together`: one commit, one WAL flush),
-    each outcome published once it committed. Jobs whose outcomes lock the same row (the rails of one
-    payment method) then no longer commit one after the other, the second waiting for the first's
-    lock and its flush; a later statement sees what an earlier one wrote, as it would have after the
-    earlier one's commit. Their outcomes go out in one message (``infra.wait.publish_outcomes``: the
-    request waiting for them all is woken once). One job: :func:`settle_with`'s one statement. Returns, per job, what
-    :func:`settle_with` returns. Raises the driver's error when a statement fails: then none of the
-    outcomes is written and every job is still leased."""
+    """:func:`settle_with` of several leased jobs at once, each outcome published once it committed.
+    When every write has the same :attr:`OutcomeWrite.joint` (an enabled rail, or the rails of one
+    payment method), it makes their one statement (:class:`JointWrite`): one round trip, one lock of
+    the row they share, one commit. Otherwise their statements, in the order given, in one durable transaction
+    (:func:`storage.db.execute_durable_together`: one commit, one WAL flush), a later statement seeing
+    what an earlier one wrote, as it would have after the earlier one's commit. Either way, jobs
+    whose outcomes lock the same row no longer commit one after the other, the second waiting for
+    the first's lock and its flush. Their outcomes go out in one message
+    (``infra.wait.publish_outcomes``: the request waiting for them all is woken once). One job:
+    :func:`settle_with`'s one statement. Returns, per job, what :func:`settle_with` returns. Raises
+    the driver's error when a statement fails: then none of the outcomes is written and every job
+    is still leased."""
     if not outcomes:
         return []
     if not one_statement_transactions():
         return [False] * len(outcomes)
+    joint = outcomes[0][1].joint
+    if joint is not None and all(write.joint is joint for _, write in outcomes):
+        return _settled_jointly(outcomes, joint(outcomes))
     now = utcnow()
     runs = []
     for job, write in outcomes:
+        if write.statement is None:
+            raise TypeError("an outcome write without a statement settles with the writes of its joint only")
         values = _settled(JobStatus.SUCCEEDED, error=None, result=write.result, now=now)
         params = {
             **write.params,
@@ -744,9 +806,30 @@ def settle_together(outcomes: Sequence[tuple[Job, OutcomeWrite]]) -> list[bool]:
         rows = execute_durable_together([(prepared.statement, params) for _, _, _, prepared, params in runs])
     published: list[wait.SettledJob] = []
     settled = [
-        _settled_with(job, write, values, prepared, row, published)
+        _settled_with(job, write, values, prepared.returned, row, published)
         for (job, write, values, prepared, _), row in zip(runs, rows, strict=True)
     ]
+    wait.publish_outcomes(published)
+    return settled
+
+
+def _settled_jointly(outcomes: Sequence[tuple[Job, OutcomeWrite]], together: JointWrite) -> list[bool]:
+    """:func:`settle_together` of ``outcomes`` by their one statement ``together``: a job whose id it
+    returned is settled (its answer made from what it returned beside the id), the others are not
+    (each is then written in a transaction of its own, as after :func:`settle_with`'s False)."""
+    now = utcnow()
+    params = {
+        **together.params,
+        "outcome_job_ids": "{" + ",".join(str(job.id) for job, _ in outcomes) + "}",
+        "outcome_status": JobStatus.SUCCEEDED,
+        "outcome_at": now,
+    }
+    returned = {row[0]: row for row in execute_durable(together.statement, params, every_row=True)}
+    published: list[wait.SettledJob] = []
+    settled = []
+    for job, write in outcomes:
+        values = _settled(JobStatus.SUCCEEDED, error=None, result=write.result, now=now)
+        settled.append(_settled_with(job, write, values, together.returned, returned.get(job.id), published))
     wait.publish_outcomes(published)
     return settled
 
@@ -755,7 +838,7 @@ def _settled_with(
     job: Job,
     write: OutcomeWrite,
     values: dict[str, Any],
-    prepared: _PreparedOutcome,
+    returned: tuple[str, ...],
     row: Any,
     published: list[wait.SettledJob],
 ) -> bool:
@@ -769,7 +852,7 @@ def _settled_with(
     answer = write.answer
     if write.answer_from is not None:
         try:
-            answer = write.answer_from({name: row._mapping[name] for name in prepared.returned})
+            answer = write.answer_from({name: row._mapping[name] for name in returned})
         except Exception:  # the outcome is written: its waiter reads it instead
             log.warning("job %s: no answer for its outcome message", job.id, exc_info=True)
             answer = None

@@ -441,12 +441,13 @@ JOINT_SETTLE_SECONDS = 0.05
 
 
 class _JointSettle:
-    """The outcome writes of jobs leased together (:meth:`JobTask.run` with siblings), written by one
-    transaction (:func:`infra.jobs.settle_together`) once each of the ``parties`` jobs has either given
+    """The outcome writes of jobs leased together (:meth:`JobTask.run` with siblings), written
+    together (:func:`infra.jobs.settle_together`) once each of the ``parties`` jobs has either given
     its write (:meth:`settle`) or left (:meth:`leave`: its perform failed, it gives no write, or it
     ended otherwise). The rails of one payment method lock the payment method in their outcome
     statements: written apart, the second waited for the first's lock and its commit; written
-    together, they commit once. The last party to arrive runs the transaction. A write that waited
+    together, they are one statement (``domain.agentic.enrollment.enrolled_together``). The last
+    party to arrive writes them. A write that waited
     :data:`JOINT_SETTLE_SECONDS` without it is taken back and written alone
     (:func:`infra.jobs.settle_with`): a rail whose provider answered is not held back behind a
     sibling whose provider takes its time. Thread-safe."""

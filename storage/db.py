@@ -369,21 +369,22 @@ def _durable_autocommit() -> Iterator[Connection]:
                 dbapi.autocommit = False  # as the pool hands it out: nothing was sent to the server
 
 
-def execute_durable(statement, params: dict | None = None):
+def execute_durable(statement, params: dict | None = None, *, every_row: bool = False):
     """Run one writing ``statement`` (``params``: values of its bind parameters) as a transaction of
     its own, durable when it returns, in one round trip (no ``BEGIN``, no ``COMMIT``), and return its
-    first row (None without rows).
+    first row (None without rows), or with ``every_row`` the list of its rows.
     PostgreSQL only: raises :class:`NotImplementedError` elsewhere (check
     :func:`one_statement_transactions` first). Not run again after a lost connection: whether it
     committed is then unknown, so the error is raised."""
+    rows = _all if every_row else _first
     engine = get_engine()
     compiled = _on_driver(engine, statement)
     if compiled is not None:
         with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
-            return _first(driver.execute(info, cursor, compiled, params))
+            return rows(driver.execute(info, cursor, compiled, params))
     with _durable_autocommit() as connection:
         result = connection.execute(statement, params)
-        return result.first() if result.returns_rows else None
+        return rows(result if result.returns_rows else None)
 
 
 def read_one_snapshot(session: OrmSession) -> None:
@@ -793,6 +794,21 @@ def flush_writes(session: OrmSession) -> None:
     gates = session.info.get(_GATES)
     if gates is not None and get_settings().db_prepared_statements:  # the gates' locks in its round trip
         options[driver.PREFIX] = gates.hold_text()
+    statement, _ = _pg_staged(writes, batches, dialect, params)
+    session.execute(statement.execution_options(**options), params or None)
+
+
+def _pg_staged(
+    writes: list[tuple[UpdateBase, Mapping[str, Any] | None]],
+    batches: list[tuple[Table, bool, list[dict]]],
+    dialect: Any,
+    params: dict[str, Any],
+) -> tuple[UpdateBase, bool]:
+    """The one PostgreSQL statement of :func:`flush_writes` for ``writes`` (at least one) and the
+    rows ``batches``, each table's rows one JSON document added to ``params`` as ``rows_<n>``, and
+    whether it was built once (every write built once, :func:`_staged_statement`: it may run
+    prepared)."""
+    statements = [statement for statement, _ in writes]
     try:  # each table's rows one JSON document, bound as rows_<n>
         params.update({f"rows_{n}": _json_rows(table, batch, dialect) for n, (table, _, batch) in enumerate(batches)})
         shape = tuple((table, ignore, tuple(batch[0])) for table, ignore, batch in batches)
@@ -800,10 +816,8 @@ def flush_writes(session: OrmSession) -> None:
         statements += _row_statements(dialect.name, batches)
         shape = ()
     if all(values is not None for _, values in writes) and len(statements) == len(writes):
-        statement = _staged_statement(tuple(statements), shape)  # every write built once: so is the statement
-    else:
-        statement = _staged_statement.__wrapped__(tuple(statements), shape)
-    session.execute(statement.execution_options(**options), params or None)
+        return _staged_statement(tuple(statements), shape), True  # every write built once: so is the statement
+    return _staged_statement.__wrapped__(tuple(statements), shape), False
 
 
 @functools.lru_cache(maxsize=64)
@@ -1332,6 +1346,115 @@ def _insert_behind_gates(
             connection.exec_driver_sql,
             gates.run,
         )
+
+
+class ReadThenWrite:
+    """A unit of work that reads once, then writes what it staged in its session
+    (:func:`stage_write`, :func:`stage_inserts`), as one transaction on the driver's cursor
+    (:func:`read_then_write`). Its jobs' messages go out between the two, behind their gates."""
+
+    def __init__(self, session: OrmSession, engine: Engine, info: dict, cursor: Any, gates: _Gates) -> None:
+        self._session, self._engine, self._info, self._cursor, self._gates = session, engine, info, cursor, gates
+        self.begun = False
+
+    def _read(self, statement: Any, params: dict | None) -> Result | None:
+        if self.begun:
+            raise RuntimeError("a unit of read_then_write reads once")
+        compiled = _on_driver(self._engine, statement)
+        if compiled is None:
+            raise TypeError("read_then_write reads a statement built once, server-prepared")
+        hold = self._gates.hold_text()
+        self.begun = True
+        begin = f"BEGIN; {hold}" if hold else "BEGIN"
+        return driver.execute(self._info, self._cursor, compiled, params, prefix=begin)
+
+    def read_first(self, statement: Any, params: dict | None = None) -> Any:
+        """The first row of ``statement`` (a read built once, :func:`server_prepared`; None without
+        rows), the transaction's first statement: ``BEGIN`` and the locks of its gates go in its
+        round trip. Once only (:meth:`read_all` counts). Raises SQLAlchemy's wrapped driver errors
+        (the block then rolls back)."""
+        return _first(self._read(statement, params))
+
+    def read_all(self, statement: Any, params: dict | None = None) -> list:
+        """Every row of ``statement``, read as :meth:`read_first` reads."""
+        return _all(self._read(statement, params))
+
+    def finish(self) -> None:
+        """The end of the block: the gates' :func:`before_commit` callbacks (the jobs' messages; any
+        gate named since the read is locked first, by one statement), then what the session staged
+        (the one statement of :func:`flush_writes`) and ``COMMIT`` in one round trip."""
+        if not self.begun:
+            return
+        later = self._session.info.pop(_GATES, None)  # the jobs recorded since the read, their messages
+        for gates in (self._gates, later):
+            if gates is None:
+                continue
+            gates.held |= self._gates.held
+            hold = gates.hold_text()
+            if hold is not None:
+                self._cursor.execute(hold)
+            gates.run()
+        writes: list[tuple[UpdateBase, Mapping[str, Any] | None]] = self._session.info.pop(_WRITES, None) or []
+        rows: Rows | None = self._session.info.pop(_ROWS, None)
+        batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch] if rows else []
+        dialect, prepared = self._engine.dialect, get_settings().db_prepared_statements
+        if writes:
+            params: dict[str, Any] = {}
+            for _, values in writes:
+                params.update(values or {})
+            statement, built_once = _pg_staged(writes, batches, dialect, params)
+            compiled = driver.driver_statement(statement, dialect, prepared=prepared and built_once)
+            if compiled is None:
+                raise TypeError("a staged write whose text depends on its values")
+            driver.execute(self._info, self._cursor, compiled, params, suffix="COMMIT")
+            return
+        json_insert = _pg_json_statement(batches, dialect) if batches else None
+        if json_insert is not None:
+            driver.execute_text(self._info, self._cursor, *json_insert, prepared=prepared, suffix="COMMIT")
+            return
+        for statement in _row_statements(dialect.name, batches):  # a value JSON cannot carry
+            row_insert = driver.driver_statement(statement, dialect, prepared=False)
+            assert row_insert is not None  # an INSERT of one row's values: its text does not depend on them
+            driver.execute(self._info, self._cursor, row_insert, None)
+        self._cursor.execute("COMMIT")
+
+
+@contextlib.contextmanager
+def read_then_write(session: OrmSession, subjects: Iterable[uuid.UUID | str]) -> Iterator[ReadThenWrite | None]:
+    """A unit of work of ``session`` that reads once, then writes what it staged
+    (:class:`ReadThenWrite`), as one transaction of two round trips on the driver's cursor:
+    ``BEGIN``, the locks of the gates of ``subjects`` (the ids of the jobs it is to record, drawn
+    before the read) and the read; then, once the block's code ran, its jobs' messages (the worker's
+    lease waits at the gate), then its staged writes (:func:`stage_write`, :func:`stage_inserts`:
+    one statement) and ``COMMIT``. The session's own transaction never begins: the block reads
+    and writes through the unit and the staging functions only (a key read through ``session`` on a
+    cache miss is a transaction of its own, committed with the session). An exception in the block
+    rolls the unit back (``ROLLBACK``; its messages and staged writes are dropped). None, and nothing
+    begun, where this does not run (a database other than PostgreSQL through psycopg2, statements
+    not server-prepared, a session that began a transaction or has statements listened to): the
+    block then reads and writes through ``session`` as usual."""
+    engine = get_engine()
+    if (
+        session.in_transaction()
+        or not get_settings().db_prepared_statements
+        or not driver.runs_on_driver(engine)
+        or not hold_gates(session, subjects)
+    ):
+        yield None
+        return
+    gates = session.info.pop(_GATES)
+    with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+        unit = ReadThenWrite(session, engine, info, cursor, gates)
+        try:
+            yield unit
+            unit.finish()
+        except BaseException:
+            session.info.pop(_WRITES, None)
+            session.info.pop(_ROWS, None)
+            if unit.begun:
+                with contextlib.suppress(Exception):  # the error raised says what went wrong
+                    cursor.execute("ROLLBACK")
+            raise
 
 
 def _one_transaction(

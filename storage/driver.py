@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg2
+import psycopg2.extensions
 from sqlalchemy.engine import Engine, Result
 from sqlalchemy.engine.result import IteratorResult, SimpleResultMetaData
 from sqlalchemy.exc import DBAPIError
@@ -74,7 +75,9 @@ def prepared_text(info: dict, cursor: Any, statement: str, parameters: Any) -> t
 
         body = _PLACEHOLDER.sub(positional, statement)
         name = f"tessera_{len(prepared) + 1}"
-        in_transaction = not cursor.connection.autocommit
+        # the server's state, not the driver's mode: a transaction begun by a BEGIN of the platform's
+        # own on an autocommit connection (storage.db.read_then_write) is one too
+        in_transaction = cursor.connection.info.transaction_status != psycopg2.extensions.TRANSACTION_STATUS_IDLE
         try:
             if in_transaction:
                 cursor.execute(f"SAVEPOINT {name}; PREPARE {name} AS {body}; RELEASE SAVEPOINT {name}")
@@ -259,24 +262,44 @@ def driver_cursor(engine: Engine, *, autocommit: bool | None = None) -> Iterator
 
 
 def execute(
-    info: dict, cursor: Any, statement: DriverStatement, params: dict | None, *, prefix: str | None = None
+    info: dict,
+    cursor: Any,
+    statement: DriverStatement,
+    params: dict | None,
+    *,
+    prefix: str | None = None,
+    suffix: str | None = None,
 ) -> Result | None:
     """Run ``statement`` with ``params`` (values of its bind parameters) on ``cursor``, as a
     prepared statement when it was compiled so; its rows (None when it returns none). ``prefix``: SQL
-    sent before it in the same round trip (as :data:`PREFIX`)."""
+    sent before it in the same round trip (as :data:`PREFIX`); ``suffix``: after it (a ``COMMIT``,
+    skipped by the server when ``statement`` fails; its rows are then not read: the driver keeps
+    the last statement's)."""
     text, values = statement.text, statement.values(params)
     if statement.prepared:
         text, values = prepared_text(info, cursor, text, values)
-    cursor.execute(f"{prefix}; {text}" if prefix else text, values)
-    return statement.result(cursor)
+    if prefix:
+        text = f"{prefix}; {text}"
+    cursor.execute(f"{text}; {suffix}" if suffix else text, values)
+    return None if suffix else statement.result(cursor)
 
 
 def execute_text(
-    info: dict, cursor: Any, text: str, parameters: tuple, *, prepared: bool, prefix: str | None = None
+    info: dict,
+    cursor: Any,
+    text: str,
+    parameters: tuple,
+    *,
+    prepared: bool,
+    prefix: str | None = None,
+    suffix: str | None = None,
 ) -> None:
     """Run the driver-level SQL ``text`` with its positional ``parameters`` on ``cursor`` (as a
     prepared statement when ``prepared``); its rows are not read. ``prefix``: SQL sent before it in
-    the same round trip (as :data:`PREFIX`)."""
+    the same round trip (as :data:`PREFIX`); ``suffix``: after it (a ``COMMIT``: when ``text`` fails,
+    the server skips it)."""
     if prepared:
         text, parameters = prepared_text(info, cursor, text, parameters)
-    cursor.execute(f"{prefix}; {text}" if prefix else text, parameters)
+    if prefix:
+        text = f"{prefix}; {text}"
+    cursor.execute(f"{text}; {suffix}" if suffix else text, parameters)

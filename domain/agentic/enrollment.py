@@ -7,7 +7,8 @@ Each function is one step of a job task (``tasks/agentic.py``, template ``infra/
   :func:`perform_enrollment` reads the card from the card token and calls the provider with the job
   id as idempotency key, outside any transaction; :func:`apply_enrollment` writes the outcome (an
   enabled rail's usually as one durable statement with the job's completion,
-  :func:`enrolled_write`); :func:`enrollment_failed` records a rejection (the rail in ``error`` with
+  :func:`enrolled_write`; the enabled rails of one create together as one statement,
+  :func:`enrolled_together`); :func:`enrollment_failed` records a rejection (the rail in ``error`` with
   a catalogue code, and a provider error object). The last enrollment job of an operation releases
   its lease.
 * **polling** (``agentic.poll_rail``): a provider that answered ``pending`` is asked again, backing
@@ -29,19 +30,22 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    CTE,
     JSON,
     Boolean,
     ColumnElement,
+    Text,
     Update,
     and_,
     bindparam,
     case,
     cast,
+    column,
     exists,
     false,
     func,
@@ -79,7 +83,7 @@ from infra.jobs import PermanentError, TransientError
 from providers import ProviderNotConfigured
 from providers.agentic import DISPLAY_FIELDS, UNCLASSIFIED, Enrollment, EnrollmentCard, EnrollmentFailed
 from providers.agentic_http import require_provider
-from storage.db import lazy_session, session_scope, stage_changes
+from storage.db import lazy_session, server_prepared, session_scope, stage_changes
 from storage.models import Job, Tenant
 from storage.models_agentic import OperationLease, PaymentMethod, PaymentMethodRail
 from storage.states import PaymentMethodStatus, RailStatus
@@ -336,11 +340,13 @@ def apply_enrollment(session: Session, job: Job, outcome: Enrollment | Stale) ->
 
 def enrolled_write(job: Job, outcome: Enrollment | Stale) -> jobs.OutcomeWrite | None:
     """:func:`apply_enrollment` of an ``enabled`` enrollment as one write with the job's completion
-    (:func:`infra.jobs.settle_with`), or None (a stale or ``pending`` outcome: a transaction).
+    (:func:`infra.jobs.settle_with`; its statement is :func:`enrolled_together`'s, with this rail's
+    jobs beside it when they settle together), or None (a stale or ``pending`` outcome: a
+    transaction).
 
-    The statement (:func:`_enrolled_update`) changes nothing, and the transaction path runs instead,
-    when the job no longer owns its rail, the payment method is not active or is being deleted, or
-    the rail was shown ``pending`` (``notify``: its event is written in the transaction)."""
+    The statement changes nothing for this rail, and the transaction path runs instead, when the job
+    no longer owns its rail, the payment method is not active or is being deleted, or the rail was
+    shown ``pending`` (``notify``: its event is written in the transaction)."""
     if isinstance(outcome, Stale) or outcome.status != RailStatus.ENABLED:
         return None
     provider_card = outcome.card or {}
@@ -354,13 +360,49 @@ def enrolled_write(job: Job, outcome: Enrollment | Stale) -> jobs.OutcomeWrite |
         "blank_display": dict.fromkeys(DISPLAY_FIELDS),
         "enrolled_at": utcnow(),
     }
-    statement, returning = _enrolled_update()
     return jobs.OutcomeWrite(
-        statement,
+        None,
         params,
         {"rail_status": outcome.status, "enrollment_id": outcome.id},
-        returning=returning,
         answer_from=functools.partial(enrolled_answer, job.tenant_id),
+        joint=enrolled_together,
+    )
+
+
+def enrolled_together(outcomes: Sequence[tuple[Job, jobs.OutcomeWrite]]) -> jobs.JointWrite:
+    """The outcome writes of enabled rails of one payment method (:func:`enrolled_write`: one, or a
+    create's rails, whose jobs were leased together) as one statement (:func:`_enrolled_together`):
+    one lock of the payment method, each rail enabled, the card merged once with every provider's
+    card data in the order given (:func:`merge_card` fills what is missing: the same done at once,
+    the first provider's value winning, or one provider after the other), one release of the
+    lease."""
+    card_fields: dict[str, Any] = {}
+    card_display: dict[str, Any] = {}
+    for _, write in outcomes:
+        card_fields = {**write.params["card_fields"], **card_fields}  # the first provider's value wins
+        card_display = {**write.params["card_display"], **card_display}
+    rows = [
+        {
+            "job_id": str(job.id),
+            "rail_id": str(write.params["rail_id"]),
+            "enrollment_id": write.params["enrollment_id"],
+            "provider_ids": write.params["provider_ids"],
+            "result": write.result,
+        }
+        for job, write in outcomes
+    ]
+    first = outcomes[0][1].params
+    return jobs.JointWrite(
+        _enrolled_together(),
+        _ANSWERED,
+        {
+            "outcome_rows": rows,
+            "merge_card": any(write.params["merge_card"] for _, write in outcomes),
+            "card_fields": card_fields,
+            "card_display": card_display,
+            "blank_display": first["blank_display"],
+            "enrolled_at": first["enrolled_at"],
+        },
     )
 
 
@@ -379,78 +421,10 @@ def _filled(base: ColumnElement, values: ColumnElement) -> ColumnElement:
     return base.op("||", return_type=JSONB)(func.coalesce(fill.scalar_subquery(), _JSON_EMPTY))
 
 
-@functools.cache
-def _enrolled_update() -> tuple[Update, tuple[ColumnElement, ...]]:
-    """The one write of an enabled enrollment and what it returns for the answer
-    (:func:`enrolled_answer`), built once per process: the payment method locked
-    (after the job's row, :data:`infra.jobs.LOCKED_JOB`), the rail enabled (only while the job owns
-    it, the payment method is active without a delete requested and ``notify`` is off), then the
-    payment method's card merged with the provider's (:func:`merge_card`, in SQL) and its
-    ``updated_at`` moved when its rail's view or its card changed, and the operation lease released
-    when no other rail of the operation is still enrolling (:func:`release_if_done`).
-
-    That last test locks the other rails (``FOR SHARE``) so that it reads their latest committed
-    state: the statement waited for the payment method's lock while a sibling rail's outcome
-    committed, and its snapshot predates that commit. A rail is still enrolling when it is
-    ``pending`` with an enrollment job not settled (a create's rails are ``pending`` until their
-    outcome; a retry's operation has one rail)."""
-    rail_id = bindparam("rail_id", type_=_RAILS.c.id.type)
-    now = bindparam("enrolled_at", type_=_RAILS.c.updated_at.type)
-    provider_ids = bindparam("provider_ids", type_=JSON)
-    locked_pm = (
-        select(_PMS.c.id, _PMS.c.status, _PMS.c.delete_requested_at, _PMS.c.card)
-        .where(
-            exists(select(jobs.LOCKED_JOB.c.id)),
-            _PMS.c.id == select(_RAILS.c.payment_method_id).where(_RAILS.c.id == rail_id).scalar_subquery(),
-        )
-        .with_for_update()
-        .cte("locked_payment_method")
-    )
-    view_changed = or_(
-        _RAILS.c.status != RailStatus.ENABLED,
-        cast(_RAILS.c.provider_ids, JSONB) != cast(func.coalesce(provider_ids, _RAILS.c.provider_ids), JSONB),
-    )
-    enabled = (
-        update(_RAILS)
-        .where(
-            exists(
-                select(locked_pm.c.id).where(
-                    locked_pm.c.status == PaymentMethodStatus.ACTIVE, locked_pm.c.delete_requested_at.is_(None)
-                )
-            ),
-            _RAILS.c.id == rail_id,
-            _RAILS.c.job_id == jobs.OUTCOME_JOB_ID,
-            _RAILS.c.notify.is_(false()),
-        )
-        .values(
-            enrollment_id=bindparam("enrollment_id", type_=_RAILS.c.enrollment_id.type),
-            enrollment_removed_at=None,
-            status=RailStatus.ENABLED,
-            error_code=None,
-            provider_ids=func.coalesce(provider_ids, _RAILS.c.provider_ids),
-            updated_at=case((view_changed, now), else_=_RAILS.c.updated_at),
-        )
-        .returning(
-            _RAILS.c.payment_method_id,
-            _RAILS.c.operation_id,
-            _RAILS.c.provider_ids,
-            (_RAILS.c.updated_at == now).label("changed"),
-        )
-        .cte("enabled_rail")
-    )
-    pm_id = select(enabled.c.payment_method_id).scalar_subquery()
-    operation_id = select(enabled.c.operation_id).scalar_subquery()
-    busy = (
-        enrolling_rails(pm_id, operation_id)
-        .where(_RAILS.c.id != rail_id, _RAILS.c.status == RailStatus.PENDING)
-        .with_for_update(read=True, of=PaymentMethodRail)
-        .cte("enrolling_rails")
-    )
-    released = (
-        leases.release_statement(pm_id, operation_id, unless=exists(select(busy.c.id)))
-        .returning(table_of(OperationLease).c.resource_id)
-        .cte("released_lease")
-    )
+def _merged_card(locked_pm: CTE) -> CTE:
+    """The payment method's card (the ``card`` column of ``locked_pm``) merged with the bind
+    parameters ``card_fields``, ``card_display`` and ``blank_display`` (:func:`merge_card`, in SQL):
+    a CTE of one row, ``card`` (JSON) and ``changed``."""
     # Each step a materialized CTE, so that the stored card is parsed once and the merge computed
     # once: inlined, the expressions were repeated (the card parsed about ten times, each jsonb_each
     # run twice), 0.8 ms of the statement while the payment method's lock is held.
@@ -490,38 +464,148 @@ def _enrolled_update() -> tuple[Update, tuple[ColumnElement, ...]]:
         .select_from(merged)
         .cte("merged_card")
     )
-    merge = bindparam("merge_card", type_=Boolean)
-    write = (
-        update(_PMS)
-        .where(_PMS.c.id == pm_id)
+    return merged_card
+
+
+@functools.cache
+def _enrolled_together() -> Update:
+    """The one statement of :func:`enrolled_together`, built once per process, for one rail or
+    several rails of one payment method, their values one row each of the JSON array
+    ``outcome_rows`` (``job_id``, ``rail_id``, ``enrollment_id``, ``provider_ids``, ``result``): the
+    jobs' rows locked first (:data:`infra.jobs.LOCKED_JOBS`), then the payment method; each rail
+    enabled while its job owns it, the payment method is active without a delete requested and
+    ``notify`` is off; the payment method's card merged with the providers' (:func:`merge_card`, in
+    SQL, only when every rail was enabled: its values are then those of every provider) and its
+    ``updated_at`` moved when a rail's view or its card changed; the operation lease released when
+    no other rail of the operation is still enrolling (:func:`release_if_done`). Returns, per
+    enabled rail's job (:func:`infra.jobs.settle_applied`), what :func:`enrolled_answer` needs
+    (:data:`_ANSWERED`); ``released`` is True for one of them at most (the greatest job id), as when
+    they were written one after the other.
+
+    The release's test locks the other rails (``FOR SHARE``) so that it reads their latest committed
+    state: the statement waited for the payment method's lock while a sibling rail's outcome
+    committed, and its snapshot predates that commit. A rail is still enrolling when it is
+    ``pending`` with an enrollment job not settled (a create's rails are ``pending`` until their
+    outcome; a retry's operation has one rail)."""
+    given = (
+        func.json_to_recordset(bindparam("outcome_rows", type_=JSON))
+        .table_valued(
+            column("job_id", _RAILS.c.job_id.type),
+            column("rail_id", _RAILS.c.id.type),
+            column("enrollment_id", _RAILS.c.enrollment_id.type),
+            column("provider_ids", JSON),
+            column("result", JSON),
+        )
+        .render_derived(name="outcome_row", with_types=True)
+    )
+    rows = select(*given.c).cte("outcome_rows")
+    locked = jobs.LOCKED_JOBS
+    now = bindparam("enrolled_at", type_=_RAILS.c.updated_at.type)
+    locked_pm = (
+        select(_PMS.c.id, _PMS.c.status, _PMS.c.delete_requested_at, _PMS.c.card)
+        .where(
+            exists(select(locked.c.id)),
+            _PMS.c.id
+            == select(_RAILS.c.payment_method_id)
+            .where(_RAILS.c.id == select(rows.c.rail_id).limit(1).scalar_subquery())
+            .scalar_subquery(),
+        )
+        .with_for_update()
+        .cte("locked_payment_method")
+    )
+    view_changed = or_(
+        _RAILS.c.status != RailStatus.ENABLED,
+        cast(_RAILS.c.provider_ids, JSONB) != cast(func.coalesce(rows.c.provider_ids, _RAILS.c.provider_ids), JSONB),
+    )
+    enabled = (
+        update(_RAILS)
+        .where(
+            exists(
+                select(locked_pm.c.id).where(
+                    locked_pm.c.status == PaymentMethodStatus.ACTIVE, locked_pm.c.delete_requested_at.is_(None)
+                )
+            ),
+            _RAILS.c.payment_method_id == select(locked_pm.c.id).scalar_subquery(),
+            _RAILS.c.id == rows.c.rail_id,
+            _RAILS.c.job_id == rows.c.job_id,
+            _RAILS.c.notify.is_(false()),
+        )
         .values(
-            card=case((merge, select(merged_card.c.card).scalar_subquery()), else_=_PMS.c.card),
+            enrollment_id=rows.c.enrollment_id,
+            enrollment_removed_at=None,
+            status=RailStatus.ENABLED,
+            error_code=None,
+            provider_ids=func.coalesce(rows.c.provider_ids, _RAILS.c.provider_ids),
+            updated_at=case((view_changed, now), else_=_RAILS.c.updated_at),
+        )
+        .returning(
+            _RAILS.c.id,
+            _RAILS.c.payment_method_id,
+            _RAILS.c.operation_id,
+            _RAILS.c.provider_ids,
+            rows.c.job_id,
+            rows.c.result,
+            (_RAILS.c.updated_at == now).label("changed"),
+        )
+        .cte("enabled_rails")
+    )
+    pm_id = select(locked_pm.c.id).scalar_subquery()
+    operation_id = select(enabled.c.operation_id).limit(1).scalar_subquery()
+    busy = (
+        enrolling_rails(pm_id, operation_id)
+        .where(_RAILS.c.id.not_in(select(enabled.c.id)), _RAILS.c.status == RailStatus.PENDING)
+        .with_for_update(read=True, of=PaymentMethodRail)
+        .cte("enrolling_rails")
+    )
+    released = (
+        leases.release_statement(pm_id, operation_id, unless=exists(select(busy.c.id)))
+        .returning(table_of(OperationLease).c.resource_id)
+        .cte("released_lease")
+    )
+    every_rail = select(func.count()).select_from(enabled).scalar_subquery() == (
+        select(func.count()).select_from(rows).scalar_subquery()
+    )
+    merged = _merged_card(locked_pm)
+    merge = and_(bindparam("merge_card", type_=Boolean), every_rail)
+    written = (
+        update(_PMS)
+        .where(_PMS.c.id == pm_id, exists(select(enabled.c.id)))
+        .values(
+            card=case((merge, select(merged.c.card).scalar_subquery()), else_=_PMS.c.card),
             updated_at=case(
                 (
                     or_(
-                        select(enabled.c.changed).scalar_subquery(),
-                        and_(merge, select(merged_card.c.changed).scalar_subquery()),
+                        exists(select(enabled.c.id).where(enabled.c.changed)),
+                        and_(merge, select(merged.c.changed).scalar_subquery()),
                     ),
                     now,
                 ),
                 else_=_PMS.c.updated_at,
             ),
         )
-        .add_cte(released)
+        .returning(_PMS.c.id, _PMS.c.card, _PMS.c.updated_at)
+        .cte("written_payment_method")
     )
-    returning = (  # what the waiting request answers from (:func:`enrolled_answer`)
-        _PMS.c.id.label("payment_method_id"),
-        _PMS.c.card.label("card"),
-        _PMS.c.updated_at.label("updated_at"),
-        select(enabled.c.provider_ids).scalar_subquery().label("provider_ids"),
-        exists(select(released.c.resource_id)).label("released"),
+    last = select(func.max(cast(enabled.c.job_id, Text))).scalar_subquery()
+    return server_prepared(
+        jobs.settle_applied(
+            enabled,
+            select(written.c.id).scalar_subquery().label("payment_method_id"),
+            select(written.c.card).scalar_subquery().label("card"),
+            select(written.c.updated_at).scalar_subquery().label("updated_at"),
+            enabled.c.provider_ids.label("provider_ids"),
+            and_(exists(select(released.c.resource_id)), cast(enabled.c.job_id, Text) == last).label("released"),
+        ).add_cte(released)
     )
-    return write, returning
+
+
+#: What :func:`_enrolled_together` returns per job beside its id, by name (:func:`enrolled_answer`).
+_ANSWERED = ("payment_method_id", "card", "updated_at", "provider_ids", "released")
 
 
 def enrolled_answer(tenant_id: uuid.UUID | None, written: Mapping[str, Any]) -> dict | None:
     """The answer an enabled rail's outcome message carries (``infra.jobs.OutcomeWrite.answer_from``),
-    from what :func:`_enrolled_update` wrote (``written``): the payment method's card sealed with the
+    from what :func:`_enrolled_together` wrote (``written``): the payment method's card sealed with the
     tenant's key (:func:`domain.agentic.payment_methods.seal_answer`), its ``updated_at``, the rail's
     provider ids, and ``released``: True when this outcome released the operation's lease, that is
     when it was the operation's last (its payment method values are then final)."""

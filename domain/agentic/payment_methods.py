@@ -18,7 +18,7 @@ import datetime as dt
 import json
 import secrets
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from domain.webhooks import events
 from infra import jobs
 from providers.agentic import DISPLAY_FIELDS
 from storage.crypto import get_keyring
-from storage.db import Rows, in_constants, lazy_session, stage_write
+from storage.db import Rows, in_constants, lazy_session, read_first, stage_write
 from storage.models import Job, Tenant
 from storage.models_agentic import PaymentMethod, PaymentMethodRail, ProviderError
 from storage.states import PaymentMethodStatus, RailStatus
@@ -67,6 +67,10 @@ PSP_BRANDS = frozenset({"visa", "mastercard", "amex"})
 def new_id(prefix: str) -> str:
     """A new resource id: ``prefix`` + 32 hex characters (``pm_``, ``prv_``, ``agt_``)."""
     return f"{prefix}{secrets.token_hex(16)}"
+
+
+#: The most rails one card has (:func:`rails_for_brand`): one of each kind.
+MOST_RAILS = len(RAILS)
 
 
 def rails_for_brand(brand: str | None) -> list[tuple[str, str]]:
@@ -268,11 +272,18 @@ def mark_deleted(session: Session, pm: PaymentMethod) -> None:
 
 
 def card_source(
-    session: Session, tenant_id: uuid.UUID, token_id: str, *, today: dt.date | None = None, rows: Rows | None = None
+    session: Session,
+    tenant_id: uuid.UUID,
+    token_id: str,
+    *,
+    today: dt.date | None = None,
+    rows: Rows | None = None,
+    read: Callable[[Any, dict], Any] = read_first,
 ) -> dict:
     """The data of the card token ``token_id`` of the tenant, else 400 ``INVALID_TOKEN``. The token's
     activity of the month is written now, or queued in ``rows`` (the caller's one recording statement).
-    The token is read outside the session's transaction (``domain.tokens.store.live_token_data``).
+    The token is read outside the session's transaction, or by ``read``
+    (``domain.tokens.store.live_token_data``).
 
     "A card token readable in the tenant": a live (unexpired) token of the tenant whose type is
     ``card`` and whose data holds a number and an expiration not in the past. The caller needs no
@@ -280,7 +291,7 @@ def card_source(
     the providers only (public applications, which hold create permissions alone, may create).
     """
     now = utcnow()
-    found = live_token_data(session, tenant_id, token_id, now)
+    found = live_token_data(session, tenant_id, token_id, now, read=read)
     if found is None:
         return checked_card(None, None, today=today)
     record_token_activity(session, tenant_id, [token_id], now=now, rows=rows)

@@ -15,11 +15,12 @@ shown ``pending`` and flagged so that their outcome is delivered as the event
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -36,6 +37,7 @@ from domain.agentic.payment_methods import (
     ENROLL_MAX_ATTEMPTS,
     ENROLL_TASK,
     ENTITY_TYPE,
+    MOST_RAILS,
     RailAnswer,
     card_source,
     checked_card,
@@ -60,7 +62,7 @@ from domain.tokens.store import live_token_join, open_token_data
 from infra import jobs
 from infra.errors import Problem
 from infra.wait import Outcome
-from providers.agentic import DISPLAY_FIELDS
+from providers.agentic import DISPLAY_FIELDS, PROVIDERS
 from providers.agentic_http import provider_for
 from storage.crypto import DecryptionError, KeyNotCached
 from storage.db import (
@@ -70,7 +72,9 @@ from storage.db import (
     insert_rows_last,
     model_row,
     read_all,
+    read_first,
     read_one_snapshot,
+    read_then_write,
     server_prepared,
     stage_inserts,
     stage_write,
@@ -142,10 +146,15 @@ def create_payment_method(
     owner: str,
     claim: idempotency.Claim | None = None,
 ) -> Started:
-    """``POST /agentic/payment-methods``, the recording part (one transaction). The card token is read
-    outside it (:func:`card_source`); when nothing else is read or written (no agent, no idempotency
-    key, every rail with a provider), its one insert is the whole transaction, sent in autocommit
-    (``storage.db.insert_rows_last``).
+    """``POST /agentic/payment-methods``, the recording part (one transaction). The rails' job ids are
+    drawn first, one per rail a card can have (:data:`MOST_RAILS`). When nothing else is read or
+    written (no agent, no idempotency key, a provider configured for every rail a card can have),
+    the create is two round trips (``storage.db.read_then_write``): the card token's read with
+    ``BEGIN`` and the locks of the jobs' gates, then, after the jobs' one message (the worker's lease
+    waits at the gate), the one insert of every row with ``COMMIT``. Otherwise the token is read
+    outside the transaction (:func:`card_source`) and the rows are one insert
+    (``storage.db.insert_rows``; as the whole transaction when it is the only write,
+    ``storage.db.insert_rows_last``).
 
     Raises 400 ``INVALID_TOKEN`` (see :func:`card_source`), 404 ``AGENT_NOT_FOUND``, 400
     ``UNSUPPORTED_PROVIDER`` (no provider takes the card's network). Writes the payment method, its
@@ -154,7 +163,49 @@ def create_payment_method(
     ``PROVIDER_NOT_CONFIGURED`` at once (with a provider error), without a job.
     """
     rows = Rows()  # every row in one statement (``storage.db.insert_rows``), no unit-of-work flush
-    data = card_source(session, caller.tenant_id, request.token_id, rows=rows)
+    drawn = [random_uuid() for _ in range(MOST_RAILS)]  # a gate held for a rail the card lacks is harmless
+    plain = (
+        request.agent_id is None
+        and claim is None
+        and all(provider_for(name, caller.tenant_type, settings) is not None for name in PROVIDERS)
+    )
+    with read_then_write(session, drawn) if plain else contextlib.nullcontext() as unit:
+        read = unit.read_first if unit is not None else read_first
+        data = card_source(session, caller.tenant_id, request.token_id, rows=rows, read=read)
+        started, errors = _record_create(
+            session, caller, request, data, drawn, rows, settings=settings, owner=owner, claim=claim
+        )
+        if unit is not None:  # no error rail: every provider is configured
+            stage_inserts(session, rows)  # written by the unit, after the jobs' message
+    if unit is not None:
+        return started
+    if errors or claim is not None:  # more writes follow, and a keyed create's commit stands apart
+        insert_rows(session, rows)
+    else:  # the unit's only write: one durable statement, nothing having been read in the session
+        insert_rows_last(session, rows)
+    for unconfigured in errors:
+        record_provider_error(session, unconfigured, code="PROVIDER_NOT_CONFIGURED")
+    if claim is not None:
+        idempotency.attach(session, claim, started.payment_method_id)
+    return started
+
+
+def _record_create(
+    session: Session,
+    caller: Caller,
+    request: CreateRequest,
+    data: dict,
+    drawn: list[uuid.UUID],
+    rows: Rows,
+    *,
+    settings: Settings,
+    owner: str,
+    claim: idempotency.Claim | None = None,
+) -> tuple[Started, list[PaymentMethodRail]]:
+    """:func:`create_payment_method` once the card is read (``data``): the checks, then every row
+    queued in ``rows``, each rail with a job taking its id from ``drawn``, their message queued
+    (behind the jobs' gates). Returns what was recorded and the rails in error (no provider
+    configured: their provider errors are still to be written)."""
     if request.agent_id is not None:
         agent = session.get(Agent, request.agent_id)
         if agent is None or agent.tenant_id != caller.tenant_id:
@@ -183,7 +234,10 @@ def create_payment_method(
         updated_at=now,
     )
     rows.add(table_of(PaymentMethod), pm)
-    job_ids, errors, rail_rows = [], [], []
+    job_ids: list[uuid.UUID] = []
+    errors: list[PaymentMethodRail] = []
+    rail_rows: list[dict[str, Any]] = []
+    subjects: list[tuple[uuid.UUID, str]] = []
     for position, (rail_name, provider) in enumerate(pairs):
         rail = model_row(
             PaymentMethodRail,
@@ -199,22 +253,26 @@ def create_payment_method(
             rail.update(status=RailStatus.ERROR, error_code="PROVIDER_NOT_CONFIGURED")
             errors.append(PaymentMethodRail(**rail))
         else:
-            job_id = jobs.record(
-                session,
-                rows=rows,
-                kind=ENROLL_TASK,
-                tenant_id=caller.tenant_id,
-                subject_type="rail",
-                subject_id=str(rail["id"]),
-                trace_id=caller.trace_id,
-                max_attempts=ENROLL_MAX_ATTEMPTS,
-                together=True,  # the rails' jobs in one message, run side by side by one task run
-                gated=True,  # the message goes before the commit: the request waits for the outcome
-            ).id
+            job_id = drawn[len(subjects)]
+            subjects.append((job_id, str(rail["id"])))
             rail.update(job_id=job_id, operation_id=owner, attempt="create")
-            job_ids.append(job_id)
-        rows.add(table_of(PaymentMethodRail), rail)
         rail_rows.append(rail)
+    if subjects:
+        job_ids = jobs.record(
+            session,
+            rows=rows,
+            kind=ENROLL_TASK,
+            tenant_id=caller.tenant_id,
+            subject_type="rail",
+            subjects=subjects,
+            trace_id=caller.trace_id,
+            max_attempts=ENROLL_MAX_ATTEMPTS,
+            now=now,
+            together=True,  # the rails' jobs in one message, run side by side by one task run
+            gated=True,  # the message goes before the commit: the request waits for the outcome
+        )
+    for rail in rail_rows:  # after their jobs' rows, which they name
+        rows.add(table_of(PaymentMethodRail), rail)
     if job_ids:  # a new payment method: nobody else can hold its lease yet
         rows.add(
             table_of(OperationLease),
@@ -229,15 +287,7 @@ def create_payment_method(
             ),
         )
     audit.stage(rows, caller, entity_type=ENTITY_TYPE, entity_id=pm_id, operation="create")
-    if errors or claim is not None:  # more writes follow, and a keyed create's commit stands apart
-        insert_rows(session, rows)
-    else:  # the unit's only write: one durable statement when nothing was read in the session
-        insert_rows_last(session, rows)
-    for unconfigured in errors:
-        record_provider_error(session, unconfigured, code="PROVIDER_NOT_CONFIGURED")
-    if claim is not None:
-        idempotency.attach(session, claim, pm_id)
-    return Started(pm_id, tuple(job_ids), known=Known(pm, tuple(rail_rows)))
+    return Started(pm_id, tuple(job_ids), known=Known(pm, tuple(rail_rows))), errors
 
 
 def create_unit(
@@ -587,8 +637,11 @@ def start_retry(
     the card token), then, just before the commit, one write of the lease, the job, the token's
     activity, the log row and the rail's change (``storage.db.stage_write``). No ORM object. What it
     read is the ``known`` payment method of the answer (:func:`finish_retry`). The job's id is drawn
-    first: the lock of its gate goes with the read (``storage.db.with_gates``), so its message goes
-    out before the write, and the worker waits at the gate while the write and the commit run.
+    first: the lock of its gate goes with the read, so its message goes out before the write, and
+    the worker waits at the gate while the write and the commit run. When the provider is
+    configured, two round trips (``storage.db.read_then_write``): the read with ``BEGIN`` and the
+    gate's lock, then, after the message, the write with ``COMMIT``; otherwise the read goes through
+    the session (``storage.db.with_gates``), as the provider error recorded then does.
 
     The pair is already known valid. Raises, in this order, 404 ``PAYMENT_METHOD_NOT_FOUND``, 400
     ``PAYMENT_METHOD_DELETED``, 400 ``RAIL_NOT_FOUND``, 409 ``PAYMENT_METHOD_OPERATION_IN_PROGRESS``
@@ -597,10 +650,35 @@ def start_retry(
     configuration returns ``Started(failure="PROVIDER_NOT_CONFIGURED")`` after recording its error.
     """
     now, job_id = utcnow(), random_uuid()
-    hold_gates(session, [job_id])  # False (nothing held) off PostgreSQL: then sent after the commit
-    read = session.execute(
-        with_gates(session, _retry_read()), {"pm_id": pm_id, "tenant_id": caller.tenant_id, "now": now}
-    ).all()
+    params = {"pm_id": pm_id, "tenant_id": caller.tenant_id, "now": now}
+    configured = provider_for(provider, caller.tenant_type, settings) is not None
+    with read_then_write(session, [job_id]) if configured else contextlib.nullcontext() as unit:
+        read: Sequence[Any]
+        if unit is not None:
+            read = unit.read_all(_retry_read(), params)
+        else:
+            hold_gates(session, [job_id])  # False (nothing held) off PostgreSQL: then sent after the commit
+            read = session.execute(with_gates(session, _retry_read()), params).all()
+        return _record_retry(
+            session, caller, pm_id, read, job_id, now, rail=rail, provider=provider, settings=settings, owner=owner
+        )
+
+
+def _record_retry(
+    session: Session,
+    caller: Caller,
+    pm_id: str,
+    read: Sequence[Any],
+    job_id: uuid.UUID,
+    now: dt.datetime,
+    *,
+    rail: str,
+    provider: str,
+    settings: Settings,
+    owner: str,
+) -> Started:
+    """:func:`start_retry` once its read ran (``read``: its rows): the checks, then the writes,
+    staged."""
     if not read:
         raise agentic_error("PAYMENT_METHOD_NOT_FOUND")
     found = read[0]
@@ -615,7 +693,7 @@ def start_retry(
         raise agentic_error("PAYMENT_METHOD_DELETE_INCOMPLETE")
     if target.rail_status == RailStatus.ENABLED:
         raise validation_error({"rail": ["The rail is enabled; only a rail in error or pending can be retried."]})
-    if provider_for(provider, caller.tenant_type, settings) is None:
+    if provider_for(provider, caller.tenant_type, settings) is None:  # read in the session: no unit
         return _not_configured(session, caller, pm_id, target.rail_id)
     rows = Rows()  # the job, the token's activity and the log row
     data = None

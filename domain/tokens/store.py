@@ -15,7 +15,7 @@ import functools
 import json
 import operator
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -201,15 +201,24 @@ def _live_token_read() -> Select:
     )
 
 
-def live_token_data(session: Session, tenant_id: uuid.UUID, token_id: str, now: dt.datetime) -> tuple[str, Any] | None:
+def live_token_data(
+    session: Session,
+    tenant_id: uuid.UUID,
+    token_id: str,
+    now: dt.datetime,
+    *,
+    read: Callable[[Any, dict], Any] = read_first,
+) -> tuple[str, Any] | None:
     """``(type, plain data)`` of the live token ``token_id`` of ``tenant_id`` at ``now`` (what
     ``domain.tokens.service.load_token_data`` reads, for a hot path): one prepared statement read
     outside the session's transaction (``storage.db.read_first``: it sees what was committed, as a
     first statement in the transaction would, and leaves the session without a transaction, so a
-    unit of work whose only write follows can send it as its whole transaction), no ORM object. The
-    session is the tenant's key's (read through it on a cache miss). None when the token is missing
-    or expired. No permission check, no log row and no activity: the caller does them."""
-    row = read_first(_live_token_read(), {"tenant_id": tenant_id, "token_id": token_id, "now": now})
+    unit of work whose only write follows can send it as its whole transaction), no ORM object, or
+    by ``read`` (``(statement, params) -> first row``: ``storage.db.ReadThenWrite.read_first``, the first
+    statement of a unit of work that reads once, then inserts). The session is the tenant's key's
+    (read through it on a cache miss). None when the token is missing or expired. No permission
+    check, no log row and no activity: the caller does them."""
+    row = read(_live_token_read(), {"tenant_id": tenant_id, "token_id": token_id, "now": now})
     if row is None:
         return None
     kind, data_ct, cvc_expires_at = row

@@ -255,3 +255,87 @@ def test_a_pending_or_stale_outcome_has_no_one_statement_form(database):
     _, (job,), _ = _payment_method({"type": "card"}, rails=1)
     assert enrolled_write(job, Enrollment(id="enr", status="pending", provider_ids={}, card=None)) is None
     assert enrolled_write(job, Stale("the rail is gone")) is None
+
+
+def _settle_together(outcomes: list[tuple[Job, Enrollment]]) -> list[bool]:
+    writes = [(job, enrolled_write(job, enrollment)) for job, enrollment in outcomes]
+    assert all(write is not None for _, write in writes)
+    return jobs.settle_together([(job, write) for job, write in writes if write is not None])
+
+
+OTHER_CARD = {"brand": "visa", "last4": "4242", "expiration_month": 12, "display": {"art_url": "https://b.example/y"}}
+
+
+@pytest.mark.parametrize(
+    "current",
+    [
+        None,
+        {"type": "card", "brand": None, "display": None},
+        {"type": "card", "brand": "visa", "last4": "1111", "display": {"background_color": None, "art_url": None}},
+    ],
+)
+@pytest.mark.parametrize("cards", [(PROVIDER_CARD, OTHER_CARD), (None, OTHER_CARD), (OTHER_CARD, None), (None, None)])
+def test_two_rails_settled_by_one_statement_release_the_lease_and_merge_as_one_after_the_other(
+    database, monkeypatch, current, cards
+):
+    """Both rails' outcomes as one statement (``enrolled_together``): both rails enabled, both jobs
+    succeeded with their results, the lease released, the card what merging the first provider's
+    card and then the second's gives; of the two answers exactly one says it released the lease."""
+    from infra import wait
+
+    published: list[list] = []
+    monkeypatch.setattr(wait, "publish_outcomes", published.append)
+    pm_id, (first, second), _ = _payment_method(current)
+
+    assert _settle_together([(first, _enabled("first", cards[0])), (second, _enabled("second", cards[1]))]) == [
+        True,
+        True,
+    ]
+
+    pm, rails, lease = _state(pm_id)
+    assert lease is None
+    assert [(rail.status, rail.enrollment_id, rail.provider_ids) for rail in rails] == [
+        ("enabled", "enr_first", {"enrollment": "first"}),
+        ("enabled", "enr_second", {"enrollment": "second"}),
+    ]
+    expected = merge_card(merge_card(current, cards[0])[0], cards[1])[0]
+    assert pm.card == expected
+    for job, name in ((first, "first"), (second, "second")):
+        settled = _job(job.id)
+        assert (settled.status, settled.result, settled.lease_owner) == (
+            "succeeded",
+            {"rail_status": "enabled", "enrollment_id": f"enr_{name}"},
+            None,
+        )
+    ((one_message),) = published
+    assert [job_id for job_id, *_ in one_message] == [first.id, second.id]
+    assert sorted(answer["released"] for *_, answer in one_message) == [False, True]
+
+
+def test_a_joint_outcome_leaves_an_overtaken_rail_to_the_transaction(database):
+    """One of the two jobs no longer owns its rail: the statement enables the other rail and settles
+    its job only; the overtaken job stays leased (its transaction path follows), its rail pending,
+    so the lease is kept; the card is not merged (not every provider's card data applied)."""
+    pm_id, (overtaken, kept), rails = _payment_method({"type": "card"})
+    with session_scope() as session:  # a job of the same operation took the rail over, still queued
+        retry = jobs.record(
+            session,
+            kind=ENROLL_TASK,
+            tenant_id=overtaken.tenant_id,
+            subject_type="rail",
+            subject_id=str(rails[0]),
+            trace_id=None,
+        )
+        session.flush()
+        session.execute(update(PaymentMethodRail).where(PaymentMethodRail.id == rails[0]).values(job_id=retry.id))
+        take_pending(session)
+
+    assert _settle_together([(overtaken, _enabled("a")), (kept, _enabled("b"))]) == [False, True]
+
+    pm, rows, lease = _state(pm_id)
+    assert [row.status for row in rows] == ["pending", "enabled"]
+    assert lease is not None
+    assert pm.card == {"type": "card"}
+    assert (_job(overtaken.id).status, _job(kept.id).status) == ("running", "succeeded")
+    with session_scope() as session:  # settled: the shared database's outbox relay leaves it alone
+        session.execute(update(Job).where(Job.id == retry.id).values(status="succeeded"))

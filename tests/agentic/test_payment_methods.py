@@ -177,15 +177,15 @@ def _inserted_tables(monkeypatch) -> list[list[str]]:
 
         return insert
 
-    for name in ("insert_rows", "insert_rows_last"):
+    for name in ("insert_rows", "insert_rows_last", "stage_inserts"):
         monkeypatch.setattr(service, name, recorded(getattr(service, name)))
     return written
 
 
 def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, monkeypatch):
     """The payment method, its rails, both enrollment jobs, the enroll lease, the log row and the card
-    token's activity of the month: one insert, the create's whole transaction; after it both rail
-    jobs go out in one message (``job_id`` and ``sibling_ids``, run side by side by one task run)."""
+    token's activity of the month: one insert, the create's only write; both rail jobs go out in one
+    message (``job_id`` and ``sibling_ids``, run side by side by one task run)."""
     from infra import dispatch
 
     token_id = card_token(tenant.client, VISA)
@@ -220,10 +220,10 @@ def test_a_create_is_one_statement_and_both_rail_jobs_go_out_together(tenant, mo
     assert {kwargs["job_id"], *kwargs["sibling_ids"]} == jobs and len(jobs) == 2
 
 
-def test_each_rail_outcome_is_written_in_one_statement(tenant):
-    """An enabled rail's outcome (the job's lock, then the payment method's, the rail, the card, the
-    enroll lease released by the last rail, the job completed) is one durable statement, no
-    transaction around it (``domain.agentic.enrollment.enrolled_write``)."""
+def test_both_rails_outcomes_are_written_in_one_statement(tenant):
+    """Both enabled rails' outcomes (the jobs' locks, then the payment method's, each rail, the card
+    merged once, the enroll lease released, both jobs completed) are one durable statement, no
+    transaction around it (``domain.agentic.enrollment.enrolled_together``)."""
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
 
@@ -240,13 +240,17 @@ def test_each_rail_outcome_is_written_in_one_statement(tenant):
         event.remove(Engine, "before_cursor_execute", record)
     assert answer.status == 201
     assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
-    for job in jobs_of(answer.json["id"]):  # other tests' jobs may still run beside it: its own
-        mine = [statement for statement, parameters in seen if str(job.id) in parameters]
-        written = [statement for statement in mine if "UPDATE agentic_payment_method_rails" in statement]
+    job_ids = [str(job.id) for job in jobs_of(answer.json["id"])]
+    assert len(job_ids) == 2
+    for job_id in job_ids:  # other tests' jobs may still run beside it: its own
+        mine = [(statement, parameters) for statement, parameters in seen if job_id in parameters]
+        written = [(text, values) for text, values in mine if "UPDATE agentic_payment_method_rails" in text]
         assert len(written) == 1
-        assert written[0].lstrip().startswith("WITH locked_job")
-        assert "DELETE FROM agentic_operation_leases" in written[0] and "UPDATE jobs" in written[0]
-        assert not [statement for statement in mine if statement.rstrip().endswith("FOR UPDATE")]
+        text, values = written[0]
+        assert all(each in values for each in job_ids)  # the sibling's outcome in the same statement
+        assert text.lstrip().startswith("WITH locked_jobs")  # the jobs locked first
+        assert "DELETE FROM agentic_operation_leases" in text and "UPDATE jobs" in text
+        assert not [statement for statement, _ in mine if statement.rstrip().endswith("FOR UPDATE")]
     with session_scope() as session:
         assert session.get(OperationLease, answer.json["id"]) is None  # the last rail released it
 
@@ -426,11 +430,13 @@ def test_a_failed_rail_is_enabled_by_a_retry_which_backfills_the_display(tenant)
 
 
 def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(tenant, monkeypatch):
-    """The retry's recording is two statements: one read (the payment method locked, its rail, its
-    lease, the card token; the lock of the job's gate sent before it, in its round trip), then, just
-    before the commit, one write of the lease, the job, the card token's activity of the month, the
-    log row and the rail's change. The job's message goes out between the two (the worker waits at
-    the gate for the commit); the retried rail is enabled."""
+    """Seen through SQLAlchemy's events (statements listened to: the session's path, not the
+    driver's, ``storage.db.read_then_write``), the retry's recording is two statements: one read
+    (the payment method locked, its rail, its lease, the card token; the lock of the job's gate sent
+    before it, in its round trip), then, just before the commit, one write of the lease, the job,
+    the card token's activity of the month, the log row and the rail's change. The job's message
+    goes out between the two (the worker waits at the gate for the commit); the retried rail is
+    enabled."""
     from sqlalchemy import event as sa_event
     from sqlalchemy.engine import Engine
 
@@ -482,38 +488,92 @@ def test_a_retry_records_its_job_token_activity_and_log_row_in_one_statement(ten
     assert {rail.provider: rail.attempt for rail in rail_rows(pm["id"])} == {"vic": "retry", "psp": "create"}
 
 
-def test_a_create_records_in_one_durable_statement_after_reading_its_card_outside_any_transaction(tenant):
-    """A create without an idempotency key whose rails all have providers: the card token is read
-    by one statement outside any transaction (no ORM object of it), then the payment method, its
-    rails, both enrollment jobs, the enroll lease, the token's activity and the log row go out as
-    one statement in autocommit (no ``BEGIN``, no ``COMMIT``: durable when it returns); the answer
-    is the object a read gives."""
-    from sqlalchemy import event as sa_event
-    from sqlalchemy.engine import Engine
+def _driver_round_trips(monkeypatch) -> list[tuple[int | None, str]]:
+    """What the api's threads send from now on, in order (the list fills as they run): each
+    statement run on the driver's cursor (``storage.driver.execute`` / ``execute_text``) as
+    ``(its connection's id, prefix; text; suffix)``, and each batch of task messages as
+    ``(None, "sent [job ids]")``."""
+    from infra import dispatch
+    from storage import driver
 
+    seen: list[tuple[int | None, str]] = []
+    send, execute, execute_text = dispatch.send_messages, driver.execute, driver.execute_text
+    here = threading.get_ident()  # the in-process api runs units of work on threads of its pool: not this one
+
+    def sent(messages):
+        seen.append((None, f"sent {sorted(job for _, _, kwargs in messages for job in _jobs_in(kwargs))}"))
+        send(messages)
+
+    def executed(info, cursor, statement, params, *, prefix=None, suffix=None):
+        if threading.get_ident() != here:
+            seen.append((id(cursor.connection), f"{prefix or ''}; {statement.text}; {suffix or ''}"))
+        return execute(info, cursor, statement, params, prefix=prefix, suffix=suffix)
+
+    def executed_text(info, cursor, text, parameters, *, prepared, prefix=None, suffix=None):
+        if threading.get_ident() != here:
+            seen.append((id(cursor.connection), f"{prefix or ''}; {text}; {suffix or ''}"))
+        return execute_text(info, cursor, text, parameters, prepared=prepared, prefix=prefix, suffix=suffix)
+
+    monkeypatch.setattr(dispatch, "send_messages", sent)
+    monkeypatch.setattr(driver, "execute", executed)
+    monkeypatch.setattr(driver, "execute_text", executed_text)
+    return seen
+
+
+def _unit_of(seen: list[tuple[int | None, str]], first: str) -> list[str]:
+    """The read, the message and the write of the unit of work whose read matches ``first`` (a
+    pattern), on its connection."""
+    start = next(n for n, (_, text) in enumerate(seen) if re.search(first, text))
+    connection = seen[start][0]
+    return [text for key, text in seen[start:] if key in (connection, None)][:3]
+
+
+def test_a_create_reads_its_card_with_its_gates_locked_then_sends_its_jobs_then_writes_once(tenant, monkeypatch):
+    """A create without an idempotency key whose rails all have providers is two round trips on one
+    connection of the driver (``storage.db.read_then_write``): the card token's read with ``BEGIN``
+    and the locks of the gates of its jobs before it; then, after the one message of both rail jobs
+    (the worker's lease waits at the gate for the commit), one statement writing the payment method,
+    its rails, both jobs, the enroll lease, the token's activity and the log row, with ``COMMIT``
+    after it. The answer is the object a read gives."""
     token_id = card_token(tenant.client, VISA)
-    seen: list[tuple[str, bool]] = []
-
-    def record(connection, cursor, statement, parameters, context, executemany):
-        seen.append((statement, cursor.connection.autocommit))
-
-    sa_event.listen(Engine, "before_cursor_execute", record)
-    try:
-        answer = create(tenant.client, token_id)
-    finally:
-        sa_event.remove(Engine, "before_cursor_execute", record)
+    seen = _driver_round_trips(monkeypatch)
+    answer = create(tenant.client, token_id)
     assert answer.status == 201, answer
     assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
-    token_reads = [(text, auto) for text, auto in seen if re.search(r"FROM tokens\b", text)]
-    assert token_reads, seen
-    assert all(auto for _, auto in token_reads), token_reads  # outside any transaction
-    assert not any(text.lstrip().startswith("SELECT tokens.tenant_id, tokens.id,") for text, _ in token_reads)
-    recordings = [(text, auto) for text, auto in seen if 'INSERT INTO "agentic_payment_methods"' in text]
-    assert len(recordings) == 1, recordings
-    text, autocommit = recordings[0]
-    assert autocommit  # its own transaction: no BEGIN before it, no COMMIT after it
-    assert 'INSERT INTO "jobs"' in text and 'INSERT INTO "agentic_payment_method_rails"' in text
+    read, message, write = _unit_of(seen, r"FROM tokens\b")
+    # both gates of the drawn ids (one per rail a card can have) locked before the read, in its round trip
+    assert read.startswith("BEGIN; SELECT pg_advisory_xact_lock(") and read.count("pg_advisory_xact_lock(") == 2, read
+    assert message == f"sent {sorted(str(job.id) for job in jobs_of(answer.json['id']))}"
+    for table in ("agentic_payment_methods", "agentic_payment_method_rails", "jobs", "agentic_operation_leases"):
+        assert f'INSERT INTO "{table}"' in write, table
+    assert write.endswith("; COMMIT"), write
     assert get(tenant.client, answer.json["id"]) == answer.json
+
+
+def test_a_retry_is_two_round_trips_its_message_between_them(tenant, monkeypatch):
+    """A retry whose provider is configured, on the driver's cursor (``storage.db.read_then_write``):
+    its read (the payment method locked, its rails, its lease, the card token) with ``BEGIN`` and the
+    lock of its job's gate; its job's message; then one statement writing the lease, the job, the
+    token's activity, the log row and the rail's change, with ``COMMIT``. The rail is enabled."""
+    pm = created(tenant.client, FAILS_ON_CREATE)
+    seen = _driver_round_trips(monkeypatch)
+    answer = retry(tenant.client, pm["id"])
+    assert answer.status == 200, answer
+    assert outcome(answer.json) == {"vic": "enabled", "psp": "enabled"}
+    read, message, write = _unit_of(seen, "FOR UPDATE OF agentic_payment_methods")
+    assert read.startswith("BEGIN; SELECT pg_advisory_xact_lock(") and read.count("pg_advisory_xact_lock(") == 1, read
+    retried_job = next(rail.job_id for rail in rail_rows(pm["id"]) if rail.provider == "vic")
+    assert message == f"sent {[str(retried_job)]}"
+    for table in ("agentic_operation_leases", "jobs", "token_activity", "audit_logs"):
+        assert re.search(rf'INSERT INTO "?{table}"? ', write), table
+    assert re.search(r"\)\s+UPDATE agentic_payment_method_rails SET", write)  # the rail's change is the main statement
+    assert write.endswith("; COMMIT"), write
+    assert {rail.provider: rail.attempt for rail in rail_rows(pm["id"])} == {"vic": "retry", "psp": "create"}
+
+
+def _jobs_in(kwargs: dict) -> list[str]:
+    """The job ids one message names (its ``job_id`` and any ``sibling_ids``)."""
+    return [kwargs["job_id"], *kwargs.get("sibling_ids", ())]
 
 
 def test_a_create_whose_rails_are_enabled_answers_from_their_outcome_messages(tenant, monkeypatch):
