@@ -627,25 +627,25 @@ def _settled(status: JobStatus, *, error: str | None, result: dict | None, now: 
 
 @dataclass(frozen=True)
 class OutcomeWrite:
-    """The whole outcome of a leased job as one write (:func:`settle_with`): ``statement``, an
-    ``UPDATE`` without ``RETURNING`` that changes a row when the outcome applies, built once per
-    process with bind parameters (the same object every time: its one-statement form is built and
-    compiled once), ``params`` the values of those parameters, and ``result``, the job's result then.
-    ``answer`` (optional): what the waiting request answers from, published with the outcome but not
-    stored (:mod:`infra.wait`; JSON values: ids, states, the provider's non-secret details, values
-    sealed with the tenant's key; never a plain card number, a key or a secret). ``answer_from``
-    (optional, instead of ``answer``) builds it from what the write wrote: ``returning`` names what
-    ``statement`` returns (labelled columns of the row it changes, the same tuple every time for the
-    same statement), and ``answer_from`` gets those values by label (``{label: value}``); None from
-    it publishes no answer. (``statement`` itself has no ``RETURNING``: one added here would be lost,
-    as a copy of an ``Update`` keeps the columns its original had computed.)
-    The parameter names ``outcome_job_id``, ``outcome_status``, ``outcome_result`` and
-    ``outcome_at`` are :func:`settle_with`'s own (:data:`OUTCOME_JOB_ID` is the first).
+    """The whole outcome of a leased job as one write (:func:`settle_with`): ``statement`` (None for a
+    write whose :attr:`joint` makes its statement), an ``UPDATE`` without ``RETURNING`` that changes a
+    row when the outcome applies, built once per process with bind parameters (the same object every
+    time: its one-statement form is built and compiled once), ``params`` the values of those parameters,
+    and ``result``, the job's result then. ``answer`` (optional): what the waiting request answers from,
+    published with the outcome but not stored (:mod:`infra.wait`; JSON values: ids, states, the
+    provider's non-secret details, values sealed with the tenant's key; never a plain card number, a key
+    or a secret). ``answer_from`` (optional, instead of ``answer``) builds it from what the write wrote:
+    ``returning`` names what ``statement`` returns (labelled columns of the row it changes, the same
+    tuple every time for the same statement), and ``answer_from`` gets those values by label
+    (``{label: value}``); None from it publishes no answer. (``statement`` itself has no ``RETURNING``: one added
+    here would be lost, as a copy of an ``Update`` keeps the columns its original had computed.) The
+    parameter names ``outcome_job_id``, ``outcome_status``, ``outcome_result`` and ``outcome_at`` are
+    :func:`settle_with`'s own (:data:`OUTCOME_JOB_ID` is the first).
 
-    An outcome that changes several rows gives the others as CTEs of ``statement``
-    (``Update.add_cte``, or referenced from its ``WHERE``): they are hoisted into the one statement's
-    ``WITH``, so a data-modifying one runs, once, even when nothing reads it. The rows such a CTE
-    locks before ``statement``'s own are locked behind ``EXISTS`` of :data:`LOCKED_JOB`."""
+    An outcome that changes several rows gives the others as CTEs of ``statement`` (``Update.add_cte``,
+    or referenced from its ``WHERE``): they are hoisted into the one statement's ``WITH``, so a
+    data-modifying one runs, once, even when nothing reads it. The rows such a CTE locks before
+    ``statement``'s own are locked behind ``EXISTS`` of :data:`LOCKED_JOB`."""
 
     statement: Update | None
     params: Mapping[str, Any]
@@ -759,9 +759,9 @@ def settle_with(job: Job, write: OutcomeWrite) -> bool:
     publish the outcome to a waiting request (:mod:`infra.wait`). The statement locks the job's row
     first (the lock order of an outcome's transaction, as :func:`lock`), then runs ``write.statement``
     (or its :attr:`OutcomeWrite.joint`'s) and settles the job only when that changed a row. Returns
-    True when it did; False when it changed
-    nothing (then nothing was written and the job is still leased: write the outcome in a transaction,
-    :func:`lock` then :func:`settle`) and on a database without one-statement transactions."""
+    True when it did; False when it changed nothing (then nothing was written and the job is still
+    leased: write the outcome in a transaction, :func:`lock` then :func:`settle`) and on a database
+    without one-statement transactions."""
     return settle_together([(job, write)])[0]
 
 
@@ -769,11 +769,11 @@ def settle_together(outcomes: Sequence[tuple[Job, OutcomeWrite]]) -> list[bool]:
     """:func:`settle_with` of several leased jobs at once, each outcome published once it committed.
     When every write has the same :attr:`OutcomeWrite.joint` (an enabled rail, or the rails of one
     payment method), it makes their one statement (:class:`JointWrite`): one round trip, one lock of
-    the row they share, one commit. Otherwise their statements, in the order given, in one durable transaction
-    (:func:`storage.db.execute_durable_together`: one commit, one WAL flush), a later statement seeing
-    what an earlier one wrote, as it would have after the earlier one's commit. Either way, jobs
-    whose outcomes lock the same row no longer commit one after the other, the second waiting for
-    the first's lock and its flush. Their outcomes go out in one message
+    the row they share, one commit. Otherwise their statements, in the order given, in one durable
+    transaction (:func:`storage.db.execute_durable_together`: one commit, one WAL flush), a later
+    statement seeing what an earlier one wrote, as it would have after the earlier one's commit.
+    Either way, jobs whose outcomes lock the same row no longer commit one after the other, the
+    second waiting for the first's lock and its flush. Their outcomes go out in one message
     (``infra.wait.publish_outcomes``: the request waiting for them all is woken once). One job:
     :func:`settle_with`'s one statement. Returns, per job, what :func:`settle_with` returns. Raises
     the driver's error when a statement fails: then none of the outcomes is written and every job
