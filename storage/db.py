@@ -1449,8 +1449,7 @@ def read_then_write(session: OrmSession, subjects: Iterable[uuid.UUID | str]) ->
             yield unit
             unit.finish()
         except BaseException:
-            session.info.pop(_WRITES, None)
-            session.info.pop(_ROWS, None)
+            _end_transaction(session)  # its staged writes, its messages, what waited for its commit
             if unit.begun:
                 with contextlib.suppress(Exception):  # the error raised says what went wrong
                     cursor.execute("ROLLBACK")
