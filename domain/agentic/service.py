@@ -660,7 +660,17 @@ def start_retry(
             hold_gates(session, [job_id])  # False (nothing held) off PostgreSQL: then sent after the commit
             read = session.execute(with_gates(session, _retry_read()), params).all()
         return _record_retry(
-            session, caller, pm_id, read, job_id, now, rail=rail, provider=provider, settings=settings, owner=owner
+            session,
+            caller,
+            pm_id,
+            read,
+            job_id,
+            now,
+            rail=rail,
+            provider=provider,
+            configured=configured,
+            settings=settings,
+            owner=owner,
         )
 
 
@@ -674,11 +684,12 @@ def _record_retry(
     *,
     rail: str,
     provider: str,
+    configured: bool,
     settings: Settings,
     owner: str,
 ) -> Started:
     """:func:`start_retry` once its read ran (``read``: its rows): the checks, then the writes,
-    staged."""
+    staged; ``configured``: whether the rail's provider is configured for the tenant."""
     if not read:
         raise agentic_error("PAYMENT_METHOD_NOT_FOUND")
     found = read[0]
@@ -693,7 +704,7 @@ def _record_retry(
         raise agentic_error("PAYMENT_METHOD_DELETE_INCOMPLETE")
     if target.rail_status == RailStatus.ENABLED:
         raise validation_error({"rail": ["The rail is enabled; only a rail in error or pending can be retried."]})
-    if provider_for(provider, caller.tenant_type, settings) is None:  # read in the session: no unit
+    if not configured:  # read in the session: no unit
         return _not_configured(session, caller, pm_id, target.rail_id)
     rows = Rows()  # the job, the token's activity and the log row
     data = None
