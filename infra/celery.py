@@ -55,6 +55,25 @@ SWEEPS_QUEUE = "sweeps"
 #: Queues of the platform: the table's, and ``default`` for a name outside it.
 QUEUES = ("default", *sorted(set(QUEUE_OF_MODULE.values())))
 
+#: Broker URL schemes of RabbitMQ.
+AMQP_SCHEMES = ("amqp://", "amqps://", "pyamqp://")
+
+
+def publish_options(app: Celery) -> dict[str, Any]:
+    """Options a task message of ``app`` is published with on its broker, beside Celery's.
+
+    On Redis and the embedded SQLAlchemy transport the queues' exchanges are direct, and Celery
+    publishes such a message through the anonymous exchange straight to the queue named by its
+    routing key: no declaration is needed to deliver it, so none is made (``declare=[]``). kombu's
+    declaration, though cached per connection, still copied and bound the queue on every publish:
+    about a quarter of a task message's CPU (``benchmarks/README.md``). Workers declare their
+    queues when they start. On RabbitMQ a message routed to a queue that does not exist yet is
+    dropped, so there each connection declares the queue on its first publish, as Celery does by
+    default (no options)."""
+    if str(app.conf.broker_url or "").startswith(AMQP_SCHEMES):
+        return {}
+    return {"declare": []}
+
 
 #: Periodic tasks whose runs send no task events: beat runs them every few seconds or minutes, and
 #: their runs would fill Flower's history (bounded) with sweeps that found nothing. The worker side
@@ -188,7 +207,7 @@ def configure(app: Celery, settings: Settings) -> None:
     """Apply the platform's configuration for ``settings`` to ``app``."""
     url = settings.effective_broker_url
     embedded = url.startswith("sqla+")
-    amqp = url.startswith(("amqp://", "amqps://", "pyamqp://"))
+    amqp = url.startswith(AMQP_SCHEMES)
     broker_transport.register()  # Redis channels that keep their client (infra/broker_transport.py)
     app.conf.update(
         broker_url=url,

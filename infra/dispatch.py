@@ -26,10 +26,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery.utils.saferepr import saferepr
 from sqlalchemy.orm import Session
 
 from infra import wait
-from infra.celery import DELIVER_TASK, celery_app, sent_events
+from infra.celery import DELIVER_TASK, celery_app, publish_options, sent_events
 from storage.db import before_commit, hold_gates, on_commit, transaction_state
 
 log = logging.getLogger("tessera.dispatch")
@@ -172,7 +173,9 @@ def send_task(task_name: str, *, countdown: float | None = None, producer: Any =
     the pool for this message; False (and a log line) when the broker did not take it. The message's
     ``reply_to`` names the job-outcome subscription this context's jobs answer to, if any
     (``infra.wait.message_reply_to``). Its ``task-sent`` event, when they are on, goes out after it
-    from a thread of its own (``infra.celery.SentEvents``)."""
+    from a thread of its own (``infra.celery.SentEvents``). It is published with
+    :func:`infra.celery.publish_options` and with its arguments' text for Flower made here
+    (:func:`arguments_repr`)."""
     try:
         celery_app.send_task(
             task_name,
@@ -183,6 +186,9 @@ def send_task(task_name: str, *, countdown: float | None = None, producer: Any =
             retry_policy=_RETRY_POLICY,
             reply_to=wait.message_reply_to(),
             event_dispatcher=sent_events,  # its task-sent event published after it, off this thread
+            argsrepr="()",
+            kwargsrepr=arguments_repr(kwargs),
+            **publish_options(celery_app),
         )
     except Exception:
         log.warning("could not send task %s; the outbox relay will re-send it", task_name, exc_info=True)
@@ -203,6 +209,18 @@ def send_messages(messages: list[tuple[str, float | None, dict]]) -> None:
                 send_task(task_name, countdown=countdown, producer=producer, **kwargs)
     except Exception:
         log.warning("could not send %d tasks; the outbox relay will re-send them", len(messages), exc_info=True)
+
+
+def arguments_repr(kwargs: dict[str, Any]) -> str:
+    """The text of a task's keyword arguments that its message carries for Flower (the header
+    ``kwargsrepr``): what Celery's ``saferepr`` gives, cut at the app's ``kwargsrepr_maxsize``
+    characters (1,024). The arguments are ids (strings and lists of them), whose ``repr`` is that text
+    unless it is longer than the limit; only then is ``saferepr``, about ten times slower, run."""
+    text = repr(kwargs)
+    limit = celery_app.amqp.kwargsrepr_maxsize
+    if len(text) <= limit:
+        return text
+    return saferepr(kwargs, limit, maxlevels=celery_app.conf.task_repr_maxlevels)
 
 
 def broadcast(command: str, **arguments) -> bool:
