@@ -48,6 +48,7 @@ BENCHMARKS = (
     "sandbox_account_updates",
     "soak",
     "statements",
+    "task_send",
     "tokenize",
     "webhooks",
 )
