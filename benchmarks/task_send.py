@@ -38,7 +38,7 @@ from celery import Celery
 from benchmarks import common
 from config.settings import Settings
 from infra import dispatch, wait
-from infra.celery import create_app, queue_of
+from infra.celery import PUBLISH_RETRY_POLICY, create_app, queue_of
 
 PREFIX = "bench-task-send:"
 TASK = "bench.task_send"
@@ -86,7 +86,7 @@ def main() -> None:
             kwargs=kwargs,
             producer=producer,
             retry=True,
-            retry_policy=dispatch._RETRY_POLICY,
+            retry_policy=PUBLISH_RETRY_POLICY,
             reply_to=wait.message_reply_to(),
         )
 

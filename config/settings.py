@@ -269,10 +269,10 @@ class Settings(BaseSettings):
     task_time_limit_seconds: int = 120
     worker_concurrency: int | None = None
     #: Producers send Celery's ``task-sent`` event, so Flower shows a task as PENDING from the moment it
-    #: is queued; each goes out after its message, from a thread of the producer's own
-    #: (``infra.celery.SentEvents``), not on the path of a request that waits for its job. False saves
-    #: that Redis publish per sent task; Flower then lists a task from its ``task-received`` event on,
-    #: and its Broker page still counts what waits in a queue.
+    #: is queued (up to 0.1 s later); they go out after their messages, from a thread of the producer's
+    #: own that publishes the events of 0.1 s as one message (``infra.celery.SentEvents``), not on the
+    #: path of a request that waits for its job. False saves that publish; Flower then lists a task from
+    #: its ``task-received`` event on, and its Broker page still counts what waits in a queue.
     task_sent_events: bool = True
 
     # Logging.

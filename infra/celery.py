@@ -17,6 +17,8 @@ import time
 from typing import Any
 
 from celery import Celery, signals
+from celery.events import Event
+from celery.utils.time import utcoffset
 from celery.worker.consumer import Consumer
 from kombu import Exchange, Queue
 
@@ -85,8 +87,13 @@ QUIET_TASKS: set[str] = set()
 #: message a flush). Celery flushes on the next turn of the event loop after each event: about three
 #: publishes a job (received, started, succeeded), each 0.3-0.9 ms of the consumer thread holding
 #: the GIL while the job's own thread leases and calls its provider. Batched, a job's events cost a
-#: fraction of one publish, and Flower sees them at most this much later.
+#: fraction of one publish, and Flower sees them at most this much later. A producer's ``task-sent``
+#: events are batched over the same while (:class:`SentEvents`).
 EVENT_FLUSH_SECONDS = 0.1
+#: How a publish of the platform's (a task's message, a batch of ``task-sent`` events) is retried
+#: when the broker does not take it (kombu's ``retry_policy``); then it is given up (a task's message
+#: is left to the outbox relay, events are dropped).
+PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 
 
 class EventBatchingConsumer(Consumer):
@@ -124,36 +131,42 @@ class EventBatchingConsumer(Consumer):
 
 
 class SentEvents:
-    """Celery's ``task-sent`` events of this process, published after the task's message, by a thread
-    of their own: the sender (a request waiting for its job) goes on once the message is out, rather
-    than after one more publish. Given to Celery as a send's ``event_dispatcher`` (Celery calls
-    :meth:`publish` after the message is out); each event keeps the time it was queued as its
-    ``timestamp``. Events wait at most one publish behind the message (Flower sees them that much
-    later); the thread publishes what queued meanwhile on one producer. A process forked from this one
-    starts a thread of its own on its first event, and drops its parent's queue. What could not be
-    published is logged and dropped (events are monitoring: a task never waits for one); what is
-    queued at exit is published then."""
+    """Celery's ``task-sent`` events of this process, published by a thread of their own, a batch at
+    a time: the sender (a request waiting for its job) goes on once its message is out, and the
+    events of the sends of :data:`EVENT_FLUSH_SECONDS` go out as one message, as the worker's own
+    task events do (:class:`EventBatchingConsumer`): Celery's group form ``task.multi`` (a list of
+    events), which Celery's event receivers, Flower's among them, take apart. Given to Celery as a
+    send's ``event_dispatcher`` (Celery calls :meth:`publish` once the task's message is out), each
+    event is made then, with the time of the send as its ``timestamp`` and the process's clock; so
+    Flower shows a queued task at most :data:`EVENT_FLUSH_SECONDS` (and one publish) after its send.
+    One publish instead of one per send: about 0.4 ms of the sender's CPU per message
+    (``benchmarks/broker_publish.py``), spent beside the request's commit and its job's worker on the
+    same cores. A process forked from this one starts a thread of its own on its first event, and
+    drops its parent's queue. What could not be published is logged and dropped (events are
+    monitoring: a task never waits for one); what is queued at exit is published then."""
 
     def __init__(self, app: Celery) -> None:
         self._app = app
         self._lock = threading.Lock()
         self._pid: int | None = None
-        self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], dict[str, Any] | None]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
 
-    def publish(
-        self,
-        event_type: str,
-        fields: dict[str, Any],
-        producer: Any,
-        retry: bool = False,
-        retry_policy: Any = None,
-        **_: Any,
-    ) -> None:
+    def publish(self, event_type: str, fields: dict[str, Any], producer: Any, **_: Any) -> None:
         """Queue the event ``event_type`` (``task-sent``) with ``fields`` (Celery's: the task's id, name,
-        arguments, queue ...) for the thread; ``producer`` (the message's) is not used."""
-        self._started().put((event_type, {**fields, "timestamp": time.time()}, retry_policy if retry else None))
+        arguments, queue ...) for the thread; ``producer`` (the message's) and the message's retry
+        options are not used (the batch has its own, :data:`PUBLISH_RETRY_POLICY`)."""
+        dispatcher = self._dispatcher
+        event = Event(
+            event_type,
+            hostname=dispatcher.hostname,
+            utcoffset=utcoffset(),
+            pid=dispatcher.pid,
+            clock=dispatcher.clock.forward(),
+            **fields,
+        )
+        self._started().put(event)
 
-    def _started(self) -> queue.SimpleQueue[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+    def _started(self) -> queue.SimpleQueue[dict[str, Any]]:
         """This process's queue, its thread started on the first event."""
         pid = os.getpid()
         if self._pid != pid:
@@ -168,20 +181,22 @@ class SentEvents:
 
     @functools.cached_property
     def _dispatcher(self) -> Any:
-        """Celery's event dispatcher, not enabled: it publishes on the producer it is given (as
-        Celery's own for ``task-sent`` events)."""
+        """Celery's event dispatcher, not enabled: the events' host name, pid, clock, exchange and
+        serializer (it publishes nothing itself)."""
         return self._app.events.Dispatcher(enabled=False)
 
     def _publish_forever(self) -> None:
         while True:
-            self._publish([self._queue.get()])
+            first = self._queue.get()
+            time.sleep(EVENT_FLUSH_SECONDS)  # the sends of this while go in the same message
+            self._publish([first])
 
     def flush(self) -> None:
         """Publish what is queued now, on the calling thread."""
         self._publish([])
 
-    def _publish(self, events: list[tuple[str, dict[str, Any], dict[str, Any] | None]]) -> None:
-        """Publish ``events`` and whatever else is queued, on one producer of the pool."""
+    def _publish(self, events: list[dict[str, Any]]) -> None:
+        """Publish ``events`` and whatever else is queued as one ``task.multi`` message."""
         while True:
             try:
                 events.append(self._queue.get_nowait())
@@ -189,11 +204,20 @@ class SentEvents:
                 break
         if not events:
             return
+        dispatcher = self._dispatcher
         try:
-            dispatcher = self._dispatcher
             with self._app.producer_or_acquire() as producer:
-                for type_, fields, policy in events:
-                    dispatcher.publish(type_, fields, producer, retry=policy is not None, retry_policy=policy)
+                producer.publish(
+                    events,
+                    routing_key="task.multi",
+                    exchange=dispatcher.exchange.name,
+                    declare=[dispatcher.exchange],
+                    serializer=dispatcher.serializer,
+                    headers=dispatcher.headers,
+                    delivery_mode=dispatcher.delivery_mode,
+                    retry=True,
+                    retry_policy=PUBLISH_RETRY_POLICY,
+                )
         except Exception:  # noqa: BLE001 - events are monitoring: the thread goes on, the events are dropped
             _log.warning("could not publish %d task-sent events", len(events), exc_info=True)
 

@@ -30,7 +30,7 @@ from celery.utils.saferepr import saferepr
 from sqlalchemy.orm import Session
 
 from infra import wait
-from infra.celery import DELIVER_TASK, celery_app, publish_options, sent_events
+from infra.celery import DELIVER_TASK, PUBLISH_RETRY_POLICY, celery_app, publish_options, sent_events
 from storage.db import before_commit, hold_gates, on_commit, transaction_state
 
 log = logging.getLogger("tessera.dispatch")
@@ -46,7 +46,6 @@ MAX_COUNTDOWN_SECONDS = 60
 BATCH_ARGUMENT = {DELIVER_TASK: "delivery_ids"}
 #: The argument naming the other jobs a message of jobs recorded together carries beside ``job_id``.
 SIBLINGS_ARGUMENT = "sibling_ids"
-_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
 
 
 @dataclass
@@ -183,7 +182,7 @@ def send_task(task_name: str, *, countdown: float | None = None, producer: Any =
             countdown=countdown,
             producer=producer,
             retry=True,
-            retry_policy=_RETRY_POLICY,
+            retry_policy=PUBLISH_RETRY_POLICY,
             reply_to=wait.message_reply_to(),
             event_dispatcher=sent_events,  # its task-sent event published after it, off this thread
             argsrepr="()",

@@ -1,6 +1,7 @@
-"""Celery's ``task-sent`` events published after their messages by a thread of their own
-(``infra.celery.SentEvents``), on the test Redis: each sent task's event arrives, in order, carrying
-the task's id, name and queue and the time of its send."""
+"""Celery's ``task-sent`` events published after their messages by a thread of their own, a batch at
+a time (``infra.celery.SentEvents``), on the test Redis: each sent task's event arrives, in order,
+carrying the task's id, name and queue and the time of its send; the events of sends close together
+arrive as one ``task.multi`` message."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _event(data: bytes) -> dict:
-    """The event a kombu message published on Redis carries (its body base64-encoded or not)."""
+def _events(data: bytes) -> list[dict]:
+    """The events a kombu message published on Redis carries (its body base64-encoded or not): one
+    event, or the list of a group's (``task.multi``)."""
     message = json.loads(data)
     body = message["body"]
     if message["properties"].get("body_encoding") == "base64":
         body = base64.b64decode(body)
-    return json.loads(body)
+    events = json.loads(body)
+    return events if isinstance(events, list) else [events]
 
 
 def test_each_sent_task_has_its_task_sent_event_published_after_it():
@@ -46,17 +49,19 @@ def test_each_sent_task_has_its_task_sent_event_published_after_it():
                 app.send_task("tests.sent_events", kwargs={"n": n}, queue=f"sent-{n}", event_dispatcher=events).id
             )
         after = time.time()
-        received = []
+        received, messages = [], 0
         deadline = time.monotonic() + 10
         while len(received) < 3 and time.monotonic() < deadline:
             message = subscription.get_message(timeout=1)
             if message is not None:
-                received.append(_event(message["data"]))
+                received += _events(message["data"])
+                messages += 1
     finally:
         subscription.close()
         for n in range(3):
             client.delete(f"{prefix}sent-{n}")
         client.close()
+    assert messages == 1  # sent within the batch's 0.1 s: one publish for the three
     assert [event["type"] for event in received] == ["task-sent"] * 3
     assert [event["uuid"] for event in received] == sent  # in the order sent
     assert [event["queue"] for event in received] == ["sent-0", "sent-1", "sent-2"]
