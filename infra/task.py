@@ -83,6 +83,15 @@ from storage.models import Job
 from storage.states import JobStatus
 from storage.types import utcnow
 
+
+@functools.cache
+def _host_name() -> str:
+    """This machine's host name, asked once per process: ``socket.gethostname`` is a system call that
+    lets go of the interpreter lock, and a job's thread asking at the start of every run waited to
+    take it back from the consumer's thread, which is busy just then with the message it handed over."""
+    return socket.gethostname()
+
+
 log = logging.getLogger("tessera.jobs")
 
 #: How long a run may go on after its lease expired before the worker kills it (seconds).
@@ -168,8 +177,8 @@ class TesseraTask(Task):
         return None if hard is None else hard - 10
 
     def worker_id(self) -> str:
-        """A lease owner name unique to this attempt."""
-        return f"{socket.gethostname()}:{os.getpid()}:{self.request.id}"
+        """A lease owner name unique to this attempt: ``<host name>:<pid>:<task id>``."""
+        return f"{_host_name()}:{os.getpid()}:{self.request.id}"
 
     def report(
         self,
