@@ -2,7 +2,7 @@
 
 Both run the same statement built once (:func:`storage.db.server_prepared`), a job row read by its id
 with its 19 columns (the columns a lease returns), as a server-side prepared statement on a pooled
-autocommit connection of the lease engine (:func:`storage.db.get_lease_engine`), reading the row as
+autocommit connection (:func:`storage.db.get_autocommit_engine`), reading the row as
 a mapping:
 
 - platform: :func:`storage.db.execute_once_more_on_disconnect`, which runs it on the driver;
@@ -58,7 +58,7 @@ def main() -> int:
 
     from sqlalchemy import bindparam, select
 
-    from storage.db import execute_durable, execute_once_more_on_disconnect, get_lease_engine, server_prepared
+    from storage.db import execute_durable, execute_once_more_on_disconnect, get_autocommit_engine, server_prepared
     from storage.models import Job
     from storage.types import table_of
 
@@ -82,7 +82,7 @@ def main() -> int:
     )
     statement = server_prepared(select(*jobs.columns).where(jobs.c.id == bindparam("job_id", type_=jobs.c.id.type)))
     params = {"job_id": job_id}
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
 
     def through_sqlalchemy():

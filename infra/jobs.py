@@ -65,7 +65,7 @@ from storage.db import (
     execute_durable_together,
     execute_once_more_on_disconnect,
     gate_wait,
-    get_lease_engine,
+    get_autocommit_engine,
     in_constants,
     is_staging,
     one_statement_transactions,
@@ -493,10 +493,14 @@ def lease(
     prepared = _prepared(reads if reads is not None else _NO_READS)
     if session is not None:
         return _lease_in(session, job_id, owner, lease_seconds, prepared)
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     if engine is not None:
         row = execute_once_more_on_disconnect(
-            engine, prepared.statement, prepared.params(job_id, owner, lease_seconds), after=gate_wait(job_id)
+            engine,
+            prepared.statement,
+            prepared.params(job_id, owner, lease_seconds),
+            after=gate_wait(job_id),
+            unflushed=True,  # lost in a crash, the job is taken again
         )
         return None if row is None else prepared.taken(row)
     with session_scope() as own:
@@ -542,7 +546,7 @@ def lease_together(
     ANY(...) RETURNING`` (one round trip for all, committed as :func:`lease` commits); elsewhere one
     :func:`lease` per job."""
     kept = reads if reads is not None else _NO_READS
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     if engine is None:
         taken = ((job_id, lease(job_id, owner, lease_seconds=lease_seconds, reads=kept)) for job_id in job_ids)
         return {job_id: leased for job_id, leased in taken if leased is not None}
@@ -553,6 +557,7 @@ def lease_together(
         prepared.params(job_ids, owner, lease_seconds),
         every_row=True,
         after=gate_wait(job_ids[0]) if job_ids else None,
+        unflushed=True,
     )
     return {row["id"]: prepared.taken(row) for row in rows}
 

@@ -252,14 +252,24 @@ def get_engine() -> Engine:
     return make_engine(settings.effective_database_url, pool_size=settings.db_pool_size)
 
 
+#: SQL that, sent before a statement in the statement's round trip (one implicit transaction), commits
+#: it without waiting for the WAL flush: for writes whose loss in a database crash is harmless (a
+#: job's lease: lost, the job is taken again with the same idempotency key), made durable by the next
+#: durable commit of the same server anyway (the WAL is flushed in order).
+UNFLUSHED = "SET LOCAL synchronous_commit TO off"
+
+
 @functools.cache
-def get_lease_engine() -> Engine | None:
-    """The process's engine for statements whose loss in a database crash is harmless (taking a
-    job's lease: lost, the job is taken again with the same idempotency key): PostgreSQL only,
-    autocommit (one statement, one round trip) without waiting for the WAL flush
-    (``synchronous_commit=off``), no pre-ping (a connection the server closed fails its statement and
-    invalidates the pool: the caller runs it once more, see :func:`execute_once_more_on_disconnect`).
-    None on SQLite: use :func:`session_scope`."""
+def get_autocommit_engine() -> Engine | None:
+    """The process's engine for statements that are transactions of their own (one round trip: no
+    ``BEGIN``, no ``COMMIT``) or that send their own ``BEGIN`` and ``COMMIT`` on the driver's
+    cursor: PostgreSQL only, the driver in autocommit mode on every connection of its pool (never
+    switched, unlike a connection of :func:`get_engine` taken for such a statement, whose mode
+    switches each let go of the interpreter lock and waited to take it back), no pre-ping (a
+    connection the server closed fails its statement and invalidates the pool: the caller runs it
+    once more where it may, see :func:`execute_once_more_on_disconnect`). Its commits wait for the WAL
+    flush as the server's setting says, unless the statement is sent after :data:`UNFLUSHED`. None on
+    SQLite: use :func:`session_scope`."""
     settings = get_settings()
     if not settings.effective_database_url.startswith("postgresql"):
         return None
@@ -268,7 +278,7 @@ def get_lease_engine() -> Engine | None:
             settings.effective_database_url,
             **_pool_options(settings.db_pool_size),
             isolation_level="AUTOCOMMIT",
-            connect_args=_connect_args(synchronous_commit="off"),
+            connect_args=_connect_args(),
         )
     )
 
@@ -317,17 +327,26 @@ def _twice_on_disconnect(attempt: Callable[[], T]) -> T:
 
 
 def execute_once_more_on_disconnect(
-    engine: Engine, statement, params: dict | None = None, *, every_row: bool = False, after: str | None = None
+    engine: Engine,
+    statement,
+    params: dict | None = None,
+    *,
+    every_row: bool = False,
+    after: str | None = None,
+    unflushed: bool = False,
 ):
     """Run ``statement`` on a connection of ``engine`` (an autocommit engine such as
-    :func:`get_lease_engine`) and return its first row as a mapping (None without rows, or when the
-    statement returns none); ``every_row``: the list of all its rows as mappings instead (empty when
-    none). When the connection turns out to be closed by the server (a database
+    :func:`get_autocommit_engine`) and return its first row as a mapping (None without rows, or when
+    the statement returns none); ``every_row``: the list of all its rows as mappings instead (empty
+    when none). When the connection turns out to be closed by the server (a database
     restart), SQLAlchemy invalidates the pool and the statement runs once more on a fresh
     connection; any other error is raised. Only for statements that bear running twice (a lease:
     the second run takes nothing the first one took). ``params``: values of the statement's bind
     parameters. ``after``: a statement sent just before it, in the same round trip where the driver
-    runs it (a :func:`gate_wait`: the statement then runs once the gate's holder committed)."""
+    runs it (a :func:`gate_wait`: the statement then runs once the gate's holder committed).
+    ``unflushed``: its commit does not wait for the WAL flush (:data:`UNFLUSHED`, sent first in its
+    round trip) where the driver runs it; through SQLAlchemy (while statements are listened to) it
+    is committed durably."""
 
     def rows(result: Result | None):
         if every_row:
@@ -343,30 +362,10 @@ def execute_once_more_on_disconnect(
     compiled = _on_driver(engine, statement)
     if compiled is None:
         return _once_more_on_disconnect(engine, run)
+    prefix = "; ".join(part for part in (UNFLUSHED if unflushed else None, after) if part) or None
     return _driver_once_more_on_disconnect(
-        engine, lambda info, cursor: rows(driver.execute(info, cursor, compiled, params, prefix=after))
+        engine, lambda info, cursor: rows(driver.execute(info, cursor, compiled, params, prefix=prefix))
     )
-
-
-@contextlib.contextmanager
-def _durable_autocommit() -> Iterator[Connection]:
-    """A connection of the process's engine (whose commits wait for the WAL flush) with the driver in
-    autocommit mode: each statement is a transaction of its own, durable when it returns, without
-    ``BEGIN`` or ``COMMIT``. The mode is switched on the driver's connection and back (SQLAlchemy's
-    ``isolation_level="AUTOCOMMIT"`` option would cost one more round trip, a ``SET`` when the
-    connection goes back to the pool). PostgreSQL only: raises :class:`NotImplementedError`."""
-    engine = get_engine()
-    if engine.dialect.name != "postgresql":
-        raise NotImplementedError("one-statement transactions need PostgreSQL")
-    with engine.connect() as connection:
-        dbapi = connection.connection.dbapi_connection
-        assert dbapi is not None  # a connection just checked out of the pool
-        dbapi.autocommit = True  # psycopg2 sends no BEGIN: each statement commits when it ends
-        try:
-            yield connection
-        finally:
-            if not dbapi.closed:
-                dbapi.autocommit = False  # as the pool hands it out: nothing was sent to the server
 
 
 def execute_durable(statement, params: dict | None = None, *, every_row: bool = False):
@@ -375,14 +374,16 @@ def execute_durable(statement, params: dict | None = None, *, every_row: bool = 
     first row (None without rows), or with ``every_row`` the list of its rows.
     PostgreSQL only: raises :class:`NotImplementedError` elsewhere (check
     :func:`one_statement_transactions` first). Not run again after a lost connection: whether it
-    committed is then unknown, so the error is raised."""
+    committed is then unknown, so the error is raised. Runs on :func:`get_autocommit_engine`."""
     rows = _all if every_row else _first
-    engine = get_engine()
+    engine = get_autocommit_engine()
+    if engine is None:
+        raise NotImplementedError("one-statement transactions need PostgreSQL")
     compiled = _on_driver(engine, statement)
     if compiled is not None:
-        with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+        with driver.driver_cursor(engine) as (info, cursor):
             return rows(driver.execute(info, cursor, compiled, params))
-    with _durable_autocommit() as connection:
+    with engine.connect() as connection:
         result = connection.execute(statement, params)
         return rows(result if result.returns_rows else None)
 
@@ -406,13 +407,13 @@ def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
     one after the other, each waiting for the previous one's lock (the rails of one payment method).
     Raises the driver's error when one fails: nothing is written (at the commit itself, a lost
     connection leaves it unknown whether all was). PostgreSQL only, as :func:`execute_durable`."""
-    engine = get_engine()
-    if engine.dialect.name != "postgresql":
+    engine = get_autocommit_engine()
+    if engine is None:
         raise NotImplementedError("durable statements need PostgreSQL")
     compiled = [_on_driver(engine, statement) for statement, _ in statements]
     if all(each is not None for each in compiled):
         firsts: list = []
-        with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+        with driver.driver_cursor(engine) as (info, cursor):
 
             def write() -> None:  # BEGIN in the first statement's round trip
                 for n, (each, (_, params)) in enumerate(zip(compiled, statements, strict=True)):
@@ -421,7 +422,7 @@ def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
 
             _one_transaction(write, cursor.execute)
         return firsts
-    with engine.begin() as connection:
+    with get_engine().begin() as connection:  # SQLAlchemy's BEGIN and COMMIT (an autocommit engine sends none)
         rows = []
         for statement, params in statements:
             result = connection.execute(statement, params)
@@ -431,16 +432,16 @@ def execute_durable_together(statements: Sequence[tuple[Any, dict]]) -> list:
 
 def one_statement_transactions() -> bool:
     """Whether :func:`execute_durable` runs here (the database is PostgreSQL)."""
-    return get_lease_engine() is not None
+    return get_autocommit_engine() is not None
 
 
 def read_first(statement, params: dict | None = None):
     """The first row of the read-only ``statement`` (None without rows), read in one round trip
     outside any transaction: on PostgreSQL on an autocommit connection of the
-    :func:`get_lease_engine` (no ``BEGIN``, no ``COMMIT``; a read sees what was committed when it
+    :func:`get_autocommit_engine` (no ``BEGIN``, no ``COMMIT``; a read sees what was committed when it
     runs, as the first statement of a transaction does), elsewhere in a :func:`session_scope`.
     ``params``: values of its bind parameters (a statement built once, :func:`server_prepared`)."""
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     if engine is None:
         with session_scope() as session:
             return session.execute(statement, params).first()
@@ -460,7 +461,7 @@ def _first(result: Result | None):
 def read_all(statement, params: dict | None = None) -> list:
     """Every row of the read-only ``statement``, read like :func:`read_first`: in one round trip
     outside any transaction (one snapshot: the rows agree with each other)."""
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     if engine is None:
         with session_scope() as session:
             return list(session.execute(statement, params).all())
@@ -479,17 +480,17 @@ def _all(result: Result | None) -> list:
 
 def execute_unflushed(statement) -> None:
     """Run one writing ``statement`` on its own, committed without waiting for the WAL flush: on
-    PostgreSQL on the :func:`get_lease_engine` (one round trip; run once more after a closed
-    connection, so it must bear running twice, e.g. ``INSERT ... ON CONFLICT DO NOTHING``), elsewhere
-    in a :func:`session_scope`. For writes of a job's slow step that its later durable commit (the
-    outcome or the failure, later in the WAL, so flushing it flushes this too) makes durable: a job
-    that never gets there runs again and writes it again."""
-    engine = get_lease_engine()
+    PostgreSQL on the :func:`get_autocommit_engine` after :data:`UNFLUSHED` (one round trip; run once
+    more after a closed connection, so it must bear running twice, e.g. ``INSERT ... ON CONFLICT DO
+    NOTHING``), elsewhere in a :func:`session_scope`. For writes of a job's slow step that its later
+    durable commit (the outcome or the failure, later in the WAL, so flushing it flushes this too)
+    makes durable: a job that never gets there runs again and writes it again."""
+    engine = get_autocommit_engine()
     if engine is None:
         with session_scope() as session:
             session.execute(statement)
         return
-    execute_once_more_on_disconnect(engine, statement)
+    execute_once_more_on_disconnect(engine, statement, unflushed=True)
 
 
 def insert_rows_unflushed(rows: Rows) -> None:
@@ -497,8 +498,8 @@ def insert_rows_unflushed(rows: Rows) -> None:
     flush (:func:`execute_unflushed`: so each must bear running twice, e.g. a table queued with
     ``ignore_conflicts``): one ``INSERT`` per table, or on PostgreSQL, for a table of at least
     :data:`COPY_MIN_ROWS` rows, its ``COPY`` (:func:`insert_rows`) in a transaction of its own on a
-    connection of the :func:`get_lease_engine`, run once more after a closed connection."""
-    engine = get_lease_engine()
+    connection of the :func:`get_autocommit_engine`, run once more after a closed connection."""
+    engine = get_autocommit_engine()
     dialect_name = (engine or get_engine()).dialect.name
     for (table, ignore), batch in rows.tables.items():
         if not batch:
@@ -510,16 +511,18 @@ def insert_rows_unflushed(rows: Rows) -> None:
 
 
 def _copy_in_transaction(table: Table, ignore: bool, batch: list[dict], connection: Connection) -> None:
-    """:func:`_pg_copy` on ``connection`` (of the autocommit lease engine) in a transaction of its own,
-    so a table copied through a temporary one is written whole or not at all."""
+    """:func:`_pg_copy` on ``connection`` (of the :func:`get_autocommit_engine`) in a transaction of its
+    own, so a table copied through a temporary one is written whole or not at all; committed without
+    waiting for the WAL flush (:data:`UNFLUSHED`), as :func:`insert_rows_unflushed` says."""
     connection = connection.execution_options(isolation_level="READ COMMITTED")
     with connection.begin():
+        connection.exec_driver_sql(UNFLUSHED)
         _pg_copy(connection, table, ignore, batch)
 
 
 def reset_engine() -> None:
     """Dispose of the process's engines (after a fork, or when tests change the settings)."""
-    for cached in (get_engine, get_lease_engine):
+    for cached in (get_engine, get_autocommit_engine):
         engine = cached() if cached.cache_info().currsize else None
         if engine is not None:
             engine.dispose()
@@ -1303,7 +1306,8 @@ def insert_rows_last(session: OrmSession, rows: Rows) -> None:
     batches = [(table, ignore, batch) for (table, ignore), batch in rows.tables.items() if batch]
     if not batches:
         return
-    engine = get_engine()
+    engine = get_autocommit_engine()
+    assert engine is not None  # one_statement_transactions(), checked above
     on_driver = driver.runs_on_driver(engine)
     gates = session.info.get(_GATES)
     json_insert = _pg_json_statement(batches, engine.dialect) if on_driver or gates is not None else None
@@ -1314,10 +1318,10 @@ def insert_rows_last(session: OrmSession, rows: Rows) -> None:
             _insert_behind_gates(session, engine, json_insert, gates, on_driver=on_driver)
         return
     if json_insert is not None:
-        with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+        with driver.driver_cursor(engine) as (info, cursor):
             driver.execute_text(info, cursor, *json_insert, prepared=get_settings().db_prepared_statements)
         return
-    with _durable_autocommit() as connection:  # a value JSON cannot carry: VALUES literals
+    with engine.connect() as connection:  # a value JSON cannot carry: VALUES literals
         _pg_insert(connection, batches)
 
 
@@ -1331,7 +1335,7 @@ def _insert_behind_gates(
     session.info.pop(_GATES, None)
     begin = f"BEGIN; {gates.hold_text()}"
     if on_driver:
-        with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+        with driver.driver_cursor(engine) as (info, cursor):
             _one_transaction(
                 lambda: driver.execute_text(
                     info, cursor, *json_insert, prepared=get_settings().db_prepared_statements, prefix=begin
@@ -1340,7 +1344,7 @@ def _insert_behind_gates(
                 gates.run,
             )
         return
-    with _durable_autocommit() as connection:
+    with engine.connect() as connection:  # autocommit: the BEGIN and COMMIT are sent here
         _one_transaction(
             lambda: connection.exec_driver_sql(f"{begin}; {json_insert[0]}", json_insert[1]),
             connection.exec_driver_sql,
@@ -1433,9 +1437,10 @@ def read_then_write(session: OrmSession, subjects: Iterable[uuid.UUID | str]) ->
     begun, where this does not run (a database other than PostgreSQL through psycopg2, statements
     not server-prepared, a session that began a transaction or has statements listened to): the
     block then reads and writes through ``session`` as usual."""
-    engine = get_engine()
+    engine = get_autocommit_engine()
     if (
-        session.in_transaction()
+        engine is None
+        or session.in_transaction()
         or not get_settings().db_prepared_statements
         or not driver.runs_on_driver(engine)
         or not hold_gates(session, subjects)
@@ -1443,7 +1448,7 @@ def read_then_write(session: OrmSession, subjects: Iterable[uuid.UUID | str]) ->
         yield None
         return
     gates = session.info.pop(_GATES)
-    with driver.driver_cursor(engine, autocommit=True) as (info, cursor):
+    with driver.driver_cursor(engine) as (info, cursor):
         unit = ReadThenWrite(session, engine, info, cursor, gates)
         try:
             yield unit

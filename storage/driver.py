@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg2
@@ -218,22 +218,25 @@ def runs_on_driver(engine: Engine, statement: Any = None) -> bool:
     return all(listener is execute_prepared for listener in dispatch.before_cursor_execute)
 
 
+#: The server's transaction states of a connection inside a transaction (libpq's).
+_OPEN = (psycopg2.extensions.TRANSACTION_STATUS_INTRANS, psycopg2.extensions.TRANSACTION_STATUS_INERROR)
+
+
 @contextmanager
-def driver_cursor(engine: Engine, *, autocommit: bool | None = None) -> Iterator[tuple[dict, Any]]:
+def driver_cursor(engine: Engine) -> Iterator[tuple[dict, Any]]:
     """The ``info`` dict and a cursor of a connection from ``engine``'s pool, for the block; the
-    connection goes back to the pool after it. ``autocommit``: the driver's mode for the block (set
-    back after it; None: as the pool hands it out). A driver error is raised as SQLAlchemy's wrapped
-    error, without the query the driver sent (its values are interpolated into it); one that
-    shows the server closed the connection invalidates the pool (the connections made before it are
-    replaced), as SQLAlchemy's own execution does, and is raised with ``connection_invalidated`` set."""
+    connection goes back to the pool after it, in the driver's mode the pool handed it out in
+    (``storage.db.get_autocommit_engine``'s: autocommit), outside any transaction (one the block
+    began and left open is rolled back). A driver error is raised as SQLAlchemy's
+    wrapped error, without the query the driver sent (its values are interpolated into it); one
+    that shows the server closed the connection invalidates the pool (the connections made before
+    it are replaced), as SQLAlchemy's own execution does, and is raised with
+    ``connection_invalidated`` set."""
     raw = engine.raw_connection()
     driver: Any = raw.dbapi_connection
     assert driver is not None  # a connection just checked out of the pool
-    before = driver.autocommit
     cursor = None
     try:
-        if autocommit is not None and autocommit != before:
-            driver.autocommit = autocommit
         cursor = driver.cursor()
         yield raw.info, cursor
     except psycopg2.Error as exc:
@@ -252,12 +255,10 @@ def driver_cursor(engine: Engine, *, autocommit: bool | None = None) -> Iterator
     finally:
         if cursor is not None and not cursor.closed:
             cursor.close()
-        if not driver.closed and driver.autocommit != before:
-            try:
-                driver.autocommit = before
-            except psycopg2.Error:  # in a failed transaction: the pool's reset rolls it back first
-                driver.rollback()
-                driver.autocommit = before
+        if not driver.closed and driver.info.transaction_status in _OPEN:
+            # a transaction the block began with its own BEGIN and could not end: not handed on
+            with suppress(psycopg2.Error), driver.cursor() as ending:
+                ending.execute("ROLLBACK")
         raw.close()
 
 

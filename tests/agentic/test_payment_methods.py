@@ -271,7 +271,7 @@ def test_a_card_token_counted_this_month_is_not_counted_again_by_its_rail_jobs(t
     def record(connection, cursor, statement, parameters, context, executemany):
         seen.append(statement)
 
-    event.listen(Engine, "before_cursor_execute", record)  # every engine: the api's, the lease engine
+    event.listen(Engine, "before_cursor_execute", record)  # every engine: the api's, the autocommit engine
     try:
         answer = create(tenant.client, token_id)
     finally:

@@ -155,12 +155,12 @@ def test_a_retried_sibling_is_retried_alone(database):
     assert done.status == "succeeded"
 
 
-@pytest.mark.parametrize("lease_engine", [True, False], ids=["one-statement", "one-lease-each"])
-def test_the_takeable_siblings_are_leased_with_their_reads(database, monkeypatch, lease_engine):
-    """On PostgreSQL one statement; without the lease engine (as on SQLite, which has no ``ANY``:
+@pytest.mark.parametrize("autocommit_engine", [True, False], ids=["one-statement", "one-lease-each"])
+def test_the_takeable_siblings_are_leased_with_their_reads(database, monkeypatch, autocommit_engine):
+    """On PostgreSQL one statement; without the autocommit engine (as on SQLite, which has no ``ANY``:
     here the engine is withheld on PostgreSQL) one lease per job, with the same outcome."""
-    if not lease_engine:
-        monkeypatch.setattr(jobs, "get_lease_engine", lambda: None)
+    if not autocommit_engine:
+        monkeypatch.setattr(jobs, "get_autocommit_engine", lambda: None)
     ids, _ = _together("a", "b", "c")
     assert jobs.lease(ids[1], "another-worker", lease_seconds=60) is not None  # held elsewhere
 

@@ -23,8 +23,8 @@ from infra.jobs import PermanentError
 from infra.task import JobTask
 from storage.db import (
     Rows,
+    get_autocommit_engine,
     get_engine,
-    get_lease_engine,
     read_all,
     read_first,
     session_scope,
@@ -182,7 +182,7 @@ def test_staged_writes_go_out_together_just_before_the_commit(database):
 
 
 def test_a_lease_runs_again_on_a_connection_the_server_closed(database):
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     engine.dispose()  # one pooled connection from here on
     with engine.connect() as connection:
         closed_pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
@@ -201,7 +201,7 @@ def test_a_lease_runs_again_on_a_connection_the_server_closed(database):
 
 def test_a_lease_reads_the_tables_joined_to_the_job_row_and_nulls_where_a_row_is_missing(database):
     """``LeaseReads``: the joined tenant is read beside the job by each form of the lease (one job on
-    the lease engine, a list of jobs, one job in the caller's transaction); a job whose join finds no
+    the autocommit engine, a list of jobs, one job in the caller's transaction); a job whose join finds no
     row is leased all the same, its reads NULL."""
     tenant_id = _tenant_id()
     tenants = Tenant.__table__
@@ -249,7 +249,7 @@ def test_the_lease_probes_of_other_tenants_keep_the_partial_index_under_a_generi
         )
         take_pending(session)
         session.execute(text("ANALYZE jobs"))
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     engine.dispose()  # one pooled connection from here on, planning generic plans only
     try:
@@ -419,7 +419,9 @@ def test_an_outcome_write_and_the_job_settle_are_one_statement_locking_the_job_f
     holder = get_engine().connect()
     holder_transaction = holder.begin()
     holder.execute(select(Job.id).where(Job.id == job.id).with_for_update())  # as a create handler deciding
-    event.listen(get_engine(), "before_cursor_execute", record)
+    durable = get_autocommit_engine()  # where an outcome's one statement runs
+    assert durable is not None
+    event.listen(durable, "before_cursor_execute", record)
     try:
         writer = threading.Thread(target=lambda: done.append(jobs.settle_with(job, _outcome_on(other))))
         writer.start()
@@ -433,7 +435,7 @@ def test_an_outcome_write_and_the_job_settle_are_one_statement_locking_the_job_f
         writer.join(10)
     finally:
         holder.close()
-        event.remove(get_engine(), "before_cursor_execute", record)
+        event.remove(durable, "before_cursor_execute", record)
     assert done == [True]
     written = [statement for statement in statements if "UPDATE jobs" in statement]
     assert len(written) == 1 and written[0].lstrip().startswith("WITH locked_job")

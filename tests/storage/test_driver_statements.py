@@ -21,8 +21,8 @@ from storage.db import (
     execute_durable,
     execute_durable_together,
     execute_once_more_on_disconnect,
+    get_autocommit_engine,
     get_engine,
-    get_lease_engine,
     read_all,
     read_first,
     reset_engine,
@@ -96,7 +96,7 @@ def _terminate_pooled(engine) -> None:
 
 
 def test_the_driver_path_is_taken_and_reads_what_sqlalchemy_reads(database):
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None and driver.runs_on_driver(engine, _READ)
     job_id, at = uuid.uuid4(), dt.datetime(2026, 11, 28, 21, 0, tzinfo=dt.UTC)
     params = {"id": job_id, "at": at, "result": {"k": [1, "two"]}, "n": 4}
@@ -115,7 +115,7 @@ def test_the_driver_path_is_taken_and_reads_what_sqlalchemy_reads(database):
 
 
 def test_a_statement_is_prepared_once_per_connection(database):
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     engine.dispose()  # a new connection: nothing prepared on it yet
     for n in (1, 2, 3):
@@ -227,7 +227,7 @@ def test_writes_staged_with_their_values_and_rows_beside_them_are_one_statement_
 
 def test_past_the_most_prepared_statements_a_new_one_runs_as_it_is(database, monkeypatch):
     monkeypatch.setattr(driver, "MOST_PREPARED", 1)
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     engine.dispose()
     assert read_first(_READ, {"id": uuid.uuid4(), "at": dt.datetime.now(dt.UTC), "result": {}, "n": 2}).twice == 4
@@ -252,7 +252,7 @@ def unprepared(database, monkeypatch):
 
 def test_with_prepared_statements_off_the_statement_is_sent_as_it_is(unprepared):
     assert not get_settings().db_prepared_statements
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None and driver.runs_on_driver(engine, _READ)
     assert read_first(_READ, {"id": uuid.uuid4(), "at": dt.datetime.now(dt.UTC), "result": None, "n": 1}).twice == 2
     with driver.driver_cursor(engine) as (info, cursor):
@@ -298,7 +298,7 @@ def test_a_joint_transaction_writes_all_or_nothing(database):
 
 
 def test_a_connection_closed_by_the_server_is_replaced(database):
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     engine.dispose()
     params = {"id": uuid.uuid4(), "at": dt.datetime.now(dt.UTC), "result": {}, "n": 5}
@@ -306,12 +306,11 @@ def test_a_connection_closed_by_the_server_is_replaced(database):
     _terminate_pooled(engine)
     # a read or a lease runs once more on a fresh connection
     assert execute_once_more_on_disconnect(engine, _READ, params)["twice"] == 10
-    durable = get_engine()
-    durable.dispose()
+    engine.dispose()  # durable writes run on the same engine's connections
     tenant_id, subject = _tenant_id(), f"driver-{uuid.uuid4()}"
     at = dt.datetime.now(dt.UTC)
     assert execute_durable(_INSERT, {"job_id": uuid.uuid4(), "tenant_id": tenant_id, "subject": subject, "at": at})
-    _terminate_pooled(durable)
+    _terminate_pooled(engine)
     # a durable write is not sent again (whether it committed would be unknown): the error says why
     with pytest.raises(DBAPIError) as raised:
         execute_durable(_INSERT, {"job_id": uuid.uuid4(), "tenant_id": tenant_id, "subject": subject, "at": at})
@@ -321,7 +320,7 @@ def test_a_connection_closed_by_the_server_is_replaced(database):
 
 
 def test_while_something_listens_to_the_engine_sqlalchemy_runs_the_statements(database):
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     sent: list[str] = []
 
@@ -344,7 +343,7 @@ def test_a_statement_whose_text_depends_on_its_values_runs_through_sqlalchemy(da
         .select_from(text("generate_series(1, 5) AS n"))
         .where(literal_column("n").in_(bindparam("wanted", expanding=True)))
     )
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     assert driver.driver_statement(expanding, engine.dialect, prepared=True) is None
     assert [row.n for row in read_all(expanding, {"wanted": [2, 4]})] == [2, 4]

@@ -17,7 +17,7 @@ from storage.db import (
     execute_once_more_on_disconnect,
     gate_key,
     gate_wait,
-    get_lease_engine,
+    get_autocommit_engine,
     hold_gates,
     server_prepared,
     session_scope,
@@ -39,7 +39,7 @@ class _Told(Exception):
 
 
 def _read_behind_gate(job_id: uuid.UUID):
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     return execute_once_more_on_disconnect(engine, _READ_JOB, {"id": job_id}, after=gate_wait(job_id))
 

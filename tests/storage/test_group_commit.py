@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 
 from domain.tenancy import audit
 from domain.tenancy.caller import Caller
-from storage.db import GroupCommit, Rows, get_engine, on_commit, session_scope, stage_rows
+from storage.db import GroupCommit, Rows, get_autocommit_engine, on_commit, session_scope, stage_rows
 from storage.models import AuditLog
 
 pytestmark = pytest.mark.api
@@ -88,11 +88,13 @@ def test_units_that_only_stage_rows_are_written_by_one_statement_that_is_its_own
     def record(connection, _cursor, statement, _parameters, _context, _many):
         sent.append((statement, connection.connection.dbapi_connection.autocommit))
 
-    event.listen(get_engine(), "before_cursor_execute", record)
+    engine = get_autocommit_engine()  # where one-statement transactions run
+    assert engine is not None
+    event.listen(engine, "before_cursor_execute", record)
     try:
         answers = _run_together([((stage_unit, entity_id), {}) for entity_id in ids])
     finally:
-        event.remove(get_engine(), "before_cursor_execute", record)
+        event.remove(engine, "before_cursor_execute", record)
     assert answers == ids
     assert len(sent) == 1 and "INSERT INTO" in sent[0][0] and sent[0][1] is True
     assert sorted(fired) == sorted(ids)

@@ -12,7 +12,7 @@ from sqlalchemy import Integer, bindparam, cast, event, literal, literal_column,
 from sqlalchemy.dialects.postgresql import JSONB
 
 from domain.tenancy.tenants import create_tenant
-from storage.db import get_engine, get_lease_engine, server_prepared
+from storage.db import get_autocommit_engine, get_engine, server_prepared
 from storage.models import Job
 from storage.types import table_of, utcnow
 
@@ -48,7 +48,7 @@ def _sent(engine) -> tuple[list[str], object]:
 
 def test_a_marked_statement_is_prepared_once_per_connection_and_reads_as_usual(database):
     job_id, at = uuid.uuid4(), dt.datetime(2026, 11, 27, 3, 0, tzinfo=dt.UTC)
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     engine.dispose()  # a new connection: nothing prepared on it yet
     sent, stop = _sent(engine)
@@ -67,11 +67,12 @@ def test_a_marked_statement_is_prepared_once_per_connection_and_reads_as_usual(d
     assert [statement.split(" ", 2)[:2] for statement in sent if "tessera_" in statement] == [["EXECUTE", names[0]]] * 3
 
 
-@pytest.mark.parametrize("lease", [False, True], ids=["engine", "lease-engine"])
-def test_a_prepared_statement_runs_on_its_generic_plan_from_its_first_run(database, lease):
+@pytest.mark.parametrize("autocommit", [False, True], ids=["engine", "autocommit-engine"])
+def test_a_prepared_statement_runs_on_its_generic_plan_from_its_first_run(database, autocommit):
     """``plan_cache_mode = force_generic_plan`` on every connection of both engines: no run of a
-    prepared statement is planned for its values (``pg_prepared_statements`` counts the plans)."""
-    engine = get_lease_engine() if lease else get_engine()
+    prepared statement is planned for its values (``pg_prepared_statements`` counts the plans).
+    Both engines' sessions commit as the server's setting says (durably here)."""
+    engine = get_autocommit_engine() if autocommit else get_engine()
     assert engine is not None
     engine.dispose()  # a new connection: nothing prepared on it yet
     with engine.connect() as connection:
@@ -84,14 +85,14 @@ def test_a_prepared_statement_runs_on_its_generic_plan_from_its_first_run(databa
             text("SELECT current_setting('plan_cache_mode'), current_setting('synchronous_commit')")
         ).one()
     assert tuple(plans) == (3, 0)
-    assert tuple(settings) == ("force_generic_plan", "off" if lease else "on")
+    assert tuple(settings) == ("force_generic_plan", "on")
 
 
 def test_a_statement_the_server_cannot_prepare_runs_as_it_is(database):
     """A parameter whose type the server cannot tell without its value: on an autocommit connection
     the statement runs unprepared (and is not tried again on that connection)."""
     untyped = server_prepared(select((bindparam("a") + bindparam("a")).label("x")))  # unknown + unknown
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     with engine.connect() as connection:
         before = _prepared_names(connection)
@@ -150,7 +151,7 @@ def test_a_statement_built_once_is_compiled_once_and_found_by_identity(database,
     statement, built per call, still goes there; each is compiled once."""
     from storage import db
 
-    engine = get_lease_engine()
+    engine = get_autocommit_engine()
     assert engine is not None
     cache = engine.get_execution_options()["compiled_cache"]
     assert isinstance(cache, db.BuiltOnceCache)
