@@ -150,6 +150,7 @@ class SentEvents:
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._held: list[dict[str, Any]] = []  # the event the thread took, until it publishes it
 
     def publish(self, event_type: str, fields: dict[str, Any], producer: Any, **_: Any) -> None:
         """Queue the event ``event_type`` (``task-sent``) with ``fields`` (Celery's: the task's id, name,
@@ -173,6 +174,7 @@ class SentEvents:
             with self._lock:
                 if self._pid != pid:
                     self._queue = queue.SimpleQueue()  # a parent's events are its own to publish
+                    self._held = []
                     threading.Thread(target=self._publish_forever, name="tessera-sent-events", daemon=True).start()
                     if self._pid is None:
                         atexit.register(self.flush)
@@ -187,13 +189,15 @@ class SentEvents:
 
     def _publish_forever(self) -> None:
         while True:
-            first = self._queue.get()
+            self._held = [self._queue.get()]  # a flush at exit publishes it while this waits
             time.sleep(EVENT_FLUSH_SECONDS)  # the sends of this while go in the same message
-            self._publish([first])
+            held, self._held = self._held, []
+            self._publish(held)
 
     def flush(self) -> None:
-        """Publish what is queued now, on the calling thread."""
-        self._publish([])
+        """Publish what is queued now, and what the thread holds, on the calling thread."""
+        held, self._held = self._held, []
+        self._publish(held)
 
     def _publish(self, events: list[dict[str, Any]]) -> None:
         """Publish ``events`` and whatever else is queued as one ``task.multi`` message."""

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from config.settings import Settings
+from infra import celery as celery_module
 from infra.celery import SentEvents, create_app
 from tests.conftest import TEST_BROKER_URL
 
@@ -67,3 +68,31 @@ def test_each_sent_task_has_its_task_sent_event_published_after_it():
     assert [event["queue"] for event in received] == ["sent-0", "sent-1", "sent-2"]
     assert all(event["name"] == "tests.sent_events" for event in received)
     assert all(before <= event["timestamp"] <= after for event in received)  # the time of the send
+
+
+def test_a_flush_publishes_the_event_the_thread_holds_once(monkeypatch):
+    """What ``atexit`` runs: the event the thread took and holds for its batch goes out now, and the
+    thread does not publish it again (its batch made to last 2 s here, longer than the first wait)."""
+    monkeypatch.setattr(celery_module, "EVENT_FLUSH_SECONDS", 2.0)
+    prefix = f"test-sent-{uuid.uuid4().hex}:"
+    app = create_app(Settings(broker_url=TEST_BROKER_URL, redis_key_prefix=prefix, task_sent_events=True))
+    events = SentEvents(app)
+    client = redis.Redis.from_url(TEST_BROKER_URL)
+    subscription = client.pubsub(ignore_subscribe_messages=True)
+    subscription.psubscribe(f"{prefix}*celeryev*")
+    try:
+        assert subscription.get_message(timeout=1) is None
+        sent = app.send_task("tests.sent_events", kwargs={}, queue="sent-flush", event_dispatcher=events).id
+        deadline = time.monotonic() + 5
+        while not events._held and time.monotonic() < deadline:  # the thread took it and waits
+            time.sleep(0.001)
+        assert events._held
+        events.flush()
+        first = subscription.get_message(timeout=1)  # before the thread's batch is due: the flush's
+        later = subscription.get_message(timeout=2.5)  # past the thread's batch
+    finally:
+        subscription.close()
+        client.delete(f"{prefix}sent-flush")
+        client.close()
+    assert first is not None and [event["uuid"] for event in _events(first["data"])] == [sent]
+    assert later is None
