@@ -247,9 +247,29 @@ def _with_server_prepared(engine: Engine) -> Engine:
 
 @functools.cache
 def get_engine() -> Engine:
-    """The process's engine for the configured database."""
+    """The process's engine for the configured database (its sessions' pool)."""
     settings = get_settings()
-    return make_engine(settings.effective_database_url, pool_size=settings.db_pool_size)
+    return _renewing_the_other(make_engine(settings.effective_database_url, pool_size=settings.db_pool_size))
+
+
+def _renewing_the_other(engine: Engine) -> Engine:
+    """``engine``, made to renew the pool of the process's other engine (:func:`get_engine`,
+    :func:`get_autocommit_engine`) when one of its connections turns out closed by the server: both
+    reach one server, so that is a restart (or a lost network) for every connection of both. The
+    pool where it was seen replaces its own older connections (SQLAlchemy's invalidation); the other
+    is replaced whole (``dispose(close=False)``: connections in use finish, and are dropped when they
+    come back), so that its first statement after the restart does not meet a dead connection."""
+
+    def invalidated(_dbapi_connection: Any, _record: Any, exception: BaseException | None) -> None:
+        if exception is None:  # invalidated on purpose, not found dead
+            return
+        for cached in (get_engine, get_autocommit_engine):
+            other = cached() if cached.cache_info().currsize else None
+            if other is not None and other.pool is not engine.pool:
+                other.dispose(close=False)
+
+    event.listen(engine, "invalidate", invalidated)
+    return engine
 
 
 #: SQL that, sent before a statement in the statement's round trip (one implicit transaction), commits
@@ -273,12 +293,14 @@ def get_autocommit_engine() -> Engine | None:
     settings = get_settings()
     if not settings.effective_database_url.startswith("postgresql"):
         return None
-    return _with_server_prepared(
-        create_engine(
-            settings.effective_database_url,
-            **_pool_options(settings.db_pool_size),
-            isolation_level="AUTOCOMMIT",
-            connect_args=_connect_args(),
+    return _renewing_the_other(
+        _with_server_prepared(
+            create_engine(
+                settings.effective_database_url,
+                **_pool_options(settings.db_pool_size),
+                isolation_level="AUTOCOMMIT",
+                connect_args=_connect_args(),
+            )
         )
     )
 

@@ -348,3 +348,24 @@ def test_a_statement_whose_text_depends_on_its_values_runs_through_sqlalchemy(da
     assert driver.driver_statement(expanding, engine.dialect, prepared=True) is None
     assert [row.n for row in read_all(expanding, {"wanted": [2, 4]})] == [2, 4]
     assert [row.n for row in read_all(expanding, {"wanted": [1, 3, 5]})] == [1, 3, 5]
+
+
+@pytest.mark.parametrize("first", ["autocommit", "sessions"])
+def test_a_connection_found_closed_on_one_engine_renews_the_other(database, first):
+    """A database restart closes the connections of both engines: the first one found closed, on
+    either, renews the other's pool, so its next statement meets a fresh connection."""
+    autocommit = get_autocommit_engine()
+    assert autocommit is not None
+    sessions = get_engine()
+    for engine in (autocommit, sessions):
+        engine.dispose()
+        _terminate_pooled(engine)  # each pool now holds one connection the server closed
+    params = {"id": uuid.uuid4(), "at": dt.datetime.now(dt.UTC), "result": {}, "n": 4}
+    if first == "autocommit":
+        assert execute_once_more_on_disconnect(autocommit, _READ, params)["twice"] == 8  # found, run again
+        with session_scope() as session:
+            assert session.execute(text("SELECT 1")).scalar() == 1
+    else:
+        with pytest.raises(DBAPIError), session_scope() as session:
+            session.execute(text("SELECT 1"))  # found closed: this unit fails, as before
+        assert execute_durable(_READ, params).twice == 8  # never run twice: it met a renewed pool
