@@ -40,6 +40,7 @@ BENCHMARKS = (
     "documents",
     "fuzz",
     "key_rotation",
+    "lease_backlog",
     "network_tokens",
     "payment_methods",
     "proxy",
