@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import bindparam, event, func, select, text, update
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from config.settings import get_settings
 from domain.tenancy.tenants import create_tenant
@@ -106,6 +107,19 @@ def _generic_plans(engine: Engine, like: str) -> dict[str, str]:
             )
             for name, parameters in prepared
         }
+
+
+def _insert_jobs(session: Session, tenant_id: uuid.UUID, kind: str, status: str, count: int) -> None:
+    """``count`` jobs of ``kind`` in ``status`` for ``tenant_id``, due a minute ago, written by one
+    statement in ``session`` (rows the test needs in bulk, not jobs it runs)."""
+    session.execute(
+        text(
+            "INSERT INTO jobs (id, tenant_id, kind, status, attempts, max_attempts, due_at, created_at, updated_at)"
+            " SELECT gen_random_uuid(), :tenant_id, :kind, :status, 0, 5, now() - interval '1 minute', now(), now()"
+            " FROM generate_series(1, :count)"
+        ),
+        {"tenant_id": tenant_id, "kind": kind, "status": status, "count": count},
+    )
 
 
 def _recorded(*subjects: str, tenant_id: uuid.UUID | None = None) -> list[Job]:
@@ -281,14 +295,7 @@ def test_the_lease_probes_of_other_tenants_keep_the_partial_index_under_a_generi
     entries of 22,000 jobs, dead versions included, 1.7-4.6 ms a lease instead of 0.06 ms)."""
     tenant_id = _tenant_id()
     with session_scope() as session:
-        session.execute(
-            text(
-                "INSERT INTO jobs (id, tenant_id, kind, status, attempts, max_attempts, due_at, created_at, updated_at)"
-                " SELECT gen_random_uuid(), :tenant_id, :kind, 'succeeded', 1, 5, now(), now(), now()"
-                " FROM generate_series(1, 5000)"
-            ),
-            {"tenant_id": tenant_id, "kind": LeasedJob.name},
-        )
+        _insert_jobs(session, tenant_id, LeasedJob.name, "succeeded", 5000)
         job = jobs.record(
             session, kind=LeasedJob.name, tenant_id=tenant_id, subject_type="script", subject_id="g", trace_id=None
         )
@@ -314,14 +321,7 @@ def test_a_lease_finds_its_jobs_by_the_primary_key_under_a_generic_plan_behind_a
     with session_scope() as session:
         session.execute(text("ANALYZE jobs"))  # statistics of a quiet moment: a handful of jobs wait
     with session_scope() as session:  # then a backlog arrives, before the next ANALYZE
-        session.execute(
-            text(
-                "INSERT INTO jobs (id, tenant_id, kind, status, attempts, max_attempts, due_at, created_at, updated_at)"
-                " SELECT gen_random_uuid(), :tenant_id, 'tests.backlog', 'queued', 0, 5, now() - interval '1 minute',"
-                " now(), now() FROM generate_series(1, 3000)"
-            ),
-            {"tenant_id": tenant_id},
-        )
+        _insert_jobs(session, tenant_id, "tests.backlog", "queued", 3000)
     try:
         with _one_connection_on_generic_plans() as engine:
             assert jobs.lease(one.id, "tests:owner", lease_seconds=5) is not None
